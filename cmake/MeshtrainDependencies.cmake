@@ -1,0 +1,52 @@
+# Finds what meshtrain builds against and defines:
+#   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
+#   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json,
+#   MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
+
+find_package(Threads REQUIRED)
+find_package(MPI REQUIRED COMPONENTS CXX)
+
+# libtorch probes the GPU to pick CUDA architectures when it has CUDA; we compile
+# no device code, so name one architecture and skip the probe.
+if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
+  set(TORCH_CUDA_ARCH_LIST "9.0")
+endif()
+find_package(Torch REQUIRED)
+if(Torch_VERSION AND Torch_VERSION VERSION_LESS 2.4)
+  message(FATAL_ERROR "meshtrain needs libtorch >= 2.4; found ${Torch_VERSION} at ${Torch_DIR}")
+endif()
+
+find_package(CLI11 CONFIG REQUIRED)
+find_package(tomlplusplus CONFIG REQUIRED)
+find_package(nlohmann_json 3 CONFIG REQUIRED)
+
+# NCCL: only meaningful when libtorch itself was built with CUDA. Prefer the NCCL
+# that ships beside the torch wheel (the one libtorch_cuda loads), then the CUDA
+# toolkit's, then the system's.
+set(MESHTRAIN_HAVE_NCCL OFF)
+set(_meshtrain_torch_has_cuda OFF)
+if(TARGET torch_cuda OR TARGET c10_cuda OR "${TORCH_LIBRARIES}" MATCHES "c10_cuda")
+  set(_meshtrain_torch_has_cuda ON)
+endif()
+if(NOT MESHTRAIN_WITH_NCCL STREQUAL "OFF")
+  if(_meshtrain_torch_has_cuda)
+    get_filename_component(_meshtrain_site "${Torch_DIR}/../../../.." ABSOLUTE)
+    set(_meshtrain_nccl_hints ${MESHTRAIN_NCCL_ROOT} $ENV{NCCL_ROOT}
+        "${_meshtrain_site}/nvidia/nccl" ${CUDAToolkit_LIBRARY_ROOT} /usr/local/cuda)
+    find_path(MESHTRAIN_NCCL_INCLUDE_DIR nccl.h HINTS ${_meshtrain_nccl_hints}
+              PATH_SUFFIXES include)
+    find_library(MESHTRAIN_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${_meshtrain_nccl_hints}
+                 PATH_SUFFIXES lib lib64)
+    if(MESHTRAIN_NCCL_INCLUDE_DIR AND MESHTRAIN_NCCL_LIBRARY)
+      set(MESHTRAIN_HAVE_NCCL ON)
+      message(STATUS "meshtrain: NCCL backend ON (${MESHTRAIN_NCCL_LIBRARY})")
+    endif()
+  endif()
+  if(NOT MESHTRAIN_HAVE_NCCL)
+    if(MESHTRAIN_WITH_NCCL STREQUAL "ON")
+      message(FATAL_ERROR "MESHTRAIN_WITH_NCCL=ON but libtorch has no CUDA or nccl.h was not found "
+                          "(set MESHTRAIN_NCCL_ROOT to the NCCL install)")
+    endif()
+    message(STATUS "meshtrain: NCCL backend OFF (libtorch without CUDA or no NCCL found)")
+  endif()
+endif()

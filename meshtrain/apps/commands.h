@@ -1,0 +1,30 @@
+// The meshtrain executable's subcommands.
+#pragma once
+
+#include "meshtrain/comm/runtime.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace meshtrain::apps {
+
+struct CommBenchOptions {
+  int64_t min_bytes = int64_t{4} << 10;
+  int64_t max_bytes = int64_t{256} << 20;
+  int trials = 5;              // per side; the table reports medians
+  double trial_seconds = 0.1;  // target duration of one trial
+  std::vector<std::string> ops{"all_reduce", "reduce_scatter", "all_gather", "all_to_all"};
+  std::string json_path;       // also write the rows as JSON lines when set
+};
+
+// Prints, per op and size, time, algorithm and bus bandwidth for meshtrain's
+// communicator and for the raw MPI call on the same buffers, and their ratio.
+int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options);
+
+// Checks every collective on every dtype against values computed by hand, on
+// the world and on mesh communicators, prints a table on rank 0 and then a
+// short bandwidth table. Returns non-zero if any check failed on any rank.
+int run_selfcheck(comm::Runtime& runtime, int64_t bench_max_bytes);
+
+}  // namespace meshtrain::apps

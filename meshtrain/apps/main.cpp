@@ -1,0 +1,98 @@
+// meshtrain: train transformer models split across many processes.
+#include "meshtrain/apps/commands.h"
+
+#include <CLI/CLI.hpp>
+
+#include <ATen/Parallel.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <optional>
+#include <thread>
+
+namespace {
+
+// One rank per core: libtorch's intra-op pool would otherwise oversubscribe the
+// cores when several ranks share a node. OMP_NUM_THREADS, when set, wins.
+void set_threads_per_rank(const meshtrain::comm::Runtime& runtime) {
+  if (std::getenv("OMP_NUM_THREADS")) return;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(std::max(1, cores / std::max(1, runtime.local_size())));
+}
+
+int64_t parse_bytes(const std::string& text) {
+  size_t used = 0;
+  const double value = std::stod(text, &used);
+  std::string unit = text.substr(used);
+  for (auto& ch : unit) ch = static_cast<char>(std::toupper(ch));
+  double scale = 1;
+  if (unit == "K" || unit == "KB" || unit == "KIB") scale = 1 << 10;
+  else if (unit == "M" || unit == "MB" || unit == "MIB") scale = 1 << 20;
+  else if (unit == "G" || unit == "GB" || unit == "GIB") scale = 1 << 30;
+  else if (!unit.empty() && unit != "B") throw CLI::ValidationError("size", "unknown unit in '" + text + "' (use B, K, M or G)");
+  return static_cast<int64_t>(value * scale);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "meshtrain: train transformer models that do not fit on one device by splitting them across\n"
+      "processes (data, fully sharded, tensor, pipeline and expert parallel on one device mesh).\n"
+      "Launch several ranks with mpirun (e.g. mpirun -np 2 meshtrain selfcheck) or run one rank plainly.\n"
+      "Environment: MESHTRAIN_COMM_TIMEOUT=seconds (watchdog, default 300), MESHTRAIN_DESYNC_CHECK=1\n"
+      "(compare every collective's op, dtype and shape across ranks before running it)."};
+  app.require_subcommand(1);
+
+  std::string selfcheck_bench_max = "16M";
+  CLI::App* selfcheck = app.add_subcommand(
+      "selfcheck", "Check every collective and dtype on all ranks against hand-computed values, then print a "
+                   "bandwidth table");
+  selfcheck->add_option("--bench-max-size", selfcheck_bench_max,
+                        "Largest message of the bandwidth table (e.g. 16M; 0 skips the table)")
+      ->capture_default_str();
+
+  meshtrain::apps::CommBenchOptions bench_options;
+  std::string min_size = "4K", max_size = "256M";
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print ratios against a peer measured in the same run");
+  bench->require_subcommand(1);
+  CLI::App* bench_comm = bench->add_subcommand(
+      "comm", "Bus bandwidth of all_reduce, reduce_scatter, all_gather and all_to_all, and the ratio to raw MPI on "
+              "the same buffers");
+  bench_comm->add_option("--min-size", min_size, "Smallest message, bytes with optional K/M/G")->capture_default_str();
+  bench_comm->add_option("--max-size", max_size, "Largest message (sizes grow by 4x)")->capture_default_str();
+  bench_comm->add_option("--trials", bench_options.trials, "Timed trials per side; medians are reported")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  bench_comm->add_option("--trial-seconds", bench_options.trial_seconds, "Target length of one trial")
+      ->check(CLI::Range(0.001, 60.0))
+      ->capture_default_str();
+  bench_comm->add_option("--ops", bench_options.ops, "Ops to measure")
+      ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}))
+      ->capture_default_str();
+  bench_comm->add_option("--json", bench_options.json_path, "Also write each row as a JSON line to this file");
+
+  CLI11_PARSE(app, argc, argv);
+
+  std::optional<meshtrain::comm::Runtime> runtime;
+  try {
+    runtime.emplace(&argc, &argv);
+    set_threads_per_rank(*runtime);
+    if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
+    if (bench_comm->parsed()) {
+      bench_options.min_bytes = parse_bytes(min_size);
+      bench_options.max_bytes = parse_bytes(max_size);
+      if (bench_options.min_bytes < 4 || bench_options.min_bytes > bench_options.max_bytes) {
+        throw std::invalid_argument("--min-size must be at least 4 bytes and at most --max-size");
+      }
+      return meshtrain::apps::run_comm_bench(*runtime, bench_options);
+    }
+  } catch (const std::exception& e) {
+    if (runtime && runtime->size() > 1) runtime->abort(1, std::string("error: ") + e.what());
+    const int rank = runtime ? runtime->rank() : 0;
+    std::fprintf(stderr, "meshtrain: rank %d: error: %s\n", rank, e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,110 @@
+#include "meshtrain/comm/runtime.h"
+
+#include "meshtrain/comm/backend/mpi/mpi_communicator.h"
+#include "meshtrain/comm/backend/mpi/mpi_types.h"
+#include "meshtrain/comm/watchdog.h"
+
+#include <torch/cuda.h>
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+namespace meshtrain::comm {
+
+namespace {
+
+std::atomic<bool> runtime_alive{false};
+
+// Ends the job after the watchdog printed its line; if MPI_Abort itself hangs,
+// a timer ends this process anyway.
+void abort_job(int code) {
+  std::thread([code] {
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+    std::_Exit(code);
+  }).detach();
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long parsed = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || parsed < 0) {
+    throw CommError(std::string(name) + "='" + v + "' is not a non-negative integer");
+  }
+  return static_cast<int>(parsed);
+}
+
+}  // namespace
+
+Runtime::Runtime(int* argc, char*** argv, CommOptions options) {
+  if (runtime_alive.exchange(true)) throw CommError("a meshtrain Runtime already exists in this process");
+  try {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = MPI_THREAD_SINGLE;
+    if (initialized) {
+      MPI_Query_thread(&provided);
+    } else {
+      mpi::check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread", "");
+      owns_mpi_ = true;
+    }
+    if (provided < MPI_THREAD_MULTIPLE) {
+      throw CommError("MPI provides thread level " + std::to_string(provided) +
+                      " but meshtrain needs MPI_THREAD_MULTIPLE (use an MPI built with thread support, "
+                      "e.g. Debian's Open MPI)");
+    }
+    Watchdog::instance().set_abort_handler([](const std::string&) { abort_job(kWatchdogExitCode); });
+
+    MPI_Comm world = MPI_COMM_NULL;
+    mpi::check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup", "");
+    world_ = MpiCommunicator::adopt(world, "world", options);
+
+    MPI_Comm node = MPI_COMM_NULL;
+    mpi::check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_->rank(), MPI_INFO_NULL, &node),
+               "MPI_Comm_split_type", "");
+    int node_rank = 0;
+    MPI_Comm_rank(node, &node_rank);
+    MPI_Comm_size(node, &local_size_);
+    MPI_Comm_free(&node);
+    local_rank_ = env_int("LOCAL_RANK", node_rank);
+  } catch (...) {
+    runtime_alive = false;
+    throw;
+  }
+}
+
+Runtime::~Runtime() {
+  world_.reset();
+  shutdown_all_mpi_communicators();
+  if (owns_mpi_) {
+    mpi::free_custom_ops();
+    MPI_Finalize();
+  }
+  Watchdog::instance().set_abort_handler({});
+  runtime_alive = false;
+}
+
+at::Device Runtime::default_device() const {
+  const size_t devices = torch::cuda::device_count();
+  if (devices == 0) return at::Device(at::kCPU);
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank_ % static_cast<int>(devices)));
+}
+
+void Runtime::abort(int code, const std::string& message) const {
+  std::fprintf(stderr, "meshtrain: rank %d: %s\n", rank(), message.c_str());
+  std::fflush(stderr);
+  abort_job(code);
+  std::_Exit(code);
+}
+
+}  // namespace meshtrain::comm

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Installs everything meshtrain needs on Debian 12, idempotently:
+#   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json,
+#     GoogleTest, Google Benchmark, Python venv support),
+#   - the pinned torch wheel (which carries libtorch) into .venv/ of this project.
+# Runs as root or through sudo. When everything is present it changes nothing.
+set -euo pipefail
+
+root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv_dir=${MESHTRAIN_VENV:-"$root_dir/.venv"}
+torch_version=${MESHTRAIN_TORCH_VERSION:-2.11.0}
+
+debian_packages=(
+  g++ cmake ninja-build make pkg-config git
+  libopenmpi-dev openmpi-bin
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  python3 python3-venv python3-pip
+)
+
+log() { printf 'setup: %s\n' "$*"; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then
+    "$@"
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo "$@"
+  else
+    log "need root to run: $* (run this script as root or install sudo)" >&2
+    exit 1
+  fi
+}
+
+missing_packages() {
+  local pkg
+  for pkg in "${debian_packages[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
+      printf '%s\n' "$pkg"
+    fi
+  done
+}
+
+install_debian_packages() {
+  local missing
+  missing=$(missing_packages)
+  if [ -z "$missing" ]; then
+    log "Debian packages: all present"
+    return
+  fi
+  # shellcheck disable=SC2086
+  log "Debian packages: installing" $missing
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  # shellcheck disable=SC2086
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+}
+
+venv_torch_version() {
+  "$venv_dir/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true
+}
+
+install_torch() {
+  if [ -x "$venv_dir/bin/python" ] && [ "$(venv_torch_version)" = "$torch_version" ]; then
+    log "torch $torch_version: present in $venv_dir"
+    return
+  fi
+  if [ ! -x "$venv_dir/bin/python" ]; then
+    log "creating virtual environment $venv_dir"
+    /usr/bin/python3 -m venv "$venv_dir"
+  fi
+  log "installing torch==$torch_version into $venv_dir (a few GB the first time)"
+  "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "torch==$torch_version" numpy
+}
+
+install_debian_packages
+install_torch
+log "done; libtorch CMake prefix: $("$venv_dir/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
