@@ -246,8 +246,13 @@ Work Communicator::recv(const at::Tensor& tensor, int src, int tag) {
 Work Communicator::barrier() { return issue(make_op(OpKind::kBarrier)); }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
+  return split(color, key, name, options_);
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name,
+                                                  CommOptions child_options) {
   if (name.empty()) fail("split: the new communicator needs a name");
-  return do_split(prepare(make_op(OpKind::kSplit)), color, key, name);
+  return do_split(prepare(make_op(OpKind::kSplit)), color, key, name, child_options);
 }
 
 }  // namespace meshtrain::comm

@@ -106,6 +106,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // form a new communicator, ordered by (key, rank). A negative color takes no
   // part and gets nullptr. The child inherits options() and the backend.
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name);
+  // The same, with the child's own options (e.g. a shorter timeout or the desync check).
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, CommOptions child_options);
 
   CommStats stats() const;
 
@@ -115,7 +117,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Runs a validated op asynchronously, in issue order.
   virtual Work submit(Op op) = 0;
   // Implements split(); `op` is the numbered kSplit op to run in issue order.
-  virtual std::shared_ptr<Communicator> do_split(Op op, int color, int key, const std::string& name) = 0;
+  virtual std::shared_ptr<Communicator> do_split(Op op, int color, int key, const std::string& name,
+                                                 CommOptions child_options) = 0;
 
   // "rank R: communicator 'name': " + message
   std::string error_prefix() const;

@@ -101,7 +101,11 @@ at::Device Runtime::default_device() const {
 }
 
 void Runtime::abort(int code, const std::string& message) const {
-  std::fprintf(stderr, "meshtrain: rank %d: %s\n", rank(), message.c_str());
+  // Errors from communicators already name the rank; say it once.
+  std::string text = message;
+  const std::string own = "rank " + std::to_string(rank()) + ": ";
+  for (size_t at = text.find(own); at != std::string::npos && at < 16; at = text.find(own)) text.erase(at, own.size());
+  std::fprintf(stderr, "meshtrain: rank %d: %s\n", rank(), text.c_str());
   std::fflush(stderr);
   abort_job(code);
   std::_Exit(code);

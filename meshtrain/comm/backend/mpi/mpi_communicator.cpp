@@ -371,7 +371,8 @@ bool MpiCommunicator::poll_p2p() {
   return completed > 0;
 }
 
-std::shared_ptr<Communicator> MpiCommunicator::do_split(Op op, int color, int key, const std::string& name) {
+std::shared_ptr<Communicator> MpiCommunicator::do_split(Op op, int color, int key, const std::string& name,
+                                                        CommOptions child_options) {
   MPI_Comm child = MPI_COMM_NULL;
   auto work = std::make_shared<HostWork>(std::vector<at::Tensor>{});
   const std::string prefix = error_prefix() + "split into '" + name + "': ";
@@ -381,7 +382,7 @@ std::shared_ptr<Communicator> MpiCommunicator::do_split(Op op, int color, int ke
             }};
   enqueue(std::move(task)).wait();
   if (color < 0 || child == MPI_COMM_NULL) return nullptr;
-  return adopt(child, name, options());
+  return adopt(child, name, child_options);
 }
 
 }  // namespace meshtrain::comm

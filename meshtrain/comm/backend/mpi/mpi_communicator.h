@@ -42,7 +42,8 @@ class MpiCommunicator final : public Communicator {
 
  protected:
   Work submit(Op op) override;
-  std::shared_ptr<Communicator> do_split(Op op, int color, int key, const std::string& name) override;
+  std::shared_ptr<Communicator> do_split(Op op, int color, int key, const std::string& name,
+                                         CommOptions child_options) override;
 
  private:
   MpiCommunicator(MPI_Comm comm, int rank, int size, const std::string& name, CommOptions options);

@@ -107,8 +107,9 @@ class NcclCommunicator final : public Communicator {
     return Work(std::make_shared<CudaWork>(done, device_));
   }
 
-  std::shared_ptr<Communicator> do_split(Op op, int color, int key, const std::string& name) override {
-    std::shared_ptr<Communicator> child = bootstrap_->split(color, key, name);
+  std::shared_ptr<Communicator> do_split(Op op, int color, int key, const std::string& name,
+                                         CommOptions child_options) override {
+    std::shared_ptr<Communicator> child = bootstrap_->split(color, key, name, child_options);
     if (!child) return nullptr;
     return std::make_shared<NcclCommunicator>(std::move(child), device_, name);
   }
