@@ -27,4 +27,11 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options);
 // short bandwidth table. Returns non-zero if any check failed on any rank.
 int run_selfcheck(comm::Runtime& runtime, int64_t bench_max_bytes);
 
+// Replaces this process with `mpirun -np ranks <this executable> args...`,
+// with OMP_NUM_THREADS = cores / ranks unless already set. Returns only by throwing.
+[[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args);
+
+// The mpirun command line run_launcher uses (exposed for tests).
+std::vector<std::string> launch_command(int ranks, const std::vector<std::string>& args, bool open_mpi, bool root);
+
 }  // namespace meshtrain::apps

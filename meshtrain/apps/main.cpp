@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "meshtrain: train transformer models that do not fit on one device by splitting them across\n"
       "processes (data, fully sharded, tensor, pipeline and expert parallel on one device mesh).\n"
-      "Launch several ranks with mpirun (e.g. mpirun -np 2 meshtrain selfcheck) or run one rank plainly.\n"
+      "Launch ranks with `meshtrain run -n 2 selfcheck`, plain mpirun/srun, or run one rank without a launcher.\n"
       "Environment: MESHTRAIN_COMM_TIMEOUT=seconds (watchdog, default 300), MESHTRAIN_DESYNC_CHECK=1\n"
       "(compare every collective's op, dtype and shape across ranks before running it)."};
   app.require_subcommand(1);
@@ -73,7 +73,26 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_comm->add_option("--json", bench_options.json_path, "Also write each row as a JSON line to this file");
 
+  int launch_ranks = 0;
+  std::vector<std::string> launch_args;
+  CLI::App* run = app.add_subcommand(
+      "run", "Launch N local ranks of meshtrain through mpirun, e.g. `meshtrain run -n 2 selfcheck` (handles root, "
+             "more ranks than cores, and OMP_NUM_THREADS = cores / N). Plain mpirun/srun work too.");
+  run->add_option("-n,--ranks", launch_ranks, "Number of ranks")->required()->check(CLI::PositiveNumber);
+  run->prefix_command();  // everything after the options is the command every rank runs
+  run->footer("Example: meshtrain run -n 4 bench comm --max-size 64M");
+
   CLI11_PARSE(app, argc, argv);
+
+  if (run->parsed()) {
+    try {
+      launch_args = run->remaining();
+      meshtrain::apps::run_launcher(launch_ranks, launch_args);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+      return 1;
+    }
+  }
 
   std::optional<meshtrain::comm::Runtime> runtime;
   try {
