@@ -12,8 +12,8 @@ namespace meshtrain::apps {
 struct CommBenchOptions {
   int64_t min_bytes = int64_t{4} << 10;
   int64_t max_bytes = int64_t{256} << 20;
-  int trials = 5;              // per side; the table reports medians
-  double trial_seconds = 0.1;  // target duration of one trial
+  int trials = 9;              // per side, alternating; the table reports medians
+  double trial_seconds = 0.2;  // target duration of one trial
   std::vector<std::string> ops{"all_reduce", "reduce_scatter", "all_gather", "all_to_all"};
   std::string json_path;       // also write the rows as JSON lines when set
 };

@@ -133,7 +133,30 @@ Op Communicator::prepare(Op op) {
   return op;
 }
 
-Work Communicator::issue(Op op) { return submit(prepare(std::move(op))); }
+// Note [One-rank communicators]
+// With no peers, every collective is a local copy (or nothing), so it completes
+// on the caller's thread instead of paying two thread hand-offs: single-process
+// runs and the size-1 groups of a mesh then cost what the tensor copy costs.
+// send/recv to oneself still go through the backend, which matches them.
+void Communicator::run_locally(const Op& op) {
+  switch (op.kind) {
+    case OpKind::kReduceScatter:
+    case OpKind::kAllGather:
+    case OpKind::kAllToAll:
+      if (!op.output.is_same(op.input)) op.output.view(op.input.sizes()).copy_(op.input);
+      return;
+    default:  // all_reduce (avg of one is itself), broadcast, barrier
+      return;
+  }
+}
+
+Work Communicator::issue(Op op) {
+  if (size_ == 1 && is_collective(op.kind)) {
+    run_locally(prepare(std::move(op)));
+    return Work();
+  }
+  return submit(prepare(std::move(op)));
+}
 
 Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp reduce) {
   Op op = make_op(OpKind::kAllReduce, tensor, tensor, reduce);

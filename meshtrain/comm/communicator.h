@@ -127,6 +127,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   Op prepare(Op op);  // numbers the op and counts it in stats
   Work issue(Op op);
+  static void run_locally(const Op& op);  // see Note [One-rank communicators]
   void check_tensor(const at::Tensor& t, const char* what, bool reduce, const Op& op) const;
   void check_counts(const std::vector<int64_t>& counts, int64_t rows, const char* what, const Op& op) const;
   void check_peer(int peer, const char* what, const Op& op) const;

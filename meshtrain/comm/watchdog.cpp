@@ -10,6 +10,7 @@ namespace meshtrain::comm {
 namespace {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
+constexpr auto kIdleWake = std::chrono::seconds(1);
 
 void default_abort(const std::string&) { std::_Exit(kWatchdogExitCode); }
 
@@ -40,9 +41,10 @@ uint64_t Watchdog::start(WatchedOp op, std::chrono::milliseconds timeout, std::f
     std::lock_guard<std::mutex> lock(mutex_);
     token = next_token_++;
     // The watchdog thread only needs waking when this op's deadline (or its
-    // polling) comes before the thread's planned wake-up; with uniform timeouts
-    // that is only the first op, so the common path costs no context switch.
-    wake = entries_.empty() || deadline < planned_wake_ || static_cast<bool>(poll);
+    // polling) comes before the thread's planned wake-up; it never sleeps longer
+    // than kIdleWake, so with the usual timeouts of seconds to minutes issuing an
+    // op costs no context switch.
+    wake = deadline < planned_wake_ || static_cast<bool>(poll);
     entries_.emplace(token, Entry{std::move(op), now, deadline, timeout, std::move(poll)});
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
   }
@@ -95,7 +97,7 @@ void Watchdog::run() {
     const auto now = Clock::now();
     std::vector<uint64_t> done;
     const Entry* expired = nullptr;
-    Clock::time_point next_wake = now + std::chrono::seconds(60);
+    Clock::time_point next_wake = now + kIdleWake;
     bool polling = false;
     for (auto& [token, entry] : entries_) {
       if (entry.poll && entry.poll()) {
@@ -122,13 +124,9 @@ void Watchdog::run() {
       continue;
     }
     if (polling && now + kPollInterval < next_wake) next_wake = now + kPollInterval;
-    if (entries_.empty()) {
-      planned_wake_ = Clock::time_point::max();
-      wake_.wait(lock, [&] { return stopping_ || !entries_.empty(); });
-    } else {
-      planned_wake_ = next_wake;
-      wake_.wait_until(lock, next_wake);
-    }
+    if (now + kIdleWake < next_wake) next_wake = now + kIdleWake;
+    planned_wake_ = next_wake;
+    wake_.wait_until(lock, next_wake);
   }
 }
 
