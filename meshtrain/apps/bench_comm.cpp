@@ -87,9 +87,13 @@ double median(std::vector<double> v) {
 
 std::string human_bytes(int64_t bytes) {
   char text[32];
-  if (bytes >= (int64_t{1} << 20)) std::snprintf(text, sizeof text, "%lld MiB", (long long)(bytes >> 20));
-  else if (bytes >= 1024) std::snprintf(text, sizeof text, "%lld KiB", (long long)(bytes >> 10));
-  else std::snprintf(text, sizeof text, "%lld B", (long long)bytes);
+  auto print = [&](double value, const char* unit) {
+    const bool whole = value == static_cast<double>(static_cast<int64_t>(value));
+    std::snprintf(text, sizeof text, whole ? "%.0f %s" : "%.2f %s", value, unit);
+  };
+  if (bytes >= (int64_t{1} << 20)) print(bytes / double(1 << 20), "MiB");
+  else if (bytes >= 1024) print(bytes / 1024.0, "KiB");
+  else print(double(bytes), "B");
   return text;
 }
 
@@ -114,7 +118,7 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options) {
                 n, world->backend_name(), at::get_num_threads(), options.trials);
     std::printf("busbw = algbw * 2(n-1)/n for all_reduce, * (n-1)/n for the others; ratio = raw MPI time / "
                 "meshtrain time (>= 1: no overhead)\n\n");
-    std::printf("%-15s %10s %14s %12s %12s %12s %14s %7s\n", "op", "size", "meshtrain_us", "algbw_GB/s",
+    std::printf("%-15s %11s %14s %12s %12s %12s %14s %7s\n", "op", "size", "meshtrain_us", "algbw_GB/s",
                 "busbw_GB/s", "raw_mpi_us", "raw_busbw_GB/s", "ratio");
   }
   std::vector<double> large_ratios;
@@ -138,9 +142,9 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options) {
       const double busbw = algbw * bus_factor(op, n);
       const double raw_busbw = buffers.bytes / raw_median / 1e9 * bus_factor(op, n);
       const double ratio = raw_median / ours_median;
-      if (buffers.bytes >= (int64_t{4} << 20)) large_ratios.push_back(ratio);
+      if (bytes >= (int64_t{4} << 20)) large_ratios.push_back(ratio);  // requested size: n may round it down
       if (leader) {
-        std::printf("%-15s %10s %14.1f %12.3f %12.3f %12.1f %14.3f %7.3f\n", op.c_str(),
+        std::printf("%-15s %11s %14.1f %12.3f %12.3f %12.1f %14.3f %7.3f\n", op.c_str(),
                     human_bytes(buffers.bytes).c_str(), ours_median * 1e6, algbw, busbw, raw_median * 1e6, raw_busbw,
                     ratio);
         std::fflush(stdout);

@@ -114,6 +114,28 @@ void Communicator::check_counts(const std::vector<int64_t>& counts, int64_t rows
   }
 }
 
+std::vector<int64_t> Communicator::shard_counts(std::vector<int64_t> counts, const at::Tensor& full,
+                                                const at::Tensor& shard, const char* full_name,
+                                                const char* shard_name, const Op& op) const {
+  if (full.scalar_type() != shard.scalar_type()) fail(op.describe() + ": input and output dtypes differ");
+  if (full.dim() == 0) fail(op.describe() + ": " + full_name + " must have at least one dimension");
+  if (counts.empty()) {
+    if (full.size(0) % size_ != 0) {
+      fail(op.describe() + ": " + full_name + " has " + std::to_string(full.size(0)) + " rows, not divisible by " +
+           std::to_string(size_) + " ranks; pass per-rank counts (e.g. even_counts(rows, size)) for an uneven split");
+    }
+    counts.assign(size_, full.size(0) / size_);
+  } else {
+    check_counts(counts, full.size(0), "counts", op);
+  }
+  const int64_t row_numel = full.size(0) == 0 ? 0 : full.numel() / full.size(0);
+  if (shard.numel() != counts[rank_] * row_numel) {
+    fail(op.describe() + ": " + shard_name + " has " + std::to_string(shard.numel()) + " elements but this rank's " +
+         std::to_string(counts[rank_]) + " rows of " + full_name + " hold " + std::to_string(counts[rank_] * row_numel));
+  }
+  return counts;
+}
+
 void Communicator::check_peer(int peer, const char* what, const Op& op) const {
   if (peer < 0 || peer >= size_) {
     fail(op.describe() + ": " + what + " " + std::to_string(peer) + " is outside [0, " +
@@ -169,23 +191,7 @@ Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   Op op = make_op(OpKind::kReduceScatter, input, output, reduce);
   check_tensor(input, "input", true, op);
   check_tensor(output, "output", true, op);
-  if (input.scalar_type() != output.scalar_type()) fail(op.describe() + ": input and output dtypes differ");
-  if (input.dim() == 0) fail(op.describe() + ": input must have at least one dimension");
-  if (counts.empty()) {
-    if (input.size(0) % size_ != 0) {
-      fail(op.describe() + ": input has " + std::to_string(input.size(0)) + " rows, not divisible by " +
-           std::to_string(size_) + " ranks; pass per-rank counts (e.g. even_counts(rows, size)) for an uneven split");
-    }
-    counts.assign(size_, input.size(0) / size_);
-  } else {
-    check_counts(counts, input.size(0), "counts", op);
-  }
-  const int64_t row_numel = input.size(0) == 0 ? 0 : input.numel() / input.size(0);
-  if (output.numel() != counts[rank_] * row_numel) {
-    fail(op.describe() + ": output has " + std::to_string(output.numel()) + " elements but this rank's " +
-         std::to_string(counts[rank_]) + " rows hold " + std::to_string(counts[rank_] * row_numel));
-  }
-  op.input_splits = std::move(counts);
+  op.input_splits = shard_counts(std::move(counts), input, output, "input", "output", op);
   return issue(std::move(op));
 }
 
@@ -193,23 +199,7 @@ Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input,
   Op op = make_op(OpKind::kAllGather, input, output);
   check_tensor(input, "input", false, op);
   check_tensor(output, "output", false, op);
-  if (input.scalar_type() != output.scalar_type()) fail(op.describe() + ": input and output dtypes differ");
-  if (output.dim() == 0) fail(op.describe() + ": output must have at least one dimension");
-  if (counts.empty()) {
-    if (output.size(0) % size_ != 0) {
-      fail(op.describe() + ": output has " + std::to_string(output.size(0)) + " rows, not divisible by " +
-           std::to_string(size_) + " ranks; pass per-rank counts for an uneven gather");
-    }
-    counts.assign(size_, output.size(0) / size_);
-  } else {
-    check_counts(counts, output.size(0), "counts", op);
-  }
-  const int64_t row_numel = output.size(0) == 0 ? 0 : output.numel() / output.size(0);
-  if (input.numel() != counts[rank_] * row_numel) {
-    fail(op.describe() + ": input has " + std::to_string(input.numel()) + " elements but this rank's " +
-         std::to_string(counts[rank_]) + " rows of output hold " + std::to_string(counts[rank_] * row_numel));
-  }
-  op.output_splits = std::move(counts);
+  op.output_splits = shard_counts(std::move(counts), output, input, "output", "input", op);
   return issue(std::move(op));
 }
 

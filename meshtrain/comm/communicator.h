@@ -131,6 +131,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void check_tensor(const at::Tensor& t, const char* what, bool reduce, const Op& op) const;
   void check_counts(const std::vector<int64_t>& counts, int64_t rows, const char* what, const Op& op) const;
   void check_peer(int peer, const char* what, const Op& op) const;
+  // For reduce_scatter / all_gather: even counts when `counts` is empty, else
+  // checked ones, over the rows of `full`; checks `shard` holds this rank's rows.
+  std::vector<int64_t> shard_counts(std::vector<int64_t> counts, const at::Tensor& full, const at::Tensor& shard,
+                                    const char* full_name, const char* shard_name, const Op& op) const;
 
   const int rank_;
   const int size_;
