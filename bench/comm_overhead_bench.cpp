@@ -8,6 +8,7 @@
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/mesh/mesh_layout.h"
 
+#include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 
 #include <mpi.h>

@@ -3,6 +3,8 @@
 
 #include "meshtrain/comm/backend/mpi/mpi_communicator.h"
 
+#include <ATen/Parallel.h>
+
 #include <mpi.h>
 
 #include <algorithm>
