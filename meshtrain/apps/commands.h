@@ -27,6 +27,22 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options);
 // short bandwidth table. Returns non-zero if any check failed on any rank.
 int run_selfcheck(comm::Runtime& runtime, int64_t bench_max_bytes);
 
+// meshtrain train CONFIG [--section.key=value ...]: validates, then trains on all ranks.
+int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides);
+
+// meshtrain prepare TEXT... --out DIR: text -> train.bin / val.bin (no MPI needed).
+int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction);
+
+struct GenerateOptions {
+  std::string checkpoint;  // a checkpoint folder, or a directory holding a 'latest' pointer
+  std::string prompt = "The ";
+  int64_t tokens = 300;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1;
+};
+int run_generate(const GenerateOptions& options);
+
 // Replaces this process with `mpirun -np ranks <this executable> args...`,
 // with OMP_NUM_THREADS = cores / ranks unless already set. Returns only by throwing.
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args);

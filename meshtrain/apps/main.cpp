@@ -1,5 +1,6 @@
 // meshtrain: train transformer models split across many processes.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/train/config.h"
 
 #include <CLI/CLI.hpp>
 
@@ -73,6 +74,40 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_comm->add_option("--json", bench_options.json_path, "Also write each row as a JSON line to this file");
 
+  std::string train_config;
+  CLI::App* train = app.add_subcommand(
+      "train", "Train a GPT: meshtrain train [CONFIG.toml] [--section.key=value ...]. Without a config the "
+               "built-in defaults train `small` on /usr/share/common-licenses.");
+  train->add_option("config", train_config, "TOML config file (sections as listed below)")->check(CLI::ExistingFile);
+  train->allow_extras();
+  train->footer("Overrides: --section.key=value, e.g. --training.steps=20 --model.preset=tiny\n"
+                "Keys and defaults:" + meshtrain::train::TrainConfig::describe_keys());
+
+  std::vector<std::string> prepare_inputs;
+  std::string prepare_out = "data";
+  double prepare_val_fraction = 0.1;
+  CLI::App* prepare = app.add_subcommand("prepare", "Turn text files or directories into token files (train.bin, val.bin)");
+  prepare->add_option("inputs", prepare_inputs, "Text files or directories")->required();
+  prepare->add_option("--out", prepare_out, "Output directory")->capture_default_str();
+  prepare->add_option("--val-fraction", prepare_val_fraction, "Share of tokens held out for validation")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+
+  meshtrain::apps::GenerateOptions generate_options;
+  CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint");
+  generate->add_option("--checkpoint", generate_options.checkpoint,
+                       "Checkpoint folder, or a checkpoint directory (its latest is used)")
+      ->required();
+  generate->add_option("--prompt", generate_options.prompt, "Text to continue")->capture_default_str();
+  generate->add_option("--tokens", generate_options.tokens, "Tokens to generate")->check(CLI::PositiveNumber)->capture_default_str();
+  generate->add_option("--temperature", generate_options.temperature, "Softmax temperature (> 0)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  generate->add_option("--top-k", generate_options.top_k, "Sample among the k likeliest tokens (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  generate->add_option("--seed", generate_options.seed, "Sampling seed")->capture_default_str();
+
   int launch_ranks = 0;
   std::vector<std::string> launch_args;
   CLI::App* run = app.add_subcommand(
@@ -94,10 +129,33 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (prepare->parsed() || generate->parsed()) {  // one process, no MPI
+    try {
+      if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
+      return meshtrain::apps::run_generate(generate_options);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+      return 1;
+    }
+  }
+
+  std::vector<std::string> overrides;
+  if (train->parsed()) {
+    for (const std::string& extra : train->remaining()) {
+      if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
+        std::fprintf(stderr, "meshtrain: error: unexpected argument '%s'; overrides look like --training.steps=20\n",
+                     extra.c_str());
+        return 2;
+      }
+      overrides.push_back(extra.substr(2));
+    }
+  }
+
   std::optional<meshtrain::comm::Runtime> runtime;
   try {
     runtime.emplace(&argc, &argv);
     set_threads_per_rank(*runtime);
+    if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
     if (bench_comm->parsed()) {
       bench_options.min_bytes = parse_bytes(min_size);

@@ -1,0 +1,19 @@
+// Sampling text from a trained model.
+#pragma once
+
+#include "meshtrain/model/gpt.h"
+
+namespace meshtrain::model {
+
+struct SampleOptions {
+  int64_t tokens = 200;
+  double temperature = 0.8;  // > 0
+  int64_t top_k = 40;        // 0: the whole vocabulary
+  uint64_t seed = 1;
+};
+
+// Extends `prompt` (int64 token ids, 1-D) by options.tokens sampled tokens and
+// returns only the new ones. Deterministic for a seed.
+at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options);
+
+}  // namespace meshtrain::model

@@ -1,0 +1,167 @@
+#include "meshtrain/parallel/data_parallel.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <mutex>
+
+namespace meshtrain::parallel {
+
+struct DataParallel::State {
+  struct Bucket {
+    at::Tensor flat;
+    std::vector<at::Tensor> params;
+    int64_t ready = 0;
+    bool issued = false;
+    comm::Work work;
+  };
+
+  std::shared_ptr<comm::Communicator> comm;
+  std::vector<Bucket> buckets;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks alive
+  std::mutex mutex;  // autograd may run hooks on another thread (GPU); State below is protected by it
+  bool sync = true;
+  size_t next_to_issue = 0;
+  double exposed_wait_seconds = 0;
+
+  void issue_ready_buckets_locked() {
+    while (next_to_issue < buckets.size() &&
+           buckets[next_to_issue].ready == static_cast<int64_t>(buckets[next_to_issue].params.size())) {
+      issue_locked(next_to_issue++);
+    }
+  }
+
+  void issue_locked(size_t index) {
+    Bucket& bucket = buckets[index];
+    bucket.work = comm->all_reduce(bucket.flat, comm::ReduceOp::kAvg);
+    bucket.issued = true;
+  }
+
+  void mark_ready(size_t index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!sync) return;
+    ++buckets[index].ready;
+    issue_ready_buckets_locked();
+  }
+};
+
+namespace {
+
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradientReadyHook(std::weak_ptr<DataParallel::State> state, size_t bucket)
+      : state_(std::move(state)), bucket_(bucket) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto state = state_.lock()) state->mark_ready(bucket_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<DataParallel::State> state_;
+  size_t bucket_;
+};
+
+}  // namespace
+
+DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Communicator> comm,
+                           DataParallelOptions options)
+    : comm_(std::move(comm)), state_(std::make_shared<State>()) {
+  if (options.bucket_bytes < 1) throw std::invalid_argument("data parallel: bucket size must be positive");
+  state_->comm = comm_;
+  torch::NoGradGuard no_grad;
+
+  // Same starting point everywhere: rank 0's parameters and buffers.
+  std::vector<comm::Work> broadcasts;
+  for (const at::Tensor& p : module.parameters()) broadcasts.push_back(comm_->broadcast(p.data(), 0));
+  for (const at::Tensor& b : module.buffers()) broadcasts.push_back(comm_->broadcast(b, 0));
+  comm::wait_all(broadcasts);
+
+  // Buckets in reverse registration order, one dtype and device each.
+  std::vector<at::Tensor> params;
+  for (const at::Tensor& p : module.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  std::reverse(params.begin(), params.end());
+  std::vector<std::vector<at::Tensor>> groups;
+  int64_t group_bytes = 0;
+  for (const at::Tensor& p : params) {
+    const int64_t bytes = p.numel() * p.element_size();
+    const bool fits = !groups.empty() && group_bytes + bytes <= options.bucket_bytes &&
+                      groups.back().front().scalar_type() == p.scalar_type() &&
+                      groups.back().front().device() == p.device();
+    if (!fits) {
+      groups.emplace_back();
+      group_bytes = 0;
+    }
+    groups.back().push_back(p);
+    group_bytes += bytes;
+  }
+  for (size_t b = 0; b < groups.size(); ++b) {
+    State::Bucket bucket;
+    int64_t numel = 0;
+    for (const at::Tensor& p : groups[b]) numel += p.numel();
+    bucket.flat = at::zeros({numel}, groups[b].front().options());
+    int64_t offset = 0;
+    for (const at::Tensor& p : groups[b]) {
+      if (p.grad().defined()) bucket.flat.narrow(0, offset, p.numel()).copy_(p.grad().view({-1}));
+      p.mutable_grad() = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      accumulator->add_post_hook(std::make_unique<GradientReadyHook>(state_, b));
+      state_->accumulators.push_back(std::move(accumulator));
+    }
+    bucket.params = groups[b];
+    state_->buckets.push_back(std::move(bucket));
+  }
+}
+
+DataParallel::~DataParallel() {
+  // Hooks hold the state weakly and go quiet once it is gone; in-flight
+  // all-reduces write into buckets the state owns, so wait for them first.
+  try {
+    for (auto& bucket : state_->buckets) bucket.work.wait();
+  } catch (...) {
+  }
+}
+
+void DataParallel::set_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->sync = sync;
+}
+
+void DataParallel::finish() {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<comm::Work> works;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    // Buckets whose parameters got no gradient this step are reduced as they are.
+    while (state_->next_to_issue < state_->buckets.size()) state_->issue_locked(state_->next_to_issue++);
+    for (auto& bucket : state_->buckets) works.push_back(bucket.work);
+  }
+  comm::wait_all(works);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (auto& bucket : state_->buckets) {
+    bucket.ready = 0;
+    bucket.issued = false;
+    bucket.work = comm::Work();
+  }
+  state_->next_to_issue = 0;
+  state_->exposed_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void DataParallel::zero_grad() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (auto& bucket : state_->buckets) bucket.flat.zero_();
+}
+
+int64_t DataParallel::bucket_count() const { return static_cast<int64_t>(state_->buckets.size()); }
+
+double DataParallel::exposed_wait_seconds() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->exposed_wait_seconds;
+}
+
+}  // namespace meshtrain::parallel

@@ -1,0 +1,63 @@
+// DataParallel: every rank holds the whole model; gradients are averaged over
+// the data-parallel communicator by bucketed all-reduces that overlap backward.
+#pragma once
+
+#include "meshtrain/comm/communicator.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+namespace meshtrain::parallel {
+
+struct DataParallelOptions {
+  int64_t bucket_bytes = int64_t{25} << 20;  // gradients per all-reduce
+};
+
+// Note [Data parallel]
+// - At construction every parameter and buffer is broadcast from rank 0.
+// - Gradients live in flat buckets (parameters in reverse registration order,
+//   roughly the order backward produces them); each parameter's .grad is a view
+//   into its bucket, so autograd accumulates in place and no copies are made.
+// - A post-hook on each parameter's AccumulateGrad node (kept alive here: the
+//   tensor holds it only weakly) counts the bucket's ready gradients; when a
+//   bucket is complete its all-reduce (average) is issued at once, while
+//   backward goes on. Buckets are issued strictly in index order so every rank
+//   issues the same sequence of collectives.
+// - set_sync(false) before a backward accumulates locally (gradient
+//   accumulation micro-steps): no communication at all.
+// - A parameter that gets no gradient in a step is reduced as zero (its view
+//   still holds zeros, or what earlier micro-steps accumulated): finish()
+//   issues any bucket that did not complete during backward.
+// - Use zero_grad() here, not the optimizer's (which would drop the views).
+class DataParallel {
+ public:
+  DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Communicator> comm,
+               DataParallelOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // Whether the next backward ends the step (reduce) or only accumulates.
+  void set_sync(bool sync);
+  // After the step's last backward: issues buckets still pending, waits for all.
+  // Every .grad is then the average over ranks.
+  void finish();
+  void zero_grad();
+
+  const comm::Communicator& comm() const { return *comm_; }
+  int64_t bucket_count() const;
+  // Seconds finish() spent waiting for all-reduces after backward returned
+  // (communication not hidden behind backward), summed since construction.
+  double exposed_wait_seconds() const;
+
+  struct State;  // shared with the autograd hooks
+
+ private:
+  std::shared_ptr<comm::Communicator> comm_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace meshtrain::parallel

@@ -1,0 +1,214 @@
+#include "meshtrain/train/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace meshtrain::train {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr int kFormat = 1;
+
+std::string step_name(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+  return name;
+}
+
+std::string fnv1a64(const std::string& path, int64_t& bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError("checkpoint file " + path + " is missing or unreadable");
+  uint64_t hash = 1469598103934665603ULL;
+  bytes = 0;
+  std::vector<char> buffer(1 << 20);
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const std::streamsize n = in.gcount();
+    for (std::streamsize i = 0; i < n; ++i) {
+      hash ^= static_cast<unsigned char>(buffer[i]);
+      hash *= 1099511628211ULL;
+    }
+    bytes += n;
+  }
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(hash));
+  return text;
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    fsync(fd);
+    close(fd);
+  }
+}
+
+void maybe_fail_after(const std::string& file) {
+  const char* target = std::getenv("MESHTRAIN_TEST_CHECKPOINT_FAIL_AFTER");
+  if (target && file == target) throw CheckpointError("injected failure after writing " + file + " (test hook)");
+}
+
+void write_text_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    if (!out) throw CheckpointError("cannot write " + tmp.string());
+  }
+  fsync_path(tmp.string());
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+CheckpointStore::CheckpointStore(std::string dir, int64_t keep) : dir_(std::move(dir)), keep_(std::max<int64_t>(1, keep)) {}
+
+void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
+                           torch::optim::Optimizer& optimizer) const {
+  fs::create_directories(dir_);
+  const std::string name = step_name(meta.step);
+  const fs::path staging = fs::path(dir_) / (".incomplete-" + name);
+  const fs::path final_dir = fs::path(dir_) / name;
+  fs::remove_all(staging);
+  fs::create_directories(staging);
+
+  {
+    torch::serialize::OutputArchive archive;
+    for (const auto& item : model.named_parameters()) archive.write(item.key(), item.value().detach());
+    for (const auto& item : model.named_buffers()) archive.write("buffer." + item.key(), item.value());
+    archive.write("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    archive.save_to((staging / "model.pt").string());
+  }
+  maybe_fail_after("model.pt");
+  torch::save(optimizer, (staging / "optimizer.pt").string());
+  maybe_fail_after("optimizer.pt");
+
+  json manifest = {{"format", kFormat},
+                   {"step", meta.step},
+                   {"cursor", meta.cursor},
+                   {"model", meta.model},
+                   {"model_config", meta.model_config.empty() ? json::object() : json::parse(meta.model_config)}};
+  for (const char* file : {"model.pt", "optimizer.pt"}) {
+    int64_t bytes = 0;
+    const std::string hash = fnv1a64((staging / file).string(), bytes);
+    manifest["files"][file] = {{"bytes", bytes}, {"fnv1a64", hash}};
+    fsync_path((staging / file).string());
+  }
+  write_text_atomically(staging / "MANIFEST.json", manifest.dump(2) + "\n");
+  fsync_path(staging.string());
+
+  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // re-saving the same step
+  fs::rename(staging, final_dir);
+  fsync_path(dir_);
+  write_text_atomically(fs::path(dir_) / "latest", name + "\n");
+  fsync_path(dir_);
+
+  // Prune: keep the newest `keep` complete checkpoints; drop stale staging folders.
+  std::vector<std::string> complete;
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    const std::string entry_name = entry.path().filename().string();
+    if (entry_name.rfind("step-", 0) == 0 && entry.is_directory()) complete.push_back(entry_name);
+    if (entry_name.rfind(".incomplete-", 0) == 0) fs::remove_all(entry.path());
+  }
+  std::sort(complete.begin(), complete.end());
+  for (size_t i = 0; i + keep_ < complete.size(); ++i) {
+    if (complete[i] != name) fs::remove_all(fs::path(dir_) / complete[i]);
+  }
+}
+
+std::string CheckpointStore::latest() const {
+  const fs::path pointer = fs::path(dir_) / "latest";
+  if (!fs::exists(pointer)) return "";
+  std::ifstream in(pointer);
+  std::string name;
+  std::getline(in, name);
+  if (name.empty() || name.find('/') != std::string::npos) {
+    throw CheckpointError("checkpoint pointer " + pointer.string() + " is empty or malformed; remove it or restore it");
+  }
+  const fs::path folder = fs::path(dir_) / name;
+  if (!fs::is_directory(folder)) {
+    throw CheckpointError("checkpoint pointer " + pointer.string() + " names " + name + ", which does not exist");
+  }
+  return folder.string();
+}
+
+CheckpointMeta CheckpointStore::read_meta(const std::string& folder) {
+  const fs::path manifest_path = fs::path(folder) / "MANIFEST.json";
+  if (!fs::exists(manifest_path)) {
+    throw CheckpointError("checkpoint " + folder + " is incomplete: " + manifest_path.string() + " is missing");
+  }
+  json manifest;
+  try {
+    std::ifstream in(manifest_path);
+    manifest = json::parse(in);
+  } catch (const std::exception& e) {
+    throw CheckpointError("checkpoint file " + manifest_path.string() + " is corrupt: " + e.what());
+  }
+  if (manifest.value("format", 0) != kFormat) {
+    throw CheckpointError("checkpoint " + folder + " has format " + std::to_string(manifest.value("format", 0)) +
+                          "; this meshtrain reads format " + std::to_string(kFormat));
+  }
+  for (const auto& [file, expected] : manifest.at("files").items()) {
+    const std::string path = (fs::path(folder) / file).string();
+    int64_t bytes = 0;
+    const std::string hash = fnv1a64(path, bytes);
+    if (bytes != expected.at("bytes").get<int64_t>()) {
+      throw CheckpointError("checkpoint file " + path + " is truncated or corrupt: " + std::to_string(bytes) +
+                            " bytes, the manifest says " + std::to_string(expected.at("bytes").get<int64_t>()));
+    }
+    if (hash != expected.at("fnv1a64").get<std::string>()) {
+      throw CheckpointError("checkpoint file " + path + " is corrupt: its checksum does not match the manifest");
+    }
+  }
+  CheckpointMeta meta;
+  meta.step = manifest.at("step").get<int64_t>();
+  meta.cursor = manifest.at("cursor").get<int64_t>();
+  meta.model = manifest.at("model").get<std::string>();
+  meta.model_config = manifest.value("model_config", json::object()).dump();
+  return meta;
+}
+
+CheckpointMeta CheckpointStore::load(const std::string& folder, torch::nn::Module& model,
+                                     torch::optim::Optimizer* optimizer, const std::string& expected_model) const {
+  const CheckpointMeta meta = read_meta(folder);
+  if (!expected_model.empty() && meta.model != expected_model) {
+    throw CheckpointError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
+                          expected_model + "); use another checkpoint.dir or set checkpoint.resume = false");
+  }
+  torch::NoGradGuard no_grad;
+  torch::serialize::InputArchive archive;
+  archive.load_from((fs::path(folder) / "model.pt").string());
+  for (auto& item : model.named_parameters()) {
+    at::Tensor value;
+    if (!archive.try_read(item.key(), value)) {
+      throw CheckpointError("checkpoint " + folder + "/model.pt has no parameter " + item.key());
+    }
+    item.value().copy_(value);
+  }
+  for (auto& item : model.named_buffers()) {
+    at::Tensor value;
+    if (archive.try_read("buffer." + item.key(), value)) item.value().copy_(value);
+  }
+  at::Tensor rng;
+  if (archive.try_read("rng.cpu", rng)) {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default state
+    generator.set_state(rng);
+  }
+  if (optimizer) torch::load(*optimizer, (fs::path(folder) / "optimizer.pt").string());
+  return meta;
+}
+
+}  // namespace meshtrain::train

@@ -1,0 +1,74 @@
+// TrainConfig: everything a training run is told, from a TOML file
+// (torchtitan style sections) plus --section.key=value overrides, checked
+// before any work starts.
+#pragma once
+
+#include "meshtrain/model/gpt_config.h"
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace meshtrain::train {
+
+// A config error: names the key, the value and what is allowed.
+class ConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct TrainConfig {
+  // [model]
+  std::string preset = "small";
+  model::GptConfig model = model::GptConfig::preset("small");  // preset + overrides
+  // [data]
+  std::vector<std::string> text{"/usr/share/common-licenses"};  // prepared into out/data when no token files
+  std::string train_file;  // token files (meshtrain prepare); override `text` when set
+  std::string val_file;
+  double val_fraction = 0.1;
+  // [training]
+  int64_t steps = 100;
+  int64_t batch = 16;        // global batch, sequences per optimizer step
+  int64_t micro_batch = 8;   // sequences per forward/backward on one rank
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int64_t warmup = 10;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;    // global-norm clipping; 0 disables
+  uint64_t seed = 1337;
+  std::string dtype = "float32";  // "float32" | "bfloat16" (autocast)
+  int64_t eval_every = 25;   // 0: only at the end
+  int64_t eval_batches = 4;  // micro-batches of validation data per rank
+  int64_t log_every = 1;
+  int64_t sample_tokens = 300;  // generated at the end of training (0: none)
+  // [parallel]
+  int64_t dp = 0;            // data-parallel ranks; 0: all ranks
+  int64_t bucket_mb = 25;
+  // [checkpoint]
+  std::string checkpoint_dir;  // default: out/checkpoints
+  int64_t checkpoint_every = 0;  // 0: only at the end
+  int64_t checkpoint_keep = 2;
+  bool resume = true;          // continue from the latest checkpoint when there is one
+  // [run]
+  std::string out = "runs/default";  // metrics.jsonl, prepared data, checkpoints
+
+  // Derived, after validate(world_size).
+  int64_t grad_accum = 1;
+
+  // Loads `path` (empty: defaults only), then applies overrides ("section.key=value").
+  static TrainConfig load(const std::string& path, const std::vector<std::string>& overrides);
+  // Checks the values against each other and the world size; fills derived fields.
+  void validate(int world_size);
+  std::string checkpoint_path() const;
+  // One line per key: "[section] key = default   help".
+  static std::string describe_keys();
+};
+
+// The model shape as JSON (stored in checkpoints) and back.
+std::string model_config_to_json(const model::GptConfig& config);
+model::GptConfig model_config_from_json(const std::string& text);
+
+}  // namespace meshtrain::train

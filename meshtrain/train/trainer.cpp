@@ -1,0 +1,295 @@
+#include "meshtrain/train/trainer.h"
+
+#include "meshtrain/comm/watchdog.h"
+#include "meshtrain/model/generate.h"
+
+#include <ATen/autocast_mode.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+namespace meshtrain::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+// Runs `work` on rank 0 only; if it throws, every rank throws the same message
+// (so a bad input on rank 0 never leaves the others waiting).
+void on_rank0_or_all_fail(comm::Communicator& comm, const std::function<void()>& work) {
+  std::string error;
+  if (comm.rank() == 0) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  at::Tensor length = at::full({1}, static_cast<int64_t>(error.size()), at::kLong);
+  comm.broadcast(length, 0).wait();
+  if (length.item<int64_t>() == 0) return;
+  at::Tensor text = at::empty({length.item<int64_t>()}, at::kByte);
+  if (comm.rank() == 0) std::memcpy(text.data_ptr(), error.data(), error.size());
+  comm.broadcast(text, 0).wait();
+  throw DataError(std::string(static_cast<const char*>(text.data_ptr()), text.numel()));
+}
+
+// fp32 GEMM rate of one rank with its threads: 2·n³ / t for n = 1024, best of 3.
+double measure_matmul_peak() {
+  const int64_t n = 1024;
+  at::Tensor a = at::randn({n, n}), b = at::randn({n, n}), c = at::empty({n, n});
+  at::mm_out(c, a, b);
+  double best = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    const auto start = Clock::now();
+    at::mm_out(c, a, b);
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  return 2.0 * n * n * n / best;
+}
+
+double peak_rss_mib() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+std::string human_duration(double seconds) {
+  char text[32];
+  const auto s = static_cast<long long>(seconds + 0.5);
+  if (s >= 3600) std::snprintf(text, sizeof text, "%lldh%02lldm", s / 3600, s % 3600 / 60);
+  else if (s >= 60) std::snprintf(text, sizeof text, "%lldm%02llds", s / 60, s % 60);
+  else std::snprintf(text, sizeof text, "%llds", s);
+  return text;
+}
+
+// Autocast of matmuls to bfloat16 on the CPU for the lifetime of the object.
+class Autocast {
+ public:
+  explicit Autocast(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+  }
+  ~Autocast() {
+    if (!enabled_) return;
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+
+ private:
+  bool enabled_;
+};
+
+}  // namespace
+
+double learning_rate(const TrainConfig& config, int64_t step) {
+  if (config.warmup > 0 && step < config.warmup) return config.lr * (step + 1) / config.warmup;
+  const int64_t decay_steps = std::max<int64_t>(1, config.steps - config.warmup);
+  const double progress = std::min(1.0, double(step - config.warmup) / decay_steps);
+  return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
+    : config_(std::move(config)), dp_(std::move(dp)), checkpoints_(config_.checkpoint_path(), config_.checkpoint_keep) {
+  // Data: token files as given, or the configured text prepared once by rank 0.
+  if (config_.train_file.empty()) {
+    const std::string data_dir = config_.out + "/data";
+    on_rank0_or_all_fail(*dp_, [&] {
+      const PrepareResult prepared = prepare(config_.text, data_dir, config_.val_fraction);
+      std::printf("meshtrain: prepared %zu text file(s) into %s: %lld training and %lld validation tokens\n",
+                  prepared.sources.size(), data_dir.c_str(), static_cast<long long>(prepared.train_tokens),
+                  static_cast<long long>(prepared.val_tokens));
+    });
+    config_.train_file = data_dir + "/train.bin";
+    config_.val_file = data_dir + "/val.bin";
+  }
+  train_file_ = std::make_unique<TokenFile>(config_.train_file);
+  val_file_ = std::make_unique<TokenFile>(config_.val_file);
+  for (const TokenFile* file : {train_file_.get(), val_file_.get()}) {
+    if (file->vocab_size() > config_.model.vocab_size) {
+      throw DataError("data file " + file->path() + ": its vocabulary of " + std::to_string(file->vocab_size()) +
+                      " tokens is larger than model.vocab_size = " + std::to_string(config_.model.vocab_size));
+    }
+  }
+  train_sampler_ = std::make_unique<Sampler>(*train_file_, config_.model.context, config_.seed, /*shuffle=*/true);
+  val_sampler_ = std::make_unique<Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
+
+  model_ = model::Gpt(config_.model, config_.seed);
+  data_parallel_ = std::make_unique<parallel::DataParallel>(
+      *model_, dp_, parallel::DataParallelOptions{config_.bucket_mb << 20});
+
+  // Weight decay on matrices and embeddings, not on biases and norm weights.
+  std::vector<at::Tensor> decayed, undecayed;
+  for (const at::Tensor& p : model_->parameters()) (p.dim() >= 2 ? decayed : undecayed).push_back(p);
+  auto options = [&](double decay) {
+    auto o = std::make_unique<torch::optim::AdamWOptions>(config_.lr);
+    o->betas({config_.beta1, config_.beta2}).weight_decay(decay).eps(1e-8);
+    return o;
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decayed, options(config_.weight_decay));
+  groups.emplace_back(undecayed, options(0.0));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), *options(config_.weight_decay));
+
+  if (config_.resume) {
+    const std::string latest = checkpoints_.latest();
+    if (!latest.empty()) {
+      const CheckpointMeta meta = checkpoints_.load(latest, *model_, optimizer_.get(), model_fingerprint());
+      step_ = meta.step;
+      cursor_ = meta.cursor;
+      resumed_ = true;
+    }
+  }
+
+  at::Tensor peak = at::full({1}, measure_matmul_peak(), at::kDouble);
+  dp_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
+  peak_flops_ = peak.item<double>();
+}
+
+std::string Trainer::model_fingerprint() const {
+  const auto& m = config_.model;
+  return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
+         std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
+         " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
+         (m.bias ? "/bias" : "/nobias");
+}
+
+StepResult Trainer::step() {
+  const auto start = Clock::now();
+  comm::WatchdogContext context("step " + std::to_string(step_ + 1));
+  StepResult result;
+  result.lr = learning_rate(config_, step_);
+  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
+
+  data_parallel_->zero_grad();
+  double loss_sum = 0;
+  const int64_t micro = config_.micro_batch, ranks = dp_->size();
+  for (int64_t a = 0; a < config_.grad_accum; ++a) {
+    data_parallel_->set_sync(a == config_.grad_accum - 1);
+    auto [inputs, targets] = train_sampler_->rows(cursor_ + (a * ranks + dp_->rank()) * micro, micro);
+    at::Tensor loss;
+    {
+      Autocast autocast(config_.dtype == "bfloat16");
+      loss = model_->loss(inputs, targets) / static_cast<double>(config_.grad_accum);
+    }
+    loss.backward();
+    loss_sum += loss.item<double>();
+  }
+  data_parallel_->finish();
+  cursor_ += config_.batch;
+
+  const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
+  result.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+  optimizer_->step();
+
+  at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
+  dp_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
+  result.loss = loss.item<double>();
+  result.step = ++step_;
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+double Trainer::evaluate() {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  double total = 0;
+  const int64_t micro = config_.micro_batch, ranks = dp_->size();
+  for (int64_t i = 0; i < config_.eval_batches; ++i) {
+    auto [inputs, targets] = val_sampler_->rows((i * ranks + dp_->rank()) * micro, micro);
+    Autocast autocast(config_.dtype == "bfloat16");
+    total += model_->loss(inputs, targets).item<double>();
+  }
+  model_->train();
+  at::Tensor loss = at::full({1}, total / config_.eval_batches, at::kDouble);
+  dp_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
+  return loss.item<double>();
+}
+
+void Trainer::save_checkpoint() {
+  on_rank0_or_all_fail(*dp_, [&] { checkpoints_.save({step_, cursor_, model_fingerprint(), model_config_to_json(config_.model)}, *model_, *optimizer_); });
+}
+
+void Trainer::log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second) {
+  at::Tensor rss = at::full({dp_->size()}, 0.0, at::kDouble);
+  at::Tensor mine = at::full({1}, peak_rss_mib(), at::kDouble);
+  dp_->all_gather(rss, mine).wait();
+  if (dp_->rank() != 0) return;
+  const double mfu = config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * dp_->size());
+  nlohmann::json line = {{"step", result.step},
+                         {"loss", result.loss},
+                         {"lr", result.lr},
+                         {"grad_norm", result.grad_norm},
+                         {"tokens_per_s", tokens_per_second},
+                         {"mfu", mfu},
+                         {"step_seconds", result.seconds},
+                         {"peak_rss_mib", std::vector<double>(rss.data_ptr<double>(), rss.data_ptr<double>() + rss.numel())}};
+  if (val_loss) line["val_loss"] = *val_loss;
+  metrics_ << line.dump() << "\n";
+  metrics_.flush();
+}
+
+void Trainer::run() {
+  const bool leader = dp_->rank() == 0;
+  if (leader) {
+    fs::create_directories(config_.out);
+    metrics_.open(config_.out + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
+    const int64_t tokens_per_step = config_.batch * config_.model.context;
+    std::printf("meshtrain: training %s (%s, %.2fM parameters) on %d rank(s), data parallel\n", config_.preset.c_str(),
+                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, dp_->size());
+    std::printf("meshtrain: %lld steps x %lld sequences x %lld tokens = %lld tokens per step (micro-batch %lld, "
+                "accumulation %lld); data %s (%lld tokens)\n",
+                (long long)config_.steps, (long long)config_.batch, (long long)config_.model.context,
+                (long long)tokens_per_step, (long long)config_.micro_batch, (long long)config_.grad_accum,
+                config_.train_file.c_str(), (long long)train_file_->size());
+    std::printf("meshtrain: metrics to %s/metrics.jsonl, checkpoints to %s\n", config_.out.c_str(),
+                checkpoints_.dir().c_str());
+    if (resumed_) std::printf("meshtrain: resumed from %s at step %lld\n", checkpoints_.latest().c_str(), (long long)step_);
+    std::fflush(stdout);
+  }
+  const auto run_start = Clock::now();
+  const int64_t first_step = step_;
+  while (step_ < config_.steps) {
+    const StepResult result = step();
+    const double tokens_per_second = config_.batch * config_.model.context / result.seconds;
+    std::optional<double> val_loss;
+    const bool last = step_ == config_.steps;
+    if (last || (config_.eval_every > 0 && step_ % config_.eval_every == 0)) val_loss = evaluate();
+    if (last || step_ % config_.log_every == 0) {
+      log_metrics(result, val_loss, tokens_per_second);
+      if (leader) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+        const double eta = elapsed / (step_ - first_step) * (config_.steps - step_);
+        const double mfu = config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * dp_->size());
+        char val[32] = "";
+        if (val_loss) std::snprintf(val, sizeof val, " | val %.4f", *val_loss);
+        std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | ETA %s\n",
+                    (long long)step_, (long long)config_.steps, result.loss, val, result.lr, result.grad_norm,
+                    tokens_per_second, 100 * mfu, human_duration(eta).c_str());
+        std::fflush(stdout);
+      }
+    }
+    if (!last && config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();
+  }
+  save_checkpoint();
+  if (leader && config_.sample_tokens > 0) {
+    const std::string prompt = "The ";
+    model::SampleOptions options;
+    options.tokens = config_.sample_tokens;
+    options.seed = config_.seed;
+    const at::Tensor prompt_tokens = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong);
+    const std::string text = ByteTokenizer::decode(model::generate(model_, prompt_tokens, options));
+    std::printf("\nmeshtrain: sample after %lld steps (temperature %.1f, top-k %lld):\n%s%s\n", (long long)step_,
+                options.temperature, (long long)options.top_k, prompt.c_str(), text.c_str());
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace meshtrain::train

@@ -1,0 +1,70 @@
+// Trainer: the training loop of one run — data, model, data parallel, AdamW
+// with warmup and cosine decay, accumulation, clipping, validation, metrics,
+// checkpoints.
+#pragma once
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/data_parallel.h"
+#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/train/data.h"
+
+#include <fstream>
+#include <memory>
+#include <optional>
+
+namespace meshtrain::train {
+
+// Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
+double learning_rate(const TrainConfig& config, int64_t step);
+
+struct StepResult {
+  int64_t step = 0;        // steps completed after this one
+  double loss = 0;         // mean training loss over the global batch
+  double grad_norm = 0;    // global norm before clipping
+  double lr = 0;
+  double seconds = 0;
+};
+
+class Trainer {
+ public:
+  // `config` must be validated for dp->size() ranks. Collective over `dp`:
+  // prepares data (rank 0), builds the model from the seed, broadcasts it,
+  // and resumes from the latest checkpoint when config.resume and one exists.
+  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp);
+
+  StepResult step();
+  double evaluate();                     // validation loss, averaged over ranks
+  void save_checkpoint();                // collective; rank 0 writes
+  // Runs to config.steps with progress lines, metrics, validation and checkpoints;
+  // prints a generated sample at the end. Output only on rank 0.
+  void run();
+
+  int64_t completed_steps() const { return step_; }
+  bool resumed() const { return resumed_; }
+  model::Gpt& model() { return model_; }
+  const TrainConfig& config() const { return config_; }
+  std::string model_fingerprint() const;
+  // Tokens/s at which one rank's measured fp32 matmul peak would be reached.
+  double peak_flops_per_rank() const { return peak_flops_; }
+
+ private:
+  void log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second);
+
+  TrainConfig config_;
+  std::shared_ptr<comm::Communicator> dp_;
+  std::unique_ptr<TokenFile> train_file_, val_file_;
+  std::unique_ptr<Sampler> train_sampler_, val_sampler_;
+  model::Gpt model_{nullptr};
+  std::unique_ptr<parallel::DataParallel> data_parallel_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  CheckpointStore checkpoints_;
+  int64_t step_ = 0;
+  int64_t cursor_ = 0;
+  bool resumed_ = false;
+  double peak_flops_ = 0;
+  std::ofstream metrics_;
+};
+
+}  // namespace meshtrain::train

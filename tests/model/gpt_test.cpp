@@ -1,0 +1,82 @@
+// The model alone: shapes, exact parameter counts, deterministic init, causality.
+#include "meshtrain/model/gpt.h"
+
+#include <gtest/gtest.h>
+
+namespace meshtrain::model {
+namespace {
+
+int64_t counted(Gpt& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  return n;
+}
+
+TEST(GptConfig, ParameterCountMatchesTheModulesForEveryStyle) {
+  for (const std::string name : {"tiny", "small", "llama-tiny"}) {
+    GptConfig config = GptConfig::preset(name);
+    Gpt model(config, 1);
+    EXPECT_EQ(counted(model), config.parameter_count()) << name;
+  }
+  GptConfig odd = GptConfig::preset("tiny");
+  odd.tie_embeddings = false;
+  odd.bias = false;
+  odd.mlp = "swiglu";
+  Gpt model(odd, 1);
+  EXPECT_EQ(counted(model), odd.parameter_count());
+}
+
+TEST(GptConfig, KnownSizesAndFlops) {
+  // GPT-2 small: 124,439,808 parameters with tied embeddings (the published count).
+  EXPECT_EQ(GptConfig::preset("gpt2-124m").parameter_count(), 124439808);
+  EXPECT_EQ(GptConfig::preset("gpt2-350m").parameter_count(), 354823168);
+  EXPECT_EQ(GptConfig::preset("gpt2-1.5b").parameter_count(), 1557611200);
+  const GptConfig small = GptConfig::preset("small");
+  const double d = 384, matmul = 6 * (4 * d * d + 8 * d * d) + 256 * d;
+  EXPECT_DOUBLE_EQ(small.flops_per_token(), 6 * matmul + 12.0 * 6 * 256 * d);
+}
+
+TEST(GptConfig, RejectsImpossibleShapesWithTheField) {
+  GptConfig c = GptConfig::preset("tiny");
+  c.width = 250;
+  try {
+    c.validate();
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "model.width = 250 is not allowed: must be a positive multiple of model.heads (4)");
+  }
+  EXPECT_THROW(GptConfig::preset("huge"), std::invalid_argument);
+}
+
+TEST(Gpt, SameSeedSameModelDifferentSeedDifferent) {
+  Gpt a(GptConfig::preset("tiny"), 7), b(GptConfig::preset("tiny"), 7), c(GptConfig::preset("tiny"), 8);
+  auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
+  bool any_different = false;
+  for (const auto& item : pa) {
+    EXPECT_TRUE(at::equal(item.value(), pb[item.key()])) << item.key();
+    any_different = any_different || !at::equal(item.value(), pc[item.key()]);
+  }
+  EXPECT_TRUE(any_different);
+  EXPECT_NEAR(pa["blocks.0.attn.qkv.weight"].std().item<double>(), 0.02, 0.002);
+  EXPECT_NEAR(pa["blocks.0.mlp.proj.weight"].std().item<double>(), 0.02 / std::sqrt(8.0), 0.001);
+}
+
+TEST(Gpt, LogitsAreCausalAndLossStartsNearUniform) {
+  for (const std::string name : {"tiny", "llama-tiny"}) {
+    Gpt model(GptConfig::preset(name), 3);
+    model->eval();
+    at::Tensor tokens = at::randint(256, {2, 16}, at::kLong);
+    at::Tensor logits = model->forward(tokens);
+    ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 256}));
+    at::Tensor changed = tokens.clone();
+    changed.index_put_({at::indexing::Slice(), 10}, (tokens.select(1, 10) + 1) % 256);
+    at::Tensor after = model->forward(changed);
+    EXPECT_TRUE(at::allclose(logits.narrow(1, 0, 10), after.narrow(1, 0, 10), 1e-5, 1e-6)) << name;
+    EXPECT_FALSE(at::allclose(logits.narrow(1, 10, 6), after.narrow(1, 10, 6))) << name;
+    const double loss = model->loss(tokens, at::randint(256, {2, 16}, at::kLong)).item<double>();
+    EXPECT_NEAR(loss, std::log(256.0), 0.3) << name;
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::model
