@@ -6,9 +6,9 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/util/files.h"
 
 #include <cstdio>
-#include <filesystem>
 
 namespace meshtrain::apps {
 
@@ -30,7 +30,7 @@ int run_prepare(const std::vector<std::string>& inputs, const std::string& out_d
 
 int run_generate(const GenerateOptions& options) {
   std::string folder = options.checkpoint;
-  if (!std::filesystem::exists(std::filesystem::path(folder) / "MANIFEST.json")) {
+  if (!util::path_exists(util::join_path(folder, "MANIFEST.json"))) {
     folder = train::CheckpointStore(options.checkpoint, 1).latest();
     if (folder.empty()) {
       throw train::CheckpointError("no checkpoint in " + options.checkpoint +

@@ -1,21 +1,18 @@
 #include "meshtrain/train/checkpoint.h"
 
+#include "meshtrain/util/files.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
-
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 namespace meshtrain::train {
 
-namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
@@ -48,28 +45,20 @@ std::string fnv1a64(const std::string& path, int64_t& bytes) {
   return text;
 }
 
-void fsync_path(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    fsync(fd);
-    close(fd);
-  }
-}
-
 void maybe_fail_after(const std::string& file) {
   const char* target = std::getenv("MESHTRAIN_TEST_CHECKPOINT_FAIL_AFTER");
   if (target && file == target) throw CheckpointError("injected failure after writing " + file + " (test hook)");
 }
 
-void write_text_atomically(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
+void write_text_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << text;
-    if (!out) throw CheckpointError("cannot write " + tmp.string());
+    if (!out) throw CheckpointError("cannot write " + tmp);
   }
-  fsync_path(tmp.string());
-  fs::rename(tmp, path);
+  util::fsync_path(tmp);
+  util::rename_path(tmp, path);
 }
 
 }  // namespace
@@ -78,22 +67,23 @@ CheckpointStore::CheckpointStore(std::string dir, int64_t keep) : dir_(std::move
 
 void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
                            torch::optim::Optimizer& optimizer) const {
-  fs::create_directories(dir_);
+  util::make_directories(dir_);
   const std::string name = step_name(meta.step);
-  const fs::path staging = fs::path(dir_) / (".incomplete-" + name);
-  const fs::path final_dir = fs::path(dir_) / name;
-  fs::remove_all(staging);
-  fs::create_directories(staging);
+  const std::string staging = util::join_path(dir_, ".incomplete-" + name);
+  const std::string final_dir = util::join_path(dir_, name);
+  util::remove_tree(staging);
+  util::make_directories(staging);
+  auto in_staging = [&](const std::string& file) { return util::join_path(staging, file); };
 
   {
     torch::serialize::OutputArchive archive;
     for (const auto& item : model.named_parameters()) archive.write(item.key(), item.value().detach());
     for (const auto& item : model.named_buffers()) archive.write("buffer." + item.key(), item.value());
     archive.write("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
-    archive.save_to((staging / "model.pt").string());
+    archive.save_to(in_staging("model.pt"));
   }
   maybe_fail_after("model.pt");
-  torch::save(optimizer, (staging / "optimizer.pt").string());
+  torch::save(optimizer, in_staging("optimizer.pt"));
   maybe_fail_after("optimizer.pt");
 
   json manifest = {{"format", kFormat},
@@ -103,66 +93,64 @@ void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
                    {"model_config", meta.model_config.empty() ? json::object() : json::parse(meta.model_config)}};
   for (const char* file : {"model.pt", "optimizer.pt"}) {
     int64_t bytes = 0;
-    const std::string hash = fnv1a64((staging / file).string(), bytes);
+    const std::string hash = fnv1a64(in_staging(file), bytes);
     manifest["files"][file] = {{"bytes", bytes}, {"fnv1a64", hash}};
-    fsync_path((staging / file).string());
+    util::fsync_path(in_staging(file));
   }
-  write_text_atomically(staging / "MANIFEST.json", manifest.dump(2) + "\n");
-  fsync_path(staging.string());
+  write_text_atomically(in_staging("MANIFEST.json"), manifest.dump(2) + "\n");
+  util::fsync_path(staging);
 
-  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // re-saving the same step
-  fs::rename(staging, final_dir);
-  fsync_path(dir_);
-  write_text_atomically(fs::path(dir_) / "latest", name + "\n");
-  fsync_path(dir_);
+  util::remove_tree(final_dir);  // re-saving the same step
+  util::rename_path(staging, final_dir);
+  util::fsync_path(dir_);
+  write_text_atomically(util::join_path(dir_, "latest"), name + "\n");
+  util::fsync_path(dir_);
 
   // Prune: keep the newest `keep` complete checkpoints; drop stale staging folders.
   std::vector<std::string> complete;
-  for (const auto& entry : fs::directory_iterator(dir_)) {
-    const std::string entry_name = entry.path().filename().string();
-    if (entry_name.rfind("step-", 0) == 0 && entry.is_directory()) complete.push_back(entry_name);
-    if (entry_name.rfind(".incomplete-", 0) == 0) fs::remove_all(entry.path());
+  for (const std::string& entry : util::list_directory(dir_)) {
+    if (entry.rfind("step-", 0) == 0 && util::is_directory(util::join_path(dir_, entry))) complete.push_back(entry);
+    if (entry.rfind(".incomplete-", 0) == 0) util::remove_tree(util::join_path(dir_, entry));
   }
-  std::sort(complete.begin(), complete.end());
   for (size_t i = 0; i + keep_ < complete.size(); ++i) {
-    if (complete[i] != name) fs::remove_all(fs::path(dir_) / complete[i]);
+    if (complete[i] != name) util::remove_tree(util::join_path(dir_, complete[i]));
   }
 }
 
 std::string CheckpointStore::latest() const {
-  const fs::path pointer = fs::path(dir_) / "latest";
-  if (!fs::exists(pointer)) return "";
+  const std::string pointer = util::join_path(dir_, "latest");
+  if (!util::path_exists(pointer)) return "";
   std::ifstream in(pointer);
   std::string name;
   std::getline(in, name);
   if (name.empty() || name.find('/') != std::string::npos) {
-    throw CheckpointError("checkpoint pointer " + pointer.string() + " is empty or malformed; remove it or restore it");
+    throw CheckpointError("checkpoint pointer " + pointer + " is empty or malformed; remove it or restore it");
   }
-  const fs::path folder = fs::path(dir_) / name;
-  if (!fs::is_directory(folder)) {
-    throw CheckpointError("checkpoint pointer " + pointer.string() + " names " + name + ", which does not exist");
+  const std::string folder = util::join_path(dir_, name);
+  if (!util::is_directory(folder)) {
+    throw CheckpointError("checkpoint pointer " + pointer + " names " + name + ", which does not exist");
   }
-  return folder.string();
+  return folder;
 }
 
 CheckpointMeta CheckpointStore::read_meta(const std::string& folder) {
-  const fs::path manifest_path = fs::path(folder) / "MANIFEST.json";
-  if (!fs::exists(manifest_path)) {
-    throw CheckpointError("checkpoint " + folder + " is incomplete: " + manifest_path.string() + " is missing");
+  const std::string manifest_path = util::join_path(folder, "MANIFEST.json");
+  if (!util::path_exists(manifest_path)) {
+    throw CheckpointError("checkpoint " + folder + " is incomplete: " + manifest_path + " is missing");
   }
   json manifest;
   try {
     std::ifstream in(manifest_path);
     manifest = json::parse(in);
   } catch (const std::exception& e) {
-    throw CheckpointError("checkpoint file " + manifest_path.string() + " is corrupt: " + e.what());
+    throw CheckpointError("checkpoint file " + manifest_path + " is corrupt: " + e.what());
   }
   if (manifest.value("format", 0) != kFormat) {
     throw CheckpointError("checkpoint " + folder + " has format " + std::to_string(manifest.value("format", 0)) +
                           "; this meshtrain reads format " + std::to_string(kFormat));
   }
   for (const auto& [file, expected] : manifest.at("files").items()) {
-    const std::string path = (fs::path(folder) / file).string();
+    const std::string path = util::join_path(folder, file);
     int64_t bytes = 0;
     const std::string hash = fnv1a64(path, bytes);
     if (bytes != expected.at("bytes").get<int64_t>()) {
@@ -190,7 +178,7 @@ CheckpointMeta CheckpointStore::load(const std::string& folder, torch::nn::Modul
   }
   torch::NoGradGuard no_grad;
   torch::serialize::InputArchive archive;
-  archive.load_from((fs::path(folder) / "model.pt").string());
+  archive.load_from(util::join_path(folder, "model.pt"));
   for (auto& item : model.named_parameters()) {
     at::Tensor value;
     if (!archive.try_read(item.key(), value)) {
@@ -207,7 +195,7 @@ CheckpointMeta CheckpointStore::load(const std::string& folder, torch::nn::Modul
     at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default state
     generator.set_state(rng);
   }
-  if (optimizer) torch::load(*optimizer, (fs::path(folder) / "optimizer.pt").string());
+  if (optimizer) torch::load(*optimizer, util::join_path(folder, "optimizer.pt"));
   return meta;
 }
 

@@ -1,5 +1,7 @@
 #include "meshtrain/train/data.h"
 
+#include "meshtrain/util/files.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <fcntl.h>
@@ -11,14 +13,11 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
 
 namespace meshtrain::train {
-
-namespace fs = std::filesystem;
 
 namespace {
 
@@ -83,7 +82,7 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
     }
     if (!out) throw DataError("writing " + tmp + " failed (disk full?)");
   }
-  fs::rename(tmp, path);
+  util::rename_path(tmp, path);
 }
 
 TokenFile::TokenFile(std::string path) : path_(std::move(path)) {
@@ -153,20 +152,16 @@ PrepareResult prepare(const std::vector<std::string>& inputs, const std::string&
   }
   PrepareResult result;
   std::set<std::string> seen;
-  auto add = [&](const fs::path& file) {
-    const std::string canonical = fs::weakly_canonical(file).string();
-    if (seen.insert(canonical).second) result.sources.push_back(file.string());
+  auto add = [&](const std::string& file) {
+    if (seen.insert(util::canonical_path(file)).second) result.sources.push_back(file);
   };
   for (const std::string& input : inputs) {
-    std::error_code ec;
-    const fs::file_status status = fs::status(input, ec);
-    if (ec || !fs::exists(status)) throw DataError("input " + input + ": does not exist");
-    if (fs::is_directory(status)) {
-      std::vector<fs::path> files;
-      for (const auto& entry : fs::directory_iterator(input)) {
-        if (fs::is_regular_file(entry.path())) files.push_back(entry.path());
+    if (!util::path_exists(input)) throw DataError("input " + input + ": does not exist");
+    if (util::is_directory(input)) {
+      std::vector<std::string> files;
+      for (const std::string& name : util::list_directory(input)) {
+        if (util::is_regular_file(util::join_path(input, name))) files.push_back(util::join_path(input, name));
       }
-      std::sort(files.begin(), files.end());
       if (files.empty()) throw DataError("input " + input + ": the directory holds no files");
       for (const auto& f : files) add(f);
     } else {
@@ -182,9 +177,9 @@ PrepareResult prepare(const std::vector<std::string>& inputs, const std::string&
   if (train_tokens < 2 || val_tokens < 2) {
     throw DataError("input: " + std::to_string(tokens.size()) + " tokens are too few to split into training and validation data");
   }
-  fs::create_directories(out_dir);
-  result.train_path = (fs::path(out_dir) / "train.bin").string();
-  result.val_path = (fs::path(out_dir) / "val.bin").string();
+  util::make_directories(out_dir);
+  result.train_path = util::join_path(out_dir, "train.bin");
+  result.val_path = util::join_path(out_dir, "val.bin");
   write_token_file(result.train_path, std::vector<uint16_t>(tokens.begin(), tokens.begin() + train_tokens),
                    ByteTokenizer::kVocabSize);
   write_token_file(result.val_path, std::vector<uint16_t>(tokens.begin() + train_tokens, tokens.end()),

@@ -2,6 +2,7 @@
 
 #include "meshtrain/comm/watchdog.h"
 #include "meshtrain/model/generate.h"
+#include "meshtrain/util/files.h"
 
 #include <ATen/autocast_mode.h>
 #include <nlohmann/json.hpp>
@@ -11,14 +12,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 
 namespace meshtrain::train {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-namespace fs = std::filesystem;
 
 // Runs `work` on rank 0 only; if it throws, every rank throws the same message
 // (so a bad input on rank 0 never leaves the others waiting).
@@ -239,7 +238,7 @@ void Trainer::log_metrics(const StepResult& result, std::optional<double> val_lo
 void Trainer::run() {
   const bool leader = dp_->rank() == 0;
   if (leader) {
-    fs::create_directories(config_.out);
+    util::make_directories(config_.out);
     metrics_.open(config_.out + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
     const int64_t tokens_per_step = config_.batch * config_.model.context;
     std::printf("meshtrain: training %s (%s, %.2fM parameters) on %d rank(s), data parallel\n", config_.preset.c_str(),

@@ -1,0 +1,105 @@
+// Config: TOML + overrides, and every rejection names the key, the value and what is allowed.
+#include "meshtrain/train/config.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace meshtrain::train {
+namespace {
+
+std::string write_config(const std::string& text) {
+  char path[] = "/tmp/meshtrain-config-XXXXXX.toml";
+  const int fd = mkstemps(path, 5);
+  std::ofstream(path) << text;
+  close(fd);
+  return path;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(TrainConfig, DefaultsValidateAndDeriveAccumulation) {
+  TrainConfig c = TrainConfig::load("", {});
+  c.validate(2);
+  EXPECT_EQ(c.preset, "small");
+  EXPECT_EQ(c.dp, 2);
+  EXPECT_EQ(c.grad_accum, 1);  // 16 / (8 x 2)
+  c = TrainConfig::load("", {"training.micro_batch=2"});
+  c.validate(2);
+  EXPECT_EQ(c.grad_accum, 4);
+}
+
+TEST(TrainConfig, FileThenOverridesPresetFirst) {
+  const std::string path = write_config(
+      "[model]\nlayers = 3\npreset = \"tiny\"\n[training]\nsteps = 7\nlr = 3e-4\n[data]\ntext = \"/tmp\"\n");
+  TrainConfig c = TrainConfig::load(path, {"training.steps=9", "model.width=128"});
+  EXPECT_EQ(c.model.layers, 3);     // the file's key applies on top of its preset
+  EXPECT_EQ(c.model.heads, 4);      // from tiny
+  EXPECT_EQ(c.model.width, 128);    // override
+  EXPECT_EQ(c.steps, 9);
+  EXPECT_DOUBLE_EQ(c.lr, 3e-4);
+  EXPECT_EQ(c.text, std::vector<std::string>{"/tmp"});
+  // A preset override resets the shape before the other model overrides apply.
+  c = TrainConfig::load(path, {"model.layers=5", "model.preset=small"});
+  EXPECT_EQ(c.model.layers, 5);
+  EXPECT_EQ(c.model.width, 384);
+  std::remove(path.c_str());
+}
+
+TEST(TrainConfig, UnknownKeysAndWrongTypesAreRejectedWithTheKey) {
+  const std::string path = write_config("[training]\nstepz = 3\n");
+  EXPECT_NE(error_of([&] { TrainConfig::load(path, {}); }).find(": unknown key training.stepz; keys of [training] are steps, batch"),
+            std::string::npos);
+  std::remove(path.c_str());
+  const std::string section = write_config("[trainig]\nsteps = 3\n");
+  EXPECT_NE(error_of([&] { TrainConfig::load(section, {}); }).find("unknown section [trainig]; sections are [model], [data]"),
+            std::string::npos);
+  std::remove(section.c_str());
+  EXPECT_EQ(error_of([] { TrainConfig::load("", {"training.steps=ten"}); }),
+            "override --training.steps=ten: training.steps = ten must be an integer");
+  EXPECT_EQ(error_of([] { TrainConfig::load("", {"training.steps=2.5"}); }),
+            "override --training.steps=2.5: training.steps = 2.5 must be an integer");
+  EXPECT_NE(error_of([] { TrainConfig::load("", {"training.steps"}); }).find("write overrides as --section.key=value"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { TrainConfig::load("", {"model.preset=huge"}); }).find("unknown model preset 'huge'"),
+            std::string::npos);
+  const std::string broken = write_config("[training\nsteps = 3\n");
+  EXPECT_NE(error_of([&] { TrainConfig::load(broken, {}); }).find("config " + broken + ":1:"), std::string::npos);
+  std::remove(broken.c_str());
+}
+
+TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
+  auto validated = [](std::vector<std::string> overrides, int world) {
+    return error_of([&] { TrainConfig::load("", overrides).validate(world); });
+  };
+  EXPECT_EQ(validated({"training.batch=10"}, 2),
+            "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) = 16");
+  EXPECT_EQ(validated({"parallel.dp=3"}, 2),
+            "parallel.dp = 3: dp(3) = 3 != world size 2; data parallel is the only layout so far, so dp must equal "
+            "the number of ranks (or 0)");
+  EXPECT_EQ(validated({"model.heads=5"}, 1), "model.width = 384 is not allowed: must be a positive multiple of model.heads (5)");
+  EXPECT_EQ(validated({"training.dtype=float8"}, 1), "training.dtype = \"float8\": use \"float32\" or \"bfloat16\"");
+  EXPECT_EQ(validated({"training.min_lr=1"}, 1), "training.min_lr = 1.000000: must be in [0, training.lr]");
+  EXPECT_EQ(validated({"data.train_file=/x.bin"}, 1),
+            "data.train_file = \"/x.bin\": give both data.train_file and data.val_file, or neither (then data.text is prepared)");
+  EXPECT_EQ(validated({"model.vocab_size=300"}, 1), "model.vocab_size = 300: the byte tokenizer has 256 tokens; use 256");
+}
+
+TEST(TrainConfig, HelpListsEveryKeyWithItsDefault) {
+  const std::string keys = TrainConfig::describe_keys();
+  for (const char* line : {"[model]", "preset = \"small\"", "[training]", "steps = 100", "[parallel]", "bucket_mb = 25",
+                           "[checkpoint]", "resume = true", "[run]"}) {
+    EXPECT_NE(keys.find(line), std::string::npos) << line;
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::train
