@@ -5,10 +5,13 @@
 // and every rank exits with the same status.
 #include "tests/harness/mpi_env.h"
 
+#include "meshtrain/util/files.h"
+
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <sstream>
 
@@ -19,6 +22,17 @@ std::optional<comm::Runtime> the_runtime;
 }
 
 comm::Runtime& runtime() { return *the_runtime; }
+
+std::string shared_temp_directory(const std::string& prefix) {
+  std::string path;
+  if (world()->rank() == 0) path = util::make_temp_directory(prefix);
+  at::Tensor length = at::full({1}, static_cast<int64_t>(path.size()), at::kLong);
+  world()->broadcast(length, 0).wait();
+  at::Tensor bytes = at::zeros({length.item<int64_t>()}, at::kByte);
+  if (world()->rank() == 0) std::memcpy(bytes.data_ptr(), path.data(), path.size());
+  world()->broadcast(bytes, 0).wait();
+  return std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel());
+}
 
 namespace {
 
