@@ -43,6 +43,12 @@ struct GenerateOptions {
 };
 int run_generate(const GenerateOptions& options);
 
+// meshtrain bench train [--section.key=value ...]: times training steps (after
+// warm-up) and prints one JSON line: tokens/s, MFU, all-reduce time per step and
+// the share of it hidden behind backward.
+int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
+                    int timed_steps);
+
 // Replaces this process with `mpirun -np ranks <this executable> args...`,
 // with OMP_NUM_THREADS = cores / ranks unless already set. Returns only by throwing.
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args);

@@ -73,6 +73,16 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}))
       ->capture_default_str();
   bench_comm->add_option("--json", bench_options.json_path, "Also write each row as a JSON line to this file");
+  int bench_warmup = 2, bench_steps = 12;
+  CLI::App* bench_train = bench->add_subcommand(
+      "train", "Time training steps (config overrides as for train) and print tokens/s, MFU against the measured "
+               "matmul peak, and the share of all-reduce time hidden behind backward, as one JSON line. "
+               "bench/train_vs_pytorch.py runs it beside the PyTorch reference.");
+  bench_train->add_option("--warmup-steps", bench_warmup, "Untimed steps first")->capture_default_str();
+  bench_train->add_option("--steps", bench_steps, "Timed steps (the median is reported)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  bench_train->allow_extras();
 
   std::string train_config;
   CLI::App* train = app.add_subcommand(
@@ -140,8 +150,9 @@ int main(int argc, char** argv) {
   }
 
   std::vector<std::string> overrides;
-  if (train->parsed()) {
-    for (const std::string& extra : train->remaining()) {
+  for (CLI::App* with_overrides : {train, bench_train}) {
+    if (!with_overrides->parsed()) continue;
+    for (const std::string& extra : with_overrides->remaining()) {
       if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
         std::fprintf(stderr, "meshtrain: error: unexpected argument '%s'; overrides look like --training.steps=20\n",
                      extra.c_str());
@@ -156,6 +167,7 @@ int main(int argc, char** argv) {
     runtime.emplace(&argc, &argv);
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
+    if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
     if (bench_comm->parsed()) {
       bench_options.min_bytes = parse_bytes(min_size);

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
 
 namespace meshtrain::parallel {
@@ -155,6 +156,22 @@ void DataParallel::finish() {
 void DataParallel::zero_grad() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (auto& bucket : state_->buckets) bucket.flat.zero_();
+}
+
+double DataParallel::standalone_reduce_seconds(int repeats) const {
+  std::vector<at::Tensor> copies;
+  for (const auto& bucket : state_->buckets) copies.push_back(bucket.flat.clone());
+  std::vector<double> seconds;
+  for (int r = 0; r < repeats; ++r) {
+    comm_->barrier().wait();
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<comm::Work> works;
+    for (const at::Tensor& copy : copies) works.push_back(comm_->all_reduce(copy, comm::ReduceOp::kAvg));
+    comm::wait_all(works);
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
 }
 
 int64_t DataParallel::bucket_count() const { return static_cast<int64_t>(state_->buckets.size()); }

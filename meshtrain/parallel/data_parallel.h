@@ -52,6 +52,9 @@ class DataParallel {
   // Seconds finish() spent waiting for all-reduces after backward returned
   // (communication not hidden behind backward), summed since construction.
   double exposed_wait_seconds() const;
+  // Collective: times all-reducing copies of every bucket with nothing else
+  // running (the communication a step needs); median of `repeats`, seconds.
+  double standalone_reduce_seconds(int repeats) const;
 
   struct State;  // shared with the autograd hooks
 

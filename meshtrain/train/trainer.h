@@ -44,6 +44,7 @@ class Trainer {
   int64_t completed_steps() const { return step_; }
   bool resumed() const { return resumed_; }
   model::Gpt& model() { return model_; }
+  const parallel::DataParallel& data_parallel() const { return *data_parallel_; }
   const TrainConfig& config() const { return config_; }
   std::string model_fingerprint() const;
   // Tokens/s at which one rank's measured fp32 matmul peak would be reached.

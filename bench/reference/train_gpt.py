@@ -1,0 +1,126 @@
+"""PyTorch reference for `meshtrain bench train`: the same GPT, optimizer, batch and
+schedule, single process or DDP (gloo). Launch one process per rank, e.g.
+    torchrun --nproc_per_node=2 bench/reference/train_gpt.py --preset small
+Prints one JSON line on rank 0: median tokens/s over the timed steps.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {  # vocab, context, layers, heads, width — as meshtrain's presets
+    "tiny": (256, 128, 4, 4, 256),
+    "small": (256, 256, 6, 6, 384),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.fc_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc_proj(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, context, layers, heads, width):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm_f = nn.LayerNorm(width)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02)
+            elif "norm" not in name:
+                nn.init.zeros_(p)
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.norm_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=16, help="global batch in sequences")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--bucket-mb", type=int, default=25)
+    args = parser.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() // world)))))
+    torch.manual_seed(1337)
+
+    vocab, context, layers, heads, width = PRESETS[args.preset]
+    model = GPT(vocab, context, layers, heads, width)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    accumulation = args.batch // (args.micro_batch * world)
+    assert accumulation * args.micro_batch * world == args.batch, "batch must divide by micro-batch x ranks"
+    generator = torch.Generator().manual_seed(rank)
+    total = args.warmup_steps + args.steps
+    seconds = []
+    for step in range(total):
+        start = time.perf_counter()
+        lr = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * step / total))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=False)
+        for micro in range(accumulation):
+            tokens = torch.randint(0, vocab, (args.micro_batch, context + 1), generator=generator)
+            sync = micro == accumulation - 1 or world == 1
+            context_manager = model.no_sync() if (world > 1 and not sync) else torch.enable_grad()
+            with context_manager:
+                loss = model(tokens[:, :-1], tokens[:, 1:]) / accumulation
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss_value = loss.detach() * accumulation
+        if world > 1:
+            dist.all_reduce(loss_value, op=dist.ReduceOp.AVG if hasattr(dist.ReduceOp, "AVG") else dist.ReduceOp.SUM)
+        loss_value.item()
+        if step >= args.warmup_steps:
+            seconds.append(time.perf_counter() - start)
+    tokens_per_second = args.batch * context / statistics.median(seconds)
+    if rank == 0:
+        print(json.dumps({"side": "pytorch", "preset": args.preset, "ranks": world, "batch": args.batch,
+                          "micro_batch": args.micro_batch, "threads": torch.get_num_threads(),
+                          "tokens_per_s": tokens_per_second, "torch": torch.__version__}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
