@@ -8,6 +8,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -118,8 +119,13 @@ def main():
         print(json.dumps({"side": "pytorch", "preset": args.preset, "ranks": world, "batch": args.batch,
                           "micro_batch": args.micro_batch, "threads": torch.get_num_threads(),
                           "tokens_per_s": tokens_per_second, "torch": torch.__version__}))
+    sys.stdout.flush()
     if world > 1:
-        dist.destroy_process_group()
+        # Leave without tearing the gloo process group down: with torch 2.11 that
+        # teardown sometimes aborts ("terminate called without an active exception")
+        # after the work is done.
+        dist.barrier()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ struct DataParallel::State {
   bool sync = true;
   size_t next_to_issue = 0;
   double exposed_wait_seconds = 0;
+  double finish_entered = 0, finish_returned = 0;
 
   void issue_ready_buckets_locked() {
     while (next_to_issue < buckets.size() &&
@@ -90,7 +91,9 @@ DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Comm
   int64_t group_bytes = 0;
   for (const at::Tensor& p : params) {
     const int64_t bytes = p.numel() * p.element_size();
-    const bool fits = !groups.empty() && group_bytes + bytes <= options.bucket_bytes &&
+    const int64_t limit = groups.size() <= 1 ? std::min(options.first_bucket_bytes, options.bucket_bytes)
+                                             : options.bucket_bytes;
+    const bool fits = !groups.empty() && group_bytes + bytes <= limit &&
                       groups.back().front().scalar_type() == p.scalar_type() &&
                       groups.back().front().device() == p.device();
     if (!fits) {
@@ -150,7 +153,15 @@ void DataParallel::finish() {
     bucket.work = comm::Work();
   }
   state_->next_to_issue = 0;
-  state_->exposed_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto end = std::chrono::steady_clock::now();
+  state_->exposed_wait_seconds += std::chrono::duration<double>(end - start).count();
+  state_->finish_entered = std::chrono::duration<double>(start.time_since_epoch()).count();
+  state_->finish_returned = std::chrono::duration<double>(end.time_since_epoch()).count();
+}
+
+std::pair<double, double> DataParallel::last_finish_times() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return {state_->finish_entered, state_->finish_returned};
 }
 
 void DataParallel::zero_grad() {

@@ -13,7 +13,9 @@
 namespace meshtrain::parallel {
 
 struct DataParallelOptions {
-  int64_t bucket_bytes = int64_t{25} << 20;  // gradients per all-reduce
+  int64_t bucket_bytes = int64_t{25} << 20;       // gradients per all-reduce
+  int64_t first_bucket_bytes = int64_t{1} << 20;  // the first (last layers') bucket is small so
+                                                  // communication starts early in backward
 };
 
 // Note [Data parallel]
@@ -52,6 +54,9 @@ class DataParallel {
   // Seconds finish() spent waiting for all-reduces after backward returned
   // (communication not hidden behind backward), summed since construction.
   double exposed_wait_seconds() const;
+  // steady_clock times (seconds) at which the last finish() was entered (this
+  // rank's backward was done) and returned (its gradients were averaged).
+  std::pair<double, double> last_finish_times() const;
   // Collective: times all-reducing copies of every bucket with nothing else
   // running (the communication a step needs); median of `repeats`, seconds.
   double standalone_reduce_seconds(int repeats) const;

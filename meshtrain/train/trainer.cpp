@@ -122,7 +122,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
 
   model_ = model::Gpt(config_.model, config_.seed);
   data_parallel_ = std::make_unique<parallel::DataParallel>(
-      *model_, dp_, parallel::DataParallelOptions{config_.bucket_mb << 20});
+      *model_, dp_, parallel::DataParallelOptions{config_.bucket_mb << 20, std::min<int64_t>(config_.bucket_mb, 1) << 20});
 
   // Weight decay on matrices and embeddings, not on biases and norm weights.
   std::vector<at::Tensor> decayed, undecayed;

@@ -132,6 +132,23 @@ TEST_F(TrainingTest, ResumeContinuesBitExactly) {
   for (int s = 5; s < 10; ++s) EXPECT_EQ(second_half.step().loss, straight[s]) << "step " << s + 1 << " after resume";
 }
 
+TEST_F(TrainingTest, Bfloat16AutocastTracksFloat32) {
+  // bfloat16 keeps 8 bits of mantissa: matmuls under autocast round inputs to
+  // ~3 significant digits, so the stated tolerance is 2% on the loss over 5
+  // steps (fp32 master weights, optimizer and reductions are unchanged).
+  const int n = world()->size();
+  TrainConfig mixed = config(n, kBatch / n);
+  mixed.dtype = "bfloat16";
+  Trainer low(mixed, world());
+  Trainer full(config(n, kBatch / n), world());
+  for (int s = 0; s < 5; ++s) {
+    const double got = low.step().loss, want = full.step().loss;
+    EXPECT_LE(std::abs(got - want) / want, 2e-2) << "step " << s + 1 << ": " << got << " vs " << want;
+    EXPECT_NE(got, want) << "autocast changed nothing: is it on?";
+  }
+  for (const auto& p : low.model()->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+}
+
 TEST(DataParallel, UnusedParametersAreReducedAsZero) {
   torch::nn::Sequential used(torch::nn::Linear(4, 3));
   torch::nn::Linear unused(3, 2);
