@@ -57,6 +57,11 @@ std::vector<std::string> launch_command(int ranks, const std::vector<std::string
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = std::max(1, cores / ranks);
   setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), /*overwrite=*/0);
+  // The compute threads fill every core, so a rank waiting inside MPI must yield
+  // its core rather than spin on it, or it slows the backward pass that its
+  // all-reduce is meant to overlap (measured: docs/BENCHMARKS.md). Open MPI
+  // forwards OMPI_MCA_* variables to every rank.
+  setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
   const std::vector<std::string> command = launch_command(ranks, args, is_open_mpi(), geteuid() == 0);
   std::fprintf(stderr, "meshtrain: launching %d ranks, %s threads each:", ranks, std::getenv("OMP_NUM_THREADS"));
   for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());

@@ -149,6 +149,26 @@ TEST_F(TrainingTest, Bfloat16AutocastTracksFloat32) {
   for (const auto& p : low.model()->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
 }
 
+TEST(DataParallel, AccumulationMicroStepsDoNotCommunicate) {
+  torch::nn::Linear layer(8, 8);
+  auto comm = world()->split(0, world()->rank(), "test:ddp-traffic");
+  parallel::DataParallel ddp(*layer, comm, parallel::DataParallelOptions{64, 64});  // one bucket per tensor
+  ddp.zero_grad();
+  const int64_t before = comm->stats()[comm::OpKind::kAllReduce].calls;
+  for (int micro = 0; micro < 3; ++micro) {
+    ddp.set_sync(false);
+    layer->forward(at::ones({2, 8})).sum().backward();
+  }
+  EXPECT_EQ(comm->stats()[comm::OpKind::kAllReduce].calls, before) << "all-reduce during accumulation";
+  ddp.set_sync(true);
+  layer->forward(at::ones({2, 8})).sum().backward();
+  ddp.finish();
+  EXPECT_EQ(comm->stats()[comm::OpKind::kAllReduce].calls, before + ddp.bucket_count());
+  EXPECT_EQ(ddp.bucket_count(), 2);
+  // Four backward passes accumulated: d/db sum(Wx + b) = 2 rows per pass.
+  EXPECT_TRUE(at::allclose(layer->bias.grad(), at::full({8}, 8.0)));
+}
+
 TEST(DataParallel, UnusedParametersAreReducedAsZero) {
   torch::nn::Sequential used(torch::nn::Linear(4, 3));
   torch::nn::Linear unused(3, 2);
