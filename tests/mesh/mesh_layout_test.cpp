@@ -1,6 +1,8 @@
 // Rank <-> coordinate arithmetic without processes, 1-D to 5-D.
 #include "meshtrain/mesh/mesh_layout.h"
 
+#include "tests/harness/error_of.h"
+
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -9,14 +11,7 @@
 namespace meshtrain::mesh {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const MeshError& e) {
-    return e.what();
-  }
-  return "no error";
-}
+const auto error_of = testing::error_of<MeshError>;
 
 TEST(MeshLayout, OneDimension) {
   MeshLayout layout({{"dp", 4}}, 4);

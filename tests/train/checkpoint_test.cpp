@@ -4,6 +4,8 @@
 
 #include "meshtrain/model/gpt.h"
 
+#include "tests/harness/error_of.h"
+
 #include <gtest/gtest.h>
 
 #include "meshtrain/util/files.h"
@@ -15,6 +17,8 @@
 
 namespace meshtrain::train {
 namespace {
+
+const auto error_of = testing::error_of<CheckpointError>;
 
 model::GptConfig small_shape() {
   model::GptConfig c = model::GptConfig::preset("tiny");
@@ -41,14 +45,6 @@ class CheckpointTest : public ::testing::Test {
     optimizer_->zero_grad();
     model_->loss(at::randint(256, {2, 16}), at::randint(256, {2, 16})).backward();
     optimizer_->step();
-  }
-  std::string error_of(const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const CheckpointError& e) {
-      return e.what();
-    }
-    return "no error";
   }
 
   std::string dir_;

@@ -1,6 +1,8 @@
 // Config: TOML + overrides, and every rejection names the key, the value and what is allowed.
 #include "meshtrain/train/config.h"
 
+#include "tests/harness/error_of.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -9,21 +11,14 @@
 namespace meshtrain::train {
 namespace {
 
+const auto error_of = testing::error_of<ConfigError>;
+
 std::string write_config(const std::string& text) {
   char path[] = "/tmp/meshtrain-config-XXXXXX.toml";
   const int fd = mkstemps(path, 5);
   std::ofstream(path) << text;
   close(fd);
   return path;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 TEST(TrainConfig, DefaultsValidateAndDeriveAccumulation) {

@@ -1,6 +1,8 @@
 // Token files, prepare, and the sampler; every bad file gets a message naming it.
 #include "meshtrain/train/data.h"
 
+#include "tests/harness/error_of.h"
+
 #include <gtest/gtest.h>
 
 #include "meshtrain/util/files.h"
@@ -13,6 +15,8 @@
 namespace meshtrain::train {
 namespace {
 
+const auto error_of = testing::error_of<DataError>;
+
 class DataTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -20,14 +24,6 @@ class DataTest : public ::testing::Test {
   }
   void TearDown() override { util::remove_tree(dir_); }
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string error_of(const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const DataError& e) {
-      return e.what();
-    }
-    return "no error";
-  }
   std::string dir_;
 };
 
