@@ -6,6 +6,8 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <type_traits>
+#include <utility>
 
 namespace meshtrain::train {
 
@@ -40,41 +42,69 @@ struct Field {
   std::function<std::string(const TrainConfig&)> show;
 };
 
+// How each C++ type of a config field is read from TOML and shown in --help.
 template <typename T>
-std::string show_number(T v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
+struct FieldType;
+template <>
+struct FieldType<int64_t> {
+  static constexpr Kind kind = Kind::kInt;
+  static void assign(int64_t& target, const Value& v) { target = v.i; }
+  static std::string show(int64_t v) { return std::to_string(v); }
+};
+template <>
+struct FieldType<uint64_t> {
+  static constexpr Kind kind = Kind::kInt;
+  static void assign(uint64_t& target, const Value& v) { target = static_cast<uint64_t>(v.i); }
+  static std::string show(uint64_t v) { return std::to_string(v); }
+};
+template <>
+struct FieldType<double> {
+  static constexpr Kind kind = Kind::kFloat;
+  static void assign(double& target, const Value& v) { target = v.f; }
+  static std::string show(double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  }
+};
+template <>
+struct FieldType<bool> {
+  static constexpr Kind kind = Kind::kBool;
+  static void assign(bool& target, const Value& v) { target = v.b; }
+  static std::string show(bool v) { return v ? "true" : "false"; }
+};
+template <>
+struct FieldType<std::string> {
+  static constexpr Kind kind = Kind::kString;
+  static void assign(std::string& target, const Value& v) { target = v.s; }
+  static std::string show(const std::string& v) { return "\"" + v + "\""; }
+};
+template <>
+struct FieldType<std::vector<std::string>> {
+  static constexpr Kind kind = Kind::kStringList;
+  static void assign(std::vector<std::string>& target, const Value& v) { target = v.list; }
+  static std::string show(const std::vector<std::string>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", \"" : "\"") + v[i] + "\"";
+    return s + "]";
+  }
+};
+
+// A field whose value lives at `member(config)`.
+template <typename Member>
+Field field(std::string section, std::string key, std::string help, Member member) {
+  using T = std::decay_t<decltype(member(std::declval<TrainConfig&>()))>;
+  return {std::move(section), std::move(key), FieldType<T>::kind, std::move(help),
+          [member](TrainConfig& c, const Value& v) { FieldType<T>::assign(member(c), v); },
+          [member](const TrainConfig& c) { return FieldType<T>::show(member(const_cast<TrainConfig&>(c))); }};
 }
+
+#define MESHTRAIN_CONFIG_MEMBER(expression) [](TrainConfig& c) -> auto& { return c.expression; }
 
 // The schema: every key a config may hold. Model keys apply on top of the preset.
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> f;
-    auto integer = [&](std::string s, std::string k, std::string help, int64_t TrainConfig::*m) {
-      f.push_back({s, k, Kind::kInt, help, [m](TrainConfig& c, const Value& v) { c.*m = v.i; },
-                   [m](const TrainConfig& c) { return show_number(c.*m); }});
-    };
-    auto number = [&](std::string s, std::string k, std::string help, double TrainConfig::*m) {
-      f.push_back({s, k, Kind::kFloat, help, [m](TrainConfig& c, const Value& v) { c.*m = v.f; },
-                   [m](const TrainConfig& c) { return show_number(c.*m); }});
-    };
-    auto text = [&](std::string s, std::string k, std::string help, std::string TrainConfig::*m) {
-      f.push_back({s, k, Kind::kString, help, [m](TrainConfig& c, const Value& v) { c.*m = v.s; },
-                   [m](const TrainConfig& c) { return "\"" + c.*m + "\""; }});
-    };
-    auto model_int = [&](std::string k, std::string help, int64_t model::GptConfig::*m) {
-      f.push_back({"model", k, Kind::kInt, help, [m](TrainConfig& c, const Value& v) { c.model.*m = v.i; },
-                   [m](const TrainConfig& c) { return show_number(c.model.*m); }});
-    };
-    auto model_text = [&](std::string k, std::string help, std::string model::GptConfig::*m) {
-      f.push_back({"model", k, Kind::kString, help, [m](TrainConfig& c, const Value& v) { c.model.*m = v.s; },
-                   [m](const TrainConfig& c) { return "\"" + c.model.*m + "\""; }});
-    };
-    auto model_bool = [&](std::string k, std::string help, bool model::GptConfig::*m) {
-      f.push_back({"model", k, Kind::kBool, help, [m](TrainConfig& c, const Value& v) { c.model.*m = v.b; },
-                   [m](const TrainConfig& c) { return std::string(c.model.*m ? "true" : "false"); }});
-    };
     f.push_back({"model", "preset", Kind::kString,
                  "named shape: tiny, small, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b",
                  [](TrainConfig& c, const Value& v) {
@@ -82,62 +112,66 @@ const std::vector<Field>& fields() {
                    c.model = model::GptConfig::preset(v.s);
                  },
                  [](const TrainConfig& c) { return "\"" + c.preset + "\""; }});
-    model_int("layers", "transformer blocks", &model::GptConfig::layers);
-    model_int("heads", "attention heads (must divide width)", &model::GptConfig::heads);
-    model_int("width", "model dimension", &model::GptConfig::width);
-    model_int("context", "sequence length in tokens", &model::GptConfig::context);
-    model_int("vocab_size", "vocabulary (the byte tokenizer needs 256)", &model::GptConfig::vocab_size);
-    f.push_back({"model", "dropout", Kind::kFloat, "dropout probability",
-                 [](TrainConfig& c, const Value& v) { c.model.dropout = v.f; },
-                 [](const TrainConfig& c) { return show_number(c.model.dropout); }});
-    model_text("norm", "\"layernorm\" or \"rmsnorm\"", &model::GptConfig::norm);
-    model_text("position", "\"learned\" or \"rope\"", &model::GptConfig::position);
-    model_text("mlp", "\"gelu\" or \"swiglu\"", &model::GptConfig::mlp);
-    model_bool("tie_embeddings", "LM head shares the token embedding", &model::GptConfig::tie_embeddings);
-    model_bool("bias", "biases in linear layers and norms", &model::GptConfig::bias);
-    f.push_back({"data", "text", Kind::kStringList, "text files or directories prepared when no token files are given",
-                 [](TrainConfig& c, const Value& v) { c.text = v.list; },
-                 [](const TrainConfig& c) {
-                   std::string s = "[";
-                   for (size_t i = 0; i < c.text.size(); ++i) s += (i ? ", \"" : "\"") + c.text[i] + "\"";
-                   return s + "]";
-                 }});
-    text("data", "train_file", "training token file from `meshtrain prepare` (overrides text)", &TrainConfig::train_file);
-    text("data", "val_file", "validation token file", &TrainConfig::val_file);
-    number("data", "val_fraction", "share of prepared text held out for validation", &TrainConfig::val_fraction);
-    integer("training", "steps", "optimizer steps", &TrainConfig::steps);
-    integer("training", "batch", "global batch in sequences per step (= micro_batch x dp x accumulation)",
-            &TrainConfig::batch);
-    integer("training", "micro_batch", "sequences per forward/backward on one rank", &TrainConfig::micro_batch);
-    number("training", "lr", "peak learning rate (AdamW)", &TrainConfig::lr);
-    number("training", "min_lr", "learning rate at the end of the cosine decay", &TrainConfig::min_lr);
-    integer("training", "warmup", "steps of linear warmup", &TrainConfig::warmup);
-    number("training", "weight_decay", "AdamW weight decay (matrices and embeddings only)", &TrainConfig::weight_decay);
-    number("training", "beta1", "AdamW beta1", &TrainConfig::beta1);
-    number("training", "beta2", "AdamW beta2", &TrainConfig::beta2);
-    number("training", "grad_clip", "clip gradients to this global norm (0: off)", &TrainConfig::grad_clip);
-    f.push_back({"training", "seed", Kind::kInt, "seed of the model init and the data order",
-                 [](TrainConfig& c, const Value& v) { c.seed = static_cast<uint64_t>(v.i); },
-                 [](const TrainConfig& c) { return show_number(c.seed); }});
-    text("training", "dtype", "\"float32\" or \"bfloat16\" (autocast of matmuls)", &TrainConfig::dtype);
-    integer("training", "eval_every", "steps between validation losses (0: at the end only)", &TrainConfig::eval_every);
-    integer("training", "eval_batches", "validation micro-batches per rank", &TrainConfig::eval_batches);
-    integer("training", "log_every", "steps between progress lines", &TrainConfig::log_every);
-    integer("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
-            &TrainConfig::sample_tokens);
-    integer("parallel", "dp", "data-parallel ranks (0: all ranks)", &TrainConfig::dp);
-    integer("parallel", "bucket_mb", "gradient all-reduce bucket size in MiB", &TrainConfig::bucket_mb);
-    text("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)", &TrainConfig::checkpoint_dir);
-    integer("checkpoint", "every", "steps between checkpoints (0: at the end only)", &TrainConfig::checkpoint_every);
-    integer("checkpoint", "keep", "checkpoints kept (the newest; at least 1)", &TrainConfig::checkpoint_keep);
-    f.push_back({"checkpoint", "resume", Kind::kBool, "continue from the latest checkpoint if there is one",
-                 [](TrainConfig& c, const Value& v) { c.resume = v.b; },
-                 [](const TrainConfig& c) { return std::string(c.resume ? "true" : "false"); }});
-    text("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", &TrainConfig::out);
+    f.push_back(field("model", "layers", "transformer blocks", MESHTRAIN_CONFIG_MEMBER(model.layers)));
+    f.push_back(field("model", "heads", "attention heads (must divide width)", MESHTRAIN_CONFIG_MEMBER(model.heads)));
+    f.push_back(field("model", "width", "model dimension", MESHTRAIN_CONFIG_MEMBER(model.width)));
+    f.push_back(field("model", "context", "sequence length in tokens", MESHTRAIN_CONFIG_MEMBER(model.context)));
+    f.push_back(field("model", "vocab_size", "vocabulary (the byte tokenizer needs 256)",
+                      MESHTRAIN_CONFIG_MEMBER(model.vocab_size)));
+    f.push_back(field("model", "dropout", "dropout probability", MESHTRAIN_CONFIG_MEMBER(model.dropout)));
+    f.push_back(field("model", "norm", "\"layernorm\" or \"rmsnorm\"", MESHTRAIN_CONFIG_MEMBER(model.norm)));
+    f.push_back(field("model", "position", "\"learned\" or \"rope\"", MESHTRAIN_CONFIG_MEMBER(model.position)));
+    f.push_back(field("model", "mlp", "\"gelu\" or \"swiglu\"", MESHTRAIN_CONFIG_MEMBER(model.mlp)));
+    f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
+                      MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
+    f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
+    f.push_back(field("data", "text", "text files or directories prepared when no token files are given",
+                      MESHTRAIN_CONFIG_MEMBER(text)));
+    f.push_back(field("data", "train_file", "training token file from `meshtrain prepare` (overrides text)",
+                      MESHTRAIN_CONFIG_MEMBER(train_file)));
+    f.push_back(field("data", "val_file", "validation token file", MESHTRAIN_CONFIG_MEMBER(val_file)));
+    f.push_back(field("data", "val_fraction", "share of prepared text held out for validation",
+                      MESHTRAIN_CONFIG_MEMBER(val_fraction)));
+    f.push_back(field("training", "steps", "optimizer steps", MESHTRAIN_CONFIG_MEMBER(steps)));
+    f.push_back(field("training", "batch", "global batch in sequences per step (= micro_batch x dp x accumulation)",
+                      MESHTRAIN_CONFIG_MEMBER(batch)));
+    f.push_back(field("training", "micro_batch", "sequences per forward/backward on one rank",
+                      MESHTRAIN_CONFIG_MEMBER(micro_batch)));
+    f.push_back(field("training", "lr", "peak learning rate (AdamW)", MESHTRAIN_CONFIG_MEMBER(lr)));
+    f.push_back(field("training", "min_lr", "learning rate at the end of the cosine decay", MESHTRAIN_CONFIG_MEMBER(min_lr)));
+    f.push_back(field("training", "warmup", "steps of linear warmup", MESHTRAIN_CONFIG_MEMBER(warmup)));
+    f.push_back(field("training", "weight_decay", "AdamW weight decay (matrices and embeddings only)",
+                      MESHTRAIN_CONFIG_MEMBER(weight_decay)));
+    f.push_back(field("training", "beta1", "AdamW beta1", MESHTRAIN_CONFIG_MEMBER(beta1)));
+    f.push_back(field("training", "beta2", "AdamW beta2", MESHTRAIN_CONFIG_MEMBER(beta2)));
+    f.push_back(field("training", "grad_clip", "clip gradients to this global norm (0: off)",
+                      MESHTRAIN_CONFIG_MEMBER(grad_clip)));
+    f.push_back(field("training", "seed", "seed of the model init and the data order", MESHTRAIN_CONFIG_MEMBER(seed)));
+    f.push_back(field("training", "dtype", "\"float32\" or \"bfloat16\" (autocast of matmuls)",
+                      MESHTRAIN_CONFIG_MEMBER(dtype)));
+    f.push_back(field("training", "eval_every", "steps between validation losses (0: at the end only)",
+                      MESHTRAIN_CONFIG_MEMBER(eval_every)));
+    f.push_back(field("training", "eval_batches", "validation micro-batches per rank", MESHTRAIN_CONFIG_MEMBER(eval_batches)));
+    f.push_back(field("training", "log_every", "steps between progress lines", MESHTRAIN_CONFIG_MEMBER(log_every)));
+    f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
+                      MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
+    f.push_back(field("parallel", "dp", "data-parallel ranks (0: all ranks)", MESHTRAIN_CONFIG_MEMBER(dp)));
+    f.push_back(field("parallel", "bucket_mb", "gradient all-reduce bucket size in MiB", MESHTRAIN_CONFIG_MEMBER(bucket_mb)));
+    f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
+                      MESHTRAIN_CONFIG_MEMBER(checkpoint_dir)));
+    f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",
+                      MESHTRAIN_CONFIG_MEMBER(checkpoint_every)));
+    f.push_back(field("checkpoint", "keep", "checkpoints kept (the newest; at least 1)",
+                      MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
+    f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",
+                      MESHTRAIN_CONFIG_MEMBER(resume)));
+    f.push_back(field("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", MESHTRAIN_CONFIG_MEMBER(out)));
     return f;
   }();
   return table;
 }
+
+#undef MESHTRAIN_CONFIG_MEMBER
 
 const Field* find_field(const std::string& section, const std::string& key) {
   for (const Field& f : fields()) {
