@@ -41,7 +41,6 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;
-  const double mfu = config.model.flops_per_token() * tokens_per_second / (trainer.peak_flops_per_rank() * runtime.size());
   if (runtime.rank() == 0) {
     nlohmann::json line = {{"side", "meshtrain"},
                            {"preset", config.preset},
@@ -50,7 +49,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
                            {"micro_batch", config.micro_batch},
                            {"threads", at::get_num_threads()},
                            {"tokens_per_s", tokens_per_second},
-                           {"mfu", mfu},
+                           {"mfu", trainer.mfu(tokens_per_second)},
                            {"matmul_peak_gflops_per_rank", trainer.peak_flops_per_rank() / 1e9},
                            {"allreduce_s_per_step", reduce_per_step},
                            {"exposed_wait_s_per_step", exposed_per_step},

@@ -63,12 +63,6 @@ CommOptions CommOptions::from_env() {
   return options;
 }
 
-int64_t CommStats::total_wire_bytes() const {
-  int64_t total = 0;
-  for (const auto& p : per_op) total += p.wire_bytes;
-  return total;
-}
-
 Communicator::Communicator(int rank, int size, std::string name, CommOptions options)
     : rank_(rank), size_(size), name_(std::move(name)), options_(options) {}
 

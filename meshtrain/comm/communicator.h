@@ -51,7 +51,6 @@ struct CommStats {
   std::array<PerOp, static_cast<size_t>(OpKind::kSplit) + 1> per_op{};
 
   const PerOp& operator[](OpKind kind) const { return per_op[static_cast<size_t>(kind)]; }
-  int64_t total_wire_bytes() const;
 };
 
 // Note [Communicator contract]

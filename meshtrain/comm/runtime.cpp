@@ -104,7 +104,8 @@ void Runtime::abort(int code, const std::string& message) const {
   // Errors from communicators already name the rank; say it once.
   std::string text = message;
   const std::string own = "rank " + std::to_string(rank()) + ": ";
-  for (size_t at = text.find(own); at != std::string::npos && at < 16; at = text.find(own)) text.erase(at, own.size());
+  const size_t at = text.find(own);
+  if (at != std::string::npos && at < 16) text.erase(at, own.size());  // after an "error: " prefix at most
   std::fprintf(stderr, "meshtrain: rank %d: %s\n", rank(), text.c_str());
   std::fflush(stderr);
   abort_job(code);

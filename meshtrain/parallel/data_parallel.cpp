@@ -14,7 +14,6 @@ struct DataParallel::State {
     at::Tensor flat;
     std::vector<at::Tensor> params;
     int64_t ready = 0;
-    bool issued = false;
     comm::Work work;
   };
 
@@ -37,7 +36,6 @@ struct DataParallel::State {
   void issue_locked(size_t index) {
     Bucket& bucket = buckets[index];
     bucket.work = comm->all_reduce(bucket.flat, comm::ReduceOp::kAvg);
-    bucket.issued = true;
   }
 
   void mark_ready(size_t index) {
@@ -149,7 +147,6 @@ void DataParallel::finish() {
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (auto& bucket : state_->buckets) {
     bucket.ready = 0;
-    bucket.issued = false;
     bucket.work = comm::Work();
   }
   state_->next_to_issue = 0;

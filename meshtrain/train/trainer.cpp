@@ -36,7 +36,7 @@ void on_rank0_or_all_fail(comm::Communicator& comm, const std::function<void()>&
   at::Tensor text = at::empty({length.item<int64_t>()}, at::kByte);
   if (comm.rank() == 0) std::memcpy(text.data_ptr(), error.data(), error.size());
   comm.broadcast(text, 0).wait();
-  throw DataError(std::string(static_cast<const char*>(text.data_ptr()), text.numel()));
+  throw std::runtime_error(std::string(static_cast<const char*>(text.data_ptr()), text.numel()));
 }
 
 // fp32 GEMM rate of one rank with its threads: 2·n³ / t for n = 1024, best of 3.
@@ -122,7 +122,11 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
 
   model_ = model::Gpt(config_.model, config_.seed);
   data_parallel_ = std::make_unique<parallel::DataParallel>(
-      *model_, dp_, parallel::DataParallelOptions{config_.bucket_mb << 20, std::min<int64_t>(config_.bucket_mb, 1) << 20});
+      *model_, dp_, [&] {
+        parallel::DataParallelOptions options;
+        options.bucket_bytes = config_.bucket_mb << 20;
+        return options;
+      }());
 
   // Weight decay on matrices and embeddings, not on biases and norm weights.
   std::vector<at::Tensor> decayed, undecayed;
@@ -150,6 +154,10 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
   at::Tensor peak = at::full({1}, measure_matmul_peak(), at::kDouble);
   dp_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
   peak_flops_ = peak.item<double>();
+}
+
+double Trainer::mfu(double tokens_per_second) const {
+  return config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * dp_->size());
 }
 
 std::string Trainer::model_fingerprint() const {
@@ -221,13 +229,12 @@ void Trainer::log_metrics(const StepResult& result, std::optional<double> val_lo
   at::Tensor mine = at::full({1}, peak_rss_mib(), at::kDouble);
   dp_->all_gather(rss, mine).wait();
   if (dp_->rank() != 0) return;
-  const double mfu = config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * dp_->size());
   nlohmann::json line = {{"step", result.step},
                          {"loss", result.loss},
                          {"lr", result.lr},
                          {"grad_norm", result.grad_norm},
                          {"tokens_per_s", tokens_per_second},
-                         {"mfu", mfu},
+                         {"mfu", mfu(tokens_per_second)},
                          {"step_seconds", result.seconds},
                          {"peak_rss_mib", std::vector<double>(rss.data_ptr<double>(), rss.data_ptr<double>() + rss.numel())}};
   if (val_loss) line["val_loss"] = *val_loss;
@@ -266,12 +273,11 @@ void Trainer::run() {
       if (leader) {
         const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
         const double eta = elapsed / (step_ - first_step) * (config_.steps - step_);
-        const double mfu = config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * dp_->size());
         char val[32] = "";
         if (val_loss) std::snprintf(val, sizeof val, " | val %.4f", *val_loss);
         std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | ETA %s\n",
                     (long long)step_, (long long)config_.steps, result.loss, val, result.lr, result.grad_norm,
-                    tokens_per_second, 100 * mfu, human_duration(eta).c_str());
+                    tokens_per_second, 100 * mfu(tokens_per_second), human_duration(eta).c_str());
         std::fflush(stdout);
       }
     }

@@ -47,8 +47,10 @@ class Trainer {
   const parallel::DataParallel& data_parallel() const { return *data_parallel_; }
   const TrainConfig& config() const { return config_; }
   std::string model_fingerprint() const;
-  // Tokens/s at which one rank's measured fp32 matmul peak would be reached.
+  // One rank's fp32 matmul rate (FLOP/s), measured at construction.
   double peak_flops_per_rank() const { return peak_flops_; }
+  // Model FLOPs utilisation at `tokens_per_second` over all ranks.
+  double mfu(double tokens_per_second) const;
 
  private:
   void log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second);
