@@ -89,7 +89,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Work reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                       ReduceOp reduce = ReduceOp::kSum, std::vector<int64_t> counts = {});
   // Concatenates every rank's `input` along dim 0 into `output` (rank order);
-  // evenly, or with `counts[r]` rows from rank r.
+  // evenly, or with `counts[r]` rows from rank r. `input` may be this rank's own
+  // block of `output` (an in-place gather: nothing is copied for it).
   Work all_gather(const at::Tensor& output, const at::Tensor& input, std::vector<int64_t> counts = {});
   // In place: every rank ends with rank `root`'s `tensor`.
   Work broadcast(const at::Tensor& tensor, int root);

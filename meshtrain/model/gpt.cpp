@@ -16,7 +16,8 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t half = x.size(-1) / 2;
   const int64_t t = x.size(-2);
-  const at::Tensor c = cos.narrow(0, 0, t), s = sin.narrow(0, 0, t);
+  // Tables in the activations' dtype (bfloat16 parameters give bfloat16 activations).
+  const at::Tensor c = cos.narrow(0, 0, t).to(x.scalar_type()), s = sin.narrow(0, 0, t).to(x.scalar_type());
   const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
   return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
 }
@@ -128,17 +129,27 @@ void GptImpl::initialise(uint64_t seed) {
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= config_.context, "sequence of ", t, " tokens is longer than the model's context ", config_.context);
-  at::Tensor x = wte->forward(tokens);
+  const at::Tensor input = hooks_ ? hooks_->before("", tokens) : tokens;
+  at::Tensor x = wte->forward(input);
   if (wpe) x = x + wpe->forward(at::arange(t, tokens.options()));
   x = at::dropout(x, config_.dropout, is_training());
-  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    if (!hooks_) {
+      x = blocks->ptr(i)->as<Block>()->forward(x);
+      continue;
+    }
+    const std::string name = "blocks." + std::to_string(i);
+    x = hooks_->after(name, blocks->ptr(i)->as<Block>()->forward(hooks_->before(name, x)));
+  }
   x = norm_f->forward(x);
-  return head ? head->forward(x) : at::linear(x, wte->weight);
+  const at::Tensor logits = head ? head->forward(x) : at::linear(x, wte->weight);
+  return hooks_ ? hooks_->after("", logits) : logits;
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
   const at::Tensor logits = forward(tokens);
-  return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}), targets.reshape({-1}));
+  // In fp32 whatever the parameters' dtype: the log-softmax over the vocabulary needs the range.
+  return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
 }
 
 }  // namespace meshtrain::model

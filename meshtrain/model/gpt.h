@@ -61,6 +61,17 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// Called around the model's forward (module "") and each block's
+// ("blocks.N"), in execution order; a hook may return a different tensor (one
+// with a backward hook attached, say). The parallel layer uses them: fully
+// sharded units gather their parameters before and free them after.
+class ForwardHooks {
+ public:
+  virtual ~ForwardHooks() = default;
+  virtual at::Tensor before(const std::string& module, const at::Tensor& input) = 0;
+  virtual at::Tensor after(const std::string& module, const at::Tensor& output) = 0;
+};
+
 class GptImpl : public torch::nn::Module {
  public:
   // Builds the modules and initialises every parameter from `seed` alone
@@ -72,6 +83,8 @@ class GptImpl : public torch::nn::Module {
   // Mean next-token cross-entropy of `targets` [B, T].
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
   const GptConfig& config() const { return config_; }
+  // Hooks around forward passes (nullptr: none).
+  void set_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { hooks_ = std::move(hooks); }
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -82,6 +95,7 @@ class GptImpl : public torch::nn::Module {
   void initialise(uint64_t seed);
 
   GptConfig config_;
+  std::shared_ptr<ForwardHooks> hooks_;
 };
 TORCH_MODULE(Gpt);
 

@@ -1,5 +1,6 @@
 #include "meshtrain/train/checkpoint.h"
 
+#include "meshtrain/comm/agree.h"
 #include "meshtrain/util/files.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -9,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace meshtrain::train {
@@ -65,39 +67,45 @@ void write_text_atomically(const std::string& path, const std::string& text) {
 
 CheckpointStore::CheckpointStore(std::string dir, int64_t keep) : dir_(std::move(dir)), keep_(std::max<int64_t>(1, keep)) {}
 
-void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
-                           torch::optim::Optimizer& optimizer) const {
+void write_model_archive(const std::string& path, const std::map<std::string, at::Tensor>& parameters,
+                         const std::map<std::string, at::Tensor>& buffers) {
+  torch::serialize::OutputArchive archive;
+  for (const auto& [name, value] : parameters) archive.write(name, value.detach());
+  for (const auto& [name, value] : buffers) archive.write("buffer." + name, value);
+  archive.write("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  archive.save_to(path);
+}
+
+namespace {
+
+json file_entry(const std::string& path) {
+  int64_t bytes = 0;
+  const std::string hash = fnv1a64(path, bytes);
+  util::fsync_path(path);
+  return {{"bytes", bytes}, {"fnv1a64", hash}};
+}
+
+}  // namespace
+
+std::string CheckpointStore::prepare_staging(int64_t step) const {
   util::make_directories(dir_);
-  const std::string name = step_name(meta.step);
-  const std::string staging = util::join_path(dir_, ".incomplete-" + name);
-  const std::string final_dir = util::join_path(dir_, name);
+  const std::string staging = util::join_path(dir_, ".incomplete-" + step_name(step));
   util::remove_tree(staging);
   util::make_directories(staging);
-  auto in_staging = [&](const std::string& file) { return util::join_path(staging, file); };
+  return staging;
+}
 
-  {
-    torch::serialize::OutputArchive archive;
-    for (const auto& item : model.named_parameters()) archive.write(item.key(), item.value().detach());
-    for (const auto& item : model.named_buffers()) archive.write("buffer." + item.key(), item.value());
-    archive.write("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
-    archive.save_to(in_staging("model.pt"));
-  }
-  maybe_fail_after("model.pt");
-  torch::save(optimizer, in_staging("optimizer.pt"));
-  maybe_fail_after("optimizer.pt");
-
+void CheckpointStore::publish(const CheckpointMeta& meta, const std::string& staging, const std::string& files) const {
+  const std::string name = step_name(meta.step);
+  const std::string final_dir = util::join_path(dir_, name);
   json manifest = {{"format", kFormat},
                    {"step", meta.step},
                    {"cursor", meta.cursor},
                    {"model", meta.model},
-                   {"model_config", meta.model_config.empty() ? json::object() : json::parse(meta.model_config)}};
-  for (const char* file : {"model.pt", "optimizer.pt"}) {
-    int64_t bytes = 0;
-    const std::string hash = fnv1a64(in_staging(file), bytes);
-    manifest["files"][file] = {{"bytes", bytes}, {"fnv1a64", hash}};
-    util::fsync_path(in_staging(file));
-  }
-  write_text_atomically(in_staging("MANIFEST.json"), manifest.dump(2) + "\n");
+                   {"model_config", meta.model_config.empty() ? json::object() : json::parse(meta.model_config)},
+                   {"layout", meta.layout},
+                   {"files", json::parse(files)}};
+  write_text_atomically(util::join_path(staging, "MANIFEST.json"), manifest.dump(2) + "\n");
   util::fsync_path(staging);
 
   util::remove_tree(final_dir);  // re-saving the same step
@@ -115,6 +123,44 @@ void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
   for (size_t i = 0; i + keep_ < complete.size(); ++i) {
     if (complete[i] != name) util::remove_tree(util::join_path(dir_, complete[i]));
   }
+}
+
+void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
+                           torch::optim::Optimizer& optimizer) const {
+  const std::string staging = prepare_staging(meta.step);
+  auto in_staging = [&](const std::string& file) { return util::join_path(staging, file); };
+  std::map<std::string, at::Tensor> parameters, buffers;
+  for (const auto& item : model.named_parameters()) parameters[item.key()] = item.value();
+  for (const auto& item : model.named_buffers()) buffers[item.key()] = item.value();
+  write_model_archive(in_staging("model.pt"), parameters, buffers);
+  maybe_fail_after("model.pt");
+  torch::save(optimizer, in_staging("optimizer.pt"));
+  maybe_fail_after("optimizer.pt");
+  json files;
+  for (const char* file : {"model.pt", "optimizer.pt"}) files[file] = file_entry(in_staging(file));
+  publish(meta, staging, files.dump());
+}
+
+void CheckpointStore::save_collective(const CheckpointMeta& meta, comm::Communicator& comm,
+                                      const std::function<std::vector<std::string>(const std::string&)>& write) const {
+  std::string staging;
+  comm::on_root_or_all_fail(comm, 0, [&] { prepare_staging(meta.step); });
+  staging = util::join_path(dir_, ".incomplete-" + step_name(meta.step));
+  std::string entries;
+  comm::on_all_or_all_fail(comm, [&] {
+    json files = json::object();
+    for (const std::string& file : write(staging)) {
+      maybe_fail_after(file);
+      files[file] = file_entry(util::join_path(staging, file));
+    }
+    entries = files.dump();
+  });
+  const std::vector<std::string> all = comm::all_gather_strings(comm, entries);
+  comm::on_root_or_all_fail(comm, 0, [&] {
+    json files = json::object();
+    for (const std::string& text : all) files.update(json::parse(text));
+    publish(meta, staging, files.dump());
+  });
 }
 
 std::string CheckpointStore::latest() const {
@@ -166,6 +212,7 @@ CheckpointMeta CheckpointStore::read_meta(const std::string& folder) {
   meta.cursor = manifest.at("cursor").get<int64_t>();
   meta.model = manifest.at("model").get<std::string>();
   meta.model_config = manifest.value("model_config", json::object()).dump();
+  meta.layout = manifest.value("layout", std::string());
   return meta;
 }
 

@@ -2,7 +2,13 @@
 // atomically, verified on load. See Note [Checkpoint atomicity].
 #pragma once
 
+#include "meshtrain/comm/communicator.h"
+
 #include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <vector>
 
 #include <cstdint>
 #include <stdexcept>
@@ -31,7 +37,13 @@ struct CheckpointMeta {
   int64_t cursor = 0;   // sampler stream position of the next batch
   std::string model;    // a fingerprint of the model shape, checked on load
   std::string model_config;  // the model's GptConfig as JSON (see model_config_to_json)
+  std::string layout;        // sharded checkpoints: the layout their shard files need ("" otherwise)
 };
+
+// A model.pt as save() writes it: parameters by name, buffers as "buffer.NAME",
+// the CPU generator's state.
+void write_model_archive(const std::string& path, const std::map<std::string, at::Tensor>& parameters,
+                         const std::map<std::string, at::Tensor>& buffers);
 
 class CheckpointStore {
  public:
@@ -40,6 +52,14 @@ class CheckpointStore {
   // Writes model parameters and buffers, the optimizer state, the default CPU
   // generator's state and `meta`. Call on one rank (the state is replicated).
   void save(const CheckpointMeta& meta, torch::nn::Module& model, torch::optim::Optimizer& optimizer) const;
+  // Collective over `comm` (sharded states): every rank writes its own files
+  // into the staging folder given to `write`, which returns their names; each
+  // file's size and checksum, taken by the rank that wrote it, go into the
+  // manifest, which rank 0 writes before publishing as save() does. A failure
+  // on any rank fails the save on every rank and leaves earlier checkpoints as
+  // they were.
+  void save_collective(const CheckpointMeta& meta, comm::Communicator& comm,
+                       const std::function<std::vector<std::string>(const std::string& staging)>& write) const;
   // The newest complete checkpoint folder, or "" when there is none.
   std::string latest() const;
   // The manifest of a checkpoint folder, verified (files present, sizes and checksums).
@@ -52,6 +72,10 @@ class CheckpointStore {
   const std::string& dir() const { return dir_; }
 
  private:
+  std::string prepare_staging(int64_t step) const;  // a fresh DIR/.incomplete-step-N
+  // Writes the manifest (`files`: JSON object of file -> size and checksum), renames, points `latest`, prunes.
+  void publish(const CheckpointMeta& meta, const std::string& staging, const std::string& files) const;
+
   std::string dir_;
   int64_t keep_;
 };

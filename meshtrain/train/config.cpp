@@ -155,8 +155,27 @@ const std::vector<Field>& fields() {
     f.push_back(field("training", "log_every", "steps between progress lines", MESHTRAIN_CONFIG_MEMBER(log_every)));
     f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
                       MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
-    f.push_back(field("parallel", "dp", "data-parallel ranks (0: all ranks)", MESHTRAIN_CONFIG_MEMBER(dp)));
-    f.push_back(field("parallel", "bucket_mb", "gradient all-reduce bucket size in MiB", MESHTRAIN_CONFIG_MEMBER(bucket_mb)));
+    f.push_back(field("parallel", "dp", "replicas: data-parallel ranks holding the same shards (0: derived)",
+                      MESHTRAIN_CONFIG_MEMBER(dp)));
+    f.push_back(field("parallel", "fsdp", "shards per replica when zero_stage >= 1; dp x fsdp = ranks (0: derived)",
+                      MESHTRAIN_CONFIG_MEMBER(fsdp)));
+    f.push_back(field("parallel", "zero_stage",
+                      "0: data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters (FSDP)",
+                      MESHTRAIN_CONFIG_MEMBER(zero_stage)));
+    f.push_back(field("parallel", "bucket_mb", "gradient all-reduce bucket size in MiB (zero_stage 0)",
+                      MESHTRAIN_CONFIG_MEMBER(bucket_mb)));
+    f.push_back(field("parallel", "unit_policy", "sharded units: \"block\" (one per transformer block + root) or \"model\"",
+                      MESHTRAIN_CONFIG_MEMBER(unit_policy)));
+    f.push_back(field("parallel", "prefetch", "zero_stage 3: gather the next unit while this one computes",
+                      MESHTRAIN_CONFIG_MEMBER(prefetch)));
+    f.push_back(field("parallel", "reshard_after_forward", "zero_stage 3: free a block's parameters after its forward",
+                      MESHTRAIN_CONFIG_MEMBER(reshard_after_forward)));
+    f.push_back(field("parallel", "param_dtype", "zero_stage >= 1: \"float32\" or \"bfloat16\" parameters for compute "
+                      "(fp32 master shards)", MESHTRAIN_CONFIG_MEMBER(param_dtype)));
+    f.push_back(field("parallel", "reduce_dtype", "zero_stage >= 1: \"float32\" or \"bfloat16\" gradient reductions",
+                      MESHTRAIN_CONFIG_MEMBER(reduce_dtype)));
+    f.push_back(field("memory", "limit_mb", "per-rank limit on CPU tensor memory; beyond it a clear out-of-memory "
+                      "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
     f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
                       MESHTRAIN_CONFIG_MEMBER(checkpoint_dir)));
     f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",
@@ -326,20 +345,42 @@ void TrainConfig::validate(int world_size) {
   if (steps < 1) bad("training.steps", std::to_string(steps), "must be >= 1");
   if (micro_batch < 1) bad("training.micro_batch", std::to_string(micro_batch), "must be >= 1");
   if (batch < 1) bad("training.batch", std::to_string(batch), "must be >= 1");
-  if (dp < 0) bad("parallel.dp", std::to_string(dp), "must be >= 0 (0: all ranks)");
-  const int64_t ranks = dp == 0 ? world_size : dp;
-  if (ranks != world_size) {
-    bad("parallel.dp", std::to_string(dp),
-        "dp(" + std::to_string(dp) + ") = " + std::to_string(dp) + " != world size " + std::to_string(world_size) +
-            "; data parallel is the only layout so far, so dp must equal the number of ranks (or 0)");
+  if (zero_stage < 0 || zero_stage > 3) bad("parallel.zero_stage", std::to_string(zero_stage), "must be 0, 1, 2 or 3");
+  if (dp < 0) bad("parallel.dp", std::to_string(dp), "must be >= 0 (0: derived from the world size)");
+  if (fsdp < 0) bad("parallel.fsdp", std::to_string(fsdp), "must be >= 0 (0: derived from the world size)");
+  if (zero_stage == 0 && fsdp > 1) {
+    bad("parallel.fsdp", std::to_string(fsdp), "shards need parallel.zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   }
-  dp = ranks;
-  if (batch % (micro_batch * dp) != 0) {
+  // Unset axes (0) take the ranks the others leave: all shards for
+  // zero_stage >= 1, all replicas for plain data parallel.
+  const int64_t given_dp = dp, given_fsdp = fsdp;
+  if (zero_stage == 0) fsdp = 1;
+  if (dp == 0 && fsdp == 0) fsdp = world_size;
+  if (dp == 0 && world_size % fsdp == 0) dp = world_size / fsdp;
+  if (fsdp == 0 && world_size % dp == 0) fsdp = world_size / dp;
+  if (dp * fsdp != world_size) {
+    bad("parallel.dp", std::to_string(given_dp),
+        "with parallel.fsdp = " + std::to_string(given_fsdp) + ": dp(" + std::to_string(dp) + ") * fsdp(" +
+            std::to_string(fsdp) + ") must equal the world size " + std::to_string(world_size) +
+            " (an axis left at 0 takes the ranks the other leaves)");
+  }
+  if (batch % (micro_batch * data_ranks()) != 0) {
     bad("training.batch", std::to_string(batch),
         "must be divisible by training.micro_batch (" + std::to_string(micro_batch) + ") x dp (" + std::to_string(dp) +
-            ") = " + std::to_string(micro_batch * dp));
+            ") x fsdp (" + std::to_string(fsdp) + ") = " + std::to_string(micro_batch * data_ranks()));
   }
-  grad_accum = batch / (micro_batch * dp);
+  if (unit_policy != "block" && unit_policy != "model") {
+    bad("parallel.unit_policy", "\"" + unit_policy + "\"", "use \"block\" or \"model\"");
+  }
+  for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"parallel.param_dtype", param_dtype},
+                                   {"parallel.reduce_dtype", reduce_dtype}}) {
+    if (value != "float32" && value != "bfloat16") bad(key, "\"" + value + "\"", "use \"float32\" or \"bfloat16\"");
+    if (value != "float32" && zero_stage == 0) {
+      bad(key, "\"" + value + "\"", "applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
+    }
+  }
+  if (memory_limit_mb < 0) bad("memory.limit_mb", std::to_string(memory_limit_mb), "must be >= 0 (0: no limit)");
+  grad_accum = batch / (micro_batch * data_ranks());
   if (!(lr > 0)) bad("training.lr", std::to_string(lr), "must be > 0");
   if (min_lr < 0 || min_lr > lr) bad("training.min_lr", std::to_string(min_lr), "must be in [0, training.lr]");
   if (warmup < 0) bad("training.warmup", std::to_string(warmup), "must be >= 0");

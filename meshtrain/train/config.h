@@ -45,8 +45,17 @@ struct TrainConfig {
   int64_t log_every = 1;
   int64_t sample_tokens = 300;  // generated at the end of training (0: none)
   // [parallel]
-  int64_t dp = 0;            // data-parallel ranks; 0: all ranks
+  int64_t dp = 0;            // replicas (the dp axis); 0: derived, see validate()
+  int64_t fsdp = 0;          // shards (the fsdp axis) for zero_stage >= 1; 0: derived
   int64_t bucket_mb = 25;
+  int64_t zero_stage = 0;    // 0: data parallel; 1: optimizer states, 2: + gradients, 3: + parameters sharded
+  std::string unit_policy = "block";  // fully sharded units: "block" or "model"
+  bool prefetch = true;
+  bool reshard_after_forward = true;
+  std::string param_dtype = "float32";   // zero_stage >= 1: dtype of forward/backward
+  std::string reduce_dtype = "float32";  // zero_stage >= 1: dtype of gradient reductions
+  // [memory]
+  int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]
   std::string checkpoint_dir;  // default: out/checkpoints
   int64_t checkpoint_every = 0;  // 0: only at the end
@@ -57,6 +66,7 @@ struct TrainConfig {
 
   // Derived, after validate(world_size).
   int64_t grad_accum = 1;
+  int64_t data_ranks() const { return dp * fsdp; }  // ranks that each read their own micro-batches
 
   // Loads `path` (empty: defaults only), then applies overrides ("section.key=value").
   static TrainConfig load(const std::string& path, const std::vector<std::string>& overrides);

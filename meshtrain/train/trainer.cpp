@@ -1,5 +1,6 @@
 #include "meshtrain/train/trainer.h"
 
+#include "meshtrain/comm/agree.h"
 #include "meshtrain/comm/watchdog.h"
 #include "meshtrain/model/generate.h"
 #include "meshtrain/util/files.h"
@@ -18,26 +19,6 @@ namespace meshtrain::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Runs `work` on rank 0 only; if it throws, every rank throws the same message
-// (so a bad input on rank 0 never leaves the others waiting).
-void on_rank0_or_all_fail(comm::Communicator& comm, const std::function<void()>& work) {
-  std::string error;
-  if (comm.rank() == 0) {
-    try {
-      work();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
-  at::Tensor length = at::full({1}, static_cast<int64_t>(error.size()), at::kLong);
-  comm.broadcast(length, 0).wait();
-  if (length.item<int64_t>() == 0) return;
-  at::Tensor text = at::empty({length.item<int64_t>()}, at::kByte);
-  if (comm.rank() == 0) std::memcpy(text.data_ptr(), error.data(), error.size());
-  comm.broadcast(text, 0).wait();
-  throw std::runtime_error(std::string(static_cast<const char*>(text.data_ptr()), text.numel()));
-}
 
 // fp32 GEMM rate of one rank with its threads: 2·n³ / t for n = 1024, best of 3.
 double measure_matmul_peak() {
@@ -100,7 +81,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
   // Data: token files as given, or the configured text prepared once by rank 0.
   if (config_.train_file.empty()) {
     const std::string data_dir = config_.out + "/data";
-    on_rank0_or_all_fail(*dp_, [&] {
+    comm::on_root_or_all_fail(*dp_, 0, [&] {
       const PrepareResult prepared = prepare(config_.text, data_dir, config_.val_fraction);
       std::printf("meshtrain: prepared %zu text file(s) into %s: %lld training and %lld validation tokens\n",
                   prepared.sources.size(), data_dir.c_str(), static_cast<long long>(prepared.train_tokens),
@@ -120,40 +101,88 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
   train_sampler_ = std::make_unique<Sampler>(*train_file_, config_.model.context, config_.seed, /*shuffle=*/true);
   val_sampler_ = std::make_unique<Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
 
-  model_ = model::Gpt(config_.model, config_.seed);
-  data_parallel_ = std::make_unique<parallel::DataParallel>(
-      *model_, dp_, [&] {
-        parallel::DataParallelOptions options;
-        options.bucket_bytes = config_.bucket_mb << 20;
-        return options;
-      }());
+  memory::install();
+  memory::set_rank(dp_->rank());
+  previous_limit_ = memory::limit();
+  if (config_.memory_limit_mb > 0) memory::set_limit(config_.memory_limit_mb << 20);
 
-  // Weight decay on matrices and embeddings, not on biases and norm weights.
-  std::vector<at::Tensor> decayed, undecayed;
-  for (const at::Tensor& p : model_->parameters()) (p.dim() >= 2 ? decayed : undecayed).push_back(p);
-  auto options = [&](double decay) {
-    auto o = std::make_unique<torch::optim::AdamWOptions>(config_.lr);
-    o->betas({config_.beta1, config_.beta2}).weight_decay(decay).eps(1e-8);
-    return o;
-  };
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decayed, options(config_.weight_decay));
-  groups.emplace_back(undecayed, options(0.0));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), *options(config_.weight_decay));
+  model_ = model::Gpt(config_.model, config_.seed);
+  if (config_.zero_stage == 0) {
+    data_parallel_ = std::make_unique<parallel::DataParallel>(*model_, dp_, [&] {
+      parallel::DataParallelOptions options;
+      options.bucket_bytes = config_.bucket_mb << 20;
+      return options;
+    }());
+    // Weight decay on matrices and embeddings, not on biases and norm weights.
+    std::vector<at::Tensor> decayed, undecayed;
+    for (const at::Tensor& p : model_->parameters()) (p.dim() >= 2 ? decayed : undecayed).push_back(p);
+    auto options = [&](double decay) {
+      auto o = std::make_unique<torch::optim::AdamWOptions>(config_.lr);
+      o->betas({config_.beta1, config_.beta2}).weight_decay(decay).eps(1e-8);
+      return o;
+    };
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decayed, options(config_.weight_decay));
+    groups.emplace_back(undecayed, options(0.0));
+    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), *options(config_.weight_decay));
+  } else {
+    mesh_ = std::make_unique<mesh::DeviceMesh>(
+        dp_, mesh::MeshLayout::from_degrees({{"dp", static_cast<int>(config_.dp)}, {"fsdp", static_cast<int>(config_.fsdp)}},
+                                            dp_->size()));
+    parallel::FullyShardedOptions options;
+    options.stage = static_cast<int>(config_.zero_stage);
+    options.unit_policy = config_.unit_policy;
+    options.prefetch = config_.prefetch;
+    options.reshard_after_forward = config_.reshard_after_forward;
+    options.param_dtype = parallel::parse_dtype(config_.param_dtype);
+    options.reduce_dtype = parallel::parse_dtype(config_.reduce_dtype);
+    options.adamw = {config_.lr, config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
+    sharded_ = std::make_unique<parallel::FullySharded>(
+        model_, parallel::ShardingGroups{mesh_->comm("fsdp"), mesh_->comm("dp"), dp_}, options);
+  }
 
   if (config_.resume) {
     const std::string latest = checkpoints_.latest();
-    if (!latest.empty()) {
-      const CheckpointMeta meta = checkpoints_.load(latest, *model_, optimizer_.get(), model_fingerprint());
-      step_ = meta.step;
-      cursor_ = meta.cursor;
-      resumed_ = true;
-    }
+    if (!latest.empty()) load_checkpoint(latest);
   }
 
   at::Tensor peak = at::full({1}, measure_matmul_peak(), at::kDouble);
   dp_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
   peak_flops_ = peak.item<double>();
+}
+
+Trainer::~Trainer() { memory::set_limit(previous_limit_); }
+
+void Trainer::load_checkpoint(const std::string& folder) {
+  CheckpointMeta meta;
+  if (!sharded_) {
+    meta = checkpoints_.load(folder, *model_, optimizer_.get(), model_fingerprint());
+  } else {
+    comm::on_all_or_all_fail(*dp_, [&] {
+      meta = CheckpointStore::read_meta(folder);
+      if (meta.model != model_fingerprint()) {
+        throw CheckpointError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
+                              model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
+      }
+      if (meta.layout != sharded_->layout()) {
+        throw CheckpointError("checkpoint " + folder + " was saved with layout '" +
+                              (meta.layout.empty() ? std::string("zero_stage=0") : meta.layout) + "', this run is '" +
+                              sharded_->layout() + "'; resume with the same parallel settings and rank count, or set "
+                              "checkpoint.resume = false (its model.pt holds the full parameters)");
+      }
+    });
+    sharded_->load_shard(util::join_path(folder, "shard-rank-" + std::to_string(dp_->rank()) + ".pt"));
+  }
+  step_ = meta.step;
+  cursor_ = meta.cursor;
+  resumed_ = true;
+}
+
+std::map<std::string, at::Tensor> Trainer::full_parameters() {
+  if (sharded_) return sharded_->full_state_dict(-1);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model_->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
 }
 
 double Trainer::mfu(double tokens_per_second) const {
@@ -171,40 +200,60 @@ std::string Trainer::model_fingerprint() const {
 StepResult Trainer::step() {
   const auto start = Clock::now();
   comm::WatchdogContext context("step " + std::to_string(step_ + 1));
+  memory::reset_peaks();
   StepResult result;
   result.lr = learning_rate(config_, step_);
-  for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
 
-  data_parallel_->zero_grad();
+  if (sharded_) sharded_->zero_grad();
+  else data_parallel_->zero_grad();
   double loss_sum = 0;
   const int64_t micro = config_.micro_batch, ranks = dp_->size();
   for (int64_t a = 0; a < config_.grad_accum; ++a) {
-    data_parallel_->set_sync(a == config_.grad_accum - 1);
+    const bool last = a == config_.grad_accum - 1;
+    if (sharded_) sharded_->set_sync(last);
+    else data_parallel_->set_sync(last);
     auto [inputs, targets] = train_sampler_->rows(cursor_ + (a * ranks + dp_->rank()) * micro, micro);
     at::Tensor loss;
     {
+      memory::PhaseScope phase(memory::Phase::kForward);
       Autocast autocast(config_.dtype == "bfloat16");
       loss = model_->loss(inputs, targets) / static_cast<double>(config_.grad_accum);
     }
-    loss.backward();
+    {
+      memory::PhaseScope phase(memory::Phase::kBackward);
+      loss.backward();
+      if (sharded_) sharded_->after_backward();
+    }
     loss_sum += loss.item<double>();
   }
-  data_parallel_->finish();
   cursor_ += config_.batch;
 
-  const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
-  result.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
-  optimizer_->step();
+  {
+    memory::PhaseScope phase(memory::Phase::kOptimizer);
+    const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
+    if (sharded_) {
+      result.grad_norm = sharded_->clip_grad_norm(config_.grad_clip);
+      sharded_->step(result.lr);
+    } else {
+      data_parallel_->finish();
+      result.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+      for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
+      optimizer_->step();
+    }
+  }
 
   at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
   dp_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
   result.loss = loss.item<double>();
   result.step = ++step_;
+  result.memory.model_states = memory::current_bytes();
+  for (int p = 0; p < memory::kPhaseCount; ++p) result.memory.phase_peak[p] = memory::phase_peak_bytes(memory::Phase(p));
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
 }
 
 double Trainer::evaluate() {
+  memory::PhaseScope phase(memory::Phase::kEval);
   torch::NoGradGuard no_grad;
   model_->eval();
   double total = 0;
@@ -221,14 +270,50 @@ double Trainer::evaluate() {
 }
 
 void Trainer::save_checkpoint() {
-  on_rank0_or_all_fail(*dp_, [&] { checkpoints_.save({step_, cursor_, model_fingerprint(), model_config_to_json(config_.model)}, *model_, *optimizer_); });
+  memory::PhaseScope phase(memory::Phase::kCheckpoint);
+  CheckpointMeta meta{step_, cursor_, model_fingerprint(), model_config_to_json(config_.model), ""};
+  if (!sharded_) {
+    comm::on_root_or_all_fail(*dp_, 0, [&] { checkpoints_.save(meta, *model_, *optimizer_); });
+    return;
+  }
+  // Every rank its shard file; rank 0 also the full parameters (model.pt, what
+  // `meshtrain generate` and exports read).
+  meta.layout = sharded_->layout();
+  const std::map<std::string, at::Tensor> full = sharded_->full_state_dict(0);
+  checkpoints_.save_collective(meta, *dp_, [&](const std::string& staging) {
+    std::vector<std::string> files;
+    const std::string shard = "shard-rank-" + std::to_string(dp_->rank()) + ".pt";
+    sharded_->save_shard(util::join_path(staging, shard));
+    files.push_back(shard);
+    if (dp_->rank() == 0) {
+      std::map<std::string, at::Tensor> buffers;
+      for (const auto& item : model_->named_buffers()) buffers[item.key()] = item.value();
+      write_model_archive(util::join_path(staging, "model.pt"), full, buffers);
+      files.push_back("model.pt");
+    }
+    return files;
+  });
 }
 
 void Trainer::log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second) {
-  at::Tensor rss = at::full({dp_->size()}, 0.0, at::kDouble);
-  at::Tensor mine = at::full({1}, peak_rss_mib(), at::kDouble);
-  dp_->all_gather(rss, mine).wait();
+  // Per rank, in MiB: peak RSS, then the counted tensor memory of the step.
+  constexpr double kMiB = 1048576.0;
+  const memory::DeviceStats device = memory::device_stats(dp_->device());
+  const std::vector<double> mine = {peak_rss_mib(),
+                                    result.memory.model_states / kMiB,
+                                    result.memory.phase_peak[int(memory::Phase::kForward)] / kMiB,
+                                    result.memory.phase_peak[int(memory::Phase::kBackward)] / kMiB,
+                                    result.memory.phase_peak[int(memory::Phase::kOptimizer)] / kMiB,
+                                    device.peak / kMiB};
+  const int64_t fields = static_cast<int64_t>(mine.size());
+  at::Tensor all = at::empty({dp_->size() * fields}, at::kDouble);
+  dp_->all_gather(all, at::tensor(mine, at::kDouble)).wait();
   if (dp_->rank() != 0) return;
+  auto column = [&](int64_t field) {
+    std::vector<double> values;
+    for (int r = 0; r < dp_->size(); ++r) values.push_back(std::round(all[r * fields + field].item<double>() * 100) / 100);
+    return values;
+  };
   nlohmann::json line = {{"step", result.step},
                          {"loss", result.loss},
                          {"lr", result.lr},
@@ -236,7 +321,12 @@ void Trainer::log_metrics(const StepResult& result, std::optional<double> val_lo
                          {"tokens_per_s", tokens_per_second},
                          {"mfu", mfu(tokens_per_second)},
                          {"step_seconds", result.seconds},
-                         {"peak_rss_mib", std::vector<double>(rss.data_ptr<double>(), rss.data_ptr<double>() + rss.numel())}};
+                         {"peak_rss_mib", column(0)},
+                         {"memory_mib", {{"model_states", column(1)},
+                                         {"forward_peak", column(2)},
+                                         {"backward_peak", column(3)},
+                                         {"optimizer_peak", column(4)}}}};
+  if (device.peak > 0) line["memory_mib"]["device_peak"] = column(5);
   if (val_loss) line["val_loss"] = *val_loss;
   metrics_ << line.dump() << "\n";
   metrics_.flush();
@@ -248,8 +338,17 @@ void Trainer::run() {
     util::make_directories(config_.out);
     metrics_.open(config_.out + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
     const int64_t tokens_per_step = config_.batch * config_.model.context;
-    std::printf("meshtrain: training %s (%s, %.2fM parameters) on %d rank(s), data parallel\n", config_.preset.c_str(),
-                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, dp_->size());
+    std::string layout = "data parallel";
+    if (sharded_) {
+      layout = "ZeRO stage " + std::to_string(config_.zero_stage) + ", dp(" + std::to_string(config_.dp) + ") x fsdp(" +
+               std::to_string(config_.fsdp) + "), " + std::to_string(sharded_->unit_count()) + " units, " +
+               config_.param_dtype + " compute, " + config_.reduce_dtype + " reductions";
+    }
+    std::printf("meshtrain: training %s (%s, %.2fM parameters) on %d rank(s), %s\n", config_.preset.c_str(),
+                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, dp_->size(), layout.c_str());
+    if (config_.memory_limit_mb > 0) {
+      std::printf("meshtrain: per-rank memory limit %lld MiB (counted CPU tensors)\n", (long long)config_.memory_limit_mb);
+    }
     std::printf("meshtrain: %lld steps x %lld sequences x %lld tokens = %lld tokens per step (micro-batch %lld, "
                 "accumulation %lld); data %s (%lld tokens)\n",
                 (long long)config_.steps, (long long)config_.batch, (long long)config_.model.context,
@@ -275,22 +374,35 @@ void Trainer::run() {
         const double eta = elapsed / (step_ - first_step) * (config_.steps - step_);
         char val[32] = "";
         if (val_loss) std::snprintf(val, sizeof val, " | val %.4f", *val_loss);
-        std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | ETA %s\n",
+        int64_t peak = 0;
+        for (int64_t bytes : result.memory.phase_peak) peak = std::max(peak, bytes);
+        std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s\n",
                     (long long)step_, (long long)config_.steps, result.loss, val, result.lr, result.grad_norm,
-                    tokens_per_second, 100 * mfu(tokens_per_second), human_duration(eta).c_str());
+                    tokens_per_second, 100 * mfu(tokens_per_second), memory::format_mib(peak).c_str(),
+                    human_duration(eta).c_str());
         std::fflush(stdout);
       }
     }
     if (!last && config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();
   }
   save_checkpoint();
-  if (leader && config_.sample_tokens > 0) {
+  if (config_.sample_tokens <= 0) return;
+  // Sharded parameters are gathered into a plain fp32 model on rank 0 first.
+  model::Gpt sampler = model_;
+  if (sharded_) {
+    const std::map<std::string, at::Tensor> full = sharded_->full_state_dict(0);
+    if (!leader) return;
+    sampler = model::Gpt(config_.model, config_.seed);
+    torch::NoGradGuard no_grad;
+    for (auto& item : sampler->named_parameters()) item.value().copy_(full.at(item.key()));
+  }
+  if (leader) {
     const std::string prompt = "The ";
     model::SampleOptions options;
     options.tokens = config_.sample_tokens;
     options.seed = config_.seed;
     const at::Tensor prompt_tokens = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong);
-    const std::string text = ByteTokenizer::decode(model::generate(model_, prompt_tokens, options));
+    const std::string text = ByteTokenizer::decode(model::generate(sampler, prompt_tokens, options));
     std::printf("\nmeshtrain: sample after %lld steps (temperature %.1f, top-k %lld):\n%s%s\n", (long long)step_,
                 options.temperature, (long long)options.top_k, prompt.c_str(), text.c_str());
     std::fflush(stdout);

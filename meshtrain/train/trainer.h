@@ -5,12 +5,17 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/mesh/device_mesh.h"
 #include "meshtrain/parallel/data_parallel.h"
+#include "meshtrain/parallel/fully_sharded.h"
+#include "meshtrain/util/memory.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 
+#include <array>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 
@@ -19,20 +24,31 @@ namespace meshtrain::train {
 // Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
 double learning_rate(const TrainConfig& config, int64_t step);
 
+// Counted CPU tensor bytes of this rank during one step (util/memory.h).
+struct StepMemory {
+  int64_t model_states = 0;  // in use after the step: parameters, gradients, optimizer states
+  std::array<int64_t, memory::kPhaseCount> phase_peak{};  // highest in use within each phase
+};
+
 struct StepResult {
   int64_t step = 0;        // steps completed after this one
   double loss = 0;         // mean training loss over the global batch
   double grad_norm = 0;    // global norm before clipping
   double lr = 0;
   double seconds = 0;
+  StepMemory memory;
 };
 
 class Trainer {
  public:
-  // `config` must be validated for dp->size() ranks. Collective over `dp`:
-  // prepares data (rank 0), builds the model from the seed, broadcasts it,
-  // and resumes from the latest checkpoint when config.resume and one exists.
-  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp);
+  // `config` must be validated for data->size() ranks (dp x fsdp). Collective
+  // over `data`: prepares data (rank 0), builds the model from the seed,
+  // broadcasts it, applies data parallel (zero_stage 0) or sharding (1-3) on
+  // a dp x fsdp mesh of `data`, and resumes from the latest checkpoint when
+  // config.resume and one exists. Installs the counting allocator and, with
+  // memory.limit_mb, the per-rank limit (until destruction).
+  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> data);
+  ~Trainer();
 
   StepResult step();
   double evaluate();                     // validation loss, averaged over ranks
@@ -43,8 +59,13 @@ class Trainer {
 
   int64_t completed_steps() const { return step_; }
   bool resumed() const { return resumed_; }
+  // The model as the parallel layer left it: with zero_stage 3 its parameters
+  // have no storage between steps; use full_parameters().
   model::Gpt& model() { return model_; }
   const parallel::DataParallel& data_parallel() const { return *data_parallel_; }
+  parallel::FullySharded* sharded() { return sharded_.get(); }
+  // Every parameter, unsharded, fp32, by name, on every rank. Collective.
+  std::map<std::string, at::Tensor> full_parameters();
   const TrainConfig& config() const { return config_; }
   std::string model_fingerprint() const;
   // One rank's fp32 matmul rate (FLOP/s), measured at construction.
@@ -53,15 +74,19 @@ class Trainer {
   double mfu(double tokens_per_second) const;
 
  private:
+  void load_checkpoint(const std::string& folder);
   void log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second);
 
   TrainConfig config_;
-  std::shared_ptr<comm::Communicator> dp_;
+  std::shared_ptr<comm::Communicator> dp_;  // every data-parallel rank (dp x fsdp)
+  std::unique_ptr<mesh::DeviceMesh> mesh_;
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
   model::Gpt model_{nullptr};
-  std::unique_ptr<parallel::DataParallel> data_parallel_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<parallel::DataParallel> data_parallel_;  // zero_stage 0
+  std::unique_ptr<torch::optim::AdamW> optimizer_;         // zero_stage 0
+  std::unique_ptr<parallel::FullySharded> sharded_;        // zero_stage 1-3
+  int64_t previous_limit_ = 0;
   CheckpointStore checkpoints_;
   int64_t step_ = 0;
   int64_t cursor_ = 0;

@@ -32,6 +32,21 @@ TEST(TrainConfig, DefaultsValidateAndDeriveAccumulation) {
   EXPECT_EQ(c.grad_accum, 4);
 }
 
+TEST(TrainConfig, ShardedAxesFillTheWorld) {
+  auto axes = [](std::vector<std::string> overrides, int world) {
+    TrainConfig c = TrainConfig::load("", overrides);
+    c.validate(world);
+    return std::vector<int64_t>{c.dp, c.fsdp, c.grad_accum};
+  };
+  EXPECT_EQ(axes({"parallel.zero_stage=3", "training.batch=32", "training.micro_batch=2"}, 4),
+            (std::vector<int64_t>{1, 4, 4}));
+  EXPECT_EQ(axes({"parallel.zero_stage=3", "parallel.dp=2", "training.batch=32", "training.micro_batch=2"}, 4),
+            (std::vector<int64_t>{2, 2, 4}));
+  EXPECT_EQ(axes({"parallel.zero_stage=1", "parallel.fsdp=2", "training.batch=32", "training.micro_batch=2"}, 4),
+            (std::vector<int64_t>{2, 2, 4}));
+  EXPECT_EQ(axes({"training.batch=32", "training.micro_batch=2"}, 4), (std::vector<int64_t>{4, 1, 4}));
+}
+
 TEST(TrainConfig, FileThenOverridesPresetFirst) {
   const std::string path = write_config(
       "[model]\nlayers = 3\npreset = \"tiny\"\n[training]\nsteps = 7\nlr = 3e-4\n[data]\ntext = \"/tmp\"\n");
@@ -76,10 +91,23 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
     return error_of([&] { TrainConfig::load("", overrides).validate(world); });
   };
   EXPECT_EQ(validated({"training.batch=10"}, 2),
-            "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) = 16");
+            "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) = 16");
   EXPECT_EQ(validated({"parallel.dp=3"}, 2),
-            "parallel.dp = 3: dp(3) = 3 != world size 2; data parallel is the only layout so far, so dp must equal "
-            "the number of ranks (or 0)");
+            "parallel.dp = 3: with parallel.fsdp = 0: dp(3) * fsdp(1) must equal the world size 2 (an axis left at 0 "
+            "takes the ranks the other leaves)");
+  EXPECT_EQ(validated({"parallel.zero_stage=3", "parallel.fsdp=3"}, 4),
+            "parallel.dp = 0: with parallel.fsdp = 3: dp(0) * fsdp(3) must equal the world size 4 (an axis left at 0 "
+            "takes the ranks the other leaves)");
+  EXPECT_EQ(validated({"parallel.fsdp=2"}, 2),
+            "parallel.fsdp = 2: shards need parallel.zero_stage >= 1 (zero_stage 0 is plain data parallel)");
+  EXPECT_EQ(validated({"parallel.zero_stage=4"}, 2), "parallel.zero_stage = 4: must be 0, 1, 2 or 3");
+  EXPECT_EQ(validated({"parallel.param_dtype=bfloat16"}, 2),
+            "parallel.param_dtype = \"bfloat16\": applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
+  EXPECT_EQ(validated({"parallel.zero_stage=2", "parallel.reduce_dtype=float16"}, 2),
+            "parallel.reduce_dtype = \"float16\": use \"float32\" or \"bfloat16\"");
+  EXPECT_EQ(validated({"parallel.zero_stage=3", "parallel.unit_policy=layer"}, 2),
+            "parallel.unit_policy = \"layer\": use \"block\" or \"model\"");
+  EXPECT_EQ(validated({"memory.limit_mb=-1"}, 2), "memory.limit_mb = -1: must be >= 0 (0: no limit)");
   EXPECT_EQ(validated({"model.heads=5"}, 1), "model.width = 384 is not allowed: must be a positive multiple of model.heads (5)");
   EXPECT_EQ(validated({"training.dtype=float8"}, 1), "training.dtype = \"float8\": use \"float32\" or \"bfloat16\"");
   EXPECT_EQ(validated({"training.min_lr=1"}, 1), "training.min_lr = 1.000000: must be in [0, training.lr]");

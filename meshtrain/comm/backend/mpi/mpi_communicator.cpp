@@ -220,11 +220,14 @@ void MpiCommunicator::execute(const Op& op) {
       const MPI_Datatype type = mpi::datatype_of(op.input.scalar_type());
       std::vector<int> counts, displs;
       counts_and_displacements(op.output_splits, row_numel(op.output), what, counts, displs);
+      // In place when the input is this rank's own block of the output.
+      const void* own_block = static_cast<const char*>(op.output.data_ptr()) + displs[rank()] * op.output.element_size();
+      const void* send = op.input.data_ptr() == own_block ? MPI_IN_PLACE : op.input.data_ptr();
       if (all_equal(op.output_splits)) {
-        mpi::check(MPI_Allgather(op.input.data_ptr(), counts[0], type, op.output.data_ptr(), counts[0], type, comm_),
+        mpi::check(MPI_Allgather(send, counts[0], type, op.output.data_ptr(), counts[0], type, comm_),
                    "MPI_Allgather", prefix);
       } else {
-        mpi::check(MPI_Allgatherv(op.input.data_ptr(), counts[rank()], type, op.output.data_ptr(), counts.data(),
+        mpi::check(MPI_Allgatherv(send, counts[rank()], type, op.output.data_ptr(), counts.data(),
                                   displs.data(), type, comm_),
                    "MPI_Allgatherv", prefix);
       }
