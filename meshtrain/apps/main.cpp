@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,12 @@
 #include <thread>
 
 namespace {
+
+// The message without libtorch's "Exception raised from ..." trailer.
+const char* error_text(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
 
 // One rank per core: libtorch's intra-op pool would otherwise oversubscribe the
 // cores when several ranks share a node. OMP_NUM_THREADS, when set, wins.
@@ -134,7 +141,7 @@ int main(int argc, char** argv) {
       launch_args = run->remaining();
       meshtrain::apps::run_launcher(launch_ranks, launch_args);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+      std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
       return 1;
     }
   }
@@ -144,7 +151,7 @@ int main(int argc, char** argv) {
       if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
       return meshtrain::apps::run_generate(generate_options);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+      std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
       return 1;
     }
   }
@@ -178,9 +185,9 @@ int main(int argc, char** argv) {
       return meshtrain::apps::run_comm_bench(*runtime, bench_options);
     }
   } catch (const std::exception& e) {
-    if (runtime && runtime->size() > 1) runtime->abort(1, std::string("error: ") + e.what());
+    if (runtime && runtime->size() > 1) runtime->abort(1, std::string("error: ") + error_text(e));
     const int rank = runtime ? runtime->rank() : 0;
-    std::fprintf(stderr, "meshtrain: rank %d: error: %s\n", rank, e.what());
+    std::fprintf(stderr, "meshtrain: rank %d: error: %s\n", rank, error_text(e));
     return 1;
   }
   return 0;
