@@ -1,12 +1,15 @@
 """PyTorch reference for `meshtrain bench train`: the same GPT, optimizer, batch and
-schedule, single process or DDP (gloo). Launch one process per rank, e.g.
-    torchrun --nproc_per_node=2 bench/reference/train_gpt.py --preset small
-Prints one JSON line on rank 0: median tokens/s over the timed steps.
+schedule, single process, DDP or FSDP2 (`fully_shard`, per block then the root),
+over gloo. Launch one process per rank, e.g.
+    torchrun --nproc_per_node=2 bench/reference/train_gpt.py --preset small [--fsdp]
+Prints one JSON line on rank 0: median tokens/s over the timed steps and each
+rank's memory (peak RSS, and its growth from just before the model is built).
 """
 import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -63,6 +66,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -71,6 +83,9 @@ def main():
     parser.add_argument("--steps", type=int, default=12, help="timed steps")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first")
     parser.add_argument("--bucket-mb", type=int, default=25)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    parser.add_argument("--width", type=int, default=0, help="override the preset's width")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -81,8 +96,15 @@ def main():
     torch.manual_seed(1337)
 
     vocab, context, layers, heads, width = PRESETS[args.preset]
+    layers, width = args.layers or layers, args.width or width
+    baseline_rss = rss_mib()
     model = GPT(vocab, context, layers, heads, width)
-    if world > 1:
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif world > 1:
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -102,7 +124,7 @@ def main():
         for micro in range(accumulation):
             tokens = torch.randint(0, vocab, (args.micro_batch, context + 1), generator=generator)
             sync = micro == accumulation - 1 or world == 1
-            context_manager = model.no_sync() if (world > 1 and not sync) else torch.enable_grad()
+            context_manager = model.no_sync() if (world > 1 and not sync and not args.fsdp) else torch.enable_grad()
             with context_manager:
                 loss = model(tokens[:, :-1], tokens[:, 1:]) / accumulation
                 loss.backward()
@@ -115,10 +137,17 @@ def main():
         if step >= args.warmup_steps:
             seconds.append(time.perf_counter() - start)
     tokens_per_second = args.batch * context / statistics.median(seconds)
+    memory = torch.tensor([peak_rss_mib(), peak_rss_mib() - baseline_rss], dtype=torch.float64)
+    memories = [memory.clone() for _ in range(world)]
+    if world > 1:
+        dist.all_gather(memories, memory)
     if rank == 0:
         print(json.dumps({"side": "pytorch", "preset": args.preset, "ranks": world, "batch": args.batch,
                           "micro_batch": args.micro_batch, "threads": torch.get_num_threads(),
-                          "tokens_per_s": tokens_per_second, "torch": torch.__version__}))
+                          "tokens_per_s": tokens_per_second, "torch": torch.__version__,
+                          "parameters": sum(p.numel() for p in model.parameters()),  # global sizes, DTensors too
+                          "peak_rss_mib": [m[0].item() for m in memories],
+                          "rss_growth_mib": [m[1].item() for m in memories]}))
     sys.stdout.flush()
     if world > 1:
         # Leave without tearing the gloo process group down: with torch 2.11 that

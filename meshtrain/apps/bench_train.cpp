@@ -7,10 +7,37 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 
 namespace meshtrain::apps {
+
+namespace {
+
+double rss_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1048576.0;
+}
+
+double peak_rss_mib() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+std::vector<double> gather(comm::Communicator& comm, double value) {
+  at::Tensor everyone = at::empty({comm.size()}, at::kDouble);
+  comm.all_gather(everyone, at::full({1}, value, at::kDouble)).wait();
+  return std::vector<double>(everyone.data_ptr<double>(), everyone.data_ptr<double>() + comm.size());
+}
+
+}  // namespace
 
 int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                     int timed_steps) {
@@ -18,43 +45,69 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   config.steps = warmup_steps + timed_steps;
   config.resume = false;
   config.validate(runtime.size());
+  const double baseline_rss = rss_mib();
   train::Trainer trainer(config, runtime.world());
   for (int s = 0; s < warmup_steps; ++s) trainer.step();
+  parallel::FullySharded* sharded = trainer.sharded();
+  const double gather_before = sharded ? sharded->exposed_gather_seconds() : 0;
+  const double reduce_before = sharded ? sharded->exposed_reduce_seconds() : 0;
   // After backward a rank waits for its all-reduces, and those cannot finish
   // before the slowest rank's backward does. That wait for the slowest rank is
   // skew, not communication: subtract it (all ranks share CLOCK_MONOTONIC).
   std::vector<double> seconds;
   double exposed_total = 0, skew_total = 0;
+  int64_t model_states = 0, peak = 0;
   for (int s = 0; s < timed_steps; ++s) {
-    seconds.push_back(trainer.step().seconds);
+    const train::StepResult result = trainer.step();
+    seconds.push_back(result.seconds);
+    model_states = result.memory.model_states;
+    for (int64_t bytes : result.memory.phase_peak) peak = std::max(peak, bytes);
+    if (sharded) continue;
     const auto [entered, returned] = trainer.data_parallel().last_finish_times();
-    at::Tensor everyone = at::empty({runtime.size()}, at::kDouble);
-    runtime.world()->all_gather(everyone, at::full({1}, entered, at::kDouble)).wait();
-    const double last_arrival = everyone.max().item<double>();
+    const std::vector<double> everyone = gather(*runtime.world(), entered);
+    const double last_arrival = *std::max_element(everyone.begin(), everyone.end());
     const double skew = last_arrival - entered;
     skew_total += skew;
     exposed_total += std::max(0.0, returned - last_arrival);
   }
   const double exposed_per_step = exposed_total / timed_steps;
   const double skew_per_step = skew_total / timed_steps;
-  const double reduce_per_step = runtime.size() > 1 ? trainer.data_parallel().standalone_reduce_seconds(5) : 0.0;
+  const double reduce_per_step =
+      runtime.size() > 1 && !sharded ? trainer.data_parallel().standalone_reduce_seconds(5) : 0.0;
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;
+  const std::vector<double> peak_rss = gather(*runtime.world(), peak_rss_mib());
+  const std::vector<double> rss_growth = gather(*runtime.world(), peak_rss_mib() - baseline_rss);
+  const std::vector<double> counted_peak = gather(*runtime.world(), peak / 1048576.0);
+  const std::vector<double> counted_states = gather(*runtime.world(), model_states / 1048576.0);
   if (runtime.rank() == 0) {
     nlohmann::json line = {{"side", "meshtrain"},
                            {"preset", config.preset},
                            {"ranks", runtime.size()},
+                           {"zero_stage", config.zero_stage},
+                           {"parameters", config.model.parameter_count()},
                            {"batch", config.batch},
                            {"micro_batch", config.micro_batch},
                            {"threads", at::get_num_threads()},
                            {"tokens_per_s", tokens_per_second},
                            {"mfu", trainer.mfu(tokens_per_second)},
                            {"matmul_peak_gflops_per_rank", trainer.peak_flops_per_rank() / 1e9},
-                           {"allreduce_s_per_step", reduce_per_step},
-                           {"exposed_wait_s_per_step", exposed_per_step},
-                           {"skew_wait_s_per_step", skew_per_step},
-                           {"hidden_fraction", reduce_per_step > 0 ? 1.0 - std::min(1.0, exposed_per_step / reduce_per_step) : 0.0}};
+                           {"peak_rss_mib", peak_rss},
+                           {"rss_growth_mib", rss_growth},
+                           {"counted_peak_mib", counted_peak},
+                           {"counted_model_states_mib", counted_states}};
+    if (sharded) {
+      line["exposed_gather_s_per_step"] = (sharded->exposed_gather_seconds() - gather_before) / timed_steps;
+      line["exposed_reduce_s_per_step"] = (sharded->exposed_reduce_seconds() - reduce_before) / timed_steps;
+      line["largest_unit_numel"] = sharded->largest_unit_numel();
+      line["shards"] = config.fsdp;
+    } else {
+      line["allreduce_s_per_step"] = reduce_per_step;
+      line["exposed_wait_s_per_step"] = exposed_per_step;
+      line["skew_wait_s_per_step"] = skew_per_step;
+      line["hidden_fraction"] = reduce_per_step > 0 ? 1.0 - std::min(1.0, exposed_per_step / reduce_per_step) : 0.0;
+    }
     std::printf("%s\n", line.dump().c_str());
   }
   return 0;

@@ -61,7 +61,7 @@ class CountingAllocator final : public c10::Allocator {
     if (limit > 0 && now > limit) {
       g_current.fetch_sub(bytes, std::memory_order_relaxed);
       const auto phase = static_cast<Phase>(g_phase.load(std::memory_order_relaxed));
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "meshtrain: out of memory on rank ", g_rank.load(), " during ",
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory on rank ", g_rank.load(), " during ",
                        phase_name(phase), ": allocating ", format_mib(bytes), " with ", format_mib(now - bytes),
                        " in use would exceed the per-rank limit of ", format_mib(limit),
                        " (memory.limit_mb). Shard more (a higher parallel.zero_stage, more ranks), use a smaller "
