@@ -174,6 +174,8 @@ const std::vector<Field>& fields() {
                       "(fp32 master shards)", MESHTRAIN_CONFIG_MEMBER(param_dtype)));
     f.push_back(field("parallel", "reduce_dtype", "zero_stage >= 1: \"float32\" or \"bfloat16\" gradient reductions",
                       MESHTRAIN_CONFIG_MEMBER(reduce_dtype)));
+    f.push_back(field("parallel", "zero1_reduce", "zero_stage 1: \"all_reduce\" full gradients then read the shard, or "
+                      "\"reduce_scatter\" into a shard buffer (+4 bytes per owned element)", MESHTRAIN_CONFIG_MEMBER(zero1_reduce)));
     f.push_back(field("memory", "limit_mb", "per-rank limit on CPU tensor memory; beyond it a clear out-of-memory "
                       "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
     f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
@@ -378,6 +380,9 @@ void TrainConfig::validate(int world_size) {
     if (value != "float32" && zero_stage == 0) {
       bad(key, "\"" + value + "\"", "applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
     }
+  }
+  if (zero1_reduce != "all_reduce" && zero1_reduce != "reduce_scatter") {
+    bad("parallel.zero1_reduce", "\"" + zero1_reduce + "\"", "use \"all_reduce\" or \"reduce_scatter\"");
   }
   if (memory_limit_mb < 0) bad("memory.limit_mb", std::to_string(memory_limit_mb), "must be >= 0 (0: no limit)");
   grad_accum = batch / (micro_batch * data_ranks());

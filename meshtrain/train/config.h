@@ -54,6 +54,7 @@ struct TrainConfig {
   bool reshard_after_forward = true;
   std::string param_dtype = "float32";   // zero_stage >= 1: dtype of forward/backward
   std::string reduce_dtype = "float32";  // zero_stage >= 1: dtype of gradient reductions
+  std::string zero1_reduce = "all_reduce";  // zero_stage 1: "all_reduce" (then slice) or "reduce_scatter"
   // [memory]
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]

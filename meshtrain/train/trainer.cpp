@@ -136,6 +136,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
     options.reshard_after_forward = config_.reshard_after_forward;
     options.param_dtype = parallel::parse_dtype(config_.param_dtype);
     options.reduce_dtype = parallel::parse_dtype(config_.reduce_dtype);
+    options.stage1_reduce_scatter = config_.zero1_reduce == "reduce_scatter";
     options.adamw = {config_.lr, config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
     sharded_ = std::make_unique<parallel::FullySharded>(
         model_, parallel::ShardingGroups{mesh_->comm("fsdp"), mesh_->comm("dp"), dp_}, options);

@@ -97,7 +97,8 @@ TEST_F(FullyShardedTest, WithoutClippingAndWithModelUnitEqualOneProcess) {
   const int n = world()->size();
   for (Overrides layout : {Overrides{"parallel.zero_stage=3", "parallel.unit_policy=model"},
                            Overrides{"parallel.zero_stage=3", "parallel.prefetch=false", "parallel.reshard_after_forward=false"},
-                           Overrides{"parallel.zero_stage=1"}}) {
+                           Overrides{"parallel.zero_stage=1"},
+                           Overrides{"parallel.zero_stage=1", "parallel.zero1_reduce=reduce_scatter"}}) {
     layout.push_back("training.grad_clip=0");
     Trainer sharded(config(n, kBatch / n, "", layout), world());
     Trainer single(config(1, kBatch / n, "", {"training.grad_clip=0"}), alone());
