@@ -61,7 +61,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
     const train::StepResult result = trainer.step();
     seconds.push_back(result.seconds);
     model_states = result.memory.model_states;
-    for (int64_t bytes : result.memory.phase_peak) peak = std::max(peak, bytes);
+    peak = std::max(peak, result.memory.peak());
     if (sharded) continue;
     const auto [entered, returned] = trainer.data_parallel().last_finish_times();
     const std::vector<double> everyone = gather(*runtime.world(), entered);

@@ -85,7 +85,6 @@ struct FullySharded::State {
     comm::Work gather_work, reduce_work;
     Residency residency = Residency::kGathered;
     int64_t ready = 0;
-    bool reduce_issued = false;
   };
 
   FullyShardedOptions options;
@@ -127,6 +126,15 @@ struct FullySharded::State {
     unit.gather_work = comm::Work();
     unit.gather_input = at::Tensor();
     unit.residency = Residency::kGathered;
+  }
+
+  // Stages 1 and 2: every unit's `full` from the (updated) master slices.
+  void regather_all_locked() {
+    for (Unit& unit : units) {
+      unit.residency = Residency::kFreed;  // its storage stays (only stage 3 frees): gather_locked reuses it
+      gather_locked(unit);
+    }
+    for (Unit& unit : units) wait_gathered_locked(unit);
   }
 
   void reshard_locked(Unit& unit) {
@@ -177,7 +185,6 @@ struct FullySharded::State {
   }
 
   void issue_reduce_locked(Unit& unit) {
-    unit.reduce_issued = true;
     const at::ScalarType reduce_dtype = options.reduce_dtype;
     if (options.stage == 1) {
       at::Tensor input = unit.grad;
@@ -203,14 +210,13 @@ struct FullySharded::State {
     reshard_locked(unit);  // stage 3: its backward is over
     in_flight.push_back(&unit);
     // At most kMaxInFlight flat gradients exist at once; backward waits for the oldest beyond that.
-    const auto start = Clock::now();
     fold_locked(kMaxInFlight);
-    exposed_reduce += seconds_since(start);
   }
 
   // Stages 2 and 3: folds finished reductions (and, beyond `keep` in flight,
   // the oldest ones, waiting) into the shard gradients, freeing their buffers.
   void fold_locked(size_t keep) {
+    const auto start = Clock::now();
     while (!in_flight.empty() && (in_flight.size() > keep || in_flight.front()->reduce_work.completed())) {
       Unit& unit = *in_flight.front();
       in_flight.pop_front();
@@ -220,15 +226,16 @@ struct FullySharded::State {
       unit.reduce_in = unit.reduce_out = at::Tensor();
       unit.reduce_work = comm::Work();
     }
+    exposed_reduce += seconds_since(start);
   }
 
   void after_backward() {
     std::lock_guard<std::mutex> lock(mutex);
     if (options.stage == 1 && !sync) return;
-    const auto start = Clock::now();
     // Units with a parameter that got no gradient are reduced now, in order.
     for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce_locked(units[reduce_order[next_reduce]]);
     if (options.stage == 1) {
+      const auto start = Clock::now();
       const bool hybrid = groups.replicate->size() > 1;
       std::vector<comm::Work> replicas;
       for (size_t u : reduce_order) {
@@ -248,15 +255,12 @@ struct FullySharded::State {
         unit.reduce_in = unit.reduce_out = at::Tensor();
         unit.reduce_work = comm::Work();
       }
+      exposed_reduce += seconds_since(start);
     } else {
       fold_locked(0);
     }
-    for (Unit& unit : units) {
-      unit.ready = 0;
-      unit.reduce_issued = false;
-    }
+    for (Unit& unit : units) unit.ready = 0;
     next_reduce = 0;
-    exposed_reduce += seconds_since(start);
   }
 
   bool is_alias_of_grad(const Unit& unit) const {
@@ -496,11 +500,7 @@ void FullySharded::step(double lr) {
   if (s.stage3()) return;  // the next forward gathers
   std::lock_guard<std::mutex> lock(s.mutex);
   torch::NoGradGuard no_grad;
-  for (auto& unit : s.units) {
-    unit.residency = State::Residency::kFreed;  // (its storage stays: only stage 3 frees)
-    s.gather_locked(unit);
-  }
-  for (auto& unit : s.units) s.wait_gathered_locked(unit);
+  s.regather_all_locked();
 }
 
 std::map<std::string, at::Tensor> FullySharded::full_state_dict(int root) {
@@ -602,11 +602,7 @@ void FullySharded::load_shard(const std::string& path) {
   generator.set_state(rng);
   if (s.stage3()) return;
   std::lock_guard<std::mutex> lock(s.mutex);
-  for (auto& unit : s.units) {
-    unit.residency = State::Residency::kFreed;
-    s.gather_locked(unit);
-  }
-  for (auto& unit : s.units) s.wait_gathered_locked(unit);
+  s.regather_all_locked();
 }
 
 int64_t FullySharded::unit_count() const { return static_cast<int64_t>(state_->units.size()); }

@@ -87,9 +87,13 @@ json file_entry(const std::string& path) {
 
 }  // namespace
 
+std::string CheckpointStore::staging_path(int64_t step) const {
+  return util::join_path(dir_, ".incomplete-" + step_name(step));
+}
+
 std::string CheckpointStore::prepare_staging(int64_t step) const {
   util::make_directories(dir_);
-  const std::string staging = util::join_path(dir_, ".incomplete-" + step_name(step));
+  const std::string staging = staging_path(step);
   util::remove_tree(staging);
   util::make_directories(staging);
   return staging;
@@ -143,9 +147,8 @@ void CheckpointStore::save(const CheckpointMeta& meta, torch::nn::Module& model,
 
 void CheckpointStore::save_collective(const CheckpointMeta& meta, comm::Communicator& comm,
                                       const std::function<std::vector<std::string>(const std::string&)>& write) const {
-  std::string staging;
+  const std::string staging = staging_path(meta.step);
   comm::on_root_or_all_fail(comm, 0, [&] { prepare_staging(meta.step); });
-  staging = util::join_path(dir_, ".incomplete-" + step_name(meta.step));
   std::string entries;
   comm::on_all_or_all_fail(comm, [&] {
     json files = json::object();

@@ -72,7 +72,8 @@ class CheckpointStore {
   const std::string& dir() const { return dir_; }
 
  private:
-  std::string prepare_staging(int64_t step) const;  // a fresh DIR/.incomplete-step-N
+  std::string staging_path(int64_t step) const;     // DIR/.incomplete-step-N
+  std::string prepare_staging(int64_t step) const;  // staging_path(step), fresh and empty
   // Writes the manifest (`files`: JSON object of file -> size and checksum), renames, points `latest`, prunes.
   void publish(const CheckpointMeta& meta, const std::string& staging, const std::string& files) const;
 

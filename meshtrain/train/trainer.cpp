@@ -375,11 +375,9 @@ void Trainer::run() {
         const double eta = elapsed / (step_ - first_step) * (config_.steps - step_);
         char val[32] = "";
         if (val_loss) std::snprintf(val, sizeof val, " | val %.4f", *val_loss);
-        int64_t peak = 0;
-        for (int64_t bytes : result.memory.phase_peak) peak = std::max(peak, bytes);
         std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s\n",
                     (long long)step_, (long long)config_.steps, result.loss, val, result.lr, result.grad_norm,
-                    tokens_per_second, 100 * mfu(tokens_per_second), memory::format_mib(peak).c_str(),
+                    tokens_per_second, 100 * mfu(tokens_per_second), memory::format_mib(result.memory.peak()).c_str(),
                     human_duration(eta).c_str());
         std::fflush(stdout);
       }

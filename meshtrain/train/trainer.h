@@ -13,6 +13,7 @@
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 
+#include <algorithm>
 #include <array>
 #include <fstream>
 #include <map>
@@ -28,6 +29,7 @@ double learning_rate(const TrainConfig& config, int64_t step);
 struct StepMemory {
   int64_t model_states = 0;  // in use after the step: parameters, gradients, optimizer states
   std::array<int64_t, memory::kPhaseCount> phase_peak{};  // highest in use within each phase
+  int64_t peak() const { return *std::max_element(phase_peak.begin(), phase_peak.end()); }
 };
 
 struct StepResult {

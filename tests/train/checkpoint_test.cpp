@@ -55,7 +55,7 @@ class CheckpointTest : public ::testing::Test {
 TEST_F(CheckpointTest, RoundTripRestoresModelOptimizerAndRng) {
   train_once();
   CheckpointStore store(dir_, 2);
-  store.save({1, 16, "shape", ""}, *model_, *optimizer_);
+  store.save({1, 16, "shape", "", ""}, *model_, *optimizer_);
   const at::Tensor next_random = at::rand({3});  // drawn after the save
   model::Gpt other(small_shape(), 99);
   torch::optim::AdamW other_optimizer(other->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -79,24 +79,24 @@ TEST_F(CheckpointTest, RoundTripRestoresModelOptimizerAndRng) {
 
 TEST_F(CheckpointTest, FailureMidSaveKeepsThePreviousCheckpoint) {
   CheckpointStore store(dir_, 2);
-  store.save({1, 0, "shape", ""}, *model_, *optimizer_);
+  store.save({1, 0, "shape", "", ""}, *model_, *optimizer_);
   train_once();
   setenv("MESHTRAIN_TEST_CHECKPOINT_FAIL_AFTER", "model.pt", 1);
-  EXPECT_NE(error_of([&] { store.save({2, 0, "shape", ""}, *model_, *optimizer_); }).find("injected failure"), std::string::npos);
+  EXPECT_NE(error_of([&] { store.save({2, 0, "shape", "", ""}, *model_, *optimizer_); }).find("injected failure"), std::string::npos);
   unsetenv("MESHTRAIN_TEST_CHECKPOINT_FAIL_AFTER");
   EXPECT_EQ(util::base_name(store.latest()), "step-00000001");
   model::Gpt other(small_shape(), 99);
   EXPECT_EQ(store.load(store.latest(), *other, nullptr, "shape").step, 1);
   // The next save cleans the half-written folder up.
   EXPECT_TRUE(util::path_exists(util::join_path(dir_, ".incomplete-step-00000002")));
-  store.save({3, 0, "shape", ""}, *model_, *optimizer_);
+  store.save({3, 0, "shape", "", ""}, *model_, *optimizer_);
   EXPECT_FALSE(util::path_exists(util::join_path(dir_, ".incomplete-step-00000002")));
   EXPECT_EQ(util::base_name(store.latest()), "step-00000003");
 }
 
 TEST_F(CheckpointTest, KeepsOnlyTheNewest) {
   CheckpointStore store(dir_, 2);
-  for (int64_t step = 1; step <= 4; ++step) store.save({step, 0, "shape", ""}, *model_, *optimizer_);
+  for (int64_t step = 1; step <= 4; ++step) store.save({step, 0, "shape", "", ""}, *model_, *optimizer_);
   EXPECT_FALSE(util::path_exists(util::join_path(dir_, "step-00000002")));
   EXPECT_TRUE(util::path_exists(util::join_path(dir_, "step-00000003")));
   EXPECT_TRUE(util::path_exists(util::join_path(dir_, "step-00000004")));
@@ -105,7 +105,7 @@ TEST_F(CheckpointTest, KeepsOnlyTheNewest) {
 TEST_F(CheckpointTest, TruncatedOrAlteredFilesAreRefusedByName) {
   CheckpointStore store(dir_, 2);
   train_once();
-  store.save({1, 0, "shape", ""}, *model_, *optimizer_);
+  store.save({1, 0, "shape", "", ""}, *model_, *optimizer_);
   const std::string folder = store.latest();
   const std::string optimizer_file = util::join_path(folder, "optimizer.pt");
   const int64_t size = util::file_size(optimizer_file);
@@ -114,7 +114,7 @@ TEST_F(CheckpointTest, TruncatedOrAlteredFilesAreRefusedByName) {
                 .find("checkpoint file " + optimizer_file + " is truncated or corrupt: " +
                       std::to_string(size / 2) + " bytes, the manifest says " + std::to_string(size)),
             std::string::npos);
-  store.save({2, 0, "shape", ""}, *model_, *optimizer_);
+  store.save({2, 0, "shape", "", ""}, *model_, *optimizer_);
   const std::string model_file = util::join_path(store.latest(), "model.pt");
   {
     std::fstream f(model_file, std::ios::in | std::ios::out | std::ios::binary);
