@@ -2,6 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace meshtrain::model {
@@ -34,8 +35,27 @@ at::Tensor NormImpl::forward(const at::Tensor& x) {
   return at::layer_norm(x, {x.size(-1)}, weight_, bias_, 1e-5);
 }
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config)
-    : heads_(config.heads), dropout_(config.dropout), rope_(config.position == "rope") {
+at::Tensor HookChain::call(const std::string& module, const at::Tensor& input,
+                           const ForwardHooks::Forward& forward) const {
+  if (hooks.empty()) return forward(input);
+  // hooks[i] wraps hooks[0..i-1], which wrap the module's own forward.
+  std::function<at::Tensor(size_t, const at::Tensor&)> level = [&](size_t i, const at::Tensor& x) -> at::Tensor {
+    if (i == 0) return forward(x);
+    return hooks[i - 1]->around(module, x, [&](const at::Tensor& y) { return level(i - 1, y); });
+  };
+  return level(hooks.size(), input);
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain,
+                                                 const std::string& name)
+    : head_dim_(config.head_dim()),
+      dropout_(config.dropout),
+      rope_(config.position == "rope"),
+      chain_(std::move(chain)),
+      qkv_name_(name + ".qkv"),
+      core_name_(name + ".core"),
+      proj_name_(name + ".proj"),
+      drop_name_(name + ".drop") {
   qkv = register_module("qkv", linear(config.width, 3 * config.width, config.bias));
   proj = register_module("proj", linear(config.width, config.width, config.bias));
   if (rope_) {
@@ -47,22 +67,30 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config)
   }
 }
 
-at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-  std::vector<at::Tensor> parts = qkv->forward(x).split(d, -1);
-  auto heads = [&](const at::Tensor& y) { return y.view({b, t, heads_, d / heads_}).transpose(1, 2); };
+at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
+  const int64_t b = qkv_out.size(0), t = qkv_out.size(1), w = qkv_out.size(2) / 3;
+  std::vector<at::Tensor> parts = qkv_out.split(w, -1);
+  auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, head_dim_}).transpose(1, 2); };
   at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
   if (rope_) {
     q = apply_rope(q, cos_, sin_);
     k = apply_rope(k, cos_, sin_);
   }
   const double p = is_training() ? dropout_ : 0.0;
-  at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
-  y = y.transpose(1, 2).reshape({b, t, d});
-  return at::dropout(proj->forward(y), p, is_training());
+  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+  return y.transpose(1, 2).reshape({b, t, w});
 }
 
-MlpImpl::MlpImpl(const GptConfig& config) {
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
+  const HookChain& c = *chain_;
+  const at::Tensor qkv_out = c.call(qkv_name_, x, [&](const at::Tensor& in) { return qkv->forward(in); });
+  const at::Tensor y = c.call(core_name_, qkv_out, [&](const at::Tensor& in) { return attend(in); });
+  const at::Tensor out = c.call(proj_name_, y, [&](const at::Tensor& in) { return proj->forward(in); });
+  return c.call(drop_name_, out, [&](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
+}
+
+MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
+    : dropout_(config.dropout), chain_(std::move(chain)), prefix_(name + "."), drop_name_(name + ".drop") {
   const int64_t d = config.width, h = config.mlp_hidden();
   if (config.mlp == "gelu") {
     fc = register_module("fc", linear(d, h, config.bias));
@@ -75,20 +103,33 @@ MlpImpl::MlpImpl(const GptConfig& config) {
 }
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  if (fc) return proj->forward(at::gelu(fc->forward(x), "tanh"));
-  return down->forward(at::silu(gate->forward(x)) * up->forward(x));
+  const HookChain& c = *chain_;
+  auto call = [&](const char* name, torch::nn::Linear& layer, const at::Tensor& in) {
+    return c.call(prefix_ + name, in, [&](const at::Tensor& y) { return layer->forward(y); });
+  };
+  const at::Tensor out = fc ? call("proj", proj, at::gelu(call("fc", fc, x), "tanh"))
+                            : call("down", down, at::silu(call("gate", gate, x)) * call("up", up, x));
+  return c.call(drop_name_, out, [&](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
-BlockImpl::BlockImpl(const GptConfig& config) : dropout_(config.dropout) {
+BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
+    : chain_(std::move(chain)),
+      norm1_name_(name + ".norm1"),
+      attn_name_(name + ".attn"),
+      norm2_name_(name + ".norm2"),
+      mlp_name_(name + ".mlp") {
   norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias));
-  attn = register_module("attn", CausalSelfAttention(config));
+  attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_));
   norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias));
-  mlp = register_module("mlp", Mlp(config));
+  mlp = register_module("mlp", Mlp(config, chain_, mlp_name_));
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + attn->forward(norm1->forward(x));
-  return h + at::dropout(mlp->forward(norm2->forward(h)), dropout_, is_training());
+  const HookChain& c = *chain_;
+  const at::Tensor a = c.call(norm1_name_, x, [&](const at::Tensor& in) { return norm1->forward(in); });
+  const at::Tensor h = x + c.call(attn_name_, a, [&](const at::Tensor& in) { return attn->forward(in); });
+  const at::Tensor m = c.call(norm2_name_, h, [&](const at::Tensor& in) { return norm2->forward(in); });
+  return h + c.call(mlp_name_, m, [&](const at::Tensor& in) { return mlp->forward(in); });
 }
 
 GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
@@ -96,10 +137,18 @@ GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
   wte = register_module("wte", torch::nn::Embedding(config_.vocab_size, config_.width));
   if (config_.position == "learned") wpe = register_module("wpe", torch::nn::Embedding(config_.context, config_.width));
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config_.layers; ++i) blocks->push_back(Block(config_));
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    block_names_.push_back("blocks." + std::to_string(i));
+    blocks->push_back(Block(config_, chain_, block_names_.back()));
+  }
   norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias));
   if (!config_.tie_embeddings) head = register_module("head", linear(config_.width, config_.vocab_size, false));
   initialise(seed);
+}
+
+void GptImpl::remove_forward_hooks(const ForwardHooks* hooks) {
+  auto& list = chain_->hooks;
+  list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& h) { return h.get() == hooks; }), list.end());
 }
 
 void GptImpl::initialise(uint64_t seed) {
@@ -129,27 +178,31 @@ void GptImpl::initialise(uint64_t seed) {
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= config_.context, "sequence of ", t, " tokens is longer than the model's context ", config_.context);
-  const at::Tensor input = hooks_ ? hooks_->before("", tokens) : tokens;
-  at::Tensor x = wte->forward(input);
-  if (wpe) x = x + wpe->forward(at::arange(t, tokens.options()));
-  x = at::dropout(x, config_.dropout, is_training());
-  for (size_t i = 0; i < blocks->size(); ++i) {
-    if (!hooks_) {
-      x = blocks->ptr(i)->as<Block>()->forward(x);
-      continue;
+  const HookChain& c = *chain_;
+  return c.call("", tokens, [&](const at::Tensor& input) {
+    at::Tensor x = c.call("wte", input, [&](const at::Tensor& in) { return wte->forward(in); });
+    if (wpe) {
+      x = x + c.call("wpe", at::arange(t, tokens.options()), [&](const at::Tensor& in) { return wpe->forward(in); });
     }
-    const std::string name = "blocks." + std::to_string(i);
-    x = hooks_->after(name, blocks->ptr(i)->as<Block>()->forward(hooks_->before(name, x)));
-  }
-  x = norm_f->forward(x);
-  const at::Tensor logits = head ? head->forward(x) : at::linear(x, wte->weight);
-  return hooks_ ? hooks_->after("", logits) : logits;
+    x = c.call("drop", x, [&](const at::Tensor& in) { return at::dropout(in, config_.dropout, is_training()); });
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      BlockImpl* block = blocks->ptr(i)->as<BlockImpl>();
+      x = c.call(block_names_[i], x, [&](const at::Tensor& in) { return block->forward(in); });
+    }
+    x = c.call("norm_f", x, [&](const at::Tensor& in) { return norm_f->forward(in); });
+    return c.call("head", x, [&](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
+  });
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
   const at::Tensor logits = forward(tokens);
   // In fp32 whatever the parameters' dtype: the log-softmax over the vocabulary needs the range.
-  return at::cross_entropy_loss(logits.view({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
+  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  for (const auto& hooks : chain_->hooks) {
+    at::Tensor loss = hooks->cross_entropy(flat, targets.reshape({-1}));
+    if (loss.defined()) return loss;
+  }
+  return at::cross_entropy_loss(flat, targets.reshape({-1}));
 }
 
 }  // namespace meshtrain::model

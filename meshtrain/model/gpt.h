@@ -8,7 +8,55 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
 namespace meshtrain::model {
+
+// Note [Forward hooks]
+// The model calls each of its modules through the hooks installed on it, by
+// dotted name, in execution order:
+//   ""                    the whole model: tokens [B, T] -> logits [B, T, V]
+//   wte, wpe, drop        token embedding, position embedding (input: the
+//                         positions 0..T-1), embedding dropout
+//   blocks.N              a transformer block, and inside it
+//     .norm1 .attn .norm2 .mlp
+//     .attn.qkv .attn.core .attn.proj .attn.drop
+//                         core is attention proper: qkv's output [B, T, 3w]
+//                         -> [B, T, w] before proj (w: the width qkv produced)
+//     .mlp.fc .mlp.proj (gelu) | .mlp.gate .mlp.up .mlp.down (swiglu), .mlp.drop
+//   norm_f, head          final norm; the LM head (tied to wte or not)
+// A hook may change a call's input, its output, or compute it another way.
+// The model itself knows nothing of parallelism: the parallel layer uses the
+// hooks (fully sharded units gather their parameters around "" and blocks.N;
+// tensor parallel puts its collectives around the linears and embeddings).
+// Attention takes its head count from the width qkv produces, so heads split
+// across ranks need no change here.
+class ForwardHooks {
+ public:
+  using Forward = std::function<at::Tensor(const at::Tensor&)>;
+  virtual ~ForwardHooks() = default;
+  // Returns the output of `module` on `input`; `forward` is its own computation.
+  virtual at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) = 0;
+  // The mean cross-entropy of logits [N, V'] against targets [N], or an
+  // undefined tensor to leave it to the model (tensor parallel computes it
+  // from logits sharded over the vocabulary).
+  virtual at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+    (void)logits;
+    (void)targets;
+    return {};
+  }
+};
+
+// The hooks of one model, shared by all its modules.
+class HookChain {
+ public:
+  at::Tensor call(const std::string& module, const at::Tensor& input, const ForwardHooks::Forward& forward) const;
+  // Installed later wraps earlier: the last one is outermost.
+  std::vector<std::shared_ptr<ForwardHooks>> hooks;
+};
 
 // LayerNorm (weight, optional bias) or RMSNorm (weight), over the last dim.
 class NormImpl : public torch::nn::Module {
@@ -24,32 +72,42 @@ TORCH_MODULE(Norm);
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  explicit CausalSelfAttentionImpl(const GptConfig& config);
+  // `name` is the module's dotted name in the model, for the hooks.
+  CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name);
   at::Tensor forward(const at::Tensor& x);  // [B, T, width] -> [B, T, width]
 
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
 
  private:
-  int64_t heads_;
+  at::Tensor attend(const at::Tensor& qkv_out);  // the "core" call
+
+  int64_t head_dim_;
   double dropout_;
   bool rope_;
   at::Tensor cos_, sin_;  // rope tables [context, head_dim / 2]
+  std::shared_ptr<HookChain> chain_;
+  std::string qkv_name_, core_name_, proj_name_, drop_name_;
 };
 TORCH_MODULE(CausalSelfAttention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const GptConfig& config);
-  at::Tensor forward(const at::Tensor& x);
+  MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name);
+  at::Tensor forward(const at::Tensor& x);  // ends with the residual dropout
 
   torch::nn::Linear fc{nullptr}, proj{nullptr};             // gelu
   torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};  // swiglu
+
+ private:
+  double dropout_;
+  std::shared_ptr<HookChain> chain_;
+  std::string prefix_, drop_name_;
 };
 TORCH_MODULE(Mlp);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GptConfig& config);
+  BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name);
   at::Tensor forward(const at::Tensor& x);
 
   Norm norm1{nullptr}, norm2{nullptr};
@@ -57,20 +115,10 @@ class BlockImpl : public torch::nn::Module {
   Mlp mlp{nullptr};
 
  private:
-  double dropout_;
+  std::shared_ptr<HookChain> chain_;
+  std::string norm1_name_, attn_name_, norm2_name_, mlp_name_;
 };
 TORCH_MODULE(Block);
-
-// Called around the model's forward (module "") and each block's
-// ("blocks.N"), in execution order; a hook may return a different tensor (one
-// with a backward hook attached, say). The parallel layer uses them: fully
-// sharded units gather their parameters before and free them after.
-class ForwardHooks {
- public:
-  virtual ~ForwardHooks() = default;
-  virtual at::Tensor before(const std::string& module, const at::Tensor& input) = 0;
-  virtual at::Tensor after(const std::string& module, const at::Tensor& output) = 0;
-};
 
 class GptImpl : public torch::nn::Module {
  public:
@@ -83,8 +131,9 @@ class GptImpl : public torch::nn::Module {
   // Mean next-token cross-entropy of `targets` [B, T].
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
   const GptConfig& config() const { return config_; }
-  // Hooks around forward passes (nullptr: none).
-  void set_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { hooks_ = std::move(hooks); }
+  // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
+  void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }
+  void remove_forward_hooks(const ForwardHooks* hooks);
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -95,7 +144,8 @@ class GptImpl : public torch::nn::Module {
   void initialise(uint64_t seed);
 
   GptConfig config_;
-  std::shared_ptr<ForwardHooks> hooks_;
+  std::shared_ptr<HookChain> chain_ = std::make_shared<HookChain>();
+  std::vector<std::string> block_names_;
 };
 TORCH_MODULE(Gpt);
 

@@ -89,6 +89,14 @@ struct FullySharded::State {
 
   FullyShardedOptions options;
   model::Gpt model{nullptr};
+  std::shared_ptr<model::ForwardHooks> hooks;  // stage 3
+  // Stretches of this rank's shard (unit, offset, length) that belong to
+  // parameters split over groups.tensor.
+  struct Stretch {
+    size_t unit;
+    int64_t offset, length;
+  };
+  std::vector<Stretch> tensor_split;
   ShardingGroups groups;
   std::shared_ptr<comm::Communicator> gather_comm, reduce_comm;
   int shards = 1, shard_rank = 0;
@@ -289,14 +297,18 @@ class UnitHooks : public model::ForwardHooks {
  public:
   explicit UnitHooks(std::weak_ptr<FullySharded::State> state) : state_(std::move(state)) {}
 
-  at::Tensor before(const std::string& module, const at::Tensor& input) override {
-    if (auto state = state_.lock()) state->before_forward(module);
-    return input;
+  // Gathers a unit before its forward and frees it after; the gradient of its
+  // output gathers it again before its backward.
+  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
+    auto state = state_.lock();
+    if (!state || !state->unit_of_module.count(module)) return forward(input);
+    state->before_forward(module);
+    return after(state, module, forward(input));
   }
 
-  at::Tensor after(const std::string& module, const at::Tensor& output) override {
-    auto state = state_.lock();
-    if (!state) return output;
+ private:
+  static at::Tensor after(const std::shared_ptr<FullySharded::State>& state, const std::string& module,
+                          const at::Tensor& output) {
     const bool backward_follows = torch::GradMode::is_enabled() && output.requires_grad();
     state->after_forward(module, backward_follows);
     const size_t u = state->unit_of_module.at(module);
@@ -311,7 +323,6 @@ class UnitHooks : public model::ForwardHooks {
     return output;
   }
 
- private:
   std::weak_ptr<FullySharded::State> state_;
 };
 
@@ -423,7 +434,10 @@ FullySharded::FullySharded(model::Gpt model, ShardingGroups groups, FullySharded
       s.accumulators.push_back(std::move(accumulator));
     }
   }
-  if (options_.stage == 3) model->set_forward_hooks(std::make_shared<UnitHooks>(state_));
+  if (options_.stage == 3) {
+    s.hooks = std::make_shared<UnitHooks>(state_);
+    model->add_forward_hooks(s.hooks);
+  }
 
   // AdamW over this rank's slice of every parameter (padding excluded).
   std::vector<at::Tensor> decayed, undecayed;
@@ -434,6 +448,9 @@ FullySharded::FullySharded(model::Gpt model, ShardingGroups groups, FullySharded
       const int64_t hi = std::min(end, unit.offsets[i] + unit.params[i].numel());
       if (lo >= hi) continue;
       at::Tensor slice = alias(unit.master, lo - begin, hi - lo);
+      if (options_.split_over_tensor && options_.split_over_tensor(unit.names[i])) {
+        s.tensor_split.push_back({size_t(&unit - s.units.data()), lo - begin, hi - lo});
+      }
       slice.mutable_grad() = alias(unit.shard_grad, lo - begin, hi - lo);
       (unit.params[i].dim() >= 2 ? decayed : undecayed).push_back(slice);
     }
@@ -453,7 +470,7 @@ FullySharded::FullySharded(model::Gpt model, ShardingGroups groups, FullySharded
 FullySharded::~FullySharded() {
   // In-flight operations write into buffers the state owns: let them finish.
   try {
-    state_->model->set_forward_hooks(nullptr);
+    if (state_->hooks) state_->model->remove_forward_hooks(state_->hooks.get());
     for (auto& unit : state_->units) {
       unit.gather_work.wait();
       unit.reduce_work.wait();
@@ -479,15 +496,28 @@ void FullySharded::zero_grad() {
 
 double FullySharded::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
-  // Shards of one group are disjoint (padding holds zeros); replicas hold the same.
-  at::Tensor squares = at::zeros({1}, at::kDouble);
-  for (auto& unit : state_->units) squares += unit.shard_grad.to(at::kDouble).pow(2).sum();
-  state_->reduce_comm->all_reduce(squares, comm::ReduceOp::kSum).wait();
-  const double norm = std::sqrt(squares.item<double>());
+  State& s = *state_;
+  // Shards of one group are disjoint (padding holds zeros); replicas hold the
+  // same. With tensor parallel, split parameters add up over groups.tensor and
+  // the others are copies there: [split, copied] sums of squares.
+  at::Tensor squares = at::zeros({2}, at::kDouble);
+  for (auto& unit : s.units) squares[1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
+  for (const State::Stretch& x : s.tensor_split) {
+    const at::Tensor part = s.units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();
+    squares[0] += part;
+    squares[1] -= part;
+  }
+  s.reduce_comm->all_reduce(squares, comm::ReduceOp::kSum).wait();
+  if (s.groups.tensor && s.groups.tensor->size() > 1) {
+    at::Tensor split = squares.narrow(0, 0, 1).clone();
+    s.groups.tensor->all_reduce(split, comm::ReduceOp::kSum).wait();
+    squares[0] = split[0];
+  }
+  const double norm = std::sqrt(squares.sum().item<double>());
   if (max_norm > 0) {
     const double coefficient = max_norm / (norm + 1e-6);
     if (coefficient < 1.0) {
-      for (auto& unit : state_->units) unit.shard_grad.mul_(coefficient);
+      for (auto& unit : s.units) unit.shard_grad.mul_(coefficient);
     }
   }
   return norm;

@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,13 +36,20 @@ struct FullyShardedOptions {
   // shard) by default; true reduce-scatters into a separate shard buffer.
   bool stage1_reduce_scatter = false;
   AdamWSettings adamw;
+  // With tensor parallel (ShardingGroups::tensor): which parameters, by name,
+  // are split over it. Their gradient norms add up over the group; the other
+  // parameters are copies there and count once.
+  std::function<bool(const std::string&)> split_over_tensor;
 };
 
 // Communicators of a sharded layout. `shard` (the fsdp axis) holds one shard
 // each; `replicate` (the dp axis) holds copies of the same shard; `all` is both
 // (the data-parallel group). Without hybrid sharding `replicate` has one rank.
+// `tensor` (optional) is the tensor-parallel group the model is split over:
+// each of its ranks shards a different part of the model.
 struct ShardingGroups {
   std::shared_ptr<comm::Communicator> shard, replicate, all;
+  std::shared_ptr<comm::Communicator> tensor;
 };
 
 // Note [Fully sharded]

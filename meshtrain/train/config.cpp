@@ -1,5 +1,7 @@
 #include "meshtrain/train/config.h"
 
+#include "meshtrain/parallel/tensor_parallel.h"
+
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
@@ -159,6 +161,10 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(dp)));
     f.push_back(field("parallel", "fsdp", "shards per replica when zero_stage >= 1; dp x fsdp = ranks (0: derived)",
                       MESHTRAIN_CONFIG_MEMBER(fsdp)));
+    f.push_back(field("parallel", "tp", "tensor-parallel ranks: attention split by heads, MLP and vocabulary split "
+                      "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(tp)));
+    f.push_back(field("parallel", "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along the "
+                      "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(sequence_parallel)));
     f.push_back(field("parallel", "zero_stage",
                       "0: data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters (FSDP)",
                       MESHTRAIN_CONFIG_MEMBER(zero_stage)));
@@ -353,17 +359,29 @@ void TrainConfig::validate(int world_size) {
   if (zero_stage == 0 && fsdp > 1) {
     bad("parallel.fsdp", std::to_string(fsdp), "shards need parallel.zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   }
-  // Unset axes (0) take the ranks the others leave: all shards for
-  // zero_stage >= 1, all replicas for plain data parallel.
+  if (tp < 1) bad("parallel.tp", std::to_string(tp), "must be >= 1");
+  if (world_size % tp != 0) {
+    bad("parallel.tp", std::to_string(tp), "must divide the world size " + std::to_string(world_size));
+  }
+  if (sequence_parallel && tp == 1) bad("parallel.sequence_parallel", "true", "needs parallel.tp > 1");
+  try {
+    parallel::check_tensor_parallel(model, static_cast<int>(tp), sequence_parallel);
+  } catch (const std::invalid_argument& e) {
+    bad("parallel.tp", std::to_string(tp), e.what());
+  }
+  // The tp axis takes its ranks first. Unset axes (0) take the ranks the
+  // others leave: all shards for zero_stage >= 1, all replicas for plain data parallel.
   const int64_t given_dp = dp, given_fsdp = fsdp;
+  const int64_t ranks = world_size / tp;  // for dp x fsdp
   if (zero_stage == 0) fsdp = 1;
-  if (dp == 0 && fsdp == 0) fsdp = world_size;
-  if (dp == 0 && world_size % fsdp == 0) dp = world_size / fsdp;
-  if (fsdp == 0 && world_size % dp == 0) fsdp = world_size / dp;
-  if (dp * fsdp != world_size) {
+  if (dp == 0 && fsdp == 0) fsdp = ranks;
+  if (dp == 0 && ranks % fsdp == 0) dp = ranks / fsdp;
+  if (fsdp == 0 && ranks % dp == 0) fsdp = ranks / dp;
+  if (dp * fsdp != ranks) {
     bad("parallel.dp", std::to_string(given_dp),
         "with parallel.fsdp = " + std::to_string(given_fsdp) + ": dp(" + std::to_string(dp) + ") * fsdp(" +
             std::to_string(fsdp) + ") must equal the world size " + std::to_string(world_size) +
+            (tp > 1 ? " / parallel.tp " + std::to_string(tp) + " = " + std::to_string(ranks) : "") +
             " (an axis left at 0 takes the ranks the other leaves)");
   }
   if (batch % (micro_batch * data_ranks()) != 0) {

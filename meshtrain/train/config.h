@@ -47,6 +47,8 @@ struct TrainConfig {
   // [parallel]
   int64_t dp = 0;            // replicas (the dp axis); 0: derived, see validate()
   int64_t fsdp = 0;          // shards (the fsdp axis) for zero_stage >= 1; 0: derived
+  int64_t tp = 1;            // tensor-parallel ranks (the tp axis, innermost); dp x fsdp x tp = ranks
+  bool sequence_parallel = false;  // with tp > 1: norms, dropout and residuals on sequence chunks
   int64_t bucket_mb = 25;
   int64_t zero_stage = 0;    // 0: data parallel; 1: optimizer states, 2: + gradients, 3: + parameters sharded
   std::string unit_policy = "block";  // fully sharded units: "block" or "model"

@@ -76,12 +76,12 @@ double learning_rate(const TrainConfig& config, int64_t step) {
   return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
-    : config_(std::move(config)), dp_(std::move(dp)), checkpoints_(config_.checkpoint_path(), config_.checkpoint_keep) {
+Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
+    : config_(std::move(config)), world_(std::move(world)), checkpoints_(config_.checkpoint_path(), config_.checkpoint_keep) {
   // Data: token files as given, or the configured text prepared once by rank 0.
   if (config_.train_file.empty()) {
     const std::string data_dir = config_.out + "/data";
-    comm::on_root_or_all_fail(*dp_, 0, [&] {
+    comm::on_root_or_all_fail(*world_, 0, [&] {
       const PrepareResult prepared = prepare(config_.text, data_dir, config_.val_fraction);
       std::printf("meshtrain: prepared %zu text file(s) into %s: %lld training and %lld validation tokens\n",
                   prepared.sources.size(), data_dir.c_str(), static_cast<long long>(prepared.train_tokens),
@@ -102,13 +102,28 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
   val_sampler_ = std::make_unique<Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
 
   memory::install();
-  memory::set_rank(dp_->rank());
+  memory::set_rank(world_->rank());
   previous_limit_ = memory::limit();
   if (config_.memory_limit_mb > 0) memory::set_limit(config_.memory_limit_mb << 20);
 
+  // Mesh dp x fsdp x tp (tp innermost): micro-batches are read per (dp, fsdp)
+  // coordinate; the ranks of a tp group read the same ones.
+  mesh_ = std::make_unique<mesh::DeviceMesh>(
+      world_, mesh::MeshLayout::from_degrees({{"dp", static_cast<int>(config_.dp)},
+                                              {"fsdp", static_cast<int>(config_.fsdp)},
+                                              {"tp", static_cast<int>(config_.tp)}},
+                                             world_->size()));
+  data_ = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
+
+  // Apply order: tensor parallel, then data parallel or sharding over the rest.
   model_ = model::Gpt(config_.model, config_.seed);
+  if (config_.tp > 1) {
+    tensor_parallel_ = std::make_unique<parallel::TensorParallel>(
+        model_, mesh_->comm("tp"), parallel::gpt_tensor_parallel_plan(config_.model, config_.sequence_parallel),
+        parallel::TensorParallelOptions{config_.sequence_parallel, config_.seed});
+  }
   if (config_.zero_stage == 0) {
-    data_parallel_ = std::make_unique<parallel::DataParallel>(*model_, dp_, [&] {
+    data_parallel_ = std::make_unique<parallel::DataParallel>(*model_, data_, [&] {
       parallel::DataParallelOptions options;
       options.bucket_bytes = config_.bucket_mb << 20;
       return options;
@@ -126,9 +141,6 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
     groups.emplace_back(undecayed, options(0.0));
     optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), *options(config_.weight_decay));
   } else {
-    mesh_ = std::make_unique<mesh::DeviceMesh>(
-        dp_, mesh::MeshLayout::from_degrees({{"dp", static_cast<int>(config_.dp)}, {"fsdp", static_cast<int>(config_.fsdp)}},
-                                            dp_->size()));
     parallel::FullyShardedOptions options;
     options.stage = static_cast<int>(config_.zero_stage);
     options.unit_policy = config_.unit_policy;
@@ -138,8 +150,13 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
     options.reduce_dtype = parallel::parse_dtype(config_.reduce_dtype);
     options.stage1_reduce_scatter = config_.zero1_reduce == "reduce_scatter";
     options.adamw = {config_.lr, config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
-    sharded_ = std::make_unique<parallel::FullySharded>(
-        model_, parallel::ShardingGroups{mesh_->comm("fsdp"), mesh_->comm("dp"), dp_}, options);
+    parallel::ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, nullptr};
+    if (tensor_parallel_) {
+      groups.tensor = tensor_parallel_->comm();
+      const parallel::TensorParallel* tp = tensor_parallel_.get();
+      options.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
+    }
+    sharded_ = std::make_unique<parallel::FullySharded>(model_, groups, options);
   }
 
   if (config_.resume) {
@@ -148,46 +165,75 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> dp)
   }
 
   at::Tensor peak = at::full({1}, measure_matmul_peak(), at::kDouble);
-  dp_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
+  world_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
   peak_flops_ = peak.item<double>();
 }
 
 Trainer::~Trainer() { memory::set_limit(previous_limit_); }
 
+std::string Trainer::layout() const {
+  std::string layout = sharded_ ? sharded_->layout() : "";
+  if (tensor_parallel_) {
+    layout += (layout.empty() ? "zero_stage=0 dp=" + std::to_string(config_.dp) + " " : " ") + tensor_parallel_->layout();
+  }
+  return layout;
+}
+
+std::string Trainer::shard_file() const { return "shard-rank-" + std::to_string(world_->rank()) + ".pt"; }
+
 void Trainer::load_checkpoint(const std::string& folder) {
   CheckpointMeta meta;
-  if (!sharded_) {
+  if (layout().empty()) {
     meta = checkpoints_.load(folder, *model_, optimizer_.get(), model_fingerprint());
   } else {
-    comm::on_all_or_all_fail(*dp_, [&] {
+    comm::on_all_or_all_fail(*world_, [&] {
       meta = CheckpointStore::read_meta(folder);
       if (meta.model != model_fingerprint()) {
         throw CheckpointError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
                               model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
       }
-      if (meta.layout != sharded_->layout()) {
+      if (meta.layout != layout()) {
         throw CheckpointError("checkpoint " + folder + " was saved with layout '" +
                               (meta.layout.empty() ? std::string("zero_stage=0") : meta.layout) + "', this run is '" +
-                              sharded_->layout() + "'; resume with the same parallel settings and rank count, or set "
+                              layout() + "'; resume with the same parallel settings and rank count, or set "
                               "checkpoint.resume = false (its model.pt holds the full parameters)");
       }
     });
-    sharded_->load_shard(util::join_path(folder, "shard-rank-" + std::to_string(dp_->rank()) + ".pt"));
+    const std::string path = util::join_path(folder, shard_file());
+    if (sharded_) {
+      sharded_->load_shard(path);
+    } else {
+      // Tensor parallel over plain data parallel: this rank's parameter shards and optimizer.
+      torch::NoGradGuard no_grad;
+      torch::serialize::InputArchive archive, optimizer;
+      archive.load_from(path);
+      for (auto& item : model_->named_parameters()) {
+        at::Tensor value;
+        archive.read("param." + item.key(), value);
+        item.value().copy_(value);
+      }
+      archive.read("optimizer", optimizer);
+      optimizer_->load(optimizer);
+    }
   }
   step_ = meta.step;
   cursor_ = meta.cursor;
   resumed_ = true;
 }
 
-std::map<std::string, at::Tensor> Trainer::full_parameters() {
-  if (sharded_) return sharded_->full_state_dict(-1);
+std::map<std::string, at::Tensor> Trainer::full_parameters(int root) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : model_->named_parameters()) out[item.key()] = item.value().detach().clone();
-  return out;
+  if (sharded_) {
+    // Tensor parallel gathers over tp next: every rank of it needs its part.
+    out = sharded_->full_state_dict(tensor_parallel_ ? -1 : root);
+  } else {
+    for (const auto& item : model_->named_parameters()) out[item.key()] = item.value().detach().clone();
+  }
+  return tensor_parallel_ ? tensor_parallel_->gather_all(out) : out;
 }
 
 double Trainer::mfu(double tokens_per_second) const {
-  return config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * dp_->size());
+  return config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * world_->size());
 }
 
 std::string Trainer::model_fingerprint() const {
@@ -208,12 +254,12 @@ StepResult Trainer::step() {
   if (sharded_) sharded_->zero_grad();
   else data_parallel_->zero_grad();
   double loss_sum = 0;
-  const int64_t micro = config_.micro_batch, ranks = dp_->size();
+  const int64_t micro = config_.micro_batch, ranks = data_->size();
   for (int64_t a = 0; a < config_.grad_accum; ++a) {
     const bool last = a == config_.grad_accum - 1;
     if (sharded_) sharded_->set_sync(last);
     else data_parallel_->set_sync(last);
-    auto [inputs, targets] = train_sampler_->rows(cursor_ + (a * ranks + dp_->rank()) * micro, micro);
+    auto [inputs, targets] = train_sampler_->rows(cursor_ + (a * ranks + data_->rank()) * micro, micro);
     at::Tensor loss;
     {
       memory::PhaseScope phase(memory::Phase::kForward);
@@ -237,14 +283,15 @@ StepResult Trainer::step() {
       sharded_->step(result.lr);
     } else {
       data_parallel_->finish();
-      result.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+      result.grad_norm = tensor_parallel_ ? tensor_parallel_->clip_grad_norm(config_.grad_clip)
+                                          : torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
       for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
       optimizer_->step();
     }
   }
 
   at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
-  dp_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
+  world_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
   result.loss = loss.item<double>();
   result.step = ++step_;
   result.memory.model_states = memory::current_bytes();
@@ -258,35 +305,41 @@ double Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   model_->eval();
   double total = 0;
-  const int64_t micro = config_.micro_batch, ranks = dp_->size();
+  const int64_t micro = config_.micro_batch, ranks = data_->size();
   for (int64_t i = 0; i < config_.eval_batches; ++i) {
-    auto [inputs, targets] = val_sampler_->rows((i * ranks + dp_->rank()) * micro, micro);
+    auto [inputs, targets] = val_sampler_->rows((i * ranks + data_->rank()) * micro, micro);
     Autocast autocast(config_.dtype == "bfloat16");
     total += model_->loss(inputs, targets).item<double>();
   }
   model_->train();
   at::Tensor loss = at::full({1}, total / config_.eval_batches, at::kDouble);
-  dp_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
+  world_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
   return loss.item<double>();
 }
 
 void Trainer::save_checkpoint() {
   memory::PhaseScope phase(memory::Phase::kCheckpoint);
-  CheckpointMeta meta{step_, cursor_, model_fingerprint(), model_config_to_json(config_.model), ""};
-  if (!sharded_) {
-    comm::on_root_or_all_fail(*dp_, 0, [&] { checkpoints_.save(meta, *model_, *optimizer_); });
+  CheckpointMeta meta{step_, cursor_, model_fingerprint(), model_config_to_json(config_.model), layout()};
+  if (meta.layout.empty()) {
+    comm::on_root_or_all_fail(*world_, 0, [&] { checkpoints_.save(meta, *model_, *optimizer_); });
     return;
   }
   // Every rank its shard file; rank 0 also the full parameters (model.pt, what
   // `meshtrain generate` and exports read).
-  meta.layout = sharded_->layout();
-  const std::map<std::string, at::Tensor> full = sharded_->full_state_dict(0);
-  checkpoints_.save_collective(meta, *dp_, [&](const std::string& staging) {
-    std::vector<std::string> files;
-    const std::string shard = "shard-rank-" + std::to_string(dp_->rank()) + ".pt";
-    sharded_->save_shard(util::join_path(staging, shard));
-    files.push_back(shard);
-    if (dp_->rank() == 0) {
+  const std::map<std::string, at::Tensor> full = full_parameters(0);
+  checkpoints_.save_collective(meta, *world_, [&](const std::string& staging) {
+    std::vector<std::string> files = {shard_file()};
+    const std::string path = util::join_path(staging, shard_file());
+    if (sharded_) {
+      sharded_->save_shard(path);
+    } else {
+      torch::serialize::OutputArchive archive, optimizer;
+      for (const auto& item : model_->named_parameters()) archive.write("param." + item.key(), item.value().detach());
+      optimizer_->save(optimizer);
+      archive.write("optimizer", optimizer);
+      archive.save_to(path);
+    }
+    if (world_->rank() == 0) {
       std::map<std::string, at::Tensor> buffers;
       for (const auto& item : model_->named_buffers()) buffers[item.key()] = item.value();
       write_model_archive(util::join_path(staging, "model.pt"), full, buffers);
@@ -299,7 +352,7 @@ void Trainer::save_checkpoint() {
 void Trainer::log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second) {
   // Per rank, in MiB: peak RSS, then the counted tensor memory of the step.
   constexpr double kMiB = 1048576.0;
-  const memory::DeviceStats device = memory::device_stats(dp_->device());
+  const memory::DeviceStats device = memory::device_stats(world_->device());
   const std::vector<double> mine = {peak_rss_mib(),
                                     result.memory.model_states / kMiB,
                                     result.memory.phase_peak[int(memory::Phase::kForward)] / kMiB,
@@ -307,12 +360,12 @@ void Trainer::log_metrics(const StepResult& result, std::optional<double> val_lo
                                     result.memory.phase_peak[int(memory::Phase::kOptimizer)] / kMiB,
                                     device.peak / kMiB};
   const int64_t fields = static_cast<int64_t>(mine.size());
-  at::Tensor all = at::empty({dp_->size() * fields}, at::kDouble);
-  dp_->all_gather(all, at::tensor(mine, at::kDouble)).wait();
-  if (dp_->rank() != 0) return;
+  at::Tensor all = at::empty({world_->size() * fields}, at::kDouble);
+  world_->all_gather(all, at::tensor(mine, at::kDouble)).wait();
+  if (world_->rank() != 0) return;
   auto column = [&](int64_t field) {
     std::vector<double> values;
-    for (int r = 0; r < dp_->size(); ++r) values.push_back(std::round(all[r * fields + field].item<double>() * 100) / 100);
+    for (int r = 0; r < world_->size(); ++r) values.push_back(std::round(all[r * fields + field].item<double>() * 100) / 100);
     return values;
   };
   nlohmann::json line = {{"step", result.step},
@@ -334,7 +387,7 @@ void Trainer::log_metrics(const StepResult& result, std::optional<double> val_lo
 }
 
 void Trainer::run() {
-  const bool leader = dp_->rank() == 0;
+  const bool leader = world_->rank() == 0;
   if (leader) {
     util::make_directories(config_.out);
     metrics_.open(config_.out + "/metrics.jsonl", resumed_ ? std::ios::app : std::ios::trunc);
@@ -345,8 +398,12 @@ void Trainer::run() {
                std::to_string(config_.fsdp) + "), " + std::to_string(sharded_->unit_count()) + " units, " +
                config_.param_dtype + " compute, " + config_.reduce_dtype + " reductions";
     }
+    if (tensor_parallel_) {
+      layout += " over " + std::to_string(config_.dp * config_.fsdp) + " x tensor parallel tp(" +
+                std::to_string(config_.tp) + ")" + (config_.sequence_parallel ? " with sequence parallel" : "");
+    }
     std::printf("meshtrain: training %s (%s, %.2fM parameters) on %d rank(s), %s\n", config_.preset.c_str(),
-                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, dp_->size(), layout.c_str());
+                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, world_->size(), layout.c_str());
     if (config_.memory_limit_mb > 0) {
       std::printf("meshtrain: per-rank memory limit %lld MiB (counted CPU tensors)\n", (long long)config_.memory_limit_mb);
     }
@@ -386,10 +443,10 @@ void Trainer::run() {
   }
   save_checkpoint();
   if (config_.sample_tokens <= 0) return;
-  // Sharded parameters are gathered into a plain fp32 model on rank 0 first.
+  // Split parameters are gathered into a plain fp32 model on rank 0 first.
   model::Gpt sampler = model_;
-  if (sharded_) {
-    const std::map<std::string, at::Tensor> full = sharded_->full_state_dict(0);
+  if (!layout().empty()) {
+    const std::map<std::string, at::Tensor> full = full_parameters(0);
     if (!leader) return;
     sampler = model::Gpt(config_.model, config_.seed);
     torch::NoGradGuard no_grad;

@@ -8,6 +8,7 @@
 #include "meshtrain/mesh/device_mesh.h"
 #include "meshtrain/parallel/data_parallel.h"
 #include "meshtrain/parallel/fully_sharded.h"
+#include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/util/memory.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/config.h"
@@ -43,13 +44,14 @@ struct StepResult {
 
 class Trainer {
  public:
-  // `config` must be validated for data->size() ranks (dp x fsdp). Collective
-  // over `data`: prepares data (rank 0), builds the model from the seed,
-  // broadcasts it, applies data parallel (zero_stage 0) or sharding (1-3) on
-  // a dp x fsdp mesh of `data`, and resumes from the latest checkpoint when
+  // `config` must be validated for world->size() ranks (dp x fsdp x tp).
+  // Collective over `world`: prepares data (rank 0), builds the model from the
+  // seed, lays the ranks out as a dp x fsdp x tp mesh, applies tensor parallel
+  // over tp (tp > 1), then data parallel (zero_stage 0) or sharding (1-3) over
+  // dp x fsdp, and resumes from the latest checkpoint when
   // config.resume and one exists. Installs the counting allocator and, with
   // memory.limit_mb, the per-rank limit (until destruction).
-  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> data);
+  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world);
   ~Trainer();
 
   StepResult step();
@@ -66,8 +68,11 @@ class Trainer {
   model::Gpt& model() { return model_; }
   const parallel::DataParallel& data_parallel() const { return *data_parallel_; }
   parallel::FullySharded* sharded() { return sharded_.get(); }
-  // Every parameter, unsharded, fp32, by name, on every rank. Collective.
-  std::map<std::string, at::Tensor> full_parameters();
+  parallel::TensorParallel* tensor_parallel() { return tensor_parallel_.get(); }
+  const mesh::DeviceMesh& mesh() const { return *mesh_; }
+  // Every parameter, unsharded, fp32, by name, on every rank (root -1) or at
+  // least on world rank `root`. Collective.
+  std::map<std::string, at::Tensor> full_parameters(int root = -1);
   const TrainConfig& config() const { return config_; }
   std::string model_fingerprint() const;
   // One rank's fp32 matmul rate (FLOP/s), measured at construction.
@@ -77,16 +82,21 @@ class Trainer {
 
  private:
   void load_checkpoint(const std::string& folder);
+  // What a checkpoint's per-rank files need to load ("" for plain data parallel).
+  std::string layout() const;
+  std::string shard_file() const;  // this rank's file in a checkpoint
   void log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second);
 
   TrainConfig config_;
-  std::shared_ptr<comm::Communicator> dp_;  // every data-parallel rank (dp x fsdp)
-  std::unique_ptr<mesh::DeviceMesh> mesh_;
+  std::shared_ptr<comm::Communicator> world_;
+  std::unique_ptr<mesh::DeviceMesh> mesh_;   // dp x fsdp x tp
+  std::shared_ptr<comm::Communicator> data_;  // this rank's dp x fsdp group: ranks reading different data
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
   model::Gpt model_{nullptr};
   std::unique_ptr<parallel::DataParallel> data_parallel_;  // zero_stage 0
   std::unique_ptr<torch::optim::AdamW> optimizer_;         // zero_stage 0
+  std::unique_ptr<parallel::TensorParallel> tensor_parallel_;  // tp > 1
   std::unique_ptr<parallel::FullySharded> sharded_;        // zero_stage 1-3
   int64_t previous_limit_ = 0;
   CheckpointStore checkpoints_;

@@ -1,0 +1,339 @@
+#include "meshtrain/parallel/tensor_parallel.h"
+
+#include <cmath>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace meshtrain::parallel {
+
+namespace {
+
+using Style = TensorParallelStyle;
+
+constexpr int64_t kSequenceDim = 1;  // activations are [B, T, width]
+
+std::vector<std::string> segments(const std::string& name) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    const size_t dot = name.find('.', start);
+    out.push_back(name.substr(start, dot - start));
+    if (dot == std::string::npos) return out;
+    start = dot + 1;
+  }
+}
+
+bool matches(const std::string& pattern, const std::string& name) {
+  const std::vector<std::string> p = segments(pattern), n = segments(name);
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] != "*" && p[i] != n[i]) return false;
+  }
+  return true;
+}
+
+// Styles that shard a module's parameters (the others act on call sites only).
+bool binds_module(Style style) {
+  return style == Style::kColwise || style == Style::kRowwise || style == Style::kVocabEmbedding ||
+         style == Style::kSequenceParallel || style == Style::kSequencePositions;
+}
+
+}  // namespace
+
+TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool sequence_parallel) {
+  TensorParallelPlan plan = {
+      {"wte", Style::kVocabEmbedding},
+      {"blocks.*.attn.qkv", Style::kColwise, 3},
+      {"blocks.*.attn.core", Style::kLocalRandom},
+      {"blocks.*.attn.proj", Style::kRowwise},
+      {"head", Style::kVocabHead},
+  };
+  if (config.mlp == "gelu") {
+    plan.push_back({"blocks.*.mlp.fc", Style::kColwise});
+    plan.push_back({"blocks.*.mlp.proj", Style::kRowwise});
+  } else {
+    plan.push_back({"blocks.*.mlp.gate", Style::kColwise});
+    plan.push_back({"blocks.*.mlp.up", Style::kColwise});
+    plan.push_back({"blocks.*.mlp.down", Style::kRowwise});
+  }
+  if (!sequence_parallel) {
+    plan.push_back({"blocks.*.attn", Style::kPrepareInput});
+    plan.push_back({"blocks.*.mlp", Style::kPrepareInput});
+    return plan;
+  }
+  for (const char* norm : {"blocks.*.norm1", "blocks.*.norm2", "norm_f"}) plan.push_back({norm, Style::kSequenceParallel});
+  if (config.position == "learned") plan.push_back({"wpe", Style::kSequencePositions});
+  for (const char* drop : {"drop", "blocks.*.attn.drop", "blocks.*.mlp.drop"}) plan.push_back({drop, Style::kLocalRandom});
+  return plan;
+}
+
+void check_tensor_parallel(const model::GptConfig& config, int t, bool sequence_parallel) {
+  if (t < 1) throw std::invalid_argument("tensor parallel: the group has " + std::to_string(t) + " ranks");
+  auto need = [&](const char* what, int64_t value, const std::string& hint) {
+    if (value % t == 0) return;
+    throw std::invalid_argument(std::string("tensor parallel over ") + std::to_string(t) + " ranks: " + what + " = " +
+                                std::to_string(value) + " is not divisible by " + std::to_string(t) + "; " + hint);
+  };
+  need("model.heads", config.heads, "attention is split by heads: use a head count that is a multiple of parallel.tp");
+  need("the MLP hidden size", config.mlp_hidden(), "change model.width or parallel.tp");
+  need("model.vocab_size", config.vocab_size,
+       "the embedding and head are split by vocabulary rows and not padded (padding would change the model)");
+  if (sequence_parallel) {
+    need("model.context", config.context, "sequence parallel splits every sequence into parallel.tp chunks");
+  }
+}
+
+struct TensorParallel::Hooks : model::ForwardHooks {
+  struct Site {
+    const TensorParallelRule* rule = nullptr;  // nullptr: not in the plan
+    at::Tensor weight, bias;                   // kColwise, kRowwise (bias only), kVocabHead
+  };
+
+  TensorParallel* owner = nullptr;
+  std::vector<TensorParallelRule> plan;
+  std::unordered_map<std::string, at::Tensor> weights, biases;  // by module name
+  std::unordered_map<std::string, Site> sites;                  // by call-site name, filled on first use
+  int64_t vocab_start = 0;
+
+  const Site& site(const std::string& name) {
+    auto it = sites.find(name);
+    if (it != sites.end()) return it->second;
+    Site s;
+    for (const TensorParallelRule& rule : plan) {
+      if (matches(rule.pattern, name)) s.rule = &rule;
+    }
+    if (s.rule) {
+      if (weights.count(name)) s.weight = weights.at(name);
+      if (biases.count(name)) s.bias = biases.at(name);
+    }
+    return sites.emplace(name, s).first->second;
+  }
+
+  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
+    const Site& s = site(module);
+    if (!s.rule) return forward(input);
+    const CommPtr& comm = owner->comm_;
+    const bool sp = owner->options_.sequence_parallel;
+    switch (s.rule->style) {
+      case Style::kColwise:
+        return sp ? sequence_gathered_linear(input, s.weight, s.bias, comm, kSequenceDim) : forward(input);
+      case Style::kRowwise: {
+        // The module's own bias was taken out: it is added once, after the sum.
+        at::Tensor y = forward(input);
+        y = sp ? reduce_scatter_to_sequence(y, comm, kSequenceDim) : reduce_from_tensor_parallel(y, comm);
+        return s.bias.defined() ? y + s.bias : y;
+      }
+      case Style::kVocabEmbedding: {
+        const int64_t rows = s.weight.size(0);
+        const at::Tensor mine = (input >= vocab_start) & (input < vocab_start + rows);
+        const at::Tensor y = forward((input - vocab_start).masked_fill(mine.logical_not(), 0))
+                                 .masked_fill(mine.logical_not().unsqueeze(-1), 0.0);
+        return sp ? reduce_scatter_to_sequence(y, comm, kSequenceDim) : reduce_from_tensor_parallel(y, comm);
+      }
+      case Style::kVocabHead:
+        if (sp) return sequence_gathered_linear(input, s.weight, at::Tensor(), comm, kSequenceDim);
+        return forward(copy_to_tensor_parallel(input, comm));
+      case Style::kPrepareInput:
+        return forward(copy_to_tensor_parallel(input, comm));
+      case Style::kSequenceParallel:
+        return forward(input);
+      case Style::kSequencePositions: {
+        const at::Tensor y = forward(input);  // [T, width]
+        const int64_t chunk = y.size(0) / comm->size();
+        return y.narrow(0, comm->rank() * chunk, chunk);
+      }
+      case Style::kLocalRandom: {
+        if (owner->model_->config().dropout == 0) return forward(input);  // draws nothing
+        at::Tensor y;
+        owner->with_local_random([&] { y = forward(input); });
+        return y;
+      }
+    }
+    return forward(input);
+  }
+
+  at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) override {
+    return vocab_parallel_cross_entropy(logits, targets, vocab_start, owner->comm_);
+  }
+};
+
+TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParallelPlan& plan,
+                               TensorParallelOptions options)
+    : model_(std::move(model)), comm_(std::move(comm)), options_(options), hooks_(std::make_shared<Hooks>()) {
+  const int t = comm_->size(), rank = comm_->rank();
+  check_tensor_parallel(model_->config(), t, options_.sequence_parallel);
+  hooks_->owner = this;
+  hooks_->plan = plan;
+  torch::NoGradGuard no_grad;
+
+  std::vector<bool> used(plan.size(), false);
+  auto set_split = [&](const std::string& name, at::Tensor& p, int64_t dim, int64_t parts) {
+    TORCH_CHECK(p.size(dim) % (parts * t) == 0, "tensor parallel: ", name, " of shape ", p.sizes(),
+                " does not split into ", parts, " x ", t, " along dim ", dim);
+    split_[name] = {dim, parts};
+    p.set_data(shard(name, p));
+  };
+  auto reduce_gradient = [&](at::Tensor& p) {
+    // A partial sum on each rank (computed from its sequence chunk).
+    CommPtr group = comm_;
+    p.register_hook([group](const at::Tensor& grad) {
+      at::Tensor sum = grad.contiguous().clone();
+      group->all_reduce(sum).wait();
+      return sum;
+    });
+    reduced_.push_back(p);
+  };
+  for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+    const std::string& name = item.key();
+    const TensorParallelRule* rule = nullptr;
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (matches(plan[i].pattern, name)) {
+        rule = &plan[i];
+        used[i] = true;
+      }
+    }
+    if (!rule) continue;
+    torch::nn::Module& module = *item.value();
+    auto param = [&](const char* key) -> at::Tensor* { return module.named_parameters(false).find(key); };
+    at::Tensor* weight = param("weight");
+    at::Tensor* bias = param("bias");
+    const std::string prefix = name + ".";
+    switch (rule->style) {
+      case Style::kColwise:
+      case Style::kVocabHead:
+      case Style::kVocabEmbedding:
+        TORCH_CHECK(weight, "tensor parallel: module ", name, " has no weight to split");
+        set_split(prefix + "weight", *weight, 0, rule->style == Style::kColwise ? rule->parts : 1);
+        if (bias) set_split(prefix + "bias", *bias, 0, rule->parts);
+        hooks_->weights[name] = *weight;
+        if (bias) hooks_->biases[name] = *bias;
+        if (rule->style == Style::kVocabEmbedding) hooks_->vocab_start = rank * weight->size(0);
+        break;
+      case Style::kRowwise: {
+        auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module);
+        TORCH_CHECK(linear, "tensor parallel: row-parallel module ", name, " is not a Linear");
+        set_split(prefix + "weight", *weight, 1, 1);
+        if (bias) {
+          hooks_->biases[name] = *bias;
+          linear->bias = at::Tensor();  // added by the hook after the reduction
+          if (options_.sequence_parallel) reduce_gradient(*bias);
+        }
+        break;
+      }
+      case Style::kSequenceParallel:
+      case Style::kSequencePositions:
+        for (auto& p : module.named_parameters(false)) reduce_gradient(p.value());
+        break;
+      case Style::kPrepareInput:
+      case Style::kLocalRandom:
+        break;
+    }
+  }
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (!used[i] && binds_module(plan[i].style)) {
+      throw std::invalid_argument("tensor parallel plan: '" + plan[i].pattern + "' matches no module of the model");
+    }
+  }
+  // The tied LM head multiplies by the (vocab-split) token embedding.
+  if (!model_->head && hooks_->weights.count("wte")) hooks_->weights["head"] = hooks_->weights.at("wte");
+
+  at::Generator generator = at::globalContext().defaultGenerator(comm_->device());
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    const at::Tensor saved = generator.get_state();
+    generator.set_current_seed(options_.seed + 2718 + rank);
+    local_random_state_ = generator.get_state();
+    generator.set_state(saved);
+  }
+  model_->add_forward_hooks(hooks_);
+}
+
+TensorParallel::~TensorParallel() { model_->remove_forward_hooks(hooks_.get()); }
+
+bool TensorParallel::is_split(const std::string& name) const { return split_.count(name) > 0; }
+
+at::Tensor TensorParallel::shard(const std::string& name, const at::Tensor& full) const {
+  const Split& s = split_.at(name);
+  const int64_t t = comm_->size();
+  std::vector<int64_t> shape = full.sizes().vec();
+  std::vector<int64_t> blocks = shape;
+  blocks[s.dim] = s.parts;
+  blocks.insert(blocks.begin() + s.dim + 1, {t, shape[s.dim] / (s.parts * t)});
+  shape[s.dim] /= t;
+  return full.reshape(blocks).select(s.dim + 1, comm_->rank()).reshape(shape).clone();
+}
+
+at::Tensor TensorParallel::gather(const std::string& name, const at::Tensor& local) const {
+  auto it = split_.find(name);
+  if (it == split_.end()) return local;
+  const Split& s = it->second;
+  const int64_t t = comm_->size();
+  const at::Tensor chunk = local.contiguous();
+  std::vector<int64_t> stacked_shape = chunk.sizes().vec();
+  stacked_shape.insert(stacked_shape.begin(), t);
+  at::Tensor stacked = at::empty(stacked_shape, chunk.options());
+  comm_->all_gather(stacked.view(-1), chunk.view(-1)).wait();
+  // [t, ..., parts * c, ...] -> [..., parts, t, c, ...] -> full
+  std::vector<int64_t> blocks = stacked_shape;
+  blocks[s.dim + 1] = s.parts;
+  blocks.insert(blocks.begin() + s.dim + 2, chunk.size(s.dim) / s.parts);
+  std::vector<int64_t> full = chunk.sizes().vec();
+  full[s.dim] *= t;
+  return stacked.view(blocks).movedim(0, s.dim + 1).reshape(full);
+}
+
+std::map<std::string, at::Tensor> TensorParallel::gather_all(const std::map<std::string, at::Tensor>& local) const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, tensor] : local) out[name] = gather(name, tensor);  // same order on every rank
+  return out;
+}
+
+double TensorParallel::clip_grad_norm(double max_norm) {
+  torch::NoGradGuard no_grad;
+  at::Tensor split = at::zeros({1}, at::kDouble), copied = at::zeros({1}, at::kDouble);
+  std::vector<at::Tensor> grads;
+  for (const auto& item : model_->named_parameters()) {
+    const at::Tensor& grad = item.value().grad();
+    if (!grad.defined()) continue;
+    grads.push_back(grad);
+    (is_split(item.key()) ? split : copied) += grad.to(at::kDouble).pow(2).sum();
+  }
+  comm_->all_reduce(split).wait();
+  const double norm = std::sqrt((split + copied).item<double>());
+  if (max_norm > 0) {
+    const double coefficient = max_norm / (norm + 1e-6);
+    if (coefficient < 1.0) {
+      for (at::Tensor& grad : grads) grad.mul_(coefficient);
+    }
+  }
+  return norm;
+}
+
+void TensorParallel::with_local_random(const std::function<void()>& fn) {
+  at::Generator generator = at::globalContext().defaultGenerator(comm_->device());
+  at::Tensor saved;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    saved = generator.get_state();
+    generator.set_state(local_random_state_);
+  }
+  auto restore = [&] {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    local_random_state_ = generator.get_state();
+    generator.set_state(saved);
+  };
+  try {
+    fn();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
+std::string TensorParallel::layout() const {
+  return "tp=" + std::to_string(comm_->size()) + ",sp=" + (options_.sequence_parallel ? "1" : "0");
+}
+
+}  // namespace meshtrain::parallel
