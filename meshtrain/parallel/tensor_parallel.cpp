@@ -195,9 +195,9 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
     }
     if (!rule) continue;
     torch::nn::Module& module = *item.value();
-    auto param = [&](const char* key) -> at::Tensor* { return module.named_parameters(false).find(key); };
-    at::Tensor* weight = param("weight");
-    at::Tensor* bias = param("bias");
+    auto own = module.named_parameters(/*recurse=*/false);
+    at::Tensor* weight = own.find("weight");
+    at::Tensor* bias = own.find("bias");
     const std::string prefix = name + ".";
     switch (rule->style) {
       case Style::kColwise:

@@ -151,10 +151,11 @@ struct SequenceGatheredLinear : torch::autograd::Function<SequenceGatheredLinear
     save_comm(ctx, comm);
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["dtype"] = static_cast<int64_t>(dtype);
-    ctx->saved_data["bias"] = bias.defined();
+    const bool has_bias = bias.numel() > 0;  // see sequence_gathered_linear
+    ctx->saved_data["bias"] = has_bias;
     ctx->save_for_backward({x, weight});
     const at::Tensor full = start_gather(x.to(dtype), *comm, dim).finish();
-    return at::linear(full, weight.to(dtype), bias.defined() ? bias.to(dtype) : bias);
+    return at::linear(full, weight.to(dtype), has_bias ? bias.to(dtype) : at::Tensor());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -239,7 +240,8 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const CommPtr& comm, 
 
 at::Tensor sequence_gathered_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                     const CommPtr& comm, int64_t dim) {
-  return SequenceGatheredLinear::apply(x, weight, bias, comm, dim);
+  // Autograd functions take defined tensors only: no bias is an empty one.
+  return SequenceGatheredLinear::apply(x, weight, bias.defined() ? bias : at::empty({0}, weight.options()), comm, dim);
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
