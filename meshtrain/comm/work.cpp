@@ -26,13 +26,14 @@ bool HostWork::completed() const {
 }
 
 void HostWork::finish(std::exception_ptr error) {
-  std::vector<at::Tensor> release;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (done_) return;
+    // Released before anyone can see the op done: from then on the tensors
+    // are the caller's alone (memory accounting relies on it).
+    keep_alive_.clear();
     done_ = true;
     error_ = std::move(error);
-    release.swap(keep_alive_);
   }
   done_cv_.notify_all();
 }

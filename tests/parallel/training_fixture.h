@@ -69,4 +69,34 @@ inline double relative_error(const at::Tensor& got, const at::Tensor& want) {
   return (got - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-12);
 }
 
+// Whole-model relative error and the largest element difference.
+inline std::pair<double, double> parameter_errors(const std::map<std::string, at::Tensor>& got,
+                                           const std::map<std::string, at::Tensor>& want) {
+  std::vector<at::Tensor> mine, theirs;
+  double largest = 0;
+  for (const auto& [name, value] : want) {
+    const at::Tensor& other = got.at(name);
+    largest = std::max(largest, (other - value).abs().max().item<double>());
+    mine.push_back(other.flatten());
+    theirs.push_back(value.flatten());
+  }
+  return {relative_error(at::cat(mine), at::cat(theirs)), largest};
+}
+
+// Tolerances as for data parallel (data_parallel_test.cpp): loss 1e-5 relative
+// every step, gradient norm 1e-4 relative every step, parameters after the
+// steps 1e-4 relative over the model and 1e-4 absolute per element.
+inline void expect_same_training(Trainer& parallel, Trainer& single, int steps, const std::string& what) {
+  for (int s = 0; s < steps; ++s) {
+    const StepResult got = parallel.step(), want = single.step();
+    EXPECT_LE(std::abs(got.loss - want.loss) / want.loss, 1e-5)
+        << what << ", step " << s + 1 << ": loss " << got.loss << " vs " << want.loss;
+    EXPECT_LE(std::abs(got.grad_norm - want.grad_norm) / want.grad_norm, 1e-4)
+        << what << ", step " << s + 1 << ": grad norm " << got.grad_norm << " vs " << want.grad_norm;
+  }
+  const auto [relative, largest] = parameter_errors(parallel.full_parameters(), single.full_parameters());
+  EXPECT_LE(relative, 1e-4) << what;
+  EXPECT_LE(largest, 1e-4) << what;
+}
+
 }  // namespace meshtrain::train

@@ -45,6 +45,10 @@ TEST(TrainConfig, ShardedAxesFillTheWorld) {
   EXPECT_EQ(axes({"parallel.zero_stage=1", "parallel.fsdp=2", "training.batch=32", "training.micro_batch=2"}, 4),
             (std::vector<int64_t>{2, 2, 4}));
   EXPECT_EQ(axes({"training.batch=32", "training.micro_batch=2"}, 4), (std::vector<int64_t>{4, 1, 4}));
+  // tp takes its ranks first; the others share the rest.
+  EXPECT_EQ(axes({"parallel.tp=2", "training.batch=32", "training.micro_batch=2"}, 4), (std::vector<int64_t>{2, 1, 8}));
+  EXPECT_EQ(axes({"parallel.tp=4", "parallel.zero_stage=3", "training.batch=32", "training.micro_batch=2"}, 8),
+            (std::vector<int64_t>{1, 2, 8}));
 }
 
 TEST(TrainConfig, FileThenOverridesPresetFirst) {
@@ -101,6 +105,21 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"parallel.fsdp=2"}, 2),
             "parallel.fsdp = 2: shards need parallel.zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   EXPECT_EQ(validated({"parallel.zero_stage=4"}, 2), "parallel.zero_stage = 4: must be 0, 1, 2 or 3");
+  // Tensor parallel: what must divide, said before any rank starts.
+  EXPECT_EQ(validated({"parallel.tp=3"}, 3),
+            "parallel.tp = 3: tensor parallel over 3 ranks: model.vocab_size = 256 is not divisible by 3; the embedding "
+            "and head are split by vocabulary rows and not padded (padding would change the model)");
+  EXPECT_EQ(validated({"parallel.tp=8"}, 8),
+            "parallel.tp = 8: tensor parallel over 8 ranks: model.heads = 4 is not divisible by 8; attention is split by "
+            "heads: use a head count that is a multiple of parallel.tp");
+  EXPECT_EQ(validated({"parallel.tp=4"}, 2), "parallel.tp = 4: must divide the world size 2");
+  EXPECT_EQ(validated({"parallel.sequence_parallel=true"}, 2), "parallel.sequence_parallel = true: needs parallel.tp > 1");
+  EXPECT_EQ(validated({"parallel.tp=2", "parallel.sequence_parallel=true", "model.context=101"}, 2),
+            "parallel.tp = 2: tensor parallel over 2 ranks: model.context = 101 is not divisible by 2; sequence parallel "
+            "splits every sequence into parallel.tp chunks");
+  EXPECT_EQ(validated({"parallel.tp=2", "parallel.dp=2"}, 2),
+            "parallel.dp = 2: with parallel.fsdp = 0: dp(2) * fsdp(1) must equal the world size 2 / parallel.tp 2 = 1 "
+            "(an axis left at 0 takes the ranks the other leaves)");
   EXPECT_EQ(validated({"parallel.param_dtype=bfloat16"}, 2),
             "parallel.param_dtype = \"bfloat16\": applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
   EXPECT_EQ(validated({"parallel.zero_stage=2", "parallel.reduce_dtype=float16"}, 2),

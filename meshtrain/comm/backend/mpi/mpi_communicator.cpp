@@ -177,6 +177,12 @@ void MpiCommunicator::run(Task& task) {
     error = std::current_exception();
   }
   Watchdog::instance().finish(token);
+  // Drop this thread's references before waking the waiter: once wait()
+  // returns, the op's tensors are the caller's alone (freed when it lets go,
+  // which memory accounting relies on).
+  task.op.input = at::Tensor();
+  task.op.output = at::Tensor();
+  task.body = nullptr;
   task.work->finish(error);
 }
 
