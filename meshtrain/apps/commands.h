@@ -43,6 +43,11 @@ struct GenerateOptions {
 };
 int run_generate(const GenerateOptions& options);
 
+// bench tp: tensor parallel for tp = 1, 2, 4, ... up to the world size (the
+// first tp ranks train, the rest wait): bytes per layer against the formula,
+// tokens/s against tp = 1. Overrides as for train (default: small, 8 heads).
+int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps);
+
 // meshtrain bench train [--section.key=value ...]: times training steps (after
 // warm-up) and prints one JSON line: tokens/s, MFU, all-reduce time per step and
 // the share of it hidden behind backward.

@@ -90,6 +90,16 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   bench_train->allow_extras();
+  int tp_warmup = 1, tp_steps = 5;
+  CLI::App* bench_tp = bench->add_subcommand(
+      "tp", "Tensor parallel with and without sequence parallel for tp = 1, 2, 4, ... up to the rank count, in one "
+            "run: bytes each rank sends per layer (counted by the communicator) against the formula, and tokens/s "
+            "against tp = 1. Default model: small with 8 heads; config overrides as for train.");
+  bench_tp->add_option("--warmup-steps", tp_warmup, "Untimed steps first")->capture_default_str();
+  bench_tp->add_option("--steps", tp_steps, "Timed steps (the median is reported)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  bench_tp->allow_extras();
 
   std::string train_config;
   CLI::App* train = app.add_subcommand(
@@ -157,7 +167,7 @@ int main(int argc, char** argv) {
   }
 
   std::vector<std::string> overrides;
-  for (CLI::App* with_overrides : {train, bench_train}) {
+  for (CLI::App* with_overrides : {train, bench_train, bench_tp}) {
     if (!with_overrides->parsed()) continue;
     for (const std::string& extra : with_overrides->remaining()) {
       if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
@@ -175,6 +185,7 @@ int main(int argc, char** argv) {
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
+    if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);
     if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
     if (bench_comm->parsed()) {
       bench_options.min_bytes = parse_bytes(min_size);

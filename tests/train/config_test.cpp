@@ -47,7 +47,7 @@ TEST(TrainConfig, ShardedAxesFillTheWorld) {
   EXPECT_EQ(axes({"training.batch=32", "training.micro_batch=2"}, 4), (std::vector<int64_t>{4, 1, 4}));
   // tp takes its ranks first; the others share the rest.
   EXPECT_EQ(axes({"parallel.tp=2", "training.batch=32", "training.micro_batch=2"}, 4), (std::vector<int64_t>{2, 1, 8}));
-  EXPECT_EQ(axes({"parallel.tp=4", "parallel.zero_stage=3", "training.batch=32", "training.micro_batch=2"}, 8),
+  EXPECT_EQ(axes({"parallel.tp=4", "model.heads=8", "parallel.zero_stage=3", "training.batch=32", "training.micro_batch=2"}, 8),
             (std::vector<int64_t>{1, 2, 8}));
 }
 
@@ -110,7 +110,7 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
             "parallel.tp = 3: tensor parallel over 3 ranks: model.vocab_size = 256 is not divisible by 3; the embedding "
             "and head are split by vocabulary rows and not padded (padding would change the model)");
   EXPECT_EQ(validated({"parallel.tp=8"}, 8),
-            "parallel.tp = 8: tensor parallel over 8 ranks: model.heads = 4 is not divisible by 8; attention is split by "
+            "parallel.tp = 8: tensor parallel over 8 ranks: model.heads = 6 is not divisible by 8; attention is split by "
             "heads: use a head count that is a multiple of parallel.tp");
   EXPECT_EQ(validated({"parallel.tp=4"}, 2), "parallel.tp = 4: must divide the world size 2");
   EXPECT_EQ(validated({"parallel.sequence_parallel=true"}, 2), "parallel.sequence_parallel = true: needs parallel.tp > 1");
