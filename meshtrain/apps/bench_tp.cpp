@@ -33,9 +33,12 @@ using Clock = std::chrono::steady_clock;
 //   all-gathers + 2 reduce-scatters, backward 2 all-gathers (row outputs) + 2
 //   reduce-scatters (column inputs), 8 x 4bsh(t-1)/t = 32bsh(t-1)/t, plus the
 //   2 re-gathers of the column inputs in backward (the price of not keeping
-//   them): 40bsh(t-1)/t.
+//   them): 40bsh(t-1)/t; and the all-reduces of the 6 gradients computed
+//   from sequence chunks (2 norms' weight and bias, 2 row biases; h each):
+//   48h(t-1)/t.
 double bytes_per_layer(int64_t b, int64_t s, int64_t h, int t, bool sp) {
-  return (sp ? 40.0 : 32.0) * b * s * h * (t - 1) / t;
+  const double share = double(t - 1) / t;
+  return sp ? (40.0 * b * s * h + 48.0 * h) * share : 32.0 * b * s * h * share;
 }
 
 int64_t wire_bytes(const comm::Communicator& comm) {
