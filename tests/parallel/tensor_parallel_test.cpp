@@ -415,6 +415,22 @@ TEST_F(TensorParallelTraining, EqualsOneProcess) {
   }
 }
 
+// bfloat16 autocast: the fused gathered linear computes in the autocast dtype
+// as at::linear does; roundings differ in order, so the stated tolerance of the
+// data-parallel bfloat16 test (2% on the loss) applies.
+TEST_F(TensorParallelTraining, Bfloat16AutocastTracksOneProcess) {
+  const int n = world()->size();
+  if (n % 2 != 0) GTEST_SKIP() << "needs an even world";
+  const Overrides layout = {"parallel.tp=2", "parallel.sequence_parallel=true", "training.dtype=bfloat16"};
+  const int64_t micro = kBatch / (n / 2);
+  Trainer parallel(config(n, micro, "", layout), world());
+  Trainer single(config(1, micro, "", {"training.dtype=bfloat16"}), alone());
+  for (int s = 0; s < 5; ++s) {
+    const StepResult got = parallel.step(), want = single.step();
+    EXPECT_LE(std::abs(got.loss - want.loss) / want.loss, 0.02) << "step " << s + 1;
+  }
+}
+
 TEST_F(TensorParallelTraining, ResumeContinuesBitExactly) {
   const int n = world()->size();
   if (n % 2 != 0) GTEST_SKIP() << "needs an even world";
