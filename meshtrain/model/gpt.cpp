@@ -90,7 +90,14 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
 }
 
 MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
-    : dropout_(config.dropout), chain_(std::move(chain)), prefix_(name + "."), drop_name_(name + ".drop") {
+    : dropout_(config.dropout),
+      chain_(std::move(chain)),
+      fc_name_(name + ".fc"),
+      proj_name_(name + ".proj"),
+      gate_name_(name + ".gate"),
+      up_name_(name + ".up"),
+      down_name_(name + ".down"),
+      drop_name_(name + ".drop") {
   const int64_t d = config.width, h = config.mlp_hidden();
   if (config.mlp == "gelu") {
     fc = register_module("fc", linear(d, h, config.bias));
@@ -104,11 +111,11 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
-  auto call = [&](const char* name, torch::nn::Linear& layer, const at::Tensor& in) {
-    return c.call(prefix_ + name, in, [&](const at::Tensor& y) { return layer->forward(y); });
+  auto call = [&](const std::string& name, torch::nn::Linear& layer, const at::Tensor& in) {
+    return c.call(name, in, [&](const at::Tensor& y) { return layer->forward(y); });
   };
-  const at::Tensor out = fc ? call("proj", proj, at::gelu(call("fc", fc, x), "tanh"))
-                            : call("down", down, at::silu(call("gate", gate, x)) * call("up", up, x));
+  const at::Tensor out = fc ? call(proj_name_, proj, at::gelu(call(fc_name_, fc, x), "tanh"))
+                            : call(down_name_, down, at::silu(call(gate_name_, gate, x)) * call(up_name_, up, x));
   return c.call(drop_name_, out, [&](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 

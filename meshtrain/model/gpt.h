@@ -101,7 +101,7 @@ class MlpImpl : public torch::nn::Module {
  private:
   double dropout_;
   std::shared_ptr<HookChain> chain_;
-  std::string prefix_, drop_name_;
+  std::string fc_name_, proj_name_, gate_name_, up_name_, down_name_, drop_name_;
 };
 TORCH_MODULE(Mlp);
 

@@ -95,6 +95,7 @@ struct TensorParallel::Hooks : model::ForwardHooks {
   std::unordered_map<std::string, at::Tensor> weights, biases;  // by module name
   std::unordered_map<std::string, Site> sites;                  // by call-site name, filled on first use
   int64_t vocab_start = 0;
+  bool split_head = false;
 
   const Site& site(const std::string& name) {
     auto it = sites.find(name);
@@ -153,7 +154,9 @@ struct TensorParallel::Hooks : model::ForwardHooks {
     return forward(input);
   }
 
+  // Logits are split over the vocabulary only when the plan splits the head.
   at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) override {
+    if (!split_head) return {};
     return vocab_parallel_cross_entropy(logits, targets, vocab_start, owner->comm_);
   }
 };
@@ -165,6 +168,7 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
   check_tensor_parallel(model_->config(), t, options_.sequence_parallel);
   hooks_->owner = this;
   hooks_->plan = plan;
+  for (const TensorParallelRule& rule : plan) hooks_->split_head |= rule.style == Style::kVocabHead;
   torch::NoGradGuard no_grad;
 
   std::vector<bool> used(plan.size(), false);
@@ -182,7 +186,6 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
       group->all_reduce(sum).wait();
       return sum;
     });
-    reduced_.push_back(p);
   };
   for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
     const std::string& name = item.key();
@@ -253,34 +256,32 @@ TensorParallel::~TensorParallel() { model_->remove_forward_hooks(hooks_.get()); 
 
 bool TensorParallel::is_split(const std::string& name) const { return split_.count(name) > 0; }
 
+// A split dimension of size parts * t * c as [..., parts, t * c, ...]: rank r
+// holds the r-th chunk of c in every part.
+std::vector<int64_t> TensorParallel::blocks(const std::string& name, at::IntArrayRef shape, int64_t per_part) const {
+  const Split& s = split_.at(name);
+  std::vector<int64_t> out = shape.vec();
+  out[s.dim] = s.parts;
+  out.insert(out.begin() + s.dim + 1, per_part);
+  return out;
+}
+
 at::Tensor TensorParallel::shard(const std::string& name, const at::Tensor& full) const {
   const Split& s = split_.at(name);
-  const int64_t t = comm_->size();
   std::vector<int64_t> shape = full.sizes().vec();
-  std::vector<int64_t> blocks = shape;
-  blocks[s.dim] = s.parts;
-  blocks.insert(blocks.begin() + s.dim + 1, {t, shape[s.dim] / (s.parts * t)});
-  shape[s.dim] /= t;
-  return full.reshape(blocks).select(s.dim + 1, comm_->rank()).reshape(shape).clone();
+  shape[s.dim] /= comm_->size();
+  const at::Tensor parts = full.reshape(blocks(name, full.sizes(), full.size(s.dim) / s.parts));
+  return parts.chunk(comm_->size(), s.dim + 1)[comm_->rank()].reshape(shape).clone();
 }
 
 at::Tensor TensorParallel::gather(const std::string& name, const at::Tensor& local) const {
   auto it = split_.find(name);
   if (it == split_.end()) return local;
   const Split& s = it->second;
-  const int64_t t = comm_->size();
-  const at::Tensor chunk = local.contiguous();
-  std::vector<int64_t> stacked_shape = chunk.sizes().vec();
-  stacked_shape.insert(stacked_shape.begin(), t);
-  at::Tensor stacked = at::empty(stacked_shape, chunk.options());
-  comm_->all_gather(stacked.view(-1), chunk.view(-1)).wait();
-  // [t, ..., parts * c, ...] -> [..., parts, t, c, ...] -> full
-  std::vector<int64_t> blocks = stacked_shape;
-  blocks[s.dim + 1] = s.parts;
-  blocks.insert(blocks.begin() + s.dim + 2, chunk.size(s.dim) / s.parts);
-  std::vector<int64_t> full = chunk.sizes().vec();
-  full[s.dim] *= t;
-  return stacked.view(blocks).movedim(0, s.dim + 1).reshape(full);
+  std::vector<int64_t> shape = local.sizes().vec();
+  shape[s.dim] *= comm_->size();
+  const at::Tensor parts = local.reshape(blocks(name, local.sizes(), local.size(s.dim) / s.parts));
+  return all_gather_along(parts, *comm_, s.dim + 1).reshape(shape);
 }
 
 std::map<std::string, at::Tensor> TensorParallel::gather_all(const std::map<std::string, at::Tensor>& local) const {

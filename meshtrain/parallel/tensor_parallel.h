@@ -115,13 +115,13 @@ class TensorParallel {
   const CommPtr& comm() const { return comm_; }
   std::string layout() const;  // "tp=2,sp=1"
 
-  struct Hooks;
-
  private:
+  struct Hooks;
   struct Split {
     int64_t dim;
     int64_t parts;
   };
+  std::vector<int64_t> blocks(const std::string& name, at::IntArrayRef shape, int64_t per_part) const;
 
   model::Gpt model_;
   CommPtr comm_;
@@ -129,7 +129,6 @@ class TensorParallel {
   std::map<std::string, Split> split_;  // parameters split over the group
   std::shared_ptr<Hooks> hooks_;
   at::Tensor local_random_state_;
-  std::vector<at::Tensor> reduced_;  // parameters whose gradients get all-reduced (keeps hooks' targets)
 };
 
 }  // namespace meshtrain::parallel

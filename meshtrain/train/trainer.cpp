@@ -291,7 +291,7 @@ StepResult Trainer::step() {
   }
 
   at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
-  world_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
+  data_->all_reduce(loss, comm::ReduceOp::kAvg).wait();  // tp ranks hold the same loss
   result.loss = loss.item<double>();
   result.step = ++step_;
   result.memory.model_states = memory::current_bytes();
@@ -313,7 +313,7 @@ double Trainer::evaluate() {
   }
   model_->train();
   at::Tensor loss = at::full({1}, total / config_.eval_batches, at::kDouble);
-  world_->all_reduce(loss, comm::ReduceOp::kAvg).wait();
+  data_->all_reduce(loss, comm::ReduceOp::kAvg).wait();  // tp ranks hold the same loss
   return loss.item<double>();
 }
 
