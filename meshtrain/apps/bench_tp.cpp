@@ -4,6 +4,7 @@
 // tokens/s against tp = 1, and counted memory. See Note [Tensor parallel bytes].
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/parallel/grad_norm.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/memory.h"
@@ -76,8 +77,12 @@ Measured train_steps(const model::GptConfig& config, int64_t batch, const parall
     const auto start = Clock::now();
     optimizer.zero_grad();
     gpt->loss(inputs, targets).backward();
-    if (tp) tp->clip_grad_norm(1.0);
-    else torch::nn::utils::clip_grad_norm_(gpt->parameters(), 1.0);
+    parallel::ModelParallelNorm norm;
+    if (tp) {
+      norm.tensor = group;
+      norm.split_over_tensor = [&](const std::string& name) { return tp->is_split(name); };
+    }
+    parallel::clip_grad_norm(*gpt, 1.0, norm);
     optimizer.step();
     if (step >= warmup) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     out.bytes_per_step = double(wire_bytes(*group) - sent);

@@ -35,15 +35,13 @@ at::Tensor NormImpl::forward(const at::Tensor& x) {
   return at::layer_norm(x, {x.size(-1)}, weight_, bias_, 1e-5);
 }
 
-at::Tensor HookChain::call(const std::string& module, const at::Tensor& input,
-                           const ForwardHooks::Forward& forward) const {
-  if (hooks.empty()) return forward(input);
-  // hooks[i] wraps hooks[0..i-1], which wrap the module's own forward.
-  std::function<at::Tensor(size_t, const at::Tensor&)> level = [&](size_t i, const at::Tensor& x) -> at::Tensor {
-    if (i == 0) return forward(x);
-    return hooks[i - 1]->around(module, x, [&](const at::Tensor& y) { return level(i - 1, y); });
-  };
-  return level(hooks.size(), input);
+at::Tensor HookChain::call(const std::string& module, const at::Tensor& input, ForwardHooks::Forward forward) const {
+  // hooks[i] wraps hooks[0..i-1], which wrap the module's own forward. Each
+  // level owns what it calls, so a hook may keep `forward` past the call.
+  for (const std::shared_ptr<ForwardHooks>& hook : hooks) {
+    forward = [hook, module, inner = std::move(forward)](const at::Tensor& x) { return hook->around(module, x, inner); };
+  }
+  return forward(input);
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain,
@@ -83,10 +81,10 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
-  const at::Tensor qkv_out = c.call(qkv_name_, x, [&](const at::Tensor& in) { return qkv->forward(in); });
-  const at::Tensor y = c.call(core_name_, qkv_out, [&](const at::Tensor& in) { return attend(in); });
-  const at::Tensor out = c.call(proj_name_, y, [&](const at::Tensor& in) { return proj->forward(in); });
-  return c.call(drop_name_, out, [&](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
+  const at::Tensor qkv_out = c.call(qkv_name_, x, [this](const at::Tensor& in) { return qkv->forward(in); });
+  const at::Tensor y = c.call(core_name_, qkv_out, [this](const at::Tensor& in) { return attend(in); });
+  const at::Tensor out = c.call(proj_name_, y, [this](const at::Tensor& in) { return proj->forward(in); });
+  return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
 MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
@@ -111,12 +109,12 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
-  auto call = [&](const std::string& name, torch::nn::Linear& layer, const at::Tensor& in) {
-    return c.call(name, in, [&](const at::Tensor& y) { return layer->forward(y); });
+  auto call = [&](const std::string& name, const torch::nn::Linear& layer, const at::Tensor& in) {
+    return c.call(name, in, [impl = layer.ptr()](const at::Tensor& y) { return impl->forward(y); });
   };
   const at::Tensor out = fc ? call(proj_name_, proj, at::gelu(call(fc_name_, fc, x), "tanh"))
                             : call(down_name_, down, at::silu(call(gate_name_, gate, x)) * call(up_name_, up, x));
-  return c.call(drop_name_, out, [&](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
+  return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
 BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
@@ -133,10 +131,10 @@ BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, 
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
-  const at::Tensor a = c.call(norm1_name_, x, [&](const at::Tensor& in) { return norm1->forward(in); });
-  const at::Tensor h = x + c.call(attn_name_, a, [&](const at::Tensor& in) { return attn->forward(in); });
-  const at::Tensor m = c.call(norm2_name_, h, [&](const at::Tensor& in) { return norm2->forward(in); });
-  return h + c.call(mlp_name_, m, [&](const at::Tensor& in) { return mlp->forward(in); });
+  const at::Tensor a = c.call(norm1_name_, x, [this](const at::Tensor& in) { return norm1->forward(in); });
+  const at::Tensor h = x + c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
+  const at::Tensor m = c.call(norm2_name_, h, [this](const at::Tensor& in) { return norm2->forward(in); });
+  return h + c.call(mlp_name_, m, [this](const at::Tensor& in) { return mlp->forward(in); });
 }
 
 GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
@@ -182,27 +180,37 @@ void GptImpl::initialise(uint64_t seed) {
   }
 }
 
-at::Tensor GptImpl::forward(const at::Tensor& tokens) {
+at::Tensor GptImpl::embed(const at::Tensor& tokens) {
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= config_.context, "sequence of ", t, " tokens is longer than the model's context ", config_.context);
   const HookChain& c = *chain_;
-  return c.call("", tokens, [&](const at::Tensor& input) {
-    at::Tensor x = c.call("wte", input, [&](const at::Tensor& in) { return wte->forward(in); });
-    if (wpe) {
-      x = x + c.call("wpe", at::arange(t, tokens.options()), [&](const at::Tensor& in) { return wpe->forward(in); });
-    }
-    x = c.call("drop", x, [&](const at::Tensor& in) { return at::dropout(in, config_.dropout, is_training()); });
-    for (size_t i = 0; i < blocks->size(); ++i) {
-      BlockImpl* block = blocks->ptr(i)->as<BlockImpl>();
-      x = c.call(block_names_[i], x, [&](const at::Tensor& in) { return block->forward(in); });
-    }
-    x = c.call("norm_f", x, [&](const at::Tensor& in) { return norm_f->forward(in); });
-    return c.call("head", x, [&](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
+  at::Tensor x = c.call("wte", tokens, [this](const at::Tensor& in) { return wte->forward(in); });
+  if (wpe) {
+    x = x + c.call("wpe", at::arange(t, tokens.options()), [this](const at::Tensor& in) { return wpe->forward(in); });
+  }
+  return c.call("drop", x, [this](const at::Tensor& in) { return at::dropout(in, config_.dropout, is_training()); });
+}
+
+at::Tensor GptImpl::block(int64_t i, const at::Tensor& x) {
+  BlockImpl* block = blocks->ptr(i)->as<BlockImpl>();
+  return chain_->call(block_names_[i], x, [block](const at::Tensor& in) { return block->forward(in); });
+}
+
+at::Tensor GptImpl::project(const at::Tensor& x) {
+  const HookChain& c = *chain_;
+  const at::Tensor y = c.call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
+  return c.call("head", y, [this](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
+}
+
+at::Tensor GptImpl::forward(const at::Tensor& tokens) {
+  return chain_->call("", tokens, [this](const at::Tensor& input) {
+    at::Tensor x = embed(input);
+    for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x);
+    return project(x);
   });
 }
 
-at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
-  const at::Tensor logits = forward(tokens);
+at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
   // In fp32 whatever the parameters' dtype: the log-softmax over the vocabulary needs the range.
   const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
   for (const auto& hooks : chain_->hooks) {
@@ -210,6 +218,10 @@ at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
     if (loss.defined()) return loss;
   }
   return at::cross_entropy_loss(flat, targets.reshape({-1}));
+}
+
+at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
+  return cross_entropy(forward(tokens), targets);
 }
 
 }  // namespace meshtrain::model

@@ -34,6 +34,8 @@ namespace meshtrain::model {
 // tensor parallel puts its collectives around the linears and embeddings).
 // Attention takes its head count from the width qkv produces, so heads split
 // across ranks need no change here.
+// `forward` owns what it calls: a hook may keep it and run it again later
+// (activation checkpointing recomputes a block in backward this way).
 class ForwardHooks {
  public:
   using Forward = std::function<at::Tensor(const at::Tensor&)>;
@@ -53,7 +55,7 @@ class ForwardHooks {
 // The hooks of one model, shared by all its modules.
 class HookChain {
  public:
-  at::Tensor call(const std::string& module, const at::Tensor& input, const ForwardHooks::Forward& forward) const;
+  at::Tensor call(const std::string& module, const at::Tensor& input, ForwardHooks::Forward forward) const;
   // Installed later wraps earlier: the last one is outermost.
   std::vector<std::shared_ptr<ForwardHooks>> hooks;
 };
@@ -130,6 +132,14 @@ class GptImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> logits [B, T, vocab]
   // Mean next-token cross-entropy of `targets` [B, T].
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+  // forward() is these pieces in order, each through its hooks (pipeline
+  // stages run a range of them): tokens -> hidden [B, T, width] (wte, wpe,
+  // drop); block i; hidden -> logits (norm_f, head). Not through "".
+  at::Tensor embed(const at::Tensor& tokens);
+  at::Tensor block(int64_t i, const at::Tensor& x);
+  at::Tensor project(const at::Tensor& x);
+  // Mean cross-entropy of logits [B, T, V'] against targets [B, T], in fp32.
+  at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
   const GptConfig& config() const { return config_; }
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }

@@ -95,8 +95,10 @@ struct FullySharded::State {
   struct Stretch {
     size_t unit;
     int64_t offset, length;
+    bool split;  // over groups.tensor
   };
   std::vector<Stretch> tensor_split;
+  std::vector<Stretch> counted_elsewhere;  // parameters another pipeline stage counts
   ShardingGroups groups;
   std::shared_ptr<comm::Communicator> gather_comm, reduce_comm;
   int shards = 1, shard_rank = 0;
@@ -363,28 +365,49 @@ FullySharded::FullySharded(model::Gpt model, ShardingGroups groups, FullySharded
     comm::wait_all(broadcasts);
   }
 
-  // Units: the root (everything outside the blocks) first, then each block.
+  // Units: the root (everything outside the blocks) first, then any parameter
+  // with a unit of its own, then each block this model holds.
+  std::vector<std::string> names;
+  for (const auto& item : model->named_parameters()) names.push_back(item.key());
+  auto holds = [&](const std::string& prefix) {
+    return std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
+  };
   s.units.emplace_back();
-  s.unit_of_module[""] = 0;
-  if (options_.unit_policy == "block") {
-    for (size_t i = 0; i < model->blocks->size(); ++i) {
+  for (const std::string& name : names) {
+    if (!options_.own_unit || !options_.own_unit(name)) continue;
+    if (options_.stage == 3) throw std::invalid_argument("fully sharded: units of one parameter need stage 1 or 2");
+    s.units.emplace_back();
+    s.units.back().module = "parameter " + name;
+  }
+  const size_t first_block_unit = s.units.size();
+  for (size_t i = 0; i < model->blocks->size(); ++i) {
+    const std::string block = "blocks." + std::to_string(i);
+    if (options_.unit_policy == "block" && holds(block + ".")) {
       s.units.emplace_back();
-      s.units.back().module = "blocks." + std::to_string(i);
-      s.unit_of_module[s.units.back().module] = i + 1;
+      s.units.back().module = block;
     }
-  } else {
-    for (size_t i = 0; i < model->blocks->size(); ++i) s.unit_of_module["blocks." + std::to_string(i)] = 0;
   }
   for (const auto& item : model->named_parameters()) {
     size_t u = 0;
     for (size_t k = 1; k < s.units.size(); ++k) {
-      if (item.key().rfind(s.units[k].module + ".", 0) == 0) u = k;
+      const std::string& m = s.units[k].module;
+      if (k < first_block_unit ? m == "parameter " + item.key() : item.key().rfind(m + ".", 0) == 0) u = k;
     }
     State::Unit& unit = s.units[u];
     unit.names.push_back(item.key());
     unit.params.push_back(item.value());
     unit.offsets.push_back(unit.numel);
     unit.numel += item.value().numel();
+  }
+  // A pipeline stage may hold nothing outside its blocks.
+  if (s.units.front().params.empty()) {
+    if (options_.stage == 3) throw std::invalid_argument("fully sharded: stage 3 needs the whole model");
+    s.units.erase(s.units.begin());
+  }
+  if (s.units.empty()) throw std::invalid_argument("fully sharded: the model has no parameters");
+  for (size_t u = 0; u < s.units.size(); ++u) s.unit_of_module[s.units[u].module] = u;
+  if (options_.unit_policy != "block") {
+    for (size_t i = 0; i < model->blocks->size(); ++i) s.unit_of_module["blocks." + std::to_string(i)] = 0;
   }
 
   const int64_t n = s.shards;
@@ -425,8 +448,7 @@ FullySharded::FullySharded(model::Gpt model, ShardingGroups groups, FullySharded
 
   // Backward finishes the blocks last to first, then the root (the embedding's
   // gradient is the last one ready).
-  for (size_t u = s.units.size(); u-- > 1;) s.reduce_order.push_back(u);
-  s.reduce_order.push_back(0);
+  for (size_t u = s.units.size(); u-- > 0;) s.reduce_order.push_back(u);
   for (size_t u = 0; u < s.units.size(); ++u) {
     for (const at::Tensor& p : s.units[u].params) {
       auto accumulator = torch::autograd::impl::grad_accumulator(p);
@@ -448,9 +470,10 @@ FullySharded::FullySharded(model::Gpt model, ShardingGroups groups, FullySharded
       const int64_t hi = std::min(end, unit.offsets[i] + unit.params[i].numel());
       if (lo >= hi) continue;
       at::Tensor slice = alias(unit.master, lo - begin, hi - lo);
-      if (options_.split_over_tensor && options_.split_over_tensor(unit.names[i])) {
-        s.tensor_split.push_back({size_t(&unit - s.units.data()), lo - begin, hi - lo});
-      }
+      const bool split = options_.split_over_tensor && options_.split_over_tensor(unit.names[i]);
+      const State::Stretch stretch{size_t(&unit - s.units.data()), lo - begin, hi - lo, split};
+      if (split) s.tensor_split.push_back(stretch);
+      if (options_.counted_elsewhere && options_.counted_elsewhere(unit.names[i])) s.counted_elsewhere.push_back(stretch);
       slice.mutable_grad() = alias(unit.shard_grad, lo - begin, hi - lo);
       (unit.params[i].dim() >= 2 ? decayed : undecayed).push_back(slice);
     }
@@ -502,18 +525,24 @@ double FullySharded::clip_grad_norm(double max_norm) {
   // the others are copies there: [split, copied] sums of squares.
   at::Tensor squares = at::zeros({2}, at::kDouble);
   for (auto& unit : s.units) squares[1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
+  auto squares_of = [&](const State::Stretch& x) {
+    return s.units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();
+  };
   for (const State::Stretch& x : s.tensor_split) {
-    const at::Tensor part = s.units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();
+    const at::Tensor part = squares_of(x);
     squares[0] += part;
     squares[1] -= part;
   }
+  for (const State::Stretch& x : s.counted_elsewhere) squares[x.split ? 0 : 1] -= squares_of(x);
   s.reduce_comm->all_reduce(squares, comm::ReduceOp::kSum).wait();
   if (s.groups.tensor && s.groups.tensor->size() > 1) {
     at::Tensor split = squares.narrow(0, 0, 1).clone();
     s.groups.tensor->all_reduce(split, comm::ReduceOp::kSum).wait();
     squares[0] = split[0];
   }
-  const double norm = std::sqrt(squares.sum().item<double>());
+  at::Tensor total = squares.sum();
+  if (s.groups.pipeline && s.groups.pipeline->size() > 1) s.groups.pipeline->all_reduce(total).wait();
+  const double norm = std::sqrt(total.item<double>());
   if (max_norm > 0) {
     const double coefficient = max_norm / (norm + 1e-6);
     if (coefficient < 1.0) {
@@ -531,6 +560,12 @@ void FullySharded::step(double lr) {
   std::lock_guard<std::mutex> lock(s.mutex);
   torch::NoGradGuard no_grad;
   s.regather_all_locked();
+}
+
+at::Tensor FullySharded::own_unit_shard_gradient(const std::string& name) {
+  auto it = state_->unit_of_module.find("parameter " + name);
+  if (it == state_->unit_of_module.end()) throw std::invalid_argument("fully sharded: " + name + " has no unit of its own");
+  return state_->units[it->second].shard_grad;
 }
 
 std::map<std::string, at::Tensor> FullySharded::full_state_dict(int root) {

@@ -40,6 +40,12 @@ struct FullyShardedOptions {
   // are split over it. Their gradient norms add up over the group; the other
   // parameters are copies there and count once.
   std::function<bool(const std::string&)> split_over_tensor;
+  // With pipeline stages (ShardingGroups::pipeline): parameters placed in a
+  // unit of their own (a tied embedding on the first and last stage: both
+  // shard it alike, so their shard gradients can be summed), and those whose
+  // norm another stage counts.
+  std::function<bool(const std::string&)> own_unit;
+  std::function<bool(const std::string&)> counted_elsewhere;
 };
 
 // Communicators of a sharded layout. `shard` (the fsdp axis) holds one shard
@@ -47,9 +53,13 @@ struct FullyShardedOptions {
 // (the data-parallel group). Without hybrid sharding `replicate` has one rank.
 // `tensor` (optional) is the tensor-parallel group the model is split over:
 // each of its ranks shards a different part of the model.
+// `pipeline` (optional) joins the ranks holding the other stages of the model
+// (gradient norms add up over it). Stages 1 and 2 only: the model may then
+// hold only some blocks, or no embedding or head.
 struct ShardingGroups {
   std::shared_ptr<comm::Communicator> shard, replicate, all;
   std::shared_ptr<comm::Communicator> tensor;
+  std::shared_ptr<comm::Communicator> pipeline;
 };
 
 // Note [Fully sharded]
@@ -100,6 +110,9 @@ class FullySharded {
   double clip_grad_norm(double max_norm);
   // AdamW on this rank's shards, then (stages 1, 2) the parameters all-gathered.
   void step(double lr);
+  // The reduced shard gradient of parameter `name`, which has a unit of its
+  // own (FullyShardedOptions::own_unit), after the step's last after_backward().
+  at::Tensor own_unit_shard_gradient(const std::string& name);
 
   // Every parameter, unsharded, in fp32, by name, on `root` of groups.all
   // (empty elsewhere; root -1: on every rank). Collective.

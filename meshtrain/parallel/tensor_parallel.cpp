@@ -290,27 +290,6 @@ std::map<std::string, at::Tensor> TensorParallel::gather_all(const std::map<std:
   return out;
 }
 
-double TensorParallel::clip_grad_norm(double max_norm) {
-  torch::NoGradGuard no_grad;
-  at::Tensor split = at::zeros({1}, at::kDouble), copied = at::zeros({1}, at::kDouble);
-  std::vector<at::Tensor> grads;
-  for (const auto& item : model_->named_parameters()) {
-    const at::Tensor& grad = item.value().grad();
-    if (!grad.defined()) continue;
-    grads.push_back(grad);
-    (is_split(item.key()) ? split : copied) += grad.to(at::kDouble).pow(2).sum();
-  }
-  comm_->all_reduce(split).wait();
-  const double norm = std::sqrt((split + copied).item<double>());
-  if (max_norm > 0) {
-    const double coefficient = max_norm / (norm + 1e-6);
-    if (coefficient < 1.0) {
-      for (at::Tensor& grad : grads) grad.mul_(coefficient);
-    }
-  }
-  return norm;
-}
-
 void TensorParallel::with_local_random(const std::function<void()>& fn) {
   at::Generator generator = at::globalContext().defaultGenerator(comm_->device());
   at::Tensor saved;

@@ -104,12 +104,11 @@ class TensorParallel {
   // Every entry of `local` (parameters by name) made full. Collective.
   std::map<std::string, at::Tensor> gather_all(const std::map<std::string, at::Tensor>& local) const;
 
-  // Global gradient norm of the local model's gradients (split parameters
-  // summed over the group, the others once), and clipping to `max_norm` (<= 0: none).
-  double clip_grad_norm(double max_norm);
-
   // Runs `fn` with this rank's random stream as the default generator.
   void with_local_random(const std::function<void()>& fn);
+  // That stream between uses (what a recomputed forward must start from).
+  at::Tensor local_random_state() const { return local_random_state_.clone(); }
+  void set_local_random_state(const at::Tensor& state) { local_random_state_ = state.clone(); }
 
   bool sequence_parallel() const { return options_.sequence_parallel; }
   const CommPtr& comm() const { return comm_; }

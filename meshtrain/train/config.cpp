@@ -1,10 +1,14 @@
 #include "meshtrain/train/config.h"
 
+#include "meshtrain/parallel/activation_checkpoint.h"
+#include "meshtrain/parallel/pipeline/schedule.h"
+#include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -165,6 +169,22 @@ const std::vector<Field>& fields() {
                       "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(tp)));
     f.push_back(field("parallel", "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along the "
                       "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(sequence_parallel)));
+    f.push_back(field("parallel", "pp", "pipeline stages: the blocks split into pp consecutive groups, micro-batches "
+                      "flowing through them; pp x dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(pp)));
+    f.push_back(field("parallel", "pp_schedule", "\"gpipe\" (all forwards, then all backwards), \"1f1b\" (at most pp "
+                      "micro-batches in flight) or \"interleaved\" (1f1b over virtual_stages per rank: bubble / v)",
+                      MESHTRAIN_CONFIG_MEMBER(pp_schedule)));
+    f.push_back(field("parallel", "microbatches", "micro-batches per step per data rank (sets training.micro_batch; "
+                      "0: batch / (micro_batch x dp x fsdp)); the bubble is (pp-1)/(microbatches+pp-1)",
+                      MESHTRAIN_CONFIG_MEMBER(microbatches)));
+    f.push_back(field("parallel", "virtual_stages", "stages per pipeline rank, non-adjacent (pp_schedule = \"interleaved\")",
+                      MESHTRAIN_CONFIG_MEMBER(virtual_stages)));
+    f.push_back(field("parallel", "pp_split", "blocks per stage: \"params\" (balance parameter counts), \"time\" "
+                      "(balance times measured at start) or a list like \"3,3,2\"", MESHTRAIN_CONFIG_MEMBER(pp_split)));
+    f.push_back(field("parallel", "activation_checkpoint", "\"none\", \"full\" (keep block inputs only, recompute in "
+                      "backward) or \"selective\" (recompute attention proper)", MESHTRAIN_CONFIG_MEMBER(activation_checkpoint)));
+    f.push_back(field("parallel", "activation_checkpoint_every", "checkpoint every k-th block (1: all)",
+                      MESHTRAIN_CONFIG_MEMBER(activation_checkpoint_every)));
     f.push_back(field("parallel", "zero_stage",
                       "0: data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters (FSDP)",
                       MESHTRAIN_CONFIG_MEMBER(zero_stage)));
@@ -193,6 +213,8 @@ const std::vector<Field>& fields() {
     f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",
                       MESHTRAIN_CONFIG_MEMBER(resume)));
     f.push_back(field("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", MESHTRAIN_CONFIG_MEMBER(out)));
+    f.push_back(field("run", "trace_step", "pp > 1: record this step's pipeline spans to <out>/trace.json (Perfetto) and "
+                      "draw <out>/timeline.svg (0: none)", MESHTRAIN_CONFIG_MEMBER(trace_step)));
     return f;
   }();
   return table;
@@ -363,6 +385,45 @@ void TrainConfig::validate(int world_size) {
   if (world_size % tp != 0) {
     bad("parallel.tp", std::to_string(tp), "must divide the world size " + std::to_string(world_size));
   }
+  if (pp < 1) bad("parallel.pp", std::to_string(pp), "must be >= 1");
+  if (world_size % (pp * tp) != 0) {
+    bad("parallel.pp", std::to_string(pp), "pp x tp (" + std::to_string(pp * tp) + ") must divide the world size " +
+                                               std::to_string(world_size));
+  }
+  if (pp > 1 && zero_stage == 3) {
+    bad("parallel.zero_stage", "3", "does not combine with parallel.pp > 1 (every micro-batch would gather every "
+                                    "stage's parameters again); use zero_stage 1 or 2 with pipelines");
+  }
+  if (std::find(parallel::pipeline::schedule_names().begin(), parallel::pipeline::schedule_names().end(), pp_schedule) == parallel::pipeline::schedule_names().end()) {
+    bad("parallel.pp_schedule", "\"" + pp_schedule + "\"", "use \"gpipe\", \"1f1b\" or \"interleaved\"");
+  }
+  if (virtual_stages < 1) bad("parallel.virtual_stages", std::to_string(virtual_stages), "must be >= 1");
+  if (virtual_stages > 1 && pp_schedule != "interleaved") {
+    bad("parallel.virtual_stages", std::to_string(virtual_stages), "needs parallel.pp_schedule = \"interleaved\"");
+  }
+  if (virtual_stages > 1 && pp < 2) bad("parallel.virtual_stages", std::to_string(virtual_stages), "needs parallel.pp >= 2");
+  if (pp * virtual_stages > model.layers) {
+    bad("parallel.pp", std::to_string(pp), "x parallel.virtual_stages (" + std::to_string(virtual_stages) + ") = " +
+                                               std::to_string(pp * virtual_stages) + " stages, more than model.layers (" +
+                                               std::to_string(model.layers) + "); every stage needs a block");
+  }
+  if (pp_split != "params" && pp_split != "time") {
+    try {
+      parallel::pipeline::parse_split(pp_split, model.layers, static_cast<int>(pp * virtual_stages));
+    } catch (const std::invalid_argument& e) {
+      bad("parallel.pp_split", "\"" + pp_split + "\"", e.what());
+    }
+  }
+  try {
+    parallel::parse_checkpoint_mode(activation_checkpoint);
+  } catch (const std::invalid_argument&) {
+    bad("parallel.activation_checkpoint", "\"" + activation_checkpoint + "\"", "use \"none\", \"full\" or \"selective\"");
+  }
+  if (activation_checkpoint_every < 1) {
+    bad("parallel.activation_checkpoint_every", std::to_string(activation_checkpoint_every), "must be >= 1");
+  }
+  if (microbatches < 0) bad("parallel.microbatches", std::to_string(microbatches), "must be >= 0 (0: derived)");
+  if (trace_step < 0) bad("run.trace_step", std::to_string(trace_step), "must be >= 0 (0: none)");
   if (sequence_parallel && tp == 1) bad("parallel.sequence_parallel", "true", "needs parallel.tp > 1");
   try {
     parallel::check_tensor_parallel(model, static_cast<int>(tp), sequence_parallel);
@@ -372,7 +433,7 @@ void TrainConfig::validate(int world_size) {
   // The tp axis takes its ranks first. Unset axes (0) take the ranks the
   // others leave: all shards for zero_stage >= 1, all replicas for plain data parallel.
   const int64_t given_dp = dp, given_fsdp = fsdp;
-  const int64_t ranks = world_size / tp;  // for dp x fsdp
+  const int64_t ranks = world_size / (tp * pp);  // for dp x fsdp
   if (zero_stage == 0) fsdp = 1;
   if (dp == 0 && fsdp == 0) fsdp = ranks;
   if (dp == 0 && ranks % fsdp == 0) dp = ranks / fsdp;
@@ -381,8 +442,16 @@ void TrainConfig::validate(int world_size) {
     bad("parallel.dp", std::to_string(given_dp),
         "with parallel.fsdp = " + std::to_string(given_fsdp) + ": dp(" + std::to_string(dp) + ") * fsdp(" +
             std::to_string(fsdp) + ") must equal the world size " + std::to_string(world_size) +
-            (tp > 1 ? " / parallel.tp " + std::to_string(tp) + " = " + std::to_string(ranks) : "") +
+            (tp * pp > 1 ? " / (parallel.tp x parallel.pp) " + std::to_string(tp * pp) + " = " + std::to_string(ranks) : "") +
             " (an axis left at 0 takes the ranks the other leaves)");
+  }
+  if (microbatches > 0) {
+    if (batch % (microbatches * data_ranks()) != 0) {
+      bad("parallel.microbatches", std::to_string(microbatches),
+          "training.batch (" + std::to_string(batch) + ") must be divisible by microbatches x dp (" + std::to_string(dp) +
+              ") x fsdp (" + std::to_string(fsdp) + ") = " + std::to_string(microbatches * data_ranks()));
+    }
+    micro_batch = batch / (microbatches * data_ranks());
   }
   if (batch % (micro_batch * data_ranks()) != 0) {
     bad("training.batch", std::to_string(batch),
@@ -404,6 +473,10 @@ void TrainConfig::validate(int world_size) {
   }
   if (memory_limit_mb < 0) bad("memory.limit_mb", std::to_string(memory_limit_mb), "must be >= 0 (0: no limit)");
   grad_accum = batch / (micro_batch * data_ranks());
+  if (pp_schedule == "interleaved" && pp > 1 && grad_accum % pp != 0) {
+    bad("parallel.microbatches", std::to_string(grad_accum),
+        "the interleaved schedule needs micro-batches per step divisible by parallel.pp (" + std::to_string(pp) + ")");
+  }
   if (!(lr > 0)) bad("training.lr", std::to_string(lr), "must be > 0");
   if (min_lr < 0 || min_lr > lr) bad("training.min_lr", std::to_string(min_lr), "must be in [0, training.lr]");
   if (warmup < 0) bad("training.warmup", std::to_string(warmup), "must be >= 0");

@@ -3,6 +3,8 @@
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/comm/watchdog.h"
 #include "meshtrain/model/generate.h"
+#include "meshtrain/parallel/grad_norm.h"
+#include "meshtrain/parallel/pipeline/trace.h"
 #include "meshtrain/util/files.h"
 
 #include <ATen/autocast_mode.h>
@@ -106,21 +108,35 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   previous_limit_ = memory::limit();
   if (config_.memory_limit_mb > 0) memory::set_limit(config_.memory_limit_mb << 20);
 
-  // Mesh dp x fsdp x tp (tp innermost): micro-batches are read per (dp, fsdp)
-  // coordinate; the ranks of a tp group read the same ones.
+  // Mesh pp x dp x fsdp x tp (pp outermost, tp innermost): micro-batches are
+  // read per (dp, fsdp) coordinate; the ranks of a tp group and of a pipeline
+  // read the same ones.
   mesh_ = std::make_unique<mesh::DeviceMesh>(
-      world_, mesh::MeshLayout::from_degrees({{"dp", static_cast<int>(config_.dp)},
+      world_, mesh::MeshLayout::from_degrees({{"pp", static_cast<int>(config_.pp)},
+                                              {"dp", static_cast<int>(config_.dp)},
                                               {"fsdp", static_cast<int>(config_.fsdp)},
                                               {"tp", static_cast<int>(config_.tp)}},
                                              world_->size()));
   data_ = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
 
-  // Apply order: tensor parallel, then data parallel or sharding over the rest.
+  // Apply order: tensor parallel, pipeline stages, activation checkpointing,
+  // then data parallel or sharding over the rest.
   model_ = model::Gpt(config_.model, config_.seed);
+  for (const auto& item : model_->named_parameters()) homes_.push_back({item.key(), item.value().sizes().vec(), 0});
   if (config_.tp > 1) {
     tensor_parallel_ = std::make_unique<parallel::TensorParallel>(
         model_, mesh_->comm("tp"), parallel::gpt_tensor_parallel_plan(config_.model, config_.sequence_parallel),
         parallel::TensorParallelOptions{config_.sequence_parallel, config_.seed});
+  }
+  if (config_.pp > 1) apply_pipeline();
+  const parallel::CheckpointMode checkpoint_mode = parallel::parse_checkpoint_mode(config_.activation_checkpoint);
+  if (checkpoint_mode != parallel::CheckpointMode::kNone) {
+    std::vector<parallel::RandomStream> streams;
+    if (parallel::TensorParallel* tp = tensor_parallel_.get()) {
+      streams.push_back({[tp] { return tp->local_random_state(); }, [tp](const at::Tensor& s) { tp->set_local_random_state(s); }});
+    }
+    checkpointing_ = parallel::apply_activation_checkpoint(model_, checkpoint_mode, config_.activation_checkpoint_every,
+                                                           std::move(streams));
   }
   if (config_.zero_stage == 0) {
     data_parallel_ = std::make_unique<parallel::DataParallel>(*model_, data_, [&] {
@@ -150,11 +166,19 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     options.reduce_dtype = parallel::parse_dtype(config_.reduce_dtype);
     options.stage1_reduce_scatter = config_.zero1_reduce == "reduce_scatter";
     options.adamw = {config_.lr, config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
-    parallel::ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, nullptr};
+    parallel::ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, nullptr, nullptr};
     if (tensor_parallel_) {
       groups.tensor = tensor_parallel_->comm();
       const parallel::TensorParallel* tp = tensor_parallel_.get();
       options.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
+    }
+    if (pipeline_) {
+      groups.pipeline = pipeline_;
+      if (embedding_) {
+        // Both copies of the tied embedding shard alike in a unit of their own.
+        options.own_unit = [](const std::string& name) { return name == "wte.weight"; };
+        if (pipeline_->rank() != 0) options.counted_elsewhere = options.own_unit;
+      }
     }
     sharded_ = std::make_unique<parallel::FullySharded>(model_, groups, options);
   }
@@ -173,10 +197,104 @@ Trainer::~Trainer() { memory::set_limit(previous_limit_); }
 
 std::string Trainer::layout() const {
   std::string layout = sharded_ ? sharded_->layout() : "";
-  if (tensor_parallel_) {
-    layout += (layout.empty() ? "zero_stage=0 dp=" + std::to_string(config_.dp) + " " : " ") + tensor_parallel_->layout();
+  auto add = [&](const std::string& part) {
+    layout += (layout.empty() ? "zero_stage=0 dp=" + std::to_string(config_.dp) + " " : " ") + part;
+  };
+  if (tensor_parallel_) add(tensor_parallel_->layout());
+  if (pipeline_) {
+    std::string split;
+    for (const auto& stage : stages_) split += (split.empty() ? "" : ",") + std::to_string(stage.end_block - stage.first_block);
+    add("pp=" + std::to_string(config_.pp) + " v=" + std::to_string(config_.virtual_stages) + " blocks=" + split);
   }
   return layout;
+}
+
+void Trainer::apply_pipeline() {
+  namespace pipe = parallel::pipeline;
+  pipeline_ = mesh_->comm("pp");
+  const int p = pipeline_->size(), v = static_cast<int>(config_.virtual_stages), me = pipeline_->rank();
+  std::vector<int64_t> blocks;
+  if (config_.pp_split == "params" || config_.pp_split == "time") {
+    std::vector<double> costs = config_.pp_split == "params" ? pipe::parameter_costs(config_.model)
+                                                             : pipe::measured_costs(config_.model, config_.micro_batch);
+    // Every rank must cut alike: the mean of the ranks' measurements.
+    at::Tensor mean = at::tensor(costs, at::kDouble);
+    world_->all_reduce(mean, comm::ReduceOp::kAvg).wait();
+    costs.assign(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
+    blocks = pipe::balance(costs, p * v);
+  } else {
+    blocks = pipe::parse_split(config_.pp_split, config_.model.layers, p * v);
+  }
+  stages_ = pipe::stage_specs(blocks);
+  std::vector<pipe::StageSpec> mine;
+  for (int s = me; s < p * v; s += p) {
+    local_stages_.push_back(s);
+    mine.push_back(stages_[s]);
+  }
+  // Which pipeline rank holds each parameter (the tied embedding: the first).
+  for (ParameterHome& home : homes_) {
+    int stage = 0;
+    if (home.name.rfind("norm_f.", 0) == 0 || home.name.rfind("head.", 0) == 0) stage = p * v - 1;
+    if (home.name.rfind("blocks.", 0) == 0) {
+      const int64_t block = std::stoll(home.name.substr(7));
+      while (stages_[stage].end_block <= block) ++stage;
+    }
+    home.pipeline_rank = stage % p;
+  }
+  pipe::keep_stages(model_, mine);
+  const bool tied = config_.model.tie_embeddings;
+  embedding_ = pipeline_->split(tied && (me == 0 || me == p - 1) ? 0 : -1, me, "pp:embedding");
+  schedule_ = pipe::make_schedule(config_.pp_schedule, p, v, static_cast<int>(config_.grad_accum));
+  pipe::validate(schedule_);
+  executor_ = std::make_unique<pipe::PipelineExecutor>(pipeline_);
+}
+
+double Trainer::run_pipeline(const parallel::pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
+                             const std::vector<at::Tensor>& targets, double scale) {
+  std::optional<memory::PhaseScope> backward_phase;
+  parallel::pipeline::StageCallbacks callbacks;
+  callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
+    memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
+    Autocast autocast(config_.dtype == "bfloat16");
+    const parallel::pipeline::StageSpec& spec = stages_[stage];
+    const at::Tensor out = parallel::pipeline::run_stage(model_, spec, spec.embed ? inputs[mb] : input);
+    return spec.head ? model_->cross_entropy(out, targets[mb]) * scale : out;
+  };
+  callbacks.before_backward = [&](bool last) {
+    backward_phase.emplace(memory::Phase::kBackward);
+    if (sharded_) sharded_->set_sync(last);
+    else data_parallel_->set_sync(last);
+  };
+  callbacks.after_backward = [&] {
+    if (sharded_) sharded_->after_backward();
+    backward_phase.reset();
+  };
+  const int64_t context = config_.model.context;
+  const int64_t rows = config_.sequence_parallel ? context / config_.tp : context;
+  const at::ScalarType dtype = sharded_ ? parallel::parse_dtype(config_.param_dtype) : at::kFloat;
+  return executor_->run(schedule, callbacks, {inputs.front().size(0), rows, config_.model.width}, dtype);
+}
+
+void Trainer::write_trace() {
+  const auto ranks = parallel::pipeline::gather_spans(*world_, executor_->spans(), 0);
+  if (world_->rank() != 0) return;
+  util::make_directories(config_.out);
+  const std::string trace = config_.out + "/trace.json", picture = config_.out + "/timeline.svg";
+  util::write_text_file(trace, parallel::pipeline::chrome_trace(ranks));
+  char title[256];
+  std::snprintf(title, sizeof title, "step %lld: %s, pp=%lld, v=%lld, %lld micro-batches, %d ranks",
+                (long long)config_.trace_step, config_.pp_schedule.c_str(), (long long)config_.pp,
+                (long long)config_.virtual_stages, (long long)config_.grad_accum, world_->size());
+  util::write_text_file(picture, parallel::pipeline::timeline_svg(ranks, title));
+  std::printf("meshtrain: pipeline trace of step %lld in %s (open in ui.perfetto.dev), picture in %s\n",
+              (long long)config_.trace_step, trace.c_str(), picture.c_str());
+  std::fflush(stdout);
+}
+
+void Trainer::sum_tied_embedding_gradient() {
+  if (!embedding_) return;
+  at::Tensor grad = sharded_ ? sharded_->own_unit_shard_gradient("wte.weight") : model_->wte->weight.mutable_grad();
+  embedding_->all_reduce(grad).wait();
 }
 
 std::string Trainer::shard_file() const { return "shard-rank-" + std::to_string(world_->rank()) + ".pt"; }
@@ -224,12 +342,22 @@ void Trainer::load_checkpoint(const std::string& folder) {
 std::map<std::string, at::Tensor> Trainer::full_parameters(int root) {
   std::map<std::string, at::Tensor> out;
   if (sharded_) {
-    // Tensor parallel gathers over tp next: every rank of it needs its part.
-    out = sharded_->full_state_dict(tensor_parallel_ ? -1 : root);
+    // Tensor parallel and pipeline gather next: every rank of them needs its part.
+    out = sharded_->full_state_dict(tensor_parallel_ || pipeline_ ? -1 : root);
   } else {
     for (const auto& item : model_->named_parameters()) out[item.key()] = item.value().detach().clone();
   }
-  return tensor_parallel_ ? tensor_parallel_->gather_all(out) : out;
+  if (tensor_parallel_) out = tensor_parallel_->gather_all(out);
+  if (!pipeline_) return out;
+  // Each parameter from the pipeline rank holding it, in the same order everywhere.
+  std::map<std::string, at::Tensor> all;
+  for (const ParameterHome& home : homes_) {
+    at::Tensor t = pipeline_->rank() == home.pipeline_rank ? out.at(home.name).contiguous()
+                                                            : at::empty(home.shape, at::kFloat);
+    pipeline_->broadcast(t, home.pipeline_rank).wait();
+    all[home.name] = t;
+  }
+  return all;
 }
 
 double Trainer::mfu(double tokens_per_second) const {
@@ -255,11 +383,22 @@ StepResult Trainer::step() {
   else data_parallel_->zero_grad();
   double loss_sum = 0;
   const int64_t micro = config_.micro_batch, ranks = data_->size();
-  for (int64_t a = 0; a < config_.grad_accum; ++a) {
+  auto rows = [&](int64_t a) { return train_sampler_->rows(cursor_ + (a * ranks + data_->rank()) * micro, micro); };
+  if (executor_) {
+    std::vector<at::Tensor> inputs, targets;
+    for (int64_t a = 0; a < config_.grad_accum; ++a) {
+      auto [x, y] = rows(a);
+      inputs.push_back(x);
+      targets.push_back(y);
+    }
+    loss_sum = run_pipeline(schedule_, inputs, targets, 1.0 / config_.grad_accum);
+    if (config_.trace_step == step_ + 1) write_trace();
+  }
+  for (int64_t a = 0; a < config_.grad_accum && !executor_; ++a) {
     const bool last = a == config_.grad_accum - 1;
     if (sharded_) sharded_->set_sync(last);
     else data_parallel_->set_sync(last);
-    auto [inputs, targets] = train_sampler_->rows(cursor_ + (a * ranks + data_->rank()) * micro, micro);
+    auto [inputs, targets] = rows(a);
     at::Tensor loss;
     {
       memory::PhaseScope phase(memory::Phase::kForward);
@@ -277,20 +416,33 @@ StepResult Trainer::step() {
 
   {
     memory::PhaseScope phase(memory::Phase::kOptimizer);
-    const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : std::numeric_limits<double>::infinity();
     if (sharded_) {
+      sum_tied_embedding_gradient();
       result.grad_norm = sharded_->clip_grad_norm(config_.grad_clip);
       sharded_->step(result.lr);
     } else {
       data_parallel_->finish();
-      result.grad_norm = tensor_parallel_ ? tensor_parallel_->clip_grad_norm(config_.grad_clip)
-                                          : torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+      sum_tied_embedding_gradient();
+      parallel::ModelParallelNorm groups;
+      if (tensor_parallel_) {
+        groups.tensor = tensor_parallel_->comm();
+        const parallel::TensorParallel* tp = tensor_parallel_.get();
+        groups.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
+      }
+      if (pipeline_) {
+        groups.pipeline = pipeline_;
+        if (embedding_ && pipeline_->rank() != 0) {
+          groups.counted_elsewhere = [](const std::string& name) { return name == "wte.weight"; };
+        }
+      }
+      result.grad_norm = parallel::clip_grad_norm(*model_, config_.grad_clip, groups);
       for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
       optimizer_->step();
     }
   }
 
   at::Tensor loss = at::full({1}, loss_sum, at::kDouble);
+  if (pipeline_) pipeline_->all_reduce(loss).wait();  // the last stage has it
   data_->all_reduce(loss, comm::ReduceOp::kAvg).wait();  // tp ranks hold the same loss
   result.loss = loss.item<double>();
   result.step = ++step_;
@@ -306,13 +458,26 @@ double Trainer::evaluate() {
   model_->eval();
   double total = 0;
   const int64_t micro = config_.micro_batch, ranks = data_->size();
+  std::vector<at::Tensor> inputs, targets;
   for (int64_t i = 0; i < config_.eval_batches; ++i) {
-    auto [inputs, targets] = val_sampler_->rows((i * ranks + data_->rank()) * micro, micro);
-    Autocast autocast(config_.dtype == "bfloat16");
-    total += model_->loss(inputs, targets).item<double>();
+    auto [x, y] = val_sampler_->rows((i * ranks + data_->rank()) * micro, micro);
+    inputs.push_back(x);
+    targets.push_back(y);
+  }
+  if (executor_) {
+    const auto schedule = parallel::pipeline::forward_only(static_cast<int>(config_.pp),
+                                                           static_cast<int>(config_.virtual_stages),
+                                                           static_cast<int>(config_.eval_batches));
+    total = run_pipeline(schedule, inputs, targets, 1.0);
+  } else {
+    for (int64_t i = 0; i < config_.eval_batches; ++i) {
+      Autocast autocast(config_.dtype == "bfloat16");
+      total += model_->loss(inputs[i], targets[i]).item<double>();
+    }
   }
   model_->train();
   at::Tensor loss = at::full({1}, total / config_.eval_batches, at::kDouble);
+  if (pipeline_) pipeline_->all_reduce(loss).wait();
   data_->all_reduce(loss, comm::ReduceOp::kAvg).wait();  // tp ranks hold the same loss
   return loss.item<double>();
 }
@@ -340,8 +505,10 @@ void Trainer::save_checkpoint() {
       archive.save_to(path);
     }
     if (world_->rank() == 0) {
+      // From a whole model: a pipeline stage holds only its blocks' buffers.
       std::map<std::string, at::Tensor> buffers;
-      for (const auto& item : model_->named_buffers()) buffers[item.key()] = item.value();
+      const model::Gpt whole = pipeline_ ? model::Gpt(config_.model, config_.seed) : model_;
+      for (const auto& item : whole->named_buffers()) buffers[item.key()] = item.value();
       write_model_archive(util::join_path(staging, "model.pt"), full, buffers);
       files.push_back("model.pt");
     }
@@ -401,6 +568,20 @@ void Trainer::run() {
     if (tensor_parallel_) {
       layout += " over " + std::to_string(config_.dp * config_.fsdp) + " x tensor parallel tp(" +
                 std::to_string(config_.tp) + ")" + (config_.sequence_parallel ? " with sequence parallel" : "");
+    }
+    if (pipeline_) {
+      std::string split;
+      for (const auto& stage : stages_) split += (split.empty() ? "" : " | ") + stage.str();
+      layout += ", pipeline pp(" + std::to_string(config_.pp) + ") " + config_.pp_schedule + " with " +
+                std::to_string(config_.grad_accum) + " micro-batches of " + std::to_string(config_.micro_batch) +
+                (config_.virtual_stages > 1 ? ", " + std::to_string(config_.virtual_stages) + " virtual stages per rank" : "") +
+                ", bubble " + std::to_string(int(100 * parallel::pipeline::theoretical_bubble(
+                                  int(config_.pp), int(config_.virtual_stages), int(config_.grad_accum)) + 0.5)) +
+                "%; stages: " + split;
+    }
+    if (checkpointing_) {
+      layout += ", activation checkpointing " + config_.activation_checkpoint +
+                (config_.activation_checkpoint_every > 1 ? " every " + std::to_string(config_.activation_checkpoint_every) + " blocks" : "");
     }
     std::printf("meshtrain: training %s (%s, %.2fM parameters) on %d rank(s), %s\n", config_.preset.c_str(),
                 model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, world_->size(), layout.c_str());

@@ -6,8 +6,11 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/mesh/device_mesh.h"
+#include "meshtrain/parallel/activation_checkpoint.h"
 #include "meshtrain/parallel/data_parallel.h"
 #include "meshtrain/parallel/fully_sharded.h"
+#include "meshtrain/parallel/pipeline/executor.h"
+#include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/util/memory.h"
 #include "meshtrain/train/checkpoint.h"
@@ -44,11 +47,12 @@ struct StepResult {
 
 class Trainer {
  public:
-  // `config` must be validated for world->size() ranks (dp x fsdp x tp).
+  // `config` must be validated for world->size() ranks (pp x dp x fsdp x tp).
   // Collective over `world`: prepares data (rank 0), builds the model from the
-  // seed, lays the ranks out as a dp x fsdp x tp mesh, applies tensor parallel
-  // over tp (tp > 1), then data parallel (zero_stage 0) or sharding (1-3) over
-  // dp x fsdp, and resumes from the latest checkpoint when
+  // seed, lays the ranks out as a pp x dp x fsdp x tp mesh, applies tensor
+  // parallel over tp (tp > 1), keeps this rank's pipeline stages (pp > 1),
+  // installs activation checkpointing, then data parallel (zero_stage 0) or
+  // sharding (1-3) over dp x fsdp, and resumes from the latest checkpoint when
   // config.resume and one exists. Installs the counting allocator and, with
   // memory.limit_mb, the per-rank limit (until destruction).
   Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world);
@@ -69,6 +73,10 @@ class Trainer {
   const parallel::DataParallel& data_parallel() const { return *data_parallel_; }
   parallel::FullySharded* sharded() { return sharded_.get(); }
   parallel::TensorParallel* tensor_parallel() { return tensor_parallel_.get(); }
+  // pp > 1: the executor (its spans and stash count from the last step) and
+  // every stage of the pipeline, in order.
+  const parallel::pipeline::PipelineExecutor* pipeline() const { return executor_.get(); }
+  const std::vector<parallel::pipeline::StageSpec>& stages() const { return stages_; }
   const mesh::DeviceMesh& mesh() const { return *mesh_; }
   // Every parameter, unsharded, fp32, by name, on every rank (root -1) or at
   // least on world rank `root`. Collective.
@@ -86,10 +94,18 @@ class Trainer {
   std::string layout() const;
   std::string shard_file() const;  // this rank's file in a checkpoint
   void log_metrics(const StepResult& result, std::optional<double> val_loss, double tokens_per_second);
+  void apply_pipeline();
+  // pp > 1: runs `schedule` over micro-batches `inputs`/`targets`; the loss
+  // summed over them on the last stage, 0 elsewhere.
+  double run_pipeline(const parallel::pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
+                      const std::vector<at::Tensor>& targets, double scale);
+  void write_trace();
+  // The gradient of a tied embedding summed over its first- and last-stage copies.
+  void sum_tied_embedding_gradient();
 
   TrainConfig config_;
   std::shared_ptr<comm::Communicator> world_;
-  std::unique_ptr<mesh::DeviceMesh> mesh_;   // dp x fsdp x tp
+  std::unique_ptr<mesh::DeviceMesh> mesh_;   // pp x dp x fsdp x tp
   std::shared_ptr<comm::Communicator> data_;  // this rank's dp x fsdp group: ranks reading different data
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
@@ -98,6 +114,21 @@ class Trainer {
   std::unique_ptr<torch::optim::AdamW> optimizer_;         // zero_stage 0
   std::unique_ptr<parallel::TensorParallel> tensor_parallel_;  // tp > 1
   std::unique_ptr<parallel::FullySharded> sharded_;        // zero_stage 1-3
+  std::shared_ptr<parallel::ActivationCheckpoint> checkpointing_;
+  // Pipeline (pp > 1): the pp axis; the first and last stage when they share a
+  // tied embedding; every stage and this rank's; the schedules.
+  std::shared_ptr<comm::Communicator> pipeline_, embedding_;
+  std::vector<parallel::pipeline::StageSpec> stages_;
+  std::vector<int> local_stages_;
+  parallel::pipeline::Schedule schedule_;
+  std::unique_ptr<parallel::pipeline::PipelineExecutor> executor_;
+  // Every parameter of the whole model: name, shape, the pipeline rank holding it.
+  struct ParameterHome {
+    std::string name;
+    std::vector<int64_t> shape;
+    int pipeline_rank;
+  };
+  std::vector<ParameterHome> homes_;
   int64_t previous_limit_ = 0;
   CheckpointStore checkpoints_;
   int64_t step_ = 0;

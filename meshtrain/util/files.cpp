@@ -11,6 +11,8 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 namespace meshtrain::util {
@@ -103,6 +105,25 @@ std::string make_temp_directory(const std::string& prefix) {
   std::string pattern = join_path(tmp && *tmp ? tmp : "/tmp", prefix + "XXXXXX");
   if (!mkdtemp(pattern.data())) fail("cannot create a temporary directory like", pattern);
   return pattern;
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
+  const std::string staging = path + ".tmp";
+  {
+    std::ofstream out(staging, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw std::runtime_error("cannot write " + staging);
+  }
+  rename_path(staging, path);
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 }  // namespace meshtrain::util

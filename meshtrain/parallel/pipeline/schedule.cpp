@@ -1,0 +1,274 @@
+#include "meshtrain/parallel/pipeline/schedule.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <numeric>
+#include <set>
+#include <tuple>
+
+namespace meshtrain::parallel::pipeline {
+
+namespace {
+
+Action forward(int stage, int mb) { return {ActionKind::kForward, stage, mb}; }
+Action backward(int stage, int mb) { return {ActionKind::kBackward, stage, mb}; }
+
+void check_sizes(const std::string& name, int ranks, int virtual_stages, int microbatches) {
+  auto fail = [&](const std::string& what) { throw ScheduleError("pipeline schedule '" + name + "': " + what); };
+  if (ranks < 1) fail("needs at least 1 rank, got " + std::to_string(ranks));
+  if (microbatches < 1) fail("needs at least 1 micro-batch, got " + std::to_string(microbatches));
+  if (virtual_stages < 1) fail("needs at least 1 virtual stage per rank, got " + std::to_string(virtual_stages));
+  if (virtual_stages > 1 && ranks < 2) fail("virtual stages need at least 2 ranks");
+}
+
+}  // namespace
+
+std::string Action::str() const {
+  static const char* const names[] = {"F", "B", "sendA", "recvA", "sendG", "recvG"};
+  return names[static_cast<int>(kind)] + std::to_string(microbatch) + "@s" + std::to_string(stage);
+}
+
+const std::vector<std::string>& schedule_names() {
+  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved"};
+  return names;
+}
+
+Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches) {
+  if (name == "gpipe" || name == "1f1b") {
+    if (virtual_stages != 1) {
+      throw ScheduleError("pipeline schedule '" + name + "' runs one stage per rank; virtual stages (" +
+                          std::to_string(virtual_stages) + ") need the 'interleaved' schedule");
+    }
+    return name == "gpipe" ? gpipe(ranks, microbatches) : one_f_one_b(ranks, microbatches);
+  }
+  if (name == "interleaved") return interleaved_1f1b(ranks, virtual_stages, microbatches);
+  throw ScheduleError("unknown pipeline schedule '" + name + "'; use gpipe, 1f1b or interleaved");
+}
+
+Schedule gpipe(int ranks, int microbatches) {
+  check_sizes("gpipe", ranks, 1, microbatches);
+  std::vector<std::vector<Action>> order(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    for (int i = 0; i < microbatches; ++i) order[r].push_back(forward(r, i));
+    for (int i = 0; i < microbatches; ++i) order[r].push_back(backward(r, i));
+  }
+  return with_communication("gpipe", ranks, 1, microbatches, true, order);
+}
+
+Schedule one_f_one_b(int ranks, int microbatches) {
+  check_sizes("1f1b", ranks, 1, microbatches);
+  std::vector<std::vector<Action>> order(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    const int warmup = std::min(ranks - r - 1, microbatches);
+    int next_forward = 0, next_backward = 0;
+    for (; next_forward < warmup; ++next_forward) order[r].push_back(forward(r, next_forward));
+    while (next_forward < microbatches) {
+      order[r].push_back(forward(r, next_forward++));
+      order[r].push_back(backward(r, next_backward++));
+    }
+    while (next_backward < microbatches) order[r].push_back(backward(r, next_backward++));
+  }
+  return with_communication("1f1b", ranks, 1, microbatches, true, order);
+}
+
+Schedule interleaved_1f1b(int ranks, int virtual_stages, int microbatches) {
+  check_sizes("interleaved", ranks, virtual_stages, microbatches);
+  if (microbatches % ranks != 0) {
+    throw ScheduleError("pipeline schedule 'interleaved': micro-batches (" + std::to_string(microbatches) +
+                        ") must be a multiple of the pipeline ranks (" + std::to_string(ranks) + ")");
+  }
+  const int p = ranks, v = virtual_stages, total = microbatches * v;
+  // The k-th forward (backward) of a rank: micro-batches go round in groups
+  // of p through chunk 0, 1, ... (backward: v-1, v-2, ...).
+  auto chunk = [&](int k, bool is_forward) {
+    const int c = (k % (p * v)) / p;
+    return is_forward ? c : v - 1 - c;
+  };
+  auto microbatch = [&](int k) { return (k / (p * v)) * p + k % p; };
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    const int warmup = std::min(total, (p - r - 1) * 2 + (v - 1) * p);
+    auto f = [&](int k) { return forward(chunk(k, true) * p + r, microbatch(k)); };
+    auto b = [&](int k) { return backward(chunk(k, false) * p + r, microbatch(k)); };
+    for (int k = 0; k < warmup; ++k) order[r].push_back(f(k));
+    for (int k = 0; k < total - warmup; ++k) {
+      order[r].push_back(f(warmup + k));
+      order[r].push_back(b(k));
+    }
+    for (int k = total - warmup; k < total; ++k) order[r].push_back(b(k));
+  }
+  return with_communication("interleaved", p, v, microbatches, true, order);
+}
+
+Schedule forward_only(int ranks, int virtual_stages, int microbatches) {
+  check_sizes("forward", ranks, virtual_stages, microbatches);
+  std::vector<std::vector<Action>> order(ranks);
+  for (int i = 0; i < microbatches; ++i) {
+    for (int s = 0; s < ranks * virtual_stages; ++s) order[s % ranks].push_back(forward(s, i));
+  }
+  return with_communication("forward", ranks, virtual_stages, microbatches, false, order);
+}
+
+Schedule with_communication(std::string name, int ranks, int virtual_stages, int microbatches, bool has_backward,
+                            const std::vector<std::vector<Action>>& computations) {
+  Schedule s;
+  s.name = std::move(name);
+  s.ranks = ranks;
+  s.virtual_stages = virtual_stages;
+  s.microbatches = microbatches;
+  s.backward = has_backward;
+  s.actions.resize(ranks);
+  const int last = s.stages() - 1;
+  for (int r = 0; r < ranks; ++r) {
+    for (const Action& a : computations.at(r)) {
+      std::vector<Action>& out = s.actions[r];
+      if (a.kind == ActionKind::kForward) {
+        if (a.stage > 0) out.push_back({ActionKind::kRecvActivation, a.stage, a.microbatch});
+        out.push_back(a);
+        if (a.stage < last) out.push_back({ActionKind::kSendActivation, a.stage, a.microbatch});
+      } else {
+        if (a.stage < last) out.push_back({ActionKind::kRecvGradient, a.stage, a.microbatch});
+        out.push_back(a);
+        if (a.stage > 0) out.push_back({ActionKind::kSendGradient, a.stage, a.microbatch});
+      }
+    }
+  }
+  return s;
+}
+
+double ScheduleReport::mean_bubble() const {
+  return bubble.empty() ? 0.0 : std::accumulate(bubble.begin(), bubble.end(), 0.0) / bubble.size();
+}
+
+double theoretical_bubble(int ranks, int virtual_stages, int microbatches) {
+  return double(ranks - 1) / (double(virtual_stages) * microbatches + ranks - 1);
+}
+
+ScheduleReport validate(const Schedule& s, double forward_cost, double backward_cost) {
+  const int p = s.ranks, stages = s.stages(), m = s.microbatches, last = stages - 1;
+  auto fail = [&](int rank, const Action* a, const std::string& what) {
+    throw ScheduleError("pipeline schedule '" + s.name + "': rank " + std::to_string(rank) +
+                        (a ? ", action " + a->str() : std::string()) + ": " + what);
+  };
+  if (static_cast<int>(s.actions.size()) != p) {
+    throw ScheduleError("pipeline schedule '" + s.name + "': has action lists for " + std::to_string(s.actions.size()) +
+                        " ranks, not " + std::to_string(p));
+  }
+  // Static checks: each computation once, on its stage's rank, in range.
+  std::set<std::tuple<int, int, int>> seen;  // (kind, stage, mb)
+  for (int r = 0; r < p; ++r) {
+    for (const Action& a : s.actions[r]) {
+      if (a.stage < 0 || a.stage >= stages || a.microbatch < 0 || a.microbatch >= m) fail(r, &a, "stage or micro-batch out of range");
+      if (s.rank_of(a.stage) != r) fail(r, &a, "stage " + std::to_string(a.stage) + " runs on rank " + std::to_string(s.rank_of(a.stage)));
+      if (a.kind == ActionKind::kBackward && !s.backward) fail(r, &a, "a backward in a forward-only schedule");
+      if ((a.kind == ActionKind::kSendActivation && a.stage == last) || (a.kind == ActionKind::kRecvActivation && a.stage == 0) ||
+          (a.kind == ActionKind::kSendGradient && a.stage == 0) || (a.kind == ActionKind::kRecvGradient && a.stage == last)) {
+        fail(r, &a, "has no neighbouring stage to talk to");
+      }
+      if (!seen.insert({static_cast<int>(a.kind), a.stage, a.microbatch}).second) fail(r, &a, "appears twice");
+    }
+  }
+  for (int st = 0; st < stages; ++st) {
+    for (int i = 0; i < m; ++i) {
+      if (!seen.count({static_cast<int>(ActionKind::kForward), st, i})) fail(s.rank_of(st), nullptr, "no forward of micro-batch " + std::to_string(i) + " through stage " + std::to_string(st));
+      if (s.backward && !seen.count({static_cast<int>(ActionKind::kBackward), st, i})) fail(s.rank_of(st), nullptr, "no backward of micro-batch " + std::to_string(i) + " through stage " + std::to_string(st));
+    }
+  }
+
+  // Simulation. Channels: (source rank, destination rank, gradient?) -> messages
+  // in flight in send order, each (stage it is for, micro-batch, time sent).
+  std::map<std::tuple<int, int, bool>, std::deque<std::tuple<int, int, double>>> channels;
+  std::vector<size_t> pc(p, 0);
+  std::vector<double> clock(p, 0.0);
+  ScheduleReport report;
+  report.busy.assign(p, 0.0);
+  report.peak_stashed.assign(p, 0);
+  std::vector<int> stashed(p, 0);
+  // Per rank: what has been received / computed, by (stage, mb).
+  std::vector<std::set<std::pair<int, int>>> got_input(p), got_grad(p), forwarded(p), backwarded(p);
+  auto done = [&] {
+    for (int r = 0; r < p; ++r) if (pc[r] < s.actions[r].size()) return false;
+    return true;
+  };
+  while (!done()) {
+    bool progressed = false;
+    for (int r = 0; r < p; ++r) {
+      while (pc[r] < s.actions[r].size()) {
+        const Action& a = s.actions[r][pc[r]];
+        const std::pair<int, int> key{a.stage, a.microbatch};
+        bool blocked = false;
+        switch (a.kind) {
+          case ActionKind::kForward: {
+            if (a.stage > 0 && !got_input[r].count(key)) fail(r, &a, "its input was never received (no recvA before it)");
+            clock[r] += forward_cost;
+            report.busy[r] += forward_cost;
+            forwarded[r].insert(key);
+            if (s.backward) report.peak_stashed[r] = std::max(report.peak_stashed[r], ++stashed[r]);
+            break;
+          }
+          case ActionKind::kBackward: {
+            if (!forwarded[r].count(key)) fail(r, &a, "runs before its forward");
+            if (a.stage < last && !got_grad[r].count(key)) fail(r, &a, "its output gradient was never received (no recvG before it)");
+            clock[r] += backward_cost;
+            report.busy[r] += backward_cost;
+            backwarded[r].insert(key);
+            --stashed[r];
+            break;
+          }
+          case ActionKind::kSendActivation:
+          case ActionKind::kSendGradient: {
+            const bool grad = a.kind == ActionKind::kSendGradient;
+            if (!(grad ? backwarded[r] : forwarded[r]).count(key)) fail(r, &a, "sends what was not computed yet");
+            const int to = grad ? a.stage - 1 : a.stage + 1;
+            channels[{r, s.rank_of(to), grad}].emplace_back(to, a.microbatch, clock[r]);
+            break;
+          }
+          case ActionKind::kRecvActivation:
+          case ActionKind::kRecvGradient: {
+            const bool grad = a.kind == ActionKind::kRecvGradient;
+            const int from = grad ? a.stage + 1 : a.stage - 1;
+            auto& channel = channels[{s.rank_of(from), r, grad}];
+            if (channel.empty()) {
+              blocked = true;
+              break;
+            }
+            const auto [stage, mb, sent] = channel.front();
+            if (stage != a.stage || mb != a.microbatch) {
+              fail(r, &a, "would match rank " + std::to_string(s.rank_of(from)) + "'s earlier message for micro-batch " +
+                              std::to_string(mb) + " of stage " + std::to_string(stage) + " (messages arrive in send order)");
+            }
+            channel.pop_front();
+            clock[r] = std::max(clock[r], sent);
+            (grad ? got_grad[r] : got_input[r]).insert(key);
+            break;
+          }
+        }
+        if (blocked) break;
+        ++pc[r];
+        progressed = true;
+      }
+    }
+    if (!progressed) {
+      std::string waits;
+      for (int r = 0; r < p; ++r) {
+        if (pc[r] < s.actions[r].size()) waits += (waits.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " at " + s.actions[r][pc[r]].str();
+      }
+      throw ScheduleError("pipeline schedule '" + s.name + "': deadlock: every rank waits for a message no rank will send (" + waits + ")");
+    }
+  }
+  for (const auto& [channel, messages] : channels) {
+    if (!messages.empty()) {
+      const auto& [stage, mb, sent] = messages.front();
+      (void)sent;
+      fail(std::get<0>(channel), nullptr, "sends " + std::string(std::get<2>(channel) ? "a gradient" : "an activation") +
+                                              " of micro-batch " + std::to_string(mb) + " for stage " + std::to_string(stage) +
+                                              " that rank " + std::to_string(std::get<1>(channel)) + " never receives");
+    }
+  }
+  report.step_time = *std::max_element(clock.begin(), clock.end());
+  for (int r = 0; r < p; ++r) report.bubble.push_back(report.step_time > 0 ? 1.0 - report.busy[r] / report.step_time : 0.0);
+  return report;
+}
+
+}  // namespace meshtrain::parallel::pipeline
