@@ -61,4 +61,11 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
 // The mpirun command line run_launcher uses (exposed for tests).
 std::vector<std::string> launch_command(int ranks, const std::vector<std::string>& args, bool open_mpi, bool root);
 
+// bench pp: every pipeline schedule for pp = 2, 4 and m = 4, 8, 16 (see main.cpp).
+int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps,
+                 const std::string& out_dir);
+
+// meshtrain timeline TRACE [-o OUT.svg]: a pipeline trace drawn as SVG (no MPI needed).
+int run_timeline(const std::string& trace_path, std::string out_path, const std::string& title);
+
 }  // namespace meshtrain::apps

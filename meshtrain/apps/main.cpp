@@ -101,6 +101,27 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_tp->allow_extras();
 
+  int pp_warmup = 1, pp_steps = 3;
+  std::string pp_out = "bench/pipeline";
+  CLI::App* bench_pp = bench->add_subcommand(
+      "pp", "Pipeline schedules (gpipe, 1f1b, interleaved with 2 virtual stages) for pp = 2 and 4 (up to the rank "
+            "count) and 4, 8, 16 micro-batches, in one run: the measured bubble (idle / step time per rank, from "
+            "the executor's spans) against the theory, point-to-point time, tokens/s, and the peak activation "
+            "memory of stage 0 for gpipe, 1f1b and 1f1b with full activation checkpointing. Writes a trace and a "
+            "timeline picture per pp to --out. Default model: tiny with 8 blocks; config overrides as for train.");
+  bench_pp->add_option("--warmup-steps", pp_warmup, "Untimed steps first")->capture_default_str();
+  bench_pp->add_option("--steps", pp_steps, "Timed steps (medians are reported)")->check(CLI::PositiveNumber)->capture_default_str();
+  bench_pp->add_option("--out", pp_out, "Where traces and pictures go")->capture_default_str();
+  bench_pp->allow_extras();
+
+  std::string timeline_trace, timeline_out, timeline_title = "pipeline timeline";
+  CLI::App* timeline = app.add_subcommand(
+      "timeline", "Draw a pipeline trace (trace.json written by train with --run.trace_step=N) as an SVG picture: one "
+                  "row per rank, forwards blue, backwards green, waits to receive red, with each rank's bubble");
+  timeline->add_option("trace", timeline_trace, "Chrome-trace JSON file")->required()->check(CLI::ExistingFile);
+  timeline->add_option("-o,--out", timeline_out, "SVG file to write (default: the trace's name with .svg)");
+  timeline->add_option("--title", timeline_title, "Title above the picture")->capture_default_str();
+
   std::string train_config;
   CLI::App* train = app.add_subcommand(
       "train", "Train a GPT: meshtrain train [CONFIG.toml] [--section.key=value ...]. Without a config the "
@@ -156,9 +177,10 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (prepare->parsed() || generate->parsed()) {  // one process, no MPI
+  if (prepare->parsed() || generate->parsed() || timeline->parsed()) {  // one process, no MPI
     try {
       if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
+      if (timeline->parsed()) return meshtrain::apps::run_timeline(timeline_trace, timeline_out, timeline_title);
       return meshtrain::apps::run_generate(generate_options);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
@@ -167,7 +189,7 @@ int main(int argc, char** argv) {
   }
 
   std::vector<std::string> overrides;
-  for (CLI::App* with_overrides : {train, bench_train, bench_tp}) {
+  for (CLI::App* with_overrides : {train, bench_train, bench_tp, bench_pp}) {
     if (!with_overrides->parsed()) continue;
     for (const std::string& extra : with_overrides->remaining()) {
       if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
@@ -186,6 +208,7 @@ int main(int argc, char** argv) {
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);
+    if (bench_pp->parsed()) return meshtrain::apps::run_bench_pp(*runtime, overrides, pp_warmup, pp_steps, pp_out);
     if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
     if (bench_comm->parsed()) {
       bench_options.min_bytes = parse_bytes(min_size);

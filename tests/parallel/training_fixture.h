@@ -41,7 +41,7 @@ class TrainingTest : public ::testing::Test {
     TrainConfig c = TrainConfig::load("", overrides);
     c.preset = "test";
     c.model = model::GptConfig::preset("tiny");
-    c.model.layers = 2;
+    c.model.layers = layers_;
     c.model.width = 64;
     c.model.heads = 4;
     c.model.context = 16;
@@ -63,6 +63,7 @@ class TrainingTest : public ::testing::Test {
   std::shared_ptr<comm::Communicator> alone() const { return world()->split(world()->rank(), 0, "test:alone"); }
 
   std::string dir_;
+  int64_t layers_ = 2;  // blocks of the test model
 };
 
 inline double relative_error(const at::Tensor& got, const at::Tensor& want) {
