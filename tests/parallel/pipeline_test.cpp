@@ -129,7 +129,7 @@ TEST_F(PipelineTraining, CheckpointingWithDropoutAndTensorParallelChangesNothing
 
 TEST_F(PipelineTraining, TraceHasEverySpanAndResumeIsBitExact) {
   const int n = world()->size();
-  if (n % 2 != 0) GTEST_SKIP() << "needs an even world";
+  if (n != 2 && n != 4) GTEST_SKIP() << "pp 2 (x dp 2): 2 or 4 ranks";
   const Overrides layout = {"parallel.pp=2", "parallel.microbatches=4", "run.trace_step=2"};
   const std::string checkpoints = util::join_path(dir_, "pp-checkpoints");
   std::vector<double> straight;
