@@ -4,6 +4,7 @@
 // memory per stage for gpipe, 1f1b and 1f1b with activation checkpointing.
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/comm/agree.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/trace.h"
 #include "meshtrain/train/trainer.h"
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <cstdio>
 #include <thread>
 
@@ -114,7 +116,15 @@ int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrid
                                    "training.steps=1000", "training.warmup=2", "checkpoint.resume=false",
                                    "run.out=" + out_dir + "/run"};
   base.insert(base.end(), overrides.begin(), overrides.end());
-  if (world->rank() == 0) util::make_directories(out_dir);
+  // The token files once, for every configuration.
+  const std::string data = out_dir + "/data";
+  comm::on_root_or_all_fail(*world, 0, [&] {
+    util::make_directories(out_dir);
+    const train::TrainConfig text = train::TrainConfig::load("", base);
+    train::prepare(text.text, data, text.val_fraction);
+  });
+  base.push_back("data.train_file=" + data + "/train.bin");
+  base.push_back("data.val_file=" + data + "/val.bin");
   std::vector<nlohmann::json> rows;
   for (int p : {2, 4}) {
     if (p > world->size()) continue;

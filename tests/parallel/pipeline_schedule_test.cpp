@@ -33,6 +33,7 @@ TEST(PipelineSchedule, EveryScheduleIsValidWithItsBubbleAndStash) {
           continue;
         }
         const ScheduleReport r = validate(interleaved_1f1b(p, v, m), 1.0, 2.0);
+        for (int rank = 0; rank < p; ++rank) EXPECT_LE(r.peak_stashed[rank], 2 * (p - rank - 1) + (v - 1) * p + 1);
         // Interleaving divides the bubble by about v.
         EXPECT_LT(r.mean_bubble(), theory) << "p=" << p << " v=" << v << " m=" << m;
         EXPECT_NEAR(r.mean_bubble(), theoretical_bubble(p, v, m), 0.35 * theoretical_bubble(p, v, m))
