@@ -442,7 +442,10 @@ void TrainConfig::validate(int world_size) {
     bad("parallel.dp", std::to_string(given_dp),
         "with parallel.fsdp = " + std::to_string(given_fsdp) + ": dp(" + std::to_string(dp) + ") * fsdp(" +
             std::to_string(fsdp) + ") must equal the world size " + std::to_string(world_size) +
-            (tp * pp > 1 ? " / (parallel.tp x parallel.pp) " + std::to_string(tp * pp) + " = " + std::to_string(ranks) : "") +
+            (pp > 1 && tp > 1 ? " / (parallel.pp x parallel.tp) " + std::to_string(pp * tp) + " = " + std::to_string(ranks)
+             : tp > 1         ? " / parallel.tp " + std::to_string(tp) + " = " + std::to_string(ranks)
+             : pp > 1         ? " / parallel.pp " + std::to_string(pp) + " = " + std::to_string(ranks)
+                              : "") +
             " (an axis left at 0 takes the ranks the other leaves)");
   }
   if (microbatches > 0) {

@@ -120,6 +120,22 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"parallel.tp=2", "parallel.dp=2"}, 2),
             "parallel.dp = 2: with parallel.fsdp = 0: dp(2) * fsdp(1) must equal the world size 2 / parallel.tp 2 = 1 "
             "(an axis left at 0 takes the ranks the other leaves)");
+  EXPECT_EQ(validated({"parallel.pp=2", "parallel.dp=2"}, 2),
+            "parallel.dp = 2: with parallel.fsdp = 0: dp(2) * fsdp(1) must equal the world size 2 / parallel.pp 2 = 1 "
+            "(an axis left at 0 takes the ranks the other leaves)");
+  EXPECT_EQ(validated({"parallel.pp=3"}, 4), "parallel.pp = 3: pp x tp (3) must divide the world size 4");
+  EXPECT_EQ(validated({"parallel.pp=2", "parallel.zero_stage=3"}, 2),
+            "parallel.zero_stage = 3: does not combine with parallel.pp > 1 (every micro-batch would gather every stage's "
+            "parameters again); use zero_stage 1 or 2 with pipelines");
+  EXPECT_EQ(validated({"parallel.pp=2", "parallel.pp_schedule=zigzag"}, 2),
+            "parallel.pp_schedule = \"zigzag\": use \"gpipe\", \"1f1b\" or \"interleaved\"");
+  EXPECT_EQ(validated({"parallel.pp=2", "parallel.virtual_stages=2"}, 2),
+            "parallel.virtual_stages = 2: needs parallel.pp_schedule = \"interleaved\"");
+  EXPECT_EQ(validated({"parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2",
+                       "parallel.microbatches=3", "training.batch=6"}, 2),
+            "parallel.microbatches = 3: the interleaved schedule needs micro-batches per step divisible by parallel.pp (2)");
+  EXPECT_EQ(validated({"parallel.activation_checkpoint=most"}, 1),
+            "parallel.activation_checkpoint = \"most\": use \"none\", \"full\" or \"selective\"");
   EXPECT_EQ(validated({"parallel.param_dtype=bfloat16"}, 2),
             "parallel.param_dtype = \"bfloat16\": applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
   EXPECT_EQ(validated({"parallel.zero_stage=2", "parallel.reduce_dtype=float16"}, 2),
