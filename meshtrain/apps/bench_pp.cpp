@@ -55,7 +55,6 @@ struct Measured {
   double simulated = 0;         // the schedule simulated with the measured forward/backward times
   double recv_wait = 0;         // share of the step spent waiting to receive, mean over ranks
   std::vector<double> activation_mib;  // per stage (pipeline rank): peak in use in forward/backward above model states
-  std::vector<pipe::Span> trace_spans;
 };
 
 Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::Communicator>& group, int warmup,
@@ -213,9 +212,10 @@ int run_timeline(const std::string& trace_path, std::string out_path, const std:
     const size_t dot = trace_path.rfind('.');
     out_path = (dot == std::string::npos ? trace_path : trace_path.substr(0, dot)) + ".svg";
   }
+  const std::string text = util::read_text_file(trace_path);
   std::vector<std::vector<pipe::Span>> ranks;
   try {
-    ranks = pipe::read_chrome_trace(util::read_text_file(trace_path));
+    ranks = pipe::read_chrome_trace(text);
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(trace_path + ": " + e.what() + " (expected the trace.json that train writes with --run.trace_step=N)");
   }

@@ -80,39 +80,37 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}))
       ->capture_default_str();
   bench_comm->add_option("--json", bench_options.json_path, "Also write each row as a JSON line to this file");
+  // Benchmarks that train: untimed then timed steps (medians reported), config overrides as for train.
+  auto timed_bench = [&](const std::string& name, const std::string& help, int& warmup, int& steps) {
+    CLI::App* sub = bench->add_subcommand(name, help);
+    sub->add_option("--warmup-steps", warmup, "Untimed steps first")->capture_default_str();
+    sub->add_option("--steps", steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber)->capture_default_str();
+    sub->allow_extras();
+    return sub;
+  };
   int bench_warmup = 2, bench_steps = 12;
-  CLI::App* bench_train = bench->add_subcommand(
+  CLI::App* bench_train = timed_bench(
       "train", "Time training steps (config overrides as for train) and print tokens/s, MFU against the measured "
                "matmul peak, and the share of all-reduce time hidden behind backward, as one JSON line. "
-               "bench/train_vs_pytorch.py runs it beside the PyTorch reference.");
-  bench_train->add_option("--warmup-steps", bench_warmup, "Untimed steps first")->capture_default_str();
-  bench_train->add_option("--steps", bench_steps, "Timed steps (the median is reported)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  bench_train->allow_extras();
+               "bench/train_vs_pytorch.py runs it beside the PyTorch reference.",
+      bench_warmup, bench_steps);
   int tp_warmup = 1, tp_steps = 5;
-  CLI::App* bench_tp = bench->add_subcommand(
+  CLI::App* bench_tp = timed_bench(
       "tp", "Tensor parallel with and without sequence parallel for tp = 1, 2, 4, ... up to the rank count, in one "
             "run: bytes each rank sends per layer (counted by the communicator) against the formula, and tokens/s "
-            "against tp = 1. Default model: small with 8 heads; config overrides as for train.");
-  bench_tp->add_option("--warmup-steps", tp_warmup, "Untimed steps first")->capture_default_str();
-  bench_tp->add_option("--steps", tp_steps, "Timed steps (the median is reported)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  bench_tp->allow_extras();
-
+            "against tp = 1. Default model: small with 8 heads; config overrides as for train.",
+      tp_warmup, tp_steps);
   int pp_warmup = 1, pp_steps = 3;
   std::string pp_out = "bench/pipeline";
-  CLI::App* bench_pp = bench->add_subcommand(
+  CLI::App* bench_pp = timed_bench(
       "pp", "Pipeline schedules (gpipe, 1f1b, interleaved with 2 virtual stages) for pp = 2 and 4 (up to the rank "
             "count) and 4, 8, 16 micro-batches, in one run: the measured bubble (idle / step time per rank, from "
             "the executor's spans) against the theory, point-to-point time, tokens/s, and the peak activation "
-            "memory of stage 0 for gpipe, 1f1b and 1f1b with full activation checkpointing. Writes a trace and a "
-            "timeline picture per pp to --out. Default model: tiny with 8 blocks; config overrides as for train.");
-  bench_pp->add_option("--warmup-steps", pp_warmup, "Untimed steps first")->capture_default_str();
-  bench_pp->add_option("--steps", pp_steps, "Timed steps (medians are reported)")->check(CLI::PositiveNumber)->capture_default_str();
+            "memory of every stage for gpipe, 1f1b and 1f1b with full activation checkpointing. Writes a trace and "
+            "a timeline picture of 1f1b with 8 micro-batches per pp to --out. Default model: tiny with 8 blocks; "
+            "config overrides as for train.",
+      pp_warmup, pp_steps);
   bench_pp->add_option("--out", pp_out, "Where traces and pictures go")->capture_default_str();
-  bench_pp->allow_extras();
 
   std::string timeline_trace, timeline_out, timeline_title = "pipeline timeline";
   CLI::App* timeline = app.add_subcommand(

@@ -53,14 +53,11 @@ void maybe_fail_after(const std::string& file) {
 }
 
 void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    if (!out) throw CheckpointError("cannot write " + tmp);
+  try {
+    util::write_text_file(path, text);
+  } catch (const std::runtime_error& e) {
+    throw CheckpointError(e.what());
   }
-  util::fsync_path(tmp);
-  util::rename_path(tmp, path);
 }
 
 }  // namespace

@@ -39,11 +39,11 @@ static_assert(sizeof(Header) == kHeaderBytes, "token file header must be 32 byte
 }
 
 std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError("input " + path + ": cannot be read (" + std::strerror(errno) + ")");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  try {
+    return util::read_text_file(path);
+  } catch (const std::runtime_error& e) {
+    throw DataError(std::string("input ") + e.what());
+  }
 }
 
 }  // namespace

@@ -51,6 +51,10 @@ std::string human_duration(double seconds) {
   return text;
 }
 
+// With pipelines the first and the last stage each hold a tied embedding.
+constexpr const char* kTiedEmbedding = "wte.weight";
+bool is_tied_embedding(const std::string& name) { return name == kTiedEmbedding; }
+
 // Autocast of matmuls to bfloat16 on the CPU for the lifetime of the object.
 class Autocast {
  public:
@@ -129,6 +133,13 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
         parallel::TensorParallelOptions{config_.sequence_parallel, config_.seed});
   }
   if (config_.pp > 1) apply_pipeline();
+  // How this rank's parameters add up to the model's (gradient norms).
+  if (const parallel::TensorParallel* tp = tensor_parallel_.get()) {
+    model_parallel_.tensor = tp->comm();
+    model_parallel_.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
+  }
+  model_parallel_.pipeline = pipeline_;
+  if (embedding_ && pipeline_->rank() != 0) model_parallel_.counted_elsewhere = is_tied_embedding;
   const parallel::CheckpointMode checkpoint_mode = parallel::parse_checkpoint_mode(config_.activation_checkpoint);
   if (checkpoint_mode != parallel::CheckpointMode::kNone) {
     std::vector<parallel::RandomStream> streams;
@@ -166,20 +177,12 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     options.reduce_dtype = parallel::parse_dtype(config_.reduce_dtype);
     options.stage1_reduce_scatter = config_.zero1_reduce == "reduce_scatter";
     options.adamw = {config_.lr, config_.beta1, config_.beta2, 1e-8, config_.weight_decay};
-    parallel::ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, nullptr, nullptr};
-    if (tensor_parallel_) {
-      groups.tensor = tensor_parallel_->comm();
-      const parallel::TensorParallel* tp = tensor_parallel_.get();
-      options.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
-    }
-    if (pipeline_) {
-      groups.pipeline = pipeline_;
-      if (embedding_) {
-        // Both copies of the tied embedding shard alike in a unit of their own.
-        options.own_unit = [](const std::string& name) { return name == "wte.weight"; };
-        if (pipeline_->rank() != 0) options.counted_elsewhere = options.own_unit;
-      }
-    }
+    parallel::ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, model_parallel_.tensor,
+                                    model_parallel_.pipeline};
+    options.split_over_tensor = model_parallel_.split_over_tensor;
+    options.counted_elsewhere = model_parallel_.counted_elsewhere;
+    // Both copies of a tied embedding shard alike in a unit of their own.
+    if (embedding_) options.own_unit = is_tied_embedding;
     sharded_ = std::make_unique<parallel::FullySharded>(model_, groups, options);
   }
 
@@ -293,7 +296,7 @@ void Trainer::write_trace() {
 
 void Trainer::sum_tied_embedding_gradient() {
   if (!embedding_) return;
-  at::Tensor grad = sharded_ ? sharded_->own_unit_shard_gradient("wte.weight") : model_->wte->weight.mutable_grad();
+  at::Tensor grad = sharded_ ? sharded_->own_unit_shard_gradient(kTiedEmbedding) : model_->wte->weight.mutable_grad();
   embedding_->all_reduce(grad).wait();
 }
 
@@ -423,19 +426,7 @@ StepResult Trainer::step() {
     } else {
       data_parallel_->finish();
       sum_tied_embedding_gradient();
-      parallel::ModelParallelNorm groups;
-      if (tensor_parallel_) {
-        groups.tensor = tensor_parallel_->comm();
-        const parallel::TensorParallel* tp = tensor_parallel_.get();
-        groups.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
-      }
-      if (pipeline_) {
-        groups.pipeline = pipeline_;
-        if (embedding_ && pipeline_->rank() != 0) {
-          groups.counted_elsewhere = [](const std::string& name) { return name == "wte.weight"; };
-        }
-      }
-      result.grad_norm = parallel::clip_grad_norm(*model_, config_.grad_clip, groups);
+      result.grad_norm = parallel::clip_grad_norm(*model_, config_.grad_clip, model_parallel_);
       for (auto& group : optimizer_->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
       optimizer_->step();
     }

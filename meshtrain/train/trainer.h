@@ -9,6 +9,7 @@
 #include "meshtrain/parallel/activation_checkpoint.h"
 #include "meshtrain/parallel/data_parallel.h"
 #include "meshtrain/parallel/fully_sharded.h"
+#include "meshtrain/parallel/grad_norm.h"
 #include "meshtrain/parallel/pipeline/executor.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/parallel/tensor_parallel.h"
@@ -115,6 +116,7 @@ class Trainer {
   std::unique_ptr<parallel::TensorParallel> tensor_parallel_;  // tp > 1
   std::unique_ptr<parallel::FullySharded> sharded_;        // zero_stage 1-3
   std::shared_ptr<parallel::ActivationCheckpoint> checkpointing_;
+  parallel::ModelParallelNorm model_parallel_;  // tp and pp groups of the gradient norm
   // Pipeline (pp > 1): the pp axis; the first and last stage when they share a
   // tied embedding; every stage and this rank's; the schedules.
   std::shared_ptr<comm::Communicator> pipeline_, embedding_;

@@ -115,12 +115,13 @@ void write_text_file(const std::string& path, const std::string& text) {
     out.flush();
     if (!out) throw std::runtime_error("cannot write " + staging);
   }
+  fsync_path(staging);
   rename_path(staging, path);
 }
 
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path);
+  if (!in) throw std::runtime_error(path + ": cannot be read (" + std::strerror(errno) + ")");
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();

@@ -25,10 +25,11 @@ void remove_tree(const std::string& path);       // rm -rf; a missing path is fi
 void rename_path(const std::string& from, const std::string& to);  // atomic within a file system
 void fsync_path(const std::string& path);        // file or directory; best effort
 
-// Writes `text` to path + ".tmp" and renames it over `path`: a reader sees
-// the old file or the whole new one. Throws on failure.
+// Writes `text` to path + ".tmp", syncs it and renames it over `path`: a
+// reader sees the old file or the whole new one. Throws std::runtime_error.
 void write_text_file(const std::string& path, const std::string& text);
-std::string read_text_file(const std::string& path);  // throws if unreadable
+// The whole file; throws std::runtime_error "PATH: cannot be read (reason)".
+std::string read_text_file(const std::string& path);
 
 // Entry names (not paths) in `dir`, sorted; "." and ".." excluded.
 std::vector<std::string> list_directory(const std::string& dir);
