@@ -1,0 +1,36 @@
+#include "meshtrain/plan/from_config.h"
+
+#include <stdexcept>
+
+namespace meshtrain::plan {
+
+PlannedRun planned_run(const train::TrainConfig& config) {
+  PlannedRun run;
+  run.model = ModelShape::from_config(config.model, config.preset);
+  run.workload.global_batch = config.batch;
+  // meshtrain keeps fp32 parameters and optimizer states; bfloat16 autocast
+  // changes the matmuls, not the states.
+  run.workload.precision = Precision::parse("fp32");
+  run.workload.dropout = config.model.dropout;
+  run.workload.prefetch = config.prefetch;
+  // libtorch's fused attention on the CPU has no dropout; with dropout it falls back to the math kernel.
+  run.workload.attention = config.model.dropout > 0 ? "math" : "flash";
+  Layout& l = run.layout;
+  l.pp = config.pp;
+  l.dp = config.dp;
+  l.fsdp = config.fsdp;
+  l.tp = config.tp;
+  l.sp = config.sequence_parallel && config.tp > 1;
+  l.zero_stage = static_cast<int>(config.zero_stage);
+  l.schedule = config.pp_schedule;
+  l.virtual_stages = config.virtual_stages;
+  l.micro_batch = config.micro_batch;
+  l.recompute = config.activation_checkpoint;
+  run.microbatches = config.grad_accum;
+  if (config.activation_checkpoint != "none" && config.activation_checkpoint_every != 1) {
+    throw std::invalid_argument("the planner models checkpointing of every block only (activation_checkpoint_every = 1)");
+  }
+  return run;
+}
+
+}  // namespace meshtrain::plan

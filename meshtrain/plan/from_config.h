@@ -1,0 +1,22 @@
+// The planner's view of a meshtrain training config: its model, workload and
+// layout, so `meshtrain plan` answers for a config file and the tests compare
+// the plan of a run with the run.
+#pragma once
+
+#include "meshtrain/plan/layout.h"
+#include "meshtrain/plan/model_shape.h"
+#include "meshtrain/train/config.h"
+
+namespace meshtrain::plan {
+
+struct PlannedRun {
+  ModelShape model;
+  Workload workload;
+  Layout layout;
+  int64_t microbatches = 1;  // per data rank per step
+};
+
+// `config` validated (derived dp, fsdp and grad_accum filled in).
+PlannedRun planned_run(const train::TrainConfig& config);
+
+}  // namespace meshtrain::plan

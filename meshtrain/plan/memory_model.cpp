@@ -1,0 +1,253 @@
+#include "meshtrain/plan/memory_model.h"
+
+#include "meshtrain/parallel/pipeline/schedule.h"
+#include "meshtrain/parallel/pipeline/stages.h"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+#include <tuple>
+#include <utility>
+
+namespace meshtrain::plan {
+
+namespace {
+
+namespace pipeline = parallel::pipeline;
+
+// Sizes of one micro-batch, in elements, and the two ways tensor parallel
+// divides them: head- and MLP-sized tensors always (split), the rest only
+// with sequence parallel (region).
+struct Sizes {
+  double tokens, u, t;
+  bool sp;
+  double split(double x) const { return x / t; }
+  double region(double x) const { return sp ? x / t : x; }
+};
+
+Sizes sizes(const ModelShape& model, int64_t micro_batch, int64_t tp, bool sp) {
+  const double tokens = static_cast<double>(model.seq) * static_cast<double>(micro_batch);
+  return {tokens, tokens * static_cast<double>(model.width), static_cast<double>(tp), sp && tp > 1};
+}
+
+// What a norm saves beyond its input: LayerNorm (fused) its fp32 mean and
+// reciprocal deviation per token; meshtrain's RMSNorm, composed of
+// elementwise operations, the reciprocal RMS and the normalised input (which
+// the scale's multiply keeps).
+double norm_saved(const ModelShape& model, const Sizes& z, double activation_bytes) {
+  return model.rms_norm ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
+}
+
+// The loss's side of one micro-batch on the last stage: what stays saved
+// from its forward to its backward (the final norm's and the head's inputs,
+// and the fp32 log-softmax — or, with the vocabulary-parallel loss, the
+// softmax of this rank's shard), what exists only at the end of the forward
+// (the logits, and their fp32 copy when activations are 16-bit), and what
+// the loss's backward adds (plain: the gradients of the loss and of the
+// logits; vocabulary-parallel: one gradient; parallel/tensor_parallel_ops.cpp).
+struct OutputBytes {
+  double kept, forward, backward;
+};
+OutputBytes output_bytes(const ModelShape& model, const Sizes& z, const Precision& p) {
+  const double e = p.activation;
+  const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
+  const double logits = z.tokens * static_cast<double>(model.vocab) / z.t;  // elements on this rank
+  const double low_precision = e < 4 ? 1 : 0;
+  return {head_inputs + 4 * logits, logits * (e + 4 * low_precision),
+          (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};
+}
+
+// Gradients alive inside one layer's backward: the gradient arriving at its
+// output and the MLP's hidden-sized pair; with sequence parallel the
+// re-gathered input of a column-parallel linear and its gradient.
+double layer_backward_workspace(const ModelShape& model, const Sizes& z, const Precision& p) {
+  const double e = p.activation, hidden = z.u * static_cast<double>(model.ffn) / static_cast<double>(model.width);
+  return e * z.region(z.u) + (model.gated_mlp ? 3 : 2) * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
+}
+
+// The schedule each rank runs (one rank: micro-batches one after another),
+// cached: the search asks for the same ones often.
+const pipeline::Schedule& schedule_of(const Layout& layout, int64_t microbatches) {
+  static std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, pipeline::Schedule> cache;
+  const std::string name = layout.pp > 1 ? layout.schedule : "1f1b";
+  const auto key = std::make_tuple(name, layout.pp, layout.virtual_stages, microbatches);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  return cache[key] = pipeline::make_schedule(name, static_cast<int>(layout.pp),
+                                              static_cast<int>(layout.virtual_stages), static_cast<int>(microbatches));
+}
+
+}  // namespace
+
+double layer_activation_bytes(const ModelShape& model, const ActivationOptions& o) {
+  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
+  const double e = o.precision.activation, mask = o.precision.mask;
+  if (o.recompute == "full") return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
+  const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
+  const double s = static_cast<double>(model.seq), heads = static_cast<double>(model.heads);
+  double bytes = 2 * (e * z.region(z.u) + z.region(norm_saved(model, z, e)));  // both norms
+  bytes += e * z.region(z.u);                                // qkv projection's input
+  bytes += e * z.split(z.u * (h + 2 * kv) / h);              // q, k, v
+  if (!model.learned_positions) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k
+  bytes += e * z.split(z.u);                                 // attention output = output projection's input
+  if (o.recompute != "selective") {                          // the attention core
+    if (o.attention == "flash") {
+      bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
+    } else {
+      const double scores = heads * s * z.tokens;            // a·s²·b
+      bytes += z.split(scores) * (e + (o.dropout > 0 ? mask + e : 0));  // softmax (+ dropout mask and output)
+    }
+  }
+  if (o.dropout > 0) bytes += 2 * mask * z.region(z.u);      // dropout after attention and after the MLP
+  bytes += e * z.region(z.u);                                // MLP input
+  const double hidden = z.u * static_cast<double>(model.ffn) / h;
+  bytes += (model.gated_mlp ? 4 : 2) * e * z.split(hidden);  // GELU: its input and output; SwiGLU: gate, up, silu, product
+  return bytes;
+}
+
+void check_layout(const ModelShape& model, const Layout& l, int64_t microbatches) {
+  auto refuse = [&](const std::string& why) { throw std::invalid_argument("layout " + l.str() + ": " + why); };
+  auto divides = [&](const char* what, int64_t value) {
+    if (value % l.tp != 0) {
+      refuse(std::string(what) + " (" + std::to_string(value) + ") is not divisible by tp (" + std::to_string(l.tp) + ")");
+    }
+  };
+  if (l.tp > 1) {
+    divides("heads", model.heads);
+    divides("key/value heads", model.kv_heads);
+    divides("ffn", model.ffn);
+    divides("vocabulary", model.vocab);
+    if (l.sp) divides("sequence length", model.seq);
+  }
+  if (l.sp && l.tp == 1) refuse("sequence parallel needs tp > 1");
+  if (l.zero_stage == 0 && l.fsdp > 1) refuse("fsdp shards need zero >= 1");
+  if (l.offload != "none" && l.zero_stage == 0) refuse("offload needs zero >= 1 (the host holds the shards)");
+  if (l.offload == "parameters" && l.zero_stage != 3) refuse("offloading parameters needs zero = 3");
+  if (microbatches < 1) refuse("needs at least one micro-batch per data rank");
+  if (l.pp > 1 && l.zero_stage == 3) refuse("ZeRO-3 cannot run inside a pipeline (each micro-batch would re-gather every unit); use zero <= 2");
+  if (l.virtual_stages > 1 && l.schedule != "interleaved") refuse("virtual stages need the interleaved schedule");
+  if (l.schedule == "interleaved" && l.pp > 1) {
+    if (l.virtual_stages < 2) refuse("the interleaved schedule needs v >= 2");
+    if (microbatches % l.pp != 0) {
+      refuse("interleaving needs micro-batches (" + std::to_string(microbatches) + ") divisible by pp (" +
+             std::to_string(l.pp) + ")");
+    }
+  }
+  if (l.pp * l.virtual_stages > model.layers) {
+    refuse(std::to_string(l.pp * l.virtual_stages) + " stages for " + std::to_string(model.layers) + " layers");
+  }
+}
+
+std::vector<int64_t> stage_blocks(const ModelShape& model, int64_t stages) {
+  std::vector<double> costs;
+  costs.push_back(static_cast<double>(model.embedding_parameters()));
+  for (int64_t i = 0; i < model.layers; ++i) costs.push_back(static_cast<double>(model.block_parameters()));
+  // The last stage holds the head even when it is tied (a copy of the embedding).
+  costs.push_back(static_cast<double>(model.head_parameters() + (model.tied_head ? model.vocab * model.width : 0)));
+  return pipeline::balance(costs, static_cast<int>(stages));
+}
+
+std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload& w, const Layout& l,
+                                        int64_t microbatches) {
+  check_layout(model, l, microbatches);
+  const Precision& p = w.precision;
+  const Sizes z = sizes(model, l.micro_batch, l.tp, l.sp);
+  const double t = static_cast<double>(l.tp), shards = static_cast<double>(l.shards()), e = p.activation;
+  const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab);
+
+  // Parameters on one tensor-parallel rank.
+  const double block = static_cast<double>(model.block_split_parameters()) / t +
+                       static_cast<double>(model.block_parameters() - model.block_split_parameters());
+  const double embedding = vocab * h / t + (model.learned_positions ? static_cast<double>(model.seq) * h : 0);
+  const double head_norm = static_cast<double>(model.head_parameters()) - (model.tied_head ? 0 : vocab * h);
+  const double head = head_norm + ((!model.tied_head || l.pp > 1) ? vocab * h / t : 0);
+  const double largest_tensor = std::max({vocab * h / t, static_cast<double>(model.ffn) * h / t,
+                                          h * (h + 2.0 * static_cast<double>(model.kv_width())) / t});
+
+  ActivationOptions options{l.micro_batch, l.tp, l.sp, l.recompute, w.attention, w.dropout, p};
+  const double per_layer = layer_activation_bytes(model, options);
+  options.recompute = "none";
+  const double full_layer = layer_activation_bytes(model, options);
+  const OutputBytes out = output_bytes(model, z, p);
+  const double workspace = layer_backward_workspace(model, z, p);
+  const double boundary = e * z.region(z.u);  // one activation (or its gradient) sent between stages
+
+  const int64_t chunks = l.pp * l.virtual_stages;
+  const std::vector<int64_t> blocks = l.pp > 1 ? stage_blocks(model, chunks) : std::vector<int64_t>{model.layers};
+  const pipeline::Schedule& schedule = schedule_of(l, microbatches);
+  // ZeRO-3 units (one per block, the root holding embedding and head),
+  // gathered in full (their tensor-parallel shards) while they compute.
+  const double root_unit = embedding + head;
+  const bool gathers = l.zero_stage == 3;
+
+  std::vector<RankMemory> ranks;
+  for (int64_t r = 0; r < l.pp; ++r) {
+    RankMemory rank;
+    rank.pipeline_rank = static_cast<int>(r);
+    for (int64_t c = r; c < chunks; c += l.pp) rank.layers += blocks[c];
+    const bool first = r == 0, last = r == l.pp - 1;
+    const double psi = static_cast<double>(rank.layers) * block + (first ? embedding : 0) + (last ? head : 0);
+    rank.parameter_count = psi;
+
+    MemoryBreakdown states;
+    states.parameters = p.param * psi / (l.zero_stage >= 3 ? shards : 1);
+    states.gradients = p.grad * psi / (l.zero_stage >= 2 ? shards : 1);
+    states.optimizer = p.optimizer * psi / (l.zero_stage >= 1 ? shards : 1);
+    if (l.offload != "none") states.host += states.optimizer, states.optimizer = 0;
+    if (l.offload == "parameters") states.host += states.parameters + states.gradients, states.parameters = states.gradients = 0;
+
+    // Walk this rank's computations in order, keeping what each leaves
+    // behind (a stage's activations until its backward, the loss's saved
+    // tensors on the last stage, every send until the step ends) and taking
+    // the fullest moment.
+    MemoryBreakdown peak = states;
+    double peak_bytes = -1;
+    auto consider = [&](const char* moment, double activations, double outputs, double buffers, double work) {
+      const double bytes = activations + outputs + buffers + work;
+      if (bytes <= peak_bytes) return;
+      peak_bytes = bytes;
+      peak.moment = moment;
+      peak.activations = activations, peak.outputs = outputs, peak.buffers = buffers, peak.workspace = work;
+    };
+    double stash = 0, kept_outputs = 0, sends = 0;
+    int stashed = 0;
+    auto stage_bytes = [&](int stage) {
+      double bytes = static_cast<double>(blocks[stage]) * per_layer;
+      if (stage == 0 && w.dropout > 0) bytes += p.mask * z.region(z.u);  // the embedding's dropout mask
+      return bytes;
+    };
+    for (const pipeline::Action& a : schedule.actions[r]) {
+      const bool loss_stage = a.stage == chunks - 1;
+      if (a.kind == pipeline::ActionKind::kForward) {
+        stash += stage_bytes(a.stage);
+        rank.in_flight = std::max<int64_t>(rank.in_flight, ++stashed);
+        if (loss_stage) {
+          kept_outputs += out.kept;
+          consider("forward end", stash, kept_outputs + out.forward, sends + (gathers ? p.param * root_unit : 0), 0);
+        } else {
+          sends += boundary;
+        }
+      } else if (a.kind == pipeline::ActionKind::kBackward) {
+        if (loss_stage) {
+          consider("loss backward", stash, kept_outputs + out.backward,
+                   sends + (gathers ? (p.param + p.grad) * root_unit : 0), 0);
+          kept_outputs -= out.kept;
+        }
+        const double buffers = sends + (gathers ? p.param * root_unit + (p.param + p.grad) * block : 0);
+        consider("layer backward", stash, kept_outputs, buffers, workspace + (l.recompute == "full" ? full_layer : 0));
+        stash -= stage_bytes(a.stage);
+        --stashed;
+        if (a.stage > 0) sends += boundary;
+      }
+    }
+    // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
+    // a unit's updated shards into a full buffer (two units' worth in flight).
+    const double optimizer_work = l.zero_stage == 0 ? 4 * 4 * largest_tensor : 2 * 4 * std::max(block, root_unit);
+    consider("optimizer step", 0, 0, 0, optimizer_work);
+    rank.memory = peak;
+    ranks.push_back(rank);
+  }
+  return ranks;
+}
+
+}  // namespace meshtrain::plan

@@ -1,0 +1,99 @@
+// Memory of one training step, per rank and per term, for any layout. See
+// Note [Memory model].
+#pragma once
+
+#include "meshtrain/plan/layout.h"
+#include "meshtrain/plan/model_shape.h"
+
+#include <string>
+#include <vector>
+
+namespace meshtrain::plan {
+
+// Note [Memory model]
+// A rank's memory at the peak of a step is its model states plus whatever the
+// step holds at its fullest moment:
+//   model states  parameters P·Ψ, gradients G·Ψ, optimizer states K·Ψ, with Ψ
+//                 the parameters this rank holds (its pipeline stages' blocks,
+//                 tensor-parallel matrices divided by tp) and ZeRO dividing
+//                 optimizer states (stage 1), + gradients (2), + parameters (3)
+//                 over the fsdp shards (Rajbhandari et al. 2020, Fig. 1:
+//                 (2 + 2 + K)Ψ with K = 12 for mixed-precision Adam).
+//   activations   what each transformer layer saves for backward, per
+//                 micro-batch (Korthikanti et al. 2022, Eq. 1-6: sbh(34 +
+//                 5as/h) in 16-bit with dropout and unfused attention; tensor
+//                 parallel divides the head- and MLP-sized parts, sequence
+//                 parallel the rest; selective recompute drops the attention
+//                 core, full recompute keeps only each layer's input), times
+//                 the layers of a stage, for every stage whose forward has run
+//                 and whose backward has not: one without a pipeline, with
+//                 one as many as the schedule leaves (GPipe m, 1F1B p - r;
+//                 Narayanan et al. 2021, Sec. 2.2).
+//   moments       the rank's schedule (a pipeline's, or one micro-batch
+//                 after another) is walked action by action, and the peak is
+//                 the fullest of: the end of a forward on the last stage
+//                 (logits and the fp32 log-softmax), the loss's backward
+//                 (three vocabulary-sized fp32 tensors, two with the
+//                 vocabulary-parallel loss), a stage's backward (the gradient
+//                 work space of a layer, the recomputed layer under full
+//                 recompute, and under ZeRO-3 the gathered unit and its full
+//                 gradient), and the optimizer step (AdamW's per-tensor
+//                 temporaries, or two gathered units under ZeRO).
+//   buffers       pipeline sends are kept until the step ends (one boundary
+//                 activation or gradient each); ZeRO-3 gathered units.
+// Every term follows what meshtrain's own modules save, so the prediction is
+// checked against the counting allocator on runs here (tests/plan).
+
+// Options of one layer's activation memory.
+struct ActivationOptions {
+  int64_t micro_batch = 1;
+  int64_t tp = 1;
+  bool sp = false;
+  std::string recompute = "none";
+  std::string attention = "flash";
+  double dropout = 0;
+  Precision precision = Precision::parse("bf16-mixed");
+};
+
+// Bytes one transformer layer keeps for its backward, per micro-batch.
+double layer_activation_bytes(const ModelShape& model, const ActivationOptions& options);
+
+// One rank's memory at its peak, by term (bytes).
+struct MemoryBreakdown {
+  double parameters = 0;
+  double gradients = 0;
+  double optimizer = 0;    // Adam moments (+ fp32 master weights with mixed precision)
+  double activations = 0;  // saved for backward, over the micro-batches in flight
+  double outputs = 0;      // logits, loss and their gradients at the peak
+  double buffers = 0;      // communication: gathered ZeRO-3 units, pipeline sends
+  double workspace = 0;    // transient: gradients inside a layer's backward, a recomputed layer, optimizer temporaries
+  double host = 0;         // offloaded states, in host memory
+  std::string moment;      // when the peak happens: "forward end", "loss backward", "layer backward", "optimizer step"
+
+  double model_states() const { return parameters + gradients + optimizer; }
+  double total() const { return model_states() + activations + outputs + buffers + workspace; }
+};
+
+// One pipeline rank (all data and tensor ranks of it look alike).
+struct RankMemory {
+  int pipeline_rank = 0;
+  int64_t layers = 0;       // transformer blocks held
+  int64_t in_flight = 0;    // most micro-batch stages stashed at once
+  double parameter_count = 0;  // Ψ held (before ZeRO sharding)
+  MemoryBreakdown memory;
+};
+
+// Throws std::invalid_argument naming what the layout cannot do with this
+// model (heads, vocabulary, ffn or sequence not divisible by tp, more stages
+// than layers, interleaving needing m % pp == 0, ZeRO-3 with pp, offload
+// without ZeRO, ...). `microbatches` per data rank per step.
+void check_layout(const ModelShape& model, const Layout& layout, int64_t microbatches);
+
+// Blocks per pipeline stage as the trainer splits them by parameter count.
+std::vector<int64_t> stage_blocks(const ModelShape& model, int64_t stages);
+
+// Peak memory of every pipeline rank (one entry without a pipeline).
+std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload& workload, const Layout& layout,
+                                        int64_t microbatches);
+
+}  // namespace meshtrain::plan

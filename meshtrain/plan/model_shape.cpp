@@ -1,0 +1,159 @@
+#include "meshtrain/plan/model_shape.h"
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <stdexcept>
+
+namespace meshtrain::plan {
+
+namespace {
+
+// A Llama-style shape: RMSNorm, RoPE, SwiGLU, untied head, no biases.
+ModelShape llama(int64_t vocab, int64_t seq, int64_t layers, int64_t heads, int64_t kv_heads, int64_t width,
+                 int64_t ffn) {
+  ModelShape m;
+  m.vocab = vocab;
+  m.seq = seq;
+  m.layers = layers;
+  m.heads = heads;
+  m.kv_heads = kv_heads;
+  m.width = width;
+  m.ffn = ffn;
+  m.gated_mlp = m.rms_norm = true;
+  m.bias = m.tied_head = m.learned_positions = false;
+  return m;
+}
+
+// A GPT-2/3-style shape: LayerNorm with biases, learned positions, GELU MLP of 4h, tied head.
+ModelShape gpt(int64_t vocab, int64_t seq, int64_t layers, int64_t heads, int64_t width) {
+  ModelShape m;
+  m.vocab = vocab;
+  m.seq = seq;
+  m.layers = layers;
+  m.heads = m.kv_heads = heads;
+  m.width = width;
+  m.ffn = 4 * width;
+  return m;
+}
+
+// Published shapes (model cards and papers); the MLP sizes are the released ones.
+const std::map<std::string, ModelShape>& planning_presets() {
+  static const std::map<std::string, ModelShape> table = {
+      {"llama2-7b", llama(32000, 4096, 32, 32, 32, 4096, 11008)},
+      {"llama2-13b", llama(32000, 4096, 40, 40, 40, 5120, 13824)},
+      {"llama2-70b", llama(32000, 4096, 80, 64, 8, 8192, 28672)},
+      {"llama3-8b", llama(128256, 8192, 32, 32, 8, 4096, 14336)},
+      {"llama3-70b", llama(128256, 8192, 80, 64, 8, 8192, 28672)},
+      {"gpt3-175b", gpt(50257, 2048, 96, 96, 12288)},
+      {"gpt-1t", gpt(51200, 2048, 128, 160, 25600)},  // Narayanan et al. 2021, Table 1
+  };
+  return table;
+}
+
+std::string count_text(double n) {
+  char text[32];
+  if (n >= 1e12) std::snprintf(text, sizeof text, "%.2fT", n / 1e12);
+  else if (n >= 1e9) std::snprintf(text, sizeof text, "%.2fB", n / 1e9);
+  else if (n >= 1e6) std::snprintf(text, sizeof text, "%.1fM", n / 1e6);
+  else std::snprintf(text, sizeof text, "%.0fK", n / 1e3);
+  return text;
+}
+
+}  // namespace
+
+ModelShape ModelShape::from_config(const model::GptConfig& config, const std::string& name) {
+  config.validate();
+  ModelShape m;
+  m.name = name;
+  m.vocab = config.vocab_size;
+  m.seq = config.context;
+  m.layers = config.layers;
+  m.heads = m.kv_heads = config.heads;
+  m.width = config.width;
+  m.ffn = config.mlp_hidden();
+  m.gated_mlp = config.mlp == "swiglu";
+  m.rms_norm = config.norm == "rmsnorm";
+  m.bias = config.bias;
+  m.tied_head = config.tie_embeddings;
+  m.learned_positions = config.position == "learned";
+  return m;
+}
+
+ModelShape ModelShape::preset(const std::string& name) {
+  auto it = planning_presets().find(name);
+  if (it != planning_presets().end()) {
+    ModelShape m = it->second;
+    m.name = name;
+    return m;
+  }
+  for (const auto& buildable : model::GptConfig::preset_names()) {
+    if (buildable == name) return from_config(model::GptConfig::preset(name), name);
+  }
+  std::string names;
+  for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown model '" + name + "': give a meshtrain config file (.toml) or a preset: " + names);
+}
+
+std::vector<std::string> ModelShape::preset_names() {
+  std::vector<std::string> names = model::GptConfig::preset_names();
+  for (const char* n : {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "gpt3-175b", "gpt-1t"}) {
+    names.push_back(n);
+  }
+  return names;
+}
+
+int64_t ModelShape::block_split_parameters() const {
+  const int64_t h = width, b = bias ? 1 : 0, qkv = width + 2 * kv_width();
+  const int64_t attention = h * qkv + b * qkv + h * h;           // qkv (column) + projection weight (row)
+  const int64_t mlp = (gated_mlp ? 3 : 2) * h * ffn + b * (gated_mlp ? 2 : 1) * ffn;  // column biases split too
+  return attention + mlp;
+}
+
+int64_t ModelShape::block_parameters() const {
+  const int64_t norm = (!rms_norm && bias) ? 2 * width : width;
+  const int64_t row_biases = bias ? 2 * width : 0;  // attention and MLP output biases: replicated
+  return block_split_parameters() + row_biases + 2 * norm;
+}
+
+int64_t ModelShape::embedding_parameters() const { return vocab * width + (learned_positions ? seq * width : 0); }
+
+int64_t ModelShape::head_parameters() const {
+  const int64_t norm = (!rms_norm && bias) ? 2 * width : width;
+  return norm + (tied_head ? 0 : vocab * width);
+}
+
+int64_t ModelShape::parameter_count() const {
+  return embedding_parameters() + layers * block_parameters() + head_parameters();
+}
+
+double ModelShape::training_flops_per_sequence() const {
+  const double s = seq, h = width;
+  const double matmul_weights = layers * (h * (h + 2.0 * kv_width()) + h * h + (gated_mlp ? 3.0 : 2.0) * h * ffn) +
+                                static_cast<double>(vocab) * h;
+  return s * (6 * matmul_weights + 12 * layers * s * h);
+}
+
+double ModelShape::recompute_flops_per_sequence(const std::string& recompute) const {
+  const double s = seq, h = width;
+  const double attention_core = 4 * layers * s * h;  // QK^T and AV forward, per token
+  if (recompute == "none") return 0;
+  if (recompute == "selective") return s * attention_core;
+  if (recompute == "full") {
+    const double block_weights = layers * (h * (h + 2.0 * kv_width()) + h * h + (gated_mlp ? 3.0 : 2.0) * h * ffn);
+    return s * (2 * block_weights + attention_core);
+  }
+  throw std::invalid_argument("recompute '" + recompute + "': use none, selective or full");
+}
+
+std::string ModelShape::describe() const {
+  std::string text = name + ": " + count_text(static_cast<double>(parameter_count())) + " parameters, " +
+                     std::to_string(layers) + " layers, h " + std::to_string(width) + ", " + std::to_string(heads) +
+                     " heads";
+  if (kv_heads != heads) text += " (" + std::to_string(kv_heads) + " kv)";
+  text += ", ffn " + std::to_string(ffn) + (gated_mlp ? " swiglu" : " gelu") + ", vocab " + std::to_string(vocab) +
+          ", seq " + std::to_string(seq);
+  return text;
+}
+
+}  // namespace meshtrain::plan
