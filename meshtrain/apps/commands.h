@@ -68,4 +68,27 @@ int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrid
 // meshtrain timeline TRACE [-o OUT.svg]: a pipeline trace drawn as SVG (no MPI needed).
 int run_timeline(const std::string& trace_path, std::string out_path, const std::string& title);
 
+struct PlanOptions {
+  std::string model = "llama2-7b";  // a preset, or a meshtrain config file (.toml)
+  int64_t world = 8;
+  std::string device_memory;        // "80GiB" (default: the machine profile's)
+  int64_t gpus_per_node = 0;        // 0: the machine profile's
+  int64_t seq = 0;                  // 0: the model's
+  int64_t global_batch = 0;         // sequences per step; 0: the config's, or about 1M tokens
+  std::string layout;               // evaluate this one ("tp=2 sp pp=2 ..."; "config": the config file's own)
+  std::string precision;            // "bf16-mixed" | "fp32" (default: bf16-mixed for presets, fp32 for configs)
+  std::string attention;            // "flash" | "math"
+  bool json = false;
+  int top = 10;
+  std::string machine_file;         // a profile from --calibrate --save
+  double peak_tflops = 0, mfu = 0, intra_gbps = 0, inter_gbps = 0, latency_us = 0;  // 0: the profile's
+  std::string save;                 // --calibrate: write the profile here
+};
+
+// meshtrain plan: evaluates one layout or searches all of them (no MPI).
+int run_plan(const PlanOptions& options);
+// meshtrain plan --calibrate: measures this machine's matmul peak, the MFU of a
+// short training run and (with several ranks) collective bandwidth and latency.
+int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& options);
+
 }  // namespace meshtrain::apps

@@ -1,5 +1,6 @@
 // meshtrain: train transformer models split across many processes.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/plan/layout.h"
 #include "meshtrain/train/config.h"
 
 #include <CLI/CLI.hpp>
@@ -29,18 +30,7 @@ void set_threads_per_rank(const meshtrain::comm::Runtime& runtime) {
   at::set_num_threads(std::max(1, cores / std::max(1, runtime.local_size())));
 }
 
-int64_t parse_bytes(const std::string& text) {
-  size_t used = 0;
-  const double value = std::stod(text, &used);
-  std::string unit = text.substr(used);
-  for (auto& ch : unit) ch = static_cast<char>(std::toupper(ch));
-  double scale = 1;
-  if (unit == "K" || unit == "KB" || unit == "KIB") scale = 1 << 10;
-  else if (unit == "M" || unit == "MB" || unit == "MIB") scale = 1 << 20;
-  else if (unit == "G" || unit == "GB" || unit == "GIB") scale = 1 << 30;
-  else if (!unit.empty() && unit != "B") throw CLI::ValidationError("size", "unknown unit in '" + text + "' (use B, K, M or G)");
-  return static_cast<int64_t>(value * scale);
-}
+int64_t parse_bytes(const std::string& text) { return static_cast<int64_t>(meshtrain::plan::parse_bytes(text)); }
 
 }  // namespace
 
@@ -121,6 +111,43 @@ int main(int argc, char** argv) {
   timeline->add_option("--title", timeline_title, "Title above the picture")->capture_default_str();
 
   std::string train_config;
+  meshtrain::apps::PlanOptions plan_options;
+  bool plan_calibrate = false;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "Will it fit, and which layout is fastest? Predicts per-rank memory (parameters, gradients, optimizer "
+              "states, activations, logits, buffers) and step time of every layout of --world ranks (dp, ZeRO 1-3, "
+              "tp + sp, pp schedules, micro-batch, recompute, offload), drops those over --device-memory and ranks the "
+              "rest; --layout explains one. Runs in one process; `meshtrain run -n 2 plan --calibrate` measures this "
+              "machine instead.");
+  plan->add_option("--model", plan_options.model,
+                   "A preset (tiny, small, llama-tiny, gpt2-124m/350m/774m/1.5b, llama2-7b/13b/70b, llama3-8b/70b, "
+                   "gpt3-175b, gpt-1t) or a meshtrain config file (.toml)")
+      ->capture_default_str();
+  plan->add_option("--world", plan_options.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
+  plan->add_option("--device-memory", plan_options.device_memory, "Memory per device, e.g. 80GiB (default: the machine's)");
+  plan->add_option("--gpus-per-node", plan_options.gpus_per_node, "Devices per node (tensor parallel stays inside one)");
+  plan->add_option("--seq", plan_options.seq, "Sequence length (default: the model's)");
+  plan->add_option("--global-batch", plan_options.global_batch, "Sequences per optimizer step (default: ~1M tokens)");
+  plan->add_option("--layout", plan_options.layout,
+                   "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
+                   "tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
+  plan->add_option("--precision", plan_options.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
+  plan->add_option("--attention", plan_options.attention, "flash (no s^2 term) or math (softmax saved)");
+  plan->add_option("--top", plan_options.top, "Rows of the ranked table")->capture_default_str();
+  plan->add_flag("--json", plan_options.json, "Print JSON instead of tables");
+  plan->add_option("--machine", plan_options.machine_file, "Machine profile (JSON from --calibrate --save)")
+      ->check(CLI::ExistingFile);
+  plan->add_option("--peak-tflops", plan_options.peak_tflops, "Peak dense TFLOP/s per device (default: H100 bf16, 989)");
+  plan->add_option("--mfu", plan_options.mfu, "Share of the peak a step achieves (default 0.45)");
+  plan->add_option("--intra-gbps", plan_options.intra_gbps, "Collective bus bandwidth inside a node, GB/s (default 360)");
+  plan->add_option("--inter-gbps", plan_options.inter_gbps, "... across nodes, per device, GB/s (default 45)");
+  plan->add_option("--latency-us", plan_options.latency_us, "Latency per collective step, microseconds (default 10)");
+  plan->add_flag("--calibrate", plan_calibrate, "Measure this machine (run under `meshtrain run -n N` for bandwidth)");
+  plan->add_option("--save", plan_options.save, "With --calibrate: write the profile to this file");
+  plan->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --device-memory 80GiB\n"
+               "  meshtrain plan --model gpt3-175b --world 1024 --layout \"pp=8 1f1b tp=8 sp dp=16 zero=1 mb=1 recompute=selective\"\n"
+               "  meshtrain run -n 2 plan --calibrate --save machine.json");
+
   CLI::App* train = app.add_subcommand(
       "train", "Train a GPT: meshtrain train [CONFIG.toml] [--section.key=value ...]. Without a config the "
                "built-in defaults train `small` on /usr/share/common-licenses.");
@@ -175,8 +202,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (prepare->parsed() || generate->parsed() || timeline->parsed()) {  // one process, no MPI
+  if (prepare->parsed() || generate->parsed() || timeline->parsed() || (plan->parsed() && !plan_calibrate)) {  // no MPI
     try {
+      if (plan->parsed()) return meshtrain::apps::run_plan(plan_options);
       if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
       if (timeline->parsed()) return meshtrain::apps::run_timeline(timeline_trace, timeline_out, timeline_title);
       return meshtrain::apps::run_generate(generate_options);
@@ -207,6 +235,7 @@ int main(int argc, char** argv) {
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);
     if (bench_pp->parsed()) return meshtrain::apps::run_bench_pp(*runtime, overrides, pp_warmup, pp_steps, pp_out);
+    if (plan->parsed()) return meshtrain::apps::run_plan_calibrate(*runtime, plan_options);
     if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
     if (bench_comm->parsed()) {
       bench_options.min_bytes = parse_bytes(min_size);

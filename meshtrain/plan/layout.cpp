@@ -159,13 +159,13 @@ double parse_bytes(const std::string& text) {
   std::string unit = text.substr(used);
   for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   const std::vector<std::pair<std::string, double>> units = {
-      {"", 1},          {"b", 1},          {"kib", 1024.0},   {"mib", 1048576.0}, {"gib", 1073741824.0},
+      {"", 1},          {"b", 1},          {"k", 1024.0},     {"m", 1048576.0},   {"g", 1073741824.0}, {"kib", 1024.0},   {"mib", 1048576.0}, {"gib", 1073741824.0},
       {"tib", 1099511627776.0}, {"kb", 1e3}, {"mb", 1e6},      {"gb", 1e9},        {"tb", 1e12}};
   if (used == 0 || !(value > 0)) throw std::invalid_argument("size '" + text + "': expected a positive number with a unit, e.g. 80GiB");
   for (const auto& [name, scale] : units) {
     if (unit == name) return value * scale;
   }
-  throw std::invalid_argument("size '" + text + "': unknown unit '" + unit + "'; use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)");
+  throw std::invalid_argument("size '" + text + "': unknown unit '" + unit + "'; use B, KiB, MiB, GiB, TiB (or K, M, G: binary; KB, MB, GB, TB: decimal)");
 }
 
 std::string format_bytes(double bytes) {

@@ -72,7 +72,8 @@ struct Machine {
   static Machine from_json(const std::string& text);
 };
 
-// "80GiB", "80GB", "512MiB", "1.5TiB", plain bytes. Throws std::invalid_argument.
+// "80GiB", "80GB", "512MiB", "64K" (K, M, G are binary), "1.5TiB", plain bytes.
+// Throws std::invalid_argument.
 double parse_bytes(const std::string& text);
 std::string format_bytes(double bytes);  // "12.3 GiB", "512.0 MiB"
 

@@ -45,7 +45,8 @@ const std::map<std::string, ModelShape>& planning_presets() {
       {"llama2-70b", llama(32000, 4096, 80, 64, 8, 8192, 28672)},
       {"llama3-8b", llama(128256, 8192, 32, 32, 8, 4096, 14336)},
       {"llama3-70b", llama(128256, 8192, 80, 64, 8, 8192, 28672)},
-      {"gpt3-175b", gpt(50257, 2048, 96, 96, 12288)},
+      // GPT-3's 50257 tokens padded to 50304 (a multiple of 128, as Megatron-LM pads) so tensor parallel splits it.
+      {"gpt3-175b", gpt(50304, 2048, 96, 96, 12288)},
       {"gpt-1t", gpt(51200, 2048, 128, 160, 25600)},  // Narayanan et al. 2021, Table 1
   };
   return table;
@@ -127,22 +128,22 @@ int64_t ModelShape::parameter_count() const {
   return embedding_parameters() + layers * block_parameters() + head_parameters();
 }
 
-double ModelShape::training_flops_per_sequence() const {
-  const double s = seq, h = width;
-  const double matmul_weights = layers * (h * (h + 2.0 * kv_width()) + h * h + (gated_mlp ? 3.0 : 2.0) * h * ffn) +
-                                static_cast<double>(vocab) * h;
-  return s * (6 * matmul_weights + 12 * layers * s * h);
+double ModelShape::block_training_flops() const {
+  const double s = static_cast<double>(seq), h = static_cast<double>(width);
+  const double weights = h * (h + 2.0 * static_cast<double>(kv_width())) + h * h +
+                         (gated_mlp ? 3.0 : 2.0) * h * static_cast<double>(ffn);
+  return s * (6 * weights + 12 * s * h);
 }
 
-double ModelShape::recompute_flops_per_sequence(const std::string& recompute) const {
-  const double s = seq, h = width;
-  const double attention_core = 4 * layers * s * h;  // QK^T and AV forward, per token
+double ModelShape::head_training_flops() const {
+  return 6.0 * static_cast<double>(seq) * static_cast<double>(vocab) * static_cast<double>(width);
+}
+
+double ModelShape::block_recompute_flops(const std::string& recompute) const {
+  const double s = static_cast<double>(seq), h = static_cast<double>(width);
   if (recompute == "none") return 0;
-  if (recompute == "selective") return s * attention_core;
-  if (recompute == "full") {
-    const double block_weights = layers * (h * (h + 2.0 * kv_width()) + h * h + (gated_mlp ? 3.0 : 2.0) * h * ffn);
-    return s * (2 * block_weights + attention_core);
-  }
+  if (recompute == "selective") return s * 4 * s * h;
+  if (recompute == "full") return block_training_flops() / 3;  // a forward is a third of forward + backward
   throw std::invalid_argument("recompute '" + recompute + "': use none, selective or full");
 }
 

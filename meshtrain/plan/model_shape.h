@@ -44,13 +44,15 @@ struct ModelShape {
   int64_t head_parameters() const;           // final norm + untied LM head
   int64_t parameter_count() const;
 
-  // Training FLOPs for one sequence of `seq` tokens: forward + backward
-  // (6 per weight of every matrix multiply, the LM head included, plus the
-  // attention scores and weighted values: 12·layers·seq·width per token), and
-  // the forward work a recompute repeats ("selective": the attention core,
-  // 4·layers·seq·width per token; "full": every block's forward).
-  double training_flops_per_sequence() const;
-  double recompute_flops_per_sequence(const std::string& recompute) const;
+  // Training FLOPs for one sequence of `seq` tokens: forward + backward, 6
+  // per weight of every matrix multiply (the LM head included) and the
+  // attention's scores and weighted values, 12·seq·width per token and layer.
+  double block_training_flops() const;  // one block
+  double head_training_flops() const;   // the LM head
+  double training_flops_per_sequence() const { return layers * block_training_flops() + head_training_flops(); }
+  // The forward work recompute repeats in one block: "selective" the
+  // attention core (4·seq·width per token), "full" the block's forward.
+  double block_recompute_flops(const std::string& recompute) const;
 
   // "gpt2-124m: 124.4M parameters, 12 layers, h 768, 12 heads, ffn 3072, vocab 50257, seq 1024"
   std::string describe() const;

@@ -22,20 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// fp32 GEMM rate of one rank with its threads: 2·n³ / t for n = 1024, best of 3.
-double measure_matmul_peak() {
-  const int64_t n = 1024;
-  at::Tensor a = at::randn({n, n}), b = at::randn({n, n}), c = at::empty({n, n});
-  at::mm_out(c, a, b);
-  double best = 1e30;
-  for (int i = 0; i < 3; ++i) {
-    const auto start = Clock::now();
-    at::mm_out(c, a, b);
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  return 2.0 * n * n * n / best;
-}
-
 double peak_rss_mib() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
@@ -74,6 +60,19 @@ class Autocast {
 };
 
 }  // namespace
+
+double measure_matmul_peak() {
+  const int64_t n = 1024;
+  at::Tensor a = at::randn({n, n}), b = at::randn({n, n}), c = at::empty({n, n});
+  at::mm_out(c, a, b);
+  double best = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    const auto start = Clock::now();
+    at::mm_out(c, a, b);
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  return 2.0 * n * n * n / best;
+}
 
 double learning_rate(const TrainConfig& config, int64_t step) {
   if (config.warmup > 0 && step < config.warmup) return config.lr * (step + 1) / config.warmup;

@@ -27,6 +27,9 @@
 
 namespace meshtrain::train {
 
+// One rank's fp32 matmul rate (FLOP/s) with its threads: 2·n³ / t for n = 1024, best of 3.
+double measure_matmul_peak();
+
 // Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
 double learning_rate(const TrainConfig& config, int64_t step);
 

@@ -1,0 +1,274 @@
+// meshtrain plan: will it fit, and which layout is fastest? See plan/.
+#include "meshtrain/apps/commands.h"
+#include "meshtrain/comm/agree.h"
+#include "meshtrain/plan/from_config.h"
+#include "meshtrain/plan/search.h"
+#include "meshtrain/train/trainer.h"
+#include "meshtrain/util/files.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <algorithm>
+#include <optional>
+#include <unistd.h>
+
+namespace meshtrain::apps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool is_config_file(const std::string& model) {
+  return model.size() > 5 && model.compare(model.size() - 5, 5, ".toml") == 0;
+}
+
+plan::Machine machine_of(const PlanOptions& o) {
+  plan::Machine m = o.machine_file.empty() ? plan::Machine{} : plan::Machine::from_json(util::read_text_file(o.machine_file));
+  if (!o.device_memory.empty()) m.device_memory = plan::parse_bytes(o.device_memory);
+  if (o.gpus_per_node > 0) m.devices_per_node = o.gpus_per_node;
+  if (o.peak_tflops > 0) m.peak_flops = o.peak_tflops * 1e12;
+  if (o.mfu > 0) m.mfu = o.mfu;
+  if (o.intra_gbps > 0) m.intra_bandwidth = o.intra_gbps * 1e9;
+  if (o.inter_gbps > 0) m.inter_bandwidth = o.inter_gbps * 1e9;
+  if (o.latency_us > 0) m.latency = o.latency_us * 1e-6;
+  if (m.mfu > 1) throw std::invalid_argument("--mfu must be at most 1 (a share of the peak)");
+  return m;
+}
+
+std::string gib(double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", bytes / 1073741824.0);
+  return text;
+}
+
+nlohmann::json memory_json(const plan::MemoryBreakdown& m) {
+  return {{"parameters", m.parameters}, {"gradients", m.gradients}, {"optimizer", m.optimizer},
+          {"activations", m.activations}, {"outputs", m.outputs},   {"buffers", m.buffers},
+          {"workspace", m.workspace},   {"host", m.host},           {"total", m.total()},
+          {"peak_at", m.moment}};
+}
+
+nlohmann::json candidate_json(const plan::Candidate& c) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const auto& r : c.ranks) {
+    ranks.push_back({{"pipeline_rank", r.pipeline_rank}, {"layers", r.layers}, {"in_flight", r.in_flight},
+                     {"parameters", r.parameter_count}, {"memory_bytes", memory_json(r.memory)}});
+  }
+  nlohmann::json traffic = nlohmann::json::array();
+  for (const auto& t : c.time.traffic) traffic.push_back({{"group", t.group}, {"what", t.what}, {"bytes", t.bytes}, {"seconds", t.seconds}});
+  const plan::TimeBreakdown& t = c.time;
+  nlohmann::json j = {{"layout", c.layout.str()},
+                      {"microbatches", c.microbatches},
+                      {"fits", c.fits},
+                      {"peak_bytes", c.worst.memory.total()},
+                      {"ranks", ranks},
+                      {"time_seconds", {{"step", t.step()}, {"compute", t.compute}, {"recompute", t.recompute},
+                                        {"bubble", t.bubble}, {"tensor_parallel", t.tensor_parallel},
+                                        {"data_parallel", t.data_parallel}, {"pipeline", t.pipeline},
+                                        {"offload", t.offload}}},
+                      {"tokens_per_second", t.tokens_per_second},
+                      {"mfu", t.mfu},
+                      {"traffic", traffic}};
+  if (!c.fits) j["why_not"] = c.why_not;
+  return j;
+}
+
+void print_header(const plan::ModelShape& model, const plan::Workload& w, const plan::Machine& m, int64_t world) {
+  std::printf("model    %s\n", model.describe().c_str());
+  std::printf("run      %lld ranks (%lld per node), %s per device, %s, global batch %lld x %lld tokens, %s attention\n",
+              (long long)world, (long long)m.devices_per_node, plan::format_bytes(m.device_memory).c_str(),
+              w.precision.name.c_str(), (long long)w.global_batch, (long long)model.seq, w.attention.c_str());
+  std::printf("machine  %s: %.0f TFLOP/s peak x MFU %.2f, %.0f GB/s in a node, %.0f GB/s across, %.0f us latency\n",
+              m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6);
+}
+
+void print_table_head() {
+  std::printf("\n %3s  %-46s %7s %7s %7s %7s %7s %8s  %8s %10s %5s\n", "#", "layout", "params", "grads", "optim",
+              "activ", "other", "peak GiB", "step s", "tokens/s", "MFU");
+}
+
+void print_row(int index, const plan::Candidate& c) {
+  const plan::MemoryBreakdown& m = c.worst.memory;
+  std::printf(" %3d  %-46s %7s %7s %7s %7s %7s %8s  %8.3f %10.0f %4.0f%%\n", index, c.layout.str().c_str(),
+              gib(m.parameters).c_str(), gib(m.gradients).c_str(), gib(m.optimizer).c_str(), gib(m.activations).c_str(),
+              gib(m.outputs + m.buffers + m.workspace).c_str(), gib(m.total()).c_str(), c.time.step(),
+              c.time.tokens_per_second, 100 * c.time.mfu);
+}
+
+// The breakdown of one layout, per pipeline rank and per term, and its time.
+void print_detail(const plan::Candidate& c, const plan::Machine& machine) {
+  std::printf("\nlayout   %s, %lld micro-batches of %lld per data rank per step\n", c.layout.str().c_str(),
+              (long long)c.microbatches, (long long)c.layout.micro_batch);
+  std::printf("memory per rank (GiB; 'other' = logits/loss + buffers + work space at the peak):\n");
+  std::printf("  %-4s %6s %9s %7s %7s %7s %7s %7s %7s %7s  %s\n", "pp", "layers", "in flight", "params", "grads",
+              "optim", "activ", "other", "peak", "host", "peak at");
+  for (const auto& r : c.ranks) {
+    const plan::MemoryBreakdown& m = r.memory;
+    std::printf("  %-4d %6lld %9lld %7s %7s %7s %7s %7s %7s %7s  %s\n", r.pipeline_rank, (long long)r.layers,
+                (long long)r.in_flight, gib(m.parameters).c_str(), gib(m.gradients).c_str(), gib(m.optimizer).c_str(),
+                gib(m.activations).c_str(), gib(m.outputs + m.buffers + m.workspace).c_str(), gib(m.total()).c_str(),
+                gib(m.host).c_str(), m.moment.c_str());
+  }
+  std::printf("  %s\n", c.fits ? ("fits: " + plan::format_bytes(machine.device_memory - c.worst.memory.total()) +
+                                   " to spare on the fullest rank").c_str()
+                                : ("does not fit: " + c.why_not).c_str());
+  const plan::TimeBreakdown& t = c.time;
+  std::printf("time per step %.3f s: compute %.3f (recompute %.3f), bubble %.3f, exposed tp %.3f, dp %.3f, pp %.3f, "
+              "offload %.3f -> %.0f tokens/s, MFU %.1f%%\n",
+              t.step(), t.compute, t.recompute, t.bubble, t.tensor_parallel, t.data_parallel, t.pipeline, t.offload,
+              t.tokens_per_second, 100 * t.mfu);
+  for (const auto& traffic : t.traffic) {
+    std::printf("  %-4s %-44s %10s per step, %.4f s before overlap\n", traffic.group.c_str(), traffic.what.c_str(),
+                plan::format_bytes(traffic.bytes).c_str(), traffic.seconds);
+  }
+}
+
+}  // namespace
+
+int run_plan(const PlanOptions& o) {
+  const auto start = Clock::now();
+  if (o.world < 1) throw std::invalid_argument("--world must be >= 1");
+  plan::ModelShape model;
+  plan::Workload workload;
+  std::optional<plan::PlannedRun> configured;
+  if (is_config_file(o.model)) {
+    train::TrainConfig config = train::TrainConfig::load(o.model, {});
+    if (o.layout == "config") {
+      config.validate(static_cast<int>(o.world));
+      configured = plan::planned_run(config);
+      model = configured->model;
+      workload = configured->workload;
+    } else {
+      model = plan::ModelShape::from_config(config.model, o.model);
+      workload.global_batch = config.batch;
+      workload.precision = plan::Precision::parse("fp32");
+      workload.dropout = config.model.dropout;
+    }
+  } else {
+    model = plan::ModelShape::preset(o.model);
+  }
+  if (o.seq > 0) model.seq = o.seq;
+  if (!o.precision.empty()) workload.precision = plan::Precision::parse(o.precision);
+  if (!o.attention.empty()) {
+    if (o.attention != "flash" && o.attention != "math") throw std::invalid_argument("--attention: use flash or math");
+    workload.attention = o.attention;
+  }
+  if (o.global_batch > 0) workload.global_batch = o.global_batch;
+  if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
+  const plan::Machine machine = machine_of(o);
+
+  if (!o.layout.empty()) {
+    plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);
+    if (layout.world() != o.world) {
+      throw std::invalid_argument("layout " + layout.str() + " uses pp x dp x fsdp x tp = " + std::to_string(layout.world()) +
+                                  " ranks, not --world " + std::to_string(o.world));
+    }
+    const plan::Candidate c = plan::evaluate(model, workload, layout, machine);
+    if (o.json) {
+      std::printf("%s\n", candidate_json(c).dump(2).c_str());
+      return 0;
+    }
+    print_header(model, workload, machine, o.world);
+    print_detail(c, machine);
+    return 0;
+  }
+
+  const plan::SearchResult result = plan::search(model, workload, machine, o.world);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (o.json) {
+    nlohmann::json fitting = nlohmann::json::array(), rejected = nlohmann::json::array();
+    for (size_t i = 0; i < result.fitting.size() && i < static_cast<size_t>(o.top); ++i) fitting.push_back(candidate_json(result.fitting[i]));
+    for (size_t i = 0; i < result.rejected.size() && i < static_cast<size_t>(o.top); ++i) rejected.push_back(candidate_json(result.rejected[i]));
+    nlohmann::json j = {{"model", model.describe()},     {"parameters", model.parameter_count()},
+                        {"world", o.world},              {"device_memory", machine.device_memory},
+                        {"global_batch", workload.global_batch}, {"examined", result.examined},
+                        {"fitting", result.fitting.size()}, {"best", fitting}, {"closest_rejected", rejected}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  print_header(model, workload, machine, o.world);
+  std::printf("searched %lld layouts in %.2f s: %zu fit, %zu do not\n", (long long)result.examined, seconds,
+              result.fitting.size(), result.rejected.size());
+  if (!result.fitting.empty()) {
+    std::printf("\nfastest layouts that fit (per-rank memory of the fullest rank):");
+    print_table_head();
+    for (size_t i = 0; i < result.fitting.size() && i < static_cast<size_t>(o.top); ++i) print_row(static_cast<int>(i + 1), result.fitting[i]);
+    print_detail(result.fitting.front(), machine);
+  } else {
+    std::printf("\nno layout fits %s per device; give more ranks or memory, or a shorter --seq / smaller model.\n",
+                plan::format_bytes(machine.device_memory).c_str());
+  }
+  if (!result.rejected.empty()) {
+    std::printf("\nclosest that do not fit:\n");
+    for (size_t i = 0; i < result.rejected.size() && i < 5; ++i) {
+      std::printf("  %-46s %s\n", result.rejected[i].layout.str().c_str(), result.rejected[i].why_not.c_str());
+    }
+  }
+  return 0;
+}
+
+int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
+  auto world = runtime.world();
+  const bool leader = world->rank() == 0;
+  plan::Machine m;
+  m.name = "calibrated";
+  // Matmul peak of one rank with its threads, averaged over ranks.
+  at::Tensor peak = at::full({1}, train::measure_matmul_peak(), at::kDouble);
+  world->all_reduce(peak, comm::ReduceOp::kAvg).wait();
+  m.peak_flops = peak.item<double>();
+  // Achieved MFU: the `small` preset training a few steps here, data parallel over every rank.
+  {
+    std::string dir;
+    if (leader) dir = util::make_temp_directory("meshtrain-calibrate-");
+    dir = comm::all_gather_strings(*world, dir)[0];  // rank 0's
+    train::TrainConfig config = train::TrainConfig::load("", {"run.out=" + dir, "checkpoint.resume=false",
+                                                               "training.sample_tokens=0"});
+    config.batch = config.micro_batch * world->size();
+    config.validate(world->size());
+    train::Trainer trainer(config, world);
+    std::vector<double> seconds;
+    for (int s = 0; s < 4; ++s) seconds.push_back(trainer.step().seconds);
+    std::sort(seconds.begin() + 1, seconds.end());
+    const double tokens_per_second = static_cast<double>(config.batch * config.model.context) / seconds[2];
+    m.mfu = std::min(1.0, trainer.mfu(tokens_per_second));
+    world->barrier().wait();
+    if (leader) util::remove_tree(dir);
+  }
+  // Collective bandwidth and latency (a ring all-reduce's alpha and beta) between the ranks.
+  const int n = world->size();
+  if (n > 1) {
+    auto timed = [&](int64_t elements) {
+      at::Tensor buffer = at::ones({elements});
+      world->all_reduce(buffer).wait();
+      std::vector<double> runs;
+      for (int i = 0; i < 5; ++i) {
+        world->barrier().wait();
+        const auto start = Clock::now();
+        world->all_reduce(buffer).wait();
+        runs.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      std::sort(runs.begin(), runs.end());
+      return runs[2];
+    };
+    const double small = timed(1), large_bytes = 64.0 * (1 << 20), large = timed(static_cast<int64_t>(large_bytes / 4));
+    m.latency = small / (2.0 * (n - 1));
+    m.intra_bandwidth = m.inter_bandwidth = 2.0 * (n - 1) / n * large_bytes / std::max(large - small, 1e-9);
+  }
+  m.devices_per_node = n;
+  m.host_bandwidth = m.intra_bandwidth;
+  m.device_memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE)) / n;
+  if (leader) {
+    std::printf("%s", m.to_json().c_str());
+    if (!o.save.empty()) {
+      util::write_text_file(o.save, m.to_json());
+      std::printf("meshtrain: machine profile written to %s (use: meshtrain plan --machine %s ...)\n", o.save.c_str(),
+                  o.save.c_str());
+    }
+  }
+  return 0;
+}
+
+}  // namespace meshtrain::apps

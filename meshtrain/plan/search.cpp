@@ -1,0 +1,116 @@
+#include "meshtrain/plan/search.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace meshtrain::plan {
+
+namespace {
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> d;
+  for (int64_t i = 1; i <= n; ++i) {
+    if (n % i == 0) d.push_back(i);
+  }
+  return d;
+}
+
+// The term of a breakdown that is largest, for "why it does not fit".
+std::string largest_term(const MemoryBreakdown& m) {
+  const std::vector<std::pair<const char*, double>> terms = {
+      {"parameters", m.parameters}, {"gradients", m.gradients}, {"optimizer states", m.optimizer},
+      {"activations", m.activations}, {"logits/loss", m.outputs}, {"buffers", m.buffers}, {"work space", m.workspace}};
+  const auto it = std::max_element(terms.begin(), terms.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  return std::string(it->first) + " " + format_bytes(it->second);
+}
+
+}  // namespace
+
+int64_t default_global_batch(const ModelShape& model, int64_t world) {
+  const int64_t sequences = std::max<int64_t>(1, (int64_t{1} << 20) / model.seq);
+  return std::max<int64_t>(world, (sequences + world - 1) / world * world);
+}
+
+Candidate evaluate(const ModelShape& model, const Workload& workload, const Layout& layout, const Machine& machine) {
+  Candidate c;
+  c.layout = layout;
+  const int64_t per_step = layout.micro_batch * layout.data_ranks();
+  if (workload.global_batch % per_step != 0) {
+    throw std::invalid_argument("layout " + layout.str() + ": the global batch (" + std::to_string(workload.global_batch) +
+                                ") is not divisible by mb (" + std::to_string(layout.micro_batch) + ") x dp x fsdp (" +
+                                std::to_string(layout.data_ranks()) + ")");
+  }
+  c.microbatches = workload.global_batch / per_step;
+  c.ranks = estimate_memory(model, workload, layout, c.microbatches);
+  c.worst = *std::max_element(c.ranks.begin(), c.ranks.end(), [](const RankMemory& a, const RankMemory& b) {
+    return a.memory.total() < b.memory.total();
+  });
+  c.time = estimate_time(model, workload, layout, machine, c.microbatches, c.ranks);
+  c.fits = c.worst.memory.total() <= machine.device_memory;
+  if (!c.fits) {
+    c.why_not = "needs " + format_bytes(c.worst.memory.total()) + " > " + format_bytes(machine.device_memory) +
+                " on pipeline rank " + std::to_string(c.worst.pipeline_rank) + " (largest: " +
+                largest_term(c.worst.memory) + ", peak at " + c.worst.memory.moment + ")";
+  }
+  return c;
+}
+
+SearchResult search(const ModelShape& model, const Workload& workload, const Machine& machine, int64_t world) {
+  if (world < 1) throw std::invalid_argument("world size must be >= 1");
+  SearchResult result;
+  for (int64_t tp : divisors(world)) {
+    if (tp > machine.devices_per_node) continue;  // tensor parallel stays inside a node
+    for (int64_t pp : divisors(world / tp)) {
+      if (pp > model.layers) continue;
+      const int64_t data = world / (tp * pp);
+      for (int zero = 0; zero <= 3; ++zero) {
+        // ZeRO shards over all data ranks, or within a node and replicates across (hybrid).
+        std::vector<int64_t> shard_counts = {zero == 0 ? 1 : data};
+        const int64_t node_local = machine.devices_per_node / tp;
+        if (zero > 0 && node_local > 1 && node_local < data && data % node_local == 0) shard_counts.push_back(node_local);
+        for (int64_t fsdp : shard_counts) {
+          std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
+          if (pp > 1) schedules.push_back({"interleaved", 2});
+          for (const auto& [schedule, v] : schedules) {
+            for (int64_t mb = 1; mb <= workload.global_batch / data; mb *= 2) {
+              for (const char* recompute : {"none", "selective", "full"}) {
+                for (const char* offload : {"none", "optimizer", "parameters"}) {
+                  Layout l;
+                  l.tp = tp;
+                  l.sp = tp > 1 && model.seq % tp == 0;
+                  l.pp = pp;
+                  l.fsdp = fsdp;
+                  l.dp = data / fsdp;
+                  l.zero_stage = zero;
+                  l.schedule = schedule;
+                  l.virtual_stages = v;
+                  l.micro_batch = mb;
+                  l.recompute = recompute;
+                  l.offload = offload;
+                  if (workload.global_batch % (mb * data) != 0) continue;
+                  try {
+                    Candidate c = evaluate(model, workload, l, machine);
+                    ++result.examined;
+                    (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+                  } catch (const std::invalid_argument&) {
+                    // A layout this model cannot take (divisibility, ZeRO-3 in a pipeline, ...): not a candidate.
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::sort(result.fitting.begin(), result.fitting.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.time.step() != b.time.step()) return a.time.step() < b.time.step();
+    return a.worst.memory.total() < b.worst.memory.total();
+  });
+  std::sort(result.rejected.begin(), result.rejected.end(), [](const Candidate& a, const Candidate& b) {
+    return a.worst.memory.total() < b.worst.memory.total();
+  });
+  return result;
+}
+
+}  // namespace meshtrain::plan

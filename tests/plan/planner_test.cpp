@@ -1,0 +1,228 @@
+// The planner's formulas against the papers they come from, each computed
+// here independently: parameter counts (Narayanan et al. 2021, Eq. 2, and the
+// published Llama counts), model states (Rajbhandari et al. 2020), activations
+// (Korthikanti et al. 2022, Eq. 1-6), training FLOPs (Narayanan et al., Eq. 3),
+// pipeline stashes; layouts, the search and the machine profile.
+#include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/pipeline/schedule.h"
+#include "meshtrain/plan/search.h"
+#include "tests/harness/error_of.h"
+
+#include <gtest/gtest.h>
+
+namespace meshtrain::plan {
+namespace {
+
+using testing::error_of;
+
+// GPT-style shapes of several sizes (GELU MLP of 4h, learned positions, tied head).
+std::vector<ModelShape> gpt_shapes() {
+  std::vector<ModelShape> shapes = {ModelShape::preset("gpt2-350m"), ModelShape::preset("gpt2-1.5b"),
+                                    ModelShape::preset("gpt3-175b"), ModelShape::preset("gpt-1t")};
+  ModelShape odd = ModelShape::preset("gpt2-124m");
+  odd.width = 1536, odd.ffn = 4 * 1536, odd.heads = odd.kv_heads = 24, odd.layers = 7, odd.seq = 3000;
+  shapes.push_back(odd);
+  return shapes;
+}
+
+TEST(PlanModel, ParameterCountsEqualTheBuiltModels) {
+  for (const std::string name : {"tiny", "small", "llama-tiny", "gpt2-124m"}) {
+    const model::GptConfig config = model::GptConfig::preset(name);
+    model::Gpt gpt(config, 1);
+    int64_t numel = 0;
+    for (const auto& p : gpt->parameters()) numel += p.numel();
+    EXPECT_EQ(ModelShape::preset(name).parameter_count(), numel) << name;
+  }
+}
+
+TEST(PlanModel, ParameterCountsFollowNarayananEquationTwo) {
+  for (const ModelShape& m : gpt_shapes()) {
+    const double l = m.layers, h = m.width, V = m.vocab, s = m.seq;
+    const double eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h));
+    // Eq. 2 leaves out the final LayerNorm (2h).
+    EXPECT_NEAR(static_cast<double>(m.parameter_count()), eq2 + 2 * h, 1e-6 * eq2) << m.describe();
+  }
+  // Published counts of the Llama models.
+  EXPECT_EQ(ModelShape::preset("llama2-7b").parameter_count(), 6738415616);
+  EXPECT_EQ(ModelShape::preset("llama2-13b").parameter_count(), 13015864320);
+  EXPECT_EQ(ModelShape::preset("llama2-70b").parameter_count(), 68976648192);
+  EXPECT_EQ(ModelShape::preset("llama3-8b").parameter_count(), 8030261248);
+  EXPECT_EQ(ModelShape::preset("llama3-70b").parameter_count(), 70553706496);
+  EXPECT_NEAR(ModelShape::preset("gpt-1t").parameter_count() / 1e9, 1008, 1);  // Narayanan et al., Table 1
+  EXPECT_NE(error_of([] { ModelShape::preset("gpt5"); }).find("unknown model 'gpt5'"), std::string::npos);
+}
+
+TEST(PlanModel, TrainingFlopsFollowNarayananEquationThree) {
+  for (const ModelShape& m : gpt_shapes()) {
+    const double B = 8, s = m.seq, l = m.layers, h = m.width, V = m.vocab;
+    // With full recompute (their setting): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+    const double eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+    const double ours = B * (m.training_flops_per_sequence() + l * m.block_recompute_flops("full"));
+    EXPECT_NEAR(ours / eq3, 1.0, 1e-12) << m.describe();
+    // Without recompute, three quarters of the blocks' share.
+    EXPECT_NEAR(B * m.training_flops_per_sequence() / (eq3 - 24 * B * s * l * h * h * (1 + s / (6 * h))), 1.0, 1e-12);
+  }
+}
+
+// Model states per rank: (2 + 2 + K)Ψ with K = 12 (mixed-precision Adam),
+// divided over N shards as each ZeRO stage divides it (their Fig. 1).
+TEST(PlanMemoryFormula, ModelStatesFollowTheZeroPaper) {
+  Workload w;
+  w.precision = Precision::parse("bf16-mixed");
+  for (const std::string name : {"gpt2-124m", "llama2-7b", "llama3-70b"}) {
+    const ModelShape m = ModelShape::preset(name);
+    const double psi = static_cast<double>(m.parameter_count());
+    for (int64_t n : {1, 2, 8, 64}) {
+      for (int stage = 0; stage <= 3; ++stage) {
+        Layout l;
+        l.zero_stage = stage;
+        if (stage > 0) l.fsdp = n;
+        else l.dp = n;
+        const double states = estimate_memory(m, w, l, 1).front().memory.model_states();
+        const double want = stage == 0   ? 16 * psi
+                            : stage == 1 ? 4 * psi + 12 * psi / n
+                            : stage == 2 ? 2 * psi + 14 * psi / n
+                                         : 16 * psi / n;
+        EXPECT_NEAR(states / want, 1.0, 1e-12) << name << " stage " << stage << " N " << n;
+      }
+    }
+    // fp32 (how meshtrain trains here): 4 + 4 + 8 bytes.
+    Workload fp32;
+    fp32.precision = Precision::parse("fp32");
+    EXPECT_NEAR(estimate_memory(m, fp32, Layout{}, 1).front().memory.model_states() / (16 * psi), 1.0, 1e-12);
+  }
+}
+
+// Korthikanti et al. 2022 in 16-bit with dropout and unfused attention:
+// sbh(34 + 5as/h) per layer (Eq. 1); tp: sbh(10 + 24/t + 5as/(ht)) (Eq. 2);
+// tp + sp: sbh/t (34 + 5as/h) (Eq. 4); + selective recompute: 34 sbh/t
+// (Eq. 6); full recompute: 2sbh (Sec. 4.3). Norm statistics (16 bytes per
+// token) are ours on top: under 0.1% at these widths.
+TEST(PlanMemoryFormula, ActivationsFollowKorthikanti) {
+  for (const ModelShape& m : gpt_shapes()) {
+    for (int64_t b : {1, 4}) {
+      for (int64_t t : {1, 2, 8}) {
+        const double s = m.seq, h = m.width, a = m.heads, sbh = s * b * h;
+        ActivationOptions o;
+        o.micro_batch = b;
+        o.tp = t;
+        o.attention = "math";
+        o.dropout = 0.1;
+        o.precision = Precision::parse("bf16-mixed");
+        auto check = [&](const std::string& what, double want) {
+          EXPECT_NEAR(layer_activation_bytes(m, o) / want, 1.0, 1e-3) << what << " " << m.describe() << " b " << b << " t " << t;
+        };
+        check("tp", sbh * (10 + 24.0 / t + 5 * a * s / (h * t)));
+        o.sp = t > 1;
+        check("tp+sp", sbh / t * (34 + 5 * a * s / h));
+        o.recompute = "selective";
+        check("tp+sp+selective", 34 * sbh / t);
+        o.recompute = "full";
+        check("tp+sp+full", 2 * sbh / t);
+        o.sp = false;
+        check("full", 2 * sbh);
+      }
+    }
+  }
+}
+
+TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
+  ModelShape m = ModelShape::preset("gpt2-350m");
+  m.vocab = 256;  // a small embedding: the parameter split is six blocks per stage
+  Workload w;
+  Layout l;
+  l.pp = 4;
+  for (const std::string schedule : {"gpipe", "1f1b"}) {
+    l.schedule = schedule;
+    const auto ranks = estimate_memory(m, w, l, 8);
+    ASSERT_EQ(ranks.size(), 4u);
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(ranks[r].in_flight, schedule == "gpipe" ? 8 : 4 - r) << schedule << " rank " << r;
+      EXPECT_EQ(ranks[r].layers, 6);
+    }
+  }
+  // The first 1F1B stage holds p micro-batches of L/p layers: one whole model's activations.
+  l.schedule = "1f1b";
+  ActivationOptions o;
+  EXPECT_NEAR(estimate_memory(m, w, l, 8).front().memory.activations / (24 * layer_activation_bytes(m, o)), 1.0, 1e-12);
+}
+
+TEST(PlanTime, BubbleAndComputeFollowTheirFormulas) {
+  const ModelShape m = ModelShape::preset("llama2-7b");
+  Workload w;
+  w.global_batch = 64;
+  Machine machine;
+  Layout l = Layout::parse("pp=4 1f1b dp=2 mb=2");
+  const Candidate c = evaluate(m, w, l, machine);
+  EXPECT_EQ(c.microbatches, 16);
+  const double b = parallel::pipeline::theoretical_bubble(4, 1, 16);
+  EXPECT_NEAR(c.time.bubble / c.time.compute, b / (1 - b), 1e-12);
+  // The slowest stage (blocks + the head on the last) at peak x MFU.
+  const double last = 8 * m.block_training_flops() + m.head_training_flops();
+  EXPECT_NEAR(c.time.compute, 32 * last / (machine.peak_flops * machine.mfu), 1e-9 * c.time.compute);
+}
+
+TEST(PlanLayout, ParsesPrintsAndRefuses) {
+  const Layout l = Layout::parse("pp=2,interleaved,v=2 tp=4 sp zero=1 dp=8 mb=2 recompute=selective");
+  EXPECT_EQ(l.pp, 2);
+  EXPECT_EQ(l.fsdp, 8);  // zero with dp: ZeRO's shards
+  EXPECT_EQ(l.world(), 64);
+  EXPECT_EQ(l.str(), "pp=2 interleaved v=2 tp=4 sp zero=1 fsdp=8 mb=2 recompute=selective");
+  EXPECT_EQ(Layout::parse(l.str()).str(), l.str());
+  EXPECT_NE(error_of([] { Layout::parse("tp=two"); }).find("layout tp=two: needs a whole number"), std::string::npos);
+  EXPECT_NE(error_of([] { Layout::parse("zero=4"); }).find("layout zero=4: use one of 0, 1, 2, 3"), std::string::npos);
+  EXPECT_NE(error_of([] { Layout::parse("xp=2"); }).find("layout key 'xp' unknown"), std::string::npos);
+  const ModelShape m = ModelShape::preset("llama2-70b");
+  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("tp=16"), 1); }).find("key/value heads (8) is not divisible by tp (16)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("pp=2 zero=3 fsdp=2"), 4); }).find("ZeRO-3 cannot run inside a pipeline"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("pp=4 interleaved v=2"), 6); }).find("divisible by pp (4)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("offload=optimizer"), 1); }).find("offload needs zero >= 1"),
+            std::string::npos);
+  EXPECT_EQ(parse_bytes("80GiB"), 80.0 * (1 << 30));
+  EXPECT_EQ(parse_bytes("64K"), 65536);
+  EXPECT_EQ(parse_bytes("1.5GB"), 1.5e9);
+  EXPECT_NE(error_of([] { parse_bytes("80 apples"); }).find("unknown unit"), std::string::npos);
+}
+
+TEST(PlanSearch, RanksWhatFitsAndSaysWhyTheRestDoNot) {
+  const ModelShape m = ModelShape::preset("llama2-7b");
+  Workload w;
+  w.global_batch = default_global_batch(m, 8);
+  Machine machine;
+  const SearchResult big = search(m, w, machine, 8);
+  ASSERT_FALSE(big.fitting.empty());
+  ASSERT_FALSE(big.rejected.empty());
+  for (size_t i = 0; i < big.fitting.size(); ++i) {
+    EXPECT_LE(big.fitting[i].worst.memory.total(), machine.device_memory);
+    if (i > 0) EXPECT_LE(big.fitting[i - 1].time.step(), big.fitting[i].time.step());
+  }
+  for (const Candidate& c : big.rejected) {
+    EXPECT_GT(c.worst.memory.total(), machine.device_memory);
+    EXPECT_NE(c.why_not.find("needs "), std::string::npos) << c.why_not;
+  }
+  // Plain data parallel cannot hold 16 bytes per parameter of 6.7B in 80 GiB.
+  for (const Candidate& c : big.fitting) EXPECT_FALSE(c.layout.zero_stage == 0 && c.layout.pp == 1 && c.layout.tp == 1);
+  machine.device_memory = 24.0 * (1 << 30);
+  const SearchResult small = search(m, w, machine, 8);
+  EXPECT_LT(small.fitting.size(), big.fitting.size());
+  EXPECT_EQ(small.examined, big.examined);
+}
+
+TEST(PlanMachine, ProfileRoundTripsAndRejectsBadFields) {
+  Machine m;
+  m.peak_flops = 1.5e11;
+  m.mfu = 0.6;
+  m.devices_per_node = 2;
+  const Machine back = Machine::from_json(m.to_json());
+  EXPECT_EQ(back.peak_flops, m.peak_flops);
+  EXPECT_EQ(back.mfu, m.mfu);
+  EXPECT_EQ(back.devices_per_node, 2);
+  EXPECT_NE(error_of([] { Machine::from_json("{\"mfu\": -1}"); }).find("'mfu' must be a positive number"), std::string::npos);
+  EXPECT_NE(error_of([] { Machine::from_json("not json"); }).find("machine profile is not JSON"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace meshtrain::plan
