@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# meshtrain plan as a person runs it: the ranked table for Llama-2 7B on 8
+# devices, JSON, one layout explained, a config file's own layout, a machine
+# measured here and used; bad input fails with a message.
+set -euo pipefail
+meshtrain=$1
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$meshtrain" plan --model llama2-7b --world 8 --device-memory 80GiB | tee "$dir/table.txt"
+grep -q "llama2-7b: 6.74B parameters, 32 layers" "$dir/table.txt"
+grep -q "fastest layouts that fit" "$dir/table.txt"
+grep -q "closest that do not fit:" "$dir/table.txt"
+grep -q "needs .* GiB > 80.0 GiB on pipeline rank" "$dir/table.txt"
+"$meshtrain" plan --model llama2-7b --world 8 --json --top 3 > "$dir/plan.json"
+python3 - "$dir/plan.json" <<'PY'
+import json, sys
+plan = json.load(open(sys.argv[1]))
+assert plan["parameters"] == 6738415616, plan["parameters"]
+assert len(plan["best"]) == 3 and all(c["fits"] for c in plan["best"])
+assert plan["best"][0]["time_seconds"]["step"] <= plan["best"][1]["time_seconds"]["step"]
+assert all(not c["fits"] and "needs" in c["why_not"] for c in plan["closest_rejected"])
+PY
+"$meshtrain" plan --model gpt3-175b --world 1024 --layout "pp=8 1f1b tp=8 sp dp=16 zero=1 mb=1 recompute=selective" \
+  | tee "$dir/one.txt"
+grep -q "layout   pp=8 1f1b tp=8 sp zero=1 fsdp=16 mb=1 recompute=selective" "$dir/one.txt"
+grep -q "^  7  " "$dir/one.txt"  # a row per pipeline rank
+cat > "$dir/run.toml" <<'TOML'
+[model]
+preset = "tiny"
+[training]
+batch = 16
+micro_batch = 2
+[parallel]
+pp = 2
+pp_schedule = "1f1b"
+TOML
+"$meshtrain" plan --model "$dir/run.toml" --world 2 --layout config | tee "$dir/config.txt"
+grep -q "layout   pp=2 1f1b mb=2, 8 micro-batches of 2" "$dir/config.txt"
+grep -q "fp32" "$dir/config.txt"
+"$meshtrain" run -n 2 plan --calibrate --save "$dir/machine.json" | tee "$dir/calibrate.txt"
+grep -q '"peak_flops"' "$dir/machine.json"
+"$meshtrain" plan --machine "$dir/machine.json" --model small --world 2 --layout "dp=2 mb=8" | grep -q "machine  calibrated"
+expect_error() {  # message, then the plan arguments
+  local message=$1; shift
+  if "$meshtrain" plan "$@" > "$dir/bad.log" 2>&1; then echo "should have failed: $*"; exit 1; fi
+  grep -qF "$message" "$dir/bad.log" || { cat "$dir/bad.log"; exit 1; }
+}
+expect_error "unknown model 'llama9'" --model llama9 --world 8
+expect_error "uses pp x dp x fsdp x tp = 4 ranks, not --world 8" --model llama2-7b --world 8 --layout tp=4
+expect_error "heads (32) is not divisible by tp (3)" --model llama2-7b --world 6 --layout "tp=3 dp=2"
+expect_error "layout key 'tq' unknown" --model llama2-7b --world 8 --layout tq=8
+expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples
+echo '{"mfu": "high"}' > "$dir/bad-machine.json"
+expect_error "machine profile field 'mfu' must be a positive number" --model small --world 2 --machine "$dir/bad-machine.json"
+echo "plan: all checks passed"
