@@ -139,14 +139,10 @@ int run_plan(const PlanOptions& o) {
     if (o.layout == "config") {
       config.validate(static_cast<int>(o.world));
       configured = plan::planned_run(config);
-      model = configured->model;
-      workload = configured->workload;
-    } else {
-      model = plan::ModelShape::from_config(config.model, o.model);
-      workload.global_batch = config.batch;
-      workload.precision = plan::Precision::parse("fp32");
-      workload.dropout = config.model.dropout;
     }
+    const plan::PlannedRun run = configured ? *configured : plan::planned_model(config);
+    model = run.model;
+    workload = run.workload;
   } else {
     model = plan::ModelShape::preset(o.model);
   }

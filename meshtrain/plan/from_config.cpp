@@ -4,7 +4,7 @@
 
 namespace meshtrain::plan {
 
-PlannedRun planned_run(const train::TrainConfig& config) {
+PlannedRun planned_model(const train::TrainConfig& config) {
   PlannedRun run;
   run.model = ModelShape::from_config(config.model, config.preset);
   run.workload.global_batch = config.batch;
@@ -15,6 +15,11 @@ PlannedRun planned_run(const train::TrainConfig& config) {
   run.workload.prefetch = config.prefetch;
   // libtorch's fused attention on the CPU has no dropout; with dropout it falls back to the math kernel.
   run.workload.attention = config.model.dropout > 0 ? "math" : "flash";
+  return run;
+}
+
+PlannedRun planned_run(const train::TrainConfig& config) {
+  PlannedRun run = planned_model(config);
   Layout& l = run.layout;
   l.pp = config.pp;
   l.dp = config.dp;

@@ -16,7 +16,9 @@ struct PlannedRun {
   int64_t microbatches = 1;  // per data rank per step
 };
 
-// `config` validated (derived dp, fsdp and grad_accum filled in).
+// The model and workload of `config` (layout left at its defaults); any config.
+PlannedRun planned_model(const train::TrainConfig& config);
+// ... and its layout: `config` validated (derived dp, fsdp and grad_accum filled in).
 PlannedRun planned_run(const train::TrainConfig& config);
 
 }  // namespace meshtrain::plan

@@ -7,7 +7,6 @@
 #include <map>
 #include <stdexcept>
 #include <tuple>
-#include <utility>
 
 namespace meshtrain::plan {
 
