@@ -12,9 +12,10 @@ torch_prefix=$("$venv_dir/bin/python" -c 'import torch; print(torch.utils.cmake_
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 if [ ! -f "$build_dir/CMakeCache.txt" ] || [ $# -gt 0 ]; then
+  mkdir -p "$build_dir"
+  log="$build_dir/configure.log"
   cmake -S "$root_dir" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE="$build_type" \
-    -DCMAKE_PREFIX_PATH="$torch_prefix" "$@" > "$build_dir.configure.log" 2>&1 \
-    || { cat "$build_dir.configure.log"; exit 1; }
-  grep -E '^-- meshtrain:' "$build_dir.configure.log" || true
+    -DCMAKE_PREFIX_PATH="$torch_prefix" "$@" > "$log" 2>&1 || { cat "$log"; exit 1; }
+  grep -E '^-- meshtrain:' "$log" || true
 fi
 cmake --build "$build_dir" --parallel "$(nproc)"

@@ -90,7 +90,7 @@ Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::C
       total += last - first;
     }
     waits.push_back(wait / total);
-    const pipe::Schedule schedule = pipe::make_schedule(config.pp_schedule, int(config.pp), int(config.virtual_stages),
+    const pipe::Schedule schedule = pipe::make_schedule(config.parallel.schedule, int(config.parallel.pp), int(config.parallel.virtual_stages),
                                                         int(config.grad_accum));
     simulated.push_back(pipe::validate(schedule, forward / forwards, backward / backwards).mean_bubble());
     if (trace && s == warmup + steps - 1) *trace = ranks;

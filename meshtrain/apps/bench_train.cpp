@@ -85,7 +85,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
     nlohmann::json line = {{"side", "meshtrain"},
                            {"preset", config.preset},
                            {"ranks", runtime.size()},
-                           {"zero_stage", config.zero_stage},
+                           {"zero_stage", config.parallel.zero_stage},
                            {"parameters", config.model.parameter_count()},
                            {"batch", config.batch},
                            {"micro_batch", config.micro_batch},
@@ -101,7 +101,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
       line["exposed_gather_s_per_step"] = (sharded->exposed_gather_seconds() - gather_before) / timed_steps;
       line["exposed_reduce_s_per_step"] = (sharded->exposed_reduce_seconds() - reduce_before) / timed_steps;
       line["largest_unit_numel"] = sharded->largest_unit_numel();
-      line["shards"] = config.fsdp;
+      line["shards"] = config.parallel.fsdp;
     } else {
       line["allreduce_s_per_step"] = reduce_per_step;
       line["exposed_wait_s_per_step"] = exposed_per_step;

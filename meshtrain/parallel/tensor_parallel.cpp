@@ -1,5 +1,7 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 
+#include "meshtrain/parallel/parallelize.h"
+
 #include <cmath>
 #include <mutex>
 #include <stdexcept>
@@ -69,19 +71,12 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
 }
 
 void check_tensor_parallel(const model::GptConfig& config, int t, bool sequence_parallel) {
-  if (t < 1) throw std::invalid_argument("tensor parallel: the group has " + std::to_string(t) + " ranks");
-  auto need = [&](const char* what, int64_t value, const std::string& hint) {
-    if (value % t == 0) return;
-    throw std::invalid_argument(std::string("tensor parallel over ") + std::to_string(t) + " ranks: " + what + " = " +
-                                std::to_string(value) + " is not divisible by " + std::to_string(t) + "; " + hint);
-  };
-  need("model.heads", config.heads, "attention is split by heads: use a head count that is a multiple of parallel.tp");
-  need("the MLP hidden size", config.mlp_hidden(), "change model.width or parallel.tp");
-  need("model.vocab_size", config.vocab_size,
-       "the embedding and head are split by vocabulary rows and not padded (padding would change the model)");
-  if (sequence_parallel) {
-    need("model.context", config.context, "sequence parallel splits every sequence into parallel.tp chunks");
-  }
+  mesh::ParallelDims dims;
+  dims.dp = dims.fsdp = 1;
+  dims.tp = t;
+  dims.sequence_parallel = sequence_parallel && t > 1;
+  dims.check();
+  dims.check_model(model_dims(config));
 }
 
 struct TensorParallel::Hooks : model::ForwardHooks {

@@ -60,9 +60,9 @@ using TensorParallelPlan = std::vector<TensorParallelRule>;
 // chunks.
 TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool sequence_parallel);
 
-// Throws std::invalid_argument naming what does not divide by `t`: heads,
-// MLP hidden size, vocabulary (not padded: padding would change the model),
-// and with sequence parallel the context.
+// Throws mesh::LayoutError naming what `t` does not divide (the rules of
+// mesh/parallel_dims.h): heads, MLP hidden size, vocabulary, and with
+// sequence parallel the context.
 void check_tensor_parallel(const model::GptConfig& config, int t, bool sequence_parallel);
 
 struct TensorParallelOptions {

@@ -21,15 +21,7 @@ PlannedRun planned_model(const train::TrainConfig& config) {
 PlannedRun planned_run(const train::TrainConfig& config) {
   PlannedRun run = planned_model(config);
   Layout& l = run.layout;
-  l.pp = config.pp;
-  l.dp = config.dp;
-  l.fsdp = config.fsdp;
-  l.tp = config.tp;
-  l.sp = config.sequence_parallel && config.tp > 1;
-  l.zero_stage = static_cast<int>(config.zero_stage);
-  l.schedule = config.pp_schedule;
-  l.virtual_stages = config.virtual_stages;
-  l.micro_batch = config.micro_batch;
+  l = Layout::from_dims(config.parallel, config.micro_batch);
   l.recompute = config.activation_checkpoint;
   run.microbatches = config.grad_accum;
   if (config.activation_checkpoint != "none" && config.activation_checkpoint_every != 1) {

@@ -37,6 +37,33 @@ std::string one_of(const std::string& key, const std::string& value, const std::
 
 }  // namespace
 
+mesh::ParallelDims Layout::dims() const {
+  mesh::ParallelDims d;
+  d.pp = pp;
+  d.dp = dp;
+  d.fsdp = fsdp;
+  d.tp = tp;
+  d.sequence_parallel = sp;
+  d.zero_stage = zero_stage;
+  d.schedule = schedule;
+  d.virtual_stages = virtual_stages;
+  return d;
+}
+
+Layout Layout::from_dims(const mesh::ParallelDims& d, int64_t micro_batch) {
+  Layout l;
+  l.pp = d.pp;
+  l.dp = d.dp;
+  l.fsdp = d.fsdp;
+  l.tp = d.tp;
+  l.sp = d.sequence_parallel;
+  l.zero_stage = d.zero_stage;
+  l.schedule = d.schedule;
+  l.virtual_stages = d.virtual_stages;
+  l.micro_batch = micro_batch;
+  return l;
+}
+
 std::string Layout::str() const {
   std::string text;
   auto add = [&](const std::string& part) { text += (text.empty() ? "" : " ") + part; };

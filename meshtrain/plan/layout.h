@@ -2,6 +2,8 @@
 // workload (batch, precision, attention kernel) and the machine it runs on.
 #pragma once
 
+#include "meshtrain/mesh/parallel_dims.h"
+
 #include <cstdint>
 #include <string>
 
@@ -21,6 +23,11 @@ struct Layout {
   int64_t micro_batch = 1;   // sequences per forward/backward
   std::string recompute = "none";  // "none" | "selective" | "full"
   std::string offload = "none";    // "none" | "optimizer" (states on the host) | "parameters" (ZeRO-3: all on the host)
+
+  // The degrees, sequence parallel, ZeRO stage and schedule as the layout
+  // rules see them (mesh/parallel_dims.h), and back.
+  mesh::ParallelDims dims() const;
+  static Layout from_dims(const mesh::ParallelDims& dims, int64_t micro_batch = 1);
 
   int64_t world() const { return pp * dp * fsdp * tp; }
   int64_t data_ranks() const { return dp * fsdp; }

@@ -106,35 +106,16 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
 
 void check_layout(const ModelShape& model, const Layout& l, int64_t microbatches) {
   auto refuse = [&](const std::string& why) { throw std::invalid_argument("layout " + l.str() + ": " + why); };
-  auto divides = [&](const char* what, int64_t value) {
-    if (value % l.tp != 0) {
-      refuse(std::string(what) + " (" + std::to_string(value) + ") is not divisible by tp (" + std::to_string(l.tp) + ")");
-    }
-  };
-  if (l.tp > 1) {
-    divides("heads", model.heads);
-    divides("key/value heads", model.kv_heads);
-    divides("ffn", model.ffn);
-    divides("vocabulary", model.vocab);
-    if (l.sp) divides("sequence length", model.seq);
+  try {
+    const mesh::ParallelDims dims = l.dims();
+    dims.check();
+    dims.check_model(model.dims());
+    dims.check_microbatches(microbatches);
+  } catch (const mesh::LayoutError& e) {
+    refuse(e.what());
   }
-  if (l.sp && l.tp == 1) refuse("sequence parallel needs tp > 1");
-  if (l.zero_stage == 0 && l.fsdp > 1) refuse("fsdp shards need zero >= 1");
   if (l.offload != "none" && l.zero_stage == 0) refuse("offload needs zero >= 1 (the host holds the shards)");
   if (l.offload == "parameters" && l.zero_stage != 3) refuse("offloading parameters needs zero = 3");
-  if (microbatches < 1) refuse("needs at least one micro-batch per data rank");
-  if (l.pp > 1 && l.zero_stage == 3) refuse("ZeRO-3 cannot run inside a pipeline (each micro-batch would re-gather every unit); use zero <= 2");
-  if (l.virtual_stages > 1 && l.schedule != "interleaved") refuse("virtual stages need the interleaved schedule");
-  if (l.schedule == "interleaved" && l.pp > 1) {
-    if (l.virtual_stages < 2) refuse("the interleaved schedule needs v >= 2");
-    if (microbatches % l.pp != 0) {
-      refuse("interleaving needs micro-batches (" + std::to_string(microbatches) + ") divisible by pp (" +
-             std::to_string(l.pp) + ")");
-    }
-  }
-  if (l.pp * l.virtual_stages > model.layers) {
-    refuse(std::to_string(l.pp * l.virtual_stages) + " stages for " + std::to_string(model.layers) + " layers");
-  }
 }
 
 std::vector<int64_t> stage_blocks(const ModelShape& model, int64_t stages) {

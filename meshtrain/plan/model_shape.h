@@ -4,6 +4,7 @@
 // plans for but cannot train here (Llama-2/3, GPT-3 175B, a 1T GPT).
 #pragma once
 
+#include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/model/gpt_config.h"
 
 #include <cstdint>
@@ -34,6 +35,7 @@ struct ModelShape {
   static std::vector<std::string> preset_names();
   static ModelShape from_config(const model::GptConfig& config, const std::string& name);
 
+  mesh::ModelDims dims() const { return {layers, heads, kv_heads, ffn, vocab, seq}; }
   int64_t head_dim() const { return width / heads; }
   int64_t kv_width() const { return kv_heads * head_dim(); }
 

@@ -1,9 +1,8 @@
 #include "meshtrain/train/config.h"
 
 #include "meshtrain/parallel/activation_checkpoint.h"
-#include "meshtrain/parallel/pipeline/schedule.h"
+#include "meshtrain/parallel/parallelize.h"
 #include "meshtrain/parallel/pipeline/stages.h"
-#include "meshtrain/parallel/tensor_parallel.h"
 
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
@@ -56,6 +55,12 @@ struct FieldType<int64_t> {
   static constexpr Kind kind = Kind::kInt;
   static void assign(int64_t& target, const Value& v) { target = v.i; }
   static std::string show(int64_t v) { return std::to_string(v); }
+};
+template <>
+struct FieldType<int> {
+  static constexpr Kind kind = Kind::kInt;
+  static void assign(int& target, const Value& v) { target = static_cast<int>(v.i); }
+  static std::string show(int v) { return std::to_string(v); }
 };
 template <>
 struct FieldType<uint64_t> {
@@ -162,23 +167,23 @@ const std::vector<Field>& fields() {
     f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
                       MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
     f.push_back(field("parallel", "dp", "replicas: data-parallel ranks holding the same shards (0: derived)",
-                      MESHTRAIN_CONFIG_MEMBER(dp)));
+                      MESHTRAIN_CONFIG_MEMBER(parallel.dp)));
     f.push_back(field("parallel", "fsdp", "shards per replica when zero_stage >= 1; dp x fsdp = ranks (0: derived)",
-                      MESHTRAIN_CONFIG_MEMBER(fsdp)));
+                      MESHTRAIN_CONFIG_MEMBER(parallel.fsdp)));
     f.push_back(field("parallel", "tp", "tensor-parallel ranks: attention split by heads, MLP and vocabulary split "
-                      "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(tp)));
+                      "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(parallel.tp)));
     f.push_back(field("parallel", "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along the "
-                      "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(sequence_parallel)));
+                      "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(parallel.sequence_parallel)));
     f.push_back(field("parallel", "pp", "pipeline stages: the blocks split into pp consecutive groups, micro-batches "
-                      "flowing through them; pp x dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(pp)));
+                      "flowing through them; pp x dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(parallel.pp)));
     f.push_back(field("parallel", "pp_schedule", "\"gpipe\" (all forwards, then all backwards), \"1f1b\" (at most pp "
                       "micro-batches in flight) or \"interleaved\" (1f1b over virtual_stages per rank: bubble / v)",
-                      MESHTRAIN_CONFIG_MEMBER(pp_schedule)));
+                      MESHTRAIN_CONFIG_MEMBER(parallel.schedule)));
     f.push_back(field("parallel", "microbatches", "micro-batches per step per data rank (sets training.micro_batch; "
                       "0: batch / (micro_batch x dp x fsdp)); the bubble is (pp-1)/(microbatches+pp-1)",
                       MESHTRAIN_CONFIG_MEMBER(microbatches)));
     f.push_back(field("parallel", "virtual_stages", "stages per pipeline rank, non-adjacent (pp_schedule = \"interleaved\")",
-                      MESHTRAIN_CONFIG_MEMBER(virtual_stages)));
+                      MESHTRAIN_CONFIG_MEMBER(parallel.virtual_stages)));
     f.push_back(field("parallel", "pp_split", "blocks per stage: \"params\" (balance parameter counts), \"time\" "
                       "(balance times measured at start) or a list like \"3,3,2\"", MESHTRAIN_CONFIG_MEMBER(pp_split)));
     f.push_back(field("parallel", "activation_checkpoint", "\"none\", \"full\" (keep block inputs only, recompute in "
@@ -187,7 +192,7 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(activation_checkpoint_every)));
     f.push_back(field("parallel", "zero_stage",
                       "0: data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters (FSDP)",
-                      MESHTRAIN_CONFIG_MEMBER(zero_stage)));
+                      MESHTRAIN_CONFIG_MEMBER(parallel.zero_stage)));
     f.push_back(field("parallel", "bucket_mb", "gradient all-reduce bucket size in MiB (zero_stage 0)",
                       MESHTRAIN_CONFIG_MEMBER(bucket_mb)));
     f.push_back(field("parallel", "unit_policy", "sharded units: \"block\" (one per transformer block + root) or \"model\"",
@@ -375,47 +380,25 @@ void TrainConfig::validate(int world_size) {
   if (steps < 1) bad("training.steps", std::to_string(steps), "must be >= 1");
   if (micro_batch < 1) bad("training.micro_batch", std::to_string(micro_batch), "must be >= 1");
   if (batch < 1) bad("training.batch", std::to_string(batch), "must be >= 1");
-  if (zero_stage < 0 || zero_stage > 3) bad("parallel.zero_stage", std::to_string(zero_stage), "must be 0, 1, 2 or 3");
-  if (dp < 0) bad("parallel.dp", std::to_string(dp), "must be >= 0 (0: derived from the world size)");
-  if (fsdp < 0) bad("parallel.fsdp", std::to_string(fsdp), "must be >= 0 (0: derived from the world size)");
-  if (zero_stage == 0 && fsdp > 1) {
-    bad("parallel.fsdp", std::to_string(fsdp), "shards need parallel.zero_stage >= 1 (zero_stage 0 is plain data parallel)");
-  }
-  if (tp < 1) bad("parallel.tp", std::to_string(tp), "must be >= 1");
-  if (world_size % tp != 0) {
-    bad("parallel.tp", std::to_string(tp), "must divide the world size " + std::to_string(world_size));
-  }
-  if (pp < 1) bad("parallel.pp", std::to_string(pp), "must be >= 1");
-  if (world_size % (pp * tp) != 0) {
-    bad("parallel.pp", std::to_string(pp), "pp x tp (" + std::to_string(pp * tp) + ") must divide the world size " +
-                                               std::to_string(world_size));
-  }
-  if (pp > 1 && zero_stage == 3) {
-    bad("parallel.zero_stage", "3", "does not combine with parallel.pp > 1 (every micro-batch would gather every "
-                                    "stage's parameters again); use zero_stage 1 or 2 with pipelines");
-  }
-  if (std::find(parallel::pipeline::schedule_names().begin(), parallel::pipeline::schedule_names().end(), pp_schedule) == parallel::pipeline::schedule_names().end()) {
-    bad("parallel.pp_schedule", "\"" + pp_schedule + "\"", "use \"gpipe\", \"1f1b\" or \"interleaved\"");
-  }
-  if (virtual_stages < 1) bad("parallel.virtual_stages", std::to_string(virtual_stages), "must be >= 1");
-  if (virtual_stages > 1 && pp_schedule != "interleaved") {
-    bad("parallel.virtual_stages", std::to_string(virtual_stages), "needs parallel.pp_schedule = \"interleaved\"");
-  }
-  if (virtual_stages > 1 && pp < 2) bad("parallel.virtual_stages", std::to_string(virtual_stages), "needs parallel.pp >= 2");
-  if (pp * virtual_stages > model.layers) {
-    bad("parallel.pp", std::to_string(pp), "x parallel.virtual_stages (" + std::to_string(virtual_stages) + ") = " +
-                                               std::to_string(pp * virtual_stages) + " stages, more than model.layers (" +
-                                               std::to_string(model.layers) + "); every stage needs a block");
+  // The layout rules (mesh/parallel_dims.h): degrees against the world size, then against the model.
+  const mesh::ParallelDims given = parallel;
+  try {
+    parallel.resolve(world_size);
+    parallel.check_model(meshtrain::parallel::model_dims(model));
+  } catch (const mesh::LayoutError& e) {
+    std::string value = e.value();
+    if (e.key() == "dp" || e.key() == "fsdp") value = std::to_string(e.key() == "dp" ? given.dp : given.fsdp);
+    bad("parallel." + e.key(), value, e.reason());
   }
   if (pp_split != "params" && pp_split != "time") {
     try {
-      parallel::pipeline::parse_split(pp_split, model.layers, static_cast<int>(pp * virtual_stages));
+      meshtrain::parallel::pipeline::parse_split(pp_split, model.layers, static_cast<int>(parallel.stages()));
     } catch (const std::invalid_argument& e) {
       bad("parallel.pp_split", "\"" + pp_split + "\"", e.what());
     }
   }
   try {
-    parallel::parse_checkpoint_mode(activation_checkpoint);
+    meshtrain::parallel::parse_checkpoint_mode(activation_checkpoint);
   } catch (const std::invalid_argument&) {
     bad("parallel.activation_checkpoint", "\"" + activation_checkpoint + "\"", "use \"none\", \"full\" or \"selective\"");
   }
@@ -424,42 +407,20 @@ void TrainConfig::validate(int world_size) {
   }
   if (microbatches < 0) bad("parallel.microbatches", std::to_string(microbatches), "must be >= 0 (0: derived)");
   if (trace_step < 0) bad("run.trace_step", std::to_string(trace_step), "must be >= 0 (0: none)");
-  if (sequence_parallel && tp == 1) bad("parallel.sequence_parallel", "true", "needs parallel.tp > 1");
-  try {
-    parallel::check_tensor_parallel(model, static_cast<int>(tp), sequence_parallel);
-  } catch (const std::invalid_argument& e) {
-    bad("parallel.tp", std::to_string(tp), e.what());
-  }
-  // The tp axis takes its ranks first. Unset axes (0) take the ranks the
-  // others leave: all shards for zero_stage >= 1, all replicas for plain data parallel.
-  const int64_t given_dp = dp, given_fsdp = fsdp;
-  const int64_t ranks = world_size / (tp * pp);  // for dp x fsdp
-  if (zero_stage == 0) fsdp = 1;
-  if (dp == 0 && fsdp == 0) fsdp = ranks;
-  if (dp == 0 && ranks % fsdp == 0) dp = ranks / fsdp;
-  if (fsdp == 0 && ranks % dp == 0) fsdp = ranks / dp;
-  if (dp * fsdp != ranks) {
-    bad("parallel.dp", std::to_string(given_dp),
-        "with parallel.fsdp = " + std::to_string(given_fsdp) + ": dp(" + std::to_string(dp) + ") * fsdp(" +
-            std::to_string(fsdp) + ") must equal the world size " + std::to_string(world_size) +
-            (pp > 1 && tp > 1 ? " / (parallel.pp x parallel.tp) " + std::to_string(pp * tp) + " = " + std::to_string(ranks)
-             : tp > 1         ? " / parallel.tp " + std::to_string(tp) + " = " + std::to_string(ranks)
-             : pp > 1         ? " / parallel.pp " + std::to_string(pp) + " = " + std::to_string(ranks)
-                              : "") +
-            " (an axis left at 0 takes the ranks the other leaves)");
-  }
   if (microbatches > 0) {
     if (batch % (microbatches * data_ranks()) != 0) {
       bad("parallel.microbatches", std::to_string(microbatches),
-          "training.batch (" + std::to_string(batch) + ") must be divisible by microbatches x dp (" + std::to_string(dp) +
-              ") x fsdp (" + std::to_string(fsdp) + ") = " + std::to_string(microbatches * data_ranks()));
+          "training.batch (" + std::to_string(batch) + ") must be divisible by microbatches x dp (" +
+              std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ") = " +
+              std::to_string(microbatches * data_ranks()));
     }
     micro_batch = batch / (microbatches * data_ranks());
   }
   if (batch % (micro_batch * data_ranks()) != 0) {
     bad("training.batch", std::to_string(batch),
-        "must be divisible by training.micro_batch (" + std::to_string(micro_batch) + ") x dp (" + std::to_string(dp) +
-            ") x fsdp (" + std::to_string(fsdp) + ") = " + std::to_string(micro_batch * data_ranks()));
+        "must be divisible by training.micro_batch (" + std::to_string(micro_batch) + ") x dp (" +
+            std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ") = " +
+            std::to_string(micro_batch * data_ranks()));
   }
   if (unit_policy != "block" && unit_policy != "model") {
     bad("parallel.unit_policy", "\"" + unit_policy + "\"", "use \"block\" or \"model\"");
@@ -467,7 +428,7 @@ void TrainConfig::validate(int world_size) {
   for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"parallel.param_dtype", param_dtype},
                                    {"parallel.reduce_dtype", reduce_dtype}}) {
     if (value != "float32" && value != "bfloat16") bad(key, "\"" + value + "\"", "use \"float32\" or \"bfloat16\"");
-    if (value != "float32" && zero_stage == 0) {
+    if (value != "float32" && parallel.zero_stage == 0) {
       bad(key, "\"" + value + "\"", "applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
     }
   }
@@ -476,9 +437,10 @@ void TrainConfig::validate(int world_size) {
   }
   if (memory_limit_mb < 0) bad("memory.limit_mb", std::to_string(memory_limit_mb), "must be >= 0 (0: no limit)");
   grad_accum = batch / (micro_batch * data_ranks());
-  if (pp_schedule == "interleaved" && pp > 1 && grad_accum % pp != 0) {
-    bad("parallel.microbatches", std::to_string(grad_accum),
-        "the interleaved schedule needs micro-batches per step divisible by parallel.pp (" + std::to_string(pp) + ")");
+  try {
+    parallel.check_microbatches(grad_accum);
+  } catch (const mesh::LayoutError& e) {
+    bad("parallel." + e.key(), e.value(), e.reason());
   }
   if (!(lr > 0)) bad("training.lr", std::to_string(lr), "must be > 0");
   if (min_lr < 0 || min_lr > lr) bad("training.min_lr", std::to_string(min_lr), "must be in [0, training.lr]");

@@ -3,6 +3,7 @@
 // before any work starts.
 #pragma once
 
+#include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/model/gpt_config.h"
 
 #include <cstdint>
@@ -45,19 +46,14 @@ struct TrainConfig {
   int64_t log_every = 1;
   int64_t sample_tokens = 300;  // generated at the end of training (0: none)
   // [parallel]
-  int64_t dp = 0;            // replicas (the dp axis); 0: derived, see validate()
-  int64_t fsdp = 0;          // shards (the fsdp axis) for zero_stage >= 1; 0: derived
-  int64_t tp = 1;            // tensor-parallel ranks (the tp axis, innermost); dp x fsdp x tp = ranks
-  bool sequence_parallel = false;  // with tp > 1: norms, dropout and residuals on sequence chunks
-  int64_t pp = 1;            // pipeline stages (the pp axis, outermost); pp x dp x fsdp x tp = ranks
-  std::string pp_schedule = "1f1b";  // "gpipe" | "1f1b" | "interleaved"
+  // Degrees (pp, dp, fsdp, tp; dp and fsdp 0: derived), sequence parallel,
+  // ZeRO stage, schedule and virtual stages; the layout rules live there.
+  mesh::ParallelDims parallel;
   int64_t microbatches = 0;  // per data rank per step; 0: batch / (micro_batch x dp x fsdp)
-  int64_t virtual_stages = 1;  // stages per pipeline rank ("interleaved")
   std::string pp_split = "params";  // "params" | "time" (balanced) | "3,3,2" (blocks per stage)
   std::string activation_checkpoint = "none";  // "none" | "full" | "selective"
   int64_t activation_checkpoint_every = 1;     // every k-th block
   int64_t bucket_mb = 25;
-  int64_t zero_stage = 0;    // 0: data parallel; 1: optimizer states, 2: + gradients, 3: + parameters sharded
   std::string unit_policy = "block";  // fully sharded units: "block" or "model"
   bool prefetch = true;
   bool reshard_after_forward = true;
@@ -77,7 +73,7 @@ struct TrainConfig {
 
   // Derived, after validate(world_size).
   int64_t grad_accum = 1;  // micro-batches per data rank per step (the pipeline's m when pp > 1)
-  int64_t data_ranks() const { return dp * fsdp; }  // ranks that each read their own micro-batches
+  int64_t data_ranks() const { return parallel.data_ranks(); }  // ranks that each read their own micro-batches
 
   // Loads `path` (empty: defaults only), then applies overrides ("section.key=value").
   static TrainConfig load(const std::string& path, const std::vector<std::string>& overrides);

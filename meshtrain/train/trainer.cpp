@@ -115,10 +115,10 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   // read per (dp, fsdp) coordinate; the ranks of a tp group and of a pipeline
   // read the same ones.
   mesh_ = std::make_unique<mesh::DeviceMesh>(
-      world_, mesh::MeshLayout::from_degrees({{"pp", static_cast<int>(config_.pp)},
-                                              {"dp", static_cast<int>(config_.dp)},
-                                              {"fsdp", static_cast<int>(config_.fsdp)},
-                                              {"tp", static_cast<int>(config_.tp)}},
+      world_, mesh::MeshLayout::from_degrees({{"pp", static_cast<int>(config_.parallel.pp)},
+                                              {"dp", static_cast<int>(config_.parallel.dp)},
+                                              {"fsdp", static_cast<int>(config_.parallel.fsdp)},
+                                              {"tp", static_cast<int>(config_.parallel.tp)}},
                                              world_->size()));
   data_ = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
 
@@ -126,12 +126,12 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   // then data parallel or sharding over the rest.
   model_ = model::Gpt(config_.model, config_.seed);
   for (const auto& item : model_->named_parameters()) homes_.push_back({item.key(), item.value().sizes().vec(), 0});
-  if (config_.tp > 1) {
+  if (config_.parallel.tp > 1) {
     tensor_parallel_ = std::make_unique<parallel::TensorParallel>(
-        model_, mesh_->comm("tp"), parallel::gpt_tensor_parallel_plan(config_.model, config_.sequence_parallel),
-        parallel::TensorParallelOptions{config_.sequence_parallel, config_.seed});
+        model_, mesh_->comm("tp"), parallel::gpt_tensor_parallel_plan(config_.model, config_.parallel.sequence_parallel),
+        parallel::TensorParallelOptions{config_.parallel.sequence_parallel, config_.seed});
   }
-  if (config_.pp > 1) apply_pipeline();
+  if (config_.parallel.pp > 1) apply_pipeline();
   // How this rank's parameters add up to the model's (gradient norms).
   if (const parallel::TensorParallel* tp = tensor_parallel_.get()) {
     model_parallel_.tensor = tp->comm();
@@ -148,7 +148,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     checkpointing_ = parallel::apply_activation_checkpoint(model_, checkpoint_mode, config_.activation_checkpoint_every,
                                                            std::move(streams));
   }
-  if (config_.zero_stage == 0) {
+  if (config_.parallel.zero_stage == 0) {
     data_parallel_ = std::make_unique<parallel::DataParallel>(*model_, data_, [&] {
       parallel::DataParallelOptions options;
       options.bucket_bytes = config_.bucket_mb << 20;
@@ -168,7 +168,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), *options(config_.weight_decay));
   } else {
     parallel::FullyShardedOptions options;
-    options.stage = static_cast<int>(config_.zero_stage);
+    options.stage = static_cast<int>(config_.parallel.zero_stage);
     options.unit_policy = config_.unit_policy;
     options.prefetch = config_.prefetch;
     options.reshard_after_forward = config_.reshard_after_forward;
@@ -200,13 +200,13 @@ Trainer::~Trainer() { memory::set_limit(previous_limit_); }
 std::string Trainer::layout() const {
   std::string layout = sharded_ ? sharded_->layout() : "";
   auto add = [&](const std::string& part) {
-    layout += (layout.empty() ? "zero_stage=0 dp=" + std::to_string(config_.dp) + " " : " ") + part;
+    layout += (layout.empty() ? "zero_stage=0 dp=" + std::to_string(config_.parallel.dp) + " " : " ") + part;
   };
   if (tensor_parallel_) add(tensor_parallel_->layout());
   if (pipeline_) {
     std::string split;
     for (const auto& stage : stages_) split += (split.empty() ? "" : ",") + std::to_string(stage.end_block - stage.first_block);
-    add("pp=" + std::to_string(config_.pp) + " v=" + std::to_string(config_.virtual_stages) + " blocks=" + split);
+    add("pp=" + std::to_string(config_.parallel.pp) + " v=" + std::to_string(config_.parallel.virtual_stages) + " blocks=" + split);
   }
   return layout;
 }
@@ -214,7 +214,7 @@ std::string Trainer::layout() const {
 void Trainer::apply_pipeline() {
   namespace pipe = parallel::pipeline;
   pipeline_ = mesh_->comm("pp");
-  const int p = pipeline_->size(), v = static_cast<int>(config_.virtual_stages), me = pipeline_->rank();
+  const int p = pipeline_->size(), v = static_cast<int>(config_.parallel.virtual_stages), me = pipeline_->rank();
   std::vector<int64_t> blocks;
   if (config_.pp_split == "params" || config_.pp_split == "time") {
     std::vector<double> costs = config_.pp_split == "params" ? pipe::parameter_costs(config_.model)
@@ -246,7 +246,7 @@ void Trainer::apply_pipeline() {
   pipe::keep_stages(model_, mine);
   const bool tied = config_.model.tie_embeddings;
   embedding_ = pipeline_->split(tied && (me == 0 || me == p - 1) ? 0 : -1, me, "pp:embedding");
-  schedule_ = pipe::make_schedule(config_.pp_schedule, p, v, static_cast<int>(config_.grad_accum));
+  schedule_ = pipe::make_schedule(config_.parallel.schedule, p, v, static_cast<int>(config_.grad_accum));
   pipe::validate(schedule_);
   executor_ = std::make_unique<pipe::PipelineExecutor>(pipeline_);
 }
@@ -272,7 +272,7 @@ double Trainer::run_pipeline(const parallel::pipeline::Schedule& schedule, const
     backward_phase.reset();
   };
   const int64_t context = config_.model.context;
-  const int64_t rows = config_.sequence_parallel ? context / config_.tp : context;
+  const int64_t rows = config_.parallel.sequence_parallel ? context / config_.parallel.tp : context;
   const at::ScalarType dtype = sharded_ ? parallel::parse_dtype(config_.param_dtype) : at::kFloat;
   return executor_->run(schedule, callbacks, {inputs.front().size(0), rows, config_.model.width}, dtype);
 }
@@ -285,8 +285,8 @@ void Trainer::write_trace() {
   util::write_text_file(trace, parallel::pipeline::chrome_trace(ranks));
   char title[256];
   std::snprintf(title, sizeof title, "step %lld: %s, pp=%lld, v=%lld, %lld micro-batches, %d ranks",
-                (long long)config_.trace_step, config_.pp_schedule.c_str(), (long long)config_.pp,
-                (long long)config_.virtual_stages, (long long)config_.grad_accum, world_->size());
+                (long long)config_.trace_step, config_.parallel.schedule.c_str(), (long long)config_.parallel.pp,
+                (long long)config_.parallel.virtual_stages, (long long)config_.grad_accum, world_->size());
   util::write_text_file(picture, parallel::pipeline::timeline_svg(ranks, title));
   std::printf("meshtrain: pipeline trace of step %lld in %s (open in ui.perfetto.dev), picture in %s\n",
               (long long)config_.trace_step, trace.c_str(), picture.c_str());
@@ -455,8 +455,8 @@ double Trainer::evaluate() {
     targets.push_back(y);
   }
   if (executor_) {
-    const auto schedule = parallel::pipeline::forward_only(static_cast<int>(config_.pp),
-                                                           static_cast<int>(config_.virtual_stages),
+    const auto schedule = parallel::pipeline::forward_only(static_cast<int>(config_.parallel.pp),
+                                                           static_cast<int>(config_.parallel.virtual_stages),
                                                            static_cast<int>(config_.eval_batches));
     total = run_pipeline(schedule, inputs, targets, 1.0);
   } else {
@@ -551,22 +551,22 @@ void Trainer::run() {
     const int64_t tokens_per_step = config_.batch * config_.model.context;
     std::string layout = "data parallel";
     if (sharded_) {
-      layout = "ZeRO stage " + std::to_string(config_.zero_stage) + ", dp(" + std::to_string(config_.dp) + ") x fsdp(" +
-               std::to_string(config_.fsdp) + "), " + std::to_string(sharded_->unit_count()) + " units, " +
+      layout = "ZeRO stage " + std::to_string(config_.parallel.zero_stage) + ", dp(" + std::to_string(config_.parallel.dp) + ") x fsdp(" +
+               std::to_string(config_.parallel.fsdp) + "), " + std::to_string(sharded_->unit_count()) + " units, " +
                config_.param_dtype + " compute, " + config_.reduce_dtype + " reductions";
     }
     if (tensor_parallel_) {
-      layout += " over " + std::to_string(config_.dp * config_.fsdp) + " x tensor parallel tp(" +
-                std::to_string(config_.tp) + ")" + (config_.sequence_parallel ? " with sequence parallel" : "");
+      layout += " over " + std::to_string(config_.parallel.dp * config_.parallel.fsdp) + " x tensor parallel tp(" +
+                std::to_string(config_.parallel.tp) + ")" + (config_.parallel.sequence_parallel ? " with sequence parallel" : "");
     }
     if (pipeline_) {
       std::string split;
       for (const auto& stage : stages_) split += (split.empty() ? "" : " | ") + stage.str();
-      layout += ", pipeline pp(" + std::to_string(config_.pp) + ") " + config_.pp_schedule + " with " +
+      layout += ", pipeline pp(" + std::to_string(config_.parallel.pp) + ") " + config_.parallel.schedule + " with " +
                 std::to_string(config_.grad_accum) + " micro-batches of " + std::to_string(config_.micro_batch) +
-                (config_.virtual_stages > 1 ? ", " + std::to_string(config_.virtual_stages) + " virtual stages per rank" : "") +
+                (config_.parallel.virtual_stages > 1 ? ", " + std::to_string(config_.parallel.virtual_stages) + " virtual stages per rank" : "") +
                 ", bubble " + std::to_string(int(100 * parallel::pipeline::theoretical_bubble(
-                                  int(config_.pp), int(config_.virtual_stages), int(config_.grad_accum)) + 0.5)) +
+                                  int(config_.parallel.pp), int(config_.parallel.virtual_stages), int(config_.grad_accum)) + 0.5)) +
                 "%; stages: " + split;
     }
     if (checkpointing_) {

@@ -29,12 +29,12 @@ expect_error() {  # message, then the train arguments
   fi
   grep -qF "$message" "$run/bad.log" || { cat "$run/bad.log"; exit 1; }
 }
-expect_error "parallel.pp = 3: pp x tp (3) must divide the world size 4" --parallel.pp=3
-expect_error "parallel.pp = 4: x parallel.virtual_stages (2) = 8 stages, more than model.layers (4)" \
+expect_error "parallel.pp = 3: pp(3) * ep(1) * tp(1) = 3 does not divide the world size 4" --parallel.pp=3
+expect_error "parallel.virtual_stages = 2: pp(4) * virtual_stages(2) = 8 stages > 4 layers" \
   --parallel.pp=4 --parallel.pp_schedule=interleaved --parallel.virtual_stages=2
 expect_error "parallel.microbatches = 3: training.batch (16) must be divisible by microbatches" --parallel.pp=4 --parallel.microbatches=3
 expect_error "parallel.pp_split = \"3,2\"" --parallel.pp=2 --parallel.pp_split=3,2
-expect_error "parallel.zero_stage = 3: does not combine with parallel.pp > 1" --parallel.pp=2 --parallel.zero_stage=3
+expect_error "parallel.zero_stage = 3: does not combine with pp(2) > 1" --parallel.pp=2 --parallel.zero_stage=3
 "$meshtrain" timeline "$run/first.log" > "$run/timeline-bad.log" 2>&1 && { echo "a log is not a trace"; exit 1; }
 grep -q "not JSON" "$run/timeline-bad.log"
 echo "ok: pipeline trained, drew its timeline, resumed and sampled"

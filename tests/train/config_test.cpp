@@ -25,7 +25,7 @@ TEST(TrainConfig, DefaultsValidateAndDeriveAccumulation) {
   TrainConfig c = TrainConfig::load("", {});
   c.validate(2);
   EXPECT_EQ(c.preset, "small");
-  EXPECT_EQ(c.dp, 2);
+  EXPECT_EQ(c.parallel.dp, 2);
   EXPECT_EQ(c.grad_accum, 1);  // 16 / (8 x 2)
   c = TrainConfig::load("", {"training.micro_batch=2"});
   c.validate(2);
@@ -36,7 +36,7 @@ TEST(TrainConfig, ShardedAxesFillTheWorld) {
   auto axes = [](std::vector<std::string> overrides, int world) {
     TrainConfig c = TrainConfig::load("", overrides);
     c.validate(world);
-    return std::vector<int64_t>{c.dp, c.fsdp, c.grad_accum};
+    return std::vector<int64_t>{c.parallel.dp, c.parallel.fsdp, c.grad_accum};
   };
   EXPECT_EQ(axes({"parallel.zero_stage=3", "training.batch=32", "training.micro_batch=2"}, 4),
             (std::vector<int64_t>{1, 4, 4}));
@@ -97,43 +97,42 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"training.batch=10"}, 2),
             "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) = 16");
   EXPECT_EQ(validated({"parallel.dp=3"}, 2),
-            "parallel.dp = 3: with parallel.fsdp = 0: dp(3) * fsdp(1) must equal the world size 2 (an axis left at 0 "
-            "takes the ranks the other leaves)");
+            "parallel.dp = 3: dp(3) * fsdp(1) = 3 != the 2 data ranks (world size 2 / (pp(1) * ep(1) * tp(1)))");
   EXPECT_EQ(validated({"parallel.zero_stage=3", "parallel.fsdp=3"}, 4),
-            "parallel.dp = 0: with parallel.fsdp = 3: dp(0) * fsdp(3) must equal the world size 4 (an axis left at 0 "
-            "takes the ranks the other leaves)");
+            "parallel.fsdp = 3: fsdp(3) does not divide the 4 data ranks (world size 4 / (pp(1) * ep(1) * tp(1)))");
   EXPECT_EQ(validated({"parallel.fsdp=2"}, 2),
-            "parallel.fsdp = 2: shards need parallel.zero_stage >= 1 (zero_stage 0 is plain data parallel)");
+            "parallel.fsdp = 2: shards need zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   EXPECT_EQ(validated({"parallel.zero_stage=4"}, 2), "parallel.zero_stage = 4: must be 0, 1, 2 or 3");
   // Tensor parallel: what must divide, said before any rank starts.
   EXPECT_EQ(validated({"parallel.tp=3"}, 3),
-            "parallel.tp = 3: tensor parallel over 3 ranks: model.vocab_size = 256 is not divisible by 3; the embedding "
-            "and head are split by vocabulary rows and not padded (padding would change the model)");
+            "parallel.tp = 3: tp(3) does not divide the vocabulary (256); the embedding and head are split by vocabulary "
+            "rows (not padded: padding would change the model)");
   EXPECT_EQ(validated({"parallel.tp=8"}, 8),
-            "parallel.tp = 8: tensor parallel over 8 ranks: model.heads = 6 is not divisible by 8; attention is split by "
-            "heads: use a head count that is a multiple of parallel.tp");
-  EXPECT_EQ(validated({"parallel.tp=4"}, 2), "parallel.tp = 4: must divide the world size 2");
-  EXPECT_EQ(validated({"parallel.sequence_parallel=true"}, 2), "parallel.sequence_parallel = true: needs parallel.tp > 1");
+            "parallel.tp = 8: tp(8) does not divide the attention heads (6); attention is split by heads");
+  EXPECT_EQ(validated({"parallel.tp=4"}, 2),
+            "parallel.tp = 4: pp(1) * ep(1) * tp(4) = 4 does not divide the world size 2");
+  EXPECT_EQ(validated({"parallel.sequence_parallel=true"}, 2), "parallel.sequence_parallel = true: needs tp > 1");
   EXPECT_EQ(validated({"parallel.tp=2", "parallel.sequence_parallel=true", "model.context=101"}, 2),
-            "parallel.tp = 2: tensor parallel over 2 ranks: model.context = 101 is not divisible by 2; sequence parallel "
-            "splits every sequence into parallel.tp chunks");
+            "parallel.tp = 2: tp(2) does not divide the context (101); sequence parallel splits every sequence into tp "
+            "chunks");
   EXPECT_EQ(validated({"parallel.tp=2", "parallel.dp=2"}, 2),
-            "parallel.dp = 2: with parallel.fsdp = 0: dp(2) * fsdp(1) must equal the world size 2 / parallel.tp 2 = 1 "
-            "(an axis left at 0 takes the ranks the other leaves)");
+            "parallel.dp = 2: dp(2) * fsdp(1) = 2 != the 1 data ranks (world size 2 / (pp(1) * ep(1) * tp(2)))");
   EXPECT_EQ(validated({"parallel.pp=2", "parallel.dp=2"}, 2),
-            "parallel.dp = 2: with parallel.fsdp = 0: dp(2) * fsdp(1) must equal the world size 2 / parallel.pp 2 = 1 "
-            "(an axis left at 0 takes the ranks the other leaves)");
-  EXPECT_EQ(validated({"parallel.pp=3"}, 4), "parallel.pp = 3: pp x tp (3) must divide the world size 4");
+            "parallel.dp = 2: dp(2) * fsdp(1) = 2 != the 1 data ranks (world size 2 / (pp(2) * ep(1) * tp(1)))");
+  EXPECT_EQ(validated({"parallel.pp=3"}, 4), "parallel.pp = 3: pp(3) * ep(1) * tp(1) = 3 does not divide the world size 4");
   EXPECT_EQ(validated({"parallel.pp=2", "parallel.zero_stage=3"}, 2),
-            "parallel.zero_stage = 3: does not combine with parallel.pp > 1 (every micro-batch would gather every stage's "
+            "parallel.zero_stage = 3: does not combine with pp(2) > 1 (every micro-batch would gather every stage's "
             "parameters again); use zero_stage 1 or 2 with pipelines");
   EXPECT_EQ(validated({"parallel.pp=2", "parallel.pp_schedule=zigzag"}, 2),
             "parallel.pp_schedule = \"zigzag\": use \"gpipe\", \"1f1b\" or \"interleaved\"");
   EXPECT_EQ(validated({"parallel.pp=2", "parallel.virtual_stages=2"}, 2),
-            "parallel.virtual_stages = 2: needs parallel.pp_schedule = \"interleaved\"");
+            "parallel.virtual_stages = 2: needs pp_schedule = \"interleaved\"");
+  EXPECT_EQ(validated({"parallel.pp=2", "parallel.pp_schedule=interleaved"}, 2),
+            "parallel.virtual_stages = 1: pp_schedule = \"interleaved\" needs virtual_stages >= 2 (with one stage per "
+            "rank it is 1f1b)");
   EXPECT_EQ(validated({"parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2",
                        "parallel.microbatches=3", "training.batch=6"}, 2),
-            "parallel.microbatches = 3: the interleaved schedule needs micro-batches per step divisible by parallel.pp (2)");
+            "parallel.microbatches = 3: the interleaved schedule needs micro-batches per step divisible by pp(2)");
   EXPECT_EQ(validated({"parallel.activation_checkpoint=most"}, 1),
             "parallel.activation_checkpoint = \"most\": use \"none\", \"full\" or \"selective\"");
   EXPECT_EQ(validated({"parallel.param_dtype=bfloat16"}, 2),

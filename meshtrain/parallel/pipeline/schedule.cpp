@@ -1,5 +1,7 @@
 #include "meshtrain/parallel/pipeline/schedule.h"
 
+#include "meshtrain/mesh/parallel_dims.h"
+
 #include <algorithm>
 #include <deque>
 #include <map>
@@ -29,21 +31,22 @@ std::string Action::str() const {
   return names[static_cast<int>(kind)] + std::to_string(microbatch) + "@s" + std::to_string(stage);
 }
 
-const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved"};
-  return names;
-}
-
 Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches) {
-  if (name == "gpipe" || name == "1f1b") {
-    if (virtual_stages != 1) {
-      throw ScheduleError("pipeline schedule '" + name + "' runs one stage per rank; virtual stages (" +
-                          std::to_string(virtual_stages) + ") need the 'interleaved' schedule");
-    }
-    return name == "gpipe" ? gpipe(ranks, microbatches) : one_f_one_b(ranks, microbatches);
+  // The layout rules (schedule names, virtual stages, micro-batch counts) are ParallelDims'.
+  mesh::ParallelDims dims;
+  dims.pp = ranks;
+  dims.dp = dims.fsdp = 1;
+  dims.schedule = name;
+  dims.virtual_stages = virtual_stages;
+  try {
+    dims.check();
+    dims.check_microbatches(microbatches);
+  } catch (const mesh::LayoutError& e) {
+    throw ScheduleError("pipeline schedule '" + name + "': " + e.what());
   }
-  if (name == "interleaved") return interleaved_1f1b(ranks, virtual_stages, microbatches);
-  throw ScheduleError("unknown pipeline schedule '" + name + "'; use gpipe, 1f1b or interleaved");
+  if (name == "gpipe") return gpipe(ranks, microbatches);
+  if (name == "1f1b") return one_f_one_b(ranks, microbatches);
+  return interleaved_1f1b(ranks, virtual_stages, microbatches);
 }
 
 Schedule gpipe(int ranks, int microbatches) {

@@ -60,9 +60,8 @@ struct Schedule {
   int rank_of(int stage) const { return stage % ranks; }
 };
 
-// The schedule kinds by name: "gpipe", "1f1b", "interleaved".
-const std::vector<std::string>& schedule_names();
-// Throws ScheduleError for an unknown name or sizes it cannot take.
+// "gpipe", "1f1b" or "interleaved" (mesh::ParallelDims::schedule_names()).
+// Throws ScheduleError for a name or sizes the layout rules refuse.
 Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches);
 Schedule gpipe(int ranks, int microbatches);
 Schedule one_f_one_b(int ranks, int microbatches);

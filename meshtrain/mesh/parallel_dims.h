@@ -1,0 +1,95 @@
+// ParallelDims: how many ranks each parallelism takes, and every rule a layout
+// must follow, written once. Config validation, the device mesh, the pipeline
+// schedules and the planner all ask it (see Note [Layout rules]).
+#pragma once
+
+#include "meshtrain/mesh/mesh_layout.h"
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace meshtrain::mesh {
+
+// A broken layout rule. `key` is the [parallel] setting at fault ("tp"),
+// `value` what it was, `reason` the rule with its formula
+// ("pp(3) * tp(1) = 3 does not divide the world size 4").
+class LayoutError : public std::invalid_argument {
+ public:
+  LayoutError(std::string key, std::string value, std::string reason);
+  const std::string& key() const { return key_; }
+  const std::string& value() const { return value_; }
+  const std::string& reason() const { return reason_; }
+
+ private:
+  std::string key_, value_, reason_;
+};
+
+// The sizes of a model that the layout rules depend on.
+struct ModelDims {
+  int64_t layers = 1;
+  int64_t heads = 1;
+  int64_t kv_heads = 1;  // grouped-query attention; = heads without it
+  int64_t ffn = 1;       // the MLP's hidden size
+  int64_t vocab = 1;
+  int64_t context = 1;
+};
+
+// Note [Layout rules]
+// The mesh is pp x dp x fsdp x ep x tp, pp outermost and tp innermost (tensor
+// parallel peers are neighbouring ranks, usually one node). The rules:
+// - every degree >= 1 (dp and fsdp may be 0 before resolve(): an axis left at
+//   0 takes the ranks the other leaves: all shards when zero_stage >= 1, all
+//   replicas for plain data parallel);
+// - pp * dp * fsdp * ep * tp = the world size;
+// - fsdp > 1 needs zero_stage >= 1; zero_stage 3 does not run inside a
+//   pipeline (every micro-batch would gather every stage again);
+// - sequence parallel needs tp > 1; tp divides heads, key/value heads, the MLP
+//   hidden size and the vocabulary, and with sequence parallel the context;
+// - ep > 1 needs a mixture-of-experts model (none yet);
+// - pp_schedule is gpipe, 1f1b or interleaved; virtual_stages > 1 needs
+//   interleaved and pp >= 2; interleaved with pp >= 2 needs virtual_stages >= 2
+//   (with one it is 1f1b) and micro-batches divisible by pp; pp *
+//   virtual_stages <= layers (every stage needs a block); micro-batches >= 1.
+struct ParallelDims {
+  int64_t pp = 1;
+  int64_t dp = 0;    // replicas
+  int64_t fsdp = 0;  // shards (ZeRO / FSDP) per replica
+  int64_t ep = 1;    // expert parallel (1 until mixture-of-experts models exist)
+  int64_t tp = 1;
+  bool sequence_parallel = false;
+  int zero_stage = 0;  // 0: plain data parallel; 1: optimizer states sharded; 2: + gradients; 3: + parameters
+  std::string schedule = "1f1b";
+  int64_t virtual_stages = 1;
+
+  static const std::vector<std::string>& schedule_names();  // gpipe, 1f1b, interleaved
+
+  // Fills dp and fsdp left at 0 so that the product is `world_size`, then
+  // check()s. Throws LayoutError.
+  void resolve(int64_t world_size);
+  // Every rule that needs neither the model nor the micro-batch count, for a
+  // resolved layout (no degree 0).
+  void check() const;
+  void check_model(const ModelDims& model) const;
+  void check_microbatches(int64_t microbatches) const;  // per data rank per step
+
+  int64_t world() const { return pp * dp * fsdp * ep * tp; }
+  int64_t data_ranks() const { return dp * fsdp; }  // ranks that read different micro-batches
+  int64_t shards() const { return zero_stage > 0 ? fsdp : 1; }
+  int64_t stages() const { return pp * virtual_stages; }
+  bool pipelined() const { return pp > 1; }
+  bool tensor_parallel() const { return tp > 1; }
+  bool sharded() const { return zero_stage > 0; }
+
+  // The mesh pp x dp x fsdp x ep x tp over world() ranks.
+  MeshLayout mesh_layout() const;
+  // "pp(2) * dp(1) * fsdp(2) * ep(1) * tp(2)" — the formula a product error prints.
+  std::string formula() const;
+  // "pp=2 1f1b dp=1 fsdp=2 tp=2 sp zero=1": everything, for checkpoints and logs.
+  std::string str() const;
+  bool operator==(const ParallelDims& o) const;
+  bool operator!=(const ParallelDims& o) const { return !(*this == o); }
+};
+
+}  // namespace meshtrain::mesh
