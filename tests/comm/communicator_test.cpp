@@ -128,6 +128,21 @@ TEST_P(CollectiveTest, AllToAllEvenAndUneven) {
   at::Tensor got = at::empty({n() * (rank() + 1), 2}, opts());
   c().all_to_all(got, at::cat(sent), out_splits, in_splits).wait();
   expect_same(got, at::cat(expected));
+
+  // Splits that look even on one rank only: the last rank sends and receives
+  // nothing, the others 1 or 2 rows (every rank must still run the same MPI call).
+  auto rows = [&](int from, int to) -> int64_t { return from < n() - 1 && to < n() - 1 ? 1 + (from + to) % 2 : 0; };
+  in_splits.clear(), out_splits.clear(), sent.clear(), expected.clear();
+  for (int d = 0; d < n(); ++d) {
+    in_splits.push_back(rows(rank(), d));
+    out_splits.push_back(rows(d, rank()));
+    sent.push_back(at::full({rows(rank(), d), 2}, 10 * rank() + d, opts()));
+    expected.push_back(at::full({rows(d, rank()), 2}, 10 * d + rank(), opts()));
+  }
+  const at::Tensor want = at::cat(expected);
+  got = at::empty(want.sizes(), opts());
+  c().all_to_all(got, at::cat(sent), out_splits, in_splits).wait();
+  expect_same(got, want);
 }
 
 TEST_P(CollectiveTest, SendRecvRingBothWays) {

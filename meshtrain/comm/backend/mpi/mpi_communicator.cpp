@@ -258,15 +258,12 @@ void MpiCommunicator::execute(const Op& op) {
       std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
       counts_and_displacements(op.input_splits, per_row, what, send_counts, send_displs);
       counts_and_displacements(op.output_splits, per_row, what, recv_counts, recv_displs);
-      if (all_equal(op.input_splits) && all_equal(op.output_splits) && send_counts[0] == recv_counts[0]) {
-        mpi::check(MPI_Alltoall(op.input.data_ptr(), send_counts[0], type, op.output.data_ptr(), recv_counts[0], type,
-                                comm_),
-                   "MPI_Alltoall", prefix);
-      } else {
-        mpi::check(MPI_Alltoallv(op.input.data_ptr(), send_counts.data(), send_displs.data(), type,
-                                 op.output.data_ptr(), recv_counts.data(), recv_displs.data(), type, comm_),
-                   "MPI_Alltoallv", prefix);
-      }
+      // Always the v-variant: splits are per rank, so a choice made from them
+      // (e.g. MPI_Alltoall where they look even) could differ between ranks
+      // and pair one rank's MPI_Alltoall with another's MPI_Alltoallv.
+      mpi::check(MPI_Alltoallv(op.input.data_ptr(), send_counts.data(), send_displs.data(), type,
+                               op.output.data_ptr(), recv_counts.data(), recv_displs.data(), type, comm_),
+                 "MPI_Alltoallv", prefix);
       return;
     }
     case OpKind::kBarrier:
