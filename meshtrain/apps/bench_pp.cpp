@@ -65,7 +65,7 @@ Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::C
   at::Tensor activation = at::zeros({group->size()}, at::kDouble);
   for (int s = 0; s < warmup + steps; ++s) {
     const train::StepResult result = trainer.step();
-    const auto ranks = pipe::gather_spans(*group, trainer.pipeline()->spans(), 0);
+    const auto ranks = pipe::gather_spans(*group, trainer.parallel().pipeline()->executor().spans(), 0);
     const int64_t peak = std::max(result.memory.phase_peak[int(memory::Phase::kForward)],
                                   result.memory.phase_peak[int(memory::Phase::kBackward)]);
     at::Tensor mine = at::zeros({group->size()}, at::kDouble);

@@ -63,7 +63,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
     model_states = result.memory.model_states;
     peak = std::max(peak, result.memory.peak());
     if (sharded) continue;
-    const auto [entered, returned] = trainer.data_parallel().last_finish_times();
+    const auto [entered, returned] = trainer.parallel().data_parallel()->last_finish_times();
     const std::vector<double> everyone = gather(*runtime.world(), entered);
     const double last_arrival = *std::max_element(everyone.begin(), everyone.end());
     const double skew = last_arrival - entered;
@@ -73,7 +73,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   const double exposed_per_step = exposed_total / timed_steps;
   const double skew_per_step = skew_total / timed_steps;
   const double reduce_per_step =
-      runtime.size() > 1 && !sharded ? trainer.data_parallel().standalone_reduce_seconds(5) : 0.0;
+      runtime.size() > 1 && !sharded ? trainer.parallel().data_parallel()->standalone_reduce_seconds(5) : 0.0;
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;

@@ -43,6 +43,9 @@ struct GenerateOptions {
 };
 int run_generate(const GenerateOptions& options);
 
+// meshtrain checkpoint inspect DIR: step, layout, files and every tensor (no MPI).
+int run_checkpoint_inspect(const std::string& path, bool json);
+
 // bench tp: tensor parallel for tp = 1, 2, 4, ... up to the world size (the
 // first tp ranks train, the rest wait): bytes per layer against the formula,
 // tokens/s against tp = 1. Overrides as for train (default: small, 8 heads).

@@ -44,6 +44,9 @@ std::vector<std::string> launch_command(int ranks, const std::vector<std::string
     // More ranks than cores is fine for development runs; binding each rank to
     // one core would serialise a rank's progress thread with its compute.
     command.insert(command.end(), {"--oversubscribe", "--bind-to", "none", "-x", "OMP_NUM_THREADS"});
+    // Quiet: meshtrain says what went wrong itself (once, or naming the rank);
+    // mpirun's banners about exit codes and MPI_Abort would only repeat it.
+    command.push_back("--quiet");
     if (root) command.push_back("--allow-run-as-root");
   }
   command.push_back(self_executable());

@@ -1,5 +1,6 @@
 // meshtrain: train transformer models split across many processes.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/comm/agree.h"
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/train/config.h"
 
@@ -181,6 +182,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   generate->add_option("--seed", generate_options.seed, "Sampling seed")->capture_default_str();
 
+  std::string inspect_path;
+  bool inspect_json = false;
+  CLI::App* checkpoint = app.add_subcommand("checkpoint", "Look into distributed checkpoints");
+  checkpoint->require_subcommand(1);
+  CLI::App* inspect = checkpoint->add_subcommand(
+      "inspect", "What a checkpoint holds: its step, the layout and rank count it was saved with, its files, and every "
+                 "tensor with its global shape, dtype, chunks and size. Any layout can resume from it.");
+  inspect->add_option("checkpoint", inspect_path, "Checkpoint folder, or a checkpoint directory (its latest is used)")
+      ->required();
+  inspect->add_flag("--json", inspect_json, "Print JSON instead of a table");
+
   int launch_ranks = 0;
   std::vector<std::string> launch_args;
   CLI::App* run = app.add_subcommand(
@@ -202,8 +214,10 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (prepare->parsed() || generate->parsed() || timeline->parsed() || (plan->parsed() && !plan_calibrate)) {  // no MPI
+  if (prepare->parsed() || generate->parsed() || timeline->parsed() || inspect->parsed() ||
+      (plan->parsed() && !plan_calibrate)) {  // no MPI
     try {
+      if (inspect->parsed()) return meshtrain::apps::run_checkpoint_inspect(inspect_path, inspect_json);
       if (plan->parsed()) return meshtrain::apps::run_plan(plan_options);
       if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
       if (timeline->parsed()) return meshtrain::apps::run_timeline(timeline_trace, timeline_out, timeline_title);
@@ -246,10 +260,16 @@ int main(int argc, char** argv) {
       return meshtrain::apps::run_comm_bench(*runtime, bench_options);
     }
   } catch (const std::exception& e) {
-    if (runtime && runtime->size() > 1) runtime->abort(1, std::string("error: ") + error_text(e));
-    const int rank = runtime ? runtime->rank() : 0;
-    std::fprintf(stderr, "meshtrain: rank %d: error: %s\n", rank, error_text(e));
-    return 1;
+    // Errors every rank raised alike (a config, data or checkpoint problem):
+    // said once, by rank 0, and every rank exits normally with status 1.
+    const bool agreed = dynamic_cast<const meshtrain::comm::AgreedError*>(&e) ||
+                        dynamic_cast<const meshtrain::train::ConfigError*>(&e);
+    if (agreed || !runtime || runtime->size() == 1) {
+      if (!runtime || runtime->rank() == 0) std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
+      return 1;
+    }
+    // This rank alone: the others may be waiting for it in a collective.
+    runtime->abort(1, std::string("error: ") + error_text(e));
   }
   return 0;
 }

@@ -2,7 +2,8 @@
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/model/generate.h"
-#include "meshtrain/train/checkpoint.h"
+#include "meshtrain/checkpoint/reader.h"
+#include "meshtrain/checkpoint/store.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/trainer.h"
@@ -29,17 +30,12 @@ int run_prepare(const std::vector<std::string>& inputs, const std::string& out_d
 }
 
 int run_generate(const GenerateOptions& options) {
-  std::string folder = options.checkpoint;
-  if (!util::path_exists(util::join_path(folder, "MANIFEST.json"))) {
-    folder = train::CheckpointStore(options.checkpoint, 1).latest();
-    if (folder.empty()) {
-      throw train::CheckpointError("no checkpoint in " + options.checkpoint +
-                                   " (give a checkpoint folder, or a directory with a 'latest' pointer)");
-    }
+  checkpoint::CheckpointReader reader(checkpoint::CheckpointStore::resolve(options.checkpoint));
+  model::Gpt model(train::model_config_from_json(reader.metadata().model_config), 0);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : model->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
   }
-  const train::CheckpointMeta meta = train::CheckpointStore::read_meta(folder);
-  model::Gpt model(train::model_config_from_json(meta.model_config), 0);
-  train::CheckpointStore(options.checkpoint, 1).load(folder, *model, nullptr, meta.model);
   model::SampleOptions sample;
   sample.tokens = options.tokens;
   sample.temperature = options.temperature;

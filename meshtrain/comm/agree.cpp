@@ -1,5 +1,6 @@
 #include "meshtrain/comm/agree.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -20,7 +21,7 @@ void on_root_or_all_fail(Communicator& comm, int root, const std::function<void(
   at::Tensor text = at::empty({length.item<int64_t>()}, at::kByte);
   if (comm.rank() == root) std::memcpy(text.data_ptr(), error.data(), error.size());
   comm.broadcast(text, root).wait();
-  throw std::runtime_error(std::string(static_cast<const char*>(text.data_ptr()), text.numel()));
+  throw AgreedError(std::string(static_cast<const char*>(text.data_ptr()), text.numel()));
 }
 
 void on_all_or_all_fail(Communicator& comm, const std::function<void()>& work) {
@@ -31,13 +32,18 @@ void on_all_or_all_fail(Communicator& comm, const std::function<void()>& work) {
     error = e.what();
   }
   const std::vector<std::string> errors = all_gather_strings(comm, error);
+  const bool alike = std::all_of(errors.begin(), errors.end(), [&](const std::string& e) { return e == errors.front(); });
+  if (alike) {
+    if (!errors.front().empty()) throw AgreedError(errors.front());
+    return;
+  }
   std::string message;
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
     if (!message.empty()) message += "; ";
     message += "rank " + std::to_string(r) + ": " + errors[r];
   }
-  if (!message.empty()) throw std::runtime_error(message);
+  throw AgreedError(message);
 }
 
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {

@@ -68,8 +68,8 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Communicator> comm,
                            DataParallelOptions options)
-    : comm_(std::move(comm)), state_(std::make_shared<State>()) {
-  if (options.bucket_bytes < 1) throw std::invalid_argument("data parallel: bucket size must be positive");
+    : module_(module), comm_(std::move(comm)), options_(std::move(options)), state_(std::make_shared<State>()) {
+  if (options_.bucket_bytes < 1) throw std::invalid_argument("data parallel: bucket size must be positive");
   state_->comm = comm_;
   torch::NoGradGuard no_grad;
 
@@ -89,8 +89,8 @@ DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Comm
   int64_t group_bytes = 0;
   for (const at::Tensor& p : params) {
     const int64_t bytes = p.numel() * p.element_size();
-    const int64_t limit = groups.size() <= 1 ? std::min(options.first_bucket_bytes, options.bucket_bytes)
-                                             : options.bucket_bytes;
+    const int64_t limit = groups.size() <= 1 ? std::min(options_.first_bucket_bytes, options_.bucket_bytes)
+                                             : options_.bucket_bytes;
     const bool fits = !groups.empty() && group_bytes + bytes <= limit &&
                       groups.back().front().scalar_type() == p.scalar_type() &&
                       groups.back().front().device() == p.device();
@@ -118,6 +118,11 @@ DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Comm
     bucket.params = groups[b];
     state_->buckets.push_back(std::move(bucket));
   }
+  std::vector<AdamWParameter> adamw;
+  for (const at::Tensor& p : module.parameters()) {
+    if (p.requires_grad()) adamw.push_back({p, p.dim()});
+  }
+  optimizer_ = make_adamw(adamw, options_.adamw);
 }
 
 DataParallel::~DataParallel() {
@@ -180,6 +185,59 @@ double DataParallel::standalone_reduce_seconds(int repeats) const {
   }
   std::sort(seconds.begin(), seconds.end());
   return seconds[seconds.size() / 2];
+}
+
+void DataParallel::after_backward() {
+  bool sync;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    sync = state_->sync;
+  }
+  if (sync) finish();
+}
+
+at::Tensor DataParallel::reduced_gradient(const std::string& name) {
+  const at::Tensor* p = module_.named_parameters().find(name);
+  if (!p) throw std::invalid_argument("data parallel: the module has no parameter " + name);
+  return p->grad();
+}
+
+double DataParallel::clip_grad_norm(double max_norm) {
+  return parallel::clip_grad_norm(module_, max_norm, options_.norm);
+}
+
+void DataParallel::step(double lr) {
+  set_learning_rate(*optimizer_, lr);
+  optimizer_->step();
+}
+
+placement::TrainingState DataParallel::state(const ParameterLayouts& layouts) {
+  placement::TrainingState out;
+  const bool replica_writes = comm_->rank() == 0;  // the replicas hold the same
+  for (const auto& item : module_.named_parameters()) {
+    const at::Tensor p = item.value().detach();
+    if (!item.value().requires_grad()) continue;
+    const ParameterLayout layout = layouts(item.key(), p);
+    const bool write = layout.write && replica_writes;
+    out.push_back({"model/" + item.key(), layout.spec, p.reshape({-1}), write});
+    torch::optim::AdamWParamState& s = adamw_state(*optimizer_, item.value());
+    out.push_back({"optim/" + item.key() + "/exp_avg", layout.spec, s.exp_avg().view({-1}), write});
+    out.push_back({"optim/" + item.key() + "/exp_avg_sq", layout.spec, s.exp_avg_sq().view({-1}), write});
+  }
+  return out;
+}
+
+void DataParallel::after_load(int64_t optimizer_steps) { set_adamw_steps(*optimizer_, optimizer_steps); }
+
+std::map<std::string, at::Tensor> DataParallel::full_parameters(int /*root*/) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : module_.named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+std::string DataParallel::describe() const {
+  return "data parallel over " + std::to_string(comm_->size()) + " rank(s), " + std::to_string(bucket_count()) +
+         " gradient bucket(s)";
 }
 
 int64_t DataParallel::bucket_count() const { return static_cast<int64_t>(state_->buckets.size()); }

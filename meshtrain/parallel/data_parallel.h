@@ -3,6 +3,9 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/parallel/adamw.h"
+#include "meshtrain/parallel/data_parallelism.h"
+#include "meshtrain/parallel/grad_norm.h"
 
 #include <torch/torch.h>
 
@@ -16,6 +19,8 @@ struct DataParallelOptions {
   int64_t bucket_bytes = int64_t{25} << 20;       // gradients per all-reduce
   int64_t first_bucket_bytes = int64_t{1} << 20;  // the first (last layers') bucket is small so
                                                   // communication starts early in backward
+  AdamWSettings adamw;                            // the optimizer step() runs
+  ModelParallelNorm norm;                         // model-parallel groups of the gradient norm
 };
 
 // Note [Data parallel]
@@ -34,20 +39,32 @@ struct DataParallelOptions {
 //   still holds zeros, or what earlier micro-steps accumulated): finish()
 //   issues any bucket that did not complete during backward.
 // - Use zero_grad() here, not the optimizer's (which would drop the views).
-class DataParallel {
+// - step() runs AdamW (options.adamw) over the module's parameters; a caller
+//   may instead use finish() and an optimizer of its own.
+class DataParallel : public DataParallelism {
  public:
+  // `module` must outlive this object. Collective over `comm`.
   DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Communicator> comm,
                DataParallelOptions options = {});
-  ~DataParallel();
+  ~DataParallel() override;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
   // Whether the next backward ends the step (reduce) or only accumulates.
-  void set_sync(bool sync);
+  void set_sync(bool sync) override;
+  // After every backward: when it ended the step, finish().
+  void after_backward() override;
   // After the step's last backward: issues buckets still pending, waits for all.
   // Every .grad is then the average over ranks.
   void finish();
-  void zero_grad();
+  void zero_grad() override;
+  at::Tensor reduced_gradient(const std::string& name) override;
+  double clip_grad_norm(double max_norm) override;
+  void step(double lr) override;
+  placement::TrainingState state(const ParameterLayouts& layouts = whole_parameter) override;
+  void after_load(int64_t optimizer_steps) override;
+  std::map<std::string, at::Tensor> full_parameters(int root) override;
+  std::string describe() const override;
 
   const comm::Communicator& comm() const { return *comm_; }
   int64_t bucket_count() const;
@@ -64,8 +81,11 @@ class DataParallel {
   struct State;  // shared with the autograd hooks
 
  private:
+  torch::nn::Module& module_;
   std::shared_ptr<comm::Communicator> comm_;
+  DataParallelOptions options_;
   std::shared_ptr<State> state_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
 };
 
 }  // namespace meshtrain::parallel

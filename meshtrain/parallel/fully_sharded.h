@@ -1,9 +1,11 @@
-// FullySharded: ZeRO stages 1, 2 and 3 (fully sharded data parallel), with
-// hybrid sharding on a 2-D mesh and mixed precision. See Note [Fully sharded].
+// FullySharded: ZeRO stages 1, 2 and 3 (fully sharded data parallel) for any
+// torch::nn::Module, with hybrid sharding on a 2-D mesh and mixed precision.
+// See Note [Fully sharded]; the pieces live in parallel/fsdp/.
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
-#include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/adamw.h"
+#include "meshtrain/parallel/data_parallelism.h"
 
 #include <torch/torch.h>
 
@@ -15,21 +17,21 @@
 
 namespace meshtrain::parallel {
 
-struct AdamWSettings {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double weight_decay = 0.1;  // on parameters with >= 2 dimensions only
+// Which submodules are units, each with one flat parameter; the parameters
+// of no unit form the root unit. A unit's submodules are part of it.
+struct UnitPolicy {
+  std::function<bool(const std::string& name, const torch::nn::Module& module)> is_unit;
+
+  static UnitPolicy whole_model();                                   // one unit
+  static UnitPolicy submodules(std::vector<std::string> names);      // these, by dotted name
+  static UnitPolicy blocks(const std::string& list = "blocks");      // every child of a ModuleList ("blocks.N")
 };
 
 struct FullyShardedOptions {
   int stage = 3;  // 1: optimizer states sharded; 2: + gradients; 3: + parameters
-  // Units, each with one flat parameter: "block" (every transformer block, plus
-  // a root unit with everything else) or "model" (one unit).
-  std::string unit_policy = "block";
+  UnitPolicy units = UnitPolicy::blocks();
   bool prefetch = true;               // stage 3: gather the next unit while this one computes
-  bool reshard_after_forward = true;  // stage 3: free a block's parameters after its forward
+  bool reshard_after_forward = true;  // stage 3: free a unit's parameters after its forward
   at::ScalarType param_dtype = at::kFloat;   // what forward/backward compute in
   at::ScalarType reduce_dtype = at::kFloat;  // what gradients are reduced in
   // Stage 1 reduces full gradients by all-reduce (then each rank reads its
@@ -62,13 +64,15 @@ struct ShardingGroups {
   std::shared_ptr<comm::Communicator> pipeline;
 };
 
+struct ShardedState;  // parallel/fsdp/sharded_state.h
+
 // Note [Fully sharded]
 // Parameters are grouped into units; each unit has one flat buffer, padded to
 // a multiple of the shard count N, and rank r owns elements [r·S, (r+1)·S),
 // S = padded / N. Module parameters become views of the unit's `full` buffer.
 // - Optimizer: AdamW over this rank's slices, in fp32 ("master" shards); the
 //   optimizer state is 8 bytes per owned element. Weight decay follows the
-//   parameter each slice came from.
+//   parameter each slice came from. (fsdp/sharded_adamw.cpp)
 // - Stage 1: full parameters and full gradients stay (gradients are views of a
 //   flat per-unit buffer, as in data parallel); on the step's last backward each
 //   unit is all-reduced as soon as its gradients are ready; each rank updates
@@ -76,14 +80,20 @@ struct ShardingGroups {
 // - Stage 2: gradients are reduce-scattered unit by unit from the gradient-ready
 //   hooks during every backward (copied into a transient buffer, the autograd
 //   gradient dropped at once) and summed into a persistent fp32 shard.
+//   (fsdp/reducer.cpp)
 // - Stage 3: as stage 2, and `full` is only allocated while a unit is in use:
-//   gathered before its forward (ForwardHooks), freed after it (with
-//   reshard_after_forward), gathered again when the gradient of its output
-//   arrives, freed once its gradients are reduced. The next unit's gather is
-//   issued before this one computes (prefetch). The root unit (embeddings,
-//   final norm, head) stays gathered from the start of forward to the end of
-//   backward. Freeing swaps the storage's data pointer, so the parameter views
-//   and autograd's saved tensors stay valid across a re-gather.
+//   gathered before its forward, freed after it (with reshard_after_forward),
+//   gathered again before its backward, freed once its gradients are reduced.
+//   The next unit's gather is issued before this one computes (prefetch).
+//   Freeing swaps the storage's data pointer, so the parameter views and
+//   autograd's saved tensors stay valid across a re-gather.
+//   (fsdp/residency.cpp) What says "before its forward" (fsdp/triggers.cpp):
+//   a model with named call sites (model::Gpt, Note [Forward hooks]) gets
+//   hooks around each unit and the gradient of its output; any other module is
+//   observed op by op (a RecordFunction callback sees every operator's inputs
+//   and gathers the unit whose parameter storage one of them is), and the
+//   order units are used in during the first step is the prefetch order.
+//   The root unit stays gathered from its first use to its reduction.
 // - Hybrid: shards over `shard`; the reduced shard gradients are then averaged
 //   over `replicate`.
 // - Mixed precision: `full` (and so the computation and the gradients) is in
@@ -92,42 +102,42 @@ struct ShardingGroups {
 // - Gathers and reductions run on two communicators (split from `shard`), so
 //   neither waits behind the other and each keeps the same order on every rank.
 // Call after_backward() after every backward, then step().
-class FullySharded {
+class FullySharded : public DataParallelism {
  public:
   // Collective over groups.all: rank 0's parameters are the starting point.
-  FullySharded(model::Gpt model, ShardingGroups groups, FullyShardedOptions options);
-  ~FullySharded();
+  // `module` stays alive as long as this object (it is shared).
+  FullySharded(std::shared_ptr<torch::nn::Module> module, ShardingGroups groups, FullyShardedOptions options);
+  ~FullySharded() override;
   FullySharded(const FullySharded&) = delete;
   FullySharded& operator=(const FullySharded&) = delete;
 
   // Stage 1: whether the coming backward ends the step (reduce) or accumulates.
   // Stages 2 and 3 reduce after every backward and ignore it.
-  void set_sync(bool sync);
+  void set_sync(bool sync) override;
   // After every backward: completes this backward's reductions.
-  void after_backward();
-  void zero_grad();
-  // Global gradient norm over all shards, and clipping to `max_norm` (<= 0: none).
-  double clip_grad_norm(double max_norm);
-  // AdamW on this rank's shards, then (stages 1, 2) the parameters all-gathered.
-  void step(double lr);
+  void after_backward() override;
+  void zero_grad() override;
   // The reduced shard gradient of parameter `name`, which has a unit of its
   // own (FullyShardedOptions::own_unit), after the step's last after_backward().
-  at::Tensor own_unit_shard_gradient(const std::string& name);
-
+  at::Tensor reduced_gradient(const std::string& name) override;
+  // Global gradient norm over all shards, and clipping to `max_norm` (<= 0: none).
+  double clip_grad_norm(double max_norm) override;
+  // AdamW on this rank's shards, then (stages 1, 2) the parameters all-gathered.
+  void step(double lr) override;
+  // Master slices and their AdamW moments, each with the flat range of its
+  // parameter it holds; one replica (dp coordinate 0) saves.
+  placement::TrainingState state(const ParameterLayouts& layouts = whole_parameter) override;
+  void after_load(int64_t optimizer_steps) override;
   // Every parameter, unsharded, in fp32, by name, on `root` of groups.all
   // (empty elsewhere; root -1: on every rank). Collective.
-  std::map<std::string, at::Tensor> full_state_dict(int root = 0);
+  std::map<std::string, at::Tensor> full_parameters(int root = 0) override;
+  std::string describe() const override;
+
   // Loads a full state dict given on `root` of groups.all (ignored elsewhere);
   // optimizer states are left as they are. Collective.
   void load_full_state_dict(const std::map<std::string, at::Tensor>& state, int root = 0);
 
-  // This rank's master shards and optimizer state, to a file and back.
-  void save_shard(const std::string& path) const;
-  void load_shard(const std::string& path);
-  // Identifies the sharded layout; a shard file loads only into the same one.
-  std::string layout() const;
-
-  int stage() const { return options_.stage; }
+  int stage() const;
   int64_t unit_count() const;
   // Elements of the largest unit (padded), and the total this rank owns.
   int64_t largest_unit_numel() const;
@@ -138,13 +148,12 @@ class FullySharded {
   double exposed_gather_seconds() const;
   double exposed_reduce_seconds() const;
 
-  struct State;  // shared with the hooks
-
  private:
-  FullyShardedOptions options_;
-  std::shared_ptr<State> state_;
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<ShardedState> state_;
 };
 
 at::ScalarType parse_dtype(const std::string& name);  // "float32" | "bfloat16" | "float16"
+std::string dtype_name(at::ScalarType type);
 
 }  // namespace meshtrain::parallel

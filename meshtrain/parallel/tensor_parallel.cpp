@@ -251,6 +251,12 @@ TensorParallel::~TensorParallel() { model_->remove_forward_hooks(hooks_.get()); 
 
 bool TensorParallel::is_split(const std::string& name) const { return split_.count(name) > 0; }
 
+placement::Placement TensorParallel::placement_of(const std::string& name) const {
+  auto it = split_.find(name);
+  if (it == split_.end()) return placement::Placement::replicate();
+  return placement::Placement::shard(it->second.dim, it->second.parts);
+}
+
 // A split dimension of size parts * t * c as [..., parts, t * c, ...]: rank r
 // holds the r-th chunk of c in every part.
 std::vector<int64_t> TensorParallel::blocks(const std::string& name, at::IntArrayRef shape, int64_t per_part) const {

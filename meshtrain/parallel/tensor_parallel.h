@@ -4,6 +4,7 @@
 
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/tensor_parallel_ops.h"
+#include "meshtrain/placement/placement.h"
 
 #include <torch/torch.h>
 
@@ -97,6 +98,9 @@ class TensorParallel {
 
   // Whether a parameter is split over the group (else every rank holds it whole).
   bool is_split(const std::string& name) const;
+  // How: Shard(dim, parts) (each of `parts` equal blocks of `dim` split
+  // alike, Note [Placements]), or Replicate.
+  placement::Placement placement_of(const std::string& name) const;
   // The full value of parameter `name` from the local shards of every rank. Collective.
   at::Tensor gather(const std::string& name, const at::Tensor& local) const;
   // `full` cut to this rank's shard of parameter `name` (copied).

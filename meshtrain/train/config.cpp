@@ -213,6 +213,8 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(checkpoint_dir)));
     f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",
                       MESHTRAIN_CONFIG_MEMBER(checkpoint_every)));
+    f.push_back(field("checkpoint", "async", "write checkpoints in the background from a host copy (the next step "
+                      "runs meanwhile; memory for one copy of this rank's state)", MESHTRAIN_CONFIG_MEMBER(checkpoint_async)));
     f.push_back(field("checkpoint", "keep", "checkpoints kept (the newest; at least 1)",
                       MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
     f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",

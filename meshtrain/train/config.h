@@ -64,7 +64,8 @@ struct TrainConfig {
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]
   std::string checkpoint_dir;  // default: out/checkpoints
-  int64_t checkpoint_every = 0;  // 0: only at the end
+  int64_t checkpoint_every = 50;  // steps between checkpoints; 0: only at the end
+  bool checkpoint_async = true;   // write in the background from a host snapshot
   int64_t checkpoint_keep = 2;
   bool resume = true;          // continue from the latest checkpoint when there is one
   // [run]

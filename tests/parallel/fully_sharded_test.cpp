@@ -218,10 +218,12 @@ TEST_F(FullyShardedTest, ResumeContinuesBitExactly) {
     ASSERT_TRUE(second_half.resumed());
     for (int s = 3; s < 6; ++s) EXPECT_EQ(second_half.step().loss, straight[s]) << describe(layout) << ", step " << s + 1;
 
-    // Another layout cannot take these shards, and says so on every rank.
-    const std::string error = error_of([&] { Trainer other(config(n, kBatch / n, checkpoints, {"parallel.zero_stage=2"}), world()); });
-    EXPECT_NE(error.find("was saved with layout"), std::string::npos) << error;
-    EXPECT_NE(error.find("resume with the same parallel settings"), std::string::npos) << error;
+    // Another layout takes the same checkpoint and continues the same training.
+    Trainer other(config(n, kBatch / n, checkpoints, {"parallel.zero_stage=2"}), world());
+    ASSERT_TRUE(other.resumed());
+    for (int s = 3; s < 6; ++s) {
+      EXPECT_NEAR(other.step().loss, straight[s], 1e-5 * straight[s]) << describe(layout) << " -> zero_stage 2, step " << s + 1;
+    }
   }
 }
 

@@ -1,0 +1,74 @@
+// meshtrain checkpoint inspect DIR: what a checkpoint holds.
+#include "meshtrain/apps/commands.h"
+
+#include "meshtrain/checkpoint/store.h"
+#include "meshtrain/util/files.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+namespace meshtrain::apps {
+
+namespace {
+
+std::string mib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f MiB", bytes / 1048576.0);
+  return text;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+int64_t tensor_bytes(const checkpoint::TensorEntry& t) {
+  int64_t bytes = 0;
+  for (const auto& c : t.chunks) bytes += c.bytes;
+  return bytes;
+}
+
+}  // namespace
+
+int run_checkpoint_inspect(const std::string& path, bool json) {
+  const std::string folder = checkpoint::CheckpointStore::resolve(path);
+  const checkpoint::Metadata meta = checkpoint::CheckpointStore::read_metadata(folder);
+  std::map<std::string, int64_t> files;
+  for (const auto& [name, t] : meta.tensors) {
+    for (const auto& c : t.chunks) files[c.file] += c.bytes;
+  }
+  if (json) {
+    nlohmann::json out = {{"folder", folder}, {"step", meta.step}, {"cursor", meta.cursor}, {"model", meta.model},
+                          {"layout", meta.layout}, {"world", meta.world}, {"files", files}};
+    for (const auto& [name, t] : meta.tensors) {
+      out["tensors"][name] = {{"shape", t.shape}, {"dtype", t.dtype}, {"chunks", t.chunks.size()}, {"bytes", tensor_bytes(t)}};
+    }
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  int64_t model_bytes = 0, optimizer_bytes = 0, other_bytes = 0, model_elements = 0;
+  for (const auto& [name, t] : meta.tensors) {
+    const int64_t bytes = tensor_bytes(t);
+    if (name.rfind("model/", 0) == 0) model_bytes += bytes, model_elements += t.numel();
+    else if (name.rfind("optim/", 0) == 0) optimizer_bytes += bytes;
+    else other_bytes += bytes;
+  }
+  std::printf("checkpoint %s (format %d)\n", folder.c_str(), meta.format);
+  std::printf("  step %lld, data cursor %lld\n", (long long)meta.step, (long long)meta.cursor);
+  std::printf("  saved by %lld rank(s) with layout: %s\n", (long long)meta.world, meta.layout.c_str());
+  std::printf("  model: %s, %.2fM parameters\n", meta.model.c_str(), model_elements / 1e6);
+  std::printf("  %zu tensors: parameters %s, optimizer %s, random streams %s\n", meta.tensors.size(),
+              mib(model_bytes).c_str(), mib(optimizer_bytes).c_str(), mib(other_bytes).c_str());
+  std::printf("  files:");
+  for (const auto& [file, bytes] : files) std::printf(" %s (%s)", file.c_str(), mib(bytes).c_str());
+  std::printf("\n\n  %-48s %-16s %-8s %6s %12s\n", "tensor", "shape", "dtype", "chunks", "bytes");
+  for (const auto& [name, t] : meta.tensors) {
+    std::printf("  %-48s %-16s %-8s %6zu %12lld\n", name.c_str(), shape_text(t.shape).c_str(), t.dtype.c_str(),
+                t.chunks.size(), (long long)tensor_bytes(t));
+  }
+  return 0;
+}
+
+}  // namespace meshtrain::apps

@@ -1,0 +1,206 @@
+#include "meshtrain/checkpoint/writer.h"
+
+#include "meshtrain/comm/agree.h"
+#include "meshtrain/util/files.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+namespace meshtrain::checkpoint {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// Appends to a file with write(2), reporting errors with the path.
+class RawFile {
+ public:
+  explicit RawFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644)) {
+    if (fd_ < 0) throw CheckpointError("cannot create checkpoint file " + path + ": " + std::strerror(errno));
+  }
+  ~RawFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void append(const void* data, int64_t bytes) {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ssize_t n = ::write(fd_, p, static_cast<size_t>(std::min<int64_t>(bytes, int64_t{1} << 30)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) throw CheckpointError("cannot write checkpoint file " + path_ + ": " + std::strerror(errno));
+      p += n;
+      bytes -= n;
+      size_ += n;
+    }
+  }
+  void close_synced() {
+    if (::fsync(fd_) != 0) throw CheckpointError("cannot sync checkpoint file " + path_ + ": " + std::strerror(errno));
+    ::close(fd_);
+    fd_ = -1;
+  }
+  int64_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  int fd_;
+  int64_t size_ = 0;
+};
+
+}  // namespace
+
+std::string rank_file_name(int rank) {
+  char name[32];
+  std::snprintf(name, sizeof name, "rank-%05d.bin", rank);
+  return name;
+}
+
+std::string dtype_string(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kByte: return "uint8";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    default: throw CheckpointError(std::string("checkpoints do not store dtype ") + c10::toString(type));
+  }
+}
+
+at::ScalarType dtype_from_string(const std::string& name) {
+  for (at::ScalarType t : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kByte, at::kLong, at::kInt}) {
+    if (dtype_string(t) == name) return t;
+  }
+  throw CheckpointError("unknown dtype '" + name + "' in a checkpoint");
+}
+
+// What this rank writes, copied off the live tensors.
+struct CheckpointWriter::Snapshot {
+  struct Tensor {
+    std::string name;
+    std::vector<int64_t> shape;
+    std::vector<placement::Chunk> chunks;
+    at::Tensor data;  // the chunks' elements in order, on the host
+  };
+  Metadata meta;
+  std::vector<Tensor> tensors;
+};
+
+CheckpointWriter::CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async)
+    : store_(std::move(store)), comm_(world->split(0, world->rank(), "checkpoint")), async_(async) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void CheckpointWriter::save(Metadata meta, const placement::TrainingState& state, const mesh::MeshLayout& layout) {
+  wait();
+  const auto start = Clock::now();
+  auto snapshot = std::make_shared<Snapshot>();
+  snapshot->meta = std::move(meta);
+  {
+    torch::NoGradGuard no_grad;
+    for (const placement::StateTensor& t : state) {
+      if (!t.write) continue;
+      Snapshot::Tensor copy{t.name, t.spec.shape, placement::local_chunks(t.spec, layout, comm_->rank()), {}};
+      copy.data = t.local.detach().reshape({-1}).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+      snapshot->tensors.push_back(std::move(copy));
+    }
+  }
+  if (!async_) {
+    write(*snapshot);
+    blocking_seconds_ = seconds_since(start);
+    return;
+  }
+  blocking_seconds_ = seconds_since(start);
+  thread_ = std::thread([this, snapshot] {
+    try {
+      write(*snapshot);
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+}
+
+void CheckpointWriter::wait() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) {
+    std::exception_ptr error = error_;
+    error_ = nullptr;
+    std::rethrow_exception(error);
+  }
+}
+
+void CheckpointWriter::write(const Snapshot& snapshot) {
+  const auto start = Clock::now();
+  const int64_t step = snapshot.meta.step;
+  const std::string staging = store_.staging_path(step);
+  comm::on_root_or_all_fail(*comm_, 0, [&] { store_.prepare_staging(step); });
+  // This rank's file: every chunk's bytes back to back, block checksums.
+  Metadata mine = snapshot.meta;
+  int64_t written = 0;
+  comm::on_all_or_all_fail(*comm_, [&] {
+    if (snapshot.tensors.empty()) return;
+    const std::string file = rank_file_name(comm_->rank());
+    RawFile out(util::join_path(staging, file));
+    for (const Snapshot::Tensor& t : snapshot.tensors) {
+      TensorEntry& entry = mine.tensors[t.name];
+      entry.shape = t.shape;
+      entry.dtype = dtype_string(t.data.scalar_type());
+      const char* bytes = static_cast<const char*>(t.data.data_ptr());
+      const int64_t element = t.data.element_size();
+      int64_t consumed = 0;
+      for (const placement::Chunk& c : t.chunks) {
+        ChunkEntry chunk;
+        chunk.offsets = c.box.offsets;
+        chunk.sizes = c.box.sizes;
+        chunk.begin = c.begin;
+        chunk.end = c.end;
+        chunk.file = file;
+        chunk.offset = out.size();
+        chunk.bytes = c.numel() * element;
+        const char* data = bytes + consumed * element;
+        for (int64_t b = 0; b < chunk.bytes; b += chunk.block_bytes) {
+          chunk.checksums.push_back(checksum(data + b, std::min(chunk.block_bytes, chunk.bytes - b)));
+        }
+        out.append(data, chunk.bytes);
+        consumed += c.numel();
+        entry.chunks.push_back(std::move(chunk));
+      }
+    }
+    out.close_synced();
+    written = out.size();
+    maybe_fail_after(file);
+  });
+  // Rank 0 merges every rank's chunks into the metadata and publishes.
+  const std::vector<std::string> all = comm::all_gather_strings(*comm_, mine.tensors.empty() ? "" : mine.to_json());
+  comm::on_root_or_all_fail(*comm_, 0, [&] {
+    Metadata merged = snapshot.meta;
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r].empty()) continue;
+      const Metadata part = Metadata::from_json(all[r], "the chunk list of rank " + std::to_string(r));
+      for (const auto& [name, entry] : part.tensors) {
+        TensorEntry& target = merged.tensors[name];
+        target.shape = entry.shape;
+        target.dtype = entry.dtype;
+        target.chunks.insert(target.chunks.end(), entry.chunks.begin(), entry.chunks.end());
+      }
+    }
+    try {
+      util::write_text_file(util::join_path(staging, "metadata.json"), merged.to_json());
+    } catch (const std::runtime_error& e) {
+      throw CheckpointError(e.what());
+    }
+    maybe_fail_after("metadata.json");
+    store_.publish(step, staging);
+  });
+  bytes_ = written;
+  write_seconds_ = seconds_since(start);
+}
+
+}  // namespace meshtrain::checkpoint

@@ -1,0 +1,68 @@
+// CheckpointWriter: every rank writes the chunks it owns of the training
+// state, once, in the background when asked; rank 0 writes the metadata and
+// publishes the folder. See Note [Checkpoint format].
+#pragma once
+
+#include "meshtrain/checkpoint/format.h"
+#include "meshtrain/checkpoint/store.h"
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/mesh/mesh_layout.h"
+#include "meshtrain/placement/state_tensor.h"
+
+#include <exception>
+#include <memory>
+#include <thread>
+
+namespace meshtrain::checkpoint {
+
+// Note [Asynchronous save]
+// save() takes a snapshot first: a host copy of this rank's chunks (the
+// entries it writes), so training may change the live tensors at once. The
+// snapshot is written by a thread of this writer, which talks to the other
+// ranks on a communicator of its own (split at construction), so the
+// training's collectives and the save's never interleave on one
+// communicator. At most one save is in flight: the next save() (or wait())
+// waits for it first, so memory holds at most one snapshot — a copy of what
+// this rank saves. A failure on any rank fails the save on every rank
+// (agreed over the writer's communicator) and leaves `latest` where it was;
+// wait() rethrows it.
+class CheckpointWriter {
+ public:
+  // Collective over `world`.
+  CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async);
+  ~CheckpointWriter();  // waits for a save in flight (its error is lost: call wait() first)
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Collective: saves `state` (laid out on `layout`, this rank `rank`) as
+  // checkpoint `meta.step`, with `meta`'s fields; meta.tensors is filled here.
+  void save(Metadata meta, const placement::TrainingState& state, const mesh::MeshLayout& layout);
+  // Waits for the save in flight, if any, and throws its error. Collective then.
+  void wait();
+  bool in_flight() const { return thread_.joinable(); }
+
+  const CheckpointStore& store() const { return store_; }
+  // Of the last save: seconds the caller was blocked (snapshot, or all of a
+  // synchronous save) and seconds writing took; bytes this rank wrote.
+  double last_blocking_seconds() const { return blocking_seconds_; }
+  double last_write_seconds() const { return write_seconds_; }
+  int64_t last_bytes() const { return bytes_; }
+
+ private:
+  struct Snapshot;
+  void write(const Snapshot& snapshot);
+
+  CheckpointStore store_;
+  std::shared_ptr<comm::Communicator> comm_;
+  bool async_;
+  std::thread thread_;
+  std::exception_ptr error_;
+  double blocking_seconds_ = 0, write_seconds_ = 0;
+  int64_t bytes_ = 0;
+};
+
+std::string rank_file_name(int rank);  // "rank-00003.bin"
+std::string dtype_string(at::ScalarType type);
+at::ScalarType dtype_from_string(const std::string& name);
+
+}  // namespace meshtrain::checkpoint

@@ -1,0 +1,133 @@
+// Gradient reduction: each unit's gradients are reduced as soon as backward
+// has produced all of them, in the same unit order on every rank.
+#include "meshtrain/parallel/fsdp/sharded_state.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace meshtrain::parallel {
+
+namespace {
+
+double seconds_since(ShardedState::Clock::time_point start) {
+  return std::chrono::duration<double>(ShardedState::Clock::now() - start).count();
+}
+
+class GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradientReadyHook(std::weak_ptr<ShardedState> state, size_t unit) : state_(std::move(state)), unit_(unit) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto state = state_.lock()) state->mark_ready(unit_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ShardedState> state_;
+  size_t unit_;
+};
+
+}  // namespace
+
+void ShardedState::install_gradient_hooks(const std::shared_ptr<ShardedState>& self) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (const at::Tensor& p : units[u].params) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      accumulator->add_post_hook(std::make_unique<GradientReadyHook>(self, u));
+      accumulators.push_back(std::move(accumulator));
+    }
+  }
+}
+
+void ShardedState::mark_ready(size_t u) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (options.stage == 1 && !sync) return;
+  ++units[u].ready;
+  while (next_reduce < reduce_order.size()) {
+    Unit& unit = units[reduce_order[next_reduce]];
+    if (unit.ready < static_cast<int64_t>(unit.params.size())) break;
+    issue_reduce_locked(unit);
+    ++next_reduce;
+  }
+}
+
+void ShardedState::issue_reduce_locked(Unit& unit) {
+  const at::ScalarType reduce_dtype = options.reduce_dtype;
+  if (options.stage == 1) {
+    at::Tensor input = unit.grad;
+    if (reduce_dtype != unit.grad.scalar_type()) input = unit.reduce_in = unit.grad.to(reduce_dtype);
+    if (options.stage1_reduce_scatter) {
+      unit.reduce_out = at::empty({unit.shard}, input.options());
+      unit.reduce_work = reduce_comm->reduce_scatter(unit.reduce_out, input, comm::ReduceOp::kAvg);
+    } else {
+      unit.reduce_work = groups.all->all_reduce(input, comm::ReduceOp::kAvg);
+    }
+    return;
+  }
+  // Stages 2 and 3: flatten this backward's gradients and drop autograd's copies.
+  unit.reduce_in = at::zeros({unit.padded}, unit.full.options().dtype(reduce_dtype));
+  for (size_t i = 0; i < unit.params.size(); ++i) {
+    at::Tensor& grad = unit.params[i].mutable_grad();
+    if (!grad.defined()) continue;
+    unit.reduce_in.narrow(0, unit.offsets[i], grad.numel()).copy_(grad.reshape({-1}));
+    grad.reset();
+  }
+  unit.reduce_out = at::empty({unit.shard}, unit.reduce_in.options());
+  unit.reduce_work = reduce_comm->reduce_scatter(unit.reduce_out, unit.reduce_in, comm::ReduceOp::kAvg);
+  reshard_locked(unit);  // stage 3: its backward is over
+  in_flight.push_back(&unit);
+  // At most kMaxInFlight flat gradients exist at once; backward waits for the oldest beyond that.
+  fold_locked(kMaxInFlight);
+}
+
+void ShardedState::fold_locked(size_t keep) {
+  const auto start = Clock::now();
+  while (!in_flight.empty() && (in_flight.size() > keep || in_flight.front()->reduce_work.completed())) {
+    Unit& unit = *in_flight.front();
+    in_flight.pop_front();
+    unit.reduce_work.wait();
+    if (groups.replicate->size() > 1) groups.replicate->all_reduce(unit.reduce_out, comm::ReduceOp::kAvg).wait();
+    unit.shard_grad.add_(unit.reduce_out);
+    unit.reduce_in = unit.reduce_out = at::Tensor();
+    unit.reduce_work = comm::Work();
+  }
+  exposed_reduce += seconds_since(start);
+}
+
+void ShardedState::after_backward() {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (options.stage == 1 && !sync) return;
+  // Units with a parameter that got no gradient are reduced now, in order.
+  for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce_locked(units[reduce_order[next_reduce]]);
+  if (options.stage == 1) {
+    const auto start = Clock::now();
+    const bool hybrid = groups.replicate->size() > 1;
+    std::vector<comm::Work> replicas;
+    for (size_t u : reduce_order) {
+      units[u].reduce_work.wait();
+      if (hybrid && options.stage1_reduce_scatter) {
+        replicas.push_back(groups.replicate->all_reduce(units[u].reduce_out, comm::ReduceOp::kAvg));
+      }
+    }
+    comm::wait_all(replicas);
+    for (Unit& unit : units) {
+      const bool grad_is_view = unit.grad.defined() && unit.shard_grad.is_alias_of(unit.grad);
+      if (options.stage1_reduce_scatter) {
+        unit.shard_grad.copy_(unit.reduce_out);
+      } else {
+        if (unit.reduce_in.defined()) unit.grad.copy_(unit.reduce_in);
+        if (!grad_is_view) unit.shard_grad.copy_(unit.grad.narrow(0, shard_rank * unit.shard, unit.shard));
+      }
+      unit.reduce_in = unit.reduce_out = at::Tensor();
+      unit.reduce_work = comm::Work();
+    }
+    exposed_reduce += seconds_since(start);
+  } else {
+    fold_locked(0);
+  }
+  for (Unit& unit : units) unit.ready = 0;
+  next_reduce = 0;
+}
+
+}  // namespace meshtrain::parallel

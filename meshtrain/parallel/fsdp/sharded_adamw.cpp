@@ -1,0 +1,87 @@
+// The optimizer over shards: AdamW on this rank's fp32 master slices, the
+// global gradient norm over every shard, and clipping.
+#include "meshtrain/parallel/fsdp/sharded_state.h"
+
+#include <cmath>
+
+namespace meshtrain::parallel {
+
+namespace {
+
+// A 1-D tensor over elements [offset, offset + length) of `flat`'s storage that
+// is not an autograd view (the optimizer treats it as a parameter of its own).
+at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t length) {
+  torch::NoGradGuard no_grad;
+  at::Tensor out = at::empty({0}, flat.options());
+  out.set_(flat.storage(), flat.storage_offset() + offset, {length}, {1});
+  return out;
+}
+
+}  // namespace
+
+void ShardedState::build_optimizer() {
+  // AdamW over this rank's slice of every parameter (padding excluded).
+  std::vector<AdamWParameter> adamw;
+  for (Unit& unit : units) {
+    const int64_t begin = shard_rank * unit.shard, end = begin + unit.shard;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const int64_t lo = std::max(begin, unit.offsets[i]);
+      const int64_t hi = std::min(end, unit.offsets[i] + unit.params[i].numel());
+      if (lo >= hi) continue;
+      at::Tensor slice = alias(unit.master, lo - begin, hi - lo);
+      const bool split = options.split_over_tensor && options.split_over_tensor(unit.names[i]);
+      const Stretch stretch{size_t(&unit - units.data()), lo - begin, hi - lo, split};
+      if (split) tensor_split.push_back(stretch);
+      if (options.counted_elsewhere && options.counted_elsewhere(unit.names[i])) counted_elsewhere.push_back(stretch);
+      slice.mutable_grad() = alias(unit.shard_grad, lo - begin, hi - lo);
+      adamw.push_back({slice, unit.params[i].dim()});
+      slices.push_back({stretch.unit, i, lo - unit.offsets[i], hi - unit.offsets[i], slice});
+    }
+  }
+  optimizer = make_adamw(adamw, options.adamw);
+}
+
+double ShardedState::clip_grad_norm(double max_norm) {
+  torch::NoGradGuard no_grad;
+  // Shards of one group are disjoint (padding holds zeros); replicas hold the
+  // same. With tensor parallel, split parameters add up over groups.tensor and
+  // the others are copies there: [split, copied] sums of squares.
+  at::Tensor squares = at::zeros({2}, at::kDouble);
+  for (Unit& unit : units) squares[1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
+  auto squares_of = [&](const Stretch& x) {
+    return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();
+  };
+  for (const Stretch& x : tensor_split) {
+    const at::Tensor part = squares_of(x);
+    squares[0] += part;
+    squares[1] -= part;
+  }
+  for (const Stretch& x : counted_elsewhere) squares[x.split ? 0 : 1] -= squares_of(x);
+  reduce_comm->all_reduce(squares, comm::ReduceOp::kSum).wait();
+  if (groups.tensor && groups.tensor->size() > 1) {
+    at::Tensor split = squares.narrow(0, 0, 1).clone();
+    groups.tensor->all_reduce(split, comm::ReduceOp::kSum).wait();
+    squares[0] = split[0];
+  }
+  at::Tensor total = squares.sum();
+  if (groups.pipeline && groups.pipeline->size() > 1) groups.pipeline->all_reduce(total).wait();
+  const double norm = std::sqrt(total.item<double>());
+  if (max_norm > 0) {
+    const double coefficient = max_norm / (norm + 1e-6);
+    if (coefficient < 1.0) {
+      for (Unit& unit : units) unit.shard_grad.mul_(coefficient);
+    }
+  }
+  return norm;
+}
+
+void ShardedState::step(double lr) {
+  set_learning_rate(*optimizer, lr);
+  optimizer->step();
+  if (stage3()) return;  // the next forward gathers
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::NoGradGuard no_grad;
+  regather_all_locked();
+}
+
+}  // namespace meshtrain::parallel

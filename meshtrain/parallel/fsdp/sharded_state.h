@@ -1,0 +1,117 @@
+// The state of one FullySharded, shared by its parts: units and their flat
+// buffers (units.cpp), residency of the full parameters (residency.cpp), what
+// triggers a gather (triggers.cpp), gradient reduction (reducer.cpp) and the
+// optimizer over shards (sharded_adamw.cpp). See Note [Fully sharded].
+#pragma once
+
+#include "meshtrain/parallel/fully_sharded.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <chrono>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace meshtrain::parallel {
+
+enum class Residency { kFreed, kGathering, kGathered };
+
+struct Unit {
+  std::string module;  // "" for the root unit, "parameter NAME" for a unit of one parameter
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> offsets;
+  int64_t numel = 0, padded = 0, shard = 0;
+  at::Tensor full;          // [padded] param_dtype; the parameters are views of it
+  at::Tensor master;        // [shard] fp32, this rank's elements
+  at::Tensor grad;          // stage 1: [padded] flat gradient (the .grad views)
+  at::Tensor shard_grad;    // [shard] fp32
+  at::Tensor gather_input;  // a cast of `master` while a gather reads it
+  at::Tensor reduce_in, reduce_out;  // while a reduction runs
+  comm::Work gather_work, reduce_work;
+  Residency residency = Residency::kGathered;
+  int64_t ready = 0;  // parameters whose gradient arrived in this backward
+};
+
+// A stretch of this rank's shard (unit, offset, length) belonging to one
+// parameter, for the gradient norm.
+struct Stretch {
+  size_t unit;
+  int64_t offset, length;
+  bool split;  // over groups.tensor
+};
+
+// The mutex protects everything below it; autograd may call the hooks from
+// its own threads (GPU).
+struct ShardedState {
+  using Clock = std::chrono::steady_clock;
+
+  FullyShardedOptions options;
+  ShardingGroups groups;
+  std::shared_ptr<comm::Communicator> gather_comm, reduce_comm;
+  int shards = 1, shard_rank = 0;
+  std::vector<Unit> units;  // forward order: the root unit first
+  std::map<std::string, size_t> unit_of_module;
+  std::shared_ptr<void> trigger;  // what gathers units (stage 3): forward hooks or an operator observer
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keep the gradient hooks alive
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  // This rank's slice of a parameter: elements [begin, end) of unit.params[param],
+  // and the tensor AdamW updates for it (an alias into the unit's master).
+  struct Slice {
+    size_t unit, param;
+    int64_t begin, end;
+    at::Tensor tensor;
+  };
+  std::vector<Slice> slices;
+  std::vector<Stretch> tensor_split;       // stretches of parameters split over groups.tensor
+  std::vector<Stretch> counted_elsewhere;  // parameters another pipeline stage counts
+
+  std::mutex mutex;
+  bool sync = true;
+  std::vector<size_t> reduce_order;  // the order backward finishes units in
+  size_t next_reduce = 0;
+  static constexpr size_t kMaxInFlight = 2;
+  std::deque<Unit*> in_flight;  // stages 2, 3: issued reductions not yet folded into shard_grad
+  // Operator-observed units (stage 3 of a module without hooks): the unit in
+  // use, and the order units were first used in during the first step.
+  size_t current_unit = SIZE_MAX;
+  std::vector<size_t> use_order;
+  size_t use_cursor = 0;
+  bool use_order_known = false;
+  double exposed_gather = 0, exposed_reduce = 0;
+
+  bool stage3() const { return options.stage == 3; }
+
+  // units.cpp: groups `module`'s parameters into units with flat buffers.
+  void build_units(torch::nn::Module& module);
+  // residency.cpp
+  void gather_locked(Unit& unit);
+  void wait_gathered_locked(Unit& unit);
+  void regather_all_locked();  // stages 1, 2: every `full` from the masters
+  void reshard_locked(Unit& unit);
+  void before_forward(size_t u);
+  void after_forward(size_t u, bool backward_follows);
+  void before_backward(size_t u);
+  void on_use(size_t u);  // an operator of unit u is about to run (observed units)
+  void end_step_locked();  // stage 3: free what is still gathered; the next step starts over
+  // reducer.cpp
+  void install_gradient_hooks(const std::shared_ptr<ShardedState>& self);
+  void mark_ready(size_t u);
+  void issue_reduce_locked(Unit& unit);
+  void fold_locked(size_t keep);
+  void after_backward();
+  // sharded_adamw.cpp
+  void build_optimizer();
+  double clip_grad_norm(double max_norm);
+  void step(double lr);
+};
+
+// triggers.cpp: installs what gathers stage-3 units before they are used.
+void install_triggers(const std::shared_ptr<ShardedState>& state, const std::shared_ptr<torch::nn::Module>& module);
+void remove_triggers(ShardedState& state, const std::shared_ptr<torch::nn::Module>& module);
+
+}  // namespace meshtrain::parallel

@@ -1,0 +1,117 @@
+// Units: which parameters share a flat buffer, and the buffers themselves.
+#include "meshtrain/parallel/fsdp/sharded_state.h"
+
+#include <algorithm>
+#include <cctype>
+#include <set>
+
+namespace meshtrain::parallel {
+
+namespace {
+
+bool starts_with(const std::string& text, const std::string& prefix) { return text.rfind(prefix, 0) == 0; }
+
+}  // namespace
+
+UnitPolicy UnitPolicy::whole_model() {
+  return {[](const std::string&, const torch::nn::Module&) { return false; }};
+}
+
+UnitPolicy UnitPolicy::submodules(std::vector<std::string> names) {
+  std::set<std::string> set(names.begin(), names.end());
+  return {[set](const std::string& name, const torch::nn::Module&) { return set.count(name) > 0; }};
+}
+
+UnitPolicy UnitPolicy::blocks(const std::string& list) {
+  return {[list](const std::string& name, const torch::nn::Module&) {
+    if (!starts_with(name, list + ".")) return false;
+    const std::string index = name.substr(list.size() + 1);
+    return !index.empty() && std::all_of(index.begin(), index.end(), [](char c) { return std::isdigit(c); });
+  }};
+}
+
+void ShardedState::build_units(torch::nn::Module& module) {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> values;
+  for (const auto& item : module.named_parameters()) {
+    names.push_back(item.key());
+    values.push_back(item.value());
+  }
+  auto holds = [&](const std::string& prefix) {
+    return std::any_of(names.begin(), names.end(), [&](const std::string& n) { return starts_with(n, prefix); });
+  };
+  // The root unit first, then units of one parameter, then the chosen submodules in module order.
+  units.emplace_back();
+  for (const std::string& name : names) {
+    if (!options.own_unit || !options.own_unit(name)) continue;
+    if (stage3()) throw std::invalid_argument("fully sharded: units of one parameter need stage 1 or 2");
+    units.emplace_back();
+    units.back().module = "parameter " + name;
+  }
+  const size_t first_module_unit = units.size();
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    const std::string& name = item.key();
+    if (!options.units.is_unit || !options.units.is_unit(name, *item.value()) || !holds(name + ".")) continue;
+    const bool nested = std::any_of(units.begin() + first_module_unit, units.end(),
+                                    [&](const Unit& u) { return starts_with(name, u.module + "."); });
+    if (nested) continue;  // part of a unit already
+    units.emplace_back();
+    units.back().module = name;
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    size_t u = 0;
+    for (size_t k = 1; k < units.size(); ++k) {
+      const std::string& m = units[k].module;
+      if (k < first_module_unit ? m == "parameter " + names[i] : starts_with(names[i], m + ".")) u = k;
+    }
+    Unit& unit = units[u];
+    unit.names.push_back(names[i]);
+    unit.params.push_back(values[i]);
+    unit.offsets.push_back(unit.numel);
+    unit.numel += values[i].numel();
+  }
+  if (units.front().params.empty()) units.erase(units.begin());  // everything is in a unit (or a pipeline stage's blocks)
+  if (units.empty()) throw std::invalid_argument("fully sharded: the module has no parameters");
+  for (size_t u = 0; u < units.size(); ++u) unit_of_module[units[u].module] = u;
+
+  const int64_t n = shards;
+  const bool master_is_view = options.stage < 3 && options.param_dtype == at::kFloat;
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units) {
+    unit.padded = (unit.numel + n - 1) / n * n;
+    unit.shard = unit.padded / n;
+    const at::TensorOptions fp32 = unit.params.front().options().dtype(at::kFloat);
+    unit.full = at::zeros({unit.padded}, fp32.dtype(options.param_dtype));
+    at::Tensor flat32 = at::zeros({unit.padded}, fp32);
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      flat32.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(unit.params[i].reshape({-1}));
+    }
+    unit.full.copy_(flat32);
+    unit.master = master_is_view ? unit.full.narrow(0, shard_rank * unit.shard, unit.shard)
+                                 : flat32.narrow(0, shard_rank * unit.shard, unit.shard).clone();
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      at::Tensor& p = unit.params[i];
+      const std::vector<int64_t> shape = p.sizes().vec();
+      p.mutable_grad().reset();
+      p.set_data(unit.full.narrow(0, unit.offsets[i], p.numel()).view(shape));
+    }
+    if (options.stage == 1) {
+      unit.grad = at::zeros({unit.padded}, unit.full.options());
+      for (size_t i = 0; i < unit.params.size(); ++i) {
+        unit.params[i].mutable_grad() =
+            unit.grad.narrow(0, unit.offsets[i], unit.params[i].numel()).view(unit.params[i].sizes());
+      }
+    }
+    const bool grad_is_view = options.stage == 1 && !options.stage1_reduce_scatter && options.param_dtype == at::kFloat;
+    unit.shard_grad = grad_is_view ? unit.grad.narrow(0, shard_rank * unit.shard, unit.shard) : at::zeros({unit.shard}, fp32);
+    if (stage3()) {
+      unit.residency = Residency::kGathered;
+      reshard_locked(unit);
+    }
+  }
+  // Backward finishes the units last to first, the root last (the embedding's
+  // gradient is the last one ready).
+  for (size_t u = units.size(); u-- > 0;) reduce_order.push_back(u);
+}
+
+}  // namespace meshtrain::parallel

@@ -1,0 +1,59 @@
+// Progress: what a run tells a person and a program while it trains — the
+// progress line on rank 0, metrics as JSON lines (<run.out>/metrics.jsonl),
+// warnings and events, each printed once.
+#pragma once
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/util/memory.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace meshtrain::train {
+
+// Counted CPU tensor bytes of this rank during one step (util/memory.h).
+struct StepMemory {
+  int64_t model_states = 0;  // in use after the step: parameters, gradients, optimizer states
+  std::array<int64_t, memory::kPhaseCount> phase_peak{};  // highest in use within each phase
+  int64_t peak() const { return *std::max_element(phase_peak.begin(), phase_peak.end()); }
+};
+
+struct StepResult {
+  int64_t step = 0;        // steps completed after this one
+  double loss = 0;         // mean training loss over the global batch
+  double grad_norm = 0;    // global norm before clipping
+  double lr = 0;
+  double seconds = 0;
+  StepMemory memory;
+};
+
+// "1h02m", "3m05s", "42s"
+std::string human_duration(double seconds);
+
+class Progress {
+ public:
+  // Collective-free. Rank 0 opens <out_dir>/metrics.jsonl (appending when `append`).
+  Progress(std::shared_ptr<comm::Communicator> world, const std::string& out_dir, bool append);
+
+  bool leader() const { return world_->rank() == 0; }
+  // Rank 0: "meshtrain: <text>" on stdout; "meshtrain: warning: <text>" on stderr.
+  void say(const std::string& text) const;
+  void warn(const std::string& text) const;
+  // Rank 0: one JSON object as a line of metrics.jsonl.
+  void event(const std::string& json_object);
+  // Collective (every rank's memory and RSS): the step's metrics line, and the
+  // progress line when `print`. `mfu` at `tokens_per_second`.
+  void step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,
+            int64_t total_steps, double eta_seconds, bool print);
+
+ private:
+  std::shared_ptr<comm::Communicator> world_;
+  std::ofstream metrics_;
+};
+
+}  // namespace meshtrain::train

@@ -1,0 +1,120 @@
+// The trainer's checkpoints: saving the training state as this layout holds
+// it, and resuming into any layout. See Note [Resume].
+#include "meshtrain/train/trainer.h"
+
+#include "meshtrain/checkpoint/reader.h"
+#include "meshtrain/comm/agree.h"
+
+#include <nlohmann/json.hpp>
+
+namespace meshtrain::train {
+
+// Note [Resume]
+// The candidates are the complete checkpoints of checkpoint.dir, newest
+// first (the one `latest` names first). Each is verified (manifest, sizes,
+// metadata checksum) and loaded: every rank reads what overlaps the tensors
+// it holds in this run's layout, checking block checksums. A failure on any
+// rank is agreed by all; the checkpoint is then passed over with a warning
+// naming the file and what is wrong, a "checkpoint_skipped" line goes to
+// metrics.jsonl, and the next older one is tried (nothing is deleted). A
+// checkpoint of another model is an error, not a reason to go back. Random
+// streams are restored when the layout and world size are the saving run's;
+// otherwise they are re-derived from the seed and the step (dropout masks
+// then differ from an uninterrupted run; nothing else does). The optimizer's
+// step count is the checkpoint's step; the learning rate follows from it.
+
+namespace {
+
+bool is_random_stream(const std::string& name) { return name.rfind("rng/", 0) == 0; }
+
+}  // namespace
+
+void Trainer::save_checkpoint() {
+  memory::PhaseScope phase(memory::Phase::kCheckpoint);
+  checkpoint::Metadata meta;
+  meta.step = step_;
+  meta.cursor = cursor_;
+  meta.model = model_fingerprint();
+  meta.model_config = model_config_to_json(config_.model);
+  meta.layout = config_.parallel.str();
+  meta.world = world_->size();
+  writer_->save(std::move(meta), parallel_->state(), parallel_->mesh().layout());
+}
+
+void Trainer::finish_checkpoints() { writer_->wait(); }
+
+void Trainer::load_checkpoint(const std::string& folder) {
+  std::unique_ptr<checkpoint::CheckpointReader> reader;
+  comm::on_all_or_all_fail(*world_, [&] { reader = std::make_unique<checkpoint::CheckpointReader>(folder); });
+  const checkpoint::Metadata& meta = reader->metadata();
+  if (meta.model != model_fingerprint()) {
+    throw ConfigError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
+                      model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
+  }
+  const bool same_layout = meta.layout == config_.parallel.str() && meta.world == world_->size();
+  comm::on_all_or_all_fail(*world_, [&] {
+    reader->load(parallel_->state(), parallel_->mesh().layout(), world_->rank(),
+                 [&](const std::string& name) { return same_layout || !is_random_stream(name); });
+  });
+  parallel_->after_load(meta.step, same_layout);
+  if (!same_layout) parallel_->reseed_random_streams(config_.seed, meta.step);
+  step_ = meta.step;
+  cursor_ = meta.cursor;
+}
+
+void Trainer::resume() {
+  // The candidates as rank 0 sees them, so that every rank tries the same ones.
+  std::string listing;
+  comm::on_root_or_all_fail(*world_, 0, [&] {
+    const checkpoint::CheckpointStore& store = writer_->store();
+    std::vector<std::string> folders = store.complete();
+    std::string latest;
+    try {
+      latest = store.latest();
+    } catch (const CheckpointError& e) {
+      std::fprintf(stderr, "meshtrain: warning: %s; trying the step folders instead\n", e.what());
+    }
+    if (!latest.empty()) listing += latest + "\n";
+    for (const std::string& f : folders) {
+      if (f != latest) listing += f + "\n";
+    }
+  });
+  listing = comm::all_gather_strings(*world_, world_->rank() == 0 ? listing : "").front();
+  std::vector<std::string> candidates;
+  for (size_t start = 0, end; (end = listing.find('\n', start)) != std::string::npos; start = end + 1) {
+    candidates.push_back(listing.substr(start, end - start));
+  }
+  for (const std::string& folder : candidates) {
+    try {
+      load_checkpoint(folder);
+    } catch (const comm::AgreedError& e) {
+      skipped_.push_back({folder, e.what()});
+      if (world_->rank() == 0) {
+        std::fprintf(stderr, "meshtrain: warning: checkpoint %s is unusable: %s; trying an older one\n", folder.c_str(),
+                     e.what());
+      }
+      continue;
+    }
+    resumed_ = true;
+    resumed_from_ = folder;
+    return;
+  }
+  if (!candidates.empty()) {
+    throw comm::AgreedError("no usable checkpoint in " + writer_->store().dir() + " (" +
+                          std::to_string(candidates.size()) + " tried; the newest: " + skipped_.front().reason +
+                          "); move them away or set checkpoint.resume = false to start afresh");
+  }
+}
+
+void Trainer::log_resume_events() {
+  for (const Skipped& s : skipped_) {
+    progress_->event(nlohmann::json{{"event", "checkpoint_skipped"},
+                                    {"checkpoint", s.folder},
+                                    {"reason", s.reason},
+                                    {"resumed_from", resumed_from_},
+                                    {"step", step_}}
+                         .dump());
+  }
+}
+
+}  // namespace meshtrain::train
