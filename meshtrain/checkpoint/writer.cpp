@@ -91,8 +91,11 @@ struct CheckpointWriter::Snapshot {
   std::vector<Tensor> tensors;
 };
 
-CheckpointWriter::CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async)
-    : store_(std::move(store)), comm_(world->split(0, world->rank(), "checkpoint")), async_(async) {}
+CheckpointWriter::CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async,
+                                   int64_t block_bytes)
+    : store_(std::move(store)), comm_(world->split(0, world->rank(), "checkpoint")), async_(async), block_bytes_(block_bytes) {
+  if (block_bytes_ < 1) throw std::invalid_argument("checkpoint writer: block_bytes must be positive");
+}
 
 CheckpointWriter::~CheckpointWriter() {
   if (thread_.joinable()) thread_.join();
@@ -164,6 +167,7 @@ void CheckpointWriter::write(const Snapshot& snapshot) {
         chunk.file = file;
         chunk.offset = out.size();
         chunk.bytes = c.numel() * element;
+        chunk.block_bytes = block_bytes_;
         const char* data = bytes + consumed * element;
         for (int64_t b = 0; b < chunk.bytes; b += chunk.block_bytes) {
           chunk.checksums.push_back(checksum(data + b, std::min(chunk.block_bytes, chunk.bytes - b)));

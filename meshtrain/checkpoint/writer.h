@@ -28,8 +28,10 @@ namespace meshtrain::checkpoint {
 // wait() rethrows it.
 class CheckpointWriter {
  public:
-  // Collective over `world`.
-  CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async);
+  // Collective over `world`. Checksums cover `block_bytes` each (the unit a
+  // reader verifies, so the least it reads of a chunk).
+  CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async,
+                   int64_t block_bytes = kBlockBytes);
   ~CheckpointWriter();  // waits for a save in flight (its error is lost: call wait() first)
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -55,6 +57,7 @@ class CheckpointWriter {
   CheckpointStore store_;
   std::shared_ptr<comm::Communicator> comm_;
   bool async_;
+  int64_t block_bytes_;
   std::thread thread_;
   std::exception_ptr error_;
   double blocking_seconds_ = 0, write_seconds_ = 0;

@@ -197,7 +197,8 @@ void DataParallel::after_backward() {
 }
 
 at::Tensor DataParallel::reduced_gradient(const std::string& name) {
-  const at::Tensor* p = module_.named_parameters().find(name);
+  const auto parameters = module_.named_parameters();  // find() points into it
+  const at::Tensor* p = parameters.find(name);
   if (!p) throw std::invalid_argument("data parallel: the module has no parameter " + name);
   return p->grad();
 }

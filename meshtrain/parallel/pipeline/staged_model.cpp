@@ -51,10 +51,16 @@ bool StagedModel::is_tied_copy(const std::string& name) const {
 }
 
 std::map<std::string, at::Tensor> StagedModel::gather_parameters(const std::map<std::string, at::Tensor>& mine) const {
+  // The holder sends the shape first: the values may have been gathered over
+  // other axes since the stages were cut (tensor parallel makes them whole).
   std::map<std::string, at::Tensor> all;
   for (const Home& home : homes_) {
-    at::Tensor t = pipeline_->rank() == home.pipeline_rank ? mine.at(home.name).contiguous()
-                                                            : at::empty(home.shape, at::kFloat);
+    const bool holder = pipeline_->rank() == home.pipeline_rank;
+    at::Tensor shape = holder ? at::tensor(mine.at(home.name).sizes().vec(), at::kLong)
+                              : at::empty({static_cast<int64_t>(home.shape.size())}, at::kLong);
+    pipeline_->broadcast(shape, home.pipeline_rank).wait();
+    const std::vector<int64_t> sizes(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + shape.numel());
+    at::Tensor t = holder ? mine.at(home.name).contiguous() : at::empty(sizes, at::kFloat);
     pipeline_->broadcast(t, home.pipeline_rank).wait();
     all[home.name] = t;
   }

@@ -58,7 +58,8 @@ class StagedModel {
   std::vector<StageSpec> stages_;
   Schedule schedule_;
   std::unique_ptr<PipelineExecutor> executor_;
-  // Every parameter of the whole model: name, shape, the pipeline rank holding it.
+  // Every parameter of the whole model: name, shape (as this rank's model had
+  // it when cut: its rank count), the pipeline rank holding it.
   struct Home {
     std::string name;
     std::vector<int64_t> shape;
