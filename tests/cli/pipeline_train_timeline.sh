@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pipeline on 4 ranks: pp=4 with 1F1B and 8 micro-batches trains, writes the
 # trace and timeline picture of step 2, redraws it with `meshtrain timeline`,
-# checkpoints per rank, resumes, and samples from the gathered model; bad
+# checkpoints (a file per rank), resumes, and samples from the checkpoint; bad
 # pipeline settings fail before training with a message.
 set -euo pipefail
 meshtrain=$1
@@ -16,7 +16,7 @@ grep -q "<svg" "$run/timeline.svg"
 grep -c '"cat": "forward"' "$run/trace.json" | grep -qx 32   # 8 micro-batches x 4 ranks
 "$meshtrain" timeline "$run/trace.json" -o "$run/redrawn.svg" | grep -q "4 ranks drawn to $run/redrawn.svg; bubble per rank:"
 grep -q "rank 3" "$run/redrawn.svg"
-ls "$run"/checkpoints/step-00000003/{shard-rank-0.pt,shard-rank-3.pt,model.pt} > /dev/null
+ls "$run"/checkpoints/step-00000003/{rank-00000.bin,rank-00003.bin,metadata.json} > /dev/null
 "$meshtrain" run -n 4 train "${common[@]}" --training.steps=4 | tee "$run/second.log"
 grep -q "resumed from .*step-00000003 at step 3" "$run/second.log"
 grep -q "^step     4/4 | loss" "$run/second.log"

@@ -218,11 +218,15 @@ TEST_F(FullyShardedTest, ResumeContinuesBitExactly) {
     ASSERT_TRUE(second_half.resumed());
     for (int s = 3; s < 6; ++s) EXPECT_EQ(second_half.step().loss, straight[s]) << describe(layout) << ", step " << s + 1;
 
-    // Another layout takes the same checkpoint and continues the same training.
-    Trainer other(config(n, kBatch / n, checkpoints, {"parallel.zero_stage=2"}), world());
+    // Another layout (the same precision) takes the same checkpoint and continues the same training.
+    Overrides another = layout;
+    another.front() = "parallel.zero_stage=2";
+    Trainer other(config(n, kBatch / n, checkpoints, another), world());
     ASSERT_TRUE(other.resumed());
+    // (bfloat16 computes the same in another order: its rounding differs a little.)
+    const double tolerance = layout.back() == "parallel.param_dtype=bfloat16" ? 1e-3 : 1e-5;
     for (int s = 3; s < 6; ++s) {
-      EXPECT_NEAR(other.step().loss, straight[s], 1e-5 * straight[s]) << describe(layout) << " -> zero_stage 2, step " << s + 1;
+      EXPECT_NEAR(other.step().loss, straight[s], tolerance * straight[s]) << describe(layout) << " -> zero_stage 2, step " << s + 1;
     }
   }
 }

@@ -91,7 +91,7 @@ void ShardedState::before_backward(size_t u) {
 
 void ShardedState::on_use(size_t u) {
   std::lock_guard<std::mutex> lock(mutex);
-  if (u == current_unit) return;
+  if (u == current_unit && units[u].residency == Residency::kGathered) return;  // reductions may have freed it
   const size_t previous = current_unit;
   current_unit = u;
   wait_gathered_locked(units[u]);
