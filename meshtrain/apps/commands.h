@@ -68,6 +68,12 @@ std::vector<std::string> launch_command(int ranks, const std::vector<std::string
 int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps,
                  const std::string& out_dir);
 
+// bench checkpoint: step time with no save, with a save before each step written
+// in the background and in the loop, the snapshot and write times, and the
+// write against the disk's raw speed for the same bytes (see bench_checkpoint.cpp).
+int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
+                         int timed_steps);
+
 // meshtrain timeline TRACE [-o OUT.svg]: a pipeline trace drawn as SVG (no MPI needed).
 int run_timeline(const std::string& trace_path, std::string out_path, const std::string& title);
 

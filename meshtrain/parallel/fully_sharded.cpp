@@ -158,6 +158,7 @@ void FullySharded::load_full_state_dict(const std::map<std::string, at::Tensor>&
     }
   });
   torch::NoGradGuard no_grad;
+  ObserverPause pause;  // this writes into the flat buffers itself
   std::lock_guard<std::mutex> lock(s.mutex);
   for (auto& unit : s.units) {
     at::Tensor flat = at::zeros({unit.padded}, unit.master.options());

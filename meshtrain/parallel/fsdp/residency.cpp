@@ -33,6 +33,7 @@ void allocate_storage(const at::Tensor& flat) {
 
 void ShardedState::gather_locked(Unit& unit) {
   if (unit.residency != Residency::kFreed) return;
+  ObserverPause pause;  // a one-rank gather copies into `full` on this thread
   allocate_storage(unit.full);
   at::Tensor input = unit.master;
   if (options.param_dtype != at::kFloat) input = unit.gather_input = unit.master.to(options.param_dtype);

@@ -110,6 +110,21 @@ struct ShardedState {
   void step(double lr);
 };
 
+// While one exists on a thread, the operator observer ignores that thread's
+// operators: fully sharded's own work on the flat buffers (a gather copying
+// into one, a load) must not trigger gathers, nor wait for the state's mutex.
+class ObserverPause {
+ public:
+  ObserverPause();
+  ~ObserverPause();
+  ObserverPause(const ObserverPause&) = delete;
+  ObserverPause& operator=(const ObserverPause&) = delete;
+
+ private:
+  bool was_;
+};
+bool& observer_paused();  // this thread's flag
+
 // triggers.cpp: installs what gathers stage-3 units before they are used.
 void install_triggers(const std::shared_ptr<ShardedState>& state, const std::shared_ptr<torch::nn::Module>& module);
 void remove_triggers(ShardedState& state, const std::shared_ptr<torch::nn::Module>& module);

@@ -78,22 +78,15 @@ class OperatorObserver {
   // Runs before every operator: gathers the unit of any input that is a view
   // of a unit's flat buffer. Operators the gather itself runs are not observed.
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    thread_local bool inside = false;
-    if (inside) return nullptr;
-    inside = true;
-    try {
-      for (const c10::IValue& input : fn.inputs()) {
-        if (input.isTensor()) {
-          instance().use(input.toTensor());
-        } else if (input.isTensorList()) {
-          for (const at::Tensor& t : input.toTensorList().vec()) instance().use(t);
-        }
+    if (observer_paused()) return nullptr;
+    ObserverPause pause;
+    for (const c10::IValue& input : fn.inputs()) {
+      if (input.isTensor()) {
+        instance().use(input.toTensor());
+      } else if (input.isTensorList()) {
+        for (const at::Tensor& t : input.toTensorList().vec()) instance().use(t);
       }
-    } catch (...) {
-      inside = false;
-      throw;
     }
-    inside = false;
     return nullptr;
   }
 
@@ -118,6 +111,14 @@ class OperatorObserver {
 };
 
 }  // namespace
+
+bool& observer_paused() {
+  thread_local bool paused = false;
+  return paused;
+}
+
+ObserverPause::ObserverPause() : was_(observer_paused()) { observer_paused() = true; }
+ObserverPause::~ObserverPause() { observer_paused() = was_; }
 
 void install_triggers(const std::shared_ptr<ShardedState>& state, const std::shared_ptr<torch::nn::Module>& module) {
   if (!state->stage3()) return;

@@ -1,0 +1,143 @@
+// meshtrain bench checkpoint: what saving costs the training loop, with the
+// write in the background (checkpoint.async) and in the loop, against steps
+// without saving and against the disk's own speed, in one run.
+#include "meshtrain/apps/commands.h"
+
+#include "meshtrain/checkpoint/writer.h"
+#include "meshtrain/train/trainer.h"
+#include "meshtrain/util/files.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+namespace meshtrain::apps {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// The slowest rank's value (every rank gets it).
+double slowest(comm::Communicator& comm, double value) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  comm.all_reduce(t, comm::ReduceOp::kMax).wait();
+  return t.item<double>();
+}
+
+// Seconds to write and sync `bytes` bytes to a fresh file in `dir` (the disk's own speed).
+double raw_write_seconds(const std::string& dir, int64_t bytes, int rank) {
+  const std::string path = util::join_path(dir, "raw-" + std::to_string(rank) + ".bin");
+  std::vector<char> buffer(static_cast<size_t>(std::min<int64_t>(bytes, int64_t{64} << 20)), 1);
+  const auto start = Clock::now();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + path);
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = ::write(fd, buffer.data(), static_cast<size_t>(std::min<int64_t>(bytes - done, buffer.size())));
+    if (n <= 0) break;
+    done += n;
+  }
+  ::fsync(fd);
+  ::close(fd);
+  const double seconds = seconds_since(start);
+  std::remove(path.c_str());
+  return seconds;
+}
+
+}  // namespace
+
+int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
+                         int timed_steps) {
+  train::TrainConfig config = train::TrainConfig::load("", overrides);
+  config.steps = warmup_steps + 3 * timed_steps;
+  config.resume = false;
+  config.checkpoint_every = 0;
+  config.validate(runtime.size());
+  const auto& world = runtime.world();
+  train::Trainer trainer(config, world);
+  for (int s = 0; s < warmup_steps; ++s) trainer.step();
+  const std::string dir = config.out + "/bench-checkpoints";
+
+  struct Side {
+    const char* name;
+    bool save, async;
+    std::vector<double> step_seconds, blocking, writes;
+    int64_t bytes = 0;
+  };
+  std::vector<Side> sides = {{"no save", false, false, {}, {}, {}}, {"async save", true, true, {}, {}, {}},
+                             {"sync save", true, false, {}, {}, {}}};
+  for (Side& side : sides) {
+    checkpoint::CheckpointWriter writer(checkpoint::CheckpointStore(dir, 1), world, side.async);
+    for (int s = 0; s < timed_steps; ++s) {
+      // A save of the state as it is, then the next step: the time from the
+      // save's start to the step's end is what the loop pays for both.
+      const auto start = Clock::now();
+      if (side.save) {
+        checkpoint::Metadata meta;
+        meta.step = trainer.completed_steps();
+        meta.layout = config.parallel.str();
+        meta.world = world->size();
+        writer.save(meta, trainer.parallel().state(), trainer.mesh().layout());
+        side.blocking.push_back(writer.last_blocking_seconds());
+      }
+      trainer.step();
+      side.step_seconds.push_back(seconds_since(start));
+      if (side.save) {
+        // The save in flight is waited for before the next one: its wait is
+        // part of the next measurement, as it would be in training.
+        if (!side.async) side.writes.push_back(writer.last_write_seconds());
+      }
+    }
+    writer.wait();
+    if (side.async) side.writes.push_back(writer.last_write_seconds());
+    side.bytes = writer.last_bytes();
+  }
+  const double raw = raw_write_seconds(config.out, std::max<int64_t>(sides[2].bytes, 1), world->rank());
+  const double base = slowest(*world, median(sides[0].step_seconds));
+  const double async_step = slowest(*world, median(sides[1].step_seconds));
+  const double sync_step = slowest(*world, median(sides[2].step_seconds));
+  const double snapshot = slowest(*world, median(sides[1].blocking));
+  const double write = slowest(*world, median(sides[2].writes));
+  const double raw_slowest = slowest(*world, raw);
+  at::Tensor bytes = at::full({1}, static_cast<double>(sides[2].bytes), at::kDouble);
+  world->all_reduce(bytes).wait();
+  if (world->rank() == 0) {
+    util::remove_tree(dir);
+    const double every = 50;  // checkpoint.every's default
+    nlohmann::json line = {{"preset", config.preset},
+                           {"ranks", world->size()},
+                           {"layout", config.parallel.str()},
+                           {"checkpoint_mib", bytes.item<double>() / 1048576.0},
+                           {"step_s", base},
+                           {"step_s_with_async_save", async_step},
+                           {"step_s_with_sync_save", sync_step},
+                           {"async_save_cost_s", async_step - base},
+                           {"sync_save_cost_s", sync_step - base},
+                           {"async_over_sync_cost", (async_step - base) / std::max(1e-9, sync_step - base)},
+                           {"snapshot_s", snapshot},
+                           {"write_s", write},
+                           {"raw_write_s_same_bytes", raw_slowest},
+                           {"write_over_raw", write / std::max(1e-9, raw_slowest)},
+                           {"async_cost_per_step_every_50", (async_step - base) / every / base}};
+    std::printf("%s\n", line.dump().c_str());
+    std::printf("checkpoint of %.1f MiB on %d rank(s): a step takes %.3f s; saving first costs %.3f s in the "
+                "background (snapshot %.3f s) and %.3f s in the loop; the write takes %.3f s, %.2fx the disk's raw "
+                "write of the same bytes; every 50 steps the background save costs %.2f%% per step\n",
+                bytes.item<double>() / 1048576.0, world->size(), base, async_step - base, snapshot, sync_step - base,
+                write, write / std::max(1e-9, raw_slowest), 100 * (async_step - base) / every / base);
+  }
+  return 0;
+}
+
+}  // namespace meshtrain::apps
