@@ -60,7 +60,7 @@ double raw_write_seconds(const std::string& dir, int64_t bytes, int rank) {
 int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                          int timed_steps) {
   train::TrainConfig config = train::TrainConfig::load("", overrides);
-  config.steps = warmup_steps + 3 * timed_steps;
+  config.steps = warmup_steps + 3 * timed_steps;  // the learning-rate schedule runs over all of them
   config.resume = false;
   config.checkpoint_every = 0;
   config.validate(runtime.size());
@@ -69,48 +69,52 @@ int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>&
   for (int s = 0; s < warmup_steps; ++s) trainer.step();
   const std::string dir = config.out + "/bench-checkpoints";
 
+  // Steps without a save, with a background save (save, step, wait for the
+  // write: the worst case, a save right after the last one) and with a save in
+  // the loop, taken in turn so that the machine's drift touches all three alike.
   struct Side {
-    const char* name;
-    bool save, async;
-    std::vector<double> step_seconds, blocking, writes;
+    std::unique_ptr<checkpoint::CheckpointWriter> writer;
+    std::vector<double> seconds, blocking, writes;
     int64_t bytes = 0;
   };
-  std::vector<Side> sides = {{"no save", false, false, {}, {}, {}}, {"async save", true, true, {}, {}, {}},
-                             {"sync save", true, false, {}, {}, {}}};
-  for (Side& side : sides) {
-    checkpoint::CheckpointWriter writer(checkpoint::CheckpointStore(dir, 1), world, side.async);
-    for (int s = 0; s < timed_steps; ++s) {
-      // A save of the state as it is, then the next step: the time from the
-      // save's start to the step's end is what the loop pays for both.
-      const auto start = Clock::now();
-      if (side.save) {
-        checkpoint::Metadata meta;
-        meta.step = trainer.completed_steps();
-        meta.layout = config.parallel.str();
-        meta.world = world->size();
-        writer.save(meta, trainer.parallel().state(), trainer.mesh().layout());
-        side.blocking.push_back(writer.last_blocking_seconds());
-      }
-      trainer.step();
-      side.step_seconds.push_back(seconds_since(start));
-      if (side.save) {
-        // The save in flight is waited for before the next one: its wait is
-        // part of the next measurement, as it would be in training.
-        if (!side.async) side.writes.push_back(writer.last_write_seconds());
-      }
-    }
-    writer.wait();
-    if (side.async) side.writes.push_back(writer.last_write_seconds());
-    side.bytes = writer.last_bytes();
+  Side none, async, sync;
+  async.writer = std::make_unique<checkpoint::CheckpointWriter>(checkpoint::CheckpointStore(dir + "/async", 1), world, true);
+  sync.writer = std::make_unique<checkpoint::CheckpointWriter>(checkpoint::CheckpointStore(dir + "/sync", 1), world, false);
+  auto save = [&](Side& side) {
+    checkpoint::Metadata meta;
+    meta.step = trainer.completed_steps();
+    meta.layout = config.parallel.str();
+    meta.world = world->size();
+    side.writer->save(meta, trainer.parallel().state(), trainer.mesh().layout());
+    side.blocking.push_back(side.writer->last_blocking_seconds());
+  };
+  for (int s = 0; s < timed_steps; ++s) {
+    auto start = Clock::now();
+    trainer.step();
+    none.seconds.push_back(seconds_since(start));
+    start = Clock::now();
+    save(async);
+    trainer.step();
+    async.writer->wait();
+    async.seconds.push_back(seconds_since(start));
+    async.writes.push_back(async.writer->last_write_seconds());
+    start = Clock::now();
+    save(sync);
+    trainer.step();
+    sync.seconds.push_back(seconds_since(start));
+    sync.writes.push_back(sync.writer->last_write_seconds());
   }
-  const double raw = raw_write_seconds(config.out, std::max<int64_t>(sides[2].bytes, 1), world->rank());
-  const double base = slowest(*world, median(sides[0].step_seconds));
-  const double async_step = slowest(*world, median(sides[1].step_seconds));
-  const double sync_step = slowest(*world, median(sides[2].step_seconds));
-  const double snapshot = slowest(*world, median(sides[1].blocking));
-  const double write = slowest(*world, median(sides[2].writes));
+  sync.bytes = sync.writer->last_bytes();
+  std::vector<double> raws;
+  for (int i = 0; i < 3; ++i) raws.push_back(raw_write_seconds(config.out, std::max<int64_t>(sync.bytes, 1), world->rank()));
+  const double raw = median(raws);
+  const double base = slowest(*world, median(none.seconds));
+  const double async_step = slowest(*world, median(async.seconds));
+  const double sync_step = slowest(*world, median(sync.seconds));
+  const double snapshot = slowest(*world, median(async.blocking));
+  const double write = slowest(*world, median(sync.writes));
   const double raw_slowest = slowest(*world, raw);
-  at::Tensor bytes = at::full({1}, static_cast<double>(sides[2].bytes), at::kDouble);
+  at::Tensor bytes = at::full({1}, static_cast<double>(sync.bytes), at::kDouble);
   world->all_reduce(bytes).wait();
   if (world->rank() == 0) {
     util::remove_tree(dir);
@@ -131,9 +135,10 @@ int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>&
                            {"write_over_raw", write / std::max(1e-9, raw_slowest)},
                            {"async_cost_per_step_every_50", (async_step - base) / every / base}};
     std::printf("%s\n", line.dump().c_str());
-    std::printf("checkpoint of %.1f MiB on %d rank(s): a step takes %.3f s; saving first costs %.3f s in the "
-                "background (snapshot %.3f s) and %.3f s in the loop; the write takes %.3f s, %.2fx the disk's raw "
-                "write of the same bytes; every 50 steps the background save costs %.2f%% per step\n",
+    std::printf("checkpoint of %.1f MiB on %d rank(s): a step takes %.3f s; a save costs the loop %.3f s written in "
+                "the background (snapshot %.3f s; the write waited for after one step) and %.3f s written in the "
+                "loop; the write takes %.3f s, %.2fx a raw write of the same bytes; saved every 50 steps in the "
+                "background it costs %.2f%% per step\n",
                 bytes.item<double>() / 1048576.0, world->size(), base, async_step - base, snapshot, sync_step - base,
                 write, write / std::max(1e-9, raw_slowest), 100 * (async_step - base) / every / base);
   }

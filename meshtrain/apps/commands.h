@@ -57,8 +57,10 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
 int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                     int timed_steps);
 
-// Replaces this process with `mpirun -np ranks <this executable> args...`,
-// with OMP_NUM_THREADS = cores / ranks unless already set. Returns only by throwing.
+// Runs `mpirun -np ranks <this executable> args...` with OMP_NUM_THREADS =
+// cores / ranks unless already set, passes its output on (without Open MPI's
+// banners that repeat meshtrain's own errors, Note [Launcher output]) and
+// exits with its status. Returns only by throwing.
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args);
 
 // The mpirun command line run_launcher uses (exposed for tests).

@@ -3,9 +3,11 @@
 
 #include <mpi.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -44,15 +46,72 @@ std::vector<std::string> launch_command(int ranks, const std::vector<std::string
     // More ranks than cores is fine for development runs; binding each rank to
     // one core would serialise a rank's progress thread with its compute.
     command.insert(command.end(), {"--oversubscribe", "--bind-to", "none", "-x", "OMP_NUM_THREADS"});
-    // Quiet: meshtrain says what went wrong itself (once, or naming the rank);
-    // mpirun's banners about exit codes and MPI_Abort would only repeat it.
-    command.push_back("--quiet");
     if (root) command.push_back("--allow-run-as-root");
   }
   command.push_back(self_executable());
   command.insert(command.end(), args.begin(), args.end());
   return command;
 }
+
+namespace {
+
+// Note [Launcher output]
+// meshtrain says what went wrong itself: an error every rank agreed on once
+// (exit status 1 on every rank), an error of one rank naming it (then
+// MPI_Abort). Open MPI adds banners about non-zero exit codes and MPI_Abort
+// that only repeat it, so the launcher drops those dash-framed blocks (and
+// their "more processes have sent help message" echoes) from mpirun's
+// stderr and passes everything else — "mpirun noticed that process rank 1
+// ... exited on signal 9 (Killed)" included — and mpirun's exit status.
+bool repeats_meshtrain(const std::string& block) {
+  for (const char* marker : {"non-zero exit code", "non-zero status", "MPI_ABORT was invoked"}) {
+    if (block.find(marker) != std::string::npos) return true;
+  }
+  return false;
+}
+
+bool is_frame(const std::string& line) { return line.size() > 20 && line.find_first_not_of('-') == std::string::npos; }
+
+// Copies `fd` to stderr line by line without the repeating banners.
+void filter_stderr(int fd) {
+  FILE* in = fdopen(fd, "r");
+  if (!in) return;
+  char* raw = nullptr;
+  size_t capacity = 0;
+  std::string block;
+  bool framed = false;
+  while (getline(&raw, &capacity, in) > 0) {
+    std::string line(raw);
+    while (!line.empty() && line.back() == '\n') line.pop_back();
+    if (is_frame(line)) {
+      if (framed && !repeats_meshtrain(block)) std::fprintf(stderr, "%s\n%s%s\n", line.c_str(), block.c_str(), line.c_str());
+      framed = !framed;
+      block.clear();
+      continue;
+    }
+    if (framed) {
+      block += line + "\n";
+      continue;
+    }
+    if (line.find("more processes have sent help message") != std::string::npos ||
+        line.find("orte_base_help_aggregate") != std::string::npos) {
+      continue;
+    }
+    std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
+  if (framed) std::fprintf(stderr, "%s", block.c_str());
+  free(raw);
+  fclose(in);
+}
+
+pid_t child_pid = 0;
+
+void forward_signal(int signal) {
+  if (child_pid > 0) kill(child_pid, signal);
+}
+
+}  // namespace
 
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args) {
   if (ranks < 1) throw std::invalid_argument("run -n needs at least 1 rank, got " + std::to_string(ranks));
@@ -69,12 +128,34 @@ std::vector<std::string> launch_command(int ranks, const std::vector<std::string
   std::fprintf(stderr, "meshtrain: launching %d ranks, %s threads each:", ranks, std::getenv("OMP_NUM_THREADS"));
   for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());
   std::fprintf(stderr, "\n");
+  std::fflush(stderr);
   std::vector<char*> argv;
   for (const auto& word : command) argv.push_back(const_cast<char*>(word.c_str()));
   argv.push_back(nullptr);
-  execvp(argv[0], argv.data());
-  throw std::runtime_error(std::string("cannot start ") + argv[0] + ": " + std::strerror(errno) +
-                           " (install Open MPI: scripts/setup.sh)");
+  int pipe_fds[2];
+  if (pipe(pipe_fds) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  child_pid = fork();
+  if (child_pid < 0) throw std::runtime_error(std::string("cannot fork: ") + std::strerror(errno));
+  if (child_pid == 0) {
+    dup2(pipe_fds[1], STDERR_FILENO);
+    close(pipe_fds[0]);
+    close(pipe_fds[1]);
+    execvp(argv[0], argv.data());
+    std::fprintf(stderr, "meshtrain: cannot start %s: %s (install Open MPI: scripts/setup.sh)\n", argv[0],
+                 std::strerror(errno));
+    _exit(127);
+  }
+  close(pipe_fds[1]);
+  // Ctrl-C and termination reach mpirun, which ends the ranks.
+  std::signal(SIGINT, forward_signal);
+  std::signal(SIGTERM, forward_signal);
+  filter_stderr(pipe_fds[0]);
+  int status = 0;
+  while (waitpid(child_pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  std::fflush(stdout);
+  if (WIFEXITED(status)) std::exit(WEXITSTATUS(status));
+  std::exit(128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 1));
 }
 
 }  // namespace meshtrain::apps

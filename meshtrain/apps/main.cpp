@@ -104,10 +104,10 @@ int main(int argc, char** argv) {
   bench_pp->add_option("--out", pp_out, "Where traces and pictures go")->capture_default_str();
   int checkpoint_warmup = 2, checkpoint_steps = 5;
   CLI::App* bench_checkpoint = timed_bench(
-      "checkpoint", "What saving a checkpoint costs the training loop, in one run: the median step time with no save, "
-                    "with a save before every step written in the background (checkpoint.async, the default) and "
-                    "written in the loop; the snapshot and write times; the write against a raw write of the same "
-                    "bytes on the same disk. Config overrides as for train (layout included).",
+      "checkpoint", "What saving a checkpoint costs the training loop, in one run: median times of a step alone, of a "
+                    "save written in the background (checkpoint.async, the default) + a step + waiting for the write, "
+                    "and of a save written in the loop + a step, taken in turn; the snapshot and write times; the "
+                    "write against a raw write of the same bytes on the same disk. Config overrides as for train.",
       checkpoint_warmup, checkpoint_steps);
 
   std::string timeline_trace, timeline_out, timeline_title = "pipeline timeline";

@@ -73,7 +73,7 @@ struct Metadata {
   static Metadata from_json(const std::string& text, const std::string& where);
 };
 
-// 64-bit checksum of `bytes` bytes (FNV-1a over 8-byte words, then the tail).
+// 64-bit checksum of `bytes` bytes (four FNV-1a lanes over 8-byte words, folded, then the tail).
 uint64_t checksum(const void* data, int64_t bytes);
 std::string hex(uint64_t value);
 

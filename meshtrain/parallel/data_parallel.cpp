@@ -214,16 +214,24 @@ void DataParallel::step(double lr) {
 
 placement::TrainingState DataParallel::state(const ParameterLayouts& layouts) {
   placement::TrainingState out;
-  const bool replica_writes = comm_->rank() == 0;  // the replicas hold the same
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  std::vector<int64_t> sizes;
   for (const auto& item : module_.named_parameters()) {
-    const at::Tensor p = item.value().detach();
     if (!item.value().requires_grad()) continue;
-    const ParameterLayout layout = layouts(item.key(), p);
-    const bool write = layout.write && replica_writes;
-    out.push_back({"model/" + item.key(), layout.spec, p.reshape({-1}), write});
-    torch::optim::AdamWParamState& s = adamw_state(*optimizer_, item.value());
-    out.push_back({"optim/" + item.key() + "/exp_avg", layout.spec, s.exp_avg().view({-1}), write});
-    out.push_back({"optim/" + item.key() + "/exp_avg_sq", layout.spec, s.exp_avg_sq().view({-1}), write});
+    parameters.emplace_back(item.key(), item.value());
+    sizes.push_back(item.value().numel());
+  }
+  // The replicas hold the same: each parameter is saved by one of them, the bytes spread evenly.
+  const std::vector<int> owners = placement::balanced_owners(sizes, comm_->size());
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const auto& [name, parameter] = parameters[i];
+    const at::Tensor p = parameter.detach();
+    const ParameterLayout layout = layouts(name, p);
+    const bool write = layout.write && owners[i] == comm_->rank();
+    out.push_back({"model/" + name, layout.spec, p.reshape({-1}), write});
+    torch::optim::AdamWParamState& s = adamw_state(*optimizer_, parameter);
+    out.push_back({"optim/" + name + "/exp_avg", layout.spec, s.exp_avg().view({-1}), write});
+    out.push_back({"optim/" + name + "/exp_avg_sq", layout.spec, s.exp_avg_sq().view({-1}), write});
   }
   return out;
 }

@@ -17,7 +17,8 @@ namespace meshtrain::parallel {
 // and placements over their axes (tensor parallel splits some), and whether
 // this rank is the one of them that saves it (coordinate 0 where it is
 // replicated; not the last pipeline stage's copy of a tied embedding).
-// DataParallelism adds its own axes: one replica saves, each shard its part.
+// DataParallelism adds its own axes: each shard saves its part, and what
+// replicas hold alike is saved by one of them (bytes balanced over them).
 struct ParameterLayout {
   placement::TensorSpec spec;
   bool write = true;

@@ -102,14 +102,18 @@ void FullySharded::step(double lr) { state_->step(lr); }
 placement::TrainingState FullySharded::state(const ParameterLayouts& layouts) {
   ShardedState& s = *state_;
   placement::TrainingState out;
-  const bool replica_writes = s.groups.replicate->rank() == 0;  // the replicas hold the same shard
-  for (const ShardedState::Slice& slice : s.slices) {
+  // The replicas (dp) hold the same slices: each is saved by one of them, the bytes spread evenly.
+  std::vector<int64_t> sizes;
+  for (const ShardedState::Slice& slice : s.slices) sizes.push_back(slice.end - slice.begin);
+  const std::vector<int> owners = placement::balanced_owners(sizes, s.groups.replicate->size());
+  for (size_t i = 0; i < s.slices.size(); ++i) {
+    const ShardedState::Slice& slice = s.slices[i];
     const Unit& unit = s.units[slice.unit];
     const std::string& name = unit.names[slice.param];
     ParameterLayout layout = layouts(name, unit.params[slice.param]);
     layout.spec.flat_begin = slice.begin;
     layout.spec.flat_end = slice.end;
-    const bool write = layout.write && replica_writes;
+    const bool write = layout.write && owners[i] == s.groups.replicate->rank();
     out.push_back({"model/" + name, layout.spec, slice.tensor, write});
     torch::optim::AdamWParamState& adam = adamw_state(*s.optimizer, slice.tensor);
     out.push_back({"optim/" + name + "/exp_avg", layout.spec, adam.exp_avg(), write});

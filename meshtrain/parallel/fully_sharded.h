@@ -125,7 +125,7 @@ class FullySharded : public DataParallelism {
   // AdamW on this rank's shards, then (stages 1, 2) the parameters all-gathered.
   void step(double lr) override;
   // Master slices and their AdamW moments, each with the flat range of its
-  // parameter it holds; one replica (dp coordinate 0) saves.
+  // parameter it holds; each slice is saved by one replica (bytes balanced).
   placement::TrainingState state(const ParameterLayouts& layouts = whole_parameter) override;
   void after_load(int64_t optimizer_steps) override;
   // Every parameter, unsharded, in fp32, by name, on `root` of groups.all

@@ -1,5 +1,6 @@
 #include "meshtrain/placement/placement.h"
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 
@@ -127,6 +128,20 @@ bool writes_once(const TensorSpec& spec, const mesh::MeshLayout& mesh, int rank)
     if (!spec.placements[i].is_shard() && coordinate[mesh.axis_index(spec.axes[i])] != 0) return false;
   }
   return true;
+}
+
+std::vector<int> balanced_owners(const std::vector<int64_t>& sizes, int owners) {
+  std::vector<size_t> order(sizes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+  std::vector<int64_t> load(static_cast<size_t>(std::max(1, owners)), 0);
+  std::vector<int> owner(sizes.size(), 0);
+  for (size_t i : order) {
+    const int least = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = least;
+    load[least] += sizes[i];
+  }
+  return owner;
 }
 
 at::Tensor local_of(const at::Tensor& global, const TensorSpec& spec, const mesh::MeshLayout& mesh, int rank) {

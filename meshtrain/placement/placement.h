@@ -93,6 +93,11 @@ std::vector<Chunk> local_chunks(const TensorSpec& spec, const mesh::MeshLayout& 
 // every Replicate (and Partial) axis of the spec.
 bool writes_once(const TensorSpec& spec, const mesh::MeshLayout& mesh, int rank);
 
+// Which of `owners` ranks saves each of several pieces that all of them hold
+// alike, balancing bytes: largest first, each to the least loaded (the same
+// answer on every rank for the same sizes).
+std::vector<int> balanced_owners(const std::vector<int64_t>& sizes, int owners);
+
 // The local tensor of `rank` cut out of the global value `global` (Partial
 // axes: coordinate 0 holds the value, the others zeros).
 at::Tensor local_of(const at::Tensor& global, const TensorSpec& spec, const mesh::MeshLayout& mesh, int rank);
