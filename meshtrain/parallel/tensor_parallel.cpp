@@ -313,8 +313,4 @@ void TensorParallel::with_local_random(const std::function<void()>& fn) {
   restore();
 }
 
-std::string TensorParallel::layout() const {
-  return "tp=" + std::to_string(comm_->size()) + ",sp=" + (options_.sequence_parallel ? "1" : "0");
-}
-
 }  // namespace meshtrain::parallel

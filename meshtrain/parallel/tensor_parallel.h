@@ -116,7 +116,6 @@ class TensorParallel {
 
   bool sequence_parallel() const { return options_.sequence_parallel; }
   const CommPtr& comm() const { return comm_; }
-  std::string layout() const;  // "tp=2,sp=1"
 
  private:
   struct Hooks;

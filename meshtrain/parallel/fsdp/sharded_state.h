@@ -4,6 +4,7 @@
 // optimizer over shards (sharded_adamw.cpp). See Note [Fully sharded].
 #pragma once
 
+#include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/fully_sharded.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -56,7 +57,10 @@ struct ShardedState {
   int shards = 1, shard_rank = 0;
   std::vector<Unit> units;  // forward order: the root unit first
   std::map<std::string, size_t> unit_of_module;
-  std::shared_ptr<void> trigger;  // what gathers units (stage 3): forward hooks or an operator observer
+  // What gathers units (stage 3): forward hooks around a model's call sites,
+  // or the operator observer (triggers.cpp).
+  std::shared_ptr<model::ForwardHooks> hooks;
+  bool observed = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keep the gradient hooks alive
   std::unique_ptr<torch::optim::AdamW> optimizer;
   // This rank's slice of a parameter: elements [begin, end) of unit.params[param],

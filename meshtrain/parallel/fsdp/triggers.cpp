@@ -123,23 +123,23 @@ ObserverPause::~ObserverPause() { observer_paused() = was_; }
 void install_triggers(const std::shared_ptr<ShardedState>& state, const std::shared_ptr<torch::nn::Module>& module) {
   if (!state->stage3()) return;
   if (auto gpt = std::dynamic_pointer_cast<model::GptImpl>(module)) {
-    auto hooks = std::make_shared<UnitHooks>(state);
-    gpt->add_forward_hooks(hooks);
-    state->trigger = hooks;
+    state->hooks = std::make_shared<UnitHooks>(state);
+    gpt->add_forward_hooks(state->hooks);
     return;
   }
   OperatorObserver::instance().add(state);
-  state->trigger = std::make_shared<int>(0);  // marks the observer as installed
+  state->observed = true;
 }
 
 void remove_triggers(ShardedState& state, const std::shared_ptr<torch::nn::Module>& module) {
-  if (!state.trigger) return;
-  if (auto gpt = std::dynamic_pointer_cast<model::GptImpl>(module)) {
-    gpt->remove_forward_hooks(static_cast<UnitHooks*>(state.trigger.get()));
-  } else {
-    OperatorObserver::instance().remove(state);
+  if (state.hooks) {
+    std::dynamic_pointer_cast<model::GptImpl>(module)->remove_forward_hooks(state.hooks.get());
+    state.hooks.reset();
   }
-  state.trigger.reset();
+  if (state.observed) {
+    OperatorObserver::instance().remove(state);
+    state.observed = false;
+  }
 }
 
 }  // namespace meshtrain::parallel
