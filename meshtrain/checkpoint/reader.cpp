@@ -81,7 +81,7 @@ const TensorEntry& CheckpointReader::entry(const std::string& name) const {
 
 at::Tensor CheckpointReader::read_elements(const TensorEntry& tensor, const ChunkEntry& chunk, int64_t first,
                                            int64_t last) {
-  const at::ScalarType dtype = dtype_from_string(tensor.dtype);
+  const at::ScalarType dtype = stored_dtype(tensor.dtype);
   const int64_t element = c10::elementSize(dtype), block = chunk.block_bytes;
   const int64_t begin = first * element, end = last * element;
   const int64_t read_begin = begin / block * block, read_end = std::min(chunk.bytes, (end + block - 1) / block * block);
@@ -177,7 +177,7 @@ void CheckpointReader::load(const placement::TrainingState& state, const mesh::M
 
 at::Tensor CheckpointReader::read(const std::string& name) {
   const TensorEntry& saved = entry(name);
-  placement::StateTensor whole{name, placement::TensorSpec{saved.shape, {}, {}}, at::empty({saved.numel()}, at::TensorOptions().dtype(dtype_from_string(saved.dtype))), true};
+  placement::StateTensor whole{name, placement::TensorSpec{saved.shape, {}, {}}, at::empty({saved.numel()}, at::TensorOptions().dtype(stored_dtype(saved.dtype))), true};
   load({whole}, mesh::MeshLayout({{"all", 1}}, 1), 0);
   return whole.local.view(saved.shape);
 }

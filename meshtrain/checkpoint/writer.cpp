@@ -59,22 +59,23 @@ std::string rank_file_name(int rank) {
   return name;
 }
 
-std::string dtype_string(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kByte: return "uint8";
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    default: throw CheckpointError(std::string("checkpoints do not store dtype ") + c10::toString(type));
+namespace {
+
+constexpr at::ScalarType kStoredDtypes[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
+                                            at::kByte,  at::kLong,   at::kInt};
+
+std::string stored_name(at::ScalarType type) {
+  for (at::ScalarType t : kStoredDtypes) {
+    if (t == type) return comm::dtype_name(t);
   }
+  throw CheckpointError("checkpoints do not store dtype " + comm::dtype_name(type));
 }
 
-at::ScalarType dtype_from_string(const std::string& name) {
-  for (at::ScalarType t : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kByte, at::kLong, at::kInt}) {
-    if (dtype_string(t) == name) return t;
+}  // namespace
+
+at::ScalarType stored_dtype(const std::string& name) {
+  for (at::ScalarType t : kStoredDtypes) {
+    if (comm::dtype_name(t) == name) return t;
   }
   throw CheckpointError("unknown dtype '" + name + "' in a checkpoint");
 }
@@ -154,7 +155,7 @@ void CheckpointWriter::write(const Snapshot& snapshot) {
     for (const Snapshot::Tensor& t : snapshot.tensors) {
       TensorEntry& entry = mine.tensors[t.name];
       entry.shape = t.shape;
-      entry.dtype = dtype_string(t.data.scalar_type());
+      entry.dtype = stored_name(t.data.scalar_type());
       const char* bytes = static_cast<const char*>(t.data.data_ptr());
       const int64_t element = t.data.element_size();
       int64_t consumed = 0;

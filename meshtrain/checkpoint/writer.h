@@ -65,7 +65,8 @@ class CheckpointWriter {
 };
 
 std::string rank_file_name(int rank);  // "rank-00003.bin"
-std::string dtype_string(at::ScalarType type);
-at::ScalarType dtype_from_string(const std::string& name);
+// A stored dtype by its name (comm::dtype_name); throws CheckpointError for
+// names checkpoints do not store.
+at::ScalarType stored_dtype(const std::string& name);
 
 }  // namespace meshtrain::checkpoint

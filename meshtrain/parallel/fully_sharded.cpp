@@ -14,15 +14,6 @@ at::ScalarType parse_dtype(const std::string& name) {
   throw std::invalid_argument("unknown dtype '" + name + "' (float32, bfloat16 or float16)");
 }
 
-std::string dtype_name(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return "float32";
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    default: return c10::toString(type);
-  }
-}
-
 FullySharded::FullySharded(std::shared_ptr<torch::nn::Module> module, ShardingGroups groups,
                            FullyShardedOptions options)
     : state_(std::make_shared<ShardedState>()) {
@@ -184,7 +175,8 @@ std::string FullySharded::describe() const {
   const ShardedState& s = *state_;
   return "ZeRO stage " + std::to_string(s.options.stage) + " over dp(" + std::to_string(s.groups.replicate->size()) +
          ") x fsdp(" + std::to_string(s.shards) + "), " + std::to_string(s.units.size()) + " units, " +
-         dtype_name(s.options.param_dtype) + " compute, " + dtype_name(s.options.reduce_dtype) + " reductions";
+         comm::dtype_name(s.options.param_dtype) + " compute, " + comm::dtype_name(s.options.reduce_dtype) +
+         " reductions";
 }
 
 int FullySharded::stage() const { return state_->options.stage; }

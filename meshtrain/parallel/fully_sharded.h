@@ -154,6 +154,5 @@ class FullySharded : public DataParallelism {
 };
 
 at::ScalarType parse_dtype(const std::string& name);  // "float32" | "bfloat16" | "float16"
-std::string dtype_name(at::ScalarType type);
 
 }  // namespace meshtrain::parallel

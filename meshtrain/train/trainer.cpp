@@ -135,15 +135,7 @@ StepResult Trainer::step() {
   result.lr = learning_rate(config_, step_);
 
   parallel_->zero_grad();
-  // Data rank r reads rows r, r + ranks, ... of the step's global batch.
-  const auto& data = parallel_->data_comm();
-  const int64_t micro = config_.micro_batch, ranks = data->size();
-  std::vector<at::Tensor> inputs, targets;
-  for (int64_t a = 0; a < config_.grad_accum; ++a) {
-    auto [x, y] = train_sampler_->rows(cursor_ + (a * ranks + data->rank()) * micro, micro);
-    inputs.push_back(x);
-    targets.push_back(y);
-  }
+  const auto [inputs, targets] = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
   const double loss_sum = parallel_->forward_backward(inputs, targets);
   if (parallel_->pipeline() && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
@@ -160,15 +152,22 @@ StepResult Trainer::step() {
   return result;
 }
 
-double Trainer::evaluate() {
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batches(Sampler& sampler, int64_t start,
+                                                                                  int64_t count) const {
+  // Data rank r reads micro-batches r, r + ranks, ... of the stream from `start`.
   const auto& data = parallel_->data_comm();
   const int64_t micro = config_.micro_batch, ranks = data->size();
   std::vector<at::Tensor> inputs, targets;
-  for (int64_t i = 0; i < config_.eval_batches; ++i) {
-    auto [x, y] = val_sampler_->rows((i * ranks + data->rank()) * micro, micro);
+  for (int64_t i = 0; i < count; ++i) {
+    auto [x, y] = sampler.rows(start + (i * ranks + data->rank()) * micro, micro);
     inputs.push_back(x);
     targets.push_back(y);
   }
+  return {inputs, targets};
+}
+
+double Trainer::evaluate() {
+  const auto [inputs, targets] = micro_batches(*val_sampler_, 0, config_.eval_batches);
   return parallel_->mean_loss(parallel_->evaluate(inputs, targets) / config_.eval_batches);
 }
 

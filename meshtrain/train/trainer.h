@@ -80,6 +80,9 @@ class Trainer {
 
  private:
   void open_data();
+  // This data rank's `count` micro-batches (tokens, targets) of `sampler`'s stream from `start`.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> micro_batches(Sampler& sampler, int64_t start,
+                                                                            int64_t count) const;
   void resume();
   // Loads `folder` into this layout; throws CheckpointError when it is unusable.
   void load_checkpoint(const std::string& folder);

@@ -9,10 +9,6 @@ namespace meshtrain::parallel {
 
 namespace {
 
-double seconds_since(ShardedState::Clock::time_point start) {
-  return std::chrono::duration<double>(ShardedState::Clock::now() - start).count();
-}
-
 class GradientReadyHook : public torch::autograd::FunctionPostHook {
  public:
   GradientReadyHook(std::weak_ptr<ShardedState> state, size_t unit) : state_(std::move(state)), unit_(unit) {}

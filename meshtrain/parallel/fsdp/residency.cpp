@@ -9,10 +9,6 @@ namespace meshtrain::parallel {
 
 namespace {
 
-double seconds_since(ShardedState::Clock::time_point start) {
-  return std::chrono::duration<double>(ShardedState::Clock::now() - start).count();
-}
-
 // Storage swaps (Note [Fully sharded]): every view of `flat` keeps pointing at
 // the same StorageImpl, whose data pointer comes and goes.
 void free_storage(const at::Tensor& flat) {

@@ -50,6 +50,9 @@ struct Stretch {
 // its own threads (GPU).
 struct ShardedState {
   using Clock = std::chrono::steady_clock;
+  static double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
 
   FullyShardedOptions options;
   ShardingGroups groups;

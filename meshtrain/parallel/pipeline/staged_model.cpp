@@ -31,7 +31,7 @@ StagedModel::StagedModel(model::Gpt& model, const std::shared_ptr<comm::Communic
       const int64_t block = std::stoll(name.substr(7));
       while (stages_[stage].end_block <= block) ++stage;
     }
-    homes_.push_back({name, item.value().sizes().vec(), stage % p});
+    homes_.push_back({name, item.value().dim(), stage % p});
   }
   keep_stages(model, mine);
   const bool tied = config.tie_embeddings;
@@ -57,7 +57,7 @@ std::map<std::string, at::Tensor> StagedModel::gather_parameters(const std::map<
   for (const Home& home : homes_) {
     const bool holder = pipeline_->rank() == home.pipeline_rank;
     at::Tensor shape = holder ? at::tensor(mine.at(home.name).sizes().vec(), at::kLong)
-                              : at::empty({static_cast<int64_t>(home.shape.size())}, at::kLong);
+                              : at::empty({home.dims}, at::kLong);
     pipeline_->broadcast(shape, home.pipeline_rank).wait();
     const std::vector<int64_t> sizes(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + shape.numel());
     at::Tensor t = holder ? mine.at(home.name).contiguous() : at::empty(sizes, at::kFloat);

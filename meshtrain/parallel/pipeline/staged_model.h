@@ -58,11 +58,11 @@ class StagedModel {
   std::vector<StageSpec> stages_;
   Schedule schedule_;
   std::unique_ptr<PipelineExecutor> executor_;
-  // Every parameter of the whole model: name, shape (as this rank's model had
-  // it when cut: its rank count), the pipeline rank holding it.
+  // Every parameter of the whole model: name, number of dims (the holder
+  // sends the sizes), the pipeline rank holding it.
   struct Home {
     std::string name;
-    std::vector<int64_t> shape;
+    int64_t dims;
     int pipeline_rank;
   };
   std::vector<Home> homes_;
