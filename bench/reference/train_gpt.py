@@ -1,9 +1,12 @@
 """PyTorch reference for `meshtrain bench train`: the same GPT, optimizer, batch and
 schedule, single process, DDP or FSDP2 (`fully_shard`, per block then the root),
-over gloo. Launch one process per rank, e.g.
+over gloo; or one process on a GPU (--device cuda), eager or torch.compile'd,
+in float32 or bfloat16 autocast. Launch one process per rank, e.g.
     torchrun --nproc_per_node=2 bench/reference/train_gpt.py --preset small [--fsdp]
+    python bench/reference/train_gpt.py --preset gpt2-124m --device cuda --dtype bfloat16 [--compile]
 Prints one JSON line on rank 0: median tokens/s over the timed steps and each
-rank's memory (peak RSS, and its growth from just before the model is built).
+rank's memory (peak RSS, and its growth from just before the model is built;
+on a GPU also the caching allocator's peak).
 """
 import argparse
 import json
@@ -22,6 +25,8 @@ import torch.nn.functional as F
 PRESETS = {  # vocab, context, layers, heads, width — as meshtrain's presets
     "tiny": (256, 128, 4, 4, 256),
     "small": (256, 256, 6, 6, 384),
+    "gpt2-124m": (50257, 1024, 12, 12, 768),
+    "gpt2-350m": (50257, 1024, 24, 16, 1024),
 }
 
 
@@ -59,7 +64,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, tokens, targets):
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1), device=tokens.device))
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.norm_f(x), self.wte.weight)
@@ -86,7 +91,11 @@ def main():
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     parser.add_argument("--width", type=int, default=0, help="override the preset's width")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: autocast")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
     args = parser.parse_args()
+    device = torch.device(args.device)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -98,7 +107,8 @@ def main():
     vocab, context, layers, heads, width = PRESETS[args.preset]
     layers, width = args.layers or layers, args.width or width
     baseline_rss = rss_mib()
-    model = GPT(vocab, context, layers, heads, width)
+    model = GPT(vocab, context, layers, heads, width).to(device)
+    step_model = torch.compile(model) if args.compile else model
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:
@@ -106,6 +116,7 @@ def main():
         fully_shard(model)
     elif world > 1:
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        step_model = model
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -122,11 +133,13 @@ def main():
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=False)
         for micro in range(accumulation):
-            tokens = torch.randint(0, vocab, (args.micro_batch, context + 1), generator=generator)
+            tokens = torch.randint(0, vocab, (args.micro_batch, context + 1), generator=generator).to(device)
             sync = micro == accumulation - 1 or world == 1
             context_manager = model.no_sync() if (world > 1 and not sync and not args.fsdp) else torch.enable_grad()
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
             with context_manager:
-                loss = model(tokens[:, :-1], tokens[:, 1:]) / accumulation
+                with autocast:
+                    loss = step_model(tokens[:, :-1], tokens[:, 1:]) / accumulation
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -147,7 +160,9 @@ def main():
                           "tokens_per_s": tokens_per_second, "torch": torch.__version__,
                           "parameters": sum(p.numel() for p in model.parameters()),  # global sizes, DTensors too
                           "peak_rss_mib": [m[0].item() for m in memories],
-                          "rss_growth_mib": [m[1].item() for m in memories]}))
+                          "rss_growth_mib": [m[1].item() for m in memories],
+                          "device": args.device, "dtype": args.dtype, "compile": args.compile,
+                          "device_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0}))
     sys.stdout.flush()
     if world > 1:
         # Leave without tearing the gloo process group down: with torch 2.11 that

@@ -81,6 +81,9 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   const std::vector<double> rss_growth = gather(*runtime.world(), peak_rss_mib() - baseline_rss);
   const std::vector<double> counted_peak = gather(*runtime.world(), peak / 1048576.0);
   const std::vector<double> counted_states = gather(*runtime.world(), model_states / 1048576.0);
+  // A GPU's caching allocator over the last timed step (the trainer resets it each step).
+  const std::vector<double> device_peak =
+      gather(*runtime.world(), memory::device_stats(trainer.device()).peak / 1048576.0);
   if (runtime.rank() == 0) {
     nlohmann::json line = {{"side", "meshtrain"},
                            {"preset", config.preset},
@@ -96,7 +99,10 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
                            {"peak_rss_mib", peak_rss},
                            {"rss_growth_mib", rss_growth},
                            {"counted_peak_mib", counted_peak},
-                           {"counted_model_states_mib", counted_states}};
+                           {"counted_model_states_mib", counted_states},
+                           {"device", trainer.device().str()},
+                           {"dtype", config.dtype},
+                           {"device_peak_mib", device_peak}};
     if (sharded) {
       line["exposed_gather_s_per_step"] = (sharded->exposed_gather_seconds() - gather_before) / timed_steps;
       line["exposed_reduce_s_per_step"] = (sharded->exposed_reduce_seconds() - reduce_before) / timed_steps;

@@ -161,7 +161,7 @@ void CheckpointReader::load(const placement::TrainingState& state, const mesh::M
           const at::Tensor to = in_target.masked_select(keep) - target.begin + base;
           const int64_t first = from.min().item<int64_t>(), last = from.max().item<int64_t>() + 1;
           const at::Tensor values = read_elements(saved, source, first, last).index_select(0, from - first);
-          local.index_copy_(0, to, values.to(local.scalar_type()));
+          local.index_copy_(0, to.to(local.device()), values.to(local.options()));
           filled += from.numel();
         }
       }

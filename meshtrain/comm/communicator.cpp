@@ -80,7 +80,7 @@ CommStats Communicator::stats() const {
 void Communicator::check_tensor(const at::Tensor& t, const char* what, bool reduce, const Op& op) const {
   if (!t.defined()) fail(op.describe() + ": " + what + " tensor is undefined");
   if (!t.is_contiguous()) fail(op.describe() + ": " + what + " tensor must be contiguous (call .contiguous())");
-  if (t.device() != device()) {
+  if (!accepts(t.device())) {
     fail(op.describe() + ": " + what + " tensor is on " + t.device().str() + " but the " +
          backend_name() + " backend works on " + device().str());
   }
@@ -167,7 +167,7 @@ void Communicator::run_locally(const Op& op) {
 }
 
 Work Communicator::issue(Op op) {
-  if (size_ == 1 && is_collective(op.kind)) {
+  if (size_ == 1 && is_collective(op.kind) && !options_.one_rank_through_backend) {
     run_locally(prepare(std::move(op)));
     return Work();
   }

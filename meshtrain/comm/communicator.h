@@ -35,6 +35,9 @@ struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // Before each collective, all ranks exchange and compare OpSignatures.
   bool desync_check = false;
+  // One-rank collectives are done in place without the backend (see Note
+  // [One-rank communicators]); true sends them through it (to test a backend).
+  bool one_rank_through_backend = false;
 
   // Defaults overridden by MESHTRAIN_COMM_TIMEOUT (seconds, may be fractional)
   // and MESHTRAIN_DESYNC_CHECK (1/true/on). Throws on malformed values.
@@ -59,7 +62,7 @@ struct CommStats {
 //   communicator; ops of different communicators are independent and may be
 //   issued in different orders on different ranks). Issuing is thread-safe, but
 //   every rank must issue the collectives of a communicator in the same order.
-// - Tensors must be contiguous and on device(); they are read and written in
+// - Tensors must be contiguous and on a device accepts() takes; they are read and written in
 //   place, and must not be touched by the caller until the Work is waited on.
 // - Splits and counts are rows along dim 0 (elements for 1-D tensors), one entry
 //   per rank. Uneven sizes are supported directly (no padding is visible to the
@@ -81,6 +84,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   virtual const char* backend_name() const = 0;
   // Where this communicator's tensors must live.
   virtual at::Device device() const = 0;
+  // Whether tensors on `d` may be passed to this communicator's ops.
+  virtual bool accepts(const at::Device& d) const { return d == device(); }
 
   // In place: every rank ends with the reduction of all ranks' `tensor`.
   Work all_reduce(const at::Tensor& tensor, ReduceOp reduce = ReduceOp::kSum);

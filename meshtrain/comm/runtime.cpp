@@ -18,6 +18,8 @@ namespace meshtrain::comm {
 namespace {
 
 std::atomic<bool> runtime_alive{false};
+std::atomic<int> live_local_size{1};
+std::atomic<int> live_local_rank{0};
 
 // Ends the job after the watchdog printed its line; if MPI_Abort itself hangs,
 // a timer ends this process anyway.
@@ -77,6 +79,8 @@ Runtime::Runtime(int* argc, char*** argv, CommOptions options) {
     MPI_Comm_size(node, &local_size_);
     MPI_Comm_free(&node);
     local_rank_ = env_int("LOCAL_RANK", node_rank);
+    live_local_size = local_size_;
+    live_local_rank = local_rank_;
   } catch (...) {
     runtime_alive = false;
     throw;
@@ -91,6 +95,8 @@ Runtime::~Runtime() {
     MPI_Finalize();
   }
   Watchdog::instance().set_abort_handler({});
+  live_local_size = 1;
+  live_local_rank = 0;
   runtime_alive = false;
 }
 
@@ -99,6 +105,9 @@ at::Device Runtime::default_device() const {
   if (devices == 0) return at::Device(at::kCPU);
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank_ % static_cast<int>(devices)));
 }
+
+int node_local_size() { return live_local_size; }
+int node_local_rank() { return live_local_rank; }
 
 void Runtime::abort(int code, const std::string& message) const {
   // Errors from communicators already name the rank; say it once.

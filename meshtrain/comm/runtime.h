@@ -47,4 +47,8 @@ class Runtime {
   std::shared_ptr<Communicator> world_;
 };
 
+// The live Runtime's local_size() and local_rank(), or 1 and 0 when there is none.
+int node_local_size();
+int node_local_rank();
+
 }  // namespace meshtrain::comm

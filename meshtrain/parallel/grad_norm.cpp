@@ -6,7 +6,13 @@ namespace meshtrain::parallel {
 
 double grad_norm_squared(torch::nn::Module& module, const ModelParallelNorm& groups) {
   torch::NoGradGuard no_grad;
-  at::Tensor split = at::zeros({1}, at::kDouble), copied = at::zeros({1}, at::kDouble);
+  // Sums on the parameters' device: one read of the total at the end.
+  at::TensorOptions sums(at::kDouble);
+  for (const at::Tensor& p : module.parameters()) {
+    sums = sums.device(p.device());
+    break;
+  }
+  at::Tensor split = at::zeros({1}, sums), copied = at::zeros({1}, sums);
   for (const auto& item : module.named_parameters()) {
     const at::Tensor& grad = item.value().grad();
     if (!grad.defined()) continue;

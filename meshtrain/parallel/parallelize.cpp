@@ -1,5 +1,6 @@
 #include "meshtrain/parallel/parallelize.h"
 
+#include "meshtrain/comm/backend/staged/host_staged_communicator.h"
 #include "meshtrain/util/memory.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -11,22 +12,23 @@ namespace meshtrain::parallel {
 
 namespace {
 
-// Autocast of matmuls to bfloat16 on the CPU for the lifetime of the object.
+// Autocast of matmuls to bfloat16 on `device` for the lifetime of the object.
 class Autocast {
  public:
-  explicit Autocast(bool enabled) : enabled_(enabled) {
+  Autocast(bool enabled, at::Device device) : enabled_(enabled), type_(device.type()) {
     if (!enabled_) return;
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+    at::autocast::set_autocast_enabled(type_, true);
   }
   ~Autocast() {
     if (!enabled_) return;
-    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::set_autocast_enabled(type_, false);
     at::autocast::clear_cache();
   }
 
  private:
   bool enabled_;
+  at::DeviceType type_;
 };
 
 // One row per world rank: rank r holds row r (Shard(0) nested over every axis).
@@ -61,7 +63,8 @@ mesh::ModelDims model_dims(const model::GptConfig& config) {
 
 ParallelModel::ParallelModel(model::Gpt model, std::shared_ptr<comm::Communicator> world,
                              const ParallelizeOptions& options)
-    : options_(options), world_(std::move(world)), model_(std::move(model)) {
+    : options_(options), world_(comm::device_communicator(std::move(world), options.device)), model_(std::move(model)) {
+  model_->to(options_.device);
   options_.dims.check();
   options_.dims.check_model(model_dims(model_->config()));
   options_.dims.check_microbatches(options_.microbatches);
@@ -148,13 +151,13 @@ void ParallelModel::apply_data_parallelism() {
 double ParallelModel::forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   const int64_t count = static_cast<int64_t>(inputs.size());
   if (staged_) return run_pipeline(staged_->schedule(), inputs, targets, 1.0 / count);
-  double loss_sum = 0;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(options_.device));
   for (int64_t a = 0; a < count; ++a) {
     data_parallelism_->set_sync(a == count - 1);
     at::Tensor loss;
     {
       memory::PhaseScope phase(memory::Phase::kForward);
-      Autocast autocast(options_.bfloat16_autocast);
+      Autocast autocast(options_.bfloat16_autocast, options_.device);
       loss = model_->loss(inputs[a], targets[a]) / static_cast<double>(count);
     }
     {
@@ -162,26 +165,26 @@ double ParallelModel::forward_backward(const std::vector<at::Tensor>& inputs, co
       loss.backward();
       data_parallelism_->after_backward();
     }
-    loss_sum += loss.item<double>();
+    loss_sum += loss.detach();
   }
-  return loss_sum;
+  return loss_sum.item<double>();  // once per step: on a GPU each item() waits for the queue
 }
 
 double ParallelModel::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   memory::PhaseScope phase(memory::Phase::kEval);
   torch::NoGradGuard no_grad;
   model_->eval();
-  double total = 0;
+  at::Tensor total = at::zeros({}, at::TensorOptions(at::kDouble).device(options_.device));
   if (staged_) {
-    total = run_pipeline(staged_->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, 1.0);
+    total += run_pipeline(staged_->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, 1.0);
   } else {
     for (size_t i = 0; i < inputs.size(); ++i) {
-      Autocast autocast(options_.bfloat16_autocast);
-      total += model_->loss(inputs[i], targets[i]).item<double>();
+      Autocast autocast(options_.bfloat16_autocast, options_.device);
+      total += model_->loss(inputs[i], targets[i]).detach();
     }
   }
   model_->train();
-  return total;
+  return total.item<double>();
 }
 
 double ParallelModel::run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
@@ -190,7 +193,7 @@ double ParallelModel::run_pipeline(const pipeline::Schedule& schedule, const std
   pipeline::StageCallbacks callbacks;
   callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
-    Autocast autocast(options_.bfloat16_autocast);
+    Autocast autocast(options_.bfloat16_autocast, options_.device);
     const pipeline::StageSpec& spec = staged_->stages()[stage];
     const at::Tensor out = pipeline::run_stage(model_, spec, spec.embed ? inputs[mb] : input);
     return spec.head ? model_->cross_entropy(out, targets[mb]) * scale : out;
@@ -210,7 +213,7 @@ double ParallelModel::run_pipeline(const pipeline::Schedule& schedule, const std
 }
 
 double ParallelModel::mean_loss(double local) {
-  at::Tensor loss = at::full({1}, local, at::kDouble);
+  at::Tensor loss = at::full({1}, local, at::TensorOptions(at::kDouble).device(data_->device()));
   if (staged_) staged_->comm()->all_reduce(loss).wait();  // the last stage has it
   data_->all_reduce(loss, comm::ReduceOp::kAvg).wait();     // tensor-parallel ranks hold the same
   return loss.item<double>();
@@ -247,6 +250,10 @@ placement::TrainingState ParallelModel::state() {
   const mesh::MeshLayout& layout = mesh_->layout();
   cpu_random_state_ = at::detail::getDefaultCPUGenerator().get_state();
   state.push_back({"rng/cpu", per_rank_rows(layout, cpu_random_state_.numel()), cpu_random_state_, true});
+  if (options_.device.is_cuda()) {
+    cuda_random_state_ = at::globalContext().defaultGenerator(options_.device).get_state();
+    state.push_back({"rng/cuda", per_rank_rows(layout, cuda_random_state_.numel()), cuda_random_state_, true});
+  }
   if (tensor_parallel_) {
     tp_random_state_ = tensor_parallel_->local_random_state();
     state.push_back({"rng/tensor_parallel", per_rank_rows(layout, tp_random_state_.numel()), tp_random_state_, true});
@@ -259,6 +266,10 @@ void ParallelModel::after_load(int64_t optimizer_steps, bool random_streams) {
   if (!random_streams) return;
   at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default state
   generator.set_state(cpu_random_state_);
+  if (options_.device.is_cuda()) {
+    at::Generator cuda = at::globalContext().defaultGenerator(options_.device);
+    cuda.set_state(cuda_random_state_);
+  }
   if (tensor_parallel_) tensor_parallel_->set_local_random_state(tp_random_state_);
 }
 
@@ -268,6 +279,10 @@ void ParallelModel::reseed_random_streams(uint64_t seed, int64_t step) {
   const uint64_t moved = seed + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(step + 1);
   at::Generator generator = at::detail::getDefaultCPUGenerator();
   generator.set_state(seeded_state(moved));
+  if (options_.device.is_cuda()) {
+    at::Generator cuda = at::globalContext().defaultGenerator(options_.device);
+    cuda.set_current_seed(moved);
+  }
   if (tensor_parallel_) {
     tensor_parallel_->set_local_random_state(seeded_state(moved + 2718 + tensor_parallel_->comm()->rank()));
   }

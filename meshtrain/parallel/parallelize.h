@@ -28,6 +28,10 @@ struct ParallelizeOptions {
   int64_t micro_batch = 1;       // sequences per micro-batch
   uint64_t seed = 1337;          // of tensor parallel's per-rank random streams
   bool bfloat16_autocast = false;  // matmuls in bfloat16 (fp32 weights)
+  // Where parameters, activations and optimizer states live. The model is
+  // moved there first; a CPU `world` is then wrapped for that device's tensors
+  // (comm::device_communicator: NCCL, or MPI staged through the host).
+  at::Device device = at::kCPU;
   // Pipeline
   std::string pp_split = "params";
   // Activation checkpointing
@@ -133,7 +137,7 @@ class ParallelModel {
   DataParallel* data_parallel_ = nullptr;  // whichever data_parallelism_ is
   FullySharded* sharded_ = nullptr;
   // Copies of the random streams taken by state(), loaded into by a checkpoint.
-  at::Tensor cpu_random_state_, tp_random_state_;
+  at::Tensor cpu_random_state_, cuda_random_state_, tp_random_state_;
 };
 
 // Applies every parallelism of `options` to `model` (see Note [Apply order]).

@@ -13,8 +13,11 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   run.workload.precision = Precision::parse("fp32");
   run.workload.dropout = config.model.dropout;
   run.workload.prefetch = config.prefetch;
+  const bool gpu = config.device != "cpu";
   // libtorch's fused attention on the CPU has no dropout; with dropout it falls back to the math kernel.
-  run.workload.attention = config.model.dropout > 0 ? "math" : "flash";
+  // On CUDA the memory-efficient kernel takes dropout, and dropout keeps byte masks.
+  run.workload.attention = config.model.dropout > 0 && !gpu ? "math" : "flash";
+  if (gpu) run.workload.precision.mask = 1;
   return run;
 }
 

@@ -5,6 +5,7 @@
 #include "meshtrain/parallel/pipeline/stages.h"
 
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -219,6 +220,8 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
     f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",
                       MESHTRAIN_CONFIG_MEMBER(resume)));
+    f.push_back(field("run", "device", "\"cpu\", \"cuda\" (cuda:local_rank % GPUs), \"cuda:N\" or \"auto\" (cuda when a GPU "
+                      "is visible); ranks sharing a GPU communicate through host memory", MESHTRAIN_CONFIG_MEMBER(device)));
     f.push_back(field("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", MESHTRAIN_CONFIG_MEMBER(out)));
     f.push_back(field("run", "trace_step", "pp > 1: record this step's pipeline spans to <out>/trace.json (Perfetto) and "
                       "draw <out>/timeline.svg (0: none)", MESHTRAIN_CONFIG_MEMBER(trace_step)));
@@ -376,8 +379,10 @@ void TrainConfig::validate(int world_size) {
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
   }
-  if (model.vocab_size != 256) {
-    bad("model.vocab_size", std::to_string(model.vocab_size), "the byte tokenizer has 256 tokens; use 256");
+  if (model.vocab_size != 256 && train_file.empty()) {
+    bad("model.vocab_size", std::to_string(model.vocab_size),
+        "text is prepared with the byte tokenizer, which has 256 tokens; use 256, or give token files "
+        "(data.train_file, data.val_file) of a larger vocabulary");
   }
   if (steps < 1) bad("training.steps", std::to_string(steps), "must be >= 1");
   if (micro_batch < 1) bad("training.micro_batch", std::to_string(micro_batch), "must be >= 1");
@@ -408,6 +413,12 @@ void TrainConfig::validate(int world_size) {
     bad("parallel.activation_checkpoint_every", std::to_string(activation_checkpoint_every), "must be >= 1");
   }
   if (microbatches < 0) bad("parallel.microbatches", std::to_string(microbatches), "must be >= 0 (0: derived)");
+  if (device != "cpu" && device != "cuda" && device != "auto" && device.rfind("cuda:", 0) != 0) {
+    bad("run.device", "\"" + device + "\"", "use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"");
+  }
+  if ((device == "cuda" || device.rfind("cuda:", 0) == 0) && !torch::cuda::is_available()) {
+    bad("run.device", "\"" + device + "\"", "no CUDA device is visible to this process; use \"cpu\" or \"auto\"");
+  }
   if (trace_step < 0) bad("run.trace_step", std::to_string(trace_step), "must be >= 0 (0: none)");
   if (microbatches > 0) {
     if (batch % (microbatches * data_ranks()) != 0) {
@@ -466,6 +477,13 @@ void TrainConfig::validate(int world_size) {
   }
   if (train_file.empty() && text.empty()) bad("data.text", "[]", "name text to train on, or data.train_file");
   if (out.empty()) bad("run.out", "\"\"", "must name a directory");
+}
+
+at::Device TrainConfig::torch_device(int local_rank) const {
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  if (device == "cpu" || (device == "auto" && gpus == 0)) return at::Device(at::kCPU);
+  if (device == "cuda" || device == "auto") return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+  return at::Device(device);
 }
 
 std::string TrainConfig::checkpoint_path() const { return checkpoint_dir.empty() ? out + "/checkpoints" : checkpoint_dir; }

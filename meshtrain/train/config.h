@@ -6,6 +6,8 @@
 #include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/model/gpt_config.h"
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -69,6 +71,7 @@ struct TrainConfig {
   int64_t checkpoint_keep = 2;
   bool resume = true;          // continue from the latest checkpoint when there is one
   // [run]
+  std::string device = "cpu";  // "cpu" | "cuda" | "cuda:N" | "auto" (cuda:local_rank % GPUs when there are GPUs)
   std::string out = "runs/default";  // metrics.jsonl, prepared data, checkpoints
   int64_t trace_step = 0;  // pp > 1: write out/trace.json and out/timeline.svg of this step (0: none)
 
@@ -77,6 +80,8 @@ struct TrainConfig {
   int64_t data_ranks() const { return parallel.data_ranks(); }  // ranks that each read their own micro-batches
 
   // Loads `path` (empty: defaults only), then applies overrides ("section.key=value").
+  // The torch device `device` names for a rank whose node-local rank is `local_rank`.
+  at::Device torch_device(int local_rank) const;
   static TrainConfig load(const std::string& path, const std::vector<std::string>& overrides);
   // Checks the values against each other and the world size; fills derived fields.
   void validate(int world_size);

@@ -30,8 +30,9 @@ std::string human_duration(double seconds) {
   return text;
 }
 
-Progress::Progress(std::shared_ptr<comm::Communicator> world, const std::string& out_dir, bool append)
-    : world_(std::move(world)) {
+Progress::Progress(std::shared_ptr<comm::Communicator> world, const std::string& out_dir, bool append,
+                   at::Device device)
+    : world_(std::move(world)), device_(device) {
   if (!leader()) return;
   util::make_directories(out_dir);
   metrics_.open(out_dir + "/metrics.jsonl", append ? std::ios::app : std::ios::trunc);
@@ -59,7 +60,7 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
                     int64_t total_steps, double eta_seconds, bool print) {
   // Per rank, in MiB: peak RSS, then the counted tensor memory of the step.
   constexpr double kMiB = 1048576.0;
-  const memory::DeviceStats device = memory::device_stats(world_->device());
+  const memory::DeviceStats device = memory::device_stats(device_);
   const std::vector<double> mine = {peak_rss_mib(),
                                     result.memory.model_states / kMiB,
                                     result.memory.phase_peak[int(memory::Phase::kForward)] / kMiB,
@@ -95,7 +96,9 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
   if (val_loss) std::snprintf(val, sizeof val, " | val %.4f", *val_loss);
   std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s\n",
               (long long)result.step, (long long)total_steps, result.loss, val, result.lr, result.grad_norm,
-              tokens_per_second, 100 * mfu, memory::format_mib(result.memory.peak()).c_str(),
+              tokens_per_second, 100 * mfu,
+              device.peak > 0 ? ("GPU " + memory::format_mib(device.peak)).c_str()
+                              : memory::format_mib(result.memory.peak()).c_str(),
               human_duration(eta_seconds).c_str());
   std::fflush(stdout);
 }

@@ -38,7 +38,9 @@ std::string human_duration(double seconds);
 class Progress {
  public:
   // Collective-free. Rank 0 opens <out_dir>/metrics.jsonl (appending when `append`).
-  Progress(std::shared_ptr<comm::Communicator> world, const std::string& out_dir, bool append);
+  // `device`: where training runs (its allocator's peak goes into the metrics).
+  Progress(std::shared_ptr<comm::Communicator> world, const std::string& out_dir, bool append,
+           at::Device device = at::kCPU);
 
   bool leader() const { return world_->rank() == 0; }
   // Rank 0: "meshtrain: <text>" on stdout; "meshtrain: warning: <text>" on stderr.
@@ -53,6 +55,7 @@ class Progress {
 
  private:
   std::shared_ptr<comm::Communicator> world_;
+  at::Device device_;
   std::ofstream metrics_;
 };
 

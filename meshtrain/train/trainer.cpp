@@ -1,6 +1,7 @@
 #include "meshtrain/train/trainer.h"
 
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/comm/runtime.h"
 #include "meshtrain/comm/watchdog.h"
 #include "meshtrain/model/generate.h"
 #include "meshtrain/parallel/pipeline/trace.h"
@@ -18,15 +19,20 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-double measure_matmul_peak() {
-  const int64_t n = 1024;
-  at::Tensor a = at::randn({n, n}), b = at::randn({n, n}), c = at::empty({n, n});
+double measure_matmul_peak(at::Device device, at::ScalarType dtype) {
+  const bool gpu = device.is_cuda();
+  const int64_t n = gpu ? 8192 : 1024;
+  const int repeats = gpu ? 10 : 1;
+  const at::TensorOptions options = at::TensorOptions().device(device).dtype(dtype);
+  at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options), c = at::empty({n, n}, options);
   at::mm_out(c, a, b);
   double best = 1e30;
   for (int i = 0; i < 3; ++i) {
+    c.sum().item<double>();  // waits for the queue on a GPU
     const auto start = Clock::now();
-    at::mm_out(c, a, b);
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+    for (int r = 0; r < repeats; ++r) at::mm_out(c, a, b);
+    c.sum().item<double>();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count() / repeats);
   }
   return 2.0 * n * n * n / best;
 }
@@ -45,6 +51,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c) {
   o.micro_batch = c.micro_batch;
   o.seed = c.seed;
   o.bfloat16_autocast = c.dtype == "bfloat16";
+  o.device = c.torch_device(comm::node_local_rank());
   o.pp_split = c.pp_split;
   o.activation_checkpoint = c.activation_checkpoint;
   o.activation_checkpoint_every = c.activation_checkpoint_every;
@@ -60,7 +67,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c) {
 }
 
 Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
-    : config_(std::move(config)), world_(std::move(world)) {
+    : config_(std::move(config)), world_(std::move(world)), device_(config_.torch_device(comm::node_local_rank())) {
   open_data();
   memory::install();
   memory::set_rank(world_->rank());
@@ -71,10 +78,12 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   writer_ = std::make_unique<checkpoint::CheckpointWriter>(
       checkpoint::CheckpointStore(config_.checkpoint_path(), config_.checkpoint_keep), world_, config_.checkpoint_async);
   if (config_.resume) resume();
-  progress_ = std::make_unique<Progress>(world_, config_.out, resumed_);
+  progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
 
-  at::Tensor peak = at::full({1}, measure_matmul_peak(), at::kDouble);
+  const bool bf16 = config_.dtype == "bfloat16" || config_.param_dtype == "bfloat16";
+  at::Tensor peak = at::full({1}, measure_matmul_peak(device_, device_.is_cuda() && bf16 ? at::kBFloat16 : at::kFloat),
+                             at::kDouble);
   world_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
   peak_flops_ = peak.item<double>();
 }
@@ -131,6 +140,7 @@ StepResult Trainer::step() {
   const auto start = Clock::now();
   comm::WatchdogContext context("step " + std::to_string(step_ + 1));
   memory::reset_peaks();
+  memory::reset_device_peak(device_);
   StepResult result;
   result.lr = learning_rate(config_, step_);
 
@@ -160,8 +170,8 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batch
   std::vector<at::Tensor> inputs, targets;
   for (int64_t i = 0; i < count; ++i) {
     auto [x, y] = sampler.rows(start + (i * ranks + data->rank()) * micro, micro);
-    inputs.push_back(x);
-    targets.push_back(y);
+    inputs.push_back(x.to(device_));
+    targets.push_back(y.to(device_));
   }
   return {inputs, targets};
 }
@@ -225,7 +235,7 @@ void Trainer::run() {
   }
   save_checkpoint();
   finish_checkpoints();
-  if (config_.sample_tokens <= 0) return;
+  if (config_.sample_tokens <= 0 || config_.model.vocab_size != 256) return;  // samples are decoded as bytes
   // The parameters gathered into a plain fp32 model on rank 0.
   const std::map<std::string, at::Tensor> full = full_parameters(0);
   if (world_->rank() != 0) return;

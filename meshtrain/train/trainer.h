@@ -23,7 +23,8 @@ namespace meshtrain::train {
 using checkpoint::CheckpointError;
 
 // One rank's fp32 matmul rate (FLOP/s) with its threads: 2·n³ / t for n = 1024, best of 3.
-double measure_matmul_peak();
+// FLOP/s of a large matmul on `device` in `dtype` (the peak MFU is quoted against).
+double measure_matmul_peak(at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
 
 // Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
 double learning_rate(const TrainConfig& config, int64_t step);
@@ -74,6 +75,7 @@ class Trainer {
   std::string model_fingerprint() const;
   // One rank's fp32 matmul rate (FLOP/s), measured at construction.
   double peak_flops_per_rank() const { return peak_flops_; }
+  at::Device device() const { return device_; }
   // Model FLOPs utilisation at `tokens_per_second` over all ranks.
   double mfu(double tokens_per_second) const;
   const checkpoint::CheckpointWriter& checkpoint_writer() const { return *writer_; }
@@ -91,6 +93,7 @@ class Trainer {
 
   TrainConfig config_;
   std::shared_ptr<comm::Communicator> world_;
+  at::Device device_ = at::kCPU;  // config_.device for this rank
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
   std::unique_ptr<parallel::ParallelModel> parallel_;

@@ -150,6 +150,14 @@ DeviceStats device_stats(const c10::Device& device) {
   return stats;
 }
 
+void reset_device_peak(const c10::Device& device) {
+#ifdef MESHTRAIN_HAVE_DEVICE_ALLOCATOR_STATS
+  if (device.is_cuda()) c10::getDeviceAllocator(device.type())->resetPeakStats(device.index());
+#else
+  (void)device;
+#endif
+}
+
 std::string format_mib(int64_t bytes) {
   char text[32];
   std::snprintf(text, sizeof text, "%.1f MiB", bytes / 1048576.0);

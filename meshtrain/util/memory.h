@@ -70,6 +70,8 @@ struct DeviceStats {
   int64_t peak = 0;
 };
 DeviceStats device_stats(const c10::Device& device);
+// Peak := current for a CUDA device's caching allocator (nothing on the CPU).
+void reset_device_peak(const c10::Device& device);
 
 std::string format_mib(int64_t bytes);  // "12.3 MiB"
 

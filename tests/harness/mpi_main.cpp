@@ -3,12 +3,20 @@
 // print only their failures (prefixed with the rank). After each test the ranks
 // agree on its outcome, so a failure on any rank fails the test on all of them
 // and every rank exits with the same status.
+//
+// Built with MESHTRAIN_TEST_NEEDS_CUDA (the CUDA tests), the binary first looks
+// for a GPU: with none it prints why and exits 77, which CTest reports as
+// skipped; `--probe` only does that check (exit 0 when a GPU is there), so a
+// launcher can ask before starting ranks.
 #include "tests/harness/mpi_env.h"
 
 #include "meshtrain/util/files.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+#ifdef MESHTRAIN_TEST_NEEDS_CUDA
+#include <torch/cuda.h>
+#endif
 
 #include <cstdio>
 #include <cstring>
@@ -76,6 +84,13 @@ class OutcomeAgreement : public ::testing::EmptyTestEventListener {
 }  // namespace meshtrain::testing
 
 int main(int argc, char** argv) {
+#ifdef MESHTRAIN_TEST_NEEDS_CUDA
+  if (!torch::cuda::is_available()) {
+    std::printf("SKIPPED: no CUDA device is visible (torch::cuda::is_available() is false); the CUDA tests need a GPU\n");
+    return 77;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "--probe") == 0) return 0;
+#endif
   ::testing::InitGoogleTest(&argc, argv);
   using meshtrain::testing::the_runtime;
   try {

@@ -66,8 +66,10 @@ class TrainingTest : public ::testing::Test {
   int64_t layers_ = 2;  // blocks of the test model
 };
 
+// Compared on the CPU (either side may live on a GPU).
 inline double relative_error(const at::Tensor& got, const at::Tensor& want) {
-  return (got - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-12);
+  const at::Tensor a = got.cpu(), b = want.cpu();
+  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
 }
 
 // Whole-model relative error and the largest element difference.
@@ -76,10 +78,10 @@ inline std::pair<double, double> parameter_errors(const std::map<std::string, at
   std::vector<at::Tensor> mine, theirs;
   double largest = 0;
   for (const auto& [name, value] : want) {
-    const at::Tensor& other = got.at(name);
-    largest = std::max(largest, (other - value).abs().max().item<double>());
+    const at::Tensor other = got.at(name).cpu(), expected = value.cpu();
+    largest = std::max(largest, (other - expected).abs().max().item<double>());
     mine.push_back(other.flatten());
-    theirs.push_back(value.flatten());
+    theirs.push_back(expected.flatten());
   }
   return {relative_error(at::cat(mine), at::cat(theirs)), largest};
 }

@@ -147,7 +147,9 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"training.min_lr=1"}, 1), "training.min_lr = 1.000000: must be in [0, training.lr]");
   EXPECT_EQ(validated({"data.train_file=/x.bin"}, 1),
             "data.train_file = \"/x.bin\": give both data.train_file and data.val_file, or neither (then data.text is prepared)");
-  EXPECT_EQ(validated({"model.vocab_size=300"}, 1), "model.vocab_size = 300: the byte tokenizer has 256 tokens; use 256");
+  EXPECT_EQ(validated({"model.vocab_size=300"}, 1),
+            "model.vocab_size = 300: text is prepared with the byte tokenizer, which has 256 tokens; use 256, "
+            "or give token files (data.train_file, data.val_file) of a larger vocabulary");
 }
 
 TEST(TrainConfig, HelpListsEveryKeyWithItsDefault) {

@@ -46,7 +46,7 @@ double ShardedState::clip_grad_norm(double max_norm) {
   // Shards of one group are disjoint (padding holds zeros); replicas hold the
   // same. With tensor parallel, split parameters add up over groups.tensor and
   // the others are copies there: [split, copied] sums of squares.
-  at::Tensor squares = at::zeros({2}, at::kDouble);
+  at::Tensor squares = at::zeros({2}, at::TensorOptions(at::kDouble).device(reduce_comm->device()));
   for (Unit& unit : units) squares[1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
   auto squares_of = [&](const Stretch& x) {
     return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();

@@ -12,8 +12,9 @@ StagedModel::StagedModel(model::Gpt& model, const std::shared_ptr<comm::Communic
     std::vector<double> costs = options.split == "params" ? parameter_costs(config)
                                                           : measured_costs(config, options.micro_batch);
     // Every rank must cut alike: the mean of the ranks' measurements.
-    at::Tensor mean = at::tensor(costs, at::kDouble);
+    at::Tensor mean = at::tensor(costs, at::kDouble).to(world->device());
     world->all_reduce(mean, comm::ReduceOp::kAvg).wait();
+    mean = mean.cpu();
     costs.assign(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
     blocks = balance(costs, p * v);
   } else {
@@ -56,11 +57,13 @@ std::map<std::string, at::Tensor> StagedModel::gather_parameters(const std::map<
   std::map<std::string, at::Tensor> all;
   for (const Home& home : homes_) {
     const bool holder = pipeline_->rank() == home.pipeline_rank;
-    at::Tensor shape = holder ? at::tensor(mine.at(home.name).sizes().vec(), at::kLong)
-                              : at::empty({home.dims}, at::kLong);
+    const at::TensorOptions on_device = at::TensorOptions().device(pipeline_->device());
+    at::Tensor shape = holder ? at::tensor(mine.at(home.name).sizes().vec(), at::kLong).to(pipeline_->device())
+                              : at::empty({home.dims}, on_device.dtype(at::kLong));
     pipeline_->broadcast(shape, home.pipeline_rank).wait();
+    shape = shape.cpu();
     const std::vector<int64_t> sizes(shape.data_ptr<int64_t>(), shape.data_ptr<int64_t>() + shape.numel());
-    at::Tensor t = holder ? mine.at(home.name).contiguous() : at::empty(sizes, at::kFloat);
+    at::Tensor t = holder ? mine.at(home.name).contiguous() : at::empty(sizes, on_device.dtype(at::kFloat));
     pipeline_->broadcast(t, home.pipeline_rank).wait();
     all[home.name] = t;
   }

@@ -1,0 +1,115 @@
+"""Training on one GPU: meshtrain against PyTorch eager and torch.compile, same session.
+
+For each model preset, runs `meshtrain bench train` on cuda:0 and
+bench/reference/train_gpt.py twice (eager, then torch.compile'd) with the same
+model, global batch, optimizer, dtype (bfloat16 autocast by default) and number
+of steps, and prints median tokens/s of each side, meshtrain's ratio to each,
+and MFU against the bfloat16 matmul peak meshtrain measured on the same GPU
+(an 8192^3 product) and against the data-sheet dense peak given with --spec-tflops.
+
+    python3 bench/gpu_train_vs_pytorch.py [--presets gpt2-124m gpt2-350m] [--batch 16] [--markdown FILE]
+"""
+import argparse
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE = os.path.join(ROOT, "bench", "reference", "train_gpt.py")
+
+
+def last_json(output):
+    for line in reversed(output.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("no JSON line in output:\n" + output[-4000:])
+
+
+def run(command):
+    print("+", " ".join(command), flush=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}")
+    return last_json(done.stdout)
+
+
+def write_tokens(path, count, vocab, seed):
+    """A meshtrain token file (see meshtrain/train/data.h) of uniform random tokens, as the reference draws."""
+    rng = random.Random(seed)
+    with open(path, "wb") as f:
+        f.write(b"MTTOKENS" + struct.pack("<IIQQ", 1, 2, count, vocab))
+        f.write(struct.pack(f"<{count}H", *(rng.randrange(vocab) for _ in range(count))))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--meshtrain", default=os.path.join(ROOT, "build", "bin", "meshtrain"))
+    parser.add_argument("--presets", nargs="+", default=["gpt2-124m", "gpt2-350m"])
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (one micro-batch)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after 3 untimed)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--spec-tflops", type=float, default=989.0, help="data-sheet dense peak of the dtype")
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-gpu"))
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile side")
+    parser.add_argument("--markdown", help="also write the table here")
+    args = parser.parse_args()
+
+    os.makedirs(args.out, exist_ok=True)
+    train_file, val_file = os.path.join(args.out, "train.bin"), os.path.join(args.out, "val.bin")
+    write_tokens(train_file, 1 << 21, 50257, 1)
+    write_tokens(val_file, 1 << 16, 50257, 2)
+    rows = []
+    for preset in args.presets:
+        ours = run([args.meshtrain, "bench", "train", "--warmup-steps", "3", "--steps", str(args.steps),
+                    f"--model.preset={preset}", f"--training.batch={args.batch}",
+                    f"--training.micro_batch={args.batch}", f"--training.dtype={args.dtype}", "--run.device=cuda",
+                    f"--data.train_file={train_file}", f"--data.val_file={val_file}", f"--run.out={args.out}",
+                    "--model.dropout=0"])
+        reference = [sys.executable, REFERENCE, "--preset", preset, "--batch", str(args.batch), "--micro-batch",
+                     str(args.batch), "--steps", str(args.steps), "--warmup-steps", "3", "--device", "cuda",
+                     "--dtype", args.dtype]
+        eager = run(reference)
+        compiled = None if args.no_compile else run(reference + ["--compile"])
+        peak = ours["matmul_peak_gflops_per_rank"] * 1e9
+        mfu = ours["mfu"]  # against the measured peak
+        flops_per_token = mfu * peak / ours["tokens_per_s"]
+        row = {"preset": preset, "parameters": ours["parameters"], "batch": args.batch, "dtype": args.dtype,
+               "meshtrain_tokens_per_s": ours["tokens_per_s"], "eager_tokens_per_s": eager["tokens_per_s"],
+               "compile_tokens_per_s": compiled["tokens_per_s"] if compiled else None,
+               "measured_peak_tflops": peak / 1e12, "flops_per_token": flops_per_token,
+               "meshtrain_device_peak_mib": ours["device_peak_mib"][0], "eager_device_peak_mib": eager["device_peak_mib"],
+               "compile_device_peak_mib": compiled["device_peak_mib"] if compiled else None, "torch": eager["torch"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def mfu(tokens, peak_flops):
+        return f"{100 * tokens * row['flops_per_token'] / peak_flops:.1f}%" if tokens else "-"
+
+    lines = [f"| model | side | tokens/s | meshtrain ÷ side | MFU (measured {rows[0]['measured_peak_tflops']:.0f} TFLOP/s) "
+             f"| MFU ({args.spec_tflops:.0f} TFLOP/s spec) | peak GPU memory (MiB) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        ours = row["meshtrain_tokens_per_s"]
+        for side, key, memory in (("meshtrain", "meshtrain_tokens_per_s", "meshtrain_device_peak_mib"),
+                                  ("PyTorch eager", "eager_tokens_per_s", "eager_device_peak_mib"),
+                                  ("torch.compile", "compile_tokens_per_s", "compile_device_peak_mib")):
+            tokens = row[key]
+            if tokens is None:
+                continue
+            lines.append(f"| {row['preset']} | {side} | {tokens:,.0f} | {ours / tokens:.3f} | "
+                         f"{mfu(tokens, row['measured_peak_tflops'] * 1e12)} | {mfu(tokens, args.spec_tflops * 1e12)} | "
+                         f"{row[memory]:,.0f} |")
+    table = "\n".join(lines)
+    note = (f"\nbatch {args.batch} x 1024 tokens, {args.dtype} autocast, {args.steps} timed steps (median step), "
+            f"torch {rows[0]['torch']}, AdamW, clipping at 1.0")
+    print("\n" + table + note)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + note + "\n")
+
+
+if __name__ == "__main__":
+    main()

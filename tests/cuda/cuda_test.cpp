@@ -1,0 +1,241 @@
+// The CUDA path, run where a GPU is visible (elsewhere the binary reports
+// SKIPPED, see tests/harness/mpi_main.cpp). One rank: the model against the
+// CPU, training on cuda:0 against the same training on the CPU, bfloat16
+// autocast, the caching allocator's peak against the planner, the NCCL
+// communicator (every collective through NCCL), FSDP's storage swap and
+// activation checkpointing's random streams. Two ranks sharing the one GPU
+// (NCCL refuses that; the host-staged MPI backend carries the CUDA tensors):
+// data parallel, ZeRO-3, tensor + sequence parallel and a pipeline against one
+// process on the GPU.
+#include "meshtrain/comm/backend/nccl/nccl_communicator.h"
+#include "meshtrain/plan/from_config.h"
+#include "meshtrain/plan/memory_model.h"
+#include "tests/parallel/training_fixture.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/cuda.h>
+
+#include <cstring>
+
+namespace meshtrain::train {
+namespace {
+
+using Overrides = std::vector<std::string>;
+
+Overrides on_gpu(Overrides layout) {
+  layout.push_back("run.device=cuda");
+  return layout;
+}
+
+std::string describe(const Overrides& layout) {
+  std::string text;
+  for (const std::string& o : layout) text += (text.empty() ? "" : " ") + o;
+  return text.empty() ? "data parallel" : text;
+}
+
+void seed_everything(uint64_t seed) {
+  at::manual_seed(seed);  // the CPU and every CUDA device
+}
+
+class CudaTest : public TrainingTest {};
+
+TEST_F(CudaTest, ModelForwardBackwardMatchesTheCpu) {
+  for (const std::string preset : {"tiny", "llama-tiny"}) {
+    model::GptConfig c = model::GptConfig::preset(preset);
+    c.context = 64;
+    c.dropout = 0;
+    model::Gpt cpu(c, 7), gpu(c, 7);
+    gpu->to(at::Device(at::kCUDA, 0));
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);
+    const at::Tensor tokens = at::randint(c.vocab_size, {4, c.context + 1}, g, at::kLong);
+    const at::Tensor x = tokens.narrow(1, 0, c.context).contiguous(), y = tokens.narrow(1, 1, c.context).contiguous();
+    const at::Tensor want = cpu->loss(x, y), got = gpu->loss(x.cuda(), y.cuda());
+    want.backward();
+    got.backward();
+    EXPECT_TRUE(got.is_cuda());
+    EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << preset;
+    auto cpu_params = cpu->named_parameters();
+    for (const auto& item : gpu->named_parameters()) {
+      const at::Tensor& expected = cpu_params[item.key()].grad();
+      EXPECT_LE(relative_error(item.value().grad().cpu(), expected), 1e-4) << preset << " gradient of " << item.key();
+    }
+  }
+}
+
+TEST_F(CudaTest, OneRankTrainingTracksTheCpu) {
+  if (world()->size() != 1) GTEST_SKIP() << "one rank";
+  Trainer cpu(config(1, kBatch), alone());
+  Trainer gpu(config(1, kBatch, "", on_gpu({})), alone());
+  EXPECT_TRUE(gpu.device().is_cuda());
+  EXPECT_TRUE(gpu.parallel().model()->parameters().front().is_cuda());
+  for (int s = 0; s < 6; ++s) {
+    const StepResult want = cpu.step(), got = gpu.step();
+    EXPECT_NEAR(got.loss, want.loss, 1e-4 * want.loss) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-3 * want.grad_norm) << "step " << s + 1;
+  }
+  const auto [relative, largest] = parameter_errors(gpu.full_parameters(), cpu.full_parameters());
+  EXPECT_LE(relative, 1e-3);
+  EXPECT_LE(largest, 1e-3);
+}
+
+TEST_F(CudaTest, Bfloat16AutocastTracksFloat32) {
+  if (world()->size() != 1) GTEST_SKIP() << "one rank";
+  Trainer fp32(config(1, kBatch, "", on_gpu({})), alone());
+  Trainer bf16(config(1, kBatch, "", on_gpu({"training.dtype=bfloat16"})), alone());
+  double largest = 0;
+  for (int s = 0; s < 6; ++s) {
+    const StepResult want = fp32.step(), got = bf16.step();
+    const double relative = std::abs(got.loss - want.loss) / want.loss;
+    largest = std::max(largest, relative);
+    EXPECT_LE(relative, 0.02) << "step " << s + 1 << ": " << got.loss << " vs " << want.loss;
+  }
+  EXPECT_GT(largest, 0.0) << "the bfloat16 run computed exactly what float32 did: autocast was not on";
+  // Parameters stay float32 (autocast changes the matmuls only).
+  EXPECT_EQ(bf16.parallel().model()->parameters().front().scalar_type(), at::kFloat);
+}
+
+TEST_F(CudaTest, PeakMemoryWithinTenPercentOfThePlanner) {
+  if (world()->size() != 1) GTEST_SKIP() << "one rank";
+  const at::Device device(at::kCUDA, 0);
+  // cuBLAS keeps a workspace per thread and stream (forward, and backward on
+  // autograd's device thread): make both before the baseline.
+  {
+    at::Tensor w = torch::randn({256, 256}, at::TensorOptions().device(device).requires_grad(true));
+    at::mm(w, w).sum().backward();
+  }
+  for (const Overrides& layout : {Overrides{}, Overrides{"parallel.activation_checkpoint=full"}}) {
+    TrainConfig c = config(1, 8, "", on_gpu(layout));
+    c.model.width = 512;
+    c.model.heads = 8;
+    c.model.layers = 4;
+    c.model.context = 512;
+    c.batch = 8;
+    c.validate(1);
+    torch::cuda::synchronize();
+    const int64_t before = memory::device_stats(device).current;
+    double measured = 0;
+    {
+      Trainer trainer(c, alone());
+      for (int s = 0; s < 3; ++s) trainer.step();  // the first allocates gradients and optimizer states
+      measured = static_cast<double>(memory::device_stats(device).peak - before);
+    }
+    const plan::PlannedRun run = plan::planned_run(c);
+    const plan::RankMemory predicted = plan::estimate_memory(run.model, run.workload, run.layout, run.microbatches)[0];
+    const double error = (predicted.memory.total() - measured) / measured;
+    std::printf("  %-40s measured %8.1f MiB, predicted %8.1f MiB (states %7.1f, activations %7.1f): %+5.1f%%\n",
+                describe(layout).c_str(), measured / 1048576, predicted.memory.total() / 1048576,
+                predicted.memory.model_states() / 1048576, predicted.memory.activations / 1048576, 100 * error);
+    EXPECT_LE(std::abs(error), 0.10) << describe(layout);
+  }
+}
+
+TEST_F(CudaTest, NcclCommunicatorRunsEveryCollectiveOnOneRank) {
+  if (world()->size() != 1) GTEST_SKIP() << "NCCL refuses two ranks on one GPU; one rank, every op through NCCL";
+  if (!comm::nccl_compiled()) GTEST_SKIP() << "this build has no NCCL backend";
+  comm::CommOptions options = world()->options();
+  options.one_rank_through_backend = true;
+  auto nccl = comm::make_nccl_communicator(world()->split(0, 0, "nccl-host", options), at::Device(at::kCUDA, 0));
+  EXPECT_STREQ(nccl->backend_name(), "nccl");
+  const at::TensorOptions on_gpu = at::TensorOptions().device(at::kCUDA, 0);
+  const at::Tensor values = at::arange(12, on_gpu.dtype(at::kFloat)).view({4, 3});
+  for (comm::ReduceOp op : {comm::ReduceOp::kSum, comm::ReduceOp::kAvg, comm::ReduceOp::kMax, comm::ReduceOp::kMin}) {
+    at::Tensor t = values.clone();
+    nccl->all_reduce(t, op).wait();
+    EXPECT_TRUE(t.equal(values)) << comm::reduce_name(op);
+  }
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf, at::kDouble, at::kInt, at::kLong}) {
+    at::Tensor t = values.to(dtype);
+    nccl->all_reduce(t).wait();
+    EXPECT_TRUE(t.equal(values.to(dtype))) << comm::dtype_name(dtype);
+  }
+  at::Tensor scattered = at::empty({4, 3}, on_gpu);
+  nccl->reduce_scatter(scattered, values).wait();
+  EXPECT_TRUE(scattered.equal(values));
+  nccl->reduce_scatter(scattered, values, comm::ReduceOp::kSum, {4}).wait();
+  EXPECT_TRUE(scattered.equal(values));
+  at::Tensor gathered = at::empty({4, 3}, on_gpu);
+  nccl->all_gather(gathered, values).wait();
+  EXPECT_TRUE(gathered.equal(values));
+  nccl->all_gather(gathered, values, {4}).wait();
+  EXPECT_TRUE(gathered.equal(values));
+  at::Tensor broadcast = values.clone();
+  nccl->broadcast(broadcast, 0).wait();
+  EXPECT_TRUE(broadcast.equal(values));
+  at::Tensor exchanged = at::empty({4, 3}, on_gpu);
+  nccl->all_to_all(exchanged, values).wait();
+  EXPECT_TRUE(exchanged.equal(values));
+  nccl->all_to_all(exchanged, values, {4}, {4}).wait();
+  EXPECT_TRUE(exchanged.equal(values));
+  nccl->barrier().wait();
+  auto child = nccl->split(0, 0, "nccl-child");
+  ASSERT_TRUE(child);
+  EXPECT_STREQ(child->backend_name(), "nccl");
+  at::Tensor t = values.clone();
+  child->all_reduce(t).wait();
+  torch::cuda::synchronize();
+  EXPECT_TRUE(t.equal(values));
+  EXPECT_EQ(nccl->stats()[comm::OpKind::kAllReduce].calls, 9);
+  // A CPU tensor is refused, naming the device.
+  at::Tensor on_cpu = at::zeros({2});
+  try {
+    nccl->all_reduce(on_cpu);
+    ADD_FAILURE() << "a CPU tensor was accepted by the NCCL backend";
+  } catch (const comm::CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(CudaTest, FullyShardedReleasesCudaStorageBetweenSteps) {
+  const int n = world()->size();
+  Trainer sharded(config(n, kBatch / n, "", on_gpu({"parallel.zero_stage=3"})), world());
+  Trainer single(config(1, kBatch, "", on_gpu({})), alone());
+  expect_same_training(sharded, single, 3, "ZeRO-3 on CUDA");
+  // Outside forward and backward, a block's gathered parameters hold no memory.
+  int released = 0, held = 0;
+  for (const auto& item : sharded.parallel().model()->named_parameters()) {
+    if (item.key().rfind("blocks.", 0) != 0) continue;
+    (item.value().storage().data() == nullptr ? released : held) += 1;
+  }
+  EXPECT_GT(released, 0) << held << " block parameters still hold their storage";
+}
+
+TEST_F(CudaTest, CheckpointingReplaysCudaRandomStreams) {
+  const int n = world()->size();
+  Overrides base = {"model.dropout=0.1"};
+  if (n == 2) base = {"model.dropout=0.1", "parallel.tp=2", "parallel.sequence_parallel=true"};
+  const int64_t micro = n == 2 ? kBatch : kBatch / n;
+  for (const std::string mode : {"full", "selective"}) {
+    Overrides with = base;
+    with.push_back("parallel.activation_checkpoint=" + mode);
+    Trainer plain(config(n, micro, "", on_gpu(base)), world());
+    Trainer checkpointed(config(n, micro, "", on_gpu(with)), world());
+    for (int s = 0; s < 3; ++s) {
+      seed_everything(100 + s);
+      const StepResult a = plain.step();
+      seed_everything(100 + s);
+      const StepResult b = checkpointed.step();
+      EXPECT_NEAR(a.loss, b.loss, 1e-6 * a.loss) << mode << " step " << s + 1;
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * a.grad_norm) << mode << " step " << s + 1;
+    }
+  }
+}
+
+TEST_F(CudaTest, TwoRanksOnOneGpuEqualOneProcess) {
+  if (world()->size() != 2) GTEST_SKIP() << "two ranks sharing the GPU";
+  const std::vector<std::pair<Overrides, int64_t>> layouts = {
+      {{}, kBatch / 2},
+      {{"parallel.zero_stage=3"}, kBatch / 2},
+      {{"parallel.tp=2", "parallel.sequence_parallel=true"}, kBatch},
+      {{"parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4"}, kBatch / 4},
+  };
+  for (const auto& [layout, micro] : layouts) {
+    Trainer parallel(config(2, micro, "", on_gpu(layout)), world());
+    Trainer single(config(1, kBatch, "", on_gpu({})), alone());
+    EXPECT_NE(std::string(parallel.parallel().mesh().comm("dp")->backend_name()).find("host-staged"), std::string::npos)
+        << "two ranks on one GPU should go through the host";
+    expect_same_training(parallel, single, 3, describe(layout) + " on CUDA");
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::train
