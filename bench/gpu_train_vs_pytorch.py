@@ -54,6 +54,9 @@ def main():
     parser.add_argument("--spec-tflops", type=float, default=989.0, help="data-sheet dense peak of the dtype")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-gpu"))
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile side")
+    parser.add_argument("--largest", default="48,2560,20",
+                        help="layers,width,heads of a large model trained for two steps in float32 with activation "
+                             "checkpointing, its peak GPU memory set against the planner's prediction ('' skips it)")
     parser.add_argument("--markdown", help="also write the table here")
     args = parser.parse_args()
 
@@ -102,6 +105,19 @@ def main():
             lines.append(f"| {row['preset']} | {side} | {tokens:,.0f} | {ours / tokens:.3f} | "
                          f"{mfu(tokens, row['measured_peak_tflops'] * 1e12)} | {mfu(tokens, args.spec_tflops * 1e12)} | "
                          f"{row[memory]:,.0f} |")
+    if args.largest:
+        layers, width, heads = (int(x) for x in args.largest.split(","))
+        big = run([args.meshtrain, "bench", "train", "--warmup-steps", "1", "--steps", "2", "--model.preset=gpt2-1.5b",
+                   f"--model.layers={layers}", f"--model.width={width}", f"--model.heads={heads}",
+                   "--training.batch=4", "--training.micro_batch=4", "--parallel.activation_checkpoint=full",
+                   "--run.device=cuda", f"--data.train_file={train_file}", f"--data.val_file={val_file}",
+                   f"--run.out={args.out}", "--model.dropout=0"])
+        measured, planned = big["device_peak_mib"][0], big["planned_peak_mib"][0]
+        lines.append("")
+        lines.append(f"Large model on the one GPU: {big['parameters'] / 1e9:.2f}B parameters ({layers} layers, width {width}), "
+                     f"float32 AdamW (16 bytes per parameter), activation checkpointing, batch 4 x 1024: "
+                     f"{big['tokens_per_s']:,.0f} tokens/s, peak GPU memory {measured:,.0f} MiB measured vs "
+                     f"{planned:,.0f} MiB planned ({100 * (planned - measured) / measured:+.1f}%).")
     table = "\n".join(lines)
     note = (f"\nbatch {args.batch} x 1024 tokens, {args.dtype} autocast, {args.steps} timed steps (median step), "
             f"torch {rows[0]['torch']}, AdamW, clipping at 1.0")

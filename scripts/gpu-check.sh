@@ -71,7 +71,7 @@ fi
 
 if stage test; then
   start=$SECONDS
-  (cd "$build_dir" && ctest -L cuda --output-on-failure --timeout 600) > "$out/tests.log" 2>&1 || failed+=(test)
+  (cd "$build_dir" && ctest -L cuda -V --timeout 600) > "$out/tests.log" 2>&1 || failed+=(test)
   grep -E 'tests passed|Passed|Failed|Skipped|\*\*\*|measured|FAILED' "$out/tests.log" | tail -30
   say "CUDA tests in $(elapsed $start)"
 fi

@@ -2,6 +2,8 @@
 // steps, as one JSON line (bench/train_vs_pytorch.py compares it with PyTorch).
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/plan/from_config.h"
+#include "meshtrain/plan/memory_model.h"
 #include "meshtrain/train/trainer.h"
 
 #include <ATen/Parallel.h>
@@ -84,6 +86,16 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   // A GPU's caching allocator over the last timed step (the trainer resets it each step).
   const std::vector<double> device_peak =
       gather(*runtime.world(), memory::device_stats(trainer.device()).peak / 1048576.0);
+  // What the planner predicts for this rank's peak (its memory model, meshtrain/plan/memory_model.h).
+  double planned = 0;
+  try {
+    const plan::PlannedRun run = plan::planned_run(config);
+    planned = plan::estimate_memory(run.model, run.workload, run.layout, run.microbatches)
+                  [trainer.mesh().coordinate("pp")].memory.total() / 1048576.0;
+  } catch (const std::exception&) {
+    planned = 0;  // a layout the planner does not model
+  }
+  const std::vector<double> planned_peak = gather(*runtime.world(), planned);
   if (runtime.rank() == 0) {
     nlohmann::json line = {{"side", "meshtrain"},
                            {"preset", config.preset},
@@ -102,7 +114,8 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
                            {"counted_model_states_mib", counted_states},
                            {"device", trainer.device().str()},
                            {"dtype", config.dtype},
-                           {"device_peak_mib", device_peak}};
+                           {"device_peak_mib", device_peak},
+                           {"planned_peak_mib", planned_peak}};
     if (sharded) {
       line["exposed_gather_s_per_step"] = (sharded->exposed_gather_seconds() - gather_before) / timed_steps;
       line["exposed_reduce_s_per_step"] = (sharded->exposed_reduce_seconds() - reduce_before) / timed_steps;

@@ -41,4 +41,37 @@ void set_adamw_steps(torch::optim::AdamW& optimizer, int64_t steps) {
   }
 }
 
+void adamw_step(torch::optim::AdamW& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      if (p.grad().defined() && !(p.is_cuda() && p.scalar_type() == at::kFloat && p.grad().is_contiguous())) {
+        optimizer.step();
+        return;
+      }
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    std::vector<at::Tensor> params, grads, averages, squares;
+    std::vector<float> steps;
+    for (const at::Tensor& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      torch::optim::AdamWParamState& state = adamw_state(optimizer, p);
+      state.step(state.step() + 1);
+      params.push_back(p);
+      grads.push_back(p.grad());
+      averages.push_back(state.exp_avg());
+      squares.push_back(state.exp_avg_sq());
+      steps.push_back(static_cast<float>(state.step()));
+    }
+    if (params.empty()) continue;
+    // The kernel reads each parameter's step from a device tensor: one copy for the group.
+    const std::vector<at::Tensor> step_tensors = at::tensor(steps).to(params.front().device()).unbind(0);
+    at::_fused_adamw_(params, grads, averages, squares, /*max_exp_avg_sqs=*/{}, step_tensors, o.lr(),
+                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), /*amsgrad=*/false,
+                      /*maximize=*/false);
+  }
+}
+
 }  // namespace meshtrain::parallel

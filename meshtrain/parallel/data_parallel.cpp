@@ -209,7 +209,7 @@ double DataParallel::clip_grad_norm(double max_norm) {
 
 void DataParallel::step(double lr) {
   set_learning_rate(*optimizer_, lr);
-  optimizer_->step();
+  adamw_step(*optimizer_);
 }
 
 placement::TrainingState DataParallel::state(const ParameterLayouts& layouts) {
