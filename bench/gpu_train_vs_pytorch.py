@@ -47,7 +47,7 @@ def write_tokens(path, count, vocab, seed):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--meshtrain", default=os.path.join(ROOT, "build", "bin", "meshtrain"))
-    parser.add_argument("--presets", nargs="+", default=["gpt2-124m", "gpt2-350m"])
+    parser.add_argument("--presets", nargs="*", default=["gpt2-124m", "gpt2-350m"])
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (one micro-batch)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after 3 untimed)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -57,6 +57,9 @@ def main():
     parser.add_argument("--largest", default="48,2560,20",
                         help="layers,width,heads of a large model trained for two steps in float32 with activation "
                              "checkpointing, its peak GPU memory set against the planner's prediction ('' skips it)")
+    parser.add_argument("--graph", nargs="*", default=["small:64", "gpt2-124m:16"],
+                        help="preset:batch pairs for `meshtrain bench graph` (the step captured as a CUDA graph "
+                             "against the same step run eagerly)")
     parser.add_argument("--markdown", help="also write the table here")
     args = parser.parse_args()
 
@@ -93,7 +96,7 @@ def main():
 
     lines = [f"| model | side | tokens/s | meshtrain ÷ side | MFU (measured {rows[0]['measured_peak_tflops']:.0f} TFLOP/s) "
              f"| MFU ({args.spec_tflops:.0f} TFLOP/s spec) | peak GPU memory (MiB) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"] if rows else []
     for row in rows:
         ours = row["meshtrain_tokens_per_s"]
         for side, key, memory in (("meshtrain", "meshtrain_tokens_per_s", "meshtrain_device_peak_mib"),
@@ -118,9 +121,20 @@ def main():
                      f"float32 AdamW (16 bytes per parameter), activation checkpointing, batch 4 x 1024: "
                      f"{big['tokens_per_s']:,.0f} tokens/s, peak GPU memory {measured:,.0f} MiB measured vs "
                      f"{planned:,.0f} MiB planned ({100 * (planned - measured) / measured:+.1f}%).")
+    if args.graph:
+        lines += ["", "| model | batch | eager tokens/s | CUDA graph tokens/s | speed-up | largest loss difference |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for pair in args.graph:
+        preset, batch = pair.split(":")
+        data = [f"--data.train_file={train_file}", f"--data.val_file={val_file}"] if preset.startswith("gpt2") else []
+        g = run([args.meshtrain, "bench", "graph", f"--model.preset={preset}", f"--training.batch={batch}",
+                 f"--training.micro_batch={batch}", f"--training.dtype={args.dtype}", "--model.dropout=0",
+                 f"--run.out={args.out}"] + data)
+        lines.append(f"| {preset} | {batch} | {g['eager_tokens_per_s']:,.0f} | {g['graph_tokens_per_s']:,.0f} | "
+                     f"{g['speedup']:.3f} | {g['largest_relative_loss_difference']:.1e} |")
     table = "\n".join(lines)
     note = (f"\nbatch {args.batch} x 1024 tokens, {args.dtype} autocast, {args.steps} timed steps (median step), "
-            f"torch {rows[0]['torch']}, AdamW, clipping at 1.0")
+            f"torch {rows[0]['torch']}, AdamW, clipping at 1.0") if rows else ""
     print("\n" + table + note)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -1,7 +1,7 @@
 # Finds what meshtrain builds against and defines:
 #   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
 #   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json,
-#   MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
+#   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
 find_package(Threads REQUIRED)
 find_package(MPI REQUIRED COMPONENTS CXX)
@@ -28,6 +28,7 @@ set(_meshtrain_torch_has_cuda OFF)
 if(TARGET torch_cuda OR TARGET c10_cuda OR "${TORCH_LIBRARIES}" MATCHES "c10_cuda")
   set(_meshtrain_torch_has_cuda ON)
 endif()
+set(MESHTRAIN_HAVE_CUDA ${_meshtrain_torch_has_cuda})
 if(NOT MESHTRAIN_WITH_NCCL STREQUAL "OFF")
   if(_meshtrain_torch_has_cuda)
     get_filename_component(_meshtrain_site "${Torch_DIR}/../../../.." ABSOLUTE)

@@ -93,7 +93,7 @@ if stage bench; then
   start=$SECONDS
   # shellcheck disable=SC2086
   "$python" "$root_dir/bench/gpu_train_vs_pytorch.py" --meshtrain "$build_dir/bin/meshtrain" \
-    --presets ${BENCH_PRESETS:-gpt2-124m gpt2-350m} --markdown "$out/bench.md" > "$out/bench.log" 2>&1 || failed+=(bench)
+    --presets ${BENCH_PRESETS-gpt2-124m gpt2-350m} --markdown "$out/bench.md" > "$out/bench.log" 2>&1 || failed+=(bench)
   tail -12 "$out/bench.log"
   say "benchmarks in $(elapsed $start)"
 fi

@@ -57,6 +57,12 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
 int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                     int timed_steps);
 
+// meshtrain bench graph: on one GPU, a training step with forward and backward
+// captured as a CUDA graph and replayed, against the same step run eagerly:
+// tokens/s of each and the losses of both from the same start, as one JSON line.
+int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
+                    int timed_steps);
+
 // Runs `mpirun -np ranks <this executable> args...` with OMP_NUM_THREADS =
 // cores / ranks unless already set, passes its output on (without Open MPI's
 // banners that repeat meshtrain's own errors, Note [Launcher output]) and

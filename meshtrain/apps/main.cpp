@@ -85,6 +85,13 @@ int main(int argc, char** argv) {
                "matmul peak, and the share of all-reduce time hidden behind backward, as one JSON line. "
                "bench/train_vs_pytorch.py runs it beside the PyTorch reference.",
       bench_warmup, bench_steps);
+  int graph_warmup = 5, graph_steps = 20;
+  CLI::App* bench_graph = timed_bench(
+      "graph", "On one GPU: a training step whose forward and backward are captured once as a CUDA graph and "
+               "replayed, against the same step run kernel by kernel; tokens/s of each, and the losses of both from "
+               "the same start (the untimed steps), as one JSON line. Config overrides as for train (micro_batch "
+               "sequences per step; model.dropout must be 0).",
+      graph_warmup, graph_steps);
   int tp_warmup = 1, tp_steps = 5;
   CLI::App* bench_tp = timed_bench(
       "tp", "Tensor parallel with and without sequence parallel for tp = 1, 2, 4, ... up to the rank count, in one "
@@ -236,7 +243,7 @@ int main(int argc, char** argv) {
   }
 
   std::vector<std::string> overrides;
-  for (CLI::App* with_overrides : {train, bench_train, bench_tp, bench_pp, bench_checkpoint}) {
+  for (CLI::App* with_overrides : {train, bench_train, bench_graph, bench_tp, bench_pp, bench_checkpoint}) {
     if (!with_overrides->parsed()) continue;
     for (const std::string& extra : with_overrides->remaining()) {
       if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
@@ -254,6 +261,7 @@ int main(int argc, char** argv) {
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
+    if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);
     if (bench_pp->parsed()) return meshtrain::apps::run_bench_pp(*runtime, overrides, pp_warmup, pp_steps, pp_out);
     if (bench_checkpoint->parsed()) {

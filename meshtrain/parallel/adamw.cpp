@@ -66,8 +66,10 @@ void adamw_step(torch::optim::AdamW& optimizer) {
       steps.push_back(static_cast<float>(state.step()));
     }
     if (params.empty()) continue;
-    // The kernel reads each parameter's step from a device tensor: one copy for the group.
-    const std::vector<at::Tensor> step_tensors = at::tensor(steps).to(params.front().device()).unbind(0);
+    // The kernel reads each parameter's step from a device tensor: one copy for the
+    // group, from pinned memory and asynchronous (a plain copy would wait for the GPU).
+    const std::vector<at::Tensor> step_tensors =
+        at::tensor(steps).pin_memory().to(params.front().device(), /*non_blocking=*/true).unbind(0);
     at::_fused_adamw_(params, grads, averages, squares, /*max_exp_avg_sqs=*/{}, step_tensors, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), /*amsgrad=*/false,
                       /*maximize=*/false);
