@@ -33,8 +33,9 @@ struct Run {
       : model(config.model, config.seed), bfloat16(config.dtype == "bfloat16") {
     model->to(at::Device(at::kCUDA, 0));
     std::vector<parallel::AdamWParameter> parameters;
-    for (const at::Tensor& p : model->parameters()) {
-      parameters.push_back({p, p.dim()});
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor& p = item.value();
+      parameters.push_back({p, parallel::decay_dims(item.key(), p)});
       // Gradients exist before any capture, so backward accumulates into fixed tensors.
       p.mutable_grad() = at::zeros_like(p);
       grads.push_back(p.grad());

@@ -67,7 +67,11 @@ void ParallelDims::check() const {
   if (zero_stage == 0 && fsdp > 1) {
     refuse("fsdp", n(fsdp), "shards need zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   }
-  if (ep > 1) refuse("ep", n(ep), "expert parallel needs a mixture-of-experts model, which meshtrain does not build yet");
+  if (ep > 1 && zero_stage > 0) {
+    refuse("ep", n(ep), "expert parallel with zero_stage " + n(zero_stage) + " is not built yet; use zero_stage 0 "
+                        "(data parallel) with ep > 1");
+  }
+  if (ep > 1 && tp > 1) refuse("ep", n(ep), "expert parallel with tp(" + n(tp) + ") > 1 is not built yet");
   if (sequence_parallel && tp == 1) refuse("sequence_parallel", "true", "needs tp > 1");
   if (pp > 1 && zero_stage == 3) {
     refuse("zero_stage", "3", "does not combine with pp(" + n(pp) + ") > 1 (every micro-batch would gather every "
@@ -100,6 +104,16 @@ void ParallelDims::check_model(const ModelDims& m) const {
   divides("the vocabulary", m.vocab, "the embedding and head are split by vocabulary rows (not padded: padding would "
                                      "change the model)");
   if (sequence_parallel) divides("the context", m.context, "sequence parallel splits every sequence into tp chunks");
+  if (ep > 1 && m.experts == 0) {
+    refuse("ep", n(ep), "expert parallel needs a mixture-of-experts model (model.moe_experts > 0)");
+  }
+  if (ep > 1 && m.experts % ep != 0) {
+    refuse("ep", n(ep), "ep(" + n(ep) + ") does not divide model.moe_experts (" + n(m.experts) + "); every rank "
+                        "holds moe_experts / ep experts");
+  }
+  if (m.experts > 0 && tp > 1) {
+    refuse("tp", n(tp), "tensor parallel of mixture-of-experts models is not built yet; use tp = 1");
+  }
   if (stages() > m.layers) {
     refuse(virtual_stages > 1 ? "virtual_stages" : "pp", n(virtual_stages > 1 ? virtual_stages : pp),
            "pp(" + n(pp) + ") * virtual_stages(" + n(virtual_stages) + ") = " + n(stages()) + " stages > " +

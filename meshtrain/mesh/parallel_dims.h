@@ -34,6 +34,7 @@ struct ModelDims {
   int64_t ffn = 1;       // the MLP's hidden size
   int64_t vocab = 1;
   int64_t context = 1;
+  int64_t experts = 0;   // per mixture-of-experts block; 0: dense
 };
 
 // Note [Layout rules]
@@ -47,7 +48,9 @@ struct ModelDims {
 //   pipeline (every micro-batch would gather every stage again);
 // - sequence parallel needs tp > 1; tp divides heads, key/value heads, the MLP
 //   hidden size and the vocabulary, and with sequence parallel the context;
-// - ep > 1 needs a mixture-of-experts model (none yet);
+// - ep > 1 needs a mixture-of-experts model whose experts it divides; the ep
+//   ranks of a group read different micro-batches (data ranks are dp * fsdp *
+//   ep); ep > 1 does not yet combine with zero_stage >= 1 or tp > 1;
 // - pp_schedule is gpipe, 1f1b or interleaved; virtual_stages > 1 needs
 //   interleaved and pp >= 2; interleaved with pp >= 2 needs virtual_stages >= 2
 //   (with one it is 1f1b) and micro-batches divisible by pp; pp *
@@ -56,7 +59,7 @@ struct ParallelDims {
   int64_t pp = 1;
   int64_t dp = 0;    // replicas
   int64_t fsdp = 0;  // shards (ZeRO / FSDP) per replica
-  int64_t ep = 1;    // expert parallel (1 until mixture-of-experts models exist)
+  int64_t ep = 1;    // expert parallel: experts split over ep ranks, which are data ranks for the rest
   int64_t tp = 1;
   bool sequence_parallel = false;
   int zero_stage = 0;  // 0: plain data parallel; 1: optimizer states sharded; 2: + gradients; 3: + parameters
@@ -75,7 +78,7 @@ struct ParallelDims {
   void check_microbatches(int64_t microbatches) const;  // per data rank per step
 
   int64_t world() const { return pp * dp * fsdp * ep * tp; }
-  int64_t data_ranks() const { return dp * fsdp; }  // ranks that read different micro-batches
+  int64_t data_ranks() const { return dp * fsdp * ep; }  // ranks that read different micro-batches
   int64_t shards() const { return zero_stage > 0 ? fsdp : 1; }
   int64_t stages() const { return pp * virtual_stages; }
   bool pipelined() const { return pp > 1; }

@@ -117,16 +117,21 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
-BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
+BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts)
     : chain_(std::move(chain)),
       norm1_name_(name + ".norm1"),
       attn_name_(name + ".attn"),
       norm2_name_(name + ".norm2"),
-      mlp_name_(name + ".mlp") {
+      mlp_name_(name + ".mlp"),
+      moe_name_(name + ".moe") {
   norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias));
   attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_));
   norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias));
-  mlp = register_module("mlp", Mlp(config, chain_, mlp_name_));
+  if (experts) {
+    moe = register_module("moe", Moe(config));
+  } else {
+    mlp = register_module("mlp", Mlp(config, chain_, mlp_name_));
+  }
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
@@ -134,6 +139,7 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
   const at::Tensor a = c.call(norm1_name_, x, [this](const at::Tensor& in) { return norm1->forward(in); });
   const at::Tensor h = x + c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
   const at::Tensor m = c.call(norm2_name_, h, [this](const at::Tensor& in) { return norm2->forward(in); });
+  if (moe) return h + c.call(moe_name_, m, [this](const at::Tensor& in) { return moe->forward(in); });
   return h + c.call(mlp_name_, m, [this](const at::Tensor& in) { return mlp->forward(in); });
 }
 
@@ -144,11 +150,20 @@ GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.layers; ++i) {
     block_names_.push_back("blocks." + std::to_string(i));
-    blocks->push_back(Block(config_, chain_, block_names_.back()));
+    blocks->push_back(Block(config_, chain_, block_names_.back(), config_.is_moe_block(i)));
   }
   norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias));
   if (!config_.tie_embeddings) head = register_module("head", linear(config_.width, config_.vocab_size, false));
   initialise(seed);
+}
+
+std::vector<Moe> GptImpl::moe_layers() const {
+  std::vector<Moe> out;
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    const Moe& moe = blocks->ptr(i)->as<BlockImpl>()->moe;
+    if (moe) out.push_back(moe);
+  }
+  return out;
 }
 
 void GptImpl::remove_forward_hooks(const ForwardHooks* hooks) {
@@ -171,7 +186,9 @@ void GptImpl::initialise(uint64_t seed) {
       p.zero_();
     } else {
       const bool residual = name.find("attn.proj.") != std::string::npos ||
-                            name.find("mlp.proj.") != std::string::npos || name.find("mlp.down.") != std::string::npos;
+                            name.find("mlp.proj.") != std::string::npos || name.find("mlp.down.") != std::string::npos ||
+                            name.find("moe.proj_weight") != std::string::npos ||
+                            name.find("moe.down_weight") != std::string::npos;
       // Drawn on the CPU in parameter order, then copied: same values on any device.
       at::Tensor values = at::empty(p.sizes(), at::kFloat);
       values.normal_(0.0, residual ? residual_std : 0.02, generator);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "meshtrain/model/gpt_config.h"
+#include "meshtrain/model/moe.h"
 
 #include <torch/torch.h>
 
@@ -27,6 +28,7 @@ namespace meshtrain::model {
 //                         core is attention proper: qkv's output [B, T, 3w]
 //                         -> [B, T, w] before proj (w: the width qkv produced)
 //     .mlp.fc .mlp.proj (gelu) | .mlp.gate .mlp.up .mlp.down (swiglu), .mlp.drop
+//     .moe                in a mixture-of-experts block, instead of .mlp
 //   norm_f, head          final norm; the LM head (tied to wte or not)
 // A hook may change a call's input, its output, or compute it another way.
 // The model itself knows nothing of parallelism: the parallel layer uses the
@@ -109,16 +111,18 @@ TORCH_MODULE(Mlp);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name);
+  // `experts`: the feed-forward is a mixture of experts (moe) instead of the MLP.
+  BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts = false);
   at::Tensor forward(const at::Tensor& x);
 
   Norm norm1{nullptr}, norm2{nullptr};
   CausalSelfAttention attn{nullptr};
   Mlp mlp{nullptr};
+  Moe moe{nullptr};
 
  private:
   std::shared_ptr<HookChain> chain_;
-  std::string norm1_name_, attn_name_, norm2_name_, mlp_name_;
+  std::string norm1_name_, attn_name_, norm2_name_, mlp_name_, moe_name_;
 };
 TORCH_MODULE(Block);
 
@@ -144,6 +148,8 @@ class GptImpl : public torch::nn::Module {
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }
   void remove_forward_hooks(const ForwardHooks* hooks);
+  // The mixture-of-experts layers, in block order (none in a dense model).
+  std::vector<Moe> moe_layers() const;
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};

@@ -75,6 +75,24 @@ void GptConfig::validate() const {
     reject("position", "\"" + position + "\"", "use \"learned\" or \"rope\"");
   }
   if (mlp != "gelu" && mlp != "swiglu") reject("mlp", "\"" + mlp + "\"", "use \"gelu\" or \"swiglu\"");
+  if (moe_experts < 0) reject("moe_experts", std::to_string(moe_experts), "must be >= 0 (0: dense)");
+  if (!moe()) return;
+  if (moe_every < 1 || moe_every > layers) {
+    reject("moe_every", std::to_string(moe_every), "must be in [1, model.layers (" + std::to_string(layers) + ")]");
+  }
+  if (moe_top_k < 1 || moe_top_k > 2 || moe_top_k > moe_experts) {
+    reject("moe_top_k", std::to_string(moe_top_k),
+           "must be 1 (Switch) or 2 (GShard) and at most model.moe_experts (" + std::to_string(moe_experts) + ")");
+  }
+  if (!(moe_capacity_factor >= 0)) {
+    reject("moe_capacity_factor", std::to_string(moe_capacity_factor), "must be >= 0 (0: dropless)");
+  }
+  if (moe_second_expert != "random" && moe_second_expert != "always") {
+    reject("moe_second_expert", "\"" + moe_second_expert + "\"", "use \"random\" or \"always\"");
+  }
+  if (!(moe_aux_loss >= 0)) reject("moe_aux_loss", std::to_string(moe_aux_loss), "must be >= 0");
+  if (!(moe_z_loss >= 0)) reject("moe_z_loss", std::to_string(moe_z_loss), "must be >= 0");
+  if (moe_hidden < 0) reject("moe_hidden", std::to_string(moe_hidden), "must be >= 0 (0: the dense MLP's)");
 }
 
 int64_t GptConfig::mlp_hidden() const {
@@ -83,22 +101,42 @@ int64_t GptConfig::mlp_hidden() const {
   return (hidden + 63) / 64 * 64;
 }
 
-int64_t GptConfig::parameter_count() const {
-  const int64_t d = width, h = mlp_hidden(), b = bias ? 1 : 0;
-  const int64_t norm_params = (norm == "layernorm" && bias) ? 2 * d : d;
-  const int64_t attention = d * 3 * d + b * 3 * d + d * d + b * d;
-  const int64_t feed_forward = mlp == "gelu" ? d * h + b * h + h * d + b * d : 2 * d * h + 2 * b * h + h * d + b * d;
-  const int64_t block = 2 * norm_params + attention + feed_forward;
-  const int64_t embeddings = vocab_size * d + (position == "learned" ? context * d : 0);
-  const int64_t head = tie_embeddings ? 0 : vocab_size * d;
-  return embeddings + layers * block + norm_params + head;
+namespace {
+
+// Parameters of one feed-forward of hidden size h (GELU: fc, proj; SwiGLU: gate, up, down).
+int64_t feed_forward_parameters(const GptConfig& c, int64_t h) {
+  const int64_t d = c.width, b = c.bias ? 1 : 0;
+  return c.mlp == "gelu" ? d * h + b * h + h * d + b * d : 2 * d * h + 2 * b * h + h * d + b * d;
 }
 
+// Every parameter, with `experts_counted` experts per MoE block.
+int64_t count_parameters(const GptConfig& c, int64_t experts_counted) {
+  const int64_t d = c.width, b = c.bias ? 1 : 0;
+  const int64_t norm_params = (c.norm == "layernorm" && c.bias) ? 2 * d : d;
+  const int64_t attention = d * 3 * d + b * 3 * d + d * d + b * d;
+  const int64_t dense = feed_forward_parameters(c, c.mlp_hidden());
+  const int64_t moe = c.moe_experts * d + experts_counted * feed_forward_parameters(c, c.expert_hidden());
+  const int64_t blocks = c.layers * (2 * norm_params + attention) + (c.layers - c.moe_blocks()) * dense +
+                         c.moe_blocks() * moe;
+  const int64_t embeddings = c.vocab_size * d + (c.position == "learned" ? c.context * d : 0);
+  const int64_t head = c.tie_embeddings ? 0 : c.vocab_size * d;
+  return embeddings + blocks + norm_params + head;
+}
+
+}  // namespace
+
+int64_t GptConfig::parameter_count() const { return count_parameters(*this, moe_experts); }
+
+int64_t GptConfig::active_parameter_count() const { return count_parameters(*this, moe() ? moe_top_k : 0); }
+
 double GptConfig::flops_per_token() const {
-  const double d = width, h = mlp_hidden();
+  const double d = width, h = mlp_hidden(), e = expert_hidden();
   const double attention_weights = 4 * d * d;
   const double mlp_weights = (mlp == "gelu" ? 2 : 3) * d * h;
-  const double matmul_params = layers * (attention_weights + mlp_weights) + vocab_size * d;
+  const double moe_weights = moe_experts * d + moe_top_k * (mlp == "gelu" ? 2 : 3) * d * e;
+  const double dense_blocks = static_cast<double>(layers - moe_blocks()), moe_blocks_ = static_cast<double>(moe_blocks());
+  const double matmul_params =
+      layers * attention_weights + dense_blocks * mlp_weights + moe_blocks_ * moe_weights + vocab_size * d;
   return 6 * matmul_params + 12.0 * layers * context * d;
 }
 

@@ -22,6 +22,18 @@ struct GptConfig {
   bool tie_embeddings = true;          // the LM head shares the token embedding
   bool bias = true;                    // biases in linear layers and norms (GPT-2 has them)
 
+  // Mixture of experts (model/moe.h): the feed-forward of every moe_every-th
+  // block (blocks moe_every-1, 2·moe_every-1, ...) is moe_experts experts of
+  // the MLP's style, moe_top_k of them per token (1: Switch, 2: GShard).
+  int64_t moe_experts = 0;             // 0: dense
+  int64_t moe_every = 2;
+  int64_t moe_top_k = 1;
+  double moe_capacity_factor = 1.25;   // capacity = ceil(tokens·top_k·cf / experts); 0: dropless
+  std::string moe_second_expert = "random";  // top_k 2: "random" (GShard: kept with probability min(1, 2·gate)) | "always"
+  double moe_aux_loss = 0.01;          // Switch load balancing: α·E·Σ fᵢ·Pᵢ
+  double moe_z_loss = 0.001;           // router z-loss: β·mean(logsumexp(logits)²)
+  int64_t moe_hidden = 0;              // an expert's hidden size; 0: the dense MLP's
+
   // Named shapes: tiny, small, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b.
   static GptConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
@@ -31,12 +43,18 @@ struct GptConfig {
 
   int64_t head_dim() const { return width / heads; }
   int64_t mlp_hidden() const;  // gelu: 4·width; swiglu: 8/3·width rounded up to a multiple of 64
-  // Exact number of trainable parameters (tied embeddings counted once).
+  bool moe() const { return moe_experts > 0; }
+  bool is_moe_block(int64_t i) const { return moe() && i % moe_every == moe_every - 1; }
+  int64_t moe_blocks() const { return moe() ? layers / moe_every : 0; }
+  int64_t expert_hidden() const { return moe_hidden > 0 ? moe_hidden : mlp_hidden(); }
+  // Exact number of trainable parameters (tied embeddings counted once; every expert).
   int64_t parameter_count() const;
+  // Those a token uses: with experts, moe_top_k experts per MoE block instead of all.
+  int64_t active_parameter_count() const;
   // Training FLOPs per token at full context: 6·N_matmul + 12·layers·context·width for
   // attention scores and values (forward 2, backward 4 per multiply-add), where
   // N_matmul counts the weights used in matrix multiplies (the embedding lookups are
-  // not multiplies; the LM head is).
+  // not multiplies; the LM head is). MoE blocks count top_k experts and the router.
   double flops_per_token() const;
 };
 

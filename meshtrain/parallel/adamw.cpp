@@ -35,6 +35,12 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::AdamW& optimizer, const
   return static_cast<torch::optim::AdamWParamState&>(*it->second);
 }
 
+int64_t decay_dims(const std::string& name, const at::Tensor& parameter) {
+  const size_t at = name.find(".moe.");
+  const bool stacked = at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0;
+  return parameter.dim() - (stacked ? 1 : 0);
+}
+
 void set_adamw_steps(torch::optim::AdamW& optimizer, int64_t steps) {
   for (const auto& group : optimizer.param_groups()) {
     for (const at::Tensor& p : group.params()) adamw_state(optimizer, p).step(steps);

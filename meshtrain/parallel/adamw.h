@@ -25,6 +25,11 @@ struct AdamWParameter {
   int64_t parameter_dims;
 };
 
+// The dimensions of parameter `name` that decide its weight decay: its own,
+// but one fewer for a mixture-of-experts tensor, whose dim 0 stacks experts
+// (an expert's bias [experts, h] is a bias).
+int64_t decay_dims(const std::string& name, const at::Tensor& parameter);
+
 // Two groups, decayed and not, in the order given.
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<AdamWParameter>& parameters,
                                                 const AdamWSettings& settings);

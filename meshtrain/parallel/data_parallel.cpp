@@ -13,11 +13,13 @@ struct DataParallel::State {
   struct Bucket {
     at::Tensor flat;
     std::vector<at::Tensor> params;
+    bool expert = false;  // reduced over expert_comm, scaled by expert_scale first
     int64_t ready = 0;
     comm::Work work;
   };
 
-  std::shared_ptr<comm::Communicator> comm;
+  std::shared_ptr<comm::Communicator> comm, expert_comm;
+  double expert_scale = 1.0;
   std::vector<Bucket> buckets;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks alive
   std::mutex mutex;  // autograd may run hooks on another thread (GPU); State below is protected by it
@@ -35,7 +37,8 @@ struct DataParallel::State {
 
   void issue_locked(size_t index) {
     Bucket& bucket = buckets[index];
-    bucket.work = comm->all_reduce(bucket.flat, comm::ReduceOp::kAvg);
+    if (bucket.expert && expert_scale != 1.0) bucket.flat.mul_(expert_scale);
+    bucket.work = (bucket.expert ? expert_comm : comm)->all_reduce(bucket.flat, comm::ReduceOp::kAvg);
   }
 
   void mark_ready(size_t index) {
@@ -70,32 +73,42 @@ DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Comm
                            DataParallelOptions options)
     : module_(module), comm_(std::move(comm)), options_(std::move(options)), state_(std::make_shared<State>()) {
   if (options_.bucket_bytes < 1) throw std::invalid_argument("data parallel: bucket size must be positive");
+  if (options_.expert && !options_.expert_comm) throw std::invalid_argument("data parallel: expert parameters need expert_comm");
   state_->comm = comm_;
+  state_->expert_comm = options_.expert_comm;
+  state_->expert_scale = options_.expert_scale;
   torch::NoGradGuard no_grad;
+  std::vector<std::pair<at::Tensor, bool>> params;  // (parameter, expert), reverse registration order
+  for (const auto& item : module.named_parameters()) {
+    const bool expert = options_.expert && options_.expert(item.key());
+    if (expert) expert_names_.insert(item.key());
+    if (item.value().requires_grad()) params.emplace_back(item.value(), expert);
+  }
+  std::reverse(params.begin(), params.end());
 
-  // Same starting point everywhere: rank 0's parameters and buffers.
+  // Same starting point everywhere: rank 0's parameters and buffers (an expert's: its replicas' rank 0).
   std::vector<comm::Work> broadcasts;
-  for (const at::Tensor& p : module.parameters()) broadcasts.push_back(comm_->broadcast(p.data(), 0));
+  for (const auto& item : module.named_parameters()) {
+    const bool expert = expert_names_.count(item.key()) > 0;
+    broadcasts.push_back((expert ? options_.expert_comm : comm_)->broadcast(item.value().data(), 0));
+  }
   for (const at::Tensor& b : module.buffers()) broadcasts.push_back(comm_->broadcast(b, 0));
   comm::wait_all(broadcasts);
 
-  // Buckets in reverse registration order, one dtype and device each.
-  std::vector<at::Tensor> params;
-  for (const at::Tensor& p : module.parameters()) {
-    if (p.requires_grad()) params.push_back(p);
-  }
-  std::reverse(params.begin(), params.end());
+  // Buckets in reverse registration order, one dtype, device and group (experts or not) each.
   std::vector<std::vector<at::Tensor>> groups;
+  std::vector<bool> group_is_expert;
   int64_t group_bytes = 0;
-  for (const at::Tensor& p : params) {
+  for (const auto& [p, expert] : params) {
     const int64_t bytes = p.numel() * p.element_size();
     const int64_t limit = groups.size() <= 1 ? std::min(options_.first_bucket_bytes, options_.bucket_bytes)
                                              : options_.bucket_bytes;
     const bool fits = !groups.empty() && group_bytes + bytes <= limit &&
                       groups.back().front().scalar_type() == p.scalar_type() &&
-                      groups.back().front().device() == p.device();
+                      groups.back().front().device() == p.device() && group_is_expert.back() == expert;
     if (!fits) {
       groups.emplace_back();
+      group_is_expert.push_back(expert);
       group_bytes = 0;
     }
     groups.back().push_back(p);
@@ -116,11 +129,12 @@ DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Comm
       state_->accumulators.push_back(std::move(accumulator));
     }
     bucket.params = groups[b];
+    bucket.expert = group_is_expert[b];
     state_->buckets.push_back(std::move(bucket));
   }
   std::vector<AdamWParameter> adamw;
-  for (const at::Tensor& p : module.parameters()) {
-    if (p.requires_grad()) adamw.push_back({p, p.dim()});
+  for (const auto& item : module.named_parameters()) {
+    if (item.value().requires_grad()) adamw.push_back({item.value(), decay_dims(item.key(), item.value())});
   }
   optimizer_ = make_adamw(adamw, options_.adamw);
 }
@@ -221,13 +235,18 @@ placement::TrainingState DataParallel::state(const ParameterLayouts& layouts) {
     parameters.emplace_back(item.key(), item.value());
     sizes.push_back(item.value().numel());
   }
-  // The replicas hold the same: each parameter is saved by one of them, the bytes spread evenly.
+  // The replicas hold the same: each parameter is saved by one of them, the bytes spread evenly
+  // (an expert's replicas are its expert_comm).
   const std::vector<int> owners = placement::balanced_owners(sizes, comm_->size());
+  const std::vector<int> expert_owners =
+      options_.expert_comm ? placement::balanced_owners(sizes, options_.expert_comm->size()) : owners;
   for (size_t i = 0; i < parameters.size(); ++i) {
     const auto& [name, parameter] = parameters[i];
     const at::Tensor p = parameter.detach();
     const ParameterLayout layout = layouts(name, p);
-    const bool write = layout.write && owners[i] == comm_->rank();
+    const bool expert = expert_names_.count(name) > 0;
+    const bool write =
+        layout.write && (expert ? expert_owners[i] == options_.expert_comm->rank() : owners[i] == comm_->rank());
     out.push_back({"model/" + name, layout.spec, p.reshape({-1}), write});
     torch::optim::AdamWParamState& s = adamw_state(*optimizer_, parameter);
     out.push_back({"optim/" + name + "/exp_avg", layout.spec, s.exp_avg().view({-1}), write});

@@ -10,7 +10,10 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <set>
+#include <string>
 #include <vector>
 
 namespace meshtrain::parallel {
@@ -21,6 +24,12 @@ struct DataParallelOptions {
                                                   // communication starts early in backward
   AdamWSettings adamw;                            // the optimizer step() runs
   ModelParallelNorm norm;                         // model-parallel groups of the gradient norm
+  // Expert parallel (Note [Expert parallel]): parameters `expert` names are
+  // broadcast and averaged over `expert_comm` (dp x fsdp) only, their gradients
+  // multiplied by `expert_scale` (1 / ep) first. Unset: every parameter alike.
+  std::function<bool(const std::string&)> expert;
+  std::shared_ptr<comm::Communicator> expert_comm;
+  double expert_scale = 1.0;
 };
 
 // Note [Data parallel]
@@ -82,6 +91,7 @@ class DataParallel : public DataParallelism {
 
  private:
   torch::nn::Module& module_;
+  std::set<std::string> expert_names_;  // parameters options_.expert names
   std::shared_ptr<comm::Communicator> comm_;
   DataParallelOptions options_;
   std::shared_ptr<State> state_;

@@ -26,17 +26,20 @@ double grad_norm_squared(torch::nn::Module& module, const ModelParallelNorm& gro
     sums = sums.device(p.device());
     break;
   }
-  std::vector<at::Tensor> split_grads, copied_grads;
+  std::vector<at::Tensor> split_grads, expert_grads, copied_grads;
   for (const auto& item : module.named_parameters()) {
     const at::Tensor& grad = item.value().grad();
     if (!grad.defined()) continue;
     if (groups.counted_elsewhere && groups.counted_elsewhere(item.key())) continue;
     const bool is_split = groups.tensor && groups.split_over_tensor && groups.split_over_tensor(item.key());
-    (is_split ? split_grads : copied_grads).push_back(grad);
+    const bool is_expert = groups.expert && groups.split_over_experts && groups.split_over_experts(item.key());
+    (is_split ? split_grads : is_expert ? expert_grads : copied_grads).push_back(grad);
   }
   at::Tensor split = sum_of_squares(split_grads, sums), copied = sum_of_squares(copied_grads, sums);
+  at::Tensor experts = sum_of_squares(expert_grads, sums);
   if (groups.tensor && groups.tensor->size() > 1) groups.tensor->all_reduce(split).wait();
-  at::Tensor total = split + copied;
+  if (groups.expert && groups.expert->size() > 1) groups.expert->all_reduce(experts).wait();
+  at::Tensor total = split + experts + copied;
   if (groups.pipeline && groups.pipeline->size() > 1) groups.pipeline->all_reduce(total).wait();
   return total.item<double>();
 }

@@ -18,10 +18,13 @@ struct ModelParallelNorm {
   std::function<bool(const std::string&)> split_over_tensor;  // the others are copies over `tensor`
   std::shared_ptr<comm::Communicator> pipeline;             // each stage holds other parameters
   std::function<bool(const std::string&)> counted_elsewhere;  // copies another stage counts (a tied embedding)
+  std::shared_ptr<comm::Communicator> expert;               // each rank holds other experts
+  std::function<bool(const std::string&)> split_over_experts;  // expert tensors (summed over `expert`)
 };
 
 // Squares of this rank's gradients summed over the model: split parameters
-// over `tensor`, every stage over `pipeline`, each parameter once.
+// over `tensor`, experts over `expert`, every stage over `pipeline`, each
+// parameter once.
 double grad_norm_squared(torch::nn::Module& module, const ModelParallelNorm& groups);
 // The global norm; scales every gradient of `module` down to `max_norm` when
 // above it (max_norm <= 0: no clipping). Collective over both groups.

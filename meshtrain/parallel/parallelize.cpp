@@ -58,6 +58,7 @@ mesh::ModelDims model_dims(const model::GptConfig& config) {
   dims.ffn = config.mlp_hidden();
   dims.vocab = config.vocab_size;
   dims.context = config.context;
+  dims.experts = config.moe_experts;
   return dims;
 }
 
@@ -69,9 +70,9 @@ ParallelModel::ParallelModel(model::Gpt model, std::shared_ptr<comm::Communicato
   options_.dims.check_model(model_dims(model_->config()));
   options_.dims.check_microbatches(options_.microbatches);
   mesh_ = std::make_unique<mesh::DeviceMesh>(world_, options_.dims.mesh_layout());
-  data_ = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
+  data_ = mesh_->comm(std::vector<std::string>{"dp", "fsdp", "ep"});
   apply_tensor_parallel();
-  // (expert parallel: ep is 1 until mixture-of-experts models exist)
+  apply_expert_parallel();
   apply_pipeline();
   apply_activation_checkpointing();
   apply_data_parallelism();
@@ -88,6 +89,43 @@ void ParallelModel::apply_tensor_parallel() {
   const TensorParallel* tp = tensor_parallel_.get();
   norm_groups_.tensor = tp->comm();
   norm_groups_.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
+}
+
+void ParallelModel::apply_expert_parallel() {
+  if (options_.dims.ep == 1) return;
+  expert_parallel_ = std::make_unique<ExpertParallel>(model_, mesh_->comm("ep"));
+  norm_groups_.expert = expert_parallel_->comm();
+  norm_groups_.split_over_experts = &ExpertParallel::is_expert;
+}
+
+void ParallelModel::set_aux_loss_scale(double scale) {
+  for (model::Moe& layer : model_->moe_layers()) layer->set_aux_loss_scale(scale);
+}
+
+std::vector<model::MoeLayerMetrics> ParallelModel::moe_metrics() {
+  std::vector<model::Moe> layers = model_->moe_layers();
+  if (layers.empty()) return {};
+  // Per layer: forwards, then the sums of aux, z, dropped and load; summed over every rank.
+  at::Tensor sums = at::zeros({static_cast<int64_t>(layers.size()), 5}, at::kDouble);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const model::MoeStats& s = layers[i]->stats();
+    const double row[5] = {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean};
+    for (int f = 0; f < 5; ++f) sums[i][f] = row[f];
+    layers[i]->reset_stats();
+  }
+  sums = sums.to(world_->device());
+  world_->all_reduce(sums).wait();
+  sums = sums.cpu();
+  std::vector<model::MoeLayerMetrics> out;
+  int64_t layer = 0;
+  for (int64_t block = 0; block < model_->config().layers; ++block) {
+    if (!model_->config().is_moe_block(block)) continue;
+    const double forwards = std::max(1.0, sums[layer][0].item<double>());
+    out.push_back({block, sums[layer][1].item<double>() / forwards, sums[layer][2].item<double>() / forwards,
+                   sums[layer][3].item<double>() / forwards, sums[layer][4].item<double>() / forwards});
+    ++layer;
+  }
+  return out;
 }
 
 void ParallelModel::apply_pipeline() {
@@ -122,6 +160,11 @@ void ParallelModel::apply_data_parallelism() {
     o.bucket_bytes = options_.bucket_mb << 20;
     o.adamw = options_.adamw;
     o.norm = norm_groups_;
+    if (expert_parallel_) {
+      o.expert = &ExpertParallel::is_expert;
+      o.expert_comm = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
+      o.expert_scale = 1.0 / static_cast<double>(options_.dims.ep);
+    }
     auto dp = std::make_unique<DataParallel>(*model_, data_, o);
     data_parallel_ = dp.get();
     data_parallelism_ = std::move(dp);
@@ -152,6 +195,7 @@ double ParallelModel::forward_backward(const std::vector<at::Tensor>& inputs, co
   const int64_t count = static_cast<int64_t>(inputs.size());
   if (staged_) return run_pipeline(staged_->schedule(), inputs, targets, 1.0 / count);
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(options_.device));
+  set_aux_loss_scale(1.0 / static_cast<double>(count));
   for (int64_t a = 0; a < count; ++a) {
     data_parallelism_->set_sync(a == count - 1);
     at::Tensor loss;
@@ -190,6 +234,7 @@ double ParallelModel::evaluate(const std::vector<at::Tensor>& inputs, const std:
 double ParallelModel::run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& targets, double scale) {
   std::optional<memory::PhaseScope> backward_phase;
+  set_aux_loss_scale(scale);
   pipeline::StageCallbacks callbacks;
   callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
@@ -235,12 +280,20 @@ void ParallelModel::step(double lr) { data_parallelism_->step(lr); }
 ParameterLayout ParallelModel::parameter_layout(const std::string& name, const at::Tensor& local) const {
   ParameterLayout layout;
   layout.spec.shape = local.sizes().vec();
+  layout.write = !(staged_ && staged_->is_tied_copy(name));
+  if (expert_parallel_ && ExpertParallel::is_expert(name)) {
+    // Experts split over ep (tp is 1 with experts).
+    layout.spec.axes = {"ep"};
+    layout.spec.placements = {placement::Placement::shard(0)};
+    layout.spec.shape[0] *= options_.dims.ep;
+    return layout;
+  }
   layout.spec.axes = {"tp"};
   placement::Placement p = placement::Placement::replicate();
   if (tensor_parallel_) p = tensor_parallel_->placement_of(name);
   if (p.is_shard()) layout.spec.shape[p.dim] *= options_.dims.tp;
   layout.spec.placements = {p};
-  layout.write = (p.is_shard() || mesh_->coordinate("tp") == 0) && !(staged_ && staged_->is_tied_copy(name));
+  layout.write = layout.write && (p.is_shard() || mesh_->coordinate("tp") == 0);
   return layout;
 }
 
@@ -292,6 +345,7 @@ std::map<std::string, at::Tensor> ParallelModel::full_parameters(int root) {
   // Tensor parallel and the pipeline gather next: every rank of them needs its part.
   std::map<std::string, at::Tensor> out = data_parallelism_->full_parameters(tensor_parallel_ || staged_ ? -1 : root);
   if (tensor_parallel_) out = tensor_parallel_->gather_all(out);
+  if (expert_parallel_) out = expert_parallel_->gather_all(out);
   if (staged_) out = staged_->gather_parameters(out);
   return out;
 }
@@ -301,6 +355,10 @@ std::string ParallelModel::describe() const {
   if (tensor_parallel_) {
     text += " x tensor parallel tp(" + std::to_string(options_.dims.tp) + ")" +
             (options_.dims.sequence_parallel ? " with sequence parallel" : "");
+  }
+  if (expert_parallel_) {
+    text += " x expert parallel ep(" + std::to_string(options_.dims.ep) + "), " +
+            std::to_string(expert_parallel_->experts_per_rank()) + " experts per rank";
   }
   if (staged_) text += ", " + staged_->describe(options_.micro_batch);
   if (checkpointing_) {

@@ -7,6 +7,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/activation_checkpoint.h"
 #include "meshtrain/parallel/data_parallel.h"
+#include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/parallel/fully_sharded.h"
 #include "meshtrain/parallel/pipeline/staged_model.h"
 #include "meshtrain/parallel/tensor_parallel.h"
@@ -53,7 +54,8 @@ struct ParallelizeOptions {
 // this order:
 //   1. tensor parallel (+ sequence parallel) over tp: parameters split in
 //      place, collectives around the linears (tensor_parallel.h);
-//   2. expert parallel over ep (not built yet: ep is 1);
+//   2. expert parallel over ep: each rank keeps its share of every MoE
+//      layer's experts, tokens travel by all-to-all (expert_parallel.h);
 //   3. the pipeline stage split over pp: the model cut to this rank's stages,
 //      the tied embedding kept by the first and last (pipeline/staged_model.h);
 //   4. activation checkpointing: after tensor parallel, so that its
@@ -99,6 +101,10 @@ class ParallelModel {
   // rank `root` (-1: every rank). Collective.
   std::map<std::string, at::Tensor> full_parameters(int root = -1);
 
+  // What the mixture-of-experts layers saw since the last call, per layer in
+  // block order, averaged over their forwards and the ranks. Collective.
+  std::vector<model::MoeLayerMetrics> moe_metrics();
+
   // "ZeRO stage 3 over dp(1) x fsdp(4), 3 units, ... x tensor parallel tp(2) ..."
   std::string describe() const;
   const mesh::ParallelDims& dims() const { return options_.dims; }
@@ -110,13 +116,17 @@ class ParallelModel {
   DataParallel* data_parallel() { return data_parallel_; }
   FullySharded* sharded() { return sharded_; }
   TensorParallel* tensor_parallel() { return tensor_parallel_.get(); }
+  ExpertParallel* expert_parallel() { return expert_parallel_.get(); }
   pipeline::StagedModel* pipeline() { return staged_.get(); }
   const pipeline::StagedModel* pipeline() const { return staged_.get(); }
   bool checkpointing() const { return checkpointing_ != nullptr; }
 
  private:
   void apply_tensor_parallel();
+  void apply_expert_parallel();
   void apply_pipeline();
+  // The auxiliary losses' share of the loss gradient (the main loss is divided by the micro-batches).
+  void set_aux_loss_scale(double scale);
   void apply_activation_checkpointing();
   void apply_data_parallelism();
   // A parameter's placement over tp, and whether this rank saves it.
@@ -130,6 +140,7 @@ class ParallelModel {
   std::shared_ptr<comm::Communicator> data_;
   model::Gpt model_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
+  std::unique_ptr<ExpertParallel> expert_parallel_;
   std::unique_ptr<pipeline::StagedModel> staged_;
   std::shared_ptr<ActivationCheckpoint> checkpointing_;
   ModelParallelNorm norm_groups_;

@@ -137,6 +137,21 @@ const std::vector<Field>& fields() {
     f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
                       MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
     f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
+    f.push_back(field("model", "moe_experts", "experts per mixture-of-experts block (0: dense)",
+                      MESHTRAIN_CONFIG_MEMBER(model.moe_experts)));
+    f.push_back(field("model", "moe_every", "every k-th block is a mixture of experts (blocks k-1, 2k-1, ...)",
+                      MESHTRAIN_CONFIG_MEMBER(model.moe_every)));
+    f.push_back(field("model", "moe_top_k", "experts per token: 1 (Switch) or 2 (GShard)",
+                      MESHTRAIN_CONFIG_MEMBER(model.moe_top_k)));
+    f.push_back(field("model", "moe_capacity_factor", "capacity = ceil(tokens x top_k x factor / experts); 0: dropless",
+                      MESHTRAIN_CONFIG_MEMBER(model.moe_capacity_factor)));
+    f.push_back(field("model", "moe_second_expert", "top_k 2: \"random\" (kept with probability min(1, 2 x gate), "
+                      "GShard) or \"always\"", MESHTRAIN_CONFIG_MEMBER(model.moe_second_expert)));
+    f.push_back(field("model", "moe_aux_loss", "load-balancing loss weight (Switch's alpha)",
+                      MESHTRAIN_CONFIG_MEMBER(model.moe_aux_loss)));
+    f.push_back(field("model", "moe_z_loss", "router z-loss weight", MESHTRAIN_CONFIG_MEMBER(model.moe_z_loss)));
+    f.push_back(field("model", "moe_hidden", "an expert's hidden size (0: the dense MLP's)",
+                      MESHTRAIN_CONFIG_MEMBER(model.moe_hidden)));
     f.push_back(field("data", "text", "text files or directories prepared when no token files are given",
                       MESHTRAIN_CONFIG_MEMBER(text)));
     f.push_back(field("data", "train_file", "training token file from `meshtrain prepare` (overrides text)",
@@ -420,11 +435,12 @@ void TrainConfig::validate(int world_size) {
     bad("run.device", "\"" + device + "\"", "no CUDA device is visible to this process; use \"cpu\" or \"auto\"");
   }
   if (trace_step < 0) bad("run.trace_step", std::to_string(trace_step), "must be >= 0 (0: none)");
+  const std::string ep_factor = parallel.ep > 1 ? " x ep (" + std::to_string(parallel.ep) + ")" : "";
   if (microbatches > 0) {
     if (batch % (microbatches * data_ranks()) != 0) {
       bad("parallel.microbatches", std::to_string(microbatches),
           "training.batch (" + std::to_string(batch) + ") must be divisible by microbatches x dp (" +
-              std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ") = " +
+              std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ")" + ep_factor + " = " +
               std::to_string(microbatches * data_ranks()));
     }
     micro_batch = batch / (microbatches * data_ranks());
@@ -432,7 +448,7 @@ void TrainConfig::validate(int world_size) {
   if (batch % (micro_batch * data_ranks()) != 0) {
     bad("training.batch", std::to_string(batch),
         "must be divisible by training.micro_batch (" + std::to_string(micro_batch) + ") x dp (" +
-            std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ") = " +
+            std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ")" + ep_factor + " = " +
             std::to_string(micro_batch * data_ranks()));
   }
   if (unit_policy != "block" && unit_policy != "model") {
@@ -505,11 +521,16 @@ std::string TrainConfig::describe_keys() {
 }
 
 std::string model_config_to_json(const model::GptConfig& c) {
-  return nlohmann::json{{"vocab_size", c.vocab_size}, {"context", c.context}, {"layers", c.layers},
-                        {"heads", c.heads},           {"width", c.width},     {"dropout", c.dropout},
-                        {"norm", c.norm},             {"position", c.position}, {"mlp", c.mlp},
-                        {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias}}
-      .dump();
+  nlohmann::json j{{"vocab_size", c.vocab_size}, {"context", c.context}, {"layers", c.layers},
+                   {"heads", c.heads},           {"width", c.width},     {"dropout", c.dropout},
+                   {"norm", c.norm},             {"position", c.position}, {"mlp", c.mlp},
+                   {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias}};
+  if (c.moe()) {
+    j["moe"] = {{"experts", c.moe_experts},         {"every", c.moe_every},   {"top_k", c.moe_top_k},
+                {"capacity_factor", c.moe_capacity_factor}, {"second_expert", c.moe_second_expert},
+                {"aux_loss", c.moe_aux_loss},       {"z_loss", c.moe_z_loss}, {"hidden", c.moe_hidden}};
+  }
+  return j.dump();
 }
 
 model::GptConfig model_config_from_json(const std::string& text) {
@@ -526,6 +547,17 @@ model::GptConfig model_config_from_json(const std::string& text) {
   c.mlp = j.at("mlp");
   c.tie_embeddings = j.at("tie_embeddings");
   c.bias = j.at("bias");
+  if (j.contains("moe")) {
+    const nlohmann::json& m = j.at("moe");
+    c.moe_experts = m.at("experts");
+    c.moe_every = m.at("every");
+    c.moe_top_k = m.at("top_k");
+    c.moe_capacity_factor = m.at("capacity_factor");
+    c.moe_second_expert = m.at("second_expert");
+    c.moe_aux_loss = m.at("aux_loss");
+    c.moe_z_loss = m.at("z_loss");
+    c.moe_hidden = m.at("hidden");
+  }
   c.validate();
   return c;
 }

@@ -90,12 +90,24 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
                                          {"optimizer_peak", column(4)}}}};
   if (device.peak > 0) line["memory_mib"]["device_peak"] = column(5);
   if (val_loss) line["val_loss"] = *val_loss;
+  // Mixture of experts: per layer, and the means over layers for the progress line.
+  double aux = 0, dropped = 0, load = 0;
+  for (const model::MoeLayerMetrics& m : result.moe) {
+    line["moe"].push_back({{"block", m.block}, {"aux_loss", m.aux_loss}, {"z_loss", m.z_loss}, {"dropped", m.dropped},
+                           {"load_max_over_mean", m.load_max_over_mean}});
+    aux += (m.aux_loss + m.z_loss) / result.moe.size();
+    dropped += m.dropped / result.moe.size();
+    load = std::max(load, m.load_max_over_mean);
+  }
   event(line.dump());
   if (!print) return;
-  char val[32] = "";
+  char val[32] = "", experts[96] = "";
   if (val_loss) std::snprintf(val, sizeof val, " | val %.4f", *val_loss);
-  std::printf("step %5lld/%lld | loss %.4f%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s\n",
-              (long long)result.step, (long long)total_steps, result.loss, val, result.lr, result.grad_norm,
+  if (!result.moe.empty()) {
+    std::snprintf(experts, sizeof experts, " | aux %.4f | dropped %.1f%% | load %.2f", aux, 100 * dropped, load);
+  }
+  std::printf("step %5lld/%lld | loss %.4f%s%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s\n",
+              (long long)result.step, (long long)total_steps, result.loss, val, experts, result.lr, result.grad_norm,
               tokens_per_second, 100 * mfu,
               device.peak > 0 ? ("GPU " + memory::format_mib(device.peak)).c_str()
                               : memory::format_mib(result.memory.peak()).c_str(),

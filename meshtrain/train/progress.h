@@ -4,6 +4,7 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/model/moe.h"
 #include "meshtrain/util/memory.h"
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace meshtrain::train {
 
@@ -30,6 +32,7 @@ struct StepResult {
   double lr = 0;
   double seconds = 0;
   StepMemory memory;
+  std::vector<model::MoeLayerMetrics> moe;  // mixture-of-experts layers, in block order
 };
 
 // "1h02m", "3m05s", "42s"

@@ -155,6 +155,7 @@ StepResult Trainer::step() {
     parallel_->step(result.lr);
   }
   result.loss = parallel_->mean_loss(loss_sum);
+  result.moe = parallel_->moe_metrics();
   result.step = ++step_;
   result.memory.model_states = memory::current_bytes();
   for (int p = 0; p < memory::kPhaseCount; ++p) result.memory.phase_peak[p] = memory::phase_peak_bytes(memory::Phase(p));

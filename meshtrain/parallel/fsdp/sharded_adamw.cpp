@@ -34,7 +34,7 @@ void ShardedState::build_optimizer() {
       if (split) tensor_split.push_back(stretch);
       if (options.counted_elsewhere && options.counted_elsewhere(unit.names[i])) counted_elsewhere.push_back(stretch);
       slice.mutable_grad() = alias(unit.shard_grad, lo - begin, hi - lo);
-      adamw.push_back({slice, unit.params[i].dim()});
+      adamw.push_back({slice, decay_dims(unit.names[i], unit.params[i])});
       slices.push_back({stretch.unit, i, lo - unit.offsets[i], hi - unit.offsets[i], slice});
     }
   }

@@ -1,0 +1,169 @@
+#include "meshtrain/model/moe.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <cmath>
+
+namespace meshtrain::model {
+
+namespace {
+
+// Autocast off on a device for the lifetime of the object (the router stays fp32).
+class AutocastOff {
+ public:
+  explicit AutocastOff(at::DeviceType type) : type_(type), was_(at::autocast::is_autocast_enabled(type)) {
+    if (was_) at::autocast::set_autocast_enabled(type_, false);
+  }
+  ~AutocastOff() {
+    if (was_) at::autocast::set_autocast_enabled(type_, true);
+  }
+
+ private:
+  at::DeviceType type_;
+  bool was_;
+};
+
+// Identity on the layer's output whose backward also hands `aux` the gradient
+// `scale`: the auxiliary losses join the loss wherever the layer runs (a
+// pipeline's middle stage too) without changing the value it reports.
+struct AuxLoss : torch::autograd::Function<AuxLoss> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out, const at::Tensor& aux,
+                            double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->save_for_backward({aux});
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor aux = ctx->get_saved_variables()[0];
+    return {grads[0], at::full_like(aux, ctx->saved_data["scale"].toDouble()), at::Tensor()};
+  }
+};
+
+at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::vector<int64_t> shape) {
+  return m.register_parameter(name, torch::zeros(shape));
+}
+
+}  // namespace
+
+at::Tensor ExpertExchange::run(const at::Tensor& tokens, const std::vector<int64_t>& counts,
+                               const ExpertCompute& compute) {
+  return compute(tokens, counts, 0);
+}
+
+MoeImpl::MoeImpl(const GptConfig& config) : config_(config) {
+  const int64_t e = config.moe_experts, d = config.width, h = config.expert_hidden();
+  router = register_parameter("router", torch::zeros({e, d}));
+  if (config.mlp == "gelu") {
+    fc_weight = expert_parameter(*this, "fc_weight", {e, h, d});
+    if (config.bias) fc_bias = expert_parameter(*this, "fc_bias", {e, h});
+    proj_weight = expert_parameter(*this, "proj_weight", {e, d, h});
+    if (config.bias) proj_bias = expert_parameter(*this, "proj_bias", {e, d});
+  } else {
+    gate_weight = expert_parameter(*this, "gate_weight", {e, h, d});
+    if (config.bias) gate_bias = expert_parameter(*this, "gate_bias", {e, h});
+    up_weight = expert_parameter(*this, "up_weight", {e, h, d});
+    if (config.bias) up_bias = expert_parameter(*this, "up_bias", {e, h});
+    down_weight = expert_parameter(*this, "down_weight", {e, d, h});
+    if (config.bias) down_bias = expert_parameter(*this, "down_bias", {e, d});
+  }
+}
+
+std::vector<at::Tensor> MoeImpl::expert_weights() const {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor* t : {&fc_weight, &fc_bias, &proj_weight, &proj_bias, &gate_weight, &gate_bias, &up_weight,
+                              &up_bias, &down_weight, &down_bias}) {
+    if (t->defined()) out.push_back(*t);
+  }
+  return out;
+}
+
+void MoeImpl::keep_experts(int64_t first, int64_t count) {
+  torch::NoGradGuard no_grad;
+  for (at::Tensor t : expert_weights()) t.set_data(t.narrow(0, first - first_expert_, count).clone());
+  first_expert_ = first;
+}
+
+at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) const {
+  std::vector<at::Tensor> outputs;
+  int64_t offset = 0;
+  auto bias = [](const at::Tensor& b, int64_t i) { return b.defined() ? b[i] : at::Tensor(); };
+  for (size_t c = 0; c < counts.size(); ++c) {
+    const int64_t i = first + static_cast<int64_t>(c) - first_expert_;  // this rank's index of the expert
+    const at::Tensor x = tokens.narrow(0, offset, counts[c]);
+    offset += counts[c];
+    if (fc_weight.defined()) {
+      const at::Tensor hidden = at::gelu(at::linear(x, fc_weight[i], bias(fc_bias, i)), "tanh");
+      outputs.push_back(at::linear(hidden, proj_weight[i], bias(proj_bias, i)));
+    } else {
+      const at::Tensor hidden = at::silu(at::linear(x, gate_weight[i], bias(gate_bias, i))) *
+                                at::linear(x, up_weight[i], bias(up_bias, i));
+      outputs.push_back(at::linear(hidden, down_weight[i], bias(down_bias, i)));
+    }
+  }
+  return outputs.empty() ? tokens.new_zeros({0, tokens.size(1)}) : at::cat(outputs);
+}
+
+at::Tensor MoeImpl::forward(const at::Tensor& x) {
+  const int64_t d = x.size(-1), e = config_.moe_experts, k = config_.moe_top_k;
+  const at::Tensor flat = x.reshape({-1, d});
+  const int64_t n = flat.size(0);
+  at::Tensor logits;
+  {
+    AutocastOff fp32(x.device().type());
+    logits = at::linear(flat.to(at::kFloat), router);  // [n, e]
+  }
+  const at::Tensor probs = at::softmax(logits, -1);
+  auto [top, choice] = probs.topk(k, -1);  // [n, k]
+  at::Tensor gates = top;
+  at::Tensor wanted = at::ones({n, k}, choice.options().dtype(at::kBool));
+  if (k == 2) {
+    gates = top / top.sum(-1, true);
+    if (config_.moe_second_expert == "random" && is_training()) {
+      const at::Tensor draw = at::rand({n}, probs.options());
+      wanted.select(1, 1).copy_(draw < (2 * gates.select(1, 1)).clamp_max(1.0).detach());
+    }
+  }
+  // Assignments in priority order: every token's first choice, then the second choices.
+  const at::Tensor expert_of = choice.t().reshape(-1), wanted_flat = wanted.t().reshape(-1);
+  const at::Tensor token_of = at::arange(n, choice.options()).repeat({k});
+  const at::Tensor gate_of = gates.t().reshape(-1);
+  const at::Tensor one_hot = at::one_hot(expert_of, e) * wanted_flat.unsqueeze(1).to(at::kLong);
+  const at::Tensor position = (one_hot.cumsum(0) - 1).gather(1, expert_of.unsqueeze(1)).squeeze(1);
+  const double cf = config_.moe_capacity_factor;
+  const int64_t capacity = cf > 0 ? static_cast<int64_t>(std::ceil(static_cast<double>(n * k) * cf / e)) : n * k;
+  const at::Tensor accepted = wanted_flat & (position < capacity);
+
+  // Grouped by expert, priority order kept inside each expert.
+  const at::Tensor selected = accepted.nonzero().squeeze(1);
+  const at::Tensor experts_selected = expert_of.index_select(0, selected);
+  const at::Tensor order = std::get<1>(experts_selected.sort(/*stable=*/true, 0, false));
+  const at::Tensor tokens = token_of.index_select(0, selected).index_select(0, order);
+  const at::Tensor token_gates = gate_of.index_select(0, selected).index_select(0, order);
+  const at::Tensor per_expert = at::bincount(experts_selected, {}, e).cpu();
+  const std::vector<int64_t> counts(per_expert.data_ptr<int64_t>(), per_expert.data_ptr<int64_t>() + e);
+
+  const at::Tensor grouped = flat.index_select(0, tokens);
+  const at::Tensor computed = exchange_->run(grouped, counts, [this](const at::Tensor& t, const std::vector<int64_t>& c,
+                                                                     int64_t first) { return experts(t, c, first); });
+  const at::Tensor weighted = computed * token_gates.unsqueeze(1).to(computed.scalar_type());
+  at::Tensor out = at::zeros({n, d}, weighted.options()).index_add(0, tokens, weighted);
+
+  const at::Tensor first_share = at::one_hot(choice.select(1, 0), e).to(at::kFloat).mean(0);  // fᵢ
+  const at::Tensor aux = config_.moe_aux_loss * e * (first_share * probs.mean(0)).sum();
+  const at::Tensor z = config_.moe_z_loss * at::logsumexp(logits, -1).pow(2).mean();
+  if (is_training()) {
+    const at::Tensor load = one_hot.sum(0).to(at::kDouble);
+    const double assignments = load.sum().item<double>();
+    stats_.forwards += 1;
+    stats_.aux_loss += aux.item<double>();
+    stats_.z_loss += z.item<double>();
+    stats_.dropped += assignments > 0 ? 1.0 - static_cast<double>(selected.size(0)) / assignments : 0.0;
+    stats_.load_max_over_mean += assignments > 0 ? (load.max() / load.mean()).item<double>() : 0.0;
+    if (torch::GradMode::is_enabled()) out = AuxLoss::apply(out, aux + z, aux_loss_scale_);
+  }
+  out = at::dropout(out, config_.dropout, is_training());
+  return out.view(x.sizes());
+}
+
+}  // namespace meshtrain::model

@@ -1,0 +1,96 @@
+// A mixture-of-experts feed-forward (Switch top-1, GShard top-2): a router,
+// capacity-limited dispatch, experts of the model's MLP style and a gated
+// combine. No parallelism here: expert parallel replaces the ExpertExchange.
+#pragma once
+
+#include "meshtrain/model/gpt_config.h"
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace meshtrain::model {
+
+// Computes experts [first, first + counts.size()) on `tokens`, grouped by expert
+// (counts[i] rows for expert first + i, in order); returns their outputs likewise.
+using ExpertCompute = std::function<at::Tensor(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first)>;
+
+// Where the dispatched tokens are computed. The default runs every expert here;
+// expert parallel (parallel/expert_parallel.h) sends them to their experts' ranks.
+class ExpertExchange {
+ public:
+  virtual ~ExpertExchange() = default;
+  // `tokens` [M, width] grouped by expert, counts[e] rows for expert e (all
+  // experts of the layer); returns the experts' outputs in the same order.
+  virtual at::Tensor run(const at::Tensor& tokens, const std::vector<int64_t>& counts, const ExpertCompute& compute);
+};
+
+// What one MoE layer saw, summed over the forwards since the last reset
+// (micro-batches; not the recompute of activation checkpointing).
+struct MoeStats {
+  int64_t forwards = 0;
+  double aux_loss = 0;         // α·E·Σ fᵢ·Pᵢ (already scaled by α)
+  double z_loss = 0;           // β·mean(logsumexp²)
+  double dropped = 0;          // share of (token, expert) assignments over capacity
+  double load_max_over_mean = 0;  // assignments of the busiest expert / the mean
+};
+
+// One MoE layer's averages over a step (ParallelModel::moe_metrics).
+struct MoeLayerMetrics {
+  int64_t block = 0;
+  double aux_loss = 0, z_loss = 0, dropped = 0, load_max_over_mean = 0;
+};
+
+// Note [Mixture of experts]
+// For tokens x [N, width]: router logits = x·Wrᵀ in fp32 (autocast off),
+// probabilities p = softmax. Top-1 (Switch): each token goes to its argmax
+// expert with gate p. Top-2 (GShard): the two best, gates normalised to sum 1;
+// with moe_second_expert = "random" the second is kept with probability
+// min(1, 2·g₂) (a token whose second gate is small rarely pays for it).
+// Capacity C = ceil(N·k·cf / E) per expert (cf = 0: none, dropless): first
+// choices of all tokens take places before second choices, tokens in order;
+// assignments beyond C are dropped, and a token with none left outputs 0, so
+// the block's residual passes it through unchanged. The combine adds each
+// expert output times its gate, so the router learns from the main loss.
+// Auxiliary losses, added to the training loss through the backward of the
+// layer's output (scaled like the main loss, set_aux_loss_scale): Switch
+// load balancing α·E·Σᵢ fᵢ·Pᵢ (fᵢ: share of tokens whose first choice is i,
+// Pᵢ: mean probability of i) and the router z-loss β·mean(logsumexp(logits)²).
+// Everything is per forward call (one micro-batch), so a step over
+// micro-batches equals the same micro-batches on any number of data ranks.
+class MoeImpl : public torch::nn::Module {
+ public:
+  explicit MoeImpl(const GptConfig& config);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, width] -> [B, T, width]
+
+  // Experts held here: [first_expert(), first_expert() + local_experts()).
+  int64_t local_experts() const { return expert_weights().front().size(0); }
+  int64_t first_expert() const { return first_expert_; }
+  // Expert parallel keeps only experts [first, first + count) (slices every expert tensor).
+  void keep_experts(int64_t first, int64_t count);
+  void set_exchange(std::shared_ptr<ExpertExchange> exchange) { exchange_ = std::move(exchange); }
+  void set_aux_loss_scale(double scale) { aux_loss_scale_ = scale; }
+  const MoeStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+  // Expert tensors, [experts, ...] each: fc_weight, fc_bias, proj_weight,
+  // proj_bias (gelu) or gate_weight, up_weight, down_weight (+ biases).
+  std::vector<at::Tensor> expert_weights() const;
+
+  at::Tensor router;  // [experts, width]
+  at::Tensor fc_weight, fc_bias, proj_weight, proj_bias;                        // gelu
+  at::Tensor gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias;  // swiglu
+
+ private:
+  at::Tensor experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) const;
+
+  GptConfig config_;
+  int64_t first_expert_ = 0;
+  double aux_loss_scale_ = 1.0;
+  std::shared_ptr<ExpertExchange> exchange_ = std::make_shared<ExpertExchange>();
+  MoeStats stats_;
+};
+TORCH_MODULE(Moe);
+
+}  // namespace meshtrain::model

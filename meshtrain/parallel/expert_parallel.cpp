@@ -1,0 +1,136 @@
+#include "meshtrain/parallel/expert_parallel.h"
+
+#include <numeric>
+
+namespace meshtrain::parallel {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Autograd saves IValues only: the communicator and the splits travel in a capsule.
+struct Exchange : torch::CustomClassHolder {
+  std::shared_ptr<comm::Communicator> comm;
+  std::vector<int64_t> send_rows, receive_rows;  // per rank of comm
+};
+
+// All-to-all of rows: rank r sends send_rows[d] rows to rank d; backward sends
+// the gradients back the same way reversed.
+struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, c10::intrusive_ptr<Exchange> exchange) {
+    const int64_t rows = std::accumulate(exchange->receive_rows.begin(), exchange->receive_rows.end(), int64_t{0});
+    at::Tensor output = at::empty({rows, input.size(1)}, input.options());
+    exchange->comm->all_to_all(output, input.contiguous(), exchange->receive_rows, exchange->send_rows).wait();
+    ctx->saved_data["exchange"] = at::IValue::make_capsule(exchange);
+    return output;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto exchange = c10::static_intrusive_pointer_cast<Exchange>(ctx->saved_data["exchange"].toCapsule());
+    auto reverse = c10::make_intrusive<Exchange>();
+    reverse->comm = exchange->comm;
+    reverse->send_rows = exchange->receive_rows;
+    reverse->receive_rows = exchange->send_rows;
+    const int64_t rows = std::accumulate(reverse->receive_rows.begin(), reverse->receive_rows.end(), int64_t{0});
+    at::Tensor grad_input = at::empty({rows, grads[0].size(1)}, grads[0].options());
+    reverse->comm->all_to_all(grad_input, grads[0].contiguous(), reverse->receive_rows, reverse->send_rows).wait();
+    return {grad_input, at::Tensor()};
+  }
+};
+
+at::Tensor all_to_all_rows(const at::Tensor& input, const std::shared_ptr<comm::Communicator>& comm,
+                           std::vector<int64_t> send_rows, std::vector<int64_t> receive_rows) {
+  auto exchange = c10::make_intrusive<Exchange>();
+  exchange->comm = comm;
+  exchange->send_rows = std::move(send_rows);
+  exchange->receive_rows = std::move(receive_rows);
+  return AllToAllRows::apply(input, exchange);
+}
+
+// Note [Expert parallel], steps (1)-(4).
+class AllToAllExchange final : public model::ExpertExchange {
+ public:
+  explicit AllToAllExchange(std::shared_ptr<comm::Communicator> comm) : comm_(std::move(comm)) {}
+
+  at::Tensor run(const at::Tensor& tokens, const std::vector<int64_t>& counts,
+                 const model::ExpertCompute& compute) override {
+    const int ep = comm_->size();
+    const int64_t local = static_cast<int64_t>(counts.size()) / ep;
+    // (1) How many tokens each rank sends to each of this rank's experts.
+    const at::Device where = comm_->accepts(at::kCPU) ? at::Device(at::kCPU) : comm_->device();
+    const at::Tensor sent_counts = at::tensor(counts, at::kLong).view({ep, local}).to(where);
+    at::Tensor got = at::empty({ep, local}, sent_counts.options());
+    comm_->all_to_all(got, sent_counts).wait();
+    got = got.cpu();
+    const int64_t* received = got.data_ptr<int64_t>();
+    std::vector<int64_t> send_rows(ep), receive_rows(ep), per_expert(local, 0);
+    for (int r = 0; r < ep; ++r) {
+      send_rows[r] = std::accumulate(counts.begin() + r * local, counts.begin() + (r + 1) * local, int64_t{0});
+      for (int64_t e = 0; e < local; ++e) {
+        receive_rows[r] += received[r * local + e];
+        per_expert[e] += received[r * local + e];
+      }
+    }
+    // (2) The tokens, grouped by source rank then expert.
+    const at::Tensor arrived = all_to_all_rows(tokens, comm_, send_rows, receive_rows);
+    // (3) Regrouped by expert (then source rank), computed, put back.
+    std::vector<int64_t> order, source_start(ep, 0);
+    for (int r = 1; r < ep; ++r) source_start[r] = source_start[r - 1] + receive_rows[r - 1];
+    for (int64_t e = 0; e < local; ++e) {
+      for (int r = 0; r < ep; ++r) {
+        int64_t start = source_start[r];
+        for (int64_t f = 0; f < e; ++f) start += received[r * local + f];
+        for (int64_t i = 0; i < received[r * local + e]; ++i) order.push_back(start + i);
+      }
+    }
+    std::vector<int64_t> inverse(order.size());
+    for (size_t j = 0; j < order.size(); ++j) inverse[order[j]] = static_cast<int64_t>(j);
+    const at::Tensor by_expert = arrived.index_select(0, at::tensor(order, at::kLong).to(arrived.device()));
+    const at::Tensor computed = compute(by_expert, per_expert, comm_->rank() * local);
+    const at::Tensor by_source = computed.index_select(0, at::tensor(inverse, at::kLong).to(computed.device()));
+    // (4) Back to the ranks the tokens came from.
+    return all_to_all_rows(by_source, comm_, receive_rows, send_rows);
+  }
+
+ private:
+  std::shared_ptr<comm::Communicator> comm_;
+};
+
+}  // namespace
+
+ExpertParallel::ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communicator> ep) : comm_(std::move(ep)) {
+  const int64_t experts = model->config().moe_experts, ranks = comm_->size();
+  if (experts == 0 || experts % ranks != 0) {
+    throw std::invalid_argument("expert parallel: ep(" + std::to_string(ranks) + ") must divide model.moe_experts (" +
+                                std::to_string(experts) + ")");
+  }
+  experts_per_rank_ = experts / ranks;
+  auto exchange = std::make_shared<AllToAllExchange>(comm_);
+  for (model::Moe& layer : model->moe_layers()) {
+    layer->keep_experts(comm_->rank() * experts_per_rank_, experts_per_rank_);
+    layer->set_exchange(exchange);
+  }
+}
+
+bool ExpertParallel::is_expert(const std::string& name) {
+  const size_t at = name.find(".moe.");
+  return at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0;
+}
+
+std::map<std::string, at::Tensor> ExpertParallel::gather_all(std::map<std::string, at::Tensor> local) const {
+  for (auto& [name, tensor] : local) {
+    if (!is_expert(name)) continue;
+    std::vector<int64_t> shape = tensor.sizes().vec();
+    shape[0] *= comm_->size();
+    at::Tensor whole = at::empty(shape, tensor.options());
+    comm_->all_gather(whole, tensor.contiguous()).wait();
+    tensor = whole;
+  }
+  return local;
+}
+
+placement::Placement ExpertParallel::placement_of(const std::string& name) const {
+  return is_expert(name) ? placement::Placement::shard(0) : placement::Placement::replicate();
+}
+
+}  // namespace meshtrain::parallel

@@ -1,0 +1,50 @@
+// Expert parallel: the experts of every mixture-of-experts layer split over the
+// ranks of an `ep` communicator, tokens sent to their experts' ranks and back
+// with all-to-all.
+#pragma once
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/model/gpt.h"
+#include "meshtrain/placement/placement.h"
+
+#include <map>
+#include <memory>
+#include <string>
+
+namespace meshtrain::parallel {
+
+// Note [Expert parallel]
+// Rank r of the ep group keeps experts [r·E/ep, (r+1)·E/ep) of every MoE layer
+// (the expert tensors sliced along dim 0: Shard(0) over "ep"); the router and
+// everything else stay whole. In a layer's forward each rank routes its own
+// tokens, then: (1) the token counts per expert go to the experts' ranks (an
+// all-to-all of [ep, E/ep] counts), (2) the tokens follow (all-to-all with
+// those uneven splits: dropless needs no padding), (3) each rank regroups what
+// it received by local expert, computes, and undoes the regrouping, (4) the
+// outputs go back with the reverse all-to-all. Backward runs the two
+// all-to-alls the other way. A rank whose experts get no tokens still joins
+// every all-to-all, and its experts get zero gradients.
+// Gradients: an expert's gradient sums the contributions of the tokens of
+// every rank in its ep group, each already divided by its rank's token count,
+// so the data-parallel average over dp x fsdp x ep must count it once per ep
+// group: expert gradients are averaged over dp x fsdp only and divided by ep
+// (DataParallelOptions::expert_*). The gradient norm sums expert parts over ep.
+class ExpertParallel {
+ public:
+  // Collective over `ep`: keeps this rank's experts and installs the exchange.
+  ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communicator> ep);
+
+  // An expert tensor (blocks.N.moe.<fc|proj|gate|up|down>_<weight|bias>), not the router.
+  static bool is_expert(const std::string& name);
+  placement::Placement placement_of(const std::string& name) const;
+  const std::shared_ptr<comm::Communicator>& comm() const { return comm_; }
+  int64_t experts_per_rank() const { return experts_per_rank_; }
+  // `local` with every expert tensor gathered whole along dim 0. Collective over comm().
+  std::map<std::string, at::Tensor> gather_all(std::map<std::string, at::Tensor> local) const;
+
+ private:
+  std::shared_ptr<comm::Communicator> comm_;
+  int64_t experts_per_rank_ = 0;
+};
+
+}  // namespace meshtrain::parallel
