@@ -188,6 +188,9 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(parallel.fsdp)));
     f.push_back(field("parallel", "tp", "tensor-parallel ranks: attention split by heads, MLP and vocabulary split "
                       "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(parallel.tp)));
+    f.push_back(field("parallel", "ep", "expert-parallel ranks: each holds model.moe_experts / ep experts of every "
+                      "mixture-of-experts block; they read different micro-batches (data ranks are dp x fsdp x ep)",
+                      MESHTRAIN_CONFIG_MEMBER(parallel.ep)));
     f.push_back(field("parallel", "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along the "
                       "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(parallel.sequence_parallel)));
     f.push_back(field("parallel", "pp", "pipeline stages: the blocks split into pp consecutive groups, micro-batches "

@@ -24,7 +24,8 @@ double measure_matmul_peak(at::Device device, at::ScalarType dtype) {
   const int64_t n = gpu ? 8192 : 1024;
   const int repeats = gpu ? 10 : 1;
   const at::TensorOptions options = at::TensorOptions().device(device).dtype(dtype);
-  at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options), c = at::empty({n, n}, options);
+  // Filled without drawing random numbers: the training's random streams stay where they are.
+  at::Tensor a = at::linspace(-1, 1, n * n, options).view({n, n}), b = a.t().contiguous(), c = at::empty({n, n}, options);
   at::mm_out(c, a, b);
   double best = 1e30;
   for (int i = 0; i < 3; ++i) {
@@ -77,6 +78,9 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   parallel_ = parallel::parallelize(model::Gpt(config_.model, config_.seed), world_, parallelize_options(config_));
   writer_ = std::make_unique<checkpoint::CheckpointWriter>(
       checkpoint::CheckpointStore(config_.checkpoint_path(), config_.checkpoint_keep), world_, config_.checkpoint_async);
+  // The random streams (dropout, the random second expert) start from the seed, whatever
+  // ran before in this process; a resume in the same layout then restores them.
+  parallel_->reseed_random_streams(config_.seed, 0);
   if (config_.resume) resume();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();

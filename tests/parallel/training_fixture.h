@@ -35,16 +35,14 @@ class TrainingTest : public ::testing::Test {
     if (world()->rank() == 0) util::remove_tree(dir_);
   }
 
-  // `overrides` ("section.key=value") apply before validation.
+  // `overrides` ("section.key=value") apply over the test model, before validation.
   TrainConfig config(int ranks, int64_t micro_batch, const std::string& checkpoints = "",
                      const std::vector<std::string>& overrides = {}) const {
-    TrainConfig c = TrainConfig::load("", overrides);
+    std::vector<std::string> all = {"model.preset=tiny", "model.layers=" + std::to_string(layers_), "model.width=64",
+                                    "model.heads=4", "model.context=16"};
+    all.insert(all.end(), overrides.begin(), overrides.end());
+    TrainConfig c = TrainConfig::load("", all);
     c.preset = "test";
-    c.model = model::GptConfig::preset("tiny");
-    c.model.layers = layers_;
-    c.model.width = 64;
-    c.model.heads = 4;
-    c.model.context = 16;
     c.train_file = util::join_path(dir_, "train.bin");
     c.val_file = util::join_path(dir_, "val.bin");
     c.batch = kBatch;

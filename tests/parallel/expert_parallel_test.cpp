@@ -1,0 +1,151 @@
+// Expert parallel and mixture-of-experts models under mpirun: ep = k (alone and
+// beside data parallel) against one process over the same micro-batches, top-1
+// and top-2; ZeRO-1/2/3 of an MoE model against one process; a rank whose
+// experts receive no tokens; checkpoints resumed with another ep.
+#include "meshtrain/parallel/expert_parallel.h"
+#include "tests/parallel/training_fixture.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+namespace meshtrain::train {
+namespace {
+
+using Overrides = std::vector<std::string>;
+
+// Experts every rank count here divides: 6 for 3 ranks, 8 otherwise.
+int64_t experts_for(int ranks) { return ranks == 3 ? 6 : 8; }
+
+std::string describe(const Overrides& layout) {
+  std::string text;
+  for (const std::string& o : layout) text += (text.empty() ? "" : " ") + o;
+  return text;
+}
+
+class ExpertParallelTest : public TrainingTest {
+ protected:
+  Overrides moe(int64_t top_k, Overrides layout) const {
+    layout.push_back("model.moe_experts=" + std::to_string(experts_for(world()->size())));
+    layout.push_back("model.moe_top_k=" + std::to_string(top_k));
+    layout.push_back("model.moe_every=1");
+    layout.push_back("model.moe_hidden=96");
+    layout.push_back("model.moe_second_expert=always");  // random draws differ between layouts by design
+    return layout;
+  }
+
+  // `layout` on every rank against one process reading the same micro-batches
+  // (kBatch / data ranks sequences each, accumulated).
+  void expect_equal_to_one_process(const Overrides& layout, int64_t data_ranks) {
+    const int n = world()->size();
+    const int64_t micro = kBatch / data_ranks;
+    Trainer parallel(config(n, micro, "", layout), world());
+    Overrides single_layout;
+    for (const std::string& o : layout) {
+      if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
+    }
+    Trainer single(config(1, micro, "", single_layout), alone());
+    expect_same_training(parallel, single, 4, describe(layout) + " on " + std::to_string(n) + " ranks");
+  }
+};
+
+TEST_F(ExpertParallelTest, EpEqualsOneProcessAloneAndBesideDataParallel) {
+  const int n = world()->size();
+  for (int64_t top_k : {1, 2}) {
+    expect_equal_to_one_process(moe(top_k, {"parallel.ep=" + std::to_string(n)}), n);
+    if (n % 2 == 0 && n > 2) expect_equal_to_one_process(moe(top_k, {"parallel.ep=2"}), n);
+  }
+}
+
+TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExperts) {
+  const int n = world()->size();
+  for (int stage : {1, 2, 3}) {
+    const Overrides layout = moe(2, {"parallel.zero_stage=" + std::to_string(stage)});
+    expect_equal_to_one_process(layout, n);
+    Trainer trainer(config(n, kBatch / n, "", layout), world());
+    const std::map<std::string, at::Tensor> before = trainer.full_parameters();
+    trainer.step();
+    const std::map<std::string, at::Tensor> after = trainer.full_parameters();
+    for (const std::string name : {"blocks.0.moe.router", "blocks.0.moe.fc_weight", "blocks.1.moe.proj_weight"}) {
+      EXPECT_GT((after.at(name) - before.at(name)).abs().max().item<double>(), 0.0)
+          << "stage " << stage << ": " << name << " did not change in a step";
+    }
+  }
+}
+
+TEST_F(ExpertParallelTest, RanksWhoseExpertsGetNoTokensStillStepAndMatch) {
+  const int n = world()->size();
+  if (n == 1) GTEST_SKIP() << "needs other ranks' experts";
+  model::GptConfig c = model::GptConfig::preset("tiny");
+  c.width = 32;
+  c.heads = 4;
+  c.layers = 1;
+  c.moe_every = 1;
+  c.moe_experts = experts_for(n);
+  c.moe_capacity_factor = 0;  // dropless: every token to expert 0, on rank 0
+  model::Gpt whole(c, 3), split(c, 3);
+  for (model::Gpt* m : {&whole, &split}) {
+    torch::NoGradGuard no_grad;
+    model::Moe layer = (*m)->moe_layers().front();
+    layer->router.zero_();
+    layer->router[0][0] = 10.0;
+  }
+  parallel::ExpertParallel ep(split, world());
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(20 + world()->rank());
+  at::Tensor x = at::randn({2, 8, c.width}, g);
+  x.select(2, 0).fill_(1.0);
+  model::Moe local = split->moe_layers().front(), reference = whole->moe_layers().front();
+  const at::Tensor got = local->forward(x), want = reference->forward(x);
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << "rank " << world()->rank();
+  got.pow(2).sum().backward();
+  want.pow(2).sum().backward();
+  for (const at::Tensor& w : local->expert_weights()) {
+    ASSERT_TRUE(w.grad().defined()) << "rank " << world()->rank() << ": an idle expert has no gradient";
+    const double size = w.grad().abs().sum().item<double>();
+    if (world()->rank() == 0) EXPECT_GT(size, 0.0);
+    else EXPECT_EQ(size, 0.0);
+  }
+}
+
+TEST_F(ExpertParallelTest, ResumesWithAnotherEp) {
+  const int n = world()->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "ep 2 -> 1 on 2 ranks, ep 2 -> 4 on 4";
+  const Overrides a = moe(1, {"parallel.ep=2"}), b = moe(1, {"parallel.ep=" + std::to_string(n == 2 ? 1 : 4)});
+  const int64_t micro = kBatch / n;
+  std::vector<double> want;
+  {
+    Overrides single_layout;
+    for (const std::string& o : a) {
+      if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
+    }
+    Trainer single(config(1, micro, "", single_layout), alone());
+    for (int s = 0; s < 6; ++s) want.push_back(single.step().loss);
+  }
+  const std::string checkpoints = util::join_path(dir_, "ep-reshard");
+  {
+    Trainer first(config(n, micro, checkpoints, a), world());
+    for (int s = 0; s < 3; ++s) EXPECT_NEAR(first.step().loss, want[s], 1e-5 * want[s]) << "step " << s + 1;
+    first.save_checkpoint();
+    first.finish_checkpoints();
+  }
+  Trainer second(config(n, micro, checkpoints, b), world());
+  ASSERT_TRUE(second.resumed());
+  for (int s = 3; s < 6; ++s) {
+    EXPECT_NEAR(second.step().loss, want[s], 1e-5 * want[s]) << describe(b) << " after the resume, step " << s + 1;
+  }
+}
+
+TEST_F(ExpertParallelTest, MetricsReportEveryMoeLayer) {
+  const int n = world()->size();
+  Trainer trainer(config(n, kBatch / n, "", moe(1, {"parallel.ep=" + std::to_string(n)})), world());
+  const StepResult result = trainer.step();
+  ASSERT_EQ(result.moe.size(), 2u);  // both blocks
+  for (const model::MoeLayerMetrics& m : result.moe) {
+    EXPECT_GT(m.aux_loss, 0.0);
+    EXPECT_GT(m.z_loss, 0.0);
+    EXPECT_GE(m.dropped, 0.0);
+    EXPECT_LT(m.dropped, 1.0);
+    EXPECT_GE(m.load_max_over_mean, 1.0);
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::train
