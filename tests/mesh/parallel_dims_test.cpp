@@ -62,7 +62,17 @@ TEST(ParallelDims, BrokenRulesPrintTheirFormula) {
             "microbatches = 3: the interleaved schedule needs micro-batches per step divisible by pp(2)");
   d = dims(1, 1, 1, 1);
   d.ep = 2;
-  EXPECT_NE(error_of([&] { d.check(); }).find("expert parallel needs a mixture-of-experts model"), std::string::npos);
+  d.pp = d.virtual_stages = 1;
+  d.schedule = "1f1b";
+  EXPECT_EQ(error_of([&] { d.check_model(model); }),
+            "ep = 2: expert parallel needs a mixture-of-experts model (model.moe_experts > 0)");
+  model.experts = 6;
+  d.ep = 4;
+  EXPECT_EQ(error_of([&] { d.check_model(model); }),
+            "ep = 4: ep(4) does not divide model.moe_experts (6); every rank holds moe_experts / ep experts");
+  d.zero_stage = 1;
+  EXPECT_EQ(error_of([&] { d.check(); }),
+            "ep = 4: expert parallel with zero_stage 1 is not built yet; use zero_stage 0 (data parallel) with ep > 1");
 }
 
 // Many layouts of a small model, each asked of config validation and of the

@@ -112,6 +112,22 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"parallel.tp=4"}, 2),
             "parallel.tp = 4: pp(1) * ep(1) * tp(4) = 4 does not divide the world size 2");
   EXPECT_EQ(validated({"parallel.sequence_parallel=true"}, 2), "parallel.sequence_parallel = true: needs tp > 1");
+  // Mixture of experts and expert parallel.
+  EXPECT_EQ(validated({"parallel.ep=2"}, 2),
+            "parallel.ep = 2: expert parallel needs a mixture-of-experts model (model.moe_experts > 0)");
+  EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=3"}, 3),
+            "parallel.ep = 3: ep(3) does not divide model.moe_experts (8); every rank holds moe_experts / ep experts");
+  EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2"}, 3),
+            "parallel.ep = 2: pp(1) * ep(2) * tp(1) = 2 does not divide the world size 3");
+  EXPECT_EQ(validated({"model.moe_experts=1", "model.moe_top_k=2"}, 1),
+            "model.moe_top_k = 2 is not allowed: must be 1 (Switch) or 2 (GShard) and at most model.moe_experts (1)");
+  EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2", "parallel.zero_stage=1"}, 2),
+            "parallel.ep = 2: expert parallel with zero_stage 1 is not built yet; use zero_stage 0 (data parallel) "
+            "with ep > 1");
+  EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2", "training.batch=24"}, 4),
+            "training.batch = 24: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) x ep (2) = 32");
+  EXPECT_EQ(validated({"model.moe_experts=4", "parallel.tp=2"}, 2),
+            "parallel.tp = 2: tensor parallel of mixture-of-experts models is not built yet; use tp = 1");
   EXPECT_EQ(validated({"parallel.tp=2", "parallel.sequence_parallel=true", "model.context=101"}, 2),
             "parallel.tp = 2: tp(2) does not divide the context (101); sequence parallel splits every sequence into tp "
             "chunks");
