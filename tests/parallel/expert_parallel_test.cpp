@@ -1,5 +1,5 @@
-// Expert parallel and mixture-of-experts models under mpirun: ep = k (alone and
-// beside data parallel) against one process over the same micro-batches, top-1
+// Expert parallel and mixture-of-experts models under mpirun: ep = k (alone,
+// beside data parallel and beside a pipeline) against one process over the same micro-batches, top-1
 // and top-2; ZeRO-1/2/3 of an MoE model against one process; a rank whose
 // experts receive no tokens; checkpoints resumed with another ep.
 #include "meshtrain/parallel/expert_parallel.h"
@@ -33,10 +33,9 @@ class ExpertParallelTest : public TrainingTest {
   }
 
   // `layout` on every rank against one process reading the same micro-batches
-  // (kBatch / data ranks sequences each, accumulated).
-  void expect_equal_to_one_process(const Overrides& layout, int64_t data_ranks) {
+  // (`micro` sequences each, accumulated).
+  void expect_equal_to_one_process(const Overrides& layout, int64_t micro) {
     const int n = world()->size();
-    const int64_t micro = kBatch / data_ranks;
     Trainer parallel(config(n, micro, "", layout), world());
     Overrides single_layout;
     for (const std::string& o : layout) {
@@ -50,8 +49,12 @@ class ExpertParallelTest : public TrainingTest {
 TEST_F(ExpertParallelTest, EpEqualsOneProcessAloneAndBesideDataParallel) {
   const int n = world()->size();
   for (int64_t top_k : {1, 2}) {
-    expect_equal_to_one_process(moe(top_k, {"parallel.ep=" + std::to_string(n)}), n);
-    if (n % 2 == 0 && n > 2) expect_equal_to_one_process(moe(top_k, {"parallel.ep=2"}), n);
+    expect_equal_to_one_process(moe(top_k, {"parallel.ep=" + std::to_string(n)}), kBatch / n);
+    if (n % 2 == 0 && n > 2) expect_equal_to_one_process(moe(top_k, {"parallel.ep=2"}), kBatch / n);
+  }
+  // Beside a pipeline: pp 2 x ep 2, two micro-batches per data rank.
+  if (n == 4) {
+    expect_equal_to_one_process(moe(2, {"parallel.pp=2", "parallel.ep=2", "parallel.microbatches=2"}), kBatch / 4);
   }
 }
 
@@ -59,7 +62,7 @@ TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExp
   const int n = world()->size();
   for (int stage : {1, 2, 3}) {
     const Overrides layout = moe(2, {"parallel.zero_stage=" + std::to_string(stage)});
-    expect_equal_to_one_process(layout, n);
+    expect_equal_to_one_process(layout, kBatch / n);
     Trainer trainer(config(n, kBatch / n, "", layout), world());
     const std::map<std::string, at::Tensor> before = trainer.full_parameters();
     trainer.step();
