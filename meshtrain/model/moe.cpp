@@ -104,6 +104,23 @@ at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>
   return outputs.empty() ? tokens.new_zeros({0, tokens.size(1)}) : at::cat(outputs);
 }
 
+MoeStats MoeImpl::stats() const {
+  MoeStats s;
+  s.forwards = forwards_;
+  if (!sums_.defined()) return s;
+  const at::Tensor sums = sums_.cpu();
+  s.aux_loss = sums[0].item<double>();
+  s.z_loss = sums[1].item<double>();
+  s.dropped = sums[2].item<double>();
+  s.load_max_over_mean = sums[3].item<double>();
+  return s;
+}
+
+void MoeImpl::reset_stats() {
+  forwards_ = 0;
+  sums_ = at::Tensor();
+}
+
 at::Tensor MoeImpl::forward(const at::Tensor& x) {
   const int64_t d = x.size(-1), e = config_.moe_experts, k = config_.moe_top_k;
   const at::Tensor flat = x.reshape({-1, d});
@@ -153,15 +170,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   const at::Tensor aux = config_.moe_aux_loss * e * (first_share * probs.mean(0)).sum();
   const at::Tensor z = config_.moe_z_loss * at::logsumexp(logits, -1).pow(2).mean();
   if (is_training()) {
+    torch::NoGradGuard no_grad;
     const at::Tensor load = one_hot.sum(0).to(at::kDouble);
-    const double assignments = load.sum().item<double>();
-    stats_.forwards += 1;
-    stats_.aux_loss += aux.item<double>();
-    stats_.z_loss += z.item<double>();
-    stats_.dropped += assignments > 0 ? 1.0 - static_cast<double>(selected.size(0)) / assignments : 0.0;
-    stats_.load_max_over_mean += assignments > 0 ? (load.max() / load.mean()).item<double>() : 0.0;
-    if (torch::GradMode::is_enabled()) out = AuxLoss::apply(out, aux + z, aux_loss_scale_);
+    const at::Tensor assignments = load.sum();
+    const at::Tensor now = at::stack({aux.to(at::kDouble), z.to(at::kDouble),
+                                      (assignments - static_cast<double>(selected.size(0))) / assignments.clamp_min(1.0),
+                                      load.max() / load.mean().clamp_min(1e-12)});
+    sums_ = sums_.defined() ? sums_ + now : now;
+    forwards_ += 1;
   }
+  if (is_training() && torch::GradMode::is_enabled()) out = AuxLoss::apply(out, aux + z, aux_loss_scale_);
   out = at::dropout(out, config_.dropout, is_training());
   return out.view(x.sizes());
 }

@@ -72,8 +72,9 @@ class MoeImpl : public torch::nn::Module {
   void keep_experts(int64_t first, int64_t count);
   void set_exchange(std::shared_ptr<ExpertExchange> exchange) { exchange_ = std::move(exchange); }
   void set_aux_loss_scale(double scale) { aux_loss_scale_ = scale; }
-  const MoeStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = {}; }
+  // Read from the device once, when asked (the forward never waits for it).
+  MoeStats stats() const;
+  void reset_stats();
   // Expert tensors, [experts, ...] each: fc_weight, fc_bias, proj_weight,
   // proj_bias (gelu) or gate_weight, up_weight, down_weight (+ biases).
   std::vector<at::Tensor> expert_weights() const;
@@ -89,7 +90,8 @@ class MoeImpl : public torch::nn::Module {
   int64_t first_expert_ = 0;
   double aux_loss_scale_ = 1.0;
   std::shared_ptr<ExpertExchange> exchange_ = std::make_shared<ExpertExchange>();
-  MoeStats stats_;
+  int64_t forwards_ = 0;
+  at::Tensor sums_;  // [aux, z, dropped, load] summed over the forwards, double, on the layer's device
 };
 TORCH_MODULE(Moe);
 

@@ -108,7 +108,7 @@ std::vector<model::MoeLayerMetrics> ParallelModel::moe_metrics() {
   // Per layer: forwards, then the sums of aux, z, dropped and load; summed over every rank.
   at::Tensor sums = at::zeros({static_cast<int64_t>(layers.size()), 5}, at::kDouble);
   for (size_t i = 0; i < layers.size(); ++i) {
-    const model::MoeStats& s = layers[i]->stats();
+    const model::MoeStats s = layers[i]->stats();
     const double row[5] = {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean};
     for (int f = 0; f < 5; ++f) sums[i][f] = row[f];
     layers[i]->reset_stats();
