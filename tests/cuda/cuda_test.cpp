@@ -5,8 +5,8 @@
 // communicator (every collective through NCCL), FSDP's storage swap and
 // activation checkpointing's random streams. Two ranks sharing the one GPU
 // (NCCL refuses that; the host-staged MPI backend carries the CUDA tensors):
-// data parallel, ZeRO-3, tensor + sequence parallel and a pipeline against one
-// process on the GPU.
+// data parallel, ZeRO-3, tensor + sequence parallel, a pipeline and expert
+// parallel against one process on the GPU.
 #include "meshtrain/comm/backend/nccl/nccl_communicator.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
@@ -235,6 +235,19 @@ TEST_F(CudaTest, TwoRanksOnOneGpuEqualOneProcess) {
         << "two ranks on one GPU should go through the host";
     expect_same_training(parallel, single, 3, describe(layout) + " on CUDA");
   }
+}
+
+TEST_F(CudaTest, ExpertParallelOnOneGpuEqualsOneProcess) {
+  if (world()->size() != 2) GTEST_SKIP() << "two ranks sharing the GPU";
+  // Mixture of experts with ep = 2 through the host-staged backend, against one
+  // process on the GPU reading the same micro-batches (kBatch / 2 each).
+  const Overrides moe = {"model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=1",
+                         "model.moe_second_expert=always"};
+  Overrides layout = moe;
+  layout.push_back("parallel.ep=2");
+  Trainer parallel(config(2, kBatch / 2, "", on_gpu(layout)), world());
+  Trainer single(config(1, kBatch / 2, "", on_gpu(moe)), alone());
+  expect_same_training(parallel, single, 3, "ep 2 on CUDA");
 }
 
 }  // namespace
