@@ -96,8 +96,15 @@ TEST_F(ExpertParallelTest, RanksWhoseExpertsGetNoTokensStillStepAndMatch) {
   at::Tensor x = at::randn({2, 8, c.width}, g);
   x.select(2, 0).fill_(1.0);
   model::Moe local = split->moe_layers().front(), reference = whole->moe_layers().front();
+  const int64_t sent_before = world()->stats()[comm::OpKind::kAllToAll].wire_bytes;
   const at::Tensor got = local->forward(x), want = reference->forward(x);
   EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << "rank " << world()->rank();
+  // Bytes sent to other ranks in the forward, by hand: every rank sends its counts for the
+  // others' experts ((n - 1) x E/n int64); the 16 tokens [16, 32] of float32 of a rank other
+  // than 0 go to rank 0, which sends the results of the others' tokens back.
+  const int64_t counts = (n - 1) * (c.moe_experts / n) * 8, tokens = 16 * c.width * 4;
+  const int64_t expected = counts + (world()->rank() == 0 ? (n - 1) * tokens : tokens);
+  EXPECT_EQ(world()->stats()[comm::OpKind::kAllToAll].wire_bytes - sent_before, expected) << "rank " << world()->rank();
   got.pow(2).sum().backward();
   want.pow(2).sum().backward();
   for (const at::Tensor& w : local->expert_weights()) {
