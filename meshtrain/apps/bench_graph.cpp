@@ -79,13 +79,19 @@ struct Run {
   double clip;
 };
 
-// Seconds per step over `steps` steps, the GPU drained before and after.
-double seconds_per_step(int steps, const std::function<void()>& step) {
+// `warmup` untimed steps, their losses into `losses`, then `timed` steps: seconds
+// per timed step, the GPU drained before and after.
+double seconds_per_step(int warmup, int timed, const std::function<void()>& step, const Run& run,
+                        std::vector<double>& losses) {
+  for (int s = 0; s < warmup; ++s) {
+    step();
+    losses.push_back(run.loss.item<double>());
+  }
   torch::cuda::synchronize();
   const auto start = std::chrono::steady_clock::now();
-  for (int s = 0; s < steps; ++s) step();
+  for (int s = 0; s < timed; ++s) step();
   torch::cuda::synchronize();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / steps;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / timed;
 }
 
 }  // namespace
@@ -103,15 +109,10 @@ int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& over
   // Eager: the step kernel by kernel.
   Run eager(config, batch);
   std::vector<double> eager_losses;
-  for (int s = 0; s < warmup_steps; ++s) {
+  const double eager_seconds = seconds_per_step(warmup_steps, timed_steps, [&] {
     eager.forward_backward();
     eager.update();
-    eager_losses.push_back(eager.loss.item<double>());
-  }
-  const double eager_seconds = seconds_per_step(timed_steps, [&] {
-    eager.forward_backward();
-    eager.update();
-  });
+  }, eager, eager_losses);
 
   // Graphed: warm up on a side stream, capture forward + backward there, replay.
   Run graphed(config, batch);
@@ -133,15 +134,10 @@ int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& over
     graph.capture_end();
   }
   torch::cuda::synchronize();
-  for (int s = 0; s < warmup_steps; ++s) {
+  const double graph_seconds = seconds_per_step(warmup_steps, timed_steps, [&] {
     graph.replay();
     graphed.update();
-    graph_losses.push_back(graphed.loss.item<double>());
-  }
-  const double graph_seconds = seconds_per_step(timed_steps, [&] {
-    graph.replay();
-    graphed.update();
-  });
+  }, graphed, graph_losses);
 
   double difference = 0;
   for (size_t i = 0; i < eager_losses.size(); ++i) {

@@ -100,11 +100,13 @@ Runtime::~Runtime() {
   runtime_alive = false;
 }
 
-at::Device Runtime::default_device() const {
+at::Device device_for_local_rank(int local_rank) {
   const size_t devices = torch::cuda::device_count();
   if (devices == 0) return at::Device(at::kCPU);
-  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank_ % static_cast<int>(devices)));
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank % static_cast<int>(devices)));
 }
+
+at::Device Runtime::default_device() const { return device_for_local_rank(local_rank_); }
 
 int node_local_size() { return live_local_size; }
 int node_local_rank() { return live_local_rank; }

@@ -47,6 +47,9 @@ class Runtime {
   std::shared_ptr<Communicator> world_;
 };
 
+// cuda:(local_rank % device count) when CUDA devices are visible, else cpu.
+at::Device device_for_local_rank(int local_rank);
+
 // The live Runtime's local_size() and local_rank(), or 1 and 0 when there is none.
 int node_local_size();
 int node_local_rank();

@@ -46,6 +46,11 @@ at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::
 
 }  // namespace
 
+bool is_expert_tensor(const std::string& name) {
+  const size_t at = name.find(".moe.");
+  return at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0;
+}
+
 at::Tensor ExpertExchange::run(const at::Tensor& tokens, const std::vector<int64_t>& counts,
                                const ExpertCompute& compute) {
   return compute(tokens, counts, 0);

@@ -9,9 +9,14 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace meshtrain::model {
+
+// Whether parameter `name` is an expert tensor of a MoE layer (blocks.N.moe.<fc|proj|
+// gate|up|down>_<weight|bias>, experts stacked along dim 0), not its router.
+bool is_expert_tensor(const std::string& name);
 
 // Computes experts [first, first + counts.size()) on `tokens`, grouped by expert
 // (counts[i] rows for expert first + i, in order); returns their outputs likewise.

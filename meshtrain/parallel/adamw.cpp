@@ -1,5 +1,7 @@
 #include "meshtrain/parallel/adamw.h"
 
+#include "meshtrain/model/moe.h"
+
 namespace meshtrain::parallel {
 
 std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<AdamWParameter>& parameters,
@@ -36,9 +38,7 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::AdamW& optimizer, const
 }
 
 int64_t decay_dims(const std::string& name, const at::Tensor& parameter) {
-  const size_t at = name.find(".moe.");
-  const bool stacked = at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0;
-  return parameter.dim() - (stacked ? 1 : 0);
+  return parameter.dim() - (model::is_expert_tensor(name) ? 1 : 0);
 }
 
 void set_adamw_steps(torch::optim::AdamW& optimizer, int64_t steps) {

@@ -112,14 +112,9 @@ ExpertParallel::ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communic
   }
 }
 
-bool ExpertParallel::is_expert(const std::string& name) {
-  const size_t at = name.find(".moe.");
-  return at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0;
-}
-
 std::map<std::string, at::Tensor> ExpertParallel::gather_all(std::map<std::string, at::Tensor> local) const {
   for (auto& [name, tensor] : local) {
-    if (!is_expert(name)) continue;
+    if (!model::is_expert_tensor(name)) continue;
     std::vector<int64_t> shape = tensor.sizes().vec();
     shape[0] *= comm_->size();
     at::Tensor whole = at::empty(shape, tensor.options());
@@ -130,7 +125,7 @@ std::map<std::string, at::Tensor> ExpertParallel::gather_all(std::map<std::strin
 }
 
 placement::Placement ExpertParallel::placement_of(const std::string& name) const {
-  return is_expert(name) ? placement::Placement::shard(0) : placement::Placement::replicate();
+  return model::is_expert_tensor(name) ? placement::Placement::shard(0) : placement::Placement::replicate();
 }
 
 }  // namespace meshtrain::parallel

@@ -34,8 +34,7 @@ class ExpertParallel {
   // Collective over `ep`: keeps this rank's experts and installs the exchange.
   ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communicator> ep);
 
-  // An expert tensor (blocks.N.moe.<fc|proj|gate|up|down>_<weight|bias>), not the router.
-  static bool is_expert(const std::string& name);
+  // Shard(0) over ep for an expert tensor (model::is_expert_tensor), else Replicate.
   placement::Placement placement_of(const std::string& name) const;
   const std::shared_ptr<comm::Communicator>& comm() const { return comm_; }
   int64_t experts_per_rank() const { return experts_per_rank_; }

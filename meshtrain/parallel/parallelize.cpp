@@ -95,7 +95,7 @@ void ParallelModel::apply_expert_parallel() {
   if (options_.dims.ep == 1) return;
   expert_parallel_ = std::make_unique<ExpertParallel>(model_, mesh_->comm("ep"));
   norm_groups_.expert = expert_parallel_->comm();
-  norm_groups_.split_over_experts = &ExpertParallel::is_expert;
+  norm_groups_.split_over_experts = &model::is_expert_tensor;
 }
 
 void ParallelModel::set_aux_loss_scale(double scale) {
@@ -106,24 +106,22 @@ std::vector<model::MoeLayerMetrics> ParallelModel::moe_metrics() {
   std::vector<model::Moe> layers = model_->moe_layers();
   if (layers.empty()) return {};
   // Per layer: forwards, then the sums of aux, z, dropped and load; summed over every rank.
-  at::Tensor sums = at::zeros({static_cast<int64_t>(layers.size()), 5}, at::kDouble);
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const model::MoeStats s = layers[i]->stats();
-    const double row[5] = {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean};
-    for (int f = 0; f < 5; ++f) sums[i][f] = row[f];
-    layers[i]->reset_stats();
+  std::vector<double> rows;
+  for (model::Moe& layer : layers) {
+    const model::MoeStats s = layer->stats();
+    rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean});
+    layer->reset_stats();
   }
-  sums = sums.to(world_->device());
+  at::Tensor sums = at::tensor(rows, at::kDouble).to(world_->device());
   world_->all_reduce(sums).wait();
   sums = sums.cpu();
+  const double* sum = sums.data_ptr<double>();
   std::vector<model::MoeLayerMetrics> out;
-  int64_t layer = 0;
   for (int64_t block = 0; block < model_->config().layers; ++block) {
     if (!model_->config().is_moe_block(block)) continue;
-    const double forwards = std::max(1.0, sums[layer][0].item<double>());
-    out.push_back({block, sums[layer][1].item<double>() / forwards, sums[layer][2].item<double>() / forwards,
-                   sums[layer][3].item<double>() / forwards, sums[layer][4].item<double>() / forwards});
-    ++layer;
+    const double forwards = std::max(1.0, sum[0]);
+    out.push_back({block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards});
+    sum += 5;
   }
   return out;
 }
@@ -161,7 +159,7 @@ void ParallelModel::apply_data_parallelism() {
     o.adamw = options_.adamw;
     o.norm = norm_groups_;
     if (expert_parallel_) {
-      o.expert = &ExpertParallel::is_expert;
+      o.expert = &model::is_expert_tensor;
       o.expert_comm = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
       o.expert_scale = 1.0 / static_cast<double>(options_.dims.ep);
     }
@@ -281,10 +279,10 @@ ParameterLayout ParallelModel::parameter_layout(const std::string& name, const a
   ParameterLayout layout;
   layout.spec.shape = local.sizes().vec();
   layout.write = !(staged_ && staged_->is_tied_copy(name));
-  if (expert_parallel_ && ExpertParallel::is_expert(name)) {
+  if (expert_parallel_ && model::is_expert_tensor(name)) {
     // Experts split over ep (tp is 1 with experts).
     layout.spec.axes = {"ep"};
-    layout.spec.placements = {placement::Placement::shard(0)};
+    layout.spec.placements = {expert_parallel_->placement_of(name)};
     layout.spec.shape[0] *= options_.dims.ep;
     return layout;
   }

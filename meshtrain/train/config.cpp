@@ -1,5 +1,6 @@
 #include "meshtrain/train/config.h"
 
+#include "meshtrain/comm/runtime.h"
 #include "meshtrain/parallel/activation_checkpoint.h"
 #include "meshtrain/parallel/parallelize.h"
 #include "meshtrain/parallel/pipeline/stages.h"
@@ -499,9 +500,8 @@ void TrainConfig::validate(int world_size) {
 }
 
 at::Device TrainConfig::torch_device(int local_rank) const {
-  const int gpus = static_cast<int>(torch::cuda::device_count());
-  if (device == "cpu" || (device == "auto" && gpus == 0)) return at::Device(at::kCPU);
-  if (device == "cuda" || device == "auto") return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+  if (device == "cpu") return at::Device(at::kCPU);
+  if (device == "cuda" || device == "auto") return comm::device_for_local_rank(local_rank);  // auto: cpu without GPUs
   return at::Device(device);
 }
 

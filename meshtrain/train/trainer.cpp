@@ -45,14 +45,14 @@ double learning_rate(const TrainConfig& config, int64_t step) {
   return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-parallel::ParallelizeOptions parallelize_options(const TrainConfig& c) {
+parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Device device) {
   parallel::ParallelizeOptions o;
   o.dims = c.parallel;
   o.microbatches = c.grad_accum;
   o.micro_batch = c.micro_batch;
   o.seed = c.seed;
   o.bfloat16_autocast = c.dtype == "bfloat16";
-  o.device = c.torch_device(comm::node_local_rank());
+  o.device = device;
   o.pp_split = c.pp_split;
   o.activation_checkpoint = c.activation_checkpoint;
   o.activation_checkpoint_every = c.activation_checkpoint_every;
@@ -75,7 +75,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   previous_limit_ = memory::limit();
   if (config_.memory_limit_mb > 0) memory::set_limit(config_.memory_limit_mb << 20);
 
-  parallel_ = parallel::parallelize(model::Gpt(config_.model, config_.seed), world_, parallelize_options(config_));
+  parallel_ = parallel::parallelize(model::Gpt(config_.model, config_.seed), world_, parallelize_options(config_, device_));
   writer_ = std::make_unique<checkpoint::CheckpointWriter>(
       checkpoint::CheckpointStore(config_.checkpoint_path(), config_.checkpoint_keep), world_, config_.checkpoint_async);
   // The random streams (dropout, the random second expert) start from the seed, whatever

@@ -29,8 +29,8 @@ double measure_matmul_peak(at::Device device = at::kCPU, at::ScalarType dtype = 
 // Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
 double learning_rate(const TrainConfig& config, int64_t step);
 
-// The parallelize() options a config asks for.
-parallel::ParallelizeOptions parallelize_options(const TrainConfig& config);
+// The parallelize() options a config asks for, on `device` (its torch_device for this rank).
+parallel::ParallelizeOptions parallelize_options(const TrainConfig& config, at::Device device);
 
 class Trainer {
  public:

@@ -1,29 +1,24 @@
 // The model alone: shapes, exact parameter counts, deterministic init, causality.
 #include "meshtrain/model/gpt.h"
+#include "tests/model/parameter_count.h"
 
 #include <gtest/gtest.h>
 
 namespace meshtrain::model {
 namespace {
 
-int64_t counted(Gpt& model) {
-  int64_t n = 0;
-  for (const auto& p : model->parameters()) n += p.numel();
-  return n;
-}
-
 TEST(GptConfig, ParameterCountMatchesTheModulesForEveryStyle) {
   for (const std::string name : {"tiny", "small", "llama-tiny"}) {
     GptConfig config = GptConfig::preset(name);
     Gpt model(config, 1);
-    EXPECT_EQ(counted(model), config.parameter_count()) << name;
+    EXPECT_EQ(counted(*model), config.parameter_count()) << name;
   }
   GptConfig odd = GptConfig::preset("tiny");
   odd.tie_embeddings = false;
   odd.bias = false;
   odd.mlp = "swiglu";
   Gpt model(odd, 1);
-  EXPECT_EQ(counted(model), odd.parameter_count());
+  EXPECT_EQ(counted(*model), odd.parameter_count());
 }
 
 TEST(GptConfig, KnownSizesAndFlops) {

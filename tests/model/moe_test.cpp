@@ -4,6 +4,7 @@
 // routing under extreme imbalance, GShard's random second expert, and the
 // layer against a direct computation.
 #include "meshtrain/model/gpt.h"
+#include "tests/model/parameter_count.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -12,12 +13,6 @@
 
 namespace meshtrain::model {
 namespace {
-
-int64_t counted(Gpt& model) {
-  int64_t n = 0;
-  for (const auto& p : model->parameters()) n += p.numel();
-  return n;
-}
 
 GptConfig moe_config(int64_t experts, int64_t top_k, double capacity_factor) {
   GptConfig c = GptConfig::preset("tiny");
@@ -73,7 +68,7 @@ TEST(Moe, ParameterCountsMatchTheBuiltModel) {
       c.bias = bias;
       c.layers = 4;
       Gpt model(c, 1);
-      EXPECT_EQ(counted(model), c.parameter_count()) << mlp << (bias ? " bias" : "");
+      EXPECT_EQ(counted(*model), c.parameter_count()) << mlp << (bias ? " bias" : "");
       EXPECT_EQ(model->moe_layers().size(), 2u);  // blocks 1 and 3
       GptConfig dense_with_two = c;
       dense_with_two.moe_experts = 2;  // two experts, both used: every expert parameter active
