@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
               "machine instead.");
   plan->add_option("--model", plan_options.model,
                    "A preset (tiny, small, llama-tiny, gpt2-124m/350m/774m/1.5b, llama2-7b/13b/70b, llama3-8b/70b, "
-                   "gpt3-175b, gpt-1t) or a meshtrain config file (.toml)")
+                   "gpt3-175b, gpt-1t, mixtral-8x7b) or a meshtrain config file (.toml)")
       ->capture_default_str();
   plan->add_option("--world", plan_options.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
   plan->add_option("--device-memory", plan_options.device_memory, "Memory per device, e.g. 80GiB (default: the machine's)");
@@ -148,6 +148,10 @@ int main(int argc, char** argv) {
                    "tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
   plan->add_option("--precision", plan_options.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
   plan->add_option("--attention", plan_options.attention, "flash (no s^2 term) or math (softmax saved)");
+  plan->add_option("--moe-load", plan_options.moe_load,
+                   "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k "
+                   "(training reports it as rank_load; default: a balanced router)")
+      ->check(CLI::NonNegativeNumber);
   plan->add_option("--top", plan_options.top, "Rows of the ranked table")->capture_default_str();
   plan->add_flag("--json", plan_options.json, "Print JSON instead of tables");
   plan->add_option("--machine", plan_options.machine_file, "Machine profile (JSON from --calibrate --save)")

@@ -54,8 +54,9 @@ nlohmann::json memory_json(const plan::MemoryBreakdown& m) {
 nlohmann::json candidate_json(const plan::Candidate& c) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& r : c.ranks) {
-    ranks.push_back({{"pipeline_rank", r.pipeline_rank}, {"layers", r.layers}, {"in_flight", r.in_flight},
-                     {"parameters", r.parameter_count}, {"memory_bytes", memory_json(r.memory)}});
+    ranks.push_back({{"pipeline_rank", r.pipeline_rank}, {"layers", r.layers}, {"moe_layers", r.moe_layers},
+                     {"in_flight", r.in_flight}, {"parameters", r.parameter_count},
+                     {"expert_parameters", r.expert_parameter_count}, {"memory_bytes", memory_json(r.memory)}});
   }
   nlohmann::json traffic = nlohmann::json::array();
   for (const auto& t : c.time.traffic) traffic.push_back({{"group", t.group}, {"what", t.what}, {"bytes", t.bytes}, {"seconds", t.seconds}});
@@ -68,7 +69,7 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
                       {"time_seconds", {{"step", t.step()}, {"compute", t.compute}, {"recompute", t.recompute},
                                         {"bubble", t.bubble}, {"tensor_parallel", t.tensor_parallel},
                                         {"data_parallel", t.data_parallel}, {"pipeline", t.pipeline},
-                                        {"offload", t.offload}}},
+                                        {"expert_parallel", t.expert_parallel}, {"offload", t.offload}}},
                       {"tokens_per_second", t.tokens_per_second},
                       {"mfu", t.mfu},
                       {"traffic", traffic}};
@@ -117,9 +118,9 @@ void print_detail(const plan::Candidate& c, const plan::Machine& machine) {
                                 : ("does not fit: " + c.why_not).c_str());
   const plan::TimeBreakdown& t = c.time;
   std::printf("time per step %.3f s: compute %.3f (recompute %.3f), bubble %.3f, exposed tp %.3f, dp %.3f, pp %.3f, "
-              "offload %.3f -> %.0f tokens/s, MFU %.1f%%\n",
-              t.step(), t.compute, t.recompute, t.bubble, t.tensor_parallel, t.data_parallel, t.pipeline, t.offload,
-              t.tokens_per_second, 100 * t.mfu);
+              "ep %.3f, offload %.3f -> %.0f tokens/s, MFU %.1f%%\n",
+              t.step(), t.compute, t.recompute, t.bubble, t.tensor_parallel, t.data_parallel, t.pipeline,
+              t.expert_parallel, t.offload, t.tokens_per_second, 100 * t.mfu);
   for (const auto& traffic : t.traffic) {
     std::printf("  %-4s %-44s %10s per step, %.4f s before overlap\n", traffic.group.c_str(), traffic.what.c_str(),
                 plan::format_bytes(traffic.bytes).c_str(), traffic.seconds);
@@ -153,13 +154,14 @@ int run_plan(const PlanOptions& o) {
     workload.attention = o.attention;
   }
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
+  if (o.moe_load > 0) workload.moe_load = o.moe_load;
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
   const plan::Machine machine = machine_of(o);
 
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);
     if (layout.world() != o.world) {
-      throw std::invalid_argument("layout " + layout.str() + " uses pp x dp x fsdp x tp = " + std::to_string(layout.world()) +
+      throw std::invalid_argument("layout " + layout.str() + " uses pp x dp x fsdp x ep x tp = " + std::to_string(layout.world()) +
                                   " ranks, not --world " + std::to_string(o.world));
     }
     const plan::Candidate c = plan::evaluate(model, workload, layout, machine);
@@ -179,6 +181,7 @@ int run_plan(const PlanOptions& o) {
     for (size_t i = 0; i < result.fitting.size() && i < static_cast<size_t>(o.top); ++i) fitting.push_back(candidate_json(result.fitting[i]));
     for (size_t i = 0; i < result.rejected.size() && i < static_cast<size_t>(o.top); ++i) rejected.push_back(candidate_json(result.rejected[i]));
     nlohmann::json j = {{"model", model.describe()},     {"parameters", model.parameter_count()},
+                        {"active_parameters", model.active_parameter_count()},
                         {"world", o.world},              {"device_memory", machine.device_memory},
                         {"global_batch", workload.global_batch}, {"examined", result.examined},
                         {"fitting", result.fitting.size()}, {"best", fitting}, {"closest_rejected", rejected}};

@@ -89,7 +89,8 @@ void MoeImpl::keep_experts(int64_t first, int64_t count) {
   first_expert_ = first;
 }
 
-at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) const {
+at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) {
+  if (is_training()) computed_ += tokens.size(0);
   std::vector<at::Tensor> outputs;
   int64_t offset = 0;
   auto bias = [](const at::Tensor& b, int64_t i) { return b.defined() ? b[i] : at::Tensor(); };
@@ -112,6 +113,8 @@ at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>
 MoeStats MoeImpl::stats() const {
   MoeStats s;
   s.forwards = forwards_;
+  s.routed = static_cast<double>(routed_);
+  s.computed = static_cast<double>(computed_);
   if (!sums_.defined()) return s;
   const at::Tensor sums = sums_.cpu();
   s.aux_loss = sums[0].item<double>();
@@ -122,7 +125,7 @@ MoeStats MoeImpl::stats() const {
 }
 
 void MoeImpl::reset_stats() {
-  forwards_ = 0;
+  forwards_ = routed_ = computed_ = 0;
   sums_ = at::Tensor();
 }
 
@@ -183,6 +186,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
                                       load.max() / load.mean().clamp_min(1e-12)});
     sums_ = sums_.defined() ? sums_ + now : now;
     forwards_ += 1;
+    routed_ += n * k;
   }
   if (is_training() && torch::GradMode::is_enabled()) out = AuxLoss::apply(out, aux + z, aux_loss_scale_);
   out = at::dropout(out, config_.dropout, is_training());

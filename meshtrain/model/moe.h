@@ -40,12 +40,18 @@ struct MoeStats {
   double z_loss = 0;           // β·mean(logsumexp²)
   double dropped = 0;          // share of (token, expert) assignments over capacity
   double load_max_over_mean = 0;  // assignments of the busiest expert / the mean
+  double routed = 0;           // tokens x top_k that this rank's forwards routed
+  double computed = 0;         // assignments this rank's experts computed (expert parallel: from every rank)
 };
 
 // One MoE layer's averages over a step (ParallelModel::moe_metrics).
 struct MoeLayerMetrics {
   int64_t block = 0;
   double aux_loss = 0, z_loss = 0, dropped = 0, load_max_over_mean = 0;
+  // Assignments the busiest rank computed / tokens x top_k per rank: what its
+  // expert activations and time are against a balanced router's (1).
+  double rank_load = 0;
+  double this_rank_load = 0;  // the same for this rank (0 where its pipeline stage does not hold the layer)
 };
 
 // Note [Mixture of experts]
@@ -89,13 +95,14 @@ class MoeImpl : public torch::nn::Module {
   at::Tensor gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias;  // swiglu
 
  private:
-  at::Tensor experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) const;
+  at::Tensor experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first);
 
   GptConfig config_;
   int64_t first_expert_ = 0;
   double aux_loss_scale_ = 1.0;
   std::shared_ptr<ExpertExchange> exchange_ = std::make_shared<ExpertExchange>();
   int64_t forwards_ = 0;
+  int64_t routed_ = 0, computed_ = 0;  // host counts (no device reads)
   at::Tensor sums_;  // [aux, z, dropped, load] summed over the forwards, double, on the layer's device
 };
 TORCH_MODULE(Moe);

@@ -105,23 +105,32 @@ void ParallelModel::set_aux_loss_scale(double scale) {
 std::vector<model::MoeLayerMetrics> ParallelModel::moe_metrics() {
   std::vector<model::Moe> layers = model_->moe_layers();
   if (layers.empty()) return {};
-  // Per layer: forwards, then the sums of aux, z, dropped and load; summed over every rank.
-  std::vector<double> rows;
+  // Per layer: forwards, then the sums of aux, z, dropped, load and routed,
+  // summed over every rank; the most any rank computed, its maximum.
+  std::vector<double> rows, computed;
   for (model::Moe& layer : layers) {
     const model::MoeStats s = layer->stats();
-    rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean});
+    rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed});
+    computed.push_back(s.computed);
     layer->reset_stats();
   }
   at::Tensor sums = at::tensor(rows, at::kDouble).to(world_->device());
+  at::Tensor most = at::tensor(computed, at::kDouble).to(world_->device());
   world_->all_reduce(sums).wait();
+  world_->all_reduce(most, comm::ReduceOp::kMax).wait();
   sums = sums.cpu();
+  most = most.cpu();
   const double* sum = sums.data_ptr<double>();
+  // Ranks that run this layer: those of its pipeline stage.
+  const double ranks = static_cast<double>(world_->size()) / static_cast<double>(options_.dims.pp);
   std::vector<model::MoeLayerMetrics> out;
-  for (int64_t block = 0; block < model_->config().layers; ++block) {
+  for (int64_t block = 0, i = 0; block < model_->config().layers; ++block) {
     if (!model_->config().is_moe_block(block)) continue;
-    const double forwards = std::max(1.0, sum[0]);
-    out.push_back({block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards});
-    sum += 5;
+    const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
+    out.push_back({block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
+                   most.data_ptr<double>()[i] / balanced, computed[i] / balanced});
+    ++i;
+    sum += 6;
   }
   return out;
 }

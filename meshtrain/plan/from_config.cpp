@@ -5,11 +5,6 @@
 namespace meshtrain::plan {
 
 PlannedRun planned_model(const train::TrainConfig& config) {
-  if (config.model.moe()) {
-    throw std::invalid_argument("the planner does not model mixture-of-experts layers yet (model.moe_experts = " +
-                                std::to_string(config.model.moe_experts) + "); its numbers would be those of a "
-                                "different model");
-  }
   PlannedRun run;
   run.model = ModelShape::from_config(config.model, config.preset);
   run.workload.global_batch = config.batch;

@@ -42,6 +42,7 @@ mesh::ParallelDims Layout::dims() const {
   d.pp = pp;
   d.dp = dp;
   d.fsdp = fsdp;
+  d.ep = ep;
   d.tp = tp;
   d.sequence_parallel = sp;
   d.zero_stage = zero_stage;
@@ -55,6 +56,7 @@ Layout Layout::from_dims(const mesh::ParallelDims& d, int64_t micro_batch) {
   l.pp = d.pp;
   l.dp = d.dp;
   l.fsdp = d.fsdp;
+  l.ep = d.ep;
   l.tp = d.tp;
   l.sp = d.sequence_parallel;
   l.zero_stage = d.zero_stage;
@@ -72,7 +74,8 @@ std::string Layout::str() const {
     if (virtual_stages > 1) add("v=" + std::to_string(virtual_stages));
   }
   if (tp > 1) add("tp=" + std::to_string(tp) + (sp ? " sp" : ""));
-  if (dp > 1 || (fsdp == 1 && pp == 1 && tp == 1)) add("dp=" + std::to_string(dp));
+  if (dp > 1 || (fsdp == 1 && pp == 1 && tp == 1 && ep == 1)) add("dp=" + std::to_string(dp));
+  if (ep > 1) add("ep=" + std::to_string(ep));
   if (zero_stage > 0) add("zero=" + std::to_string(zero_stage));
   if (fsdp > 1) add("fsdp=" + std::to_string(fsdp));
   add("mb=" + std::to_string(micro_batch));
@@ -102,6 +105,7 @@ Layout Layout::parse(const std::string& text) {
     else if (key == "dp") layout.dp = positive(key, value);
     else if (key == "fsdp") layout.fsdp = positive(key, value), fsdp_given = true;
     else if (key == "tp") layout.tp = positive(key, value);
+    else if (key == "ep") layout.ep = positive(key, value);
     else if (key == "pp") layout.pp = positive(key, value);
     else if (key == "v") layout.virtual_stages = positive(key, value);
     else if (key == "mb") layout.micro_batch = positive(key, value);
@@ -111,7 +115,7 @@ Layout Layout::parse(const std::string& text) {
     else if (key == "recompute") layout.recompute = one_of(key, value, {"none", "selective", "full"});
     else if (key == "offload") layout.offload = one_of(key, value, {"none", "optimizer", "parameters"});
     else {
-      throw std::invalid_argument("layout key '" + key + "' unknown; keys: dp fsdp tp sp pp schedule v zero mb recompute offload");
+      throw std::invalid_argument("layout key '" + key + "' unknown; keys: dp fsdp ep tp sp pp schedule v zero mb recompute offload");
     }
   }
   // "zero=3 dp=8" means eight shards, as ZeRO speaks of them.

@@ -9,12 +9,13 @@
 
 namespace meshtrain::plan {
 
-// One way to lay a training run out on pp x dp x fsdp x tp ranks (the trainer's
-// mesh, tp innermost), with the memory options that go with it.
+// One way to lay a training run out on pp x dp x fsdp x ep x tp ranks (the
+// trainer's mesh, tp innermost), with the memory options that go with it.
 struct Layout {
   int64_t pp = 1;
   int64_t dp = 1;            // replicas
   int64_t fsdp = 1;          // shards of the ZeRO/FSDP axis (zero_stage >= 1)
+  int64_t ep = 1;            // expert parallel: experts split over ep data ranks
   int64_t tp = 1;
   bool sp = false;           // sequence parallel (tp > 1)
   int zero_stage = 0;        // 0: plain data parallel; 1, 2, 3 as in the ZeRO paper
@@ -29,12 +30,13 @@ struct Layout {
   mesh::ParallelDims dims() const;
   static Layout from_dims(const mesh::ParallelDims& dims, int64_t micro_batch = 1);
 
-  int64_t world() const { return pp * dp * fsdp * tp; }
-  int64_t data_ranks() const { return dp * fsdp; }
+  int64_t world() const { return pp * dp * fsdp * ep * tp; }
+  int64_t data_ranks() const { return dp * fsdp * ep; }
+  int64_t expert_data_ranks() const { return dp * fsdp; }  // those that hold the same experts
   int64_t shards() const { return zero_stage > 0 ? fsdp : 1; }  // ZeRO shards over fsdp, replicates over dp (hybrid)
 
   // "pp=2 1f1b tp=4 sp dp=1 zero=1 fsdp=8 mb=1 recompute=selective"; parse() reads it back and
-  // also accepts commas; keys: dp fsdp tp sp pp schedule v zero mb recompute offload.
+  // also accepts commas; keys: dp fsdp ep tp sp pp schedule v zero mb recompute offload.
   std::string str() const;
   // Throws std::invalid_argument naming the key or value and what is allowed.
   static Layout parse(const std::string& text);
@@ -60,6 +62,10 @@ struct Workload {
   std::string attention = "flash";
   double dropout = 0;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one
+  // Mixture of experts: assignments the busiest rank computes per MoE layer,
+  // as a multiple of tokens x top_k (training reports it as rank_load). 0: a
+  // balanced router, capacity cutting it to cf when cf < 1.
+  double moe_load = 0;
 };
 
 // A device and its links; `meshtrain plan --calibrate` measures one for this machine.

@@ -57,11 +57,38 @@ OutputBytes output_bytes(const ModelShape& model, const Sizes& z, const Precisio
 }
 
 // Gradients alive inside one layer's backward: the gradient arriving at its
-// output and the MLP's hidden-sized pair; with sequence parallel the
-// re-gathered input of a column-parallel linear and its gradient.
-double layer_backward_workspace(const ModelShape& model, const Sizes& z, const Precision& p) {
-  const double e = p.activation, hidden = z.u * static_cast<double>(model.ffn) / static_cast<double>(model.width);
-  return e * z.region(z.u) + (model.gated_mlp ? 3 : 2) * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
+// output and the MLP's hidden-sized pair (a MoE layer: its experts' hidden
+// gradients and those of their inputs and outputs); with sequence parallel
+// the re-gathered input of a column-parallel linear and its gradient.
+double layer_backward_workspace(const ModelShape& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
+                                double load) {
+  const double e = p.activation, matrices = model.gated_mlp ? 3 : 2;
+  if (moe) {  // gradients of the experts' hidden tensors, inputs and outputs (sent back: source side)
+    const double a = model.assignments(z.tokens, load), sent = ep > 1 ? model.assignments(z.tokens) : a;
+    return e * z.u + matrices * e * a * static_cast<double>(model.expert_ffn) +
+           e * (a + sent) * static_cast<double>(model.width);
+  }
+  const double hidden = z.u * static_cast<double>(model.ffn) / static_cast<double>(model.width);
+  return e * z.region(z.u) + matrices * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
+}
+
+// What a MoE layer saves in place of the MLP's hidden tensors (model/moe.cpp,
+// parallel/expert_parallel.cpp): the router's fp32 logits and probabilities
+// (and its fp32 input when activations are 16-bit), the top-k indices and
+// gates, and per assignment the expert's input, hidden tensors and output,
+// its combine gate and the dispatch/combine indices (int64).
+double moe_saved(const ModelShape& model, const Sizes& z, double e, int64_t ep, double load) {
+  // With expert parallel the experts' side follows the load this rank
+  // receives, the routing side the balanced one it sends.
+  const double n = z.tokens, a = model.assignments(n, load), sent = ep > 1 ? model.assignments(n) : a;
+  const double d = static_cast<double>(model.width);
+  const double k = static_cast<double>(model.top_k), experts = static_cast<double>(model.experts);
+  double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0);
+  bytes += n * k * (8 + 4) + 4 * n;
+  bytes += a * (d * e + (model.gated_mlp ? 4 : 2) * static_cast<double>(model.expert_ffn) * e);  // expert input, hidden
+  bytes += sent * (d * e + 4 + 3 * 8);  // expert output back here, its gate, the dispatch/combine indices
+  if (ep > 1) bytes += a * 2 * 8;       // the regrouping indices
+  return bytes;
 }
 
 // The schedule each rank runs (one rank: micro-batches one after another),
@@ -78,7 +105,7 @@ const pipeline::Schedule& schedule_of(const Layout& layout, int64_t microbatches
 
 }  // namespace
 
-double layer_activation_bytes(const ModelShape& model, const ActivationOptions& o) {
+double layer_activation_bytes(const ModelShape& model, const ActivationOptions& o, bool moe, int64_t ep) {
   const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
   const double e = o.precision.activation, mask = o.precision.mask;
   if (o.recompute == "full") return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
@@ -100,6 +127,7 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   if (o.dropout > 0) bytes += 2 * mask * z.region(z.u);      // dropout after attention and after the MLP
   bytes += e * z.region(z.u);                                // MLP input
   const double hidden = z.u * static_cast<double>(model.ffn) / h;
+  if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
   bytes += (model.gated_mlp ? 4 : 2) * e * z.split(hidden);  // GELU: its input and output; SwiGLU: gate, up, silu, product
   return bytes;
 }
@@ -135,25 +163,33 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
   const double t = static_cast<double>(l.tp), shards = static_cast<double>(l.shards()), e = p.activation;
   const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab);
 
-  // Parameters on one tensor-parallel rank.
+  // Parameters on one tensor-parallel rank (a MoE block: its ep-th of the experts).
   const double block = static_cast<double>(model.block_split_parameters()) / t +
                        static_cast<double>(model.block_parameters() - model.block_split_parameters());
+  const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.ep);
+  const double moe_block = static_cast<double>(model.moe_block_parameters() - model.expert_parameters()) + local_experts;
   const double embedding = vocab * h / t + (model.learned_positions ? static_cast<double>(model.seq) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tied_head ? 0 : vocab * h);
   const double head = head_norm + ((!model.tied_head || l.pp > 1) ? vocab * h / t : 0);
   const double largest_tensor = std::max({vocab * h / t, static_cast<double>(model.ffn) * h / t,
-                                          h * (h + 2.0 * static_cast<double>(model.kv_width())) / t});
+                                          h * (h + 2.0 * static_cast<double>(model.kv_width())) / t,
+                                          static_cast<double>(model.expert_ffn * model.experts / l.ep) * h});
 
-  ActivationOptions options{l.micro_batch, l.tp, l.sp, l.recompute, w.attention, w.dropout, p};
+  ActivationOptions options{l.micro_batch, l.tp, l.sp, l.recompute, w.attention, w.dropout, p, w.moe_load};
   const double per_layer = layer_activation_bytes(model, options);
+  const double per_moe_layer = layer_activation_bytes(model, options, true, l.ep);
   options.recompute = "none";
-  const double full_layer = layer_activation_bytes(model, options);
+  const double full_layer = std::max(layer_activation_bytes(model, options),
+                                     model.moe() ? layer_activation_bytes(model, options, true, l.ep) : 0.0);
   const OutputBytes out = output_bytes(model, z, p);
-  const double workspace = layer_backward_workspace(model, z, p);
   const double boundary = e * z.region(z.u);  // one activation (or its gradient) sent between stages
 
   const int64_t chunks = l.pp * l.virtual_stages;
   const std::vector<int64_t> blocks = l.pp > 1 ? stage_blocks(model, chunks) : std::vector<int64_t>{model.layers};
+  std::vector<int64_t> moe_blocks(blocks.size(), 0);  // of each chunk's blocks, the MoE ones
+  for (int64_t c = 0, i = 0; c < chunks; ++c) {
+    for (int64_t end = i + blocks[c]; i < end; ++i) moe_blocks[c] += model.is_moe_block(i) ? 1 : 0;
+  }
   const pipeline::Schedule& schedule = schedule_of(l, microbatches);
   // ZeRO-3 units (one per block, the root holding embedding and head),
   // gathered in full (their tensor-parallel shards) while they compute.
@@ -164,10 +200,16 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
   for (int64_t r = 0; r < l.pp; ++r) {
     RankMemory rank;
     rank.pipeline_rank = static_cast<int>(r);
-    for (int64_t c = r; c < chunks; c += l.pp) rank.layers += blocks[c];
+    for (int64_t c = r; c < chunks; c += l.pp) rank.layers += blocks[c], rank.moe_layers += moe_blocks[c];
     const bool first = r == 0, last = r == l.pp - 1;
-    const double psi = static_cast<double>(rank.layers) * block + (first ? embedding : 0) + (last ? head : 0);
+    const double dense_layers = static_cast<double>(rank.layers - rank.moe_layers);
+    const double psi = dense_layers * block + static_cast<double>(rank.moe_layers) * moe_block + (first ? embedding : 0) +
+                       (last ? head : 0);
     rank.parameter_count = psi;
+    rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * local_experts;
+    const double largest_block = rank.moe_layers > 0 ? std::max(block, moe_block) : block;
+    const double workspace = std::max(layer_backward_workspace(model, z, p, false, 1, 0),
+                                      rank.moe_layers > 0 ? layer_backward_workspace(model, z, p, true, l.ep, w.moe_load) : 0.0);
 
     MemoryBreakdown states;
     states.parameters = p.param * psi / (l.zero_stage >= 3 ? shards : 1);
@@ -192,7 +234,8 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
     double stash = 0, kept_outputs = 0, sends = 0;
     int stashed = 0;
     auto stage_bytes = [&](int stage) {
-      double bytes = static_cast<double>(blocks[stage]) * per_layer;
+      double bytes = static_cast<double>(blocks[stage] - moe_blocks[stage]) * per_layer +
+                     static_cast<double>(moe_blocks[stage]) * per_moe_layer;
       if (stage == 0 && w.dropout > 0) bytes += p.mask * z.region(z.u);  // the embedding's dropout mask
       return bytes;
     };
@@ -213,7 +256,7 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
                    sends + (gathers ? (p.param + p.grad) * root_unit : 0), 0);
           kept_outputs -= out.kept;
         }
-        const double buffers = sends + (gathers ? p.param * root_unit + (p.param + p.grad) * block : 0);
+        const double buffers = sends + (gathers ? p.param * root_unit + (p.param + p.grad) * largest_block : 0);
         consider("layer backward", stash, kept_outputs, buffers, workspace + (l.recompute == "full" ? full_layer : 0));
         stash -= stage_bytes(a.stage);
         --stashed;
@@ -222,7 +265,7 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
     }
     // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
     // a unit's updated shards into a full buffer (two units' worth in flight).
-    const double optimizer_work = l.zero_stage == 0 ? 4 * 4 * largest_tensor : 2 * 4 * std::max(block, root_unit);
+    const double optimizer_work = l.zero_stage == 0 ? 4 * 4 * largest_tensor : 2 * 4 * std::max(largest_block, root_unit);
     consider("optimizer step", 0, 0, 0, optimizer_work);
     rank.memory = peak;
     ranks.push_back(rank);

@@ -19,6 +19,7 @@ namespace meshtrain::plan {
 //                 optimizer states (stage 1), + gradients (2), + parameters (3)
 //                 over the fsdp shards (Rajbhandari et al. 2020, Fig. 1:
 //                 (2 + 2 + K)Ψ with K = 12 for mixed-precision Adam).
+//                 Expert parallel divides a MoE block's experts by ep.
 //   activations   what each transformer layer saves for backward, per
 //                 micro-batch (Korthikanti et al. 2022, Eq. 1-6: sbh(34 +
 //                 5as/h) in 16-bit with dropout and unfused attention; tensor
@@ -28,7 +29,13 @@ namespace meshtrain::plan {
 //                 the layers of a stage, for every stage whose forward has run
 //                 and whose backward has not: one without a pipeline, with
 //                 one as many as the schedule leaves (GPipe m, 1F1B p - r;
-//                 Narayanan et al. 2021, Sec. 2.2).
+//                 Narayanan et al. 2021, Sec. 2.2). A MoE layer saves, in
+//                 place of the MLP's hidden tensors, the router's fp32
+//                 logits and probabilities, and for each of its A = tokens ·
+//                 top_k (· cf when cf < 1) assignments the expert's input,
+//                 hidden tensors and output, and the index and gate vectors
+//                 of dispatch and combine; a balanced router is assumed (cf
+//                 bounds what one rank receives to tokens · top_k · cf).
 //   moments       the rank's schedule (a pipeline's, or one micro-batch
 //                 after another) is walked action by action, and the peak is
 //                 the fullest of: the end of a forward on the last stage
@@ -53,10 +60,13 @@ struct ActivationOptions {
   std::string attention = "flash";
   double dropout = 0;
   Precision precision = Precision::parse("bf16-mixed");
+  double moe_load = 0;  // Workload::moe_load
 };
 
-// Bytes one transformer layer keeps for its backward, per micro-batch.
-double layer_activation_bytes(const ModelShape& model, const ActivationOptions& options);
+// Bytes one transformer layer keeps for its backward, per micro-batch
+// (`moe`: a mixture-of-experts block, with its expert parallel degree `ep`).
+double layer_activation_bytes(const ModelShape& model, const ActivationOptions& options, bool moe = false,
+                              int64_t ep = 1);
 
 // One rank's memory at its peak, by term (bytes).
 struct MemoryBreakdown {
@@ -78,8 +88,10 @@ struct MemoryBreakdown {
 struct RankMemory {
   int pipeline_rank = 0;
   int64_t layers = 0;       // transformer blocks held
+  int64_t moe_layers = 0;   // of those, mixture-of-experts blocks
   int64_t in_flight = 0;    // most micro-batch stages stashed at once
   double parameter_count = 0;  // Ψ held (before ZeRO sharding)
+  double expert_parameter_count = 0;  // of Ψ, expert tensors (reduced over dp x fsdp, not ep)
   MemoryBreakdown memory;
 };
 

@@ -1,5 +1,6 @@
 #include "meshtrain/plan/model_shape.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -37,6 +38,15 @@ ModelShape gpt(int64_t vocab, int64_t seq, int64_t layers, int64_t heads, int64_
   return m;
 }
 
+// `shape` with `experts` experts of its MLP in every `every`-th block, top_k per token, dropless.
+ModelShape mixture(ModelShape shape, int64_t experts, int64_t top_k, int64_t every) {
+  shape.experts = experts;
+  shape.top_k = top_k;
+  shape.moe_every = every;
+  shape.expert_ffn = shape.ffn;
+  return shape;
+}
+
 // Published shapes (model cards and papers); the MLP sizes are the released ones.
 const std::map<std::string, ModelShape>& planning_presets() {
   static const std::map<std::string, ModelShape> table = {
@@ -48,6 +58,8 @@ const std::map<std::string, ModelShape>& planning_presets() {
       // GPT-3's 50257 tokens padded to 50304 (a multiple of 128, as Megatron-LM pads) so tensor parallel splits it.
       {"gpt3-175b", gpt(50304, 2048, 96, 96, 12288)},
       {"gpt-1t", gpt(51200, 2048, 128, 160, 25600)},  // Narayanan et al. 2021, Table 1
+      // Jiang et al. 2024: Mistral-7B's shape with 8 SwiGLU experts in every block, top 2 (46.7B, 12.9B active).
+      {"mixtral-8x7b", mixture(llama(32000, 4096, 32, 32, 8, 4096, 14336), 8, 2, 1)},
   };
   return table;
 }
@@ -78,6 +90,13 @@ ModelShape ModelShape::from_config(const model::GptConfig& config, const std::st
   m.bias = config.bias;
   m.tied_head = config.tie_embeddings;
   m.learned_positions = config.position == "learned";
+  if (config.moe()) {
+    m.experts = config.moe_experts;
+    m.moe_every = config.moe_every;
+    m.top_k = config.moe_top_k;
+    m.expert_ffn = config.expert_hidden();
+    m.capacity_factor = config.moe_capacity_factor;
+  }
   return m;
 }
 
@@ -98,7 +117,8 @@ ModelShape ModelShape::preset(const std::string& name) {
 
 std::vector<std::string> ModelShape::preset_names() {
   std::vector<std::string> names = model::GptConfig::preset_names();
-  for (const char* n : {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "gpt3-175b", "gpt-1t"}) {
+  for (const char* n : {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "gpt3-175b", "gpt-1t",
+                        "mixtral-8x7b"}) {
     names.push_back(n);
   }
   return names;
@@ -117,6 +137,21 @@ int64_t ModelShape::block_parameters() const {
   return block_split_parameters() + row_biases + 2 * norm;
 }
 
+int64_t ModelShape::mlp_parameters(int64_t hidden) const {
+  const int64_t b = bias ? 1 : 0, matrices = gated_mlp ? 3 : 2;
+  return matrices * width * hidden + b * ((matrices - 1) * hidden + width);
+}
+
+int64_t ModelShape::moe_block_parameters() const {
+  return block_parameters() - mlp_parameters(ffn) + experts * width + expert_parameters();
+}
+
+double ModelShape::assignments(double tokens, double load) const {
+  const double k = static_cast<double>(top_k);
+  if (load > 0) return tokens * k * load;
+  return tokens * k * (capacity_factor > 0 ? std::min(1.0, capacity_factor) : 1.0);
+}
+
 int64_t ModelShape::embedding_parameters() const { return vocab * width + (learned_positions ? seq * width : 0); }
 
 int64_t ModelShape::head_parameters() const {
@@ -125,7 +160,12 @@ int64_t ModelShape::head_parameters() const {
 }
 
 int64_t ModelShape::parameter_count() const {
-  return embedding_parameters() + layers * block_parameters() + head_parameters();
+  return embedding_parameters() + (layers - moe_blocks()) * block_parameters() + moe_blocks() * moe_block_parameters() +
+         head_parameters();
+}
+
+int64_t ModelShape::active_parameter_count() const {
+  return parameter_count() - moe_blocks() * (experts - top_k) * mlp_parameters(expert_ffn);
 }
 
 double ModelShape::block_training_flops() const {
@@ -133,6 +173,20 @@ double ModelShape::block_training_flops() const {
   const double weights = h * (h + 2.0 * static_cast<double>(kv_width())) + h * h +
                          (gated_mlp ? 3.0 : 2.0) * h * static_cast<double>(ffn);
   return s * (6 * weights + 12 * s * h);
+}
+
+double ModelShape::block_training_flops(int64_t i) const {
+  if (!is_moe_block(i)) return block_training_flops();
+  const double s = static_cast<double>(seq), h = static_cast<double>(width);
+  const double mlp = (gated_mlp ? 3.0 : 2.0) * h * static_cast<double>(ffn);
+  const double experts_used = (gated_mlp ? 3.0 : 2.0) * h * static_cast<double>(expert_ffn) * static_cast<double>(top_k);
+  return block_training_flops() + 6 * s * (static_cast<double>(experts) * h + experts_used - mlp);
+}
+
+double ModelShape::training_flops_per_sequence() const {
+  double flops = head_training_flops();
+  for (int64_t i = 0; i < layers; ++i) flops += block_training_flops(i);
+  return flops;
 }
 
 double ModelShape::head_training_flops() const {
@@ -154,6 +208,11 @@ std::string ModelShape::describe() const {
   if (kv_heads != heads) text += " (" + std::to_string(kv_heads) + " kv)";
   text += ", ffn " + std::to_string(ffn) + (gated_mlp ? " swiglu" : " gelu") + ", vocab " + std::to_string(vocab) +
           ", seq " + std::to_string(seq);
+  if (moe()) {
+    text += ", " + std::to_string(experts) + " experts top-" + std::to_string(top_k) +
+            (moe_every == 1 ? " in every block" : " in 1 of every " + std::to_string(moe_every) + " blocks") + ", " +
+            count_text(static_cast<double>(active_parameter_count())) + " active";
+  }
   return text;
 }
 

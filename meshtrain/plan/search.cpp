@@ -55,48 +55,70 @@ Candidate evaluate(const ModelShape& model, const Workload& workload, const Layo
   return c;
 }
 
-SearchResult search(const ModelShape& model, const Workload& workload, const Machine& machine, int64_t world) {
-  if (world < 1) throw std::invalid_argument("world size must be >= 1");
-  SearchResult result;
+namespace {
+
+// The mesh shapes of `world` ranks: tp (within a node) x pp x data ranks, of
+// them ep (a MoE model) and ZeRO shards over all replicas or within a node.
+std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine, int64_t world) {
+  std::vector<Layout> shapes;
   for (int64_t tp : divisors(world)) {
     if (tp > machine.devices_per_node) continue;  // tensor parallel stays inside a node
     for (int64_t pp : divisors(world / tp)) {
       if (pp > model.layers) continue;
       const int64_t data = world / (tp * pp);
-      for (int zero = 0; zero <= 3; ++zero) {
-        // ZeRO shards over all data ranks, or within a node and replicates across (hybrid).
-        std::vector<int64_t> shard_counts = {zero == 0 ? 1 : data};
-        const int64_t node_local = machine.devices_per_node / tp;
-        if (zero > 0 && node_local > 1 && node_local < data && data % node_local == 0) shard_counts.push_back(node_local);
-        for (int64_t fsdp : shard_counts) {
-          std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
-          if (pp > 1) schedules.push_back({"interleaved", 2});
-          for (const auto& [schedule, v] : schedules) {
-            for (int64_t mb = 1; mb <= workload.global_batch / data; mb *= 2) {
-              for (const char* recompute : {"none", "selective", "full"}) {
-                for (const char* offload : {"none", "optimizer", "parameters"}) {
-                  Layout l;
-                  l.tp = tp;
-                  l.sp = tp > 1 && model.seq % tp == 0;
-                  l.pp = pp;
-                  l.fsdp = fsdp;
-                  l.dp = data / fsdp;
-                  l.zero_stage = zero;
-                  l.schedule = schedule;
-                  l.virtual_stages = v;
-                  l.micro_batch = mb;
-                  l.recompute = recompute;
-                  l.offload = offload;
-                  if (workload.global_batch % (mb * data) != 0) continue;
-                  try {
-                    Candidate c = evaluate(model, workload, l, machine);
-                    ++result.examined;
-                    (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
-                  } catch (const std::invalid_argument&) {
-                    // A layout this model cannot take (divisibility, ZeRO-3 in a pipeline, ...): not a candidate.
-                  }
-                }
-              }
+      for (int64_t ep : divisors(data)) {
+        if (ep > 1 && (!model.moe() || model.experts % ep != 0)) continue;
+        const int64_t replicated = data / ep;
+        for (int zero = 0; zero <= 3; ++zero) {
+          std::vector<int64_t> shard_counts = {zero == 0 ? 1 : replicated};
+          const int64_t node_local = machine.devices_per_node / (tp * ep);
+          if (zero > 0 && node_local > 1 && node_local < replicated && replicated % node_local == 0) {
+            shard_counts.push_back(node_local);
+          }
+          for (int64_t fsdp : shard_counts) {
+            Layout l;
+            l.tp = tp;
+            l.sp = tp > 1 && model.seq % tp == 0;
+            l.pp = pp;
+            l.ep = ep;
+            l.fsdp = fsdp;
+            l.dp = replicated / fsdp;
+            l.zero_stage = zero;
+            shapes.push_back(l);
+          }
+        }
+      }
+    }
+  }
+  return shapes;
+}
+
+}  // namespace
+
+SearchResult search(const ModelShape& model, const Workload& workload, const Machine& machine, int64_t world) {
+  if (world < 1) throw std::invalid_argument("world size must be >= 1");
+  SearchResult result;
+  for (const Layout& shape : mesh_shapes(model, machine, world)) {
+    const int64_t data = shape.data_ranks();
+    std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
+    if (shape.pp > 1) schedules.push_back({"interleaved", 2});
+    for (const auto& [schedule, v] : schedules) {
+      for (int64_t mb = 1; mb <= workload.global_batch / data; mb *= 2) {
+        if (workload.global_batch % (mb * data) != 0) continue;
+        for (const char* recompute : {"none", "selective", "full"}) {
+          for (const char* offload : {"none", "optimizer", "parameters"}) {
+            Layout l = shape;
+            l.schedule = schedule;
+            l.virtual_stages = v;
+            l.micro_batch = mb;
+            l.recompute = recompute;
+            l.offload = offload;
+            try {
+              Candidate c = evaluate(model, workload, l, machine);
+              ++result.examined;
+              (c.fits ? result.fitting : result.rejected).push_back(std::move(c));
+            } catch (const std::invalid_argument&) {
+              // A layout this model cannot take (divisibility, ZeRO-3 in a pipeline, ...): not a candidate.
             }
           }
         }

@@ -34,7 +34,8 @@ struct SearchResult {
   int64_t examined = 0;
 };
 
-// Every layout of `world` ranks: tp (within a node) x pp x data ranks, ZeRO
+// Every layout of `world` ranks: tp (within a node) x pp x data ranks (of
+// them ep, for a mixture-of-experts model: any degree dividing the experts), ZeRO
 // stage 0-3 (full or node-local sharding), sequence parallel whenever tp > 1
 // allows it, 1F1B and interleaved (v = 2) pipelines, micro-batch sizes
 // dividing the batch, no/selective/full recompute, and offload where ZeRO

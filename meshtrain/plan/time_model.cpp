@@ -38,15 +38,21 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
 
   // The slowest pipeline rank (its blocks; embedding lookups are free, the
   // head is not) and the most parameters any rank reduces.
-  double slowest = 0, slowest_recompute = 0, psi = 0;
-  int64_t most_layers = 0;
+  const double moe_flops = model.moe() ? model.block_training_flops(model.moe_every - 1) : 0;
+  auto recompute_flops = [&](double flops, double layers) {
+    if (l.recompute == "full") return flops / 3;  // a forward is a third of forward + backward
+    return layers * model.block_recompute_flops(l.recompute);
+  };
+  double slowest = 0, slowest_recompute = 0, psi = 0, expert_psi = 0;
+  int64_t most_layers = 0, most_moe_layers = 0;
   for (const RankMemory& rank : ranks) {
-    const double layers = static_cast<double>(rank.layers);
-    const double flops = layers * model.block_training_flops() +
-                         (rank.pipeline_rank == l.pp - 1 ? model.head_training_flops() : 0);
-    if (flops > slowest) slowest = flops, slowest_recompute = layers * model.block_recompute_flops(l.recompute);
+    const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
+    const double blocks = (layers - moe_layers) * model.block_training_flops() + moe_layers * moe_flops;
+    const double flops = blocks + (rank.pipeline_rank == l.pp - 1 ? model.head_training_flops() : 0);
+    if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers);
     most_layers = std::max(most_layers, rank.layers);
-    psi = std::max(psi, rank.parameter_count);
+    most_moe_layers = std::max(most_moe_layers, rank.moe_layers);
+    if (rank.parameter_count > psi) psi = rank.parameter_count, expert_psi = rank.expert_parameter_count;
   }
   const double sequences = m * b;  // per data rank per step
   time.recompute = sequences * slowest_recompute / t / rate;
@@ -68,8 +74,24 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     time.tensor_parallel = seconds;
   }
 
+  if (l.ep > 1 && most_moe_layers > 0) {
+    // Dispatch and combine: an all-to-all each way per MoE layer and
+    // micro-batch, forward and backward (and the recomputed forward), each
+    // sending (ep-1)/ep of the layer's assignments off the rank, plus the
+    // forward's exchange of token counts.
+    const Link ep_link = link(machine, l.ep, l.tp);
+    const double n = static_cast<double>(l.ep), forwards = l.recompute == "full" ? 2 : 1;
+    const double exchange = model.assignments(static_cast<double>(model.seq) * b, w.moe_load) * static_cast<double>(model.width) *
+                            p.activation * (n - 1) / n;
+    const double per_layer = (2 * forwards + 2) * exchange;
+    const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
+    const double layers = m * static_cast<double>(most_moe_layers);
+    time.expert_parallel = layers * seconds_per_layer;
+    time.traffic.push_back({"ep", "all-to-all tokens to and from experts", layers * per_layer, time.expert_parallel});
+  }
+
   const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dp);
-  const Link shard_link = link(machine, l.fsdp, l.tp), replica_link = link(machine, l.data_ranks(), l.tp);
+  const Link shard_link = link(machine, l.fsdp, l.ep * l.tp), replica_link = link(machine, l.data_ranks(), l.tp);
   double hidden_behind = 2.0 / 3.0 * (time.compute - time.recompute);  // backward
   double dp_seconds = 0;
   auto add = [&](const char* group, const char* what, double bytes, double seconds) {
@@ -78,7 +100,13 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     dp_seconds += seconds;
   };
   if (l.zero_stage == 0) {
-    add("dp", "all-reduce gradients", p.grad * psi, replica_link.all_reduce(p.grad * psi, replicas));
+    // Expert gradients are reduced only among the ranks holding the same experts.
+    const double shared = psi - expert_psi, data = static_cast<double>(l.data_ranks());
+    add("dp", "all-reduce gradients", p.grad * shared, replica_link.all_reduce(p.grad * shared, data));
+    if (expert_psi > 0) {
+      add("dp", "all-reduce expert gradients", p.grad * expert_psi,
+          link(machine, l.expert_data_ranks(), l.ep * l.tp).all_reduce(p.grad * expert_psi, replicas));
+    }
   } else {
     const double grads = p.grad * psi, params = p.param * psi;
     const double reductions = l.zero_stage == 1 ? 1 : m;  // ZeRO-2/3 reduce-scatter after every micro-batch

@@ -29,14 +29,19 @@ namespace meshtrain::plan {
 //            forward and backward — hidden behind compute up to its length
 //            (backward for gradients, the whole step for ZeRO-3 gathers),
 //            the excess exposed. Pipeline: each micro-batch's activation and
-//            gradient at every stage boundary. Offload: gradients down and
+//            gradient at every stage boundary. Expert parallel: per MoE
+//            layer and micro-batch, all-to-alls of the layer's assignments
+//            (tokens · top_k · hidden) to the experts' ranks and back,
+//            forward and backward, exposed; expert gradients all-reduced
+//            over dp x fsdp only (the ranks holding the same experts).
+//            Offload: gradients down and
 //            parameters up over the host link, and the host-side optimizer
 //            streaming its states.
 // A group stays inside a node when its ranks do (the mesh is pp x dp x fsdp
-// x tp with tp innermost); otherwise it runs at the inter-node bandwidth.
+// x ep x tp with tp innermost); otherwise it runs at the inter-node bandwidth.
 
 struct Traffic {
-  std::string group;   // "tp", "dp", "pp", "host"
+  std::string group;   // "tp", "ep", "dp", "pp", "host"
   std::string what;    // "all-reduce activations", ...
   double bytes = 0;    // per rank per step
   double seconds = 0;  // before overlap
@@ -49,12 +54,13 @@ struct TimeBreakdown {
   double tensor_parallel = 0;  // exposed communication, by group
   double data_parallel = 0;
   double pipeline = 0;
+  double expert_parallel = 0;
   double offload = 0;
   double tokens_per_second = 0;
   double mfu = 0;             // model FLOPs (no recompute) / (step x devices x peak)
   std::vector<Traffic> traffic;
 
-  double step() const { return compute + bubble + tensor_parallel + data_parallel + pipeline + offload; }
+  double step() const { return compute + bubble + tensor_parallel + data_parallel + pipeline + expert_parallel + offload; }
 };
 
 // `microbatches` per data rank per step; `ranks` from estimate_memory() of

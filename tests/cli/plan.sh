@@ -24,6 +24,17 @@ PY
   | tee "$dir/one.txt"
 grep -q "layout   pp=8 1f1b tp=8 sp zero=1 fsdp=16 mb=1 recompute=selective" "$dir/one.txt"
 grep -q "^  7  " "$dir/one.txt"  # a row per pipeline rank
+# Mixture of experts: total and active parameters, expert parallel in the search, all-to-all traffic.
+"$meshtrain" plan --model mixtral-8x7b --world 64 --layout "pp=8 ep=8" | tee "$dir/moe.txt"
+grep -q "mixtral-8x7b: 46.70B parameters.*8 experts top-2 in every block, 12.88B active" "$dir/moe.txt"
+grep -q "ep   all-to-all tokens to and from experts" "$dir/moe.txt"
+"$meshtrain" plan --model mixtral-8x7b --world 64 --json --top 50 > "$dir/moe.json"
+python3 - "$dir/moe.json" <<'PY'
+import json, sys
+plan = json.load(open(sys.argv[1]))
+assert plan["active_parameters"] < plan["parameters"] / 3, plan
+assert any("ep=" in c["layout"] for c in plan["best"]), [c["layout"] for c in plan["best"]]
+PY
 cat > "$dir/run.toml" <<'TOML'
 [model]
 preset = "tiny"
@@ -46,7 +57,7 @@ expect_error() {  # message, then the plan arguments
   grep -qF "$message" "$dir/bad.log" || { cat "$dir/bad.log"; exit 1; }
 }
 expect_error "unknown model 'llama9'" --model llama9 --world 8
-expect_error "uses pp x dp x fsdp x tp = 4 ranks, not --world 8" --model llama2-7b --world 8 --layout tp=4
+expect_error "uses pp x dp x fsdp x ep x tp = 4 ranks, not --world 8" --model llama2-7b --world 8 --layout tp=4
 expect_error "tp(3) does not divide the attention heads (32)" --model llama2-7b --world 6 --layout "tp=3 dp=2"
 expect_error "layout key 'tq' unknown" --model llama2-7b --world 8 --layout tq=8
 expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples

@@ -155,6 +155,17 @@ TEST_F(ExpertParallelTest, MetricsReportEveryMoeLayer) {
     EXPECT_LT(m.dropped, 1.0);
     EXPECT_GE(m.load_max_over_mean, 1.0);
   }
+  // Dropless: every routed assignment is computed somewhere, so the ranks'
+  // loads average to 1 and the busiest rank's is their maximum.
+  Trainer dropless(config(n, kBatch / n, "", moe(2, {"parallel.ep=" + std::to_string(n), "model.moe_capacity_factor=0"})),
+                   world());
+  for (const model::MoeLayerMetrics& m : dropless.step().moe) {
+    at::Tensor loads = at::tensor({m.this_rank_load}, at::kDouble);
+    at::Tensor all = at::empty({n}, at::kDouble);
+    world()->all_gather(all, loads).wait();
+    EXPECT_NEAR(all.mean().item<double>(), 1.0, 1e-12) << "block " << m.block;
+    EXPECT_DOUBLE_EQ(all.max().item<double>(), m.rank_load) << "block " << m.block;
+  }
 }
 
 }  // namespace

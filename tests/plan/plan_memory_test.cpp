@@ -1,6 +1,7 @@
 // The memory model against meshtrain's own runs: for every layout the rank
 // count allows, the predicted peak of each rank within 10% of what the
-// counting allocator measured in a steady-state step.
+// counting allocator measured in a steady-state step (mixture of experts:
+// given the expert load the rank's router gave it).
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
 #include "tests/parallel/training_fixture.h"
@@ -36,7 +37,7 @@ class PlanMemory : public TrainingTest {
     c.batch = (c.parallel.pp > 1 ? 16 : 8) * c.data_ranks();  // pipelines: 4 micro-batches
     c.validate(n);
     const int64_t before = memory::current_bytes();
-    double measured = 0, states = 0;
+    double measured = 0, states = 0, moe_load = 0;
     int pipeline_rank = 0;
     {
       Trainer trainer(c, world());
@@ -45,13 +46,24 @@ class PlanMemory : public TrainingTest {
       measured = static_cast<double>(result.memory.peak() - before);
       states = static_cast<double>(result.memory.model_states - before);
       pipeline_rank = trainer.mesh().coordinate("pp");
+      // The expert load this rank computed (its MoE layers' mean): the
+      // planner's input for the router's balance, which it cannot know.
+      int moe_layers = 0;
+      for (const auto& layer : result.moe) {
+        if (layer.this_rank_load > 0) moe_load += layer.this_rank_load, ++moe_layers;
+      }
+      if (moe_layers > 0) moe_load /= moe_layers;
     }
-    const plan::PlannedRun run = plan::planned_run(c);
+    plan::PlannedRun run = plan::planned_run(c);
+    run.workload.moe_load = moe_load;
     const plan::RankMemory predicted =
         plan::estimate_memory(run.model, run.workload, run.layout, run.microbatches)[pipeline_rank];
     const double error = (predicted.memory.total() - measured) / measured;
     std::string text;
-    for (const auto& o : layout) text += o.substr(o.find('.') + 1) + " ";
+    for (const auto& o : layout) {
+      if (o.rfind("model.moe_", 0) == 0 && o.rfind("model.moe_experts", 0) != 0) continue;  // the MoE settings
+      text += o.substr(o.find('.') + 1) + " ";
+    }
     char line[512];
     std::snprintf(line, sizeof line,
                   "  %-62s h%-3lld rank %d: measured %7.3f MiB (states %6.3f), predicted %7.3f (states %6.3f, "
@@ -61,6 +73,18 @@ class PlanMemory : public TrainingTest {
                   predicted.memory.activations / 1048576, predicted.memory.moment.c_str(), 100 * error);
     print_in_rank_order(line);
     return error;
+  }
+
+  // A mixture-of-experts model (blocks 1 and 3 of 4), top-2 with every second
+  // choice kept and capacity 1.0, so a rank computes at most tokens x 2
+  // assignments per layer, as the planner assumes.
+  static Overrides moe(int64_t experts, Overrides layout = {}) {
+    for (const char* o : {"model.moe_every=2", "model.moe_top_k=2", "model.moe_second_expert=always",
+                          "model.moe_capacity_factor=0"}) {
+      layout.insert(layout.begin(), o);
+    }
+    layout.insert(layout.begin(), "model.moe_experts=" + std::to_string(experts));
+    return layout;
   }
 
   void print_in_rank_order(const std::string& text) {
@@ -108,6 +132,33 @@ TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
   std::vector<Overrides> llama_layouts = {{}, {"parallel.activation_checkpoint=full"}};
   if (n % 2 == 0) llama_layouts.push_back({"parallel.pp=2", "parallel.pp_schedule=1f1b"});
   if (n == 2) llama_layouts.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
+  for (const Overrides& layout : llama_layouts) {
+    const double error = relative_error_of(layout, 128, /*llama=*/true);
+    EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " llama";
+  }
+}
+
+TEST_F(PlanMemory, MixtureOfExpertsPeakWithinTenPercentOfMeasured) {
+  memory::install();
+  const int n = world()->size();
+  if (n == 8) GTEST_SKIP() << "2, 3 and 4 ranks cover every MoE layout kind";
+  const int64_t experts = n == 3 ? 6 : 4;
+  std::vector<Overrides> layouts = {moe(experts), moe(experts, {"parallel.activation_checkpoint=full"})};
+  if (n > 1) {
+    layouts.push_back(moe(experts, {"parallel.ep=" + std::to_string(n)}));
+    for (int stage = 1; stage <= 3; ++stage) layouts.push_back(moe(experts, {"parallel.zero_stage=" + std::to_string(stage)}));
+  }
+  if (n == 4) layouts.push_back(moe(experts, {"parallel.ep=2"}));
+  if (n % 2 == 0) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.pp_schedule=1f1b"}));
+  if (n == 4) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=gpipe"}));
+  for (const Overrides& layout : layouts) {
+    for (int64_t width : {64, 128}) {
+      const double error = relative_error_of(layout, width);
+      EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " width " << width;
+    }
+  }
+  std::vector<Overrides> llama_layouts = {moe(experts)};
+  if (n > 1) llama_layouts.push_back(moe(experts, {"parallel.ep=" + std::to_string(n)}));
   for (const Overrides& layout : llama_layouts) {
     const double error = relative_error_of(layout, 128, /*llama=*/true);
     EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " llama";

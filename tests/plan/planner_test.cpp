@@ -226,3 +226,93 @@ TEST(PlanMachine, ProfileRoundTripsAndRejectsBadFields) {
 
 }  // namespace
 }  // namespace meshtrain::plan
+
+namespace meshtrain::plan {
+namespace {
+
+// A GPT-style config with 8 experts in every second block, top-2.
+model::GptConfig moe_config() {
+  model::GptConfig c = model::GptConfig::preset("small");
+  c.moe_experts = 8;
+  c.moe_every = 2;
+  c.moe_top_k = 2;
+  return c;
+}
+
+TEST(PlanMoe, ParameterCountsEqualTheBuiltModelAndMixtral) {
+  for (const std::string mlp : {"gelu", "swiglu"}) {
+    model::GptConfig c = moe_config();
+    c.mlp = mlp;
+    c.moe_hidden = 96;
+    model::Gpt gpt(c, 1);
+    int64_t numel = 0;
+    for (const auto& p : gpt->parameters()) numel += p.numel();
+    const ModelShape m = ModelShape::from_config(c, "moe");
+    EXPECT_EQ(m.parameter_count(), numel) << mlp;
+    EXPECT_EQ(m.parameter_count(), c.parameter_count());
+    EXPECT_EQ(m.active_parameter_count(), c.active_parameter_count());
+  }
+  // Jiang et al. 2024: 46.7B parameters, 12.9B active per token.
+  const ModelShape mixtral = ModelShape::preset("mixtral-8x7b");
+  EXPECT_NEAR(mixtral.parameter_count() / 1e9, 46.7, 0.05);
+  EXPECT_NEAR(mixtral.active_parameter_count() / 1e9, 12.9, 0.05);
+}
+
+TEST(PlanMoe, FlopsCountTheRouterAndTopKExperts) {
+  const model::GptConfig c = moe_config();
+  const ModelShape m = ModelShape::from_config(c, "moe");
+  const double s = m.seq, h = m.width, f = m.ffn;
+  // A MoE block: the dense block with its MLP (2·h·f) replaced by the router (E·h) and k experts.
+  EXPECT_DOUBLE_EQ(m.block_training_flops(1) - m.block_training_flops(0), 6 * s * (8 * h + 2 * 2 * h * f - 2 * h * f));
+  EXPECT_NEAR(m.training_flops_per_sequence() / s, c.flops_per_token(), 1e-9 * c.flops_per_token());
+}
+
+TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
+  ModelShape m = ModelShape::preset("mixtral-8x7b");
+  Workload w;
+  w.global_batch = 64;
+  Machine machine;
+  Layout dense = Layout::parse("pp=8 dp=8");
+  Layout ep = Layout::parse("pp=8 ep=8");
+  EXPECT_EQ(ep.str(), "pp=8 1f1b ep=8 mb=1");
+  EXPECT_EQ(ep.world(), 64);
+  EXPECT_EQ(ep.data_ranks(), 8);
+  const Candidate replicated = evaluate(m, w, dense, machine), split = evaluate(m, w, ep, machine);
+  // Per rank: the experts (3·h·f each, 8 per block) divided by 8, the rest whole.
+  const double experts = 8.0 * 3 * 4096 * 14336 * replicated.ranks[1].layers;
+  EXPECT_NEAR(replicated.ranks[1].parameter_count - split.ranks[1].parameter_count, experts * 7 / 8, 1);
+  EXPECT_NEAR(split.ranks[1].expert_parameter_count, experts / 8, 1);
+  // All-to-all: 4 per layer and micro-batch, each tokens·k·h·2 bytes, 7/8 of it leaving the rank.
+  double all_to_all = 0;
+  for (const Traffic& t : split.time.traffic) {
+    if (t.group == "ep") all_to_all = t.bytes;
+  }
+  const double layers = split.ranks[0].moe_layers, microbatches = split.microbatches;
+  EXPECT_NEAR(all_to_all, microbatches * layers * 4 * (4096.0 * 2 * 4096 * 2) * 7 / 8, 1);
+  EXPECT_GT(split.time.expert_parallel, 0);
+  EXPECT_EQ(replicated.time.expert_parallel, 0);
+  // A heavier load on the busiest rank costs activation memory.
+  w.moe_load = 1.5;
+  EXPECT_GT(evaluate(m, w, ep, machine).worst.memory.activations, split.worst.memory.activations);
+  // The rules: ep divides the experts; ep with ZeRO or tp is refused.
+  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("ep=3"), 1); }).find("does not divide model.moe_experts (8)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { check_layout(ModelShape::preset("llama2-7b"), Layout::parse("ep=2"), 1); })
+                .find("needs a mixture-of-experts model"),
+            std::string::npos);
+}
+
+TEST(PlanMoe, SearchConsidersExpertParallel) {
+  const ModelShape m = ModelShape::preset("mixtral-8x7b");
+  Workload w;
+  w.global_batch = default_global_batch(m, 64);
+  const SearchResult result = search(m, w, Machine(), 64);
+  ASSERT_FALSE(result.fitting.empty());
+  bool any_ep = false;
+  for (const Candidate& c : result.fitting) any_ep = any_ep || c.layout.ep > 1;
+  EXPECT_TRUE(any_ep);
+  for (const Candidate& c : result.fitting) EXPECT_EQ(m.experts % c.layout.ep, 0);
+}
+
+}  // namespace
+}  // namespace meshtrain::plan
