@@ -11,6 +11,7 @@ backward ended) / (the same all-reduces timed alone); the wait for the slowest
 rank's backward (skew) is reported apart. Run from the repository root with the project's virtual environment:
 
     .venv/bin/python bench/train_vs_pytorch.py [--presets tiny small] [--ranks 1 2] [--repeats 3]
+        [--moe-experts 8 --moe-top-k 2 --moe-hidden 768]   # mixture-of-experts blocks (dropless, every block)
 """
 import argparse
 import json
@@ -53,7 +54,19 @@ def main():
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=8, help="per rank, per forward/backward")
+    parser.add_argument("--moe-experts", type=int, default=0, help="MoE in every block: experts (0: dense)")
+    parser.add_argument("--moe-top-k", type=int, default=1)
+    parser.add_argument("--moe-hidden", type=int, default=0, help="an expert's hidden size (0: 4 x width)")
     args = parser.parse_args()
+    ours_moe, theirs_moe = [], []
+    if args.moe_experts:
+        ours_moe = [f"--model.moe_experts={args.moe_experts}", f"--model.moe_top_k={args.moe_top_k}",
+                    "--model.moe_every=1", "--model.moe_capacity_factor=0", "--model.moe_second_expert=always"]
+        theirs_moe = ["--moe-experts", str(args.moe_experts), "--moe-top-k", str(args.moe_top_k), "--moe-every", "1",
+                      "--moe-capacity-factor", "0", "--moe-second-expert", "always"]
+        if args.moe_hidden:
+            ours_moe.append(f"--model.moe_hidden={args.moe_hidden}")
+            theirs_moe += ["--moe-hidden", str(args.moe_hidden)]
 
     cores = os.cpu_count()
     rows = []
@@ -62,7 +75,7 @@ def main():
             env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // ranks)))
             ours_cmd = [MESHTRAIN, "run", "-n", str(ranks), "bench", "train", "--steps", str(args.steps),
                         f"--model.preset={preset}", f"--training.batch={args.batch}",
-                        f"--training.micro_batch={args.micro_batch}", "--run.out=runs/bench-train"]
+                        f"--training.micro_batch={args.micro_batch}", "--run.out=runs/bench-train"] + ours_moe
             ours, theirs = [], []
             for _ in range(args.repeats):
                 ours.append(run(ours_cmd, env))
@@ -73,7 +86,7 @@ def main():
                                   "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
                     theirs_cmd.append(REFERENCE)
                 theirs_cmd += ["--preset", preset, "--batch", str(args.batch), "--micro-batch", str(args.micro_batch),
-                               "--steps", str(args.steps)]
+                               "--steps", str(args.steps)] + theirs_moe
                 theirs.append(run(theirs_cmd, env))
             ours_tps = statistics.median(r["tokens_per_s"] for r in ours)
             theirs_tps = statistics.median(r["tokens_per_s"] for r in theirs)

@@ -1,4 +1,6 @@
-"""PyTorch reference for `meshtrain bench train`: the same GPT, optimizer, batch and
+"""PyTorch reference for `meshtrain bench train`: the same GPT (optionally with
+mixture-of-experts blocks, --moe-experts: the same router, capacity, dispatch,
+experts and combine as meshtrain/model/moe.cpp), optimizer, batch and
 schedule, single process, DDP or FSDP2 (`fully_shard`, per block then the root),
 over gloo; or one process on a GPU (--device cuda), eager or torch.compile'd,
 in float32 or bfloat16 autocast. Launch one process per rank, e.g.
@@ -30,16 +32,71 @@ PRESETS = {  # vocab, context, layers, heads, width — as meshtrain's presets
 }
 
 
+class MoE(nn.Module):
+    """Top-1 (Switch) or top-2 (GShard) experts of GELU MLPs: fp32 router, capacity
+    ceil(n·k·cf/E) with first choices placed before second ones (cf 0: dropless),
+    tokens grouped by expert, gated combine; Switch aux loss and router z-loss."""
+
+    def __init__(self, width, experts, hidden, top_k, capacity_factor, second, aux_loss, z_loss):
+        super().__init__()
+        self.experts, self.top_k, self.capacity_factor, self.second = experts, top_k, capacity_factor, second
+        self.aux_weight, self.z_weight = aux_loss, z_loss
+        self.router = nn.Parameter(torch.empty(experts, width))
+        self.fc_weight = nn.Parameter(torch.empty(experts, hidden, width))
+        self.fc_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.proj_weight = nn.Parameter(torch.empty(experts, width, hidden))
+        self.proj_bias = nn.Parameter(torch.zeros(experts, width))
+        self.aux = torch.zeros(())
+
+    def forward(self, x):
+        b, t, d = x.shape
+        e, k = self.experts, self.top_k
+        flat = x.reshape(-1, d)
+        n = flat.size(0)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(flat.float(), self.router)
+        probs = logits.softmax(-1)
+        top, choice = probs.topk(k, dim=-1)
+        gates, wanted = top, torch.ones_like(choice, dtype=torch.bool)
+        if k == 2:
+            gates = top / top.sum(-1, keepdim=True)
+            if self.second == "random" and self.training:
+                wanted[:, 1] = torch.rand(n, device=x.device) < (2 * gates[:, 1]).clamp(max=1.0).detach()
+        expert_of, wanted_flat = choice.t().reshape(-1), wanted.t().reshape(-1)
+        token_of, gate_of = torch.arange(n, device=x.device).repeat(k), gates.t().reshape(-1)
+        one_hot = F.one_hot(expert_of, e) * wanted_flat.unsqueeze(1).long()
+        position = (one_hot.cumsum(0) - 1).gather(1, expert_of.unsqueeze(1)).squeeze(1)
+        capacity = math.ceil(n * k * self.capacity_factor / e) if self.capacity_factor > 0 else n * k
+        selected = (wanted_flat & (position < capacity)).nonzero().squeeze(1)
+        experts_selected = expert_of[selected]
+        order = torch.sort(experts_selected, stable=True).indices
+        tokens, token_gates = token_of[selected][order], gate_of[selected][order]
+        counts = torch.bincount(experts_selected, minlength=e).tolist()
+        outputs = []
+        for xe, fw, fb, pw, pb in zip(flat[tokens].split(counts), self.fc_weight.unbind(0), self.fc_bias.unbind(0),
+                                      self.proj_weight.unbind(0), self.proj_bias.unbind(0)):
+            outputs.append(F.linear(F.gelu(F.linear(xe, fw, fb), approximate="tanh"), pw, pb))
+        computed = torch.cat(outputs)
+        weighted = computed * token_gates.unsqueeze(1).to(computed.dtype)
+        out = torch.zeros(n, d, dtype=weighted.dtype, device=x.device).index_add(0, tokens, weighted)
+        first_share = F.one_hot(choice[:, 0], e).float().mean(0)
+        self.aux = (self.aux_weight * e * (first_share * probs.mean(0)).sum() +
+                    self.z_weight * torch.logsumexp(logits, -1).pow(2).mean())
+        return out.view(b, t, d)
+
+
 class Block(nn.Module):
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, moe=None):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 4 * width)
-        self.fc_proj = nn.Linear(4 * width, width)
+        self.moe = moe
+        if moe is None:
+            self.fc = nn.Linear(width, 4 * width)
+            self.fc_proj = nn.Linear(4 * width, width)
 
     def forward(self, x):
         b, t, d = x.shape
@@ -47,18 +104,21 @@ class Block(nn.Module):
         q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
+        if self.moe is not None:
+            return x + self.moe(self.norm2(x))
         return x + self.fc_proj(F.gelu(self.fc(self.norm2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, context, layers, heads, width):
+    def __init__(self, vocab, context, layers, heads, width, moe=None, moe_every=1):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, moe() if moe and i % moe_every == moe_every - 1 else None)
+                                    for i in range(layers))
         self.norm_f = nn.LayerNorm(width)
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
+            if p.dim() >= 2 and not name.endswith("bias"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02)
             elif "norm" not in name:
                 nn.init.zeros_(p)
@@ -68,7 +128,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.norm_f(x), self.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return loss + sum((b.moe.aux for b in self.blocks if b.moe is not None), torch.zeros((), device=loss.device))
 
 
 def rss_mib():
@@ -94,6 +155,12 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
+    parser.add_argument("--moe-experts", type=int, default=0, help="experts per MoE block (0: dense)")
+    parser.add_argument("--moe-every", type=int, default=1, help="every k-th block is MoE")
+    parser.add_argument("--moe-top-k", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--moe-hidden", type=int, default=0, help="an expert's hidden size (0: 4 x width)")
+    parser.add_argument("--moe-capacity-factor", type=float, default=1.25, help="0: dropless")
+    parser.add_argument("--moe-second-expert", default="random", choices=["random", "always"])
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -107,7 +174,11 @@ def main():
     vocab, context, layers, heads, width = PRESETS[args.preset]
     layers, width = args.layers or layers, args.width or width
     baseline_rss = rss_mib()
-    model = GPT(vocab, context, layers, heads, width).to(device)
+    moe = None
+    if args.moe_experts:
+        moe = lambda: MoE(width, args.moe_experts, args.moe_hidden or 4 * width, args.moe_top_k,  # noqa: E731
+                          args.moe_capacity_factor, args.moe_second_expert, 0.01, 0.001)
+    model = GPT(vocab, context, layers, heads, width, moe, args.moe_every).to(device)
     step_model = torch.compile(model) if args.compile else model
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -159,6 +230,7 @@ def main():
                           "micro_batch": args.micro_batch, "threads": torch.get_num_threads(),
                           "tokens_per_s": tokens_per_second, "torch": torch.__version__,
                           "parameters": sum(p.numel() for p in model.parameters()),  # global sizes, DTensors too
+                          "moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k,
                           "peak_rss_mib": [m[0].item() for m in memories],
                           "rss_growth_mib": [m[1].item() for m in memories],
                           "device": args.device, "dtype": args.dtype, "compile": args.compile,

@@ -50,6 +50,8 @@ int run_checkpoint_inspect(const std::string& path, bool json);
 // first tp ranks train, the rest wait): bytes per layer against the formula,
 // tokens/s against tp = 1. Overrides as for train (default: small, 8 heads).
 int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps);
+// meshtrain bench moe: one MoE layer's bytes and time split, and MoE training against dense (apps/bench_moe.cpp).
+int run_bench_moe(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps);
 
 // meshtrain bench train [--section.key=value ...]: times training steps (after
 // warm-up) and prints one JSON line: tokens/s, MFU, all-reduce time per step and

@@ -99,6 +99,14 @@ int main(int argc, char** argv) {
             "against tp = 1. Default model: small with 8 heads; config overrides as for train.",
       tp_warmup, tp_steps);
   int pp_warmup = 1, pp_steps = 3;
+  int moe_warmup = 2, moe_steps = 8;
+  CLI::App* bench_moe = timed_bench(
+      "moe", "Mixture of experts in one run: one MoE layer (top-1 and top-2, experts split over the ranks) with the "
+             "bytes each rank sends per step against the formula and its forward split into router + dispatch + "
+             "combine, all-to-all and expert compute; then training tokens/s of MoE models against the dense model "
+             "with the same active parameters and global batch. Default: small, 8 experts in every block, dropless; "
+             "config overrides as for train.",
+      moe_warmup, moe_steps);
   std::string pp_out = "bench/pipeline";
   CLI::App* bench_pp = timed_bench(
       "pp", "Pipeline schedules (gpipe, 1f1b, interleaved with 2 virtual stages) for pp = 2 and 4 (up to the rank "
@@ -247,7 +255,7 @@ int main(int argc, char** argv) {
   }
 
   std::vector<std::string> overrides;
-  for (CLI::App* with_overrides : {train, bench_train, bench_graph, bench_tp, bench_pp, bench_checkpoint}) {
+  for (CLI::App* with_overrides : {train, bench_train, bench_graph, bench_tp, bench_moe, bench_pp, bench_checkpoint}) {
     if (!with_overrides->parsed()) continue;
     for (const std::string& extra : with_overrides->remaining()) {
       if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
@@ -267,6 +275,7 @@ int main(int argc, char** argv) {
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);
+    if (bench_moe->parsed()) return meshtrain::apps::run_bench_moe(*runtime, overrides, moe_warmup, moe_steps);
     if (bench_pp->parsed()) return meshtrain::apps::run_bench_pp(*runtime, overrides, pp_warmup, pp_steps, pp_out);
     if (bench_checkpoint->parsed()) {
       return meshtrain::apps::run_bench_checkpoint(*runtime, overrides, checkpoint_warmup, checkpoint_steps);

@@ -91,21 +91,23 @@ void MoeImpl::keep_experts(int64_t first, int64_t count) {
 
 at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) {
   if (is_training()) computed_ += tokens.size(0);
+  // One unbind per tensor: its backward stacks the experts' gradients once,
+  // where indexing each expert would add a full-size zero gradient per expert.
+  auto split = [](const at::Tensor& t) { return t.defined() ? t.unbind(0) : std::vector<at::Tensor>(); };
+  auto bias = [](const std::vector<at::Tensor>& b, int64_t i) { return b.empty() ? at::Tensor() : b[i]; };
+  const bool gelu = fc_weight.defined();
+  const std::vector<at::Tensor> in = split(gelu ? fc_weight : gate_weight), in_bias = split(gelu ? fc_bias : gate_bias);
+  const std::vector<at::Tensor> up = split(up_weight), up_b = split(up_bias);
+  const std::vector<at::Tensor> out = split(gelu ? proj_weight : down_weight), out_bias = split(gelu ? proj_bias : down_bias);
   std::vector<at::Tensor> outputs;
   int64_t offset = 0;
-  auto bias = [](const at::Tensor& b, int64_t i) { return b.defined() ? b[i] : at::Tensor(); };
   for (size_t c = 0; c < counts.size(); ++c) {
     const int64_t i = first + static_cast<int64_t>(c) - first_expert_;  // this rank's index of the expert
     const at::Tensor x = tokens.narrow(0, offset, counts[c]);
     offset += counts[c];
-    if (fc_weight.defined()) {
-      const at::Tensor hidden = at::gelu(at::linear(x, fc_weight[i], bias(fc_bias, i)), "tanh");
-      outputs.push_back(at::linear(hidden, proj_weight[i], bias(proj_bias, i)));
-    } else {
-      const at::Tensor hidden = at::silu(at::linear(x, gate_weight[i], bias(gate_bias, i))) *
-                                at::linear(x, up_weight[i], bias(up_bias, i));
-      outputs.push_back(at::linear(hidden, down_weight[i], bias(down_bias, i)));
-    }
+    const at::Tensor hidden = gelu ? at::gelu(at::linear(x, in[i], bias(in_bias, i)), "tanh")
+                                   : at::silu(at::linear(x, in[i], bias(in_bias, i))) * at::linear(x, up[i], bias(up_b, i));
+    outputs.push_back(at::linear(hidden, out[i], bias(out_bias, i)));
   }
   return outputs.empty() ? tokens.new_zeros({0, tokens.size(1)}) : at::cat(outputs);
 }

@@ -82,6 +82,7 @@ class MoeImpl : public torch::nn::Module {
   // Expert parallel keeps only experts [first, first + count) (slices every expert tensor).
   void keep_experts(int64_t first, int64_t count);
   void set_exchange(std::shared_ptr<ExpertExchange> exchange) { exchange_ = std::move(exchange); }
+  const std::shared_ptr<ExpertExchange>& exchange() const { return exchange_; }
   void set_aux_loss_scale(double scale) { aux_loss_scale_ = scale; }
   // Read from the device once, when asked (the forward never waits for it).
   MoeStats stats() const;
