@@ -256,11 +256,15 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
                    sends + (gathers ? (p.param + p.grad) * root_unit : 0), 0);
           kept_outputs -= out.kept;
         }
-        const double buffers = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
-        consider("layer backward", stash, kept_outputs, buffers, workspace + (l.recompute == "full" ? full_layer : 0));
-        if (gathers) {  // a unit's gradients complete (then reduced) once its layer's saved tensors are freed
-          const double last_layer = rank.moe_layers > 0 ? per_moe_layer : per_layer;
-          consider("unit gradients", std::max(0.0, stash - last_layer), kept_outputs, buffers + p.grad * largest_block, 0);
+        // ZeRO-3: the gathered unit, and the gradients of a dense block's
+        // size beside the layer's saved tensors; a MoE unit's expert
+        // gradients complete (then are reduced) once its saved tensors are freed.
+        const double gathered = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
+        consider("layer backward", stash, kept_outputs, gathered + (gathers ? p.grad * block : 0),
+                 workspace + (l.recompute == "full" ? full_layer : 0));
+        if (gathers && rank.moe_layers > 0) {
+          consider("unit gradients", std::max(0.0, stash - per_moe_layer), kept_outputs,
+                   gathered + p.grad * largest_block, 0);
         }
         stash -= stage_bytes(a.stage);
         --stashed;
