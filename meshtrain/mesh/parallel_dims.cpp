@@ -71,7 +71,6 @@ void ParallelDims::check() const {
     refuse("ep", n(ep), "expert parallel with zero_stage " + n(zero_stage) + " is not built yet; use zero_stage 0 "
                         "(data parallel) with ep > 1");
   }
-  if (ep > 1 && tp > 1) refuse("ep", n(ep), "expert parallel with tp(" + n(tp) + ") > 1 is not built yet");
   if (sequence_parallel && tp == 1) refuse("sequence_parallel", "true", "needs tp > 1");
   if (pp > 1 && zero_stage == 3) {
     refuse("zero_stage", "3", "does not combine with pp(" + n(pp) + ") > 1 (every micro-batch would gather every "
@@ -110,9 +109,6 @@ void ParallelDims::check_model(const ModelDims& m) const {
   if (ep > 1 && m.experts % ep != 0) {
     refuse("ep", n(ep), "ep(" + n(ep) + ") does not divide model.moe_experts (" + n(m.experts) + "); every rank "
                         "holds moe_experts / ep experts");
-  }
-  if (m.experts > 0 && tp > 1) {
-    refuse("tp", n(tp), "tensor parallel of mixture-of-experts models is not built yet; use tp = 1");
   }
   if (stages() > m.layers) {
     refuse(virtual_stages > 1 ? "virtual_stages" : "pp", n(virtual_stages > 1 ? virtual_stages : pp),

@@ -160,9 +160,11 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   const double cf = config_.moe_capacity_factor;
   const int64_t capacity = cf > 0 ? static_cast<int64_t>(std::ceil(static_cast<double>(n * k) * cf / e)) : n * k;
   const at::Tensor accepted = wanted_flat & (position < capacity);
+  const at::Tensor computed_here =
+      replicas_ > 1 ? accepted & (token_of.remainder(replicas_) == replica_) : accepted;
 
   // Grouped by expert, priority order kept inside each expert.
-  const at::Tensor selected = accepted.nonzero().squeeze(1);
+  const at::Tensor selected = computed_here.nonzero().squeeze(1);
   const at::Tensor experts_selected = expert_of.index_select(0, selected);
   const at::Tensor order = std::get<1>(experts_selected.sort(/*stable=*/true, 0, false));
   const at::Tensor tokens = token_of.index_select(0, selected).index_select(0, order);
@@ -184,13 +186,15 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     const at::Tensor load = one_hot.sum(0).to(at::kDouble);
     const at::Tensor assignments = load.sum();
     const at::Tensor now = at::stack({aux.to(at::kDouble), z.to(at::kDouble),
-                                      (assignments - static_cast<double>(selected.size(0))) / assignments.clamp_min(1.0),
+                                      (assignments - accepted.sum().to(at::kDouble)) / assignments.clamp_min(1.0),
                                       load.max() / load.mean().clamp_min(1e-12)});
     sums_ = sums_.defined() ? sums_ + now : now;
     forwards_ += 1;
-    routed_ += n * k;
+    routed_ += n * k / replicas_;  // tensor parallel: this rank's share of the routing
   }
-  if (is_training() && torch::GradMode::is_enabled()) out = AuxLoss::apply(out, aux + z, aux_loss_scale_);
+  if (is_training() && torch::GradMode::is_enabled()) {
+    out = AuxLoss::apply(out, aux + z, aux_loss_scale_ / static_cast<double>(replicas_));
+  }
   out = at::dropout(out, config_.dropout, is_training());
   return out.view(x.sizes());
 }

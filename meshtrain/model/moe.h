@@ -71,6 +71,9 @@ struct MoeLayerMetrics {
 // Pᵢ: mean probability of i) and the router z-loss β·mean(logsumexp(logits)²).
 // Everything is per forward call (one micro-batch), so a step over
 // micro-batches equals the same micro-batches on any number of data ranks.
+// Under tensor parallel each rank of the group routes the whole micro-batch
+// (the same decisions everywhere) and computes a share of the assignments
+// (set_replica_share), so no token is sent to its expert twice.
 class MoeImpl : public torch::nn::Module {
  public:
   explicit MoeImpl(const GptConfig& config);
@@ -84,6 +87,11 @@ class MoeImpl : public torch::nn::Module {
   void set_exchange(std::shared_ptr<ExpertExchange> exchange) { exchange_ = std::move(exchange); }
   const std::shared_ptr<ExpertExchange>& exchange() const { return exchange_; }
   void set_aux_loss_scale(double scale) { aux_loss_scale_ = scale; }
+  // Tensor parallel: every one of `replicas` ranks routes the same tokens, and
+  // this one (`replica`) computes only the assignments of tokens i with i %
+  // replicas == replica; its output is a partial sum (the caller adds them
+  // up) and the auxiliary losses enter its backward divided by `replicas`.
+  void set_replica_share(int64_t replica, int64_t replicas) { replica_ = replica, replicas_ = replicas; }
   // Read from the device once, when asked (the forward never waits for it).
   MoeStats stats() const;
   void reset_stats();
@@ -101,6 +109,7 @@ class MoeImpl : public torch::nn::Module {
   GptConfig config_;
   int64_t first_expert_ = 0;
   double aux_loss_scale_ = 1.0;
+  int64_t replica_ = 0, replicas_ = 1;
   std::shared_ptr<ExpertExchange> exchange_ = std::make_shared<ExpertExchange>();
   int64_t forwards_ = 0;
   int64_t routed_ = 0, computed_ = 0;  // host counts (no device reads)

@@ -38,7 +38,7 @@ bool matches(const std::string& pattern, const std::string& name) {
 // Styles that shard a module's parameters (the others act on call sites only).
 bool binds_module(Style style) {
   return style == Style::kColwise || style == Style::kRowwise || style == Style::kVocabEmbedding ||
-         style == Style::kSequenceParallel || style == Style::kSequencePositions;
+         style == Style::kSequenceParallel || style == Style::kSequencePositions || style == Style::kMixtureOfExperts;
 }
 
 }  // namespace
@@ -51,22 +51,26 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
       {"blocks.*.attn.proj", Style::kRowwise},
       {"head", Style::kVocabHead},
   };
-  if (config.mlp == "gelu") {
+  const bool dense_blocks = config.moe_blocks() < config.layers;
+  if (config.moe()) plan.push_back({"blocks.*.moe", Style::kMixtureOfExperts});
+  if (dense_blocks && config.mlp == "gelu") {
     plan.push_back({"blocks.*.mlp.fc", Style::kColwise});
     plan.push_back({"blocks.*.mlp.proj", Style::kRowwise});
-  } else {
+  } else if (dense_blocks) {
     plan.push_back({"blocks.*.mlp.gate", Style::kColwise});
     plan.push_back({"blocks.*.mlp.up", Style::kColwise});
     plan.push_back({"blocks.*.mlp.down", Style::kRowwise});
   }
   if (!sequence_parallel) {
     plan.push_back({"blocks.*.attn", Style::kPrepareInput});
-    plan.push_back({"blocks.*.mlp", Style::kPrepareInput});
+    if (dense_blocks) plan.push_back({"blocks.*.mlp", Style::kPrepareInput});
     return plan;
   }
   for (const char* norm : {"blocks.*.norm1", "blocks.*.norm2", "norm_f"}) plan.push_back({norm, Style::kSequenceParallel});
   if (config.position == "learned") plan.push_back({"wpe", Style::kSequencePositions});
-  for (const char* drop : {"drop", "blocks.*.attn.drop", "blocks.*.mlp.drop"}) plan.push_back({drop, Style::kLocalRandom});
+  plan.push_back({"drop", Style::kLocalRandom});
+  plan.push_back({"blocks.*.attn.drop", Style::kLocalRandom});
+  if (dense_blocks) plan.push_back({"blocks.*.mlp.drop", Style::kLocalRandom});
   return plan;
 }
 
@@ -138,6 +142,11 @@ struct TensorParallel::Hooks : model::ForwardHooks {
         const at::Tensor y = forward(input);  // [T, width]
         const int64_t chunk = y.size(0) / comm->size();
         return y.narrow(0, comm->rank() * chunk, chunk);
+      }
+      case Style::kMixtureOfExperts: {
+        // Every rank routes the whole micro-batch; the partial outputs add up.
+        if (sp) return reduce_scatter_to_sequence(forward(gather_from_sequence(input, comm, kSequenceDim)), comm, kSequenceDim);
+        return reduce_from_tensor_parallel(forward(copy_to_tensor_parallel(input, comm)), comm);
       }
       case Style::kLocalRandom: {
         if (owner->model_->config().dropout == 0) return forward(input);  // draws nothing
@@ -223,6 +232,13 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
       case Style::kSequencePositions:
         for (auto& p : module.named_parameters(false)) reduce_gradient(p.value());
         break;
+      case Style::kMixtureOfExperts: {
+        auto* moe = dynamic_cast<model::MoeImpl*>(&module);
+        TORCH_CHECK(moe, "tensor parallel: mixture-of-experts module ", name, " is not a model::Moe");
+        moe->set_replica_share(rank, t);
+        for (auto& p : module.named_parameters(false)) reduce_gradient(p.value());
+        break;
+      }
       case Style::kPrepareInput:
       case Style::kLocalRandom:
         break;

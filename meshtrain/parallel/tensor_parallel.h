@@ -45,6 +45,11 @@ enum class TensorParallelStyle {
   // Randomness (dropout) drawn from this rank's own stream: in regions where
   // ranks hold different data (split heads; sequence chunks with SP).
   kLocalRandom,
+  // A mixture-of-experts layer (model::Moe): router and experts whole on
+  // every rank, each rank computing a share of the assignments
+  // (set_replica_share); input f (or gathered along the sequence), partial
+  // outputs g (or reduce-scattered), parameter gradients summed over the group.
+  kMixtureOfExperts,
 };
 
 struct TensorParallelRule {
@@ -78,6 +83,7 @@ struct TensorParallelOptions {
 // forward hooks that put the collectives around the linears:
 //   attention  x -f-> qkv (column) -> heads/t -> proj (row) -g-> + bias
 //   MLP        x -f-> fc (column) -> gelu -> proj (row) -g-> + bias
+//   MoE        x -f-> route all tokens, compute 1/t of the assignments -g->
 // one all-reduce forward (g) and one backward (f) per attention and per MLP.
 // Sequence parallel turns g into a reduce-scatter and f into an all-gather
 // (done inside the column matmul, so the gathered input is never saved); the

@@ -64,7 +64,7 @@ double layer_backward_workspace(const ModelShape& model, const Sizes& z, const P
                                 double load) {
   const double e = p.activation, matrices = model.gated_mlp ? 3 : 2;
   if (moe) {  // gradients of the experts' hidden tensors, inputs and outputs (sent back: source side)
-    const double a = model.assignments(z.tokens, load), sent = ep > 1 ? model.assignments(z.tokens) : a;
+    const double a = model.assignments(z.tokens, load) / z.t, sent = ep > 1 ? model.assignments(z.tokens) / z.t : a;
     return e * z.u + matrices * e * a * static_cast<double>(model.expert_ffn) +
            e * (a + sent) * static_cast<double>(model.width);
   }
@@ -80,10 +80,12 @@ double layer_backward_workspace(const ModelShape& model, const Sizes& z, const P
 double moe_saved(const ModelShape& model, const Sizes& z, double e, int64_t ep, double load) {
   // With expert parallel the experts' side follows the load this rank
   // receives, the routing side the balanced one it sends.
-  const double n = z.tokens, a = model.assignments(n, load), sent = ep > 1 ? model.assignments(n) : a;
+  // Tensor parallel: every rank routes all tokens and computes 1/t of the
+  // assignments; with sequence parallel it keeps the gathered input.
+  const double n = z.tokens, a = model.assignments(n, load) / z.t, sent = ep > 1 ? model.assignments(n) / z.t : a;
   const double d = static_cast<double>(model.width);
   const double k = static_cast<double>(model.top_k), experts = static_cast<double>(model.experts);
-  double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0);
+  double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0) + (z.sp ? e * n * d : 0);
   bytes += n * k * (8 + 4) + 4 * n;
   bytes += a * (d * e + (model.gated_mlp ? 4 : 2) * static_cast<double>(model.expert_ffn) * e);  // expert input, hidden
   bytes += sent * (d * e + 4 + 3 * 8);  // expert output back here, its gate, the dispatch/combine indices
@@ -167,7 +169,10 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
   const double block = static_cast<double>(model.block_split_parameters()) / t +
                        static_cast<double>(model.block_parameters() - model.block_split_parameters());
   const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.ep);
-  const double moe_block = static_cast<double>(model.moe_block_parameters() - model.expert_parameters()) + local_experts;
+  // A MoE block: the dense block less its MLP (split by tp, but its output bias), plus the router and experts (whole on every tp rank).
+  const double mlp_split = static_cast<double>(model.mlp_parameters(model.ffn) - (model.bias ? model.width : 0));
+  const double moe_block = block - mlp_split / t - static_cast<double>(model.mlp_parameters(model.ffn)) + mlp_split +
+                           static_cast<double>(model.experts * model.width) + local_experts;
   const double embedding = vocab * h / t + (model.learned_positions ? static_cast<double>(model.seq) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tied_head ? 0 : vocab * h);
   const double head = head_norm + ((!model.tied_head || l.pp > 1) ? vocab * h / t : 0);

@@ -81,8 +81,8 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     // forward's exchange of token counts.
     const Link ep_link = link(machine, l.ep, l.tp);
     const double n = static_cast<double>(l.ep), forwards = l.recompute == "full" ? 2 : 1;
-    const double exchange = model.assignments(static_cast<double>(model.seq) * b, w.moe_load) * static_cast<double>(model.width) *
-                            p.activation * (n - 1) / n;
+    const double exchange = model.assignments(static_cast<double>(model.seq) * b, w.moe_load) / t *
+                            static_cast<double>(model.width) * p.activation * (n - 1) / n;  // a tp rank sends its share
     const double per_layer = (2 * forwards + 2) * exchange;
     const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
     const double layers = m * static_cast<double>(most_moe_layers);

@@ -1,7 +1,8 @@
 // Expert parallel and mixture-of-experts models under mpirun: ep = k (alone,
 // beside data parallel and beside a pipeline) against one process over the same micro-batches, top-1
 // and top-2; ZeRO-1/2/3 of an MoE model against one process; a rank whose
-// experts receive no tokens; checkpoints resumed with another ep.
+// experts receive no tokens; checkpoints resumed with another ep; tensor
+// parallel (and sequence parallel, and tp x ep) of an MoE model.
 #include "meshtrain/parallel/expert_parallel.h"
 #include "tests/parallel/training_fixture.h"
 
@@ -55,6 +56,53 @@ TEST_F(ExpertParallelTest, EpEqualsOneProcessAloneAndBesideDataParallel) {
   // Beside a pipeline: pp 2 x ep 2, two micro-batches per data rank.
   if (n == 4) {
     expect_equal_to_one_process(moe(2, {"parallel.pp=2", "parallel.ep=2", "parallel.microbatches=2"}), kBatch / 4);
+  }
+}
+
+// Tensor parallel of an MoE model: every tp rank routes the micro-batch and
+// computes its share of the assignments; with sequence parallel, and beside
+// expert parallel (tp 2 x ep 2), where each token is sent to its expert once.
+TEST_F(ExpertParallelTest, TensorParallelOfAnMoeModelEqualsOneProcess) {
+  const int n = world()->size();
+  if (n % 2 != 0) GTEST_SKIP() << "needs an even world";
+  std::vector<Overrides> layouts;
+  for (int64_t top_k : {1, 2}) {
+    layouts.push_back(moe(top_k, {"parallel.tp=2"}));
+    layouts.push_back(moe(top_k, {"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  }
+  // Capacity on: the same tokens dropped as in one process.
+  layouts.push_back(moe(2, {"parallel.tp=2", "model.moe_capacity_factor=1.0"}));
+  if (n == 4) {
+    layouts.push_back(moe(2, {"parallel.tp=2", "parallel.ep=2"}));
+    layouts.push_back(moe(1, {"parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"}));
+  }
+  for (const Overrides& layout : layouts) {
+    const int64_t micro = kBatch / config(n, 1, "", layout).data_ranks();
+    expect_equal_to_one_process(layout, micro);
+  }
+}
+
+TEST_F(ExpertParallelTest, TensorParallelComputesEachAssignmentOnce) {
+  const int n = world()->size();
+  if (n != 4) GTEST_SKIP() << "compares dp 2 x ep 2 with tp 2 x ep 2 on 4 ranks";
+  // Each rank's load is the assignments it computed over a balanced share of
+  // the routed ones; summed over the ranks it is the rank count when every
+  // assignment is computed (and so dispatched) exactly once, twice that if
+  // both tp ranks of a pair sent their (identical) tokens.
+  auto loads_summed = [&](const Overrides& layout) {
+    Trainer trainer(config(n, kBatch / config(n, 1, "", layout).data_ranks(), "", layout), world());
+    const std::vector<model::MoeLayerMetrics> layers = trainer.step().moe;
+    std::vector<double> sums;
+    for (const model::MoeLayerMetrics& m : layers) {
+      at::Tensor total = at::tensor({m.this_rank_load}, at::kDouble);
+      world()->all_reduce(total).wait();
+      sums.push_back(total.item<double>());
+    }
+    return sums;
+  };
+  for (const Overrides& layout : {moe(2, {"parallel.ep=2", "parallel.dp=2", "model.moe_capacity_factor=0"}),
+                                  moe(2, {"parallel.tp=2", "parallel.ep=2", "model.moe_capacity_factor=0"})}) {
+    for (double sum : loads_summed(layout)) EXPECT_NEAR(sum, 4.0, 1e-9) << describe(layout);
   }
 }
 
@@ -115,11 +163,12 @@ TEST_F(ExpertParallelTest, RanksWhoseExpertsGetNoTokensStillStepAndMatch) {
   }
 }
 
-TEST_F(ExpertParallelTest, ResumesWithAnotherEp) {
+TEST_F(ExpertParallelTest, ResumesWithAnotherEpAndWithTensorParallel) {
   const int n = world()->size();
-  if (n != 2 && n != 4) GTEST_SKIP() << "ep 2 -> 1 on 2 ranks, ep 2 -> 4 on 4";
+  if (n != 2 && n != 4) GTEST_SKIP() << "ep 2 -> 1 -> tp 2 on 2 ranks, ep 2 -> 4 -> tp 2 x ep 2 on 4";
   const Overrides a = moe(1, {"parallel.ep=2"}), b = moe(1, {"parallel.ep=" + std::to_string(n == 2 ? 1 : 4)});
-  const int64_t micro = kBatch / n;
+  const Overrides c = moe(1, n == 2 ? Overrides{"parallel.tp=2"} : Overrides{"parallel.tp=2", "parallel.ep=2"});
+  const int64_t micro = kBatch / n;  // the same micro-batches in every layout (accumulated where fewer data ranks)
   std::vector<double> want;
   {
     Overrides single_layout;
@@ -127,7 +176,7 @@ TEST_F(ExpertParallelTest, ResumesWithAnotherEp) {
       if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
     }
     Trainer single(config(1, micro, "", single_layout), alone());
-    for (int s = 0; s < 6; ++s) want.push_back(single.step().loss);
+    for (int s = 0; s < 9; ++s) want.push_back(single.step().loss);
   }
   const std::string checkpoints = util::join_path(dir_, "ep-reshard");
   {
@@ -136,10 +185,19 @@ TEST_F(ExpertParallelTest, ResumesWithAnotherEp) {
     first.save_checkpoint();
     first.finish_checkpoints();
   }
-  Trainer second(config(n, micro, checkpoints, b), world());
-  ASSERT_TRUE(second.resumed());
-  for (int s = 3; s < 6; ++s) {
-    EXPECT_NEAR(second.step().loss, want[s], 1e-5 * want[s]) << describe(b) << " after the resume, step " << s + 1;
+  {
+    Trainer second(config(n, micro, checkpoints, b), world());
+    ASSERT_TRUE(second.resumed());
+    for (int s = 3; s < 6; ++s) {
+      EXPECT_NEAR(second.step().loss, want[s], 1e-5 * want[s]) << describe(b) << " after the resume, step " << s + 1;
+    }
+    second.save_checkpoint();
+    second.finish_checkpoints();
+  }
+  Trainer third(config(n, micro, checkpoints, c), world());
+  ASSERT_TRUE(third.resumed());
+  for (int s = 6; s < 9; ++s) {
+    EXPECT_NEAR(third.step().loss, want[s], 1e-5 * want[s]) << describe(c) << " after the resume, step " << s + 1;
   }
 }
 

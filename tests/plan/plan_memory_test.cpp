@@ -149,6 +149,11 @@ TEST_F(PlanMemory, MixtureOfExpertsPeakWithinTenPercentOfMeasured) {
     for (int stage = 1; stage <= 3; ++stage) layouts.push_back(moe(experts, {"parallel.zero_stage=" + std::to_string(stage)}));
   }
   if (n == 4) layouts.push_back(moe(experts, {"parallel.ep=2"}));
+  if (n == 2 || n == 4) {
+    layouts.push_back(moe(experts, {"parallel.tp=2"}));
+    layouts.push_back(moe(experts, {"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  }
+  if (n == 4) layouts.push_back(moe(experts, {"parallel.tp=2", "parallel.ep=2"}));
   if (n % 2 == 0) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.pp_schedule=1f1b"}));
   if (n == 4) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=gpipe"}));
   for (const Overrides& layout : layouts) {

@@ -126,8 +126,7 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
             "with ep > 1");
   EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2", "training.batch=24"}, 4),
             "training.batch = 24: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) x ep (2) = 32");
-  EXPECT_EQ(validated({"model.moe_experts=4", "parallel.tp=2"}, 2),
-            "parallel.tp = 2: tensor parallel of mixture-of-experts models is not built yet; use tp = 1");
+  EXPECT_EQ(validated({"model.moe_experts=4", "parallel.tp=2"}, 2), "no error");  // tensor parallel of MoE models
   EXPECT_EQ(validated({"parallel.tp=2", "parallel.sequence_parallel=true", "model.context=101"}, 2),
             "parallel.tp = 2: tp(2) does not divide the context (101); sequence parallel splits every sequence into tp "
             "chunks");
