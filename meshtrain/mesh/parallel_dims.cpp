@@ -67,9 +67,8 @@ void ParallelDims::check() const {
   if (zero_stage == 0 && fsdp > 1) {
     refuse("fsdp", n(fsdp), "shards need zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   }
-  if (ep > 1 && zero_stage > 0) {
-    refuse("ep", n(ep), "expert parallel with zero_stage " + n(zero_stage) + " is not built yet; use zero_stage 0 "
-                        "(data parallel) with ep > 1");
+  if (ep > 1 && zero_stage == 3) {
+    refuse("ep", n(ep), "expert parallel with zero_stage 3 is not built yet; use zero_stage 0, 1 or 2 with ep > 1");
   }
   if (sequence_parallel && tp == 1) refuse("sequence_parallel", "true", "needs tp > 1");
   if (pp > 1 && zero_stage == 3) {

@@ -20,6 +20,9 @@ FullySharded::FullySharded(std::shared_ptr<torch::nn::Module> module, ShardingGr
   ShardedState& s = *state_;
   if (!module) throw std::invalid_argument("fully sharded: no module");
   if (!groups.shard || !groups.replicate || !groups.all) throw std::invalid_argument("fully sharded: missing communicator");
+  if (options.expert && (!groups.expert_replicate || !groups.expert_all || !groups.expert)) {
+    throw std::invalid_argument("fully sharded: expert tensors need the expert groups");
+  }
   if (groups.all->size() != groups.shard->size() * groups.replicate->size()) {
     throw std::invalid_argument("fully sharded: the data-parallel group has " + std::to_string(groups.all->size()) +
                                 " ranks, not shard (" + std::to_string(groups.shard->size()) + ") x replicate (" +
@@ -42,7 +45,10 @@ FullySharded::FullySharded(std::shared_ptr<torch::nn::Module> module, ShardingGr
     // Same starting point everywhere: rank 0's parameters and buffers.
     torch::NoGradGuard no_grad;
     std::vector<comm::Work> broadcasts;
-    for (const at::Tensor& p : module->parameters()) broadcasts.push_back(groups.all->broadcast(p.data(), 0));
+    for (const auto& p : module->named_parameters()) {
+      const bool expert = s.options.expert && s.options.expert(p.key());  // an expert's copies hold the same
+      broadcasts.push_back((expert ? groups.expert_all : groups.all)->broadcast(p.value().data(), 0));
+    }
     for (const at::Tensor& b : module->buffers()) broadcasts.push_back(groups.all->broadcast(b, 0));
     comm::wait_all(broadcasts);
   }
@@ -94,17 +100,26 @@ placement::TrainingState FullySharded::state(const ParameterLayouts& layouts) {
   ShardedState& s = *state_;
   placement::TrainingState out;
   // The replicas (dp) hold the same slices: each is saved by one of them, the bytes spread evenly.
-  std::vector<int64_t> sizes;
-  for (const ShardedState::Slice& slice : s.slices) sizes.push_back(slice.end - slice.begin);
+  // (An expert's slices: among the replicas of that expert.)
+  std::vector<int64_t> sizes, expert_sizes;
+  for (const ShardedState::Slice& slice : s.slices) {
+    (s.units[slice.unit].expert ? expert_sizes : sizes).push_back(slice.end - slice.begin);
+  }
   const std::vector<int> owners = placement::balanced_owners(sizes, s.groups.replicate->size());
+  const std::vector<int> expert_owners =
+      s.groups.expert_replicate ? placement::balanced_owners(expert_sizes, s.groups.expert_replicate->size())
+                                : std::vector<int>();
+  size_t next = 0, next_expert = 0;
   for (size_t i = 0; i < s.slices.size(); ++i) {
     const ShardedState::Slice& slice = s.slices[i];
     const Unit& unit = s.units[slice.unit];
+    const bool owned = unit.expert ? expert_owners[next_expert++] == s.groups.expert_replicate->rank()
+                                   : owners[next++] == s.groups.replicate->rank();
     const std::string& name = unit.names[slice.param];
     ParameterLayout layout = layouts(name, unit.params[slice.param]);
     layout.spec.flat_begin = slice.begin;
     layout.spec.flat_end = slice.end;
-    const bool write = layout.write && owners[i] == s.groups.replicate->rank();
+    const bool write = layout.write && owned;
     out.push_back({"model/" + name, layout.spec, slice.tensor, write});
     torch::optim::AdamWParamState& adam = adamw_state(*s.optimizer, slice.tensor);
     out.push_back({"optim/" + name + "/exp_avg", layout.spec, adam.exp_avg(), write});

@@ -48,6 +48,12 @@ struct FullyShardedOptions {
   // norm another stage counts.
   std::function<bool(const std::string&)> own_unit;
   std::function<bool(const std::string&)> counted_elsewhere;
+  // With expert parallel (ShardingGroups::expert_*; stages 1 and 2): expert
+  // tensors, each in a unit of its own, sharded over `shard` like the rest
+  // but replicated over expert_replicate only, their gradients multiplied by
+  // expert_scale before the average (ep ranks hold different experts).
+  std::function<bool(const std::string&)> expert;
+  double expert_scale = 1.0;
 };
 
 // Communicators of a sharded layout. `shard` (the fsdp axis) holds one shard
@@ -62,6 +68,9 @@ struct ShardingGroups {
   std::shared_ptr<comm::Communicator> shard, replicate, all;
   std::shared_ptr<comm::Communicator> tensor;
   std::shared_ptr<comm::Communicator> pipeline;
+  // Expert parallel: the ranks holding copies of this rank's experts
+  // (expert_all = shard x expert_replicate), and the ep group holding the others.
+  std::shared_ptr<comm::Communicator> expert_replicate, expert_all, expert;
 };
 
 struct ShardedState;  // parallel/fsdp/sharded_state.h

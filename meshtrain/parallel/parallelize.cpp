@@ -192,7 +192,16 @@ void ParallelModel::apply_data_parallelism() {
   if (staged_ && staged_->tied_embedding_group()) {
     o.own_unit = [](const std::string& name) { return name == pipeline::StagedModel::tied_embedding_name(); };
   }
-  const ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, norm_groups_.tensor, norm_groups_.pipeline};
+  ShardingGroups groups{mesh_->comm("fsdp"), mesh_->comm("dp"), data_, norm_groups_.tensor, norm_groups_.pipeline};
+  if (expert_parallel_) {
+    // Non-expert parameters are copies over dp x ep; an expert's over dp only.
+    groups.replicate = mesh_->comm(std::vector<std::string>{"dp", "ep"});
+    groups.expert_replicate = mesh_->comm("dp");
+    groups.expert_all = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
+    groups.expert = expert_parallel_->comm();
+    o.expert = &model::is_expert_tensor;
+    o.expert_scale = 1.0 / static_cast<double>(options_.dims.ep);
+  }
   auto sharded = std::make_unique<FullySharded>(model_.ptr(), groups, o);
   sharded_ = sharded.get();
   data_parallelism_ = std::move(sharded);
@@ -289,10 +298,11 @@ ParameterLayout ParallelModel::parameter_layout(const std::string& name, const a
   layout.spec.shape = local.sizes().vec();
   layout.write = !(staged_ && staged_->is_tied_copy(name));
   if (expert_parallel_ && model::is_expert_tensor(name)) {
-    // Experts split over ep (tp is 1 with experts).
+    // Experts split over ep, whole on every tp rank (written by the first).
     layout.spec.axes = {"ep"};
     layout.spec.placements = {expert_parallel_->placement_of(name)};
     layout.spec.shape[0] *= options_.dims.ep;
+    layout.write = layout.write && (!tensor_parallel_ || mesh_->coordinate("tp") == 0);
     return layout;
   }
   layout.spec.axes = {"tp"};
@@ -350,7 +360,8 @@ void ParallelModel::reseed_random_streams(uint64_t seed, int64_t step) {
 
 std::map<std::string, at::Tensor> ParallelModel::full_parameters(int root) {
   // Tensor parallel and the pipeline gather next: every rank of them needs its part.
-  std::map<std::string, at::Tensor> out = data_parallelism_->full_parameters(tensor_parallel_ || staged_ ? -1 : root);
+  std::map<std::string, at::Tensor> out =
+      data_parallelism_->full_parameters(tensor_parallel_ || expert_parallel_ || staged_ ? -1 : root);
   if (tensor_parallel_) out = tensor_parallel_->gather_all(out);
   if (expert_parallel_) out = expert_parallel_->gather_all(out);
   if (staged_) out = staged_->gather_parameters(out);

@@ -111,8 +111,13 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     const double grads = p.grad * psi, params = p.param * psi;
     const double reductions = l.zero_stage == 1 ? 1 : m;  // ZeRO-2/3 reduce-scatter after every micro-batch
     add("dp", "reduce-scatter gradients", reductions * grads, reductions * shard_link.all_gather(grads, shards));
-    if (l.dp > 1) add("dp", "all-reduce gradient shards across replicas", grads / shards,
-                      link(machine, l.dp, l.tp * l.fsdp).all_reduce(grads / shards, replicas));
+    // Shards are copies over dp x ep (an expert's over dp only).
+    const double shared = p.grad * (psi - expert_psi) / shards, experts = p.grad * expert_psi / shards;
+    const double copies = static_cast<double>(l.dp * l.ep);
+    if (l.dp * l.ep > 1) add("dp", "all-reduce gradient shards across replicas", shared,
+                             link(machine, l.dp * l.ep, l.tp).all_reduce(shared, copies));
+    if (l.dp > 1 && experts > 0) add("dp", "all-reduce expert gradient shards across replicas", experts,
+                                     link(machine, l.dp, l.tp * l.fsdp * l.ep).all_reduce(experts, replicas));
     if (l.zero_stage < 3) {
       add("dp", "all-gather parameters", params, shard_link.all_gather(params, shards));
     } else {

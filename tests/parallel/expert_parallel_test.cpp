@@ -1,6 +1,7 @@
 // Expert parallel and mixture-of-experts models under mpirun: ep = k (alone,
 // beside data parallel and beside a pipeline) against one process over the same micro-batches, top-1
-// and top-2; ZeRO-1/2/3 of an MoE model against one process; a rank whose
+// and top-2; ZeRO-1/2/3 of an MoE model, and ZeRO-1/2 beside expert
+// parallel, against one process; a rank whose
 // experts receive no tokens; checkpoints resumed with another ep; tensor
 // parallel (and sequence parallel, and tp x ep) of an MoE model.
 #include "meshtrain/parallel/expert_parallel.h"
@@ -108,16 +109,34 @@ TEST_F(ExpertParallelTest, TensorParallelComputesEachAssignmentOnce) {
 
 TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExperts) {
   const int n = world()->size();
-  for (int stage : {1, 2, 3}) {
-    const Overrides layout = moe(2, {"parallel.zero_stage=" + std::to_string(stage)});
-    expect_equal_to_one_process(layout, kBatch / n);
-    Trainer trainer(config(n, kBatch / n, "", layout), world());
+  std::vector<Overrides> layouts;
+  for (int stage : {1, 2, 3}) layouts.push_back(moe(2, {"parallel.zero_stage=" + std::to_string(stage)}));
+  // Beside expert parallel (ZeRO-1 and 2): experts sharded among their copies, reduced over dp x fsdp only.
+  for (int stage : {1, 2}) {
+    const std::string zero = "parallel.zero_stage=" + std::to_string(stage);
+    if (n > 1) layouts.push_back(moe(2, {zero, "parallel.ep=" + std::to_string(n), "parallel.fsdp=1"}));
+    if (n == 4) {
+      layouts.push_back(moe(2, {zero, "parallel.ep=2"}));  // fsdp 2 x ep 2
+      layouts.push_back(moe(1, {zero, "parallel.ep=2", "parallel.fsdp=1", "parallel.dp=2"}));  // hybrid: dp 2 x ep 2
+    }
+  }
+  if (n == 4) {
+    layouts.push_back(moe(2, {"parallel.zero_stage=1", "parallel.zero1_reduce=reduce_scatter", "parallel.ep=2"}));
+    // Two micro-batches per step: ZeRO-2 reduces after each backward while the next forward's
+    // all-to-alls run over the same ranks (once a deadlock).
+    expect_equal_to_one_process(moe(2, {"parallel.zero_stage=2", "parallel.ep=2"}), kBatch / 2 / 2);
+  }
+  for (const Overrides& layout : layouts) {
+    const int stage = config(n, 1, "", layout).parallel.zero_stage;
+    const int64_t micro = kBatch / config(n, 1, "", layout).data_ranks();
+    expect_equal_to_one_process(layout, micro);
+    Trainer trainer(config(n, micro, "", layout), world());
     const std::map<std::string, at::Tensor> before = trainer.full_parameters();
     trainer.step();
     const std::map<std::string, at::Tensor> after = trainer.full_parameters();
     for (const std::string name : {"blocks.0.moe.router", "blocks.0.moe.fc_weight", "blocks.1.moe.proj_weight"}) {
       EXPECT_GT((after.at(name) - before.at(name)).abs().max().item<double>(), 0.0)
-          << "stage " << stage << ": " << name << " did not change in a step";
+          << describe(layout) << " (stage " << stage << "): " << name << " did not change in a step";
     }
   }
 }
@@ -198,6 +217,35 @@ TEST_F(ExpertParallelTest, ResumesWithAnotherEpAndWithTensorParallel) {
   ASSERT_TRUE(third.resumed());
   for (int s = 6; s < 9; ++s) {
     EXPECT_NEAR(third.step().loss, want[s], 1e-5 * want[s]) << describe(c) << " after the resume, step " << s + 1;
+  }
+}
+
+TEST_F(ExpertParallelTest, ShardedExpertParallelCheckpointsResumeInAnotherLayout) {
+  const int n = world()->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "ZeRO-2 x ep 2 -> ep 1 on 2 ranks, ZeRO-2 x fsdp 2 x ep 2 -> ZeRO-1 x ep 4 on 4";
+  const Overrides a = moe(2, {"parallel.zero_stage=2", "parallel.ep=2"});
+  const Overrides b = n == 2 ? moe(2, {}) : moe(2, {"parallel.zero_stage=1", "parallel.ep=4"});
+  const int64_t micro = kBatch / n;
+  std::vector<double> want;
+  {
+    Overrides single_layout;
+    for (const std::string& o : a) {
+      if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
+    }
+    Trainer single(config(1, micro, "", single_layout), alone());
+    for (int s = 0; s < 6; ++s) want.push_back(single.step().loss);
+  }
+  const std::string checkpoints = util::join_path(dir_, "zero-ep-reshard");
+  {
+    Trainer first(config(n, micro, checkpoints, a), world());
+    for (int s = 0; s < 3; ++s) EXPECT_NEAR(first.step().loss, want[s], 1e-5 * want[s]) << "step " << s + 1;
+    first.save_checkpoint();
+    first.finish_checkpoints();
+  }
+  Trainer second(config(n, micro, checkpoints, b), world());
+  ASSERT_TRUE(second.resumed());
+  for (int s = 3; s < 6; ++s) {
+    EXPECT_NEAR(second.step().loss, want[s], 1e-5 * want[s]) << describe(b) << " after the resume, step " << s + 1;
   }
 }
 

@@ -154,6 +154,8 @@ TEST_F(PlanMemory, MixtureOfExpertsPeakWithinTenPercentOfMeasured) {
     layouts.push_back(moe(experts, {"parallel.tp=2", "parallel.sequence_parallel=true"}));
   }
   if (n == 4) layouts.push_back(moe(experts, {"parallel.tp=2", "parallel.ep=2"}));
+  if (n > 1) layouts.push_back(moe(experts, {"parallel.zero_stage=1", "parallel.ep=" + std::to_string(n), "parallel.fsdp=1"}));
+  if (n == 4) layouts.push_back(moe(experts, {"parallel.zero_stage=2", "parallel.ep=2"}));
   if (n % 2 == 0) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.pp_schedule=1f1b"}));
   if (n == 4) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=gpipe"}));
   for (const Overrides& layout : layouts) {

@@ -50,14 +50,16 @@ void ShardedState::mark_ready(size_t u) {
 
 void ShardedState::issue_reduce_locked(Unit& unit) {
   const at::ScalarType reduce_dtype = options.reduce_dtype;
+  const double scale = unit.expert ? options.expert_scale : 1.0;
   if (options.stage == 1) {
     at::Tensor input = unit.grad;
     if (reduce_dtype != unit.grad.scalar_type()) input = unit.reduce_in = unit.grad.to(reduce_dtype);
+    if (scale != 1.0) input.mul_(scale);
     if (options.stage1_reduce_scatter) {
       unit.reduce_out = at::empty({unit.shard}, input.options());
       unit.reduce_work = reduce_comm->reduce_scatter(unit.reduce_out, input, comm::ReduceOp::kAvg);
     } else {
-      unit.reduce_work = groups.all->all_reduce(input, comm::ReduceOp::kAvg);
+      unit.reduce_work = all_of(unit)->all_reduce(input, comm::ReduceOp::kAvg);
     }
     return;
   }
@@ -69,6 +71,7 @@ void ShardedState::issue_reduce_locked(Unit& unit) {
     unit.reduce_in.narrow(0, unit.offsets[i], grad.numel()).copy_(grad.reshape({-1}));
     grad.reset();
   }
+  if (scale != 1.0) unit.reduce_in.mul_(scale);
   unit.reduce_out = at::empty({unit.shard}, unit.reduce_in.options());
   unit.reduce_work = reduce_comm->reduce_scatter(unit.reduce_out, unit.reduce_in, comm::ReduceOp::kAvg);
   reshard_locked(unit);  // stage 3: its backward is over
@@ -79,11 +82,17 @@ void ShardedState::issue_reduce_locked(Unit& unit) {
 
 void ShardedState::fold_locked(size_t keep) {
   const auto start = Clock::now();
-  while (!in_flight.empty() && (in_flight.size() > keep || in_flight.front()->reduce_work.completed())) {
+  // Folding early, when a reduction happens to be done, frees memory sooner;
+  // but the fold's all-reduce over the replicas must come at the same point
+  // on every rank when those replicas also exchange tokens mid-step (expert
+  // parallel's all-to-alls): then only the count decides.
+  const bool early = !groups.expert;
+  while (!in_flight.empty() && (in_flight.size() > keep || (early && in_flight.front()->reduce_work.completed()))) {
     Unit& unit = *in_flight.front();
     in_flight.pop_front();
     unit.reduce_work.wait();
-    if (groups.replicate->size() > 1) groups.replicate->all_reduce(unit.reduce_out, comm::ReduceOp::kAvg).wait();
+    const auto& replicate = replicate_of(unit);
+    if (replicate->size() > 1) replicate->all_reduce(unit.reduce_out, comm::ReduceOp::kAvg).wait();
     unit.shard_grad.add_(unit.reduce_out);
     unit.reduce_in = unit.reduce_out = at::Tensor();
     unit.reduce_work = comm::Work();
@@ -98,12 +107,12 @@ void ShardedState::after_backward() {
   for (; next_reduce < reduce_order.size(); ++next_reduce) issue_reduce_locked(units[reduce_order[next_reduce]]);
   if (options.stage == 1) {
     const auto start = Clock::now();
-    const bool hybrid = groups.replicate->size() > 1;
     std::vector<comm::Work> replicas;
     for (size_t u : reduce_order) {
       units[u].reduce_work.wait();
-      if (hybrid && options.stage1_reduce_scatter) {
-        replicas.push_back(groups.replicate->all_reduce(units[u].reduce_out, comm::ReduceOp::kAvg));
+      const auto& replicate = replicate_of(units[u]);
+      if (replicate->size() > 1 && options.stage1_reduce_scatter) {
+        replicas.push_back(replicate->all_reduce(units[u].reduce_out, comm::ReduceOp::kAvg));
       }
     }
     comm::wait_all(replicas);

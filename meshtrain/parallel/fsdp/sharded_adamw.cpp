@@ -45,9 +45,10 @@ double ShardedState::clip_grad_norm(double max_norm) {
   torch::NoGradGuard no_grad;
   // Shards of one group are disjoint (padding holds zeros); replicas hold the
   // same. With tensor parallel, split parameters add up over groups.tensor and
-  // the others are copies there: [split, copied] sums of squares.
-  at::Tensor squares = at::zeros({2}, at::TensorOptions(at::kDouble).device(reduce_comm->device()));
-  for (Unit& unit : units) squares[1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
+  // the others are copies there: [split, copied] sums of squares. Experts add
+  // up over groups.expert (each ep rank holds others), in a third sum.
+  at::Tensor squares = at::zeros({3}, at::TensorOptions(at::kDouble).device(reduce_comm->device()));
+  for (Unit& unit : units) squares[unit.expert ? 2 : 1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
   auto squares_of = [&](const Stretch& x) {
     return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();
   };
@@ -58,6 +59,11 @@ double ShardedState::clip_grad_norm(double max_norm) {
   }
   for (const Stretch& x : counted_elsewhere) squares[x.split ? 0 : 1] -= squares_of(x);
   reduce_comm->all_reduce(squares, comm::ReduceOp::kSum).wait();
+  if (groups.expert && groups.expert->size() > 1) {
+    at::Tensor experts = squares.narrow(0, 2, 1).clone();
+    groups.expert->all_reduce(experts, comm::ReduceOp::kSum).wait();
+    squares[2] = experts[0];
+  }
   if (groups.tensor && groups.tensor->size() > 1) {
     at::Tensor split = squares.narrow(0, 0, 1).clone();
     groups.tensor->all_reduce(split, comm::ReduceOp::kSum).wait();

@@ -36,6 +36,7 @@ struct Unit {
   comm::Work gather_work, reduce_work;
   Residency residency = Residency::kGathered;
   int64_t ready = 0;  // parameters whose gradient arrived in this backward
+  bool expert = false;  // an expert tensor's unit (FullyShardedOptions::expert)
 };
 
 // A stretch of this rank's shard (unit, offset, length) belonging to one
@@ -92,6 +93,14 @@ struct ShardedState {
   double exposed_gather = 0, exposed_reduce = 0;
 
   bool stage3() const { return options.stage == 3; }
+  bool is_expert(const std::string& name) const { return options.expert && options.expert(name); }
+  // Where a unit's gradients are averaged: all data ranks, or an expert's copies.
+  const std::shared_ptr<comm::Communicator>& all_of(const Unit& unit) const {
+    return unit.expert ? groups.expert_all : groups.all;
+  }
+  const std::shared_ptr<comm::Communicator>& replicate_of(const Unit& unit) const {
+    return unit.expert ? groups.expert_replicate : groups.replicate;
+  }
 
   // units.cpp: groups `module`'s parameters into units with flat buffers.
   void build_units(torch::nn::Module& module);

@@ -43,10 +43,12 @@ void ShardedState::build_units(torch::nn::Module& module) {
   // The root unit first, then units of one parameter, then the chosen submodules in module order.
   units.emplace_back();
   for (const std::string& name : names) {
-    if (!options.own_unit || !options.own_unit(name)) continue;
+    const bool expert = is_expert(name);
+    if (!expert && (!options.own_unit || !options.own_unit(name))) continue;
     if (stage3()) throw std::invalid_argument("fully sharded: units of one parameter need stage 1 or 2");
     units.emplace_back();
     units.back().module = "parameter " + name;
+    units.back().expert = expert;
   }
   const size_t first_module_unit = units.size();
   for (const auto& item : module.named_modules("", /*include_self=*/false)) {
@@ -59,8 +61,8 @@ void ShardedState::build_units(torch::nn::Module& module) {
     units.back().module = name;
   }
   for (size_t i = 0; i < names.size(); ++i) {
-    size_t u = 0;
-    for (size_t k = 1; k < units.size(); ++k) {
+    size_t u = 0;  // a unit of its own first, else the (innermost) module unit holding it, else the root
+    for (size_t k = 1; k < units.size() && (u == 0 || u >= first_module_unit); ++k) {
       const std::string& m = units[k].module;
       if (k < first_module_unit ? m == "parameter " + names[i] : starts_with(names[i], m + ".")) u = k;
     }
