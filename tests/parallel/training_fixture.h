@@ -94,6 +94,15 @@ inline void expect_same_training(Trainer& parallel, Trainer& single, int steps, 
         << what << ", step " << s + 1 << ": loss " << got.loss << " vs " << want.loss;
     EXPECT_LE(std::abs(got.grad_norm - want.grad_norm) / want.grad_norm, 1e-4)
         << what << ", step " << s + 1 << ": grad norm " << got.grad_norm << " vs " << want.grad_norm;
+    // Mixture of experts: the auxiliary losses and the share dropped, per layer.
+    EXPECT_EQ(got.moe.size(), want.moe.size()) << what;
+    for (size_t i = 0; i < std::min(got.moe.size(), want.moe.size()); ++i) {
+      EXPECT_NEAR(got.moe[i].aux_loss, want.moe[i].aux_loss, 1e-5 * want.moe[i].aux_loss)
+          << what << ", step " << s + 1 << ": aux loss of block " << want.moe[i].block;
+      EXPECT_NEAR(got.moe[i].z_loss, want.moe[i].z_loss, 1e-5 * want.moe[i].z_loss)
+          << what << ", step " << s + 1 << ": z loss of block " << want.moe[i].block;
+      EXPECT_NEAR(got.moe[i].dropped, want.moe[i].dropped, 1e-9) << what << ", step " << s + 1 << ": dropped";
+    }
   }
   const auto [relative, largest] = parameter_errors(parallel.full_parameters(), single.full_parameters());
   EXPECT_LE(relative, 1e-4) << what;
