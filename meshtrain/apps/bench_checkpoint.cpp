@@ -3,6 +3,8 @@
 // without saving and against the disk's own speed, in one run.
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/apps/bench_util.h"
+
 #include "meshtrain/checkpoint/writer.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
@@ -20,14 +22,7 @@ namespace meshtrain::apps {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using Clock = BenchClock;
 
 // The slowest rank's value (every rank gets it).
 double slowest(comm::Communicator& comm, double value) {

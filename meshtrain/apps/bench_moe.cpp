@@ -9,6 +9,8 @@
 // [Expert parallel bytes].
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/apps/bench_util.h"
+
 #include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/train/trainer.h"
 
@@ -23,14 +25,7 @@ namespace meshtrain::apps {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using Clock = BenchClock;
 
 // Note [Expert parallel bytes]
 // Per MoE layer and step a rank sends, to the other ranks of its ep group:

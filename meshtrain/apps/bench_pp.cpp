@@ -4,6 +4,8 @@
 // memory per stage for gpipe, 1f1b and 1f1b with activation checkpointing.
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/apps/bench_util.h"
+
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/trace.h"
@@ -24,11 +26,6 @@ namespace meshtrain::apps {
 namespace {
 
 namespace pipe = parallel::pipeline;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // One-way time of one activation between pipeline ranks 0 and 1 (ping-pong, median of 20).
 double message_seconds(comm::Communicator& group, const std::vector<int64_t>& shape) {

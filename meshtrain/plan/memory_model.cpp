@@ -169,10 +169,10 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
   const double block = static_cast<double>(model.block_split_parameters()) / t +
                        static_cast<double>(model.block_parameters() - model.block_split_parameters());
   const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.ep);
-  // A MoE block: the dense block less its MLP (split by tp, but its output bias), plus the router and experts (whole on every tp rank).
-  const double mlp_split = static_cast<double>(model.mlp_parameters(model.ffn) - (model.bias ? model.width : 0));
-  const double moe_block = block - mlp_split / t - static_cast<double>(model.mlp_parameters(model.ffn)) + mlp_split +
-                           static_cast<double>(model.experts * model.width) + local_experts;
+  // A MoE block: the dense block less its MLP (split by tp, its output bias whole), plus the router and experts (whole on every tp rank).
+  const double mlp_bias = static_cast<double>(model.bias ? model.width : 0);
+  const double mlp_split = static_cast<double>(model.mlp_parameters(model.ffn)) - mlp_bias;
+  const double moe_block = block - mlp_split / t - mlp_bias + static_cast<double>(model.experts * model.width) + local_experts;
   const double embedding = vocab * h / t + (model.learned_positions ? static_cast<double>(model.seq) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tied_head ? 0 : vocab * h);
   const double head = head_norm + ((!model.tied_head || l.pp > 1) ? vocab * h / t : 0);

@@ -58,7 +58,6 @@ struct ModelShape {
   int64_t mlp_parameters(int64_t hidden) const;  // one MLP of this style (weights and biases)
   int64_t moe_block_parameters() const;      // one MoE block: attention, norms, router, every expert
   int64_t expert_parameters() const { return experts * mlp_parameters(expert_ffn); }  // those expert parallel splits
-  int64_t block_parameters(int64_t i) const { return is_moe_block(i) ? moe_block_parameters() : block_parameters(); }
   int64_t embedding_parameters() const;      // token (+ position) embedding
   int64_t head_parameters() const;           // final norm + untied LM head
   int64_t parameter_count() const;

@@ -24,39 +24,6 @@ std::string largest_term(const MemoryBreakdown& m) {
   return std::string(it->first) + " " + format_bytes(it->second);
 }
 
-}  // namespace
-
-int64_t default_global_batch(const ModelShape& model, int64_t world) {
-  const int64_t sequences = std::max<int64_t>(1, (int64_t{1} << 20) / model.seq);
-  return std::max<int64_t>(world, (sequences + world - 1) / world * world);
-}
-
-Candidate evaluate(const ModelShape& model, const Workload& workload, const Layout& layout, const Machine& machine) {
-  Candidate c;
-  c.layout = layout;
-  const int64_t per_step = layout.micro_batch * layout.data_ranks();
-  if (workload.global_batch % per_step != 0) {
-    throw std::invalid_argument("layout " + layout.str() + ": the global batch (" + std::to_string(workload.global_batch) +
-                                ") is not divisible by mb (" + std::to_string(layout.micro_batch) + ") x dp x fsdp (" +
-                                std::to_string(layout.data_ranks()) + ")");
-  }
-  c.microbatches = workload.global_batch / per_step;
-  c.ranks = estimate_memory(model, workload, layout, c.microbatches);
-  c.worst = *std::max_element(c.ranks.begin(), c.ranks.end(), [](const RankMemory& a, const RankMemory& b) {
-    return a.memory.total() < b.memory.total();
-  });
-  c.time = estimate_time(model, workload, layout, machine, c.microbatches, c.ranks);
-  c.fits = c.worst.memory.total() <= machine.device_memory;
-  if (!c.fits) {
-    c.why_not = "needs " + format_bytes(c.worst.memory.total()) + " > " + format_bytes(machine.device_memory) +
-                " on pipeline rank " + std::to_string(c.worst.pipeline_rank) + " (largest: " +
-                largest_term(c.worst.memory) + ", peak at " + c.worst.memory.moment + ")";
-  }
-  return c;
-}
-
-namespace {
-
 // The mesh shapes of `world` ranks: tp (within a node) x pp x data ranks, of
 // them ep (a MoE model) and ZeRO shards over all replicas or within a node.
 std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine, int64_t world) {
@@ -94,6 +61,35 @@ std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine,
 }
 
 }  // namespace
+
+int64_t default_global_batch(const ModelShape& model, int64_t world) {
+  const int64_t sequences = std::max<int64_t>(1, (int64_t{1} << 20) / model.seq);
+  return std::max<int64_t>(world, (sequences + world - 1) / world * world);
+}
+
+Candidate evaluate(const ModelShape& model, const Workload& workload, const Layout& layout, const Machine& machine) {
+  Candidate c;
+  c.layout = layout;
+  const int64_t per_step = layout.micro_batch * layout.data_ranks();
+  if (workload.global_batch % per_step != 0) {
+    throw std::invalid_argument("layout " + layout.str() + ": the global batch (" + std::to_string(workload.global_batch) +
+                                ") is not divisible by mb (" + std::to_string(layout.micro_batch) + ") x dp x fsdp (" +
+                                std::to_string(layout.data_ranks()) + ")");
+  }
+  c.microbatches = workload.global_batch / per_step;
+  c.ranks = estimate_memory(model, workload, layout, c.microbatches);
+  c.worst = *std::max_element(c.ranks.begin(), c.ranks.end(), [](const RankMemory& a, const RankMemory& b) {
+    return a.memory.total() < b.memory.total();
+  });
+  c.time = estimate_time(model, workload, layout, machine, c.microbatches, c.ranks);
+  c.fits = c.worst.memory.total() <= machine.device_memory;
+  if (!c.fits) {
+    c.why_not = "needs " + format_bytes(c.worst.memory.total()) + " > " + format_bytes(machine.device_memory) +
+                " on pipeline rank " + std::to_string(c.worst.pipeline_rank) + " (largest: " +
+                largest_term(c.worst.memory) + ", peak at " + c.worst.memory.moment + ")";
+  }
+  return c;
+}
 
 SearchResult search(const ModelShape& model, const Workload& workload, const Machine& machine, int64_t world) {
   if (world < 1) throw std::invalid_argument("world size must be >= 1");

@@ -39,12 +39,44 @@ class ExpertParallelTest : public TrainingTest {
   void expect_equal_to_one_process(const Overrides& layout, int64_t micro) {
     const int n = world()->size();
     Trainer parallel(config(n, micro, "", layout), world());
-    Overrides single_layout;
-    for (const std::string& o : layout) {
-      if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
-    }
-    Trainer single(config(1, micro, "", single_layout), alone());
+    Trainer single(config(1, micro, "", model_only(layout)), alone());
     expect_same_training(parallel, single, 4, describe(layout) + " on " + std::to_string(n) + " ranks");
+  }
+
+  // The model's settings of `layout` (what one process trains).
+  static Overrides model_only(const Overrides& layout) {
+    Overrides out;
+    for (const std::string& o : layout) {
+      if (o.rfind("model.", 0) == 0) out.push_back(o);
+    }
+    return out;
+  }
+
+  // `layouts` trained in turn on every rank, `steps` steps each, each resuming
+  // the checkpoint the one before saved, against one process throughout
+  // (kBatch / ranks sequences per micro-batch in every layout).
+  void expect_resumes_through(const std::vector<Overrides>& layouts, int steps, const std::string& name) {
+    const int n = world()->size();
+    const int64_t micro = kBatch / n;
+    std::vector<double> want;
+    {
+      Trainer single(config(1, micro, "", model_only(layouts.front())), alone());
+      for (size_t s = 0; s < steps * layouts.size(); ++s) want.push_back(single.step().loss);
+    }
+    const std::string checkpoints = util::join_path(dir_, name);
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      Trainer trainer(config(n, micro, checkpoints, layouts[i]), world());
+      if (i > 0) {
+        ASSERT_TRUE(trainer.resumed()) << describe(layouts[i]);
+      }
+      for (size_t s = i * steps; s < (i + 1) * steps; ++s) {
+        EXPECT_NEAR(trainer.step().loss, want[s], 1e-5 * want[s]) << describe(layouts[i]) << ", step " << s + 1;
+      }
+      if (i + 1 < layouts.size()) {
+        trainer.save_checkpoint();
+        trainer.finish_checkpoints();
+      }
+    }
   }
 };
 
@@ -187,37 +219,8 @@ TEST_F(ExpertParallelTest, ResumesWithAnotherEpAndWithTensorParallel) {
   if (n != 2 && n != 4) GTEST_SKIP() << "ep 2 -> 1 -> tp 2 on 2 ranks, ep 2 -> 4 -> tp 2 x ep 2 on 4";
   const Overrides a = moe(1, {"parallel.ep=2"}), b = moe(1, {"parallel.ep=" + std::to_string(n == 2 ? 1 : 4)});
   const Overrides c = moe(1, n == 2 ? Overrides{"parallel.tp=2"} : Overrides{"parallel.tp=2", "parallel.ep=2"});
-  const int64_t micro = kBatch / n;  // the same micro-batches in every layout (accumulated where fewer data ranks)
-  std::vector<double> want;
-  {
-    Overrides single_layout;
-    for (const std::string& o : a) {
-      if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
-    }
-    Trainer single(config(1, micro, "", single_layout), alone());
-    for (int s = 0; s < 9; ++s) want.push_back(single.step().loss);
-  }
-  const std::string checkpoints = util::join_path(dir_, "ep-reshard");
-  {
-    Trainer first(config(n, micro, checkpoints, a), world());
-    for (int s = 0; s < 3; ++s) EXPECT_NEAR(first.step().loss, want[s], 1e-5 * want[s]) << "step " << s + 1;
-    first.save_checkpoint();
-    first.finish_checkpoints();
-  }
-  {
-    Trainer second(config(n, micro, checkpoints, b), world());
-    ASSERT_TRUE(second.resumed());
-    for (int s = 3; s < 6; ++s) {
-      EXPECT_NEAR(second.step().loss, want[s], 1e-5 * want[s]) << describe(b) << " after the resume, step " << s + 1;
-    }
-    second.save_checkpoint();
-    second.finish_checkpoints();
-  }
-  Trainer third(config(n, micro, checkpoints, c), world());
-  ASSERT_TRUE(third.resumed());
-  for (int s = 6; s < 9; ++s) {
-    EXPECT_NEAR(third.step().loss, want[s], 1e-5 * want[s]) << describe(c) << " after the resume, step " << s + 1;
-  }
+  // The same micro-batches in every layout (accumulated where fewer data ranks).
+  expect_resumes_through({a, b, c}, 3, "ep-reshard");
 }
 
 TEST_F(ExpertParallelTest, ShardedExpertParallelCheckpointsResumeInAnotherLayout) {
@@ -225,28 +228,7 @@ TEST_F(ExpertParallelTest, ShardedExpertParallelCheckpointsResumeInAnotherLayout
   if (n != 2 && n != 4) GTEST_SKIP() << "ZeRO-2 x ep 2 -> ep 1 on 2 ranks, ZeRO-2 x fsdp 2 x ep 2 -> ZeRO-1 x ep 4 on 4";
   const Overrides a = moe(2, {"parallel.zero_stage=2", "parallel.ep=2"});
   const Overrides b = n == 2 ? moe(2, {}) : moe(2, {"parallel.zero_stage=1", "parallel.ep=4"});
-  const int64_t micro = kBatch / n;
-  std::vector<double> want;
-  {
-    Overrides single_layout;
-    for (const std::string& o : a) {
-      if (o.rfind("model.", 0) == 0) single_layout.push_back(o);
-    }
-    Trainer single(config(1, micro, "", single_layout), alone());
-    for (int s = 0; s < 6; ++s) want.push_back(single.step().loss);
-  }
-  const std::string checkpoints = util::join_path(dir_, "zero-ep-reshard");
-  {
-    Trainer first(config(n, micro, checkpoints, a), world());
-    for (int s = 0; s < 3; ++s) EXPECT_NEAR(first.step().loss, want[s], 1e-5 * want[s]) << "step " << s + 1;
-    first.save_checkpoint();
-    first.finish_checkpoints();
-  }
-  Trainer second(config(n, micro, checkpoints, b), world());
-  ASSERT_TRUE(second.resumed());
-  for (int s = 3; s < 6; ++s) {
-    EXPECT_NEAR(second.step().loss, want[s], 1e-5 * want[s]) << describe(b) << " after the resume, step " << s + 1;
-  }
+  expect_resumes_through({a, b}, 3, "zero-ep-reshard");
 }
 
 TEST_F(ExpertParallelTest, MetricsReportEveryMoeLayer) {

@@ -1,0 +1,22 @@
+// Small helpers the benchmarks share: wall time since a point and the median of samples.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+namespace meshtrain::apps {
+
+using BenchClock = std::chrono::steady_clock;
+
+inline double seconds_since(BenchClock::time_point start) {
+  return std::chrono::duration<double>(BenchClock::now() - start).count();
+}
+
+// The upper median (the middle sample, or the higher of the two middle ones); 0 for none.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+}  // namespace meshtrain::apps
