@@ -139,9 +139,9 @@ int main(int argc, char** argv) {
   CLI::App* plan = app.add_subcommand(
       "plan", "Will it fit, and which layout is fastest? Predicts per-rank memory (parameters, gradients, optimizer "
               "states, activations, logits, buffers) and step time of every layout of --world ranks (dp, ZeRO 1-3, "
-              "tp + sp, pp schedules, micro-batch, recompute, offload), drops those over --device-memory and ranks the "
-              "rest; --layout explains one. Runs in one process; `meshtrain run -n 2 plan --calibrate` measures this "
-              "machine instead.");
+              "tp + sp, pp schedules, ep for MoE models, micro-batch, recompute, offload), drops those over "
+              "--device-memory and ranks the rest; --layout explains one. Runs in one process; `meshtrain run -n 2 "
+              "plan --calibrate` measures this machine instead.");
   plan->add_option("--model", plan_options.model,
                    "A preset (tiny, small, llama-tiny, gpt2-124m/350m/774m/1.5b, llama2-7b/13b/70b, llama3-8b/70b, "
                    "gpt3-175b, gpt-1t, mixtral-8x7b) or a meshtrain config file (.toml)")
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   plan->add_option("--global-batch", plan_options.global_batch, "Sequences per optimizer step (default: ~1M tokens)");
   plan->add_option("--layout", plan_options.layout,
                    "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
-                   "tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
+                   "ep tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
   plan->add_option("--precision", plan_options.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
   plan->add_option("--attention", plan_options.attention, "flash (no s^2 term) or math (softmax saved)");
   plan->add_option("--moe-load", plan_options.moe_load,

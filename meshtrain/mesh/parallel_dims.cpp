@@ -67,9 +67,6 @@ void ParallelDims::check() const {
   if (zero_stage == 0 && fsdp > 1) {
     refuse("fsdp", n(fsdp), "shards need zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   }
-  if (ep > 1 && zero_stage == 3) {
-    refuse("ep", n(ep), "expert parallel with zero_stage 3 is not built yet; use zero_stage 0, 1 or 2 with ep > 1");
-  }
   if (sequence_parallel && tp == 1) refuse("sequence_parallel", "true", "needs tp > 1");
   if (pp > 1 && zero_stage == 3) {
     refuse("zero_stage", "3", "does not combine with pp(" + n(pp) + ") > 1 (every micro-batch would gather every "

@@ -199,8 +199,19 @@ int64_t FullySharded::unit_count() const { return static_cast<int64_t>(state_->u
 
 int64_t FullySharded::largest_unit_numel() const {
   int64_t largest = 0;
-  for (const auto& unit : state_->units) largest = std::max(largest, unit.padded);
+  for (const auto& unit : state_->units) {
+    int64_t numel = unit.padded;
+    for (size_t c : unit.companions) numel += state_->units[c].padded;
+    largest = std::max(largest, numel);
+  }
   return largest;
+}
+
+int64_t FullySharded::gathered_numel() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  int64_t total = 0;
+  for (const auto& unit : state_->units) total += unit.residency == Residency::kFreed ? 0 : unit.padded;
+  return total;
 }
 
 int64_t FullySharded::shard_numel() const {

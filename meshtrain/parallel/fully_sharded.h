@@ -48,10 +48,11 @@ struct FullyShardedOptions {
   // norm another stage counts.
   std::function<bool(const std::string&)> own_unit;
   std::function<bool(const std::string&)> counted_elsewhere;
-  // With expert parallel (ShardingGroups::expert_*; stages 1 and 2): expert
-  // tensors, each in a unit of its own, sharded over `shard` like the rest
-  // but replicated over expert_replicate only, their gradients multiplied by
-  // expert_scale before the average (ep ranks hold different experts).
+  // With expert parallel (ShardingGroups::expert_*): expert tensors, each in
+  // a unit of its own, sharded over `shard` like the rest but replicated over
+  // expert_replicate only, their gradients multiplied by expert_scale before
+  // the average (ep ranks hold different experts). Stage 3 gathers and frees
+  // them with the unit holding their module (their block).
   std::function<bool(const std::string&)> expert;
   double expert_scale = 1.0;
 };
@@ -148,10 +149,12 @@ class FullySharded : public DataParallelism {
 
   int stage() const;
   int64_t unit_count() const;
-  // Elements of the largest unit (padded), and the total this rank owns.
+  // Elements of the largest gather (a unit with the expert units gathered
+  // with it, padded), and the total this rank owns.
   int64_t largest_unit_numel() const;
   int64_t shard_numel() const;
   int64_t padded_numel() const;  // sum over units of the padded size
+  int64_t gathered_numel() const;  // elements of the units whose full parameters exist now (gathered or gathering)
   // Seconds spent waiting for gathers/reductions that were not hidden behind
   // computation, since construction.
   double exposed_gather_seconds() const;

@@ -213,8 +213,9 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
     rank.parameter_count = psi;
     rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * local_experts;
     const double largest_block = rank.moe_layers > 0 ? std::max(block, moe_block) : block;
-    const double workspace = std::max(layer_backward_workspace(model, z, p, false, 1, 0),
-                                      rank.moe_layers > 0 ? layer_backward_workspace(model, z, p, true, l.ep, w.moe_load) : 0.0);
+    const double dense_workspace = layer_backward_workspace(model, z, p, false, 1, 0);
+    const double moe_workspace = rank.moe_layers > 0 ? layer_backward_workspace(model, z, p, true, l.ep, w.moe_load) : 0.0;
+    const double workspace = std::max(dense_workspace, moe_workspace);
 
     MemoryBreakdown states;
     states.parameters = p.param * psi / (l.zero_stage >= 3 ? shards : 1);
@@ -262,11 +263,21 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
           kept_outputs -= out.kept;
         }
         // ZeRO-3: the gathered unit, and the gradients of a dense block's
-        // size beside the layer's saved tensors; a MoE unit's expert
-        // gradients complete (then are reduced) once its saved tensors are freed.
+        // size beside the layer's saved tensors. A MoE block's backward
+        // starts with its experts, whose workspace is freed before any of
+        // the block's gradients exist; its expert gradients complete (then
+        // are reduced) once its saved tensors are freed.
+        const double recomputed = l.recompute == "full" ? full_layer : 0;
+        if (gathers && rank.moe_layers > 0) {
+          const double gathered = sends + p.param * (root_unit + moe_block);
+          consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
+          const double dense = sends + p.param * (root_unit + block) + p.grad * block;
+          if (rank.layers > rank.moe_layers) consider("layer backward", stash, kept_outputs, dense, dense_workspace + recomputed);
+        } else {
+          const double gathered = sends + (gathers ? p.param * (root_unit + block) + p.grad * block : 0);
+          consider("layer backward", stash, kept_outputs, gathered, workspace + recomputed);
+        }
         const double gathered = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
-        consider("layer backward", stash, kept_outputs, gathered + (gathers ? p.grad * block : 0),
-                 workspace + (l.recompute == "full" ? full_layer : 0));
         if (gathers && rank.moe_layers > 0) {
           consider("unit gradients", std::max(0.0, stash - per_moe_layer), kept_outputs,
                    gathered + p.grad * largest_block, 0);

@@ -1,7 +1,7 @@
 // Expert parallel and mixture-of-experts models under mpirun: ep = k (alone,
 // beside data parallel and beside a pipeline) against one process over the same micro-batches, top-1
-// and top-2; ZeRO-1/2/3 of an MoE model, and ZeRO-1/2 beside expert
-// parallel, against one process; a rank whose
+// and top-2; ZeRO-1/2/3 of an MoE model, and beside expert parallel,
+// against one process; a rank whose
 // experts receive no tokens; checkpoints resumed with another ep; tensor
 // parallel (and sequence parallel, and tp x ep) of an MoE model.
 #include "meshtrain/parallel/expert_parallel.h"
@@ -143,8 +143,9 @@ TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExp
   const int n = world()->size();
   std::vector<Overrides> layouts;
   for (int stage : {1, 2, 3}) layouts.push_back(moe(2, {"parallel.zero_stage=" + std::to_string(stage)}));
-  // Beside expert parallel (ZeRO-1 and 2): experts sharded among their copies, reduced over dp x fsdp only.
-  for (int stage : {1, 2}) {
+  // Beside expert parallel: experts sharded among their copies, reduced over dp x fsdp only
+  // (ZeRO-3: gathered and freed with their block).
+  for (int stage : {1, 2, 3}) {
     const std::string zero = "parallel.zero_stage=" + std::to_string(stage);
     if (n > 1) layouts.push_back(moe(2, {zero, "parallel.ep=" + std::to_string(n), "parallel.fsdp=1"}));
     if (n == 4) {
@@ -157,7 +158,10 @@ TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExp
     // Two micro-batches per step: ZeRO-2 reduces after each backward while the next forward's
     // all-to-alls run over the same ranks (once a deadlock).
     expect_equal_to_one_process(moe(2, {"parallel.zero_stage=2", "parallel.ep=2"}), kBatch / 2 / 2);
+    expect_equal_to_one_process(moe(2, {"parallel.zero_stage=3", "parallel.ep=2"}), kBatch / 2 / 2);
+    layouts.push_back(moe(2, {"parallel.zero_stage=3", "parallel.tp=2", "parallel.ep=2"}));
   }
+  if (n == 8) layouts.push_back(moe(2, {"parallel.zero_stage=3", "parallel.ep=4"}));  // fsdp 2 x ep 4
   for (const Overrides& layout : layouts) {
     const int stage = config(n, 1, "", layout).parallel.zero_stage;
     const int64_t micro = kBatch / config(n, 1, "", layout).data_ranks();
@@ -171,6 +175,59 @@ TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExp
           << describe(layout) << " (stage " << stage << "): " << name << " did not change in a step";
     }
   }
+}
+
+// Records what a FullySharded has gathered as each MoE layer starts its
+// forward and its backward.
+class GatheredAtMoeLayers : public model::ForwardHooks {
+ public:
+  explicit GatheredAtMoeLayers(const parallel::FullySharded& sharded) : sharded_(sharded) {}
+
+  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
+    if (module.size() < 4 || module.compare(module.size() - 4, 4, ".moe") != 0) return forward(input);
+    forward_most = std::max(forward_most, sharded_.gathered_numel());
+    at::Tensor output = forward(input);
+    if (output.requires_grad()) {
+      output.register_hook([this](const at::Tensor& grad) {
+        backward_most = std::max(backward_most, sharded_.gathered_numel());
+        return grad;
+      });
+    }
+    return output;
+  }
+
+  int64_t forward_most = 0, backward_most = 0;
+
+ private:
+  const parallel::FullySharded& sharded_;
+};
+
+// ZeRO-3 beside ep gathers a block's experts with the block and frees them
+// with it, in forward and in backward: at any MoE layer, at most the root
+// unit, this block with its experts and the next one (prefetched) exist in
+// full, where experts kept would add up over the layers.
+TEST_F(ExpertParallelTest, ZeroThreeHoldsOnlyTheBlocksInUseWithTheirExperts) {
+  const int n = world()->size();
+  if (n == 1) GTEST_SKIP() << "needs ep > 1";
+  TrainConfig c = config(n, kBatch / n, "", moe(2, {"parallel.zero_stage=3", "parallel.ep=" + std::to_string(n), "parallel.fsdp=1"}));
+  c.model.layers = 6;
+  c.model.moe_hidden = 384;  // the experts are most of each block
+  c.validate(n);
+  Trainer trainer(c, world());
+  const parallel::FullySharded& sharded = *trainer.sharded();
+  auto probe = std::make_shared<GatheredAtMoeLayers>(sharded);
+  trainer.model()->add_forward_hooks(probe);
+  trainer.step();
+  trainer.model()->remove_forward_hooks(probe.get());
+  const int64_t root = (c.model.vocab_size + c.model.context + 2) * c.model.width + n;  // embeddings, final norm
+  const int64_t bound = root + 2 * sharded.largest_unit_numel();
+  const int64_t experts = c.model.layers * (experts_for(n) / n) * 2 * c.model.width * c.model.moe_hidden;
+  ASSERT_GT(experts, bound) << "the test needs experts that would not fit the bound if kept";
+  EXPECT_GT(probe->forward_most, 0);
+  EXPECT_LE(probe->forward_most, bound) << "rank " << world()->rank() << ": forward";
+  EXPECT_GT(probe->backward_most, 0);
+  EXPECT_LE(probe->backward_most, bound) << "rank " << world()->rank() << ": backward";
+  EXPECT_EQ(sharded.gathered_numel(), 0) << "rank " << world()->rank() << ": units still gathered after the step";
 }
 
 TEST_F(ExpertParallelTest, RanksWhoseExpertsGetNoTokensStillStepAndMatch) {
@@ -225,10 +282,14 @@ TEST_F(ExpertParallelTest, ResumesWithAnotherEpAndWithTensorParallel) {
 
 TEST_F(ExpertParallelTest, ShardedExpertParallelCheckpointsResumeInAnotherLayout) {
   const int n = world()->size();
-  if (n != 2 && n != 4) GTEST_SKIP() << "ZeRO-2 x ep 2 -> ep 1 on 2 ranks, ZeRO-2 x fsdp 2 x ep 2 -> ZeRO-1 x ep 4 on 4";
-  const Overrides a = moe(2, {"parallel.zero_stage=2", "parallel.ep=2"});
-  const Overrides b = n == 2 ? moe(2, {}) : moe(2, {"parallel.zero_stage=1", "parallel.ep=4"});
-  expect_resumes_through({a, b}, 3, "zero-ep-reshard");
+  if (n != 2 && n != 4) {
+    GTEST_SKIP() << "ZeRO-2 x ep 2 -> ep 1 -> ZeRO-3 x ep 2 on 2 ranks, "
+                    "ZeRO-2 x fsdp 2 x ep 2 -> ZeRO-1 x ep 4 -> ZeRO-3 x fsdp 2 x ep 2 -> ep 1 on 4";
+  }
+  const Overrides zero2 = moe(2, {"parallel.zero_stage=2", "parallel.ep=2"});
+  const Overrides zero3 = moe(2, {"parallel.zero_stage=3", "parallel.ep=2"});
+  if (n == 2) expect_resumes_through({zero2, moe(2, {}), zero3}, 2, "zero-ep-reshard");
+  else expect_resumes_through({zero2, moe(2, {"parallel.zero_stage=1", "parallel.ep=4"}), zero3, moe(2, {})}, 2, "zero-ep-reshard");
 }
 
 TEST_F(ExpertParallelTest, MetricsReportEveryMoeLayer) {

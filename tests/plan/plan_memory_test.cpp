@@ -156,6 +156,9 @@ TEST_F(PlanMemory, MixtureOfExpertsPeakWithinTenPercentOfMeasured) {
   if (n == 4) layouts.push_back(moe(experts, {"parallel.tp=2", "parallel.ep=2"}));
   if (n > 1) layouts.push_back(moe(experts, {"parallel.zero_stage=1", "parallel.ep=" + std::to_string(n), "parallel.fsdp=1"}));
   if (n == 4) layouts.push_back(moe(experts, {"parallel.zero_stage=2", "parallel.ep=2"}));
+  // ZeRO-3 beside ep: each block's experts gathered and freed with it.
+  if (n > 1) layouts.push_back(moe(experts, {"parallel.zero_stage=3", "parallel.ep=" + std::to_string(n), "parallel.fsdp=1"}));
+  if (n == 4) layouts.push_back(moe(experts, {"parallel.zero_stage=3", "parallel.ep=2"}));
   if (n % 2 == 0) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.pp_schedule=1f1b"}));
   if (n == 4) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=gpipe"}));
   for (const Overrides& layout : layouts) {

@@ -28,6 +28,7 @@ void allocate_storage(const at::Tensor& flat) {
 }  // namespace
 
 void ShardedState::gather_locked(Unit& unit) {
+  for (size_t c : unit.companions) gather_locked(units[c]);
   if (unit.residency != Residency::kFreed) return;
   ObserverPause pause;  // a one-rank gather copies into `full` on this thread
   allocate_storage(unit.full);
@@ -39,6 +40,7 @@ void ShardedState::gather_locked(Unit& unit) {
 
 void ShardedState::wait_gathered_locked(Unit& unit) {
   gather_locked(unit);
+  for (size_t c : unit.companions) wait_gathered_locked(units[c]);
   if (unit.residency != Residency::kGathering) return;
   const auto start = Clock::now();
   unit.gather_work.wait();
@@ -57,7 +59,9 @@ void ShardedState::regather_all_locked() {
 }
 
 void ShardedState::reshard_locked(Unit& unit) {
-  if (!stage3() || unit.residency == Residency::kFreed) return;
+  if (!stage3()) return;
+  for (size_t c : unit.companions) reshard_locked(units[c]);
+  if (unit.residency == Residency::kFreed) return;
   if (unit.residency == Residency::kGathering) unit.gather_work.wait();
   unit.gather_work = comm::Work();
   unit.gather_input = at::Tensor();
@@ -68,7 +72,8 @@ void ShardedState::reshard_locked(Unit& unit) {
 void ShardedState::before_forward(size_t u) {
   std::lock_guard<std::mutex> lock(mutex);
   wait_gathered_locked(units[u]);
-  if (options.prefetch && u + 1 < units.size()) gather_locked(units[u + 1]);
+  const size_t next = next_host(u);
+  if (options.prefetch && next != SIZE_MAX) gather_locked(units[next]);
 }
 
 void ShardedState::after_forward(size_t u, bool backward_follows) {
@@ -83,11 +88,15 @@ void ShardedState::after_forward(size_t u, bool backward_follows) {
 void ShardedState::before_backward(size_t u) {
   std::lock_guard<std::mutex> lock(mutex);
   wait_gathered_locked(units[u]);
-  if (options.prefetch && u > 0 && !units[u - 1].module.empty()) gather_locked(units[u - 1]);  // the root is still gathered
+  const size_t previous = previous_host(u);
+  if (options.prefetch && previous != SIZE_MAX && !units[previous].module.empty()) {
+    gather_locked(units[previous]);  // (the root is still gathered)
+  }
 }
 
 void ShardedState::on_use(size_t u) {
   std::lock_guard<std::mutex> lock(mutex);
+  if (units[u].host != SIZE_MAX) u = units[u].host;  // a companion is in use with its host
   if (u == current_unit && units[u].residency == Residency::kGathered) return;  // reductions may have freed it
   const size_t previous = current_unit;
   current_unit = u;

@@ -37,6 +37,10 @@ struct Unit {
   Residency residency = Residency::kGathered;
   int64_t ready = 0;  // parameters whose gradient arrived in this backward
   bool expert = false;  // an expert tensor's unit (FullyShardedOptions::expert)
+  // Stage 3: an expert tensor's unit is gathered and freed with the unit
+  // holding its module (its host), which lists it among its companions.
+  size_t host = SIZE_MAX;
+  std::vector<size_t> companions;
 };
 
 // A stretch of this rank's shard (unit, offset, length) belonging to one
@@ -104,6 +108,12 @@ struct ShardedState {
 
   // units.cpp: groups `module`'s parameters into units with flat buffers.
   void build_units(torch::nn::Module& module);
+  void attach_companions();  // stage 3: each expert unit to its host
+  void build_reduce_order();
+  // The unit gathered after (before) unit u in forward order, companions
+  // skipped (they come with their host); SIZE_MAX if none.
+  size_t next_host(size_t u) const;
+  size_t previous_host(size_t u) const;
   // residency.cpp
   void gather_locked(Unit& unit);
   void wait_gathered_locked(Unit& unit);

@@ -45,7 +45,7 @@ void ShardedState::build_units(torch::nn::Module& module) {
   for (const std::string& name : names) {
     const bool expert = is_expert(name);
     if (!expert && (!options.own_unit || !options.own_unit(name))) continue;
-    if (stage3()) throw std::invalid_argument("fully sharded: units of one parameter need stage 1 or 2");
+    if (stage3() && !expert) throw std::invalid_argument("fully sharded: units of one parameter need stage 1 or 2");
     units.emplace_back();
     units.back().module = "parameter " + name;
     units.back().expert = expert;
@@ -75,6 +75,7 @@ void ShardedState::build_units(torch::nn::Module& module) {
   if (units.front().params.empty()) units.erase(units.begin());  // everything is in a unit (or a pipeline stage's blocks)
   if (units.empty()) throw std::invalid_argument("fully sharded: the module has no parameters");
   for (size_t u = 0; u < units.size(); ++u) unit_of_module[units[u].module] = u;
+  if (stage3()) attach_companions();
 
   const int64_t n = shards;
   const bool master_is_view = options.stage < 3 && options.param_dtype == at::kFloat;
@@ -111,9 +112,53 @@ void ShardedState::build_units(torch::nn::Module& module) {
       reshard_locked(unit);
     }
   }
+  build_reduce_order();
+}
+
+void ShardedState::attach_companions() {
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!units[u].expert) continue;
+    const std::string& name = units[u].names.front();
+    size_t host = SIZE_MAX, matched = 0;  // the innermost module unit holding it, else the root
+    for (size_t k = 0; k < units.size(); ++k) {
+      const std::string& m = units[k].module;
+      if (units[k].expert || starts_with(m, "parameter ")) continue;
+      const bool holds = m.empty() || starts_with(name, m + ".");
+      if (holds && (host == SIZE_MAX || m.size() > matched)) host = k, matched = m.size();
+    }
+    if (host == SIZE_MAX) {
+      throw std::invalid_argument("fully sharded: stage 3 gathers expert tensor " + name +
+                                  " with the unit holding its module, and no unit (nor a root unit) holds it");
+    }
+    units[u].host = host;
+    units[host].companions.push_back(u);
+  }
+}
+
+void ShardedState::build_reduce_order() {
   // Backward finishes the units last to first, the root last (the embedding's
-  // gradient is the last one ready).
-  for (size_t u = units.size(); u-- > 0;) reduce_order.push_back(u);
+  // gradient is the last one ready). A host's companions (its experts, whose
+  // gradients come before its attention's) just before it, so each is freed
+  // with its block's backward.
+  for (size_t u = units.size(); u-- > 0;) {
+    if (units[u].host != SIZE_MAX) continue;
+    for (auto c = units[u].companions.rbegin(); c != units[u].companions.rend(); ++c) reduce_order.push_back(*c);
+    reduce_order.push_back(u);
+  }
+}
+
+size_t ShardedState::next_host(size_t u) const {
+  for (size_t k = u + 1; k < units.size(); ++k) {
+    if (units[k].host == SIZE_MAX) return k;
+  }
+  return SIZE_MAX;
+}
+
+size_t ShardedState::previous_host(size_t u) const {
+  for (size_t k = u; k-- > 0;) {
+    if (units[k].host == SIZE_MAX) return k;
+  }
+  return SIZE_MAX;
 }
 
 }  // namespace meshtrain::parallel
