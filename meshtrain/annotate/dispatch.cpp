@@ -1,0 +1,195 @@
+// The handler of every aten operator on distributed tensors: placements in,
+// rule, redistribution, the operator on local tensors, placements out.
+#include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/annotate/rules.h"
+#include "meshtrain/placement/redistribute.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+namespace meshtrain::annotate {
+
+using placement::Placement;
+
+namespace {
+
+placement::TensorSpec plain_spec(const at::Tensor& t, const mesh::DeviceMesh& mesh) {
+  placement::TensorSpec spec;
+  spec.shape = t.sizes().vec();
+  for (const mesh::MeshAxis& axis : mesh.layout().axes()) spec.axes.push_back(axis.name);
+  spec.placements.assign(spec.axes.size(), Placement::replicate());
+  return spec;
+}
+
+// Calls `op` on `args` with every operand replaced by `value(operand)`; returns the outputs.
+template <typename Value>
+std::vector<c10::IValue> call_with(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                                   const std::vector<Operand>& inputs, Value value) {
+  for (const Operand& o : inputs) {
+    if (o.item < 0) {
+      args[o.arg] = value(o);
+    } else {
+      c10::List<at::Tensor> list = args[o.arg].toTensorList().copy();
+      list.set(o.item, value(o));
+      args[o.arg] = list;
+    }
+  }
+  torch::jit::Stack stack(args.begin(), args.end());
+  op.callBoxed(&stack);
+  return stack;
+}
+
+std::vector<std::vector<int64_t>> output_shapes(const c10::OperatorHandle& op, const Call& call) {
+  std::vector<c10::IValue> outs;
+  try {
+    outs = call_with(op, call.args, call.inputs, [](const Operand& o) {
+      return at::empty(o.spec.shape, o.tensor.options().device(at::kMeta));
+    });
+  } catch (const std::exception& e) {
+    throw std::runtime_error("sharding annotations: aten::" + call.name + " cannot be shaped on the global sizes: " +
+                             e.what());
+  }
+  std::vector<std::vector<int64_t>> shapes;
+  for (const c10::IValue& v : outs) {
+    if (v.isTensor()) shapes.push_back(v.toTensor().sizes().vec());
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) shapes.push_back(t.sizes().vec());
+    }
+  }
+  return shapes;
+}
+
+at::Tensor local_in(const Operand& o, const mesh::DeviceMesh& mesh) {
+  check_even(o.spec.shape, mesh, o.want, "an input of an operator");
+  if (is_dist(o.tensor)) {
+    const DistState& s = dist_state(o.tensor);
+    if (o.want == s.placements) return s.local;
+    return placement::redistribute_data(s.local, mesh, spec_of(o.tensor), o.want);
+  }
+  placement::TensorSpec spec = o.spec;
+  spec.placements = o.want;
+  return placement::local_of(o.tensor, spec, mesh.layout(), mesh.rank());
+}
+
+}  // namespace
+
+static bool is_out_variant(const c10::FunctionSchema& schema) {
+  for (const c10::Argument& a : schema.arguments()) {
+    if (a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite()) return true;
+  }
+  return false;
+}
+
+void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const bool out_variant = is_out_variant(schema);
+  const size_t n = schema.arguments().size();
+  Call call;
+  call.name = schema.name().substr(6) + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  call.base = schema.name().substr(6);
+  call.args.assign(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
+  call.pointwise = op.hasTag(at::Tag::pointwise);
+  call.inplace = !schema.returns().empty() && schema.returns()[0].alias_info() &&
+                 schema.returns()[0].alias_info()->isWrite() && !out_variant;
+  std::shared_ptr<const mesh::DeviceMesh> mesh;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = call.args[i];
+    std::vector<std::pair<at::Tensor, int64_t>> tensors;
+    if (v.isTensor()) tensors.push_back({v.toTensor(), -1});
+    if (v.isTensorList()) {
+      const std::vector<at::Tensor> list = v.toTensorList().vec();
+      for (size_t k = 0; k < list.size(); ++k) tensors.push_back({list[k], static_cast<int64_t>(k)});
+    }
+    for (const auto& [t, item] : tensors) {
+      if (!t.defined()) continue;
+      Operand o;
+      o.arg = i, o.item = item, o.tensor = t;
+      if (is_dist(t)) {
+        const DistState& s = dist_state(t);
+        if (mesh && s.mesh != mesh) throw std::runtime_error("sharding annotations: aten::" + call.name + " mixes tensors of two meshes");
+        mesh = s.mesh;
+      }
+      call.inputs.push_back(o);
+    }
+  }
+  if (!mesh) throw std::logic_error("sharding annotations: aten::" + call.name + " reached without a distributed tensor");
+  for (Operand& o : call.inputs) o.spec = is_dist(o.tensor) ? spec_of(o.tensor) : plain_spec(o.tensor, *mesh);
+  for (const mesh::MeshAxis& axis : mesh->layout().axes()) call.axis_sizes.push_back(axis.size);
+
+  if (call.base == "_local_scalar_dense") {  // .item(): the whole value
+    const DistState& s = dist_state(call.inputs.front().tensor);
+    const at::Tensor local = placement::redistribute_data(s.local, *mesh, spec_of(call.inputs.front().tensor),
+                                                          std::vector<Placement>(call.axis_sizes.size(), Placement::replicate()));
+    torch::jit::push(*stack, local.item());
+    return;
+  }
+  if (out_variant) {
+    throw std::runtime_error("sharding annotations: aten::" + call.name +
+                             " (an out= variant) has no sharding rule; call the functional operator");
+  }
+  call.out_shapes = output_shapes(op, call);
+  call.out_placements.assign(call.out_shapes.size(), std::vector<Placement>(call.axis_sizes.size()));
+  decide(call);
+
+  // In place: the first input keeps its identity; a partial sum it held is summed (or dropped) first.
+  if (call.inplace && is_dist(call.inputs.front().tensor)) {
+    Operand& self = call.inputs.front();
+    DistState& s = dist_state(self.tensor);
+    if (self.want != s.placements) {
+      for (size_t k = 0; k < self.want.size(); ++k) {
+        if (self.want[k] != s.placements[k] && !(s.placements[k].is_partial() && self.want[k].is_replicate())) {
+          throw std::runtime_error("sharding annotations: aten::" + call.name + " would change its output's placement " +
+                                   self.spec.str() + " in place");
+        }
+      }
+      const bool summed = self.spec.placements == self.want;  // the rule dropped the partial sum (overwritten)
+      if (!summed) s.local.copy_(placement::redistribute_data(s.local, *mesh, spec_of(self.tensor), self.want));
+      s.placements = self.want;
+      self.spec.placements = self.want;
+    }
+  }
+  if (call.base == "view" || call.base == "_unsafe_view" || call.base == "expand") {
+    // The size argument is global: the local operator gets the local output's.
+    placement::TensorSpec out;
+    out.shape = call.out_shapes.front();
+    out.axes = call.inputs.front().spec.axes;
+    out.placements = call.out_placements.front();
+    call.args[1] = c10::IValue(placement::local_shape(out, mesh->layout(), mesh->rank()));
+  }
+  const std::vector<c10::IValue> outs = call_with(op, call.args, call.inputs, [&](const Operand& o) { return local_in(o, *mesh); });
+
+  size_t k = 0;
+  auto wrap = [&](const at::Tensor& local) {
+    at::Tensor t = local;
+    if (call.rescale_mean) {
+      int64_t mine = 1, all = 1;
+      const at::Tensor& in = dist_state(call.inputs.front().tensor).local;
+      for (size_t d = 0; d < call.reduced.size(); ++d) {
+        if (call.reduced[d]) mine *= in.size(d), all *= call.inputs.front().spec.shape[d];
+      }
+      t = t * (static_cast<double>(mine) / static_cast<double>(all));
+    }
+    const size_t i = k++;
+    return from_local(t, mesh, call.out_placements[i], call.out_shapes[i]);
+  };
+  for (size_t r = 0; r < outs.size(); ++r) {
+    const c10::IValue& v = outs[r];
+    if (v.isTensor() && r == 0 && call.inplace) {
+      torch::jit::push(*stack, call.args[0]);
+      ++k;
+    } else if (v.isTensor()) {
+      torch::jit::push(*stack, v.toTensor().defined() ? wrap(v.toTensor()) : v.toTensor());
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> list;
+      for (const at::Tensor& t : v.toTensorList().vec()) list.push_back(wrap(t));
+      torch::jit::push(*stack, list);
+    } else {
+      torch::jit::push(*stack, v);
+    }
+  }
+}
+
+}  // namespace meshtrain::annotate

@@ -1,0 +1,169 @@
+#include "meshtrain/annotate/dist_tensor.h"
+
+#include "meshtrain/annotate/rules.h"
+#include "meshtrain/placement/redistribute.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <deque>
+#include <numeric>
+#include <mutex>
+#include <stdexcept>
+
+namespace meshtrain::annotate {
+
+using placement::Placement;
+
+bool is_dist(const at::Tensor& t) {
+  return t.defined() && t.key_set().has(c10::DispatchKey::PrivateUse1) &&
+         dynamic_cast<DistState*>(t.unsafeGetTensorImpl()->get_backend_meta()) != nullptr;
+}
+
+void check_even(const std::vector<int64_t>& shape, const mesh::DeviceMesh& mesh, const std::vector<Placement>& placements,
+                const std::string& what) {
+  std::vector<int64_t> parts(shape.size(), 1);
+  for (size_t k = 0; k < placements.size(); ++k) {
+    if (placements[k].is_shard()) parts.at(placements[k].dim) *= mesh.layout().axes()[k].size;
+  }
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] % parts[d] != 0) {
+      throw std::invalid_argument("sharding annotations: " + what + " splits dim " + std::to_string(d) + " of size " +
+                                  std::to_string(shape[d]) + " into " + std::to_string(parts[d]) +
+                                  " parts; uneven splits are not supported yet (choose sizes the mesh axes divide)");
+    }
+  }
+}
+
+DistState& dist_state(const at::Tensor& t) {
+  auto* state = t.defined() ? dynamic_cast<DistState*>(t.unsafeGetTensorImpl()->get_backend_meta()) : nullptr;
+  if (!state) throw std::invalid_argument("not a distributed tensor");
+  return *state;
+}
+
+namespace {
+
+// Strides of the global shape in the local tensor's memory order: what
+// reshape and contiguity checks read (a transposed local is a transposed global).
+std::vector<int64_t> strides_like(const at::Tensor& local, const std::vector<int64_t>& shape) {
+  const int64_t rank = static_cast<int64_t>(shape.size());
+  std::vector<int64_t> order(rank), strides(rank);
+  std::iota(order.begin(), order.end(), 0);
+  if (local.dim() == rank) {
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return local.stride(a) > local.stride(b); });
+  }
+  int64_t stride = 1;
+  for (int64_t i = rank; i-- > 0;) {
+    strides[order[i]] = stride;
+    stride *= std::max<int64_t>(shape[order[i]], 1);
+  }
+  return strides;
+}
+
+}  // namespace
+
+at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> mesh, std::vector<Placement> placements,
+                      std::vector<int64_t> shape) {
+  install();
+  if (!mesh) throw std::invalid_argument("from_local: no mesh");
+  if (static_cast<int>(placements.size()) != mesh->layout().ndim()) {
+    throw std::invalid_argument("from_local: " + std::to_string(placements.size()) + " placements for a mesh of " +
+                                std::to_string(mesh->layout().ndim()) + " axes (" + mesh->layout().describe() + ")");
+  }
+  if (is_dist(local)) throw std::invalid_argument("from_local: the local tensor is distributed already");
+  check_even(shape, *mesh, placements, "a tensor");
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                          local.dtype(), local.device());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides_like(local, shape));
+  auto state = c10::make_intrusive<DistState>();
+  state->local = std::move(local);
+  state->mesh = std::move(mesh);
+  state->placements = std::move(placements);
+  t.unsafeGetTensorImpl()->set_backend_meta(state);
+  return t;
+}
+
+placement::TensorSpec spec_of(const at::Tensor& t) {
+  placement::TensorSpec spec;
+  spec.shape = t.sizes().vec();
+  const DistState& s = dist_state(t);
+  for (const mesh::MeshAxis& axis : s.mesh->layout().axes()) spec.axes.push_back(axis.name);
+  spec.placements = s.placements;
+  return spec;
+}
+
+std::vector<Placement> placements_on(const mesh::DeviceMesh& mesh, const std::map<std::string, Placement>& by_axis) {
+  std::vector<Placement> out(mesh.layout().ndim(), Placement::replicate());
+  for (const auto& [axis, p] : by_axis) out[mesh.layout().axis_index(axis)] = p;
+  return out;
+}
+
+at::Tensor to_local(const at::Tensor& t) { return dist_state(t).local; }
+
+at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::DeviceMesh> mesh,
+                      std::vector<Placement> placements) {
+  if (is_dist(global)) return redistribute(global, std::move(placements));
+  placement::TensorSpec spec;
+  spec.shape = global.sizes().vec();
+  for (const mesh::MeshAxis& axis : mesh->layout().axes()) spec.axes.push_back(axis.name);
+  spec.placements = placements;
+  spec.check(mesh->layout());
+  at::Tensor local;
+  {
+    torch::NoGradGuard no_grad;
+    local = placement::local_of(global.detach(), spec, mesh->layout(), mesh->rank()).contiguous();
+  }
+  at::Tensor out = from_local(local, std::move(mesh), std::move(placements), spec.shape);
+  if (global.requires_grad()) out.requires_grad_(true);
+  return out;
+}
+
+namespace {
+
+// The same global value in other placements; the gradient is that global
+// value's gradient, whatever placements it has.
+class Redistribute : public torch::autograd::Function<Redistribute> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& t, std::vector<Placement> to) {
+    const DistState& s = dist_state(t);
+    const at::Tensor local = placement::redistribute_data(s.local, *s.mesh, spec_of(t), to);
+    return from_local(local, s.mesh, std::move(to), t.sizes().vec());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor redistribute(const at::Tensor& t, std::vector<Placement> placements) {
+  if (!is_dist(t)) throw std::invalid_argument("redistribute: not a distributed tensor");
+  if (placements == dist_state(t).placements) return t;
+  return Redistribute::apply(t, std::move(placements));
+}
+
+at::Tensor full_tensor(const at::Tensor& t) {
+  const DistState& s = dist_state(t);
+  return placement::redistribute_data(s.local, *s.mesh, spec_of(t),
+                                      std::vector<Placement>(s.placements.size(), Placement::replicate()));
+}
+
+void install() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) continue;
+      auto op = c10::Dispatcher::singleton().findOp(name);
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;  // decomposes
+      static std::deque<std::string> names;  // the library keeps pointers to them
+      names.push_back(name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name));
+      library.impl(names.back().c_str(), torch::CppFunction::makeFromBoxedFunction<&run_operator>());
+    }
+  });
+}
+
+}  // namespace meshtrain::annotate

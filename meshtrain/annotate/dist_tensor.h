@@ -1,0 +1,72 @@
+// DistTensor: a tensor whose global value is spread over a device mesh, as
+// an ordinary at::Tensor that any libtorch code (a model, autograd, an
+// optimizer) can use. See Note [Distributed tensors].
+#pragma once
+
+#include "meshtrain/mesh/device_mesh.h"
+#include "meshtrain/placement/placement.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace meshtrain::annotate {
+
+// Note [Distributed tensors]
+// A distributed tensor is a TensorImpl without storage whose sizes are the
+// global shape; it carries the PrivateUse1 dispatch key and, as its backend
+// metadata, this rank's local tensor, the mesh and one placement per mesh
+// axis (Replicate, Shard(dim), Partial: placement/placement.h). Its device is
+// the local tensor's, so autograd and optimizers treat it as any tensor.
+// Autograd runs above it on global values: a backward formula sees
+// distributed tensors and its operators are distributed too, so gradients
+// come out right whatever placements they end up in (the gradient of a
+// Replicate parameter used on a batch split over dp is Partial over dp, and
+// becomes Replicate, by an all-reduce, where the optimizer adds it).
+// Every aten operator that has no CompositeImplicitAutograd decomposition
+// is routed to one handler (rules.cpp): it takes each input's placements,
+// asks the operator's sharding rule where the inputs must be and where the
+// outputs will be, redistributes the inputs (the cheapest choice by bytes,
+// the same on every rank), runs the operator on the local tensors and wraps
+// the results. Output shapes come from running the operator on meta
+// tensors of the global shapes. Plain tensors mixed in are Replicate. An
+// operator with no rule is an error naming it. Not built yet: splits that
+// do not divide evenly (refused with an error: they gave wrong gradients).
+struct DistState : c10::BackendMeta {
+  at::Tensor local;
+  std::shared_ptr<const mesh::DeviceMesh> mesh;
+  std::vector<placement::Placement> placements;  // one per mesh axis, in mesh order
+};
+
+bool is_dist(const at::Tensor& t);
+// Throws unless every Shard of `placements` splits its dim of `shape` evenly.
+void check_even(const std::vector<int64_t>& shape, const mesh::DeviceMesh& mesh,
+                const std::vector<placement::Placement>& placements, const std::string& what);
+DistState& dist_state(const at::Tensor& t);  // throws unless is_dist(t)
+
+// A distributed tensor of global shape `shape` from this rank's local piece.
+at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> mesh,
+                      std::vector<placement::Placement> placements, std::vector<int64_t> shape);
+// `global` (the same value on every rank) cut to `placements`.
+at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::DeviceMesh> mesh,
+                      std::vector<placement::Placement> placements);
+// The same global value in other placements; collective. With autograd
+// (the gradient passes through unchanged: it is the same global value).
+at::Tensor redistribute(const at::Tensor& t, std::vector<placement::Placement> placements);
+// The global value on every rank (a plain tensor); collective.
+at::Tensor full_tensor(const at::Tensor& t);
+at::Tensor to_local(const at::Tensor& t);
+placement::TensorSpec spec_of(const at::Tensor& t);  // global shape, every mesh axis, placements
+
+// One placement per axis of `mesh`: those named in `by_axis`, Replicate elsewhere.
+std::vector<placement::Placement> placements_on(const mesh::DeviceMesh& mesh,
+                                                const std::map<std::string, placement::Placement>& by_axis);
+
+// Registers the handler for every eligible aten operator (done once, also by
+// from_local); safe to call again.
+void install();
+
+}  // namespace meshtrain::annotate
