@@ -15,14 +15,6 @@ using placement::Placement;
 
 namespace {
 
-placement::TensorSpec plain_spec(const at::Tensor& t, const mesh::DeviceMesh& mesh) {
-  placement::TensorSpec spec;
-  spec.shape = t.sizes().vec();
-  for (const mesh::MeshAxis& axis : mesh.layout().axes()) spec.axes.push_back(axis.name);
-  spec.placements.assign(spec.axes.size(), Placement::replicate());
-  return spec;
-}
-
 // Calls `op` on `args` with every operand replaced by `value(operand)`; returns the outputs.
 template <typename Value>
 std::vector<c10::IValue> call_with(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
@@ -116,14 +108,11 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   if (!mesh) throw std::logic_error("sharding annotations: aten::" + call.name + " reached without a distributed tensor");
-  for (Operand& o : call.inputs) o.spec = is_dist(o.tensor) ? spec_of(o.tensor) : plain_spec(o.tensor, *mesh);
+  for (Operand& o : call.inputs) o.spec = is_dist(o.tensor) ? spec_of(o.tensor) : spec_on(*mesh, o.tensor.sizes().vec());
   for (const mesh::MeshAxis& axis : mesh->layout().axes()) call.axis_sizes.push_back(axis.size);
 
   if (call.base == "_local_scalar_dense") {  // .item(): the whole value
-    const DistState& s = dist_state(call.inputs.front().tensor);
-    const at::Tensor local = placement::redistribute_data(s.local, *mesh, spec_of(call.inputs.front().tensor),
-                                                          std::vector<Placement>(call.axis_sizes.size(), Placement::replicate()));
-    torch::jit::push(*stack, local.item());
+    torch::jit::push(*stack, full_tensor(call.inputs.front().tensor).item());
     return;
   }
   if (out_variant) {
@@ -153,10 +142,7 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (call.base == "view" || call.base == "_unsafe_view" || call.base == "expand") {
     // The size argument is global: the local operator gets the local output's.
-    placement::TensorSpec out;
-    out.shape = call.out_shapes.front();
-    out.axes = call.inputs.front().spec.axes;
-    out.placements = call.out_placements.front();
+    const placement::TensorSpec out = spec_on(*mesh, call.out_shapes.front(), call.out_placements.front());
     call.args[1] = c10::IValue(placement::local_shape(out, mesh->layout(), mesh->rank()));
   }
   const std::vector<c10::IValue> outs = call_with(op, call.args, call.inputs, [&](const Operand& o) { return local_in(o, *mesh); });

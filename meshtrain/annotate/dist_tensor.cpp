@@ -85,13 +85,17 @@ at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> 
   return t;
 }
 
-placement::TensorSpec spec_of(const at::Tensor& t) {
+placement::TensorSpec spec_on(const mesh::DeviceMesh& mesh, std::vector<int64_t> shape, std::vector<Placement> placements) {
   placement::TensorSpec spec;
-  spec.shape = t.sizes().vec();
-  const DistState& s = dist_state(t);
-  for (const mesh::MeshAxis& axis : s.mesh->layout().axes()) spec.axes.push_back(axis.name);
-  spec.placements = s.placements;
+  spec.shape = std::move(shape);
+  for (const mesh::MeshAxis& axis : mesh.layout().axes()) spec.axes.push_back(axis.name);
+  spec.placements = placements.empty() ? std::vector<Placement>(spec.axes.size(), Placement::replicate()) : std::move(placements);
   return spec;
+}
+
+placement::TensorSpec spec_of(const at::Tensor& t) {
+  const DistState& s = dist_state(t);
+  return spec_on(*s.mesh, t.sizes().vec(), s.placements);
 }
 
 std::vector<Placement> placements_on(const mesh::DeviceMesh& mesh, const std::map<std::string, Placement>& by_axis) {
@@ -105,10 +109,7 @@ at::Tensor to_local(const at::Tensor& t) { return dist_state(t).local; }
 at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::DeviceMesh> mesh,
                       std::vector<Placement> placements) {
   if (is_dist(global)) return redistribute(global, std::move(placements));
-  placement::TensorSpec spec;
-  spec.shape = global.sizes().vec();
-  for (const mesh::MeshAxis& axis : mesh->layout().axes()) spec.axes.push_back(axis.name);
-  spec.placements = placements;
+  const placement::TensorSpec spec = spec_on(*mesh, global.sizes().vec(), placements);
   spec.check(mesh->layout());
   at::Tensor local;
   {

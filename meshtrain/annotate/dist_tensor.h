@@ -60,6 +60,9 @@ at::Tensor redistribute(const at::Tensor& t, std::vector<placement::Placement> p
 at::Tensor full_tensor(const at::Tensor& t);
 at::Tensor to_local(const at::Tensor& t);
 placement::TensorSpec spec_of(const at::Tensor& t);  // global shape, every mesh axis, placements
+// The spec of a tensor of global `shape` over every axis of `mesh` (Replicate where `placements` is empty).
+placement::TensorSpec spec_on(const mesh::DeviceMesh& mesh, std::vector<int64_t> shape,
+                              std::vector<placement::Placement> placements = {});
 
 // One placement per axis of `mesh`: those named in `by_axis`, Replicate elsewhere.
 std::vector<placement::Placement> placements_on(const mesh::DeviceMesh& mesh,

@@ -50,7 +50,7 @@ struct ModelDims {
 //   hidden size and the vocabulary, and with sequence parallel the context;
 // - ep > 1 needs a mixture-of-experts model whose experts it divides; the ep
 //   ranks of a group read different micro-batches (data ranks are dp * fsdp *
-//   ep); ep > 1 does not yet combine with zero_stage 3;
+//   ep); it combines with every zero_stage, tp and pp;
 // - pp_schedule is gpipe, 1f1b or interleaved; virtual_stages > 1 needs
 //   interleaved and pp >= 2; interleaved with pp >= 2 needs virtual_stages >= 2
 //   (with one it is 1f1b) and micro-batches divisible by pp; pp *

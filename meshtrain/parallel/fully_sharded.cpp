@@ -46,8 +46,8 @@ FullySharded::FullySharded(std::shared_ptr<torch::nn::Module> module, ShardingGr
     torch::NoGradGuard no_grad;
     std::vector<comm::Work> broadcasts;
     for (const auto& p : module->named_parameters()) {
-      const bool expert = s.options.expert && s.options.expert(p.key());  // an expert's copies hold the same
-      broadcasts.push_back((expert ? groups.expert_all : groups.all)->broadcast(p.value().data(), 0));
+      // An expert's copies hold the same.
+      broadcasts.push_back((s.is_expert(p.key()) ? groups.expert_all : groups.all)->broadcast(p.value().data(), 0));
     }
     for (const at::Tensor& b : module->buffers()) broadcasts.push_back(groups.all->broadcast(b, 0));
     comm::wait_all(broadcasts);
