@@ -1,12 +1,16 @@
 // The handler of every aten operator on distributed tensors: placements in,
 // rule, redistribution, the operator on local tensors, placements out.
 #include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/annotate/report.h"
 #include "meshtrain/annotate/rules.h"
 #include "meshtrain/placement/redistribute.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <stdexcept>
 
 namespace meshtrain::annotate {
@@ -15,10 +19,9 @@ using placement::Placement;
 
 namespace {
 
-// Calls `op` on `args` with every operand replaced by `value(operand)`; returns the outputs.
+// `args` with every operand replaced by `value(operand)`.
 template <typename Value>
-std::vector<c10::IValue> call_with(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
-                                   const std::vector<Operand>& inputs, Value value) {
+std::vector<c10::IValue> local_args(std::vector<c10::IValue> args, const std::vector<Operand>& inputs, Value value) {
   for (const Operand& o : inputs) {
     if (o.item < 0) {
       args[o.arg] = value(o);
@@ -28,12 +31,49 @@ std::vector<c10::IValue> call_with(const c10::OperatorHandle& op, std::vector<c1
       args[o.arg] = list;
     }
   }
+  return args;
+}
+
+// Calls `op` on `args` with every operand replaced by `value(operand)`; returns the outputs.
+template <typename Value>
+std::vector<c10::IValue> call_with(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                                   const std::vector<Operand>& inputs, Value value) {
+  args = local_args(std::move(args), inputs, value);
   torch::jit::Stack stack(args.begin(), args.end());
   op.callBoxed(&stack);
   return stack;
 }
 
+// The output shapes of operators with no meta kernel on CPU builds.
+std::optional<std::vector<std::vector<int64_t>>> known_shapes(const Call& call) {
+  const std::string& b = call.base;
+  auto shape = [&](size_t i) { return call.inputs.at(i).spec.shape; };
+  if (b == "embedding") {  // ids' shape and the table's width
+    std::vector<int64_t> out = shape(1);
+    out.push_back(shape(0).back());
+    return std::vector<std::vector<int64_t>>{out};
+  }
+  if (b == "native_layer_norm") {  // out, and mean / rstd with the normalised dims 1
+    std::vector<int64_t> stats = shape(0);
+    const size_t normalised = call.args[1].toIntList().size();
+    for (size_t d = stats.size() - normalised; d < stats.size(); ++d) stats[d] = 1;
+    return std::vector<std::vector<int64_t>>{shape(0), stats, stats};
+  }
+  if (b == "native_layer_norm_backward") {  // the input's, weight's and bias's
+    const std::vector<int64_t> normalised = call.args[2].toIntList().vec();
+    return std::vector<std::vector<int64_t>>{shape(1), normalised, normalised};
+  }
+  if (b == "_scaled_dot_product_flash_attention_for_cpu") {  // [B, H, L, Ev] and logsumexp [B, H, L]
+    std::vector<int64_t> out = shape(0);
+    out.back() = shape(2).back();
+    return std::vector<std::vector<int64_t>>{out, {out[0], out[1], out[2]}};
+  }
+  if (b == "_scaled_dot_product_flash_attention_for_cpu_backward") return std::vector<std::vector<int64_t>>{shape(1), shape(2), shape(3)};
+  return std::nullopt;
+}
+
 std::vector<std::vector<int64_t>> output_shapes(const c10::OperatorHandle& op, const Call& call) {
+  if (auto shapes = known_shapes(call)) return *shapes;
   std::vector<c10::IValue> outs;
   try {
     outs = call_with(op, call.args, call.inputs, [](const Operand& o) {
@@ -53,16 +93,28 @@ std::vector<std::vector<int64_t>> output_shapes(const c10::OperatorHandle& op, c
   return shapes;
 }
 
-at::Tensor local_in(const Operand& o, const mesh::DeviceMesh& mesh) {
-  check_even(o.spec.shape, mesh, o.want, "an input of an operator");
-  if (is_dist(o.tensor)) {
-    const DistState& s = dist_state(o.tensor);
-    if (o.want == s.placements) return s.local;
-    return placement::redistribute_data(s.local, mesh, spec_of(o.tensor), o.want);
+at::Tensor local_in(const Operand& o, const Call& call) {
+  const mesh::DeviceMesh& mesh = *call.mesh;
+  check_even(o.spec.shape, mesh, o.want, "an input of aten::" + call.name);
+  if (o.shape_only && o.want != o.spec.placements) {
+    const placement::TensorSpec spec = spec_on(mesh, o.spec.shape, o.want);
+    return at::empty(placement::local_shape(spec, mesh.layout(), mesh.rank()), o.tensor.options());
   }
-  placement::TensorSpec spec = o.spec;
-  spec.placements = o.want;
-  return placement::local_of(o.tensor, spec, mesh.layout(), mesh.rank());
+  return local_as(o.tensor, o.want, mesh, call.name);
+}
+
+void report(const Call& call) {
+  ReportedOperator op;
+  op.op = call.name;
+  for (const Operand& o : call.inputs) {
+    placement::TensorSpec spec = o.spec;
+    spec.placements = o.want;
+    op.inputs.push_back(o.spec.placements == o.want ? spec.str() : o.spec.str() + " -> " + spec.str());
+  }
+  for (size_t i = 0; i < call.out_shapes.size(); ++i) {
+    op.outputs.push_back(spec_on(*call.mesh, call.out_shapes[i], call.out_placements[i]).str());
+  }
+  note_operator(std::move(op));
 }
 
 }  // namespace
@@ -110,6 +162,7 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!mesh) throw std::logic_error("sharding annotations: aten::" + call.name + " reached without a distributed tensor");
   for (Operand& o : call.inputs) o.spec = is_dist(o.tensor) ? spec_of(o.tensor) : spec_on(*mesh, o.tensor.sizes().vec());
   for (const mesh::MeshAxis& axis : mesh->layout().axes()) call.axis_sizes.push_back(axis.size);
+  call.mesh = mesh.get();
 
   if (call.base == "_local_scalar_dense") {  // .item(): the whole value
     torch::jit::push(*stack, full_tensor(call.inputs.front().tensor).item());
@@ -119,9 +172,12 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     throw std::runtime_error("sharding annotations: aten::" + call.name +
                              " (an out= variant) has no sharding rule; call the functional operator");
   }
+  static const bool trace = std::getenv("MESHTRAIN_ANNOTATE_TRACE") != nullptr;
+  if (trace) std::fprintf(stderr, "[annotate rank %d] aten::%s\n", mesh->rank(), call.name.c_str());
   call.out_shapes = output_shapes(op, call);
   call.out_placements.assign(call.out_shapes.size(), std::vector<Placement>(call.axis_sizes.size()));
   decide(call);
+  if (reporting()) report(call);
 
   // In place: the first input keeps its identity; a partial sum it held is summed (or dropped) first.
   if (call.inplace && is_dist(call.inputs.front().tensor)) {
@@ -140,12 +196,15 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       self.spec.placements = self.want;
     }
   }
-  if (call.base == "view" || call.base == "_unsafe_view" || call.base == "expand") {
+  if (call.base == "view" || call.base == "_unsafe_view" || call.base == "expand" || call.base == "slice_backward" ||
+      call.base == "select_backward") {
     // The size argument is global: the local operator gets the local output's.
     const placement::TensorSpec out = spec_on(*mesh, call.out_shapes.front(), call.out_placements.front());
     call.args[1] = c10::IValue(placement::local_shape(out, mesh->layout(), mesh->rank()));
   }
-  const std::vector<c10::IValue> outs = call_with(op, call.args, call.inputs, [&](const Operand& o) { return local_in(o, *mesh); });
+  const std::vector<c10::IValue> outs =
+      call.kernel ? call.kernel(call, local_args(call.args, call.inputs, [&](const Operand& o) { return local_in(o, call); }))
+                  : call_with(op, call.args, call.inputs, [&](const Operand& o) { return local_in(o, call); });
 
   size_t k = 0;
   auto wrap = [&](const at::Tensor& local) {

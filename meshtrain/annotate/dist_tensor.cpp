@@ -1,5 +1,6 @@
 #include "meshtrain/annotate/dist_tensor.h"
 
+#include "meshtrain/annotate/report.h"
 #include "meshtrain/annotate/rules.h"
 #include "meshtrain/placement/redistribute.h"
 
@@ -74,6 +75,9 @@ at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> 
   }
   if (is_dist(local)) throw std::invalid_argument("from_local: the local tensor is distributed already");
   check_even(shape, *mesh, placements, "a tensor");
+  for (size_t k = 0; k < placements.size(); ++k) {
+    if (mesh->layout().axes()[k].size == 1) placements[k] = Placement::replicate();  // one rank: all alike
+  }
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                           local.dtype(), local.device());
   t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides_like(local, shape));
@@ -129,7 +133,7 @@ class Redistribute : public torch::autograd::Function<Redistribute> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& t, std::vector<Placement> to) {
     const DistState& s = dist_state(t);
-    const at::Tensor local = placement::redistribute_data(s.local, *s.mesh, spec_of(t), to);
+    const at::Tensor local = local_as(t, to, *s.mesh, "redistribute");
     return from_local(local, s.mesh, std::move(to), t.sizes().vec());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
@@ -152,6 +156,81 @@ at::Tensor full_tensor(const at::Tensor& t) {
                                       std::vector<Placement>(s.placements.size(), Placement::replicate()));
 }
 
+namespace {
+
+// The collectives taking `spec` to `want`, one per axis that changes, into the report.
+void report_redistribution(const placement::TensorSpec& spec, const std::vector<Placement>& want,
+                           const mesh::DeviceMesh& mesh, int64_t element_size, const std::string& op) {
+  const auto& axes = mesh.layout().axes();
+  double global = static_cast<double>(element_size);
+  for (int64_t s : spec.shape) global *= static_cast<double>(s);
+  for (size_t k = 0; k < want.size(); ++k) {
+    const Placement& from = spec.placements[k];
+    const Placement& to = want[k];
+    if (from == to || axes[k].size == 1) continue;
+    std::string kind;
+    if (from.is_shard() && to.is_replicate()) kind = "all_gather";
+    if (from.is_shard() && to.is_shard()) kind = "all_to_all";
+    if (from.is_partial() && to.is_replicate()) kind = "all_reduce";
+    if (from.is_partial() && to.is_shard()) kind = "reduce_scatter";
+    if (kind.empty()) continue;  // a local slice or zeros
+    double bytes = global;  // the tensor as the group along axis k sees it
+    for (size_t j = 0; j < want.size(); ++j) {
+      if (j != k && spec.placements[j].is_shard()) bytes /= axes[j].size;
+    }
+    const double n = axes[k].size, share = (n - 1) / n;
+    bytes *= kind == "all_reduce" ? 2 * share : kind == "all_to_all" ? share / n : share;
+    note_collective(op, kind, {axes[k].name}, static_cast<int64_t>(bytes), spec.str());
+  }
+}
+
+}  // namespace
+
+at::Tensor local_as(const at::Tensor& t, const std::vector<Placement>& want, const mesh::DeviceMesh& mesh,
+                    const std::string& op) {
+  if (!is_dist(t)) {
+    placement::TensorSpec spec = spec_on(mesh, t.sizes().vec(), want);
+    return placement::local_of(t, spec, mesh.layout(), mesh.rank());
+  }
+  DistState& s = dist_state(t);
+  if (want == s.placements) return s.local;
+  const bool keep = !at::GradMode::is_enabled();
+  if (keep && s.redistributed_version == static_cast<int64_t>(t._version())) {
+    for (const auto& [placements, local] : s.redistributed) {
+      if (placements == want) return local;
+    }
+  }
+  if (reporting()) report_redistribution(spec_of(t), want, mesh, t.element_size(), op);
+  at::Tensor local = placement::redistribute_data(s.local, mesh, spec_of(t), want);
+  // Partial sums summed: the tensor keeps the sum (the same global value, the
+  // same bytes), so no later use sums it again.
+  bool only_sums = true;
+  for (size_t k = 0; k < want.size(); ++k) {
+    only_sums = only_sums && (want[k] == s.placements[k] || (s.placements[k].is_partial() && want[k].is_replicate()));
+  }
+  if (only_sums) {
+    s.local = local;
+    s.placements = want;
+    return local;
+  }
+  if (keep) {
+    if (s.redistributed_version != static_cast<int64_t>(t._version())) s.redistributed.clear();
+    s.redistributed_version = static_cast<int64_t>(t._version());
+    s.redistributed.emplace_back(want, local);
+  }
+  return local;
+}
+
+bool has_redistributed(const at::Tensor& t, size_t axis, const Placement& p) {
+  if (!is_dist(t) || at::GradMode::is_enabled()) return false;
+  const DistState& s = dist_state(t);
+  if (s.redistributed_version != static_cast<int64_t>(t._version())) return false;
+  for (const auto& entry : s.redistributed) {
+    if (entry.first[axis] == p) return true;
+  }
+  return false;
+}
+
 void install() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -164,6 +243,7 @@ void install() {
       names.push_back(name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name));
       library.impl(names.back().c_str(), torch::CppFunction::makeFromBoxedFunction<&run_operator>());
     }
+    install_autograd_kernels();
   });
 }
 

@@ -39,6 +39,11 @@ struct DistState : c10::BackendMeta {
   at::Tensor local;
   std::shared_ptr<const mesh::DeviceMesh> mesh;
   std::vector<placement::Placement> placements;  // one per mesh axis, in mesh order
+  // Outside autograd recording (a backward, an optimizer step) the local
+  // pieces it was redistributed to are kept while its version stays, so a
+  // second use of a partial gradient does not reduce it again.
+  std::vector<std::pair<std::vector<placement::Placement>, at::Tensor>> redistributed;
+  int64_t redistributed_version = -1;
 };
 
 bool is_dist(const at::Tensor& t);
@@ -56,6 +61,13 @@ at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::Devi
 // The same global value in other placements; collective. With autograd
 // (the gradient passes through unchanged: it is the same global value).
 at::Tensor redistribute(const at::Tensor& t, std::vector<placement::Placement> placements);
+// This rank's piece of `t` (distributed, or plain: Replicate) in `want`:
+// the redistribution an operator `op` needs, recorded in the sharding report.
+at::Tensor local_as(const at::Tensor& t, const std::vector<placement::Placement>& want, const mesh::DeviceMesh& mesh,
+                    const std::string& op);
+// Whether local_as(t, ...) to a placement with `p` along `axis` is kept already.
+bool has_redistributed(const at::Tensor& t, size_t axis, const placement::Placement& p);
+
 // The global value on every rank (a plain tensor); collective.
 at::Tensor full_tensor(const at::Tensor& t);
 at::Tensor to_local(const at::Tensor& t);

@@ -28,28 +28,17 @@ int64_t numel(const std::vector<int64_t>& shape) {
 }
 
 double cost(const Operand& o, size_t axis, const Placement& to, const std::vector<int64_t>& sizes) {
-  if (to.is_shard() && to != o.spec.placements[axis] && o.spec.shape[to.dim] % sizes[axis] != 0) {
-    return std::numeric_limits<double>::infinity();  // an uneven split (not supported yet)
+  if (to.is_shard() && to != o.spec.placements[axis]) {
+    // The dim's parts over every axis: those decided (earlier axes), those as they are (later ones).
+    int64_t parts = sizes[axis] * to.blocks;
+    for (size_t j = 0; j < sizes.size(); ++j) {
+      const Placement& other = j < o.want.size() ? o.want[j] : o.spec.placements[j];
+      if (j != axis && other.is_shard(to.dim)) parts *= sizes[j];
+    }
+    if (o.spec.shape[to.dim] % parts != 0) return std::numeric_limits<double>::infinity();  // uneven (not supported yet)
   }
+  if (o.shape_only || has_redistributed(o.tensor, axis, to)) return 0;
   return redistribute_bytes(o.spec, o.spec.placements[axis], to, sizes[axis]);
-}
-
-// Picks, for one axis, the first of `options` with the least cost; each
-// option gives every input's placement and the outputs'.
-struct Option {
-  Placements inputs;
-  Placement out;
-};
-
-Option cheapest(const Call& call, size_t axis, const std::vector<Option>& options) {
-  double best = std::numeric_limits<double>::infinity();
-  const Option* chosen = &options.back();  // the last option replicates: always possible
-  for (const Option& option : options) {
-    double bytes = 0;
-    for (size_t i = 0; i < call.inputs.size(); ++i) bytes += cost(call.inputs[i], axis, option.inputs[i], call.axis_sizes);
-    if (bytes < best) best = bytes, chosen = &option;
-  }
-  return *chosen;
 }
 
 void set_all_outputs(Call& call, size_t axis, const Placement& p) {
@@ -83,7 +72,7 @@ int64_t input_dim(const Operand& o, const std::vector<int64_t>& out_shape, int64
 Placement required(const Operand& o, const std::vector<int64_t>& out_shape, const Placement& target) {
   if (target.is_shard()) {
     const int64_t i = input_dim(o, out_shape, target.dim);
-    return i < 0 ? R : S(i);
+    return i < 0 ? R : Placement::shard(i, target.blocks);
   }
   return target;
 }
@@ -117,14 +106,14 @@ void pointwise(Call& call) {
     if (partial_inputs == 1 && linear_in_one(base) && (base.rfind("div", 0) != 0 || call.inputs.front().spec.placements[axis].is_partial())) {
       targets.push_back(P);
     }
-    std::set<int64_t> dims;
+    std::set<std::pair<int64_t, int64_t>> dims;  // (output dim, blocks)
     for (const Operand& o : call.inputs) {
       const Placement& p = o.spec.placements[axis];
       if (!p.is_shard()) continue;
       const int64_t d = p.dim + static_cast<int64_t>(shape.size() - o.spec.shape.size());
-      if (input_dim(o, shape, d) == p.dim) dims.insert(d);
+      if (input_dim(o, shape, d) == p.dim) dims.insert({d, p.blocks});
     }
-    for (int64_t d : dims) targets.push_back(S(d));
+    for (const auto& [d, blocks] : dims) targets.push_back(Placement::shard(d, blocks));
     targets.push_back(R);
     std::vector<Option> options;
     for (const Placement& t : targets) {
@@ -152,9 +141,21 @@ void matmul(Call& call) {
   const bool bias = call.base == "addmm";
   const int64_t b = batched ? 1 : 0;  // the matrix dims follow a batch dim
   const std::vector<int64_t>& shape = call.out_shapes.front();
+  const size_t a_index = bias ? 1 : 0;
   for (size_t axis = 0; axis < call.axis_sizes.size(); ++axis) {
-    std::vector<Option> options = {{{S(b), R}, S(b)},         {{R, S(b + 1)}, S(b + 1)}, {{S(b + 1), S(b)}, P},
-                                   {{P, R}, P},               {{R, P}, P},               {{R, R}, R}};
+    // A dim split in blocks (a fused qkv) stays so: its blocks come along.
+    auto blocks = [&](size_t i, int64_t d) {
+      const Placement& p = call.inputs[a_index + i].spec.placements[axis];
+      return p.is_shard(d) ? p.blocks : 1;
+    };
+    const int64_t rows = blocks(0, b), cols = blocks(1, b + 1), inner = blocks(0, b + 1);
+    const Placement inner_b = Placement::shard(b, inner);
+    std::vector<Option> options = {{{Placement::shard(b, rows), R}, Placement::shard(b, rows)},
+                                   {{R, Placement::shard(b + 1, cols)}, Placement::shard(b + 1, cols)},
+                                   {{Placement::shard(b + 1, inner), inner_b}, P},
+                                   {{P, R}, P},
+                                   {{R, P}, P},
+                                   {{R, R}, R}};
     if (batched) options.insert(options.begin(), Option{{S(0), S(0)}, S(0)});
     if (bias) {
       for (Option& o : options) o.inputs.insert(o.inputs.begin(), required(call.inputs.front(), shape, o.out));
@@ -191,7 +192,7 @@ void reduction(Call& call) {
     } else if (p.is_shard() && !keepdim) {
       int64_t before = 0;
       for (int64_t d = 0; d < p.dim; ++d) before += reduced[d] ? 1 : 0;
-      out = S(p.dim - before);
+      out = Placement::shard(p.dim - before, p.blocks);
     }
     call.inputs.front().want.push_back(p);
     set_all_outputs(call, axis, out);
@@ -278,9 +279,27 @@ void view(Call& call) {
   for (size_t axis = 0; axis < call.axis_sizes.size(); ++axis) {
     const std::vector<int64_t> map = view_map(call, call.axis_sizes[axis]);
     const Placement& p = call.inputs.front().spec.placements[axis];
-    const bool keeps = !p.is_shard() || (p.blocks == 1 && map[p.dim] >= 0);
+    const std::vector<int64_t>& in = call.inputs.front().spec.shape;
+    const std::vector<int64_t>& out = call.out_shapes.front();
+    // A dim split in blocks survives a view that keeps it whole, and a split
+    // into its blocks leaves each piece split plainly.
+    const bool whole = p.is_shard() && map[p.dim] >= 0 && in[p.dim] == out[map[p.dim]];
+    const bool into_blocks = p.is_shard() && p.blocks > 1 && (call.base == "split" || call.base == "split_with_sizes") &&
+                             wrap(call.args[2].toInt(), static_cast<int64_t>(in.size())) == p.dim &&
+                             call.out_shapes.size() == static_cast<size_t>(p.blocks) && out[p.dim] * p.blocks == in[p.dim];
+    if (into_blocks) {
+      call.inputs.front().want.push_back(p);
+      set_all_outputs(call, axis, S(p.dim));
+      const int64_t dim = p.dim, blocks = p.blocks;
+      call.kernel = [dim, blocks](const Call&, std::vector<c10::IValue> args) -> std::vector<c10::IValue> {
+        const at::Tensor local = args[0].toTensor();  // this rank's chunk of every block, in block order
+        return {c10::List<at::Tensor>(local.split(local.size(dim) / blocks, dim))};
+      };
+      continue;
+    }
+    const bool keeps = !p.is_shard() || (map[p.dim] >= 0 && (p.blocks == 1 || whole));
     call.inputs.front().want.push_back(keeps ? p : R);
-    set_all_outputs(call, axis, !keeps ? R : p.is_shard() ? S(map[p.dim]) : p);
+    set_all_outputs(call, axis, !keeps ? R : p.is_shard() ? Placement::shard(map[p.dim], p.blocks) : p);
   }
 }
 
@@ -310,8 +329,27 @@ double redistribute_bytes(const placement::TensorSpec& spec, const Placement& fr
   return 0;                                                              // a local slice, or zeros
 }
 
-void decide(Call& call) {
+Option cheapest(const Call& call, size_t axis, const std::vector<Option>& options) {
+  double best = std::numeric_limits<double>::infinity();
+  const Option* chosen = &options.back();  // the last option replicates: always possible
+  for (const Option& option : options) {
+    double bytes = 0;
+    for (size_t i = 0; i < call.inputs.size(); ++i) bytes += cost(call.inputs[i], axis, option.inputs[i], call.axis_sizes);
+    if (bytes < best) best = bytes, chosen = &option;
+  }
+  return *chosen;
+}
+
+void apply(Call& call, size_t axis, const Option& chosen) {
+  for (size_t i = 0; i < call.inputs.size(); ++i) call.inputs[i].want.push_back(chosen.inputs[i]);
+  for (auto& out : call.out_placements) out[axis] = chosen.out;
+}
+
+namespace {
+
+void decide_rule(Call& call) {
   const std::string& b = call.base;
+  if (decide_with_kernel(call)) return;
   if (b == "mm" || b == "addmm" || b == "bmm") return matmul(call);
   if (b == "sum" || b == "mean") return reduction(call);
   if (b == "_softmax" || b == "_log_softmax" || b == "_softmax_backward_data" || b == "_log_softmax_backward_data") {
@@ -329,6 +367,18 @@ void decide(Call& call) {
   for (const Operand& o : call.inputs) inputs += (inputs.empty() ? "" : ", ") + o.spec.str();
   throw std::runtime_error("sharding annotations: aten::" + call.name + " has no sharding rule (inputs " + inputs +
                            "); redistribute its inputs to Replicate before it, or add a rule in annotate/rules.cpp");
+}
+
+}  // namespace
+
+void decide(Call& call) {
+  decide_rule(call);
+  // An axis of one rank holds every tensor whole (from_local), whatever a rule chose there.
+  for (size_t axis = 0; axis < call.axis_sizes.size(); ++axis) {
+    if (call.axis_sizes[axis] != 1) continue;
+    for (Operand& o : call.inputs) o.want[axis] = R;
+    for (auto& out : call.out_placements) out[axis] = R;
+  }
 }
 
 }  // namespace meshtrain::annotate

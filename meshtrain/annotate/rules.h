@@ -2,11 +2,13 @@
 // each input must be and where each output will be (Note [Distributed tensors]).
 #pragma once
 
+#include "meshtrain/mesh/device_mesh.h"
 #include "meshtrain/placement/placement.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,7 +22,14 @@ struct Operand {
   at::Tensor tensor;  // as passed: distributed, or plain (Replicate)
   placement::TensorSpec spec;
   std::vector<placement::Placement> want;
+  bool shape_only = false;  // the operator reads its shape only: no data moved
 };
+
+struct Call;
+// Runs an operator whose local computation is not the operator itself on
+// the local pieces (a vocabulary-split embedding, a softmax over a split
+// dim): the arguments with operands replaced by local tensors in; outputs out.
+using LocalKernel = std::function<std::vector<c10::IValue>(const Call&, std::vector<c10::IValue>)>;
 
 struct Call {
   std::string name;  // "addmm", "add_.Tensor"
@@ -36,11 +45,30 @@ struct Call {
   std::vector<bool> reduced;  // the dims it reduces
   bool pointwise = false;
   bool inplace = false;  // the first argument is written and returned
+  const mesh::DeviceMesh* mesh = nullptr;
+  LocalKernel kernel;  // empty: the operator on the local pieces
 };
+
+// One way to run an operator along one mesh axis: every input's placement and the outputs'.
+struct Option {
+  std::vector<placement::Placement> inputs;
+  placement::Placement out;
+};
+// The first of `options` that moves the fewest bytes along `axis`.
+Option cheapest(const Call& call, size_t axis, const std::vector<Option>& options);
+// Records `chosen` for `axis`: inputs' wants, every output's placement.
+void apply(Call& call, size_t axis, const Option& chosen);
 
 // Bytes moved to take a tensor of `spec` from `from` to `to` along one axis of `n` ranks.
 double redistribute_bytes(const placement::TensorSpec& spec, const placement::Placement& from,
                           const placement::Placement& to, int64_t n);
+
+// The rules that bring their own kernel (kernels.cpp): true when `call` is one of theirs.
+bool decide_with_kernel(Call& call);
+
+// Autograd formulas of our own, for operators whose gradient must know its
+// input's placements (embedding's weight); registered by install().
+void install_autograd_kernels();
 
 // Fills inputs[].want, out_placements (and rescale_mean); throws naming the
 // operator when it has no rule.

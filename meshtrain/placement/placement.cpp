@@ -48,10 +48,9 @@ void TensorSpec::check(const mesh::MeshLayout& mesh) const {
     if (p.dim < 0 || p.dim >= dims) fail("shards dim " + std::to_string(p.dim) + " of a " + std::to_string(dims) + "-d tensor");
     if (p.blocks < 1) fail("blocks must be >= 1");
     if (p.blocks == 1) continue;
-    if (p.dim != 0) fail("blocks split dim 0 only");
-    if (shape[0] % p.blocks != 0) fail(std::to_string(p.blocks) + " blocks do not divide dim 0");
+    if (shape[p.dim] % p.blocks != 0) fail(std::to_string(p.blocks) + " blocks do not divide dim " + std::to_string(p.dim));
     for (size_t j = 0; j < placements.size(); ++j) {
-      if (j != i && placements[j].is_shard(0)) fail("a dim split into blocks is split by one axis only");
+      if (j != i && placements[j].is_shard(p.dim)) fail("a dim split into blocks is split by one axis only");
     }
   }
   if (flat_begin < 0 || (flat_end >= 0 && flat_end < flat_begin)) fail("bad flat range");
@@ -77,15 +76,18 @@ std::vector<Box> local_boxes(const TensorSpec& spec, const mesh::MeshLayout& mes
     const int axis = mesh.axis_index(spec.axes[i]);
     const int64_t n = mesh.axes()[axis].size, c = coordinate[axis], d = p.dim;
     if (p.blocks > 1) {
-      const Box whole = boxes.front();  // check(): the only split of dim 0, so one box so far
-      const int64_t block = whole.sizes[0] / p.blocks;
-      boxes.clear();
-      for (int64_t b = 0; b < p.blocks; ++b) {
-        Box box = whole;
-        box.offsets[0] = whole.offsets[0] + b * block + chunk_offset(block, n, c);
-        box.sizes[0] = chunk_sizes(block, n)[c];
-        boxes.push_back(box);
+      // check(): the only split of dim d; other dims' splits cut every box alike.
+      std::vector<Box> blocked;
+      for (const Box& whole : boxes) {
+        const int64_t block = whole.sizes[d] / p.blocks;
+        for (int64_t b = 0; b < p.blocks; ++b) {
+          Box box = whole;
+          box.offsets[d] = whole.offsets[d] + b * block + chunk_offset(block, n, c);
+          box.sizes[d] = chunk_sizes(block, n)[c];
+          blocked.push_back(box);
+        }
       }
+      boxes = blocked;
       continue;
     }
     for (Box& box : boxes) {
@@ -99,7 +101,9 @@ std::vector<Box> local_boxes(const TensorSpec& spec, const mesh::MeshLayout& mes
 std::vector<int64_t> local_shape(const TensorSpec& spec, const mesh::MeshLayout& mesh, int rank) {
   const std::vector<Box> boxes = local_boxes(spec, mesh, rank);
   std::vector<int64_t> shape = boxes.front().sizes;
-  for (size_t b = 1; b < boxes.size(); ++b) shape[0] += boxes[b].sizes[0];  // blocks: concatenated along dim 0
+  int64_t d = 0;  // blocks: concatenated along their dim
+  for (const Placement& p : spec.placements) d = p.is_shard() && p.blocks > 1 ? p.dim : d;
+  for (size_t b = 1; b < boxes.size(); ++b) shape[d] += boxes[b].sizes[d];
   return shape;
 }
 

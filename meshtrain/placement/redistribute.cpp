@@ -102,15 +102,16 @@ class Transition {
       at::Tensor output = at::empty(with(input.sizes().vec(), 0, parent), input.options());
       comm(k).all_gather(output, input, chunk_sizes(parent, n)).wait();
       x_ = output.movedim(0, d).contiguous();
-    } else {
+    } else {  // with the blocked dim moved first
+      const at::Tensor x = x_.movedim(d, 0);
       const int64_t b = p.blocks, block = parent / b;
-      std::vector<int64_t> blocked = x_.sizes().vec();
+      std::vector<int64_t> blocked = x.sizes().vec();
       blocked[0] /= b;
       blocked.insert(blocked.begin(), b);  // [b, chunk, ...]
-      const at::Tensor input = x_.reshape(blocked).movedim(1, 0).contiguous();  // [chunk, b, ...]
+      const at::Tensor input = x.reshape(blocked).movedim(1, 0).contiguous();  // [chunk, b, ...]
       at::Tensor output = at::empty(with(input.sizes().vec(), 0, block), input.options());
       comm(k).all_gather(output, input, chunk_sizes(block, n)).wait();
-      x_ = output.movedim(0, 1).reshape(with(x_.sizes().vec(), 0, parent)).contiguous();
+      x_ = output.movedim(0, 1).reshape(with(x.sizes().vec(), 0, parent)).movedim(0, d).contiguous();
     }
     spec_.placements[k] = Placement::replicate();
   }
@@ -121,13 +122,15 @@ class Transition {
     at::Tensor out = at::zeros(with(x_.sizes().vec(), d, parent), x_.options());
     if (p.blocks == 1) {
       out.narrow(d, chunk_offset(parent, n, c), x_.size(d)).copy_(x_);
-    } else {
-      const int64_t b = p.blocks, block = parent / b, mine = x_.size(0) / b;
-      std::vector<int64_t> rest = x_.sizes().slice(1).vec();
+    } else {  // with the blocked dim moved first
+      const at::Tensor x = x_.movedim(d, 0), o = out.movedim(d, 0);
+      const int64_t b = p.blocks, block = parent / b, mine = x.size(0) / b;
+      std::vector<int64_t> rest = x.sizes().slice(1).vec();
       std::vector<int64_t> whole = {b, block}, part = {b, mine};
       whole.insert(whole.end(), rest.begin(), rest.end());
       part.insert(part.end(), rest.begin(), rest.end());
-      out.view(whole).narrow(1, chunk_offset(block, n, c), mine).copy_(x_.reshape(part));
+      o.reshape(whole).narrow(1, chunk_offset(block, n, c), mine).copy_(x.reshape(part));
+      if (d != 0) out = o.movedim(0, d).contiguous();
     }
     x_ = out;
     spec_.placements[k] = Placement::partial();
@@ -185,11 +188,12 @@ class Transition {
     const int64_t d = p.dim, extent = x_.size(d), n = comm(k).size(), c = coordinate(k);
     if (p.blocks == 1) {
       x_ = x_.narrow(d, chunk_offset(extent, n, c), chunk_sizes(extent, n)[c]).contiguous();
-    } else {
+    } else {  // with the blocked dim moved first
+      const at::Tensor x = x_.movedim(d, 0);
       const int64_t b = p.blocks, block = extent / b, mine = chunk_sizes(block, n)[c];
-      std::vector<int64_t> rest = x_.sizes().slice(1).vec(), whole = {b, block};
+      std::vector<int64_t> rest = x.sizes().slice(1).vec(), whole = {b, block};
       whole.insert(whole.end(), rest.begin(), rest.end());
-      x_ = x_.view(whole).narrow(1, chunk_offset(block, n, c), mine).reshape(with(x_.sizes().vec(), 0, b * mine)).contiguous();
+      x_ = x.reshape(whole).narrow(1, chunk_offset(block, n, c), mine).reshape(with(x.sizes().vec(), 0, b * mine)).movedim(0, d).contiguous();
     }
     spec_.placements[k] = p;
   }

@@ -99,6 +99,71 @@ TEST(DistTensor, PointwiseReductionsViewsAndSoftmaxMatchTheGlobalOperator) {
                  [](const auto& x) { return (at::mm(x[0], x[1]) * 3.0).tanh(); });
 }
 
+// The tp placement of a distributed argument, or Replicate.
+Placement tp_of(const at::Tensor& t) {
+  return is_dist(t) ? dist_state(t).placements[dist_state(t).mesh->layout().axis_index("tp")] : Placement::replicate();
+}
+
+// Integer ids (or targets) placed like the rows of `like` (dim `dim`) when those are split.
+at::Tensor ids_like(const at::Tensor& ids, const at::Tensor& like, int64_t dim) {
+  if (!is_dist(like) || !tp_of(like).is_shard(dim)) return ids;
+  return distribute(ids, dist_state(like).mesh, tp(dist_state(like).mesh, Placement::shard(0)));
+}
+
+TEST(DistTensor, TransformerOperatorsMatchTheGlobalOperator) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(3);
+  const at::Tensor ids = at::randint(0, 48, {24}, g, at::kLong);
+  // The table split by rows (vocabulary), by columns, or whole; ids whole.
+  expect_matches("embedding", {fixed({48, 24}, 1)}, [&](const auto& x) { return at::embedding(x[0], ids); });
+  expect_matches("embedding, ids split", {fixed({48, 24}, 1), fixed({24, 24}, 2)},
+                 [&](const auto& x) { return at::embedding(x[0], ids_like(ids, x[1], 0)) * x[1]; });
+  expect_matches("layer_norm", {fixed({24, 48}, 1), fixed({48}, 2), fixed({48}, 3)},
+                 [](const auto& x) { return at::layer_norm(x[0], {48}, x[1], x[2]); });
+  expect_matches("layer_norm after a partial sum", {fixed({24, 48}, 1), fixed({48, 48}, 2), fixed({48}, 3)},
+                 [](const auto& x) { return at::layer_norm(at::mm(x[0], x[1]), {48}, x[2]); });
+  expect_matches("cat", {fixed({24, 48}, 1), fixed({24, 24}, 2)}, [](const auto& x) { return at::cat({x[0], x[1] * 2.0}, 1); });
+  expect_matches("rotary halves", {fixed({24, 48}, 1)}, [](const auto& x) {
+    return at::cat({x[0].narrow(1, 0, 24) * 2.0, x[0].narrow(1, 24, 24)}, 1);
+  });
+  // Cross-entropy with the vocabulary (or the rows) split: no gathering of logits.
+  const at::Tensor targets = at::randint(0, 48, {24}, g, at::kLong);
+  expect_matches("cross_entropy", {fixed({24, 48}, 1)}, [&](const auto& x) {
+    return at::cross_entropy_loss(x[0], ids_like(targets, x[0], 0));
+  });
+  const at::Tensor ignored = targets.masked_fill(at::arange(24) % 5 == 0, -100);
+  expect_matches("cross_entropy ignoring some", {fixed({24, 48}, 1)}, [&](const auto& x) {
+    return at::cross_entropy_loss(x[0], ids_like(ignored, x[0], 0));
+  });
+  expect_matches("softmax over a split dim", {fixed({24, 48}, 1)}, [](const auto& x) { return at::softmax(x[0], 1) * 3.0; });
+  // Dropout: the mask is one process's, whatever the placement.
+  expect_matches("dropout", {fixed({24, 48}, 1)}, [](const auto& x) {
+    torch::manual_seed(11);
+    return at::dropout(x[0], 0.5, true);
+  });
+}
+
+TEST(DistTensor, AttentionSplitsBatchOrHeads) {
+  auto mesh = one_axis();
+  const std::vector<int64_t> shape = {8, 24, 24, 16};
+  std::vector<at::Tensor> plain;
+  for (uint64_t s : {1, 2, 3}) plain.push_back(fixed(shape, s).to(at::kFloat).requires_grad_(true));
+  const at::Tensor want = at::scaled_dot_product_attention(plain[0], plain[1], plain[2], {}, 0.0, true);
+  const at::Tensor weights = fixed(shape, 4).to(at::kFloat);
+  (want * weights).sum().backward();
+  for (const Placement& p : {Placement::shard(0), Placement::shard(1), Placement::replicate()}) {
+    if (p.is_shard() && shape[p.dim] % world()->size() != 0) continue;
+    std::vector<at::Tensor> qkv;
+    for (const at::Tensor& t : plain) qkv.push_back(distribute(t.detach(), mesh, tp(mesh, p)).requires_grad_(true));
+    const at::Tensor got = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, 0.0, true);
+    if (world()->size() > 1 && p.is_shard()) EXPECT_EQ(tp_of(got), p);  // (whole inputs may be cut: slicing is free)
+    EXPECT_TRUE(at::allclose(full_tensor(got), want, 1e-4, 1e-5)) << p.str();
+    (got * distribute(weights, mesh, tp(mesh, Placement::replicate()))).sum().backward();
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::allclose(full_tensor(qkv[i].grad()), plain[i].grad(), 1e-4, 1e-5)) << p.str() << " input " << i;
+    }
+  }
+}
+
 TEST(DistTensor, UnevenSplitsAreRefusedNamingTheSizes) {
   const int n = world()->size();
   if (n < 3) GTEST_SKIP() << "2 divides the sizes here";

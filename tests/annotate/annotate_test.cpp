@@ -1,0 +1,233 @@
+// Sharding annotations under mpirun: the four annotation forms, parameters
+// annotated in place on an unchanged module, the GPT (both styles) trained
+// from Megatron-style weight annotations over dp x tp like one process, and
+// the sharding report against the bytes the communicators counted.
+#include "meshtrain/annotate/annotate.h"
+#include "meshtrain/annotate/gpt_annotations.h"
+#include "meshtrain/annotate/report.h"
+#include "meshtrain/model/gpt.h"
+#include "tests/harness/mpi_env.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace meshtrain::annotate {
+namespace {
+
+using placement::Placement;
+using testing::world;
+
+Mesh mesh_of(int dp, int tp) {
+  return std::make_shared<mesh::DeviceMesh>(world(), mesh::MeshLayout::from_degrees({{"dp", dp}, {"tp", tp}}, world()->size()));
+}
+
+Placement on(const at::Tensor& t, const std::string& axis) {
+  const DistState& s = dist_state(t);
+  return s.placements[s.mesh->layout().axis_index(axis)];
+}
+
+// (dp, tp) pairs the world factors into, tp dividing `divides`.
+std::vector<std::pair<int, int>> factorisations(int divides) {
+  std::vector<std::pair<int, int>> out;
+  const int n = world()->size();
+  for (int tp = 1; tp <= n; ++tp) {
+    if (n % tp == 0 && divides % tp == 0) out.push_back({n / tp, tp});
+  }
+  return out;
+}
+
+TEST(Annotations, TheFourFormsPlaceTensorsAsTheySay) {
+  const int n = world()->size();
+  const Mesh mesh = mesh_of(1, n);
+  const at::Tensor x = at::arange(24 * 24, at::kFloat).reshape({24, 24});
+  EXPECT_TRUE(on(replicate(x, mesh), "tp").is_replicate());
+  if (n > 1) EXPECT_EQ(on(split(x, 0, n, mesh), "tp"), Placement::shard(0));
+  if (n > 1) EXPECT_EQ(on(mesh_split(x, mesh, {-1, mesh->layout().axis_index("tp")}), "tp"), Placement::shard(1));
+  EXPECT_TRUE(at::equal(full_tensor(split(x, 1, n, mesh, "tp")), x));
+  if (n == 4) {
+    // A 2 x 2 mesh: tiles [2, 2] with devices in column order put dim 0 on tp, dim 1 on dp.
+    const Mesh square = mesh_of(2, 2);
+    const at::Tensor t = shard(x, square, {2, 2}, {0, 2, 1, 3});
+    EXPECT_EQ(on(t, "tp"), Placement::shard(0));
+    EXPECT_EQ(on(t, "dp"), Placement::shard(1));
+    EXPECT_TRUE(at::equal(full_tensor(t), x));
+    const at::Tensor u = shard(x, square, {2, 2}, {0, 1, 2, 3});
+    EXPECT_EQ(on(u, "dp"), Placement::shard(0));
+    EXPECT_EQ(on(u, "tp"), Placement::shard(1));
+    try {
+      shard(x, square, {2, 2}, {0, 3, 1, 2});
+      FAIL() << "no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("device order [0,3,1,2]"), std::string::npos) << e.what();
+    }
+    try {
+      split(x, 0, 2, square);
+      FAIL() << "no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("name the axis"), std::string::npos) << e.what();
+    }
+  }
+  // On an activation: a constraint, with autograd.
+  const at::Tensor leaf = x.clone().requires_grad_(true);
+  const at::Tensor y = replicate(leaf * 2.0, mesh);  // a plain intermediate: distributed as given
+  EXPECT_TRUE(is_dist(y));
+}
+
+// The user's model: nothing distributed in it.
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : embed(register_module("embed", torch::nn::Embedding(48, 24))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({24})))),
+        fc(register_module("fc", torch::nn::Linear(24, 96))),
+        proj(register_module("proj", torch::nn::Linear(96, 24))),
+        head(register_module("head", torch::nn::Linear(24, 48))) {}
+  at::Tensor forward(const at::Tensor& ids) {
+    const at::Tensor x = embed(ids);
+    return head(norm(x + proj(torch::gelu(fc(x)))));
+  }
+  torch::nn::Embedding embed;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear fc, proj, head;
+};
+TORCH_MODULE(Net);
+
+TEST(Annotations, ParametersAreAnnotatedInPlaceAndTheModelTrainsLikeOneProcess) {
+  for (const auto& [dp, tp] : factorisations(24)) {
+    const std::string where = "dp " + std::to_string(dp) + " x tp " + std::to_string(tp);
+    const Mesh mesh = mesh_of(dp, tp);
+    torch::manual_seed(3);
+    Net single;
+    torch::manual_seed(3);
+    Net split_net;
+    // Annotations only: the module's code and its fields are untouched.
+    split(split_net->embed->weight, 0, tp, mesh, "tp");
+    split(split_net->fc->weight, 0, tp, mesh, "tp");
+    split(split_net->fc->bias, 0, tp, mesh, "tp");
+    split(split_net->proj->weight, 1, tp, mesh, "tp");
+    mesh_split(split_net->head->weight, mesh, {mesh->layout().axis_index("tp"), -1});
+    for (at::Tensor& p : split_net->parameters()) {
+      if (!is_dist(p)) replicate(p, mesh);
+    }
+    ASSERT_TRUE(is_dist(split_net->fc->weight)) << where;
+    EXPECT_EQ(to_local(split_net->fc->weight).size(0), 96 / tp) << where;
+    torch::optim::AdamW opt_single(single->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW opt_split(split_net->parameters(), torch::optim::AdamWOptions(1e-2));
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(9);
+    for (int step = 0; step < 3; ++step) {
+      const at::Tensor ids = at::randint(0, 48, {24, 4}, g, at::kLong), targets = at::randint(0, 48, {24 * 4}, g, at::kLong);
+      const at::Tensor loss = at::cross_entropy_loss(single->forward(ids).reshape({-1, 48}), targets);
+      opt_single.zero_grad();
+      loss.backward();
+      opt_single.step();
+      const at::Tensor got = at::cross_entropy_loss(split_net->forward(split(ids, 0, dp, mesh, "dp")).reshape({-1, 48}),
+                                                    split(targets, 0, dp, mesh, "dp"));
+      opt_split.zero_grad();
+      got.backward();
+      settle_gradients(*split_net);
+      opt_split.step();
+      EXPECT_NEAR(got.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>()) << where << " step " << step;
+    }
+    auto want = single->named_parameters();
+    for (const auto& item : split_net->named_parameters()) {
+      EXPECT_TRUE(at::allclose(full_tensor(item.value()), want[item.key()], 1e-4, 1e-5))
+            << where << " " << item.key() << " differs by " << (full_tensor(item.value()) - want[item.key()]).abs().max().item<double>();
+    }
+  }
+}
+
+// A GPT every tp here divides (heads 12, MLP 288 / 192, vocab 264).
+model::GptConfig divisible_model(bool llama) {
+  model::GptConfig c = model::GptConfig::preset("tiny");
+  c.layers = 2, c.width = 72, c.heads = 12, c.context = 12, c.vocab_size = 264;
+  if (llama) {
+    c.norm = "rmsnorm", c.position = "rope", c.mlp = "swiglu", c.tie_embeddings = false, c.bias = false;
+  }
+  return c;
+}
+
+TEST(Annotations, GptFromWeightAnnotationsTrainsLikeOneProcess) {
+  for (bool llama : {false, true}) {
+    const model::GptConfig config = divisible_model(llama);
+    for (const auto& [dp, tp] : factorisations(12)) {
+      const std::string where = std::string(llama ? "llama" : "gpt2") + ", dp " + std::to_string(dp) + " x tp " + std::to_string(tp);
+      const Mesh mesh = mesh_of(dp, tp);
+      model::Gpt single(config, 7), split_gpt(config, 7);
+      const std::vector<std::string> annotated = annotate_module(*split_gpt, mesh, gpt_megatron_annotations(config, *mesh));
+      EXPECT_EQ(annotated.empty(), tp == 1) << where;
+      torch::optim::AdamW opt_single(single->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW opt_split(split_gpt->parameters(), torch::optim::AdamWOptions(1e-2));
+      at::Generator g = at::make_generator<at::CPUGeneratorImpl>(8);
+      for (int step = 0; step < 3; ++step) {
+        const at::Tensor tokens = at::randint(0, config.vocab_size, {24, config.context + 1}, g, at::kLong);
+        const at::Tensor inputs = tokens.narrow(1, 0, config.context).contiguous();
+        const at::Tensor targets = tokens.narrow(1, 1, config.context).contiguous();
+        const at::Tensor loss = single->loss(inputs, targets);
+        opt_single.zero_grad();
+        loss.backward();
+        opt_single.step();
+        const at::Tensor got = split_gpt->loss(split(inputs, 0, dp, mesh, "dp"), split(targets, 0, dp, mesh, "dp"));
+        opt_split.zero_grad();
+        got.backward();
+        settle_gradients(*split_gpt);
+        if (step == 0) {  // gradients, before AdamW magnifies their last bits
+          auto grads = single->named_parameters();
+          for (const auto& item : split_gpt->named_parameters()) {
+            const at::Tensor mine = full_tensor(item.value().grad()), want_grad = grads[item.key()].grad();
+            const double scale = want_grad.abs().max().item<double>();
+            EXPECT_LE((mine - want_grad).abs().max().item<double>(), 1e-4 * scale)
+                << where << " gradient of " << item.key();
+          }
+        }
+        opt_split.step();
+        EXPECT_NEAR(got.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>()) << where << " step " << step;
+      }
+      auto want = single->named_parameters();
+      for (const auto& item : split_gpt->named_parameters()) {
+        // AdamW turns last-bit differences of near-zero gradients (an
+        // embedding's rarely used entries) into a few percent of a step (lr
+        // 1e-2); the gradients themselves are checked to 1e-4 above.
+        EXPECT_TRUE(at::allclose(full_tensor(item.value()), want[item.key()], 1e-3, 5e-4))
+            << where << " " << item.key() << " differs by " << (full_tensor(item.value()) - want[item.key()]).abs().max().item<double>();
+      }
+    }
+  }
+}
+
+int64_t wire_bytes(const comm::Communicator& comm) {
+  int64_t total = 0;
+  for (const auto& op : comm.stats().per_op) total += op.wire_bytes;
+  return total;
+}
+
+TEST(Annotations, TheReportListsEveryCollectiveWithItsBytes) {
+  const int n = world()->size();
+  if (12 % n != 0) GTEST_SKIP() << "tp = " << n << " does not divide the heads";
+  const model::GptConfig config = divisible_model(false);
+  const Mesh mesh = mesh_of(1, n);
+  model::Gpt gpt(config, 7);
+  annotate_module(*gpt, mesh, gpt_megatron_annotations(config, *mesh));
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(8);
+  const at::Tensor tokens = at::randint(0, config.vocab_size, {4, config.context + 1}, g, at::kLong);
+  const int64_t before = wire_bytes(*mesh->comm("tp"));
+  ReportScope scope;
+  gpt->loss(tokens.narrow(1, 0, config.context), tokens.narrow(1, 1, config.context)).backward();
+  settle_gradients(*gpt);
+  const ShardingReport& report = scope.report();
+  EXPECT_EQ(report.bytes(), wire_bytes(*mesh->comm("tp")) - before) << report.summary();
+  if (n == 1) return;
+  // Megatron's pattern: activations summed before each norm (embedding, 2 per block), never the logits gathered.
+  int64_t norm_sums = 0;
+  for (const ReportedCollective& c : report.collectives) {
+    EXPECT_NE(c.kind, "all_gather") << c.op << " " << c.tensor << "\n" << report.summary();
+    if (c.op == "native_layer_norm" && c.kind == "all_reduce") ++norm_sums;
+  }
+  EXPECT_EQ(norm_sums, 1 + 2 * config.layers) << report.summary();
+  const int64_t activation = 4 * config.context * config.width * 4;  // [4, 12, 72] fp32
+  EXPECT_EQ(report.bytes("all_reduce") >= norm_sums * 2 * activation * (n - 1) / n, true) << report.summary();
+  EXPECT_FALSE(report.operators.empty());
+  EXPECT_NE(report.jsonl().find("\"collective\":\"all_reduce\""), std::string::npos);
+}
+
+}  // namespace
+}  // namespace meshtrain::annotate
