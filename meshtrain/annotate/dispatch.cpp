@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 
@@ -72,30 +73,58 @@ std::optional<std::vector<std::vector<int64_t>>> known_shapes(const Call& call) 
   return std::nullopt;
 }
 
-std::vector<std::vector<int64_t>> output_shapes(const c10::OperatorHandle& op, const Call& call) {
-  if (auto shapes = known_shapes(call)) return *shapes;
+// Their strides, as the CPU kernels lay the outputs out (empty: row-major).
+std::vector<int64_t> strides_in_order(const std::vector<int64_t>& shape, const std::vector<int64_t>& order) {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = order.size(); i-- > 0;) {
+    strides[order[i]] = stride;
+    stride *= std::max<int64_t>(shape[order[i]], 1);
+  }
+  return strides;
+}
+
+std::vector<std::vector<int64_t>> known_strides(const Call& call) {
+  std::vector<std::vector<int64_t>> strides(call.out_shapes.size());
+  if (call.base == "_scaled_dot_product_flash_attention_for_cpu") {  // logsumexp in [B, L, H] order
+    strides[1] = strides_in_order(call.out_shapes[1], {0, 2, 1});
+  }
+  if (call.base == "_scaled_dot_product_flash_attention_for_cpu_backward") {  // gradients in [B, L, H, E] order
+    for (size_t i = 0; i < 3; ++i) strides[i] = strides_in_order(call.out_shapes[i], {0, 2, 1, 3});
+  }
+  return strides;
+}
+
+// Fills call.out_shapes and out_strides: the operator run on meta tensors
+// with the inputs' global sizes and strides (the same on every rank).
+void shape_outputs(const c10::OperatorHandle& op, Call& call) {
+  if (auto shapes = known_shapes(call)) {
+    call.out_shapes = *shapes;
+    call.out_strides = known_strides(call);
+    return;
+  }
   std::vector<c10::IValue> outs;
   try {
     outs = call_with(op, call.args, call.inputs, [](const Operand& o) {
-      return at::empty(o.spec.shape, o.tensor.options().device(at::kMeta));
+      return at::empty_strided(o.spec.shape, o.tensor.strides(), o.tensor.options().device(at::kMeta));
     });
   } catch (const std::exception& e) {
     throw std::runtime_error("sharding annotations: aten::" + call.name + " cannot be shaped on the global sizes: " +
                              e.what());
   }
-  std::vector<std::vector<int64_t>> shapes;
   for (const c10::IValue& v : outs) {
-    if (v.isTensor()) shapes.push_back(v.toTensor().sizes().vec());
-    if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) shapes.push_back(t.sizes().vec());
+    std::vector<at::Tensor> tensors;
+    if (v.isTensor()) tensors.push_back(v.toTensor());
+    if (v.isTensorList()) tensors = v.toTensorList().vec();
+    for (const at::Tensor& t : tensors) {
+      call.out_shapes.push_back(t.sizes().vec());
+      call.out_strides.push_back(t.defined() ? t.strides().vec() : std::vector<int64_t>{});
     }
   }
-  return shapes;
 }
 
 at::Tensor local_in(const Operand& o, const Call& call) {
   const mesh::DeviceMesh& mesh = *call.mesh;
-  check_even(o.spec.shape, mesh, o.want, "an input of aten::" + call.name);
   if (o.shape_only && o.want != o.spec.placements) {
     const placement::TensorSpec spec = spec_on(mesh, o.spec.shape, o.want);
     return at::empty(placement::local_shape(spec, mesh.layout(), mesh.rank()), o.tensor.options());
@@ -174,7 +203,7 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   static const bool trace = std::getenv("MESHTRAIN_ANNOTATE_TRACE") != nullptr;
   if (trace) std::fprintf(stderr, "[annotate rank %d] aten::%s\n", mesh->rank(), call.name.c_str());
-  call.out_shapes = output_shapes(op, call);
+  shape_outputs(op, call);
   call.out_placements.assign(call.out_shapes.size(), std::vector<Placement>(call.axis_sizes.size()));
   decide(call);
   if (reporting()) report(call);
@@ -201,6 +230,11 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // The size argument is global: the local operator gets the local output's.
     const placement::TensorSpec out = spec_on(*mesh, call.out_shapes.front(), call.out_placements.front());
     call.args[1] = c10::IValue(placement::local_shape(out, mesh->layout(), mesh->rank()));
+    if (call.base == "view" || call.base == "_unsafe_view") {  // a local piece laid out unlike the global one is copied, not refused
+      call.kernel = [](const Call&, std::vector<c10::IValue> args) -> std::vector<c10::IValue> {
+        return {args[0].toTensor().reshape(args[1].toIntVector())};
+      };
+    }
   }
   const std::vector<c10::IValue> outs =
       call.kernel ? call.kernel(call, local_args(call.args, call.inputs, [&](const Operand& o) { return local_in(o, call); }))
@@ -218,7 +252,7 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       t = t * (static_cast<double>(mine) / static_cast<double>(all));
     }
     const size_t i = k++;
-    return from_local(t, mesh, call.out_placements[i], call.out_shapes[i]);
+    return from_local(t, mesh, call.out_placements[i], call.out_shapes[i], call.out_strides[i]);
   };
   for (size_t r = 0; r < outs.size(); ++r) {
     const c10::IValue& v = outs[r];

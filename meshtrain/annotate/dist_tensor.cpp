@@ -23,21 +23,6 @@ bool is_dist(const at::Tensor& t) {
          dynamic_cast<DistState*>(t.unsafeGetTensorImpl()->get_backend_meta()) != nullptr;
 }
 
-void check_even(const std::vector<int64_t>& shape, const mesh::DeviceMesh& mesh, const std::vector<Placement>& placements,
-                const std::string& what) {
-  std::vector<int64_t> parts(shape.size(), 1);
-  for (size_t k = 0; k < placements.size(); ++k) {
-    if (placements[k].is_shard()) parts.at(placements[k].dim) *= mesh.layout().axes()[k].size;
-  }
-  for (size_t d = 0; d < shape.size(); ++d) {
-    if (shape[d] % parts[d] != 0) {
-      throw std::invalid_argument("sharding annotations: " + what + " splits dim " + std::to_string(d) + " of size " +
-                                  std::to_string(shape[d]) + " into " + std::to_string(parts[d]) +
-                                  " parts; uneven splits are not supported yet (choose sizes the mesh axes divide)");
-    }
-  }
-}
-
 DistState& dist_state(const at::Tensor& t) {
   auto* state = t.defined() ? dynamic_cast<DistState*>(t.unsafeGetTensorImpl()->get_backend_meta()) : nullptr;
   if (!state) throw std::invalid_argument("not a distributed tensor");
@@ -46,19 +31,13 @@ DistState& dist_state(const at::Tensor& t) {
 
 namespace {
 
-// Strides of the global shape in the local tensor's memory order: what
-// reshape and contiguity checks read (a transposed local is a transposed global).
-std::vector<int64_t> strides_like(const at::Tensor& local, const std::vector<int64_t>& shape) {
-  const int64_t rank = static_cast<int64_t>(shape.size());
-  std::vector<int64_t> order(rank), strides(rank);
-  std::iota(order.begin(), order.end(), 0);
-  if (local.dim() == rank) {
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return local.stride(a) > local.stride(b); });
-  }
+// Row-major strides of `shape`.
+std::vector<int64_t> row_major(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size());
   int64_t stride = 1;
-  for (int64_t i = rank; i-- > 0;) {
-    strides[order[i]] = stride;
-    stride *= std::max<int64_t>(shape[order[i]], 1);
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= std::max<int64_t>(shape[i], 1);
   }
   return strides;
 }
@@ -66,7 +45,7 @@ std::vector<int64_t> strides_like(const at::Tensor& local, const std::vector<int
 }  // namespace
 
 at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> mesh, std::vector<Placement> placements,
-                      std::vector<int64_t> shape) {
+                      std::vector<int64_t> shape, std::vector<int64_t> strides) {
   install();
   if (!mesh) throw std::invalid_argument("from_local: no mesh");
   if (static_cast<int>(placements.size()) != mesh->layout().ndim()) {
@@ -74,13 +53,13 @@ at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> 
                                 std::to_string(mesh->layout().ndim()) + " axes (" + mesh->layout().describe() + ")");
   }
   if (is_dist(local)) throw std::invalid_argument("from_local: the local tensor is distributed already");
-  check_even(shape, *mesh, placements, "a tensor");
   for (size_t k = 0; k < placements.size(); ++k) {
     if (mesh->layout().axes()[k].size == 1) placements[k] = Placement::replicate();  // one rank: all alike
   }
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                           local.dtype(), local.device());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides_like(local, shape));
+  if (strides.size() != shape.size()) strides = row_major(shape);
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(shape, strides);
   auto state = c10::make_intrusive<DistState>();
   state->local = std::move(local);
   state->mesh = std::move(mesh);

@@ -33,8 +33,12 @@ namespace meshtrain::annotate {
 // the same on every rank), runs the operator on the local tensors and wraps
 // the results. Output shapes come from running the operator on meta
 // tensors of the global shapes. Plain tensors mixed in are Replicate. An
-// operator with no rule is an error naming it. Not built yet: splits that
-// do not divide evenly (refused with an error: they gave wrong gradients).
+// operator with no rule is an error naming it. Splits need not divide
+// evenly (balanced chunks, Note [Placements]); a view that would merge or cut
+// uneven chunks gathers first. Global strides come from the operator on meta
+// tensors (or, for a tensor made from a local piece, are row-major): never
+// from a rank's piece, whose size-1 dims would make ranks disagree on
+// contiguity and so on which operators a composite one calls.
 struct DistState : c10::BackendMeta {
   at::Tensor local;
   std::shared_ptr<const mesh::DeviceMesh> mesh;
@@ -47,14 +51,15 @@ struct DistState : c10::BackendMeta {
 };
 
 bool is_dist(const at::Tensor& t);
-// Throws unless every Shard of `placements` splits its dim of `shape` evenly.
-void check_even(const std::vector<int64_t>& shape, const mesh::DeviceMesh& mesh,
-                const std::vector<placement::Placement>& placements, const std::string& what);
 DistState& dist_state(const at::Tensor& t);  // throws unless is_dist(t)
 
 // A distributed tensor of global shape `shape` from this rank's local piece.
+// Its strides are `strides`, or row-major: the same on every rank (a rank's
+// local piece may have dims of size 1 or 0 whose strides say nothing, and
+// code such as at::linear branches on contiguity).
 at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> mesh,
-                      std::vector<placement::Placement> placements, std::vector<int64_t> shape);
+                      std::vector<placement::Placement> placements, std::vector<int64_t> shape,
+                      std::vector<int64_t> strides = {});
 // `global` (the same value on every rank) cut to `placements`.
 at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::DeviceMesh> mesh,
                       std::vector<placement::Placement> placements);

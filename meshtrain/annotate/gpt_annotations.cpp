@@ -14,9 +14,7 @@ std::vector<ShardingRule> gpt_megatron_annotations(const model::GptConfig& confi
                                   std::to_string(size) + ")");
     }
   };
-  need(config.vocab_size, "model.vocab_size");
-  need(config.heads, "model.heads");
-  need(config.mlp_hidden(), "the MLP hidden size");
+  need(config.heads, "model.heads");  // (vocabulary and MLP may split unevenly; a head may not)
   const Sharding rows = mesh_split_sharding(mesh, {tp, -1}), columns = mesh_split_sharding(mesh, {-1, tp});
   const Sharding heads = mesh_split_sharding(mesh, {tp, -1}, 3), head_bias = mesh_split_sharding(mesh, {tp}, 3);
   const Sharding vector = mesh_split_sharding(mesh, {tp});

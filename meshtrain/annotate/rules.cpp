@@ -29,13 +29,14 @@ int64_t numel(const std::vector<int64_t>& shape) {
 
 double cost(const Operand& o, size_t axis, const Placement& to, const std::vector<int64_t>& sizes) {
   if (to.is_shard() && to != o.spec.placements[axis]) {
-    // The dim's parts over every axis: those decided (earlier axes), those as they are (later ones).
-    int64_t parts = sizes[axis] * to.blocks;
+    // A dim split into blocks is split by one axis only (Note [Placements]):
+    // against the axes decided (earlier) and as they are (later ones).
     for (size_t j = 0; j < sizes.size(); ++j) {
       const Placement& other = j < o.want.size() ? o.want[j] : o.spec.placements[j];
-      if (j != axis && other.is_shard(to.dim)) parts *= sizes[j];
+      if (j != axis && other.is_shard(to.dim) && (other.blocks > 1 || to.blocks > 1)) {
+        return std::numeric_limits<double>::infinity();
+      }
     }
-    if (o.spec.shape[to.dim] % parts != 0) return std::numeric_limits<double>::infinity();  // uneven (not supported yet)
   }
   if (o.shape_only || has_redistributed(o.tensor, axis, to)) return 0;
   return redistribute_bytes(o.spec, o.spec.placements[axis], to, sizes[axis]);

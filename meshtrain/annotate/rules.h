@@ -38,6 +38,7 @@ struct Call {
   std::vector<Operand> inputs;
   std::vector<int64_t> axis_sizes;
   std::vector<std::vector<int64_t>> out_shapes;  // every Tensor output (a Tensor[] output: each item)
+  std::vector<std::vector<int64_t>> out_strides;  // their global strides (empty: row-major)
   std::vector<std::vector<placement::Placement>> out_placements;
   // A mean over a split dim: each rank's mean of its chunk, times its share
   // of the reduced elements, is its part of the partial sum.

@@ -51,7 +51,6 @@ void expect_matches(const std::string& what, const std::vector<at::Tensor>& glob
     std::vector<std::vector<Placement>> next;
     for (const auto& c : combos) {
       for (const Placement& p : placements_of(g.dim())) {
-        if (p.is_shard() && g.size(p.dim) % world()->size() != 0) continue;
         auto more = c;
         more.push_back(p);
         next.push_back(more);
@@ -78,7 +77,7 @@ void expect_matches(const std::string& what, const std::vector<at::Tensor>& glob
   }
 }
 
-// Sizes every rank count here (1, 2, 3, 4, 8) divides (uneven splits are refused for now).
+// Sizes every rank count here (1, 2, 3, 4, 8) divides.
 TEST(DistTensor, MatrixProductsMatchTheGlobalOperator) {
   expect_matches("mm", {fixed({24, 48}, 1), fixed({48, 24}, 2)}, [](const auto& x) { return at::mm(x[0], x[1]); });
   expect_matches("linear", {fixed({24, 48}, 1), fixed({24, 48}, 2), fixed({24}, 3)},
@@ -164,16 +163,27 @@ TEST(DistTensor, AttentionSplitsBatchOrHeads) {
   }
 }
 
-TEST(DistTensor, UnevenSplitsAreRefusedNamingTheSizes) {
-  const int n = world()->size();
-  if (n < 3) GTEST_SKIP() << "2 divides the sizes here";
-  auto mesh = one_axis();
-  try {
-    distribute(fixed({5, 4}, 1), mesh, tp(mesh, Placement::shard(0)));
-    FAIL() << "no error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("dim 0 of size 5 into " + std::to_string(n) + " parts"), std::string::npos) << e.what();
-  }
+// Sizes 3 and 4 ranks split into uneven chunks (5 over 4: 2, 1, 1, 1).
+TEST(DistTensor, UnevenSplitsMatchTheGlobalOperator) {
+  expect_matches("mm", {fixed({10, 14}, 1), fixed({14, 6}, 2)}, [](const auto& x) { return at::mm(x[0], x[1]); });
+  expect_matches("linear 3-d", {fixed({5, 7, 6}, 1), fixed({10, 6}, 2)}, [](const auto& x) { return at::linear(x[0], x[1]); });
+  expect_matches("linear", {fixed({10, 14}, 1), fixed({6, 14}, 2), fixed({6}, 3)}, [](const auto& x) { return at::linear(x[0], x[1], x[2]); });
+  expect_matches("add broadcast", {fixed({10, 14}, 1), fixed({14}, 2)}, [](const auto& x) { return x[0] + x[1] * 2.0; });
+  expect_matches("sum dim", {fixed({10, 14}, 1)}, [](const auto& x) { return x[0].sum(0); });
+  expect_matches("mean", {fixed({10, 14}, 1)}, [](const auto& x) { return x[0].pow(2).mean(); });
+  expect_matches("mean keepdim", {fixed({10, 14}, 1)}, [](const auto& x) { return x[0].mean(1, true) * x[0]; });
+  expect_matches("transpose view", {fixed({10, 14}, 1)}, [](const auto& x) { return x[0].t().reshape({10, 14}); });
+  expect_matches("softmax", {fixed({10, 14}, 1)}, [](const auto& x) { return at::log_softmax(x[0], 1) + at::softmax(x[0], 0); });
+  expect_matches("layer_norm", {fixed({10, 14}, 1), fixed({14}, 2), fixed({14}, 3)},
+                 [](const auto& x) { return at::layer_norm(x[0], {14}, x[1], x[2]); });
+  expect_matches("cat", {fixed({10, 14}, 1), fixed({10, 6}, 2)}, [](const auto& x) { return at::cat({x[0], x[1] * 2.0}, 1); });
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(3);
+  const at::Tensor targets = at::randint(0, 14, {10}, g, at::kLong);
+  expect_matches("cross_entropy", {fixed({10, 14}, 1)}, [&](const auto& x) {
+    return at::cross_entropy_loss(x[0], ids_like(targets, x[0], 0));
+  });
+  const at::Tensor ids = at::randint(0, 10, {7}, g, at::kLong);
+  expect_matches("embedding", {fixed({10, 6}, 1)}, [&](const auto& x) { return at::embedding(x[0], ids); });
 }
 
 TEST(DistTensor, AnOperatorWithoutARuleIsAnErrorNamingIt) {
