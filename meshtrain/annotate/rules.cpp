@@ -70,6 +70,23 @@ int64_t input_dim(const Operand& o, const std::vector<int64_t>& out_shape, int64
   return i;
 }
 
+// Note [Partial gradients]
+// In a backward (autograd not recording), a partial sum multiplied by a
+// tensor is summed there rather than carried on: a partial gradient reaching
+// a norm's backward is summed at its first product, where Megatron's f sums
+// it; carried through a composite norm (RMSNorm from pointwise operators) it
+// would reach the matmuls before, which then gather weights or sum it twice.
+// A product with a scalar keeps it partial.
+bool scaled_only(const Call& call) {
+  for (const Operand& o : call.inputs) {
+    if (!o.spec.placements.empty() && o.spec.shape.empty()) continue;  // 0-dim
+    bool partial = false;
+    for (const Placement& p : o.spec.placements) partial = partial || p.is_partial();
+    if (!partial) return false;
+  }
+  return true;
+}
+
 Placement required(const Operand& o, const std::vector<int64_t>& out_shape, const Placement& target) {
   if (target.is_shard()) {
     const int64_t i = input_dim(o, out_shape, target.dim);
@@ -104,7 +121,8 @@ void pointwise(Call& call) {
     int partial_inputs = 0;
     for (const Operand& o : call.inputs) partial_inputs += o.spec.placements[axis].is_partial() ? 1 : 0;
     if (partial_inputs > 0 && linear_in_all(base)) targets.push_back(P);
-    if (partial_inputs == 1 && linear_in_one(base) && (base.rfind("div", 0) != 0 || call.inputs.front().spec.placements[axis].is_partial())) {
+    if (partial_inputs == 1 && linear_in_one(base) && (base.rfind("div", 0) != 0 || call.inputs.front().spec.placements[axis].is_partial()) &&
+        (at::GradMode::is_enabled() || scaled_only(call))) {
       targets.push_back(P);
     }
     std::set<std::pair<int64_t, int64_t>> dims;  // (output dim, blocks)

@@ -1,5 +1,8 @@
 #include "meshtrain/parallel/parallelize.h"
 
+#include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/parallel/annotated_tensor_parallel.h"
+
 #include "meshtrain/comm/backend/staged/host_staged_communicator.h"
 #include "meshtrain/util/memory.h"
 
@@ -69,7 +72,7 @@ ParallelModel::ParallelModel(model::Gpt model, std::shared_ptr<comm::Communicato
   options_.dims.check();
   options_.dims.check_model(model_dims(model_->config()));
   options_.dims.check_microbatches(options_.microbatches);
-  mesh_ = std::make_unique<mesh::DeviceMesh>(world_, options_.dims.mesh_layout());
+  mesh_ = std::make_shared<mesh::DeviceMesh>(world_, options_.dims.mesh_layout());
   data_ = mesh_->comm(std::vector<std::string>{"dp", "fsdp", "ep"});
   apply_tensor_parallel();
   apply_expert_parallel();
@@ -81,6 +84,19 @@ ParallelModel::ParallelModel(model::Gpt model, std::shared_ptr<comm::Communicato
 ParallelModel::~ParallelModel() = default;
 
 void ParallelModel::apply_tensor_parallel() {
+  if (options_.tp_impl == "annotations") {
+    check_annotated_layout(options_.dims, options_.activation_checkpoint, options_.bfloat16_autocast, options_.device.is_cpu());
+    // A mesh of the tp group alone: each rank's micro-batch is its own, not
+    // a Replicate value over dp that a rule could cut and gather.
+    const int tp_size = static_cast<int>(options_.dims.tp);
+    auto tp_mesh =
+        std::make_shared<mesh::DeviceMesh>(mesh_->comm("tp"), mesh::MeshLayout::from_degrees({{"tp", tp_size}}, tp_size));
+    annotated_ = std::make_unique<AnnotatedTensorParallel>(model_, std::move(tp_mesh));
+    const AnnotatedTensorParallel* tp = annotated_.get();
+    norm_groups_.tensor = tp->comm();
+    norm_groups_.split_over_tensor = [tp](const std::string& name) { return tp->is_split(name); };
+    return;
+  }
   if (!options_.dims.tensor_parallel()) return;
   const bool sp = options_.dims.sequence_parallel;
   tensor_parallel_ = std::make_unique<TensorParallel>(model_, mesh_->comm("tp"),
@@ -172,7 +188,7 @@ void ParallelModel::apply_data_parallelism() {
       o.expert_comm = mesh_->comm(std::vector<std::string>{"dp", "fsdp"});
       o.expert_scale = 1.0 / static_cast<double>(options_.dims.ep);
     }
-    auto dp = std::make_unique<DataParallel>(*model_, data_, o);
+    auto dp = std::make_unique<DataParallel>(annotated_ ? *annotated_->local_module() : *model_, data_, o);
     data_parallel_ = dp.get();
     data_parallelism_ = std::move(dp);
     return;
@@ -223,9 +239,10 @@ double ParallelModel::forward_backward(const std::vector<at::Tensor>& inputs, co
     {
       memory::PhaseScope phase(memory::Phase::kBackward);
       loss.backward();
+      if (annotated_) annotated_->after_backward();
       data_parallelism_->after_backward();
     }
-    loss_sum += loss.detach();
+    loss_sum += annotate::is_dist(loss) ? annotate::full_tensor(loss.detach()) : loss.detach();
   }
   return loss_sum.item<double>();  // once per step: on a GPU each item() waits for the queue
 }
@@ -240,7 +257,8 @@ double ParallelModel::evaluate(const std::vector<at::Tensor>& inputs, const std:
   } else {
     for (size_t i = 0; i < inputs.size(); ++i) {
       Autocast autocast(options_.bfloat16_autocast, options_.device);
-      total += model_->loss(inputs[i], targets[i]).detach();
+      const at::Tensor loss = model_->loss(inputs[i], targets[i]).detach();
+      total += annotate::is_dist(loss) ? annotate::full_tensor(loss) : loss;
     }
   }
   model_->train();
@@ -308,6 +326,7 @@ ParameterLayout ParallelModel::parameter_layout(const std::string& name, const a
   layout.spec.axes = {"tp"};
   placement::Placement p = placement::Placement::replicate();
   if (tensor_parallel_) p = tensor_parallel_->placement_of(name);
+  if (annotated_) p = annotated_->placement_of(name);
   if (p.is_shard()) layout.spec.shape[p.dim] *= options_.dims.tp;
   layout.spec.placements = {p};
   layout.write = layout.write && (p.is_shard() || mesh_->coordinate("tp") == 0);
@@ -361,8 +380,9 @@ void ParallelModel::reseed_random_streams(uint64_t seed, int64_t step) {
 std::map<std::string, at::Tensor> ParallelModel::full_parameters(int root) {
   // Tensor parallel and the pipeline gather next: every rank of them needs its part.
   std::map<std::string, at::Tensor> out =
-      data_parallelism_->full_parameters(tensor_parallel_ || expert_parallel_ || staged_ ? -1 : root);
+      data_parallelism_->full_parameters(tensor_parallel_ || annotated_ || expert_parallel_ || staged_ ? -1 : root);
   if (tensor_parallel_) out = tensor_parallel_->gather_all(out);
+  if (annotated_) out = annotated_->gather_all(out);
   if (expert_parallel_) out = expert_parallel_->gather_all(out);
   if (staged_) out = staged_->gather_parameters(out);
   return out;
@@ -374,6 +394,7 @@ std::string ParallelModel::describe() const {
     text += " x tensor parallel tp(" + std::to_string(options_.dims.tp) + ")" +
             (options_.dims.sequence_parallel ? " with sequence parallel" : "");
   }
+  if (annotated_) text += " x tensor parallel tp(" + std::to_string(options_.dims.tp) + ") from sharding annotations";
   if (expert_parallel_) {
     text += " x expert parallel ep(" + std::to_string(options_.dims.ep) + "), " +
             std::to_string(expert_parallel_->experts_per_rank()) + " experts per rank";

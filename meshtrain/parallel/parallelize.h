@@ -20,6 +20,8 @@
 
 namespace meshtrain::parallel {
 
+class AnnotatedTensorParallel;
+
 // The sizes of `config` the layout rules check (mesh/parallel_dims.h).
 mesh::ModelDims model_dims(const model::GptConfig& config);
 
@@ -47,6 +49,9 @@ struct ParallelizeOptions {
   std::string reduce_dtype = "float32";
   std::string zero1_reduce = "all_reduce";
   AdamWSettings adamw;
+  // Tensor parallel: "plan" (the hand-written layers, tensor_parallel.h) or
+  // "annotations" (weights annotated, the rest by completion: annotated_tensor_parallel.h).
+  std::string tp_impl = "plan";
 };
 
 // Note [Apply order]
@@ -116,6 +121,7 @@ class ParallelModel {
   DataParallel* data_parallel() { return data_parallel_; }
   FullySharded* sharded() { return sharded_; }
   TensorParallel* tensor_parallel() { return tensor_parallel_.get(); }
+  AnnotatedTensorParallel* annotated() { return annotated_.get(); }
   ExpertParallel* expert_parallel() { return expert_parallel_.get(); }
   pipeline::StagedModel* pipeline() { return staged_.get(); }
   const pipeline::StagedModel* pipeline() const { return staged_.get(); }
@@ -136,10 +142,11 @@ class ParallelModel {
 
   ParallelizeOptions options_;
   std::shared_ptr<comm::Communicator> world_;
-  std::unique_ptr<mesh::DeviceMesh> mesh_;
+  std::shared_ptr<mesh::DeviceMesh> mesh_;
   std::shared_ptr<comm::Communicator> data_;
   model::Gpt model_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
+  std::unique_ptr<AnnotatedTensorParallel> annotated_;
   std::unique_ptr<ExpertParallel> expert_parallel_;
   std::unique_ptr<pipeline::StagedModel> staged_;
   std::shared_ptr<ActivationCheckpoint> checkpointing_;

@@ -1,5 +1,7 @@
 #include "meshtrain/train/config.h"
 
+#include "meshtrain/parallel/annotated_tensor_parallel.h"
+
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/parallel/activation_checkpoint.h"
 #include "meshtrain/parallel/parallelize.h"
@@ -194,6 +196,9 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(parallel.ep)));
     f.push_back(field("parallel", "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along the "
                       "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(parallel.sequence_parallel)));
+    f.push_back(field("parallel", "tp_impl", "how tensor parallel is applied: \"plan\" (hand-written Megatron layers) or "
+                      "\"annotations\" (the weights annotated with mesh_split, every other tensor placed by the sharding rules)",
+                      MESHTRAIN_CONFIG_MEMBER(tp_impl)));
     f.push_back(field("parallel", "pp", "pipeline stages: the blocks split into pp consecutive groups, micro-batches "
                       "flowing through them; pp x dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(parallel.pp)));
     f.push_back(field("parallel", "pp_schedule", "\"gpipe\" (all forwards, then all backwards), \"1f1b\" (at most pp "
@@ -242,6 +247,9 @@ const std::vector<Field>& fields() {
     f.push_back(field("run", "device", "\"cpu\", \"cuda\" (cuda:local_rank % GPUs), \"cuda:N\" or \"auto\" (cuda when a GPU "
                       "is visible); ranks sharing a GPU communicate through host memory", MESHTRAIN_CONFIG_MEMBER(device)));
     f.push_back(field("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", MESHTRAIN_CONFIG_MEMBER(out)));
+    f.push_back(field("run", "sharding_report", "with parallel.tp_impl = \"annotations\": write the first step's operators "
+                      "(input and output placements) and the collectives completion inserted (bytes) to this file, as JSON lines",
+                      MESHTRAIN_CONFIG_MEMBER(sharding_report)));
     f.push_back(field("run", "trace_step", "pp > 1: record this step's pipeline spans to <out>/trace.json (Perfetto) and "
                       "draw <out>/timeline.svg (0: none)", MESHTRAIN_CONFIG_MEMBER(trace_step)));
     return f;
@@ -430,6 +438,17 @@ void TrainConfig::validate(int world_size) {
   }
   if (activation_checkpoint_every < 1) {
     bad("parallel.activation_checkpoint_every", std::to_string(activation_checkpoint_every), "must be >= 1");
+  }
+  if (tp_impl != "plan" && tp_impl != "annotations") bad("parallel.tp_impl", "\"" + tp_impl + "\"", "use \"plan\" or \"annotations\"");
+  if (tp_impl == "annotations") {
+    try {
+      meshtrain::parallel::check_annotated_layout(parallel, activation_checkpoint, dtype == "bfloat16", device == "cpu");
+    } catch (const mesh::LayoutError& e) {
+      bad("parallel.tp_impl", e.value(), e.reason());
+    }
+  }
+  if (!sharding_report.empty() && tp_impl != "annotations") {
+    bad("run.sharding_report", "\"" + sharding_report + "\"", "reports what annotations decided: set parallel.tp_impl = \"annotations\"");
   }
   if (microbatches < 0) bad("parallel.microbatches", std::to_string(microbatches), "must be >= 0 (0: derived)");
   if (device != "cpu" && device != "cuda" && device != "auto" && device.rfind("cuda:", 0) != 0) {

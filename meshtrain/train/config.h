@@ -62,6 +62,7 @@ struct TrainConfig {
   std::string param_dtype = "float32";   // zero_stage >= 1: dtype of forward/backward
   std::string reduce_dtype = "float32";  // zero_stage >= 1: dtype of gradient reductions
   std::string zero1_reduce = "all_reduce";  // zero_stage 1: "all_reduce" (then slice) or "reduce_scatter"
+  std::string tp_impl = "plan";  // tensor parallel: "plan" (hand-written layers) or "annotations" (weights annotated)
   // [memory]
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]
@@ -73,6 +74,7 @@ struct TrainConfig {
   // [run]
   std::string device = "cpu";  // "cpu" | "cuda" | "cuda:N" | "auto" (cuda:local_rank % GPUs when there are GPUs)
   std::string out = "runs/default";  // metrics.jsonl, prepared data, checkpoints
+  std::string sharding_report;  // tp_impl "annotations": the first step's operators and collectives, as JSON lines
   int64_t trace_step = 0;  // pp > 1: write out/trace.json and out/timeline.svg of this step (0: none)
 
   // Derived, after validate(world_size).

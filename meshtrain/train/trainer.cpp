@@ -1,5 +1,9 @@
 #include "meshtrain/train/trainer.h"
 
+#include "meshtrain/annotate/report.h"
+
+#include <optional>
+
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/comm/watchdog.h"
@@ -64,6 +68,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
   o.reduce_dtype = c.reduce_dtype;
   o.zero1_reduce = c.zero1_reduce;
   o.adamw = {c.lr, c.beta1, c.beta2, 1e-8, c.weight_decay};
+  o.tp_impl = c.tp_impl;
   return o;
 }
 
@@ -150,6 +155,8 @@ StepResult Trainer::step() {
 
   parallel_->zero_grad();
   const auto [inputs, targets] = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
+  std::optional<annotate::ReportScope> report;
+  if (!config_.sharding_report.empty() && !reported_) report.emplace();
   const double loss_sum = parallel_->forward_backward(inputs, targets);
   if (parallel_->pipeline() && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
@@ -158,6 +165,7 @@ StepResult Trainer::step() {
     result.grad_norm = parallel_->clip_grad_norm(config_.grad_clip);
     parallel_->step(result.lr);
   }
+  if (report) write_sharding_report(report->report());
   result.loss = parallel_->mean_loss(loss_sum);
   result.moe = parallel_->moe_metrics();
   result.step = ++step_;
@@ -184,6 +192,14 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batch
 double Trainer::evaluate() {
   const auto [inputs, targets] = micro_batches(*val_sampler_, 0, config_.eval_batches);
   return parallel_->mean_loss(parallel_->evaluate(inputs, targets) / config_.eval_batches);
+}
+
+void Trainer::write_sharding_report(const annotate::ShardingReport& report) {
+  reported_ = true;
+  if (world_->rank() != 0) return;
+  util::write_text_file(config_.sharding_report, report.jsonl());
+  progress_->say("sharding report of step " + std::to_string(step_ + 1) + " (rank 0) in " + config_.sharding_report +
+                 ":\n" + report.summary());
 }
 
 void Trainer::write_trace() {

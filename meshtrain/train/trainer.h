@@ -18,6 +18,10 @@
 #include <optional>
 #include <string>
 
+namespace meshtrain::annotate {
+struct ShardingReport;
+}
+
 namespace meshtrain::train {
 
 using checkpoint::CheckpointError;
@@ -90,6 +94,7 @@ class Trainer {
   void load_checkpoint(const std::string& folder);
   void log_resume_events();  // metrics lines for the checkpoints resume passed over
   void write_trace();
+  void write_sharding_report(const annotate::ShardingReport& report);
 
   TrainConfig config_;
   std::shared_ptr<comm::Communicator> world_;
@@ -103,6 +108,7 @@ class Trainer {
   int64_t step_ = 0;
   int64_t cursor_ = 0;
   bool resumed_ = false;
+  bool reported_ = false;  // the sharding report is written (once, of the first step run)
   std::string resumed_from_;
   std::vector<Skipped> skipped_;  // unusable checkpoints passed over on resume, newest first
   double peak_flops_ = 0;
