@@ -414,11 +414,25 @@ void embedding_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   torch::jit::push(*stack, Embedding::apply(weight, ids));
 }
 
+// linear on a 3-d input with a bias, as one addmm on the flattened rows
+// (what at::linear does for contiguous plain tensors; its decomposition
+// would otherwise take the matmul path and add the bias in a second pass).
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (bias && bias->defined() && input.dim() == 3 && input.is_contiguous()) {
+    std::vector<int64_t> out = input.sizes().vec();
+    out.back() = weight.size(0);
+    return at::addmm(*bias, input.reshape({-1, input.size(2)}), weight.t()).view(out);
+  }
+  const at::Tensor y = at::matmul(input, weight.t());
+  return bias && bias->defined() ? y + *bias : y;
+}
+
 }  // namespace
 
 void install_autograd_kernels() {
   static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
   library.impl("embedding", torch::CppFunction::makeFromBoxedFunction<&embedding_autograd>());
+  library.impl("linear", TORCH_FN(linear));
 }
 
 bool decide_with_kernel(Call& call) {

@@ -4,6 +4,7 @@
 // tokens/s against tp = 1, and counted memory. See Note [Tensor parallel bytes].
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/parallel/annotated_tensor_parallel.h"
 #include "meshtrain/parallel/grad_norm.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/train/config.h"
@@ -57,35 +58,50 @@ struct Measured {
 
 // Trains `config` on the ranks of `group` with tensor parallel over all of
 // them: `warmup` + `steps` steps of AdamW on fixed random tokens.
-Measured train_steps(const model::GptConfig& config, int64_t batch, const parallel::CommPtr& group, bool sp, int warmup,
-                     int steps) {
+// With `annotated`, tensor parallel from sharding annotations
+// (parallel/annotated_tensor_parallel.h) as the trainer applies it: the
+// optimizer and clipping on the local pieces.
+Measured train_steps(const model::GptConfig& config, int64_t batch, const parallel::CommPtr& group, bool sp, bool annotated,
+                     int warmup, int steps) {
   model::Gpt gpt(config, 1);
   std::unique_ptr<parallel::TensorParallel> tp;
-  if (group->size() > 1) {
+  std::unique_ptr<parallel::AnnotatedTensorParallel> annotations;
+  const int t = group->size();
+  if (annotated) {
+    auto mesh = std::make_shared<mesh::DeviceMesh>(group, mesh::MeshLayout::from_degrees({{"tp", t}}, t));
+    annotations = std::make_unique<parallel::AnnotatedTensorParallel>(gpt, std::move(mesh));
+  } else if (t > 1) {
     tp = std::make_unique<parallel::TensorParallel>(gpt, group, parallel::gpt_tensor_parallel_plan(config, sp),
                                                     parallel::TensorParallelOptions{sp, 1});
   }
-  torch::optim::AdamW optimizer(gpt->parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
+  torch::nn::Module& stepped = annotations ? *annotations->local_module() : *gpt;
+  torch::optim::AdamW optimizer(stepped.parameters(), torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
   at::Generator g = at::make_generator<at::CPUGeneratorImpl>(2);
   const at::Tensor tokens = at::randint(0, config.vocab_size, {batch, config.context + 1}, g, at::kLong);
   const at::Tensor inputs = tokens.narrow(1, 0, config.context), targets = tokens.narrow(1, 1, config.context);
   Measured out;
   std::vector<double> seconds;
+  const comm::Communicator& counted = annotations ? *annotations->comm() : *group;  // (annotations: the tp mesh's own)
   for (int step = 0; step < warmup + steps; ++step) {
     if (step == warmup) memory::reset_peaks();
-    const int64_t sent = wire_bytes(*group);
+    const int64_t sent = wire_bytes(counted);
     const auto start = Clock::now();
     optimizer.zero_grad();
     gpt->loss(inputs, targets).backward();
+    if (annotations) annotations->after_backward();
     parallel::ModelParallelNorm norm;
     if (tp) {
       norm.tensor = group;
       norm.split_over_tensor = [&](const std::string& name) { return tp->is_split(name); };
     }
-    parallel::clip_grad_norm(*gpt, 1.0, norm);
+    if (annotations) {
+      norm.tensor = group;
+      norm.split_over_tensor = [&](const std::string& name) { return annotations->is_split(name); };
+    }
+    parallel::clip_grad_norm(stepped, 1.0, norm);
     optimizer.step();
     if (step >= warmup) seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-    out.bytes_per_step = double(wire_bytes(*group) - sent);
+    out.bytes_per_step = double(wire_bytes(counted) - sent);
   }
   std::sort(seconds.begin(), seconds.end());
   out.seconds = seconds[seconds.size() / 2];
@@ -110,6 +126,7 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
   struct Row {
     int t;
     bool sp;
+    bool annotated;
     Measured deep, shallow;
   };
   std::vector<Row> rows;
@@ -119,16 +136,18 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
     // shared by the t working ranks, so every row uses the same cores.
     const bool member = world->rank() < t;
     const parallel::CommPtr group = world->split(member ? 0 : -1, world->rank(), "bench:tp" + std::to_string(t));
-    for (bool sp : {false, true}) {
-      if (sp && t == 1) continue;
-      Row row{t, sp, {}, {}};
+    // plan, plan with sequence parallel, annotations (no sequence parallel there)
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool sp = variant == 1, annotated = variant == 2;
+      if (t == 1 && variant > 0) continue;
+      Row row{t, sp, annotated, {}, {}};
       if (member) {
         at::set_num_threads(std::max(1, cores / t));
         // Bytes per layer from two depths: the difference is the blocks' alone.
         model::GptConfig one_layer = shape;
         one_layer.layers = 1;
-        row.deep = train_steps(shape, b, group, sp, warmup_steps, timed_steps);
-        row.shallow = train_steps(one_layer, b, group, sp, 0, 1);
+        row.deep = train_steps(shape, b, group, sp, annotated, warmup_steps, timed_steps);
+        row.shallow = train_steps(one_layer, b, group, sp, annotated, 0, 1);
         at::set_num_threads(default_threads);
       }
       world->barrier().wait();
@@ -143,14 +162,15 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
                 "%d cores\n",
                 config.preset.c_str(), (long long)shape.heads, shape.parameter_count() / 1e6, (long long)b, (long long)s,
                 cores);
-    std::printf("%-4s %-3s %14s %14s %7s %11s %8s %12s\n", "tp", "sp", "bytes/layer", "formula", "ratio", "tokens/s",
-                "vs tp=1", "counted MiB");
+    std::printf("%-4s %-3s %-11s %14s %14s %7s %11s %8s %12s\n", "tp", "sp", "impl", "bytes/layer", "formula", "ratio",
+                "tokens/s", "vs tp=1", "counted MiB");
     for (const Row& row : rows) {
       const double per_layer = (row.deep.bytes_per_step - row.shallow.bytes_per_step) / (shape.layers - 1);
       const double formula = bytes_per_layer(b, s, h, row.t, row.sp);
       const double tokens_per_second = tokens / row.deep.seconds;
       nlohmann::json line = {{"tp", row.t},
                              {"sequence_parallel", row.sp},
+                             {"tp_impl", row.annotated ? "annotations" : "plan"},
                              {"bytes_per_layer_per_rank", per_layer},
                              {"formula_bytes_per_layer", formula},
                              {"tokens_per_s", tokens_per_second},
@@ -158,10 +178,23 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
                              {"counted_peak_mib_rank0", row.deep.counted_peak / 1048576.0},
                              {"step_seconds", row.deep.seconds},
                              {"threads_per_rank", std::max(1, cores / row.t)}};
-      std::printf("%-4d %-3s %14.0f %14.0f %7.4f %11.0f %8.3f %12.1f\n", row.t, row.sp ? "on" : "off", per_layer,
-                  formula, formula > 0 ? per_layer / formula : 1.0, tokens_per_second, tokens_per_second / baseline,
-                  row.deep.counted_peak / 1048576.0);
+      std::printf("%-4d %-3s %-11s %14.0f %14.0f %7.4f %11.0f %8.3f %12.1f\n", row.t, row.sp ? "on" : "off",
+                  row.annotated ? "annotations" : "plan", per_layer, formula, formula > 0 ? per_layer / formula : 1.0,
+                  tokens_per_second, tokens_per_second / baseline, row.deep.counted_peak / 1048576.0);
       std::printf("%s\n", line.dump().c_str());
+    }
+    // Annotations against the plan at the same tp (sequence parallel off), measured in this run.
+    for (const Row& a : rows) {
+      if (!a.annotated) continue;
+      for (const Row& p : rows) {
+        if (p.t != a.t || p.sp || p.annotated) continue;
+        const double bytes = (a.deep.bytes_per_step - a.shallow.bytes_per_step) / (p.deep.bytes_per_step - p.shallow.bytes_per_step);
+        std::printf("tp %d: annotations / plan: bytes per layer %.4f, step time %.3f (target <= 1.10)\n", a.t, bytes,
+                    a.deep.seconds / p.deep.seconds);
+        nlohmann::json line = {{"tp", a.t}, {"annotations_over_plan_bytes_per_layer", bytes},
+                               {"annotations_over_plan_step_time", a.deep.seconds / p.deep.seconds}};
+        std::printf("%s\n", line.dump().c_str());
+      }
     }
   }
   return 0;

@@ -95,8 +95,9 @@ int main(int argc, char** argv) {
   int tp_warmup = 1, tp_steps = 5;
   CLI::App* bench_tp = timed_bench(
       "tp", "Tensor parallel with and without sequence parallel for tp = 1, 2, 4, ... up to the rank count, in one "
-            "run: bytes each rank sends per layer (counted by the communicator) against the formula, and tokens/s "
-            "against tp = 1. Default model: small with 8 heads; config overrides as for train.",
+            "run, and from sharding annotations (tp_impl = annotations): bytes each rank sends per layer (counted by "
+            "the communicator) against the formula, tokens/s against tp = 1, and annotations against the plan. "
+            "Default model: small with 8 heads; config overrides as for train.",
       tp_warmup, tp_steps);
   int pp_warmup = 1, pp_steps = 3;
   int moe_warmup = 2, moe_steps = 8;
