@@ -106,18 +106,34 @@ at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::Devi
 
 namespace {
 
-// The same global value in other placements; the gradient is that global
-// value's gradient, whatever placements it has.
+// The same global value in other placements. Its gradient is put where the
+// value was put, a Partial axis read as Replicate (every rank's share of a
+// partial sum has the whole gradient): a constraint to Replicate sums a
+// partial gradient there, as Megatron's f does at a column-parallel input.
 class Redistribute : public torch::autograd::Function<Redistribute> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& t, std::vector<Placement> to) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& t, std::vector<Placement> to) {
     const DistState& s = dist_state(t);
+    std::vector<int64_t> encoded;  // the gradient's placements: kind, dim, blocks per axis
+    for (const Placement& p : to) {
+      const Placement g = p.is_partial() ? Placement::replicate() : p;
+      encoded.insert(encoded.end(), {static_cast<int64_t>(g.kind), g.dim, g.blocks});
+    }
+    ctx->saved_data["grad_placements"] = encoded;
     const at::Tensor local = local_as(t, to, *s.mesh, "redistribute");
     return from_local(local, s.mesh, std::move(to), t.sizes().vec());
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {grads[0], at::Tensor()};
+    if (!is_dist(grads[0])) return {grads[0], at::Tensor()};
+    const std::vector<int64_t> encoded = ctx->saved_data["grad_placements"].toIntVector();
+    std::vector<Placement> want;
+    for (size_t i = 0; i + 2 < encoded.size(); i += 3) {
+      want.push_back({static_cast<Placement::Kind>(encoded[i]), encoded[i + 1], encoded[i + 2]});
+    }
+    const DistState& g = dist_state(grads[0]);
+    const at::Tensor local = local_as(grads[0], want, *g.mesh, "redistribute (backward)");
+    return {from_local(local, g.mesh, want, grads[0].sizes().vec()), at::Tensor()};
   }
 };
 

@@ -63,8 +63,8 @@ at::Tensor from_local(at::Tensor local, std::shared_ptr<const mesh::DeviceMesh> 
 // `global` (the same value on every rank) cut to `placements`.
 at::Tensor distribute(const at::Tensor& global, std::shared_ptr<const mesh::DeviceMesh> mesh,
                       std::vector<placement::Placement> placements);
-// The same global value in other placements; collective. With autograd
-// (the gradient passes through unchanged: it is the same global value).
+// The same global value in other placements; collective. With autograd:
+// the gradient is put in the same placements, Partial read as Replicate.
 at::Tensor redistribute(const at::Tensor& t, std::vector<placement::Placement> placements);
 // This rank's piece of `t` (distributed, or plain: Replicate) in `want`:
 // the redistribution an operator `op` needs, recorded in the sharding report.

@@ -48,6 +48,12 @@ void set_all_outputs(Call& call, size_t axis, const Placement& p) {
 
 // --- Pointwise, with broadcasting -----------------------------------------
 
+// add / sub of a number (not a tensor): every rank's share would get it.
+bool adds_constant(const Call& call) {
+  static const std::set<std::string> ops = {"add", "add_", "sub", "sub_", "rsub"};
+  return ops.count(call.base) > 0 && call.args.size() > 1 && !call.args[1].isTensor();
+}
+
 bool linear_in_all(const std::string& base) {
   static const std::set<std::string> ops = {"add", "add_", "sub", "sub_", "neg", "neg_", "clone", "_to_copy",
                                             "alias", "detach", "copy_", "zero_"};
@@ -97,7 +103,7 @@ Placement required(const Operand& o, const std::vector<int64_t>& out_shape, cons
 
 void pointwise(Call& call) {
   const std::vector<int64_t>& shape = call.out_shapes.front();
-  const std::string& base = call.base;
+  const std::string base = adds_constant(call) ? "(adds a constant)" : call.base;  // not linear then
   for (size_t axis = 0; axis < call.axis_sizes.size(); ++axis) {
     if (call.inplace) {
       // The output is the first input: it stays where it is (a partial sum

@@ -76,6 +76,35 @@ TEST(Annotations, TheFourFormsPlaceTensorsAsTheySay) {
   EXPECT_TRUE(is_dist(y));
 }
 
+// A constraint on an activation: the value goes where it says, and so does
+// its gradient (a partial one summed there: Megatron's f).
+TEST(Annotations, AConstraintPutsTheGradientWhereTheValueWent) {
+  const int n = world()->size();
+  const Mesh mesh = mesh_of(1, n);
+  const int tp = mesh->layout().axis_index("tp");
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(4);  // the same values on every rank
+  const at::Tensor a0 = at::randn({24, 48}, g, at::kDouble), b0 = at::randn({48, 24}, g, at::kDouble);
+  const at::Tensor w0 = at::randn({24, 24}, g, at::kDouble);
+  const at::Tensor a = mesh_split(a0.clone().requires_grad_(true), mesh, {-1, tp});
+  const at::Tensor b = mesh_split(b0.clone().requires_grad_(true), mesh, {tp, -1});
+  const at::Tensor w = mesh_split(w0.clone().requires_grad_(true), mesh, {-1, tp});
+  const at::Tensor t = at::mm(a, b);  // a partial sum
+  if (n > 1) EXPECT_TRUE(on(t, "tp").is_partial());
+  at::Tensor seen;
+  t.register_hook([&](const at::Tensor& grad) { seen = grad; });
+  const at::Tensor c = replicate(t, mesh);
+  EXPECT_TRUE(on(c, "tp").is_replicate());
+  at::mm(c, w).pow(2).sum().backward();
+  ASSERT_TRUE(seen.defined());
+  EXPECT_TRUE(on(seen, "tp").is_replicate()) << on(seen, "tp").str();
+  // The values: as on whole tensors.
+  const at::Tensor pa = a0.clone().requires_grad_(true), pb = b0.clone().requires_grad_(true), pw = w0.clone().requires_grad_(true);
+  at::mm(at::mm(pa, pb), pw).pow(2).sum().backward();
+  EXPECT_TRUE(at::allclose(full_tensor(a.grad()), pa.grad()));
+  EXPECT_TRUE(at::allclose(full_tensor(b.grad()), pb.grad()));
+  EXPECT_TRUE(at::allclose(full_tensor(w.grad()), pw.grad()));
+}
+
 // The user's model: nothing distributed in it.
 struct NetImpl : torch::nn::Module {
   NetImpl()

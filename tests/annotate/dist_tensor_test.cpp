@@ -3,6 +3,7 @@
 // and input gradients), and a user-style MLP split Megatron-style over tp
 // (and its batch over dp) trained with AdamW like one process.
 #include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/annotate/rules.h"
 #include "tests/harness/mpi_env.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -96,6 +97,8 @@ TEST(DistTensor, PointwiseReductionsViewsAndSoftmaxMatchTheGlobalOperator) {
   expect_matches("softmax", {fixed({24, 48}, 1)}, [](const auto& x) { return at::log_softmax(x[0], 1) + at::softmax(x[0], 0); });
   expect_matches("partial times scalar", {fixed({24, 48}, 1), fixed({48, 24}, 2)},
                  [](const auto& x) { return (at::mm(x[0], x[1]) * 3.0).tanh(); });
+  expect_matches("partial plus a number", {fixed({24, 48}, 1), fixed({48, 24}, 2)},
+                 [](const auto& x) { return (at::mm(x[0], x[1]) + 1.5) * (at::mm(x[0], x[1]) - 0.5); });
 }
 
 // The tp placement of a distributed argument, or Replicate.
@@ -120,6 +123,8 @@ TEST(DistTensor, TransformerOperatorsMatchTheGlobalOperator) {
                  [](const auto& x) { return at::layer_norm(x[0], {48}, x[1], x[2]); });
   expect_matches("layer_norm after a partial sum", {fixed({24, 48}, 1), fixed({48, 48}, 2), fixed({48}, 3)},
                  [](const auto& x) { return at::layer_norm(at::mm(x[0], x[1]), {48}, x[2]); });
+  expect_matches("rms_norm", {fixed({24, 48}, 1), fixed({48}, 2)},
+                 [](const auto& x) { return at::rms_norm(x[0], {48}, x[1], 1e-5); });
   expect_matches("cat", {fixed({24, 48}, 1), fixed({24, 24}, 2)}, [](const auto& x) { return at::cat({x[0], x[1] * 2.0}, 1); });
   expect_matches("rotary halves", {fixed({24, 48}, 1)}, [](const auto& x) {
     return at::cat({x[0].narrow(1, 0, 24) * 2.0, x[0].narrow(1, 24, 24)}, 1);
@@ -209,6 +214,18 @@ TEST(DistTensor, TheCheapestRedistributionIsChosenAlikeEverywhere) {
   const at::Tensor y = at::mm(x, w);
   const Placement got = dist_state(y).placements[mesh->layout().axis_index("tp")];
   EXPECT_EQ(got, Placement::shard(0)) << got.str();
+  // Every rank chose alike: the choice, gathered.
+  at::Tensor mine = at::tensor({static_cast<int64_t>(got.kind), got.dim}, at::kLong);
+  at::Tensor all = at::empty({2 * world()->size()}, at::kLong);
+  world()->all_gather(all, mine).wait();
+  for (int r = 0; r < world()->size(); ++r) {
+    EXPECT_EQ(all[2 * r].item<int64_t>(), mine[0].item<int64_t>()) << "rank " << r;
+    EXPECT_EQ(all[2 * r + 1].item<int64_t>(), mine[1].item<int64_t>()) << "rank " << r;
+  }
+  // And it is the cheapest by the cost model: gathering w's columns against gathering x's rows.
+  const double gather_w = redistribute_bytes(spec_of(w), Placement::shard(1), Placement::replicate(), n);
+  const double gather_x = redistribute_bytes(spec_of(x), Placement::shard(0), Placement::replicate(), n);
+  EXPECT_LT(gather_w, gather_x);
   // Summed columns: a matmul over the split inner dim leaves a partial sum, summed only when needed.
   const at::Tensor a = distribute(fixed({24, 48}, 3), mesh, tp(mesh, Placement::shard(1)));
   const at::Tensor b = distribute(fixed({48, 24}, 4), mesh, tp(mesh, Placement::shard(0)));
