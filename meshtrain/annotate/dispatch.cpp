@@ -155,20 +155,12 @@ static bool is_out_variant(const c10::FunctionSchema& schema) {
   return false;
 }
 
-void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const c10::FunctionSchema& schema = op.schema();
-  const bool out_variant = is_out_variant(schema);
-  const size_t n = schema.arguments().size();
-  Call call;
-  call.name = schema.name().substr(6) + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
-  call.base = schema.name().substr(6);
-  call.args.assign(stack->end() - n, stack->end());
-  torch::jit::drop(*stack, n);
-  call.pointwise = op.hasTag(at::Tag::pointwise);
-  call.inplace = !schema.returns().empty() && schema.returns()[0].alias_info() &&
-                 schema.returns()[0].alias_info()->isWrite() && !out_variant;
+namespace {
+
+// The tensor arguments (plain ones are Replicate) and the mesh they share.
+std::shared_ptr<const mesh::DeviceMesh> collect_operands(Call& call) {
   std::shared_ptr<const mesh::DeviceMesh> mesh;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < call.args.size(); ++i) {
     const c10::IValue& v = call.args[i];
     std::vector<std::pair<at::Tensor, int64_t>> tensors;
     if (v.isTensor()) tensors.push_back({v.toTensor(), -1});
@@ -192,54 +184,42 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (Operand& o : call.inputs) o.spec = is_dist(o.tensor) ? spec_of(o.tensor) : spec_on(*mesh, o.tensor.sizes().vec());
   for (const mesh::MeshAxis& axis : mesh->layout().axes()) call.axis_sizes.push_back(axis.size);
   call.mesh = mesh.get();
+  return mesh;
+}
 
-  if (call.base == "_local_scalar_dense") {  // .item(): the whole value
-    torch::jit::push(*stack, full_tensor(call.inputs.front().tensor).item());
-    return;
-  }
-  if (out_variant) {
-    throw std::runtime_error("sharding annotations: aten::" + call.name +
-                             " (an out= variant) has no sharding rule; call the functional operator");
-  }
-  static const bool trace = std::getenv("MESHTRAIN_ANNOTATE_TRACE") != nullptr;
-  if (trace) std::fprintf(stderr, "[annotate rank %d] aten::%s\n", mesh->rank(), call.name.c_str());
-  shape_outputs(op, call);
-  call.out_placements.assign(call.out_shapes.size(), std::vector<Placement>(call.axis_sizes.size()));
-  decide(call);
-  if (reporting()) report(call);
-
-  // In place: the first input keeps its identity; a partial sum it held is summed (or dropped) first.
-  if (call.inplace && is_dist(call.inputs.front().tensor)) {
-    Operand& self = call.inputs.front();
-    DistState& s = dist_state(self.tensor);
-    if (self.want != s.placements) {
-      for (size_t k = 0; k < self.want.size(); ++k) {
-        if (self.want[k] != s.placements[k] && !(s.placements[k].is_partial() && self.want[k].is_replicate())) {
-          throw std::runtime_error("sharding annotations: aten::" + call.name + " would change its output's placement " +
-                                   self.spec.str() + " in place");
-        }
-      }
-      const bool summed = self.spec.placements == self.want;  // the rule dropped the partial sum (overwritten)
-      if (!summed) s.local.copy_(placement::redistribute_data(s.local, *mesh, spec_of(self.tensor), self.want));
-      s.placements = self.want;
-      self.spec.placements = self.want;
+// In place: the first input keeps its identity; a partial sum it held is summed (or dropped) first.
+void prepare_in_place(Call& call) {
+  Operand& self = call.inputs.front();
+  DistState& s = dist_state(self.tensor);
+  if (self.want == s.placements) return;
+  for (size_t k = 0; k < self.want.size(); ++k) {
+    if (self.want[k] != s.placements[k] && !(s.placements[k].is_partial() && self.want[k].is_replicate())) {
+      throw std::runtime_error("sharding annotations: aten::" + call.name + " would change its output's placement " +
+                               self.spec.str() + " in place");
     }
   }
-  if (call.base == "view" || call.base == "_unsafe_view" || call.base == "expand" || call.base == "slice_backward" ||
-      call.base == "select_backward") {
-    // The size argument is global: the local operator gets the local output's.
-    const placement::TensorSpec out = spec_on(*mesh, call.out_shapes.front(), call.out_placements.front());
-    call.args[1] = c10::IValue(placement::local_shape(out, mesh->layout(), mesh->rank()));
-    if (call.base == "view" || call.base == "_unsafe_view") {  // a local piece laid out unlike the global one is copied, not refused
-      call.kernel = [](const Call&, std::vector<c10::IValue> args) -> std::vector<c10::IValue> {
-        return {args[0].toTensor().reshape(args[1].toIntVector())};
-      };
-    }
-  }
-  const std::vector<c10::IValue> outs =
-      call.kernel ? call.kernel(call, local_args(call.args, call.inputs, [&](const Operand& o) { return local_in(o, call); }))
-                  : call_with(op, call.args, call.inputs, [&](const Operand& o) { return local_in(o, call); });
+  const bool summed = self.spec.placements == self.want;  // the rule dropped the partial sum (overwritten)
+  if (!summed) s.local.copy_(placement::redistribute_data(s.local, *call.mesh, spec_of(self.tensor), self.want));
+  s.placements = self.want;
+  self.spec.placements = self.want;
+}
 
+// Size arguments are global: the local operator gets the local output's.
+void localize_sizes(Call& call) {
+  const std::string& b = call.base;
+  if (b != "view" && b != "_unsafe_view" && b != "expand" && b != "slice_backward" && b != "select_backward") return;
+  const placement::TensorSpec out = spec_on(*call.mesh, call.out_shapes.front(), call.out_placements.front());
+  call.args[1] = c10::IValue(placement::local_shape(out, call.mesh->layout(), call.mesh->rank()));
+  if (b == "view" || b == "_unsafe_view") {  // a local piece laid out unlike the global one is copied, not refused
+    call.kernel = [](const Call&, std::vector<c10::IValue> args) -> std::vector<c10::IValue> {
+      return {args[0].toTensor().reshape(args[1].toIntVector())};
+    };
+  }
+}
+
+// The local outputs wrapped as distributed tensors, pushed.
+void push_outputs(const Call& call, const std::shared_ptr<const mesh::DeviceMesh>& mesh,
+                  const std::vector<c10::IValue>& outs, torch::jit::Stack* stack) {
   size_t k = 0;
   auto wrap = [&](const at::Tensor& local) {
     at::Tensor t = local;
@@ -269,6 +249,44 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       torch::jit::push(*stack, v);
     }
   }
+}
+
+}  // namespace
+
+void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const bool out_variant = is_out_variant(schema);
+  const size_t n = schema.arguments().size();
+  Call call;
+  call.name = schema.name().substr(6) + (schema.overload_name().empty() ? "" : "." + schema.overload_name());
+  call.base = schema.name().substr(6);
+  call.args.assign(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
+  call.pointwise = op.hasTag(at::Tag::pointwise);
+  call.inplace = !schema.returns().empty() && schema.returns()[0].alias_info() &&
+                 schema.returns()[0].alias_info()->isWrite() && !out_variant;
+  const std::shared_ptr<const mesh::DeviceMesh> mesh = collect_operands(call);
+
+  if (call.base == "_local_scalar_dense") {  // .item(): the whole value
+    torch::jit::push(*stack, full_tensor(call.inputs.front().tensor).item());
+    return;
+  }
+  if (out_variant) {
+    throw std::runtime_error("sharding annotations: aten::" + call.name +
+                             " (an out= variant) has no sharding rule; call the functional operator");
+  }
+  static const bool trace = std::getenv("MESHTRAIN_ANNOTATE_TRACE") != nullptr;
+  if (trace) std::fprintf(stderr, "[annotate rank %d] aten::%s\n", mesh->rank(), call.name.c_str());
+  shape_outputs(op, call);
+  call.out_placements.assign(call.out_shapes.size(), std::vector<Placement>(call.axis_sizes.size()));
+  decide(call);
+  if (reporting()) report(call);
+  if (call.inplace && is_dist(call.inputs.front().tensor)) prepare_in_place(call);
+  localize_sizes(call);
+  auto local = [&](const Operand& o) { return local_in(o, call); };
+  const std::vector<c10::IValue> outs =
+      call.kernel ? call.kernel(call, local_args(call.args, call.inputs, local)) : call_with(op, call.args, call.inputs, local);
+  push_outputs(call, mesh, outs, stack);
 }
 
 }  // namespace meshtrain::annotate
