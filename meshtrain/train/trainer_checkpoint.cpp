@@ -27,6 +27,13 @@ namespace {
 
 bool is_random_stream(const std::string& name) { return name.rfind("rng/", 0) == 0; }
 
+// The layout a checkpoint records: the degrees, and how tensor parallel was
+// applied (the annotated one keeps no per-rank stream: a change of either
+// reseeds the random streams, the model and optimizer states load alike).
+std::string layout_of(const TrainConfig& config) {
+  return config.parallel.str() + (config.tp_impl == "annotations" ? " tp_impl=annotations" : "");
+}
+
 }  // namespace
 
 void Trainer::save_checkpoint() {
@@ -36,7 +43,7 @@ void Trainer::save_checkpoint() {
   meta.cursor = cursor_;
   meta.model = model_fingerprint();
   meta.model_config = model_config_to_json(config_.model);
-  meta.layout = config_.parallel.str();
+  meta.layout = layout_of(config_);
   meta.world = world_->size();
   writer_->save(std::move(meta), parallel_->state(), parallel_->mesh().layout());
 }
@@ -51,7 +58,7 @@ void Trainer::load_checkpoint(const std::string& folder) {
     throw ConfigError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
                       model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
   }
-  const bool same_layout = meta.layout == config_.parallel.str() && meta.world == world_->size();
+  const bool same_layout = meta.layout == layout_of(config_) && meta.world == world_->size();
   comm::on_all_or_all_fail(*world_, [&] {
     reader->load(parallel_->state(), parallel_->mesh().layout(), world_->rank(),
                  [&](const std::string& name) { return same_layout || !is_random_stream(name); });
