@@ -32,7 +32,7 @@ void check_annotated_layout(const mesh::ParallelDims& dims, const std::string& a
   };
   if (dims.pp > 1) refuse("pipeline parallel (pp > 1)");
   if (dims.ep > 1) refuse("expert parallel (ep > 1)");
-  if (dims.zero_stage > 0) refuse("ZeRO (zero_stage > 0)");
+  if (dims.zero_stage > 2) refuse("ZeRO-3 (zero_stage = 3)");
   if (dims.sequence_parallel) refuse("sequence parallel");
   if (activation_checkpoint != "none") refuse("activation checkpointing");
   if (bfloat16) refuse("bfloat16 autocast");

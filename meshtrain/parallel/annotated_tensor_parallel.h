@@ -28,14 +28,15 @@ namespace meshtrain::parallel {
 // hooks fire as they would after a plain backward. Pieces are those of the
 // hand-written tensor parallel (the same rows, the same q, k, v blocks), so
 // checkpoints move between the two. The mesh is the tp group's alone: each
-// rank's micro-batch is its own, and data parallelism averages the
+// rank's micro-batch is its own, and data parallelism (or ZeRO-1/2) averages the
 // gradients over dp as it does for the hand-written layout. (A dp axis in
 // the annotation mesh would call the ranks' different micro-batches one
 // Replicate value, which a rule may cut and gather; a batch annotated as
 // split over dp, as annotate_test does, is the way to put dp there.)
 // Throws mesh::LayoutError (key "tp_impl") naming what annotations do not
-// combine with yet: pp, ep, ZeRO, sequence parallel, activation
-// checkpointing, bfloat16 autocast, a GPU.
+// combine with yet: pp, ep, ZeRO-3, sequence parallel, activation
+// checkpointing, bfloat16 autocast, a GPU. (ZeRO-1/2 shard the pieces'
+// optimizer states and gradients over the data axes as for the plan.)
 void check_annotated_layout(const mesh::ParallelDims& dims, const std::string& activation_checkpoint, bool bfloat16,
                             bool cpu);
 

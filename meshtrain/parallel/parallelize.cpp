@@ -218,7 +218,7 @@ void ParallelModel::apply_data_parallelism() {
     o.expert = &model::is_expert_tensor;
     o.expert_scale = 1.0 / static_cast<double>(options_.dims.ep);
   }
-  auto sharded = std::make_unique<FullySharded>(model_.ptr(), groups, o);
+  auto sharded = std::make_unique<FullySharded>(annotated_ ? annotated_->local_module() : model_.ptr(), groups, o);
   sharded_ = sharded.get();
   data_parallelism_ = std::move(sharded);
 }
