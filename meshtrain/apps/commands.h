@@ -40,6 +40,8 @@ struct GenerateOptions {
   double temperature = 0.8;
   int64_t top_k = 40;
   uint64_t seed = 1;
+  bool no_kv_cache = false;
+  bool timing = false;
 };
 int run_generate(const GenerateOptions& options);
 

@@ -201,13 +201,17 @@ int main(int argc, char** argv) {
       ->required();
   generate->add_option("--prompt", generate_options.prompt, "Text to continue")->capture_default_str();
   generate->add_option("--tokens", generate_options.tokens, "Tokens to generate")->check(CLI::PositiveNumber)->capture_default_str();
-  generate->add_option("--temperature", generate_options.temperature, "Softmax temperature (> 0)")
-      ->check(CLI::PositiveNumber)
+  generate->add_option("--temperature", generate_options.temperature, "Softmax temperature (0: greedy, the likeliest token)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   generate->add_option("--top-k", generate_options.top_k, "Sample among the k likeliest tokens (0: all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   generate->add_option("--seed", generate_options.seed, "Sampling seed")->capture_default_str();
+  generate->add_flag("--no-kv-cache", generate_options.no_kv_cache,
+                     "Recompute the whole context for every new token instead of keeping keys and values (slower; "
+                     "the same tokens)");
+  generate->add_flag("--timing", generate_options.timing, "Print the tokens per second to stderr");
 
   std::string inspect_path;
   bool inspect_json = false;

@@ -2,6 +2,8 @@
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/model/generate.h"
+
+#include <chrono>
 #include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/checkpoint/store.h"
 #include "meshtrain/train/config.h"
@@ -41,10 +43,17 @@ int run_generate(const GenerateOptions& options) {
   sample.temperature = options.temperature;
   sample.top_k = options.top_k;
   sample.seed = options.seed;
+  sample.kv_cache = !options.no_kv_cache;
   const auto prompt = train::ByteTokenizer::encode(options.prompt);
   const at::Tensor prompt_tokens = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong);
+  const auto start = std::chrono::steady_clock::now();
   const std::string text = train::ByteTokenizer::decode(model::generate(model, prompt_tokens, sample));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("%s%s\n", options.prompt.c_str(), text.c_str());
+  if (options.timing) {
+    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s)\n", (long long)options.tokens, seconds,
+                 options.tokens / seconds, sample.kv_cache ? "kv cache" : "full recompute");
+  }
   return 0;
 }
 

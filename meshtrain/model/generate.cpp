@@ -1,13 +1,43 @@
 #include "meshtrain/model/generate.h"
 
+#include "meshtrain/model/kv_cache.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <limits>
 #include <stdexcept>
 
 namespace meshtrain::model {
 
+namespace {
+
+// The next token from the last position's logits [1, vocab].
+at::Tensor pick(at::Tensor logits, const SampleOptions& options, at::Generator& generator) {
+  if (options.temperature == 0) return logits.argmax(-1, /*keepdim=*/true);
+  logits = logits / options.temperature;
+  if (options.top_k > 0 && options.top_k < logits.size(-1)) {
+    const at::Tensor kth = std::get<0>(logits.topk(options.top_k, -1)).narrow(-1, options.top_k - 1, 1);
+    logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+  }
+  return at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);
+}
+
+// Installs a cache on the model for the length of a generation.
+class CacheScope {
+ public:
+  explicit CacheScope(Gpt& model) : model_(model), cache_(std::make_shared<KvCache>(model)) { model_->add_forward_hooks(cache_); }
+  ~CacheScope() { model_->remove_forward_hooks(cache_.get()); }
+  KvCache& cache() { return *cache_; }
+
+ private:
+  Gpt& model_;
+  std::shared_ptr<KvCache> cache_;
+};
+
+}  // namespace
+
 at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options) {
-  if (!(options.temperature > 0)) throw std::invalid_argument("temperature must be > 0");
+  if (!(options.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0 (0: greedy)");
   if (options.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
@@ -16,14 +46,20 @@ at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& o
   const int64_t context = model->config().context;
   at::Tensor sequence = prompt.numel() ? prompt.to(at::kLong).view({1, -1}) : at::zeros({1, 1}, at::kLong);
   const int64_t start = prompt.numel() ? sequence.size(1) : 1;
-  for (int64_t i = 0; i < options.tokens; ++i) {
-    const int64_t t = std::min(context, sequence.size(1));
-    at::Tensor logits = model->forward(sequence.narrow(1, sequence.size(1) - t, t)).select(1, t - 1) / options.temperature;
-    if (options.top_k > 0 && options.top_k < logits.size(-1)) {
-      const at::Tensor kth = std::get<0>(logits.topk(options.top_k, -1)).narrow(-1, options.top_k - 1, 1);
-      logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+  std::optional<CacheScope> scope;
+  if (options.kv_cache) scope.emplace(model);
+  // The logits after the last `context` tokens: from the cache while the
+  // sequence fits, else (a sliding window) a forward over the window.
+  auto last_logits = [&](bool fresh) {
+    if (scope && !fresh && scope->cache().length() < context) {
+      return model->forward(sequence.narrow(1, sequence.size(1) - 1, 1)).select(1, 0);
     }
-    const at::Tensor next = at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);
+    if (scope) scope->cache().clear();
+    const int64_t t = std::min(context, sequence.size(1));
+    return model->forward(sequence.narrow(1, sequence.size(1) - t, t)).select(1, t - 1);
+  };
+  for (int64_t i = 0; i < options.tokens; ++i) {
+    const at::Tensor next = pick(last_logits(i == 0), options, generator);
     sequence = at::cat({sequence, next}, 1);
   }
   model->train(was_training);

@@ -7,9 +7,10 @@ namespace meshtrain::model {
 
 struct SampleOptions {
   int64_t tokens = 200;
-  double temperature = 0.8;  // > 0
+  double temperature = 0.8;  // >= 0; 0: greedy (the likeliest token)
   int64_t top_k = 40;        // 0: the whole vocabulary
   uint64_t seed = 1;
+  bool kv_cache = true;      // keys and values kept (Note [KV cache]); false: every step a full forward
 };
 
 // Extends `prompt` (int64 token ids, 1-D) by options.tokens sampled tokens and

@@ -13,17 +13,16 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
-// Rotates pairs (x[i], x[i + d/2]) of the last dim by position-dependent angles.
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+}  // namespace
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset) {
   const int64_t half = x.size(-1) / 2;
   const int64_t t = x.size(-2);
   // Tables in the activations' dtype (bfloat16 parameters give bfloat16 activations).
-  const at::Tensor c = cos.narrow(0, 0, t).to(x.scalar_type()), s = sin.narrow(0, 0, t).to(x.scalar_type());
+  const at::Tensor c = cos.narrow(0, offset, t).to(x.scalar_type()), s = sin.narrow(0, offset, t).to(x.scalar_type());
   const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
   return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
 }
-
-}  // namespace
 
 NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias) : rms_(kind == "rmsnorm") {
   weight_ = register_parameter("weight", torch::ones({width}));

@@ -54,6 +54,11 @@ class ForwardHooks {
   }
 };
 
+// Rotary position embedding: pairs (x[i], x[i + d/2]) of the last dim of x
+// [..., t, d] rotated by the angles of positions offset .. offset + t - 1
+// (tables cos / sin [context, d/2]).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
+
 // The hooks of one model, shared by all its modules.
 class HookChain {
  public:

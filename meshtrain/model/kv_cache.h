@@ -1,0 +1,43 @@
+// A key/value cache for generation, as forward hooks on an unchanged model.
+// See Note [KV cache].
+#pragma once
+
+#include "meshtrain/model/gpt.h"
+
+#include <map>
+#include <string>
+
+namespace meshtrain::model {
+
+// Note [KV cache]
+// Installed on a Gpt, the cache replaces each block's attention core (the
+// "blocks.N.attn.core" call site): it splits the qkv output into heads,
+// rotates q and k at their true positions (RoPE), appends k and v to what
+// the block saw before, and attends the new queries to all of it (causally
+// among themselves). The learned position embedding ("wpe") is looked up at
+// the true positions too. So a forward over the prompt (prefill) and then
+// over one new token at a time gives the logits a full forward over the whole
+// sequence gives, at a fraction of the work. clear() before a new sequence;
+// the cache holds at most the model's context.
+class KvCache : public ForwardHooks {
+ public:
+  explicit KvCache(const Gpt& model);
+  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override;
+  void clear();
+  int64_t length() const { return length_; }  // tokens cached (after a forward has passed every block)
+
+ private:
+  struct Layer {
+    at::Tensor k, v;  // [B, H, T, head_dim]
+    at::Tensor cos, sin;  // the block's rope tables (undefined: learned positions)
+  };
+  at::Tensor attend(Layer& layer, const at::Tensor& qkv_out);
+  void check_room(int64_t t) const;  // throws when t more tokens exceed the context
+
+  GptConfig config_;
+  std::map<std::string, Layer> layers_;  // by call site
+  int64_t length_ = 0;
+  int64_t blocks_done_ = 0;  // blocks that appended in the current forward
+};
+
+}  // namespace meshtrain::model
