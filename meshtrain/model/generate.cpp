@@ -4,6 +4,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 
@@ -64,6 +65,45 @@ at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& o
   }
   model->train(was_training);
   return sequence.narrow(1, start, sequence.size(1) - start).view({-1});
+}
+
+std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>& prompts, const SampleOptions& options) {
+  if (!(options.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0 (0: greedy)");
+  if (prompts.empty()) return {};
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  const int64_t b = static_cast<int64_t>(prompts.size());
+  int64_t longest = 1;
+  for (const at::Tensor& p : prompts) longest = std::max<int64_t>(longest, p.numel());
+  if (longest + options.tokens > model->config().context) {
+    throw std::invalid_argument("generate_batch: the longest prompt (" + std::to_string(longest) + ") and " +
+                                std::to_string(options.tokens) + " new tokens exceed the context " +
+                                std::to_string(model->config().context));
+  }
+  // Left-padded prompts; an empty prompt is a single 0 token, as in generate().
+  at::Tensor tokens = at::zeros({b, longest}, at::kLong);
+  std::vector<int64_t> pads;
+  for (int64_t r = 0; r < b; ++r) {
+    const at::Tensor p = prompts[r].numel() ? prompts[r].to(at::kLong).view({-1}) : at::zeros({1}, at::kLong);
+    pads.push_back(longest - p.numel());
+    tokens[r].narrow(0, pads.back(), p.numel()).copy_(p);
+  }
+  std::vector<at::Generator> generators;
+  for (int64_t r = 0; r < b; ++r) generators.push_back(at::make_generator<at::CPUGeneratorImpl>(options.seed));
+  CacheScope scope(model);
+  scope.cache().set_padding(pads);
+  at::Tensor logits = model->forward(tokens).select(1, longest - 1);
+  std::vector<at::Tensor> out(b);
+  for (int64_t i = 0; i < options.tokens; ++i) {
+    std::vector<at::Tensor> next;
+    for (int64_t r = 0; r < b; ++r) next.push_back(pick(logits.narrow(0, r, 1), options, generators[r]));
+    const at::Tensor step = at::cat(next, 0);  // [B, 1]
+    for (int64_t r = 0; r < b; ++r) out[r] = out[r].defined() ? at::cat({out[r], next[r].view({1})}) : next[r].view({1});
+    if (i + 1 < options.tokens) logits = model->forward(step).select(1, 0);
+  }
+  model->train(was_training);
+  return out;
 }
 
 }  // namespace meshtrain::model

@@ -3,6 +3,8 @@
 
 #include "meshtrain/model/gpt.h"
 
+#include <vector>
+
 namespace meshtrain::model {
 
 struct SampleOptions {
@@ -16,5 +18,11 @@ struct SampleOptions {
 // Extends `prompt` (int64 token ids, 1-D) by options.tokens sampled tokens and
 // returns only the new ones. Deterministic for a seed.
 at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options);
+
+// Several prompts of any lengths in one batch (left-padded, with the KV
+// cache): each result equals generate() of that prompt alone with the same
+// options (its own generator from options.seed). Prompt and new tokens must
+// fit the context. Returns the new tokens of each.
+std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>& prompts, const SampleOptions& options);
 
 }  // namespace meshtrain::model

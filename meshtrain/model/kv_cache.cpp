@@ -16,8 +16,31 @@ KvCache::KvCache(const Gpt& model) : config_(model->config()) {
 
 void KvCache::clear() {
   for (auto& [name, layer] : layers_) layer.k = layer.v = at::Tensor();
+  pads_ = at::Tensor();
   length_ = 0;
   blocks_done_ = 0;
+}
+
+void KvCache::set_padding(const std::vector<int64_t>& pads) {
+  if (length_ != 0) throw std::logic_error("kv cache: set_padding after tokens were cached; clear() first");
+  pads_ = at::tensor(pads, at::kLong);
+}
+
+namespace {
+
+// Rotary embedding of x [B, H, t, d] at per-row positions [B, t].
+at::Tensor rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  const int64_t half = x.size(-1) / 2, b = positions.size(0), t = positions.size(1);
+  const at::Tensor c = cos.index_select(0, positions.reshape({-1})).view({b, 1, t, half}).to(x.scalar_type());
+  const at::Tensor s = sin.index_select(0, positions.reshape({-1})).view({b, 1, t, half}).to(x.scalar_type());
+  const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+}
+
+}  // namespace
+
+at::Tensor KvCache::positions(int64_t t) const {  // [B, t]: cache slots length_ .. length_ + t - 1, per row
+  return (at::arange(t, at::kLong).view({1, t}) + length_ - pads_.view({-1, 1})).clamp_min(0);
 }
 
 void KvCache::check_room(int64_t t) const {
@@ -28,9 +51,9 @@ void KvCache::check_room(int64_t t) const {
 }
 
 at::Tensor KvCache::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
-  if (module == "wpe") {  // positions length_, length_ + 1, ...
+  if (module == "wpe") {  // positions length_, length_ + 1, ... (per row with padding)
     check_room(input.size(0));
-    return forward(input + length_);
+    return forward(pads_.defined() ? positions(input.size(0)) : input + length_);
   }
   auto it = layers_.find(module);
   if (it == layers_.end()) return forward(input);
@@ -49,20 +72,30 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   std::vector<at::Tensor> parts = qkv_out.split(w, -1);
   auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, head_dim}).transpose(1, 2); };
   at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-  if (layer.cos.defined()) {
+  if (layer.cos.defined() && pads_.defined()) {
+    const at::Tensor at_positions = positions(t);
+    q = rope_at(q, layer.cos, layer.sin, at_positions);
+    k = rope_at(k, layer.cos, layer.sin, at_positions);
+  } else if (layer.cos.defined()) {
     q = apply_rope(q, layer.cos, layer.sin, length_);
     k = apply_rope(k, layer.cos, layer.sin, length_);
   }
   layer.k = layer.k.defined() ? at::cat({layer.k, k}, 2) : k.contiguous();
   layer.v = layer.v.defined() ? at::cat({layer.v, v}, 2) : v.contiguous();
   at::Tensor y;
-  if (length_ == 0) {
+  if (length_ == 0 && !pads_.defined()) {
     y = at::scaled_dot_product_attention(q, layer.k, layer.v, /*attn_mask=*/{}, 0.0, /*is_causal=*/true);
   } else {
-    // New query i (position length_ + i) sees every cached key and the new ones up to itself.
+    // New query i (slot length_ + i) sees every cached key and the new ones up
+    // to itself, a row's padding never (a padding query sees itself alone).
     const int64_t total = length_ + t;
     const at::Tensor rows = at::arange(t, at::kLong).view({t, 1}) + length_, cols = at::arange(total, at::kLong).view({1, total});
-    y = at::scaled_dot_product_attention(q, layer.k, layer.v, /*attn_mask=*/cols <= rows, 0.0, /*is_causal=*/false);
+    at::Tensor mask = cols <= rows;
+    if (pads_.defined()) {
+      const at::Tensor real = cols.view({1, 1, total}) >= pads_.view({-1, 1, 1});
+      mask = (mask.view({1, t, total}).logical_and(real)).logical_or(cols.view({1, 1, total}) == rows.view({1, t, 1})).unsqueeze(1);
+    }
+    y = at::scaled_dot_product_attention(q, layer.k, layer.v, /*attn_mask=*/mask, 0.0, /*is_causal=*/false);
   }
   return y.transpose(1, 2).reshape({b, t, w});
 }

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace meshtrain::model {
 
@@ -18,12 +19,19 @@ namespace meshtrain::model {
 // the true positions too. So a forward over the prompt (prefill) and then
 // over one new token at a time gives the logits a full forward over the whole
 // sequence gives, at a fraction of the work. clear() before a new sequence;
-// the cache holds at most the model's context.
+// the cache holds at most the model's context. A batch of prompts of
+// different lengths is left-padded (set_padding): each row's positions start
+// at its own first token and its padding is masked out, so each row's logits
+// are those of the row alone.
 class KvCache : public ForwardHooks {
  public:
   explicit KvCache(const Gpt& model);
   at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override;
   void clear();
+  // Rows of a batch whose prompts are left-padded: row r's first `pads[r]`
+  // slots are padding, never attended to, and its positions count from its
+  // first real token. Call after clear(), before the prompt's forward.
+  void set_padding(const std::vector<int64_t>& pads);
   int64_t length() const { return length_; }  // tokens cached (after a forward has passed every block)
 
  private:
@@ -33,9 +41,11 @@ class KvCache : public ForwardHooks {
   };
   at::Tensor attend(Layer& layer, const at::Tensor& qkv_out);
   void check_room(int64_t t) const;  // throws when t more tokens exceed the context
+  at::Tensor positions(int64_t t) const;  // [B, t] positions of the next t slots, with padding
 
   GptConfig config_;
   std::map<std::string, Layer> layers_;  // by call site
+  at::Tensor pads_;  // [B] int64, or undefined: no padding
   int64_t length_ = 0;
   int64_t blocks_done_ = 0;  // blocks that appended in the current forward
 };

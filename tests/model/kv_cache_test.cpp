@@ -56,5 +56,28 @@ TEST(KvCache, GenerationGivesTheTokensOfFullRecomputation) {
   }
 }
 
+TEST(KvCache, ABatchOfPromptsOfDifferentLengthsGivesEachPromptsOwnTokens) {
+  for (bool llama : {false, true}) {
+    Gpt gpt(small_model(llama), 3);
+    const std::vector<at::Tensor> prompts = {at::tensor({72, 101, 108, 108, 111}, at::kLong), at::tensor({87}, at::kLong),
+                                             at::tensor({65, 32, 98}, at::kLong), at::empty({0}, at::kLong)};
+    for (double temperature : {0.0, 0.9}) {
+      SampleOptions o;
+      o.tokens = 10;  // 5 + 10 <= the context (16)
+      o.temperature = temperature;
+      o.seed = 11;
+      const std::vector<at::Tensor> batch = generate_batch(gpt, prompts, o);
+      ASSERT_EQ(batch.size(), prompts.size());
+      for (size_t r = 0; r < prompts.size(); ++r) {
+        EXPECT_TRUE(at::equal(batch[r], generate(gpt, prompts[r], o)))
+            << (llama ? "llama" : "gpt2") << ", temperature " << temperature << ", prompt " << r;
+      }
+    }
+    SampleOptions too_long;
+    too_long.tokens = 12;
+    EXPECT_THROW(generate_batch(gpt, prompts, too_long), std::invalid_argument);
+  }
+}
+
 }  // namespace
 }  // namespace meshtrain::model
