@@ -263,6 +263,8 @@ void run_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   call.args.assign(stack->end() - n, stack->end());
   torch::jit::drop(*stack, n);
   call.pointwise = op.hasTag(at::Tag::pointwise);
+  call.random = op.hasTag(at::Tag::nondeterministic_seeded);
+  call.op = &op;
   call.inplace = !schema.returns().empty() && schema.returns()[0].alias_info() &&
                  schema.returns()[0].alias_info()->isWrite() && !out_variant;
   const std::shared_ptr<const mesh::DeviceMesh> mesh = collect_operands(call);

@@ -34,13 +34,9 @@ namespace meshtrain::annotate {
 using placement::Placement;
 using Placements = std::vector<Placement>;
 
+using namespace rule_names;
+
 namespace {
-
-const Placement R = Placement::replicate();
-const Placement P = Placement::partial();
-Placement S(int64_t d) { return Placement::shard(d); }
-
-int64_t wrap_dim(int64_t d, int64_t rank) { return d < 0 ? d + rank : d; }
 
 // The axes along which `want` splits `dim`.
 std::vector<std::string> axes_splitting(const Call& call, const Placements& want, int64_t dim) {
@@ -458,11 +454,8 @@ bool decide_with_kernel(Call& call) {
     if (!split || other) return false;  // softmax() in rules.cpp: the dim whole
     return softmax_split(call, dim), true;
   }
-  auto op = c10::Dispatcher::singleton().findOp({"aten::" + b, call.name.size() > b.size() ? call.name.substr(b.size() + 1) : ""});
   // (empty and its kin carry the tag too: their contents are arbitrary, not drawn)
-  if (op && op->hasTag(at::Tag::nondeterministic_seeded) && b.find("empty") == std::string::npos) {
-    return random(call, *op), true;
-  }
+  if (call.random && b.find("empty") == std::string::npos) return random(call, *call.op), true;
   return false;
 }
 

@@ -17,11 +17,9 @@ namespace meshtrain::annotate {
 using placement::Placement;
 using Placements = std::vector<Placement>;
 
-namespace {
+using namespace rule_names;
 
-const Placement R = Placement::replicate();
-const Placement P = Placement::partial();
-Placement S(int64_t d) { return Placement::shard(d); }
+namespace {
 
 int64_t numel(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
@@ -249,8 +247,6 @@ int64_t reshaped_dim(const std::vector<int64_t>& in, const std::vector<int64_t>&
   return -1;
 }
 
-int64_t wrap(int64_t d, int64_t rank) { return d < 0 ? d + rank : d; }
-
 // Where each input dim goes (-1: it must not be split).
 std::vector<int64_t> view_map(const Call& call, int64_t n) {
   const std::vector<int64_t>& in = call.inputs.front().spec.shape;
@@ -262,27 +258,27 @@ std::vector<int64_t> view_map(const Call& call, int64_t n) {
   if (b == "t" && rank == 2) {
     map = {1, 0};
   } else if (b == "transpose") {
-    const int64_t d0 = wrap(call.args[1].toInt(), rank), d1 = wrap(call.args[2].toInt(), rank);
+    const int64_t d0 = wrap_dim(call.args[1].toInt(), rank), d1 = wrap_dim(call.args[2].toInt(), rank);
     std::swap(map[d0], map[d1]);
   } else if (b == "permute") {
     const std::vector<int64_t> dims = call.args[1].toIntList().vec();
-    for (int64_t j = 0; j < rank; ++j) map[wrap(dims[j], rank)] = j;
+    for (int64_t j = 0; j < rank; ++j) map[wrap_dim(dims[j], rank)] = j;
   } else if (b == "unsqueeze") {
-    const int64_t at = wrap(call.args[1].toInt(), rank + 1);
+    const int64_t at = wrap_dim(call.args[1].toInt(), rank + 1);
     for (int64_t d = 0; d < rank; ++d) map[d] = d < at ? d : d + 1;
   } else if (b == "squeeze" || b == "select" || b == "unbind") {
     std::vector<bool> gone(rank, false);
     if (b == "squeeze" && call.args.size() == 1) {
       for (int64_t d = 0; d < rank; ++d) gone[d] = in[d] == 1;
     } else if (b == "squeeze" && call.args[1].isIntList()) {
-      for (int64_t d : call.args[1].toIntList().vec()) gone[wrap(d, rank)] = in[wrap(d, rank)] == 1;
+      for (int64_t d : call.args[1].toIntList().vec()) gone[wrap_dim(d, rank)] = in[wrap_dim(d, rank)] == 1;
     } else {
-      const int64_t d = wrap(call.args[1].toInt(), rank);
+      const int64_t d = wrap_dim(call.args[1].toInt(), rank);
       gone[d] = b != "squeeze" || in[d] == 1;
     }
     for (int64_t d = 0, j = 0; d < rank; ++d) map[d] = gone[d] ? -1 : j++;
   } else if (b == "slice" || b == "split" || b == "split_with_sizes") {
-    const int64_t d = wrap(call.args[b == "slice" ? 1 : 2].toInt(), rank);
+    const int64_t d = wrap_dim(call.args[b == "slice" ? 1 : 2].toInt(), rank);
     if (b != "slice" || in[d] != out[d]) map[d] = -1;
   } else if (b == "expand") {
     const int64_t offset = static_cast<int64_t>(out.size()) - rank;
@@ -310,7 +306,7 @@ void view(Call& call) {
     // into its blocks leaves each piece split plainly.
     const bool whole = p.is_shard() && map[p.dim] >= 0 && in[p.dim] == out[map[p.dim]];
     const bool into_blocks = p.is_shard() && p.blocks > 1 && (call.base == "split" || call.base == "split_with_sizes") &&
-                             wrap(call.args[2].toInt(), static_cast<int64_t>(in.size())) == p.dim &&
+                             wrap_dim(call.args[2].toInt(), static_cast<int64_t>(in.size())) == p.dim &&
                              call.out_shapes.size() == static_cast<size_t>(p.blocks) && out[p.dim] * p.blocks == in[p.dim];
     if (into_blocks) {
       call.inputs.front().want.push_back(p);
@@ -332,7 +328,7 @@ void view(Call& call) {
 
 void softmax(Call& call) {
   const int64_t rank = static_cast<int64_t>(call.inputs.front().spec.shape.size());
-  const int64_t dim = wrap(call.args[call.base == "_softmax" || call.base == "_log_softmax" ? 1 : 2].toInt(), rank);
+  const int64_t dim = wrap_dim(call.args[call.base == "_softmax" || call.base == "_log_softmax" ? 1 : 2].toInt(), rank);
   for (size_t axis = 0; axis < call.axis_sizes.size(); ++axis) {
     Placement p = call.inputs.front().spec.placements[axis];
     if (p.is_partial() || p.is_shard(dim)) p = R;

@@ -25,6 +25,14 @@ struct Operand {
   bool shape_only = false;  // the operator reads its shape only: no data moved
 };
 
+// The short names the rules are written with.
+namespace rule_names {
+inline const placement::Placement R = placement::Placement::replicate();
+inline const placement::Placement P = placement::Placement::partial();
+inline placement::Placement S(int64_t d) { return placement::Placement::shard(d); }
+inline int64_t wrap_dim(int64_t d, int64_t rank) { return d < 0 ? d + rank : d; }  // a negative dim counted from the end
+}  // namespace rule_names
+
 struct Call;
 // Runs an operator whose local computation is not the operator itself on
 // the local pieces (a vocabulary-split embedding, a softmax over a split
@@ -46,6 +54,8 @@ struct Call {
   std::vector<bool> reduced;  // the dims it reduces
   bool pointwise = false;
   bool inplace = false;  // the first argument is written and returned
+  bool random = false;   // draws from a generator (tag nondeterministic_seeded)
+  const c10::OperatorHandle* op = nullptr;
   const mesh::DeviceMesh* mesh = nullptr;
   LocalKernel kernel;  // empty: the operator on the local pieces
 };

@@ -90,13 +90,11 @@ Measured train_steps(const model::GptConfig& config, int64_t batch, const parall
     gpt->loss(inputs, targets).backward();
     if (annotations) annotations->after_backward();
     parallel::ModelParallelNorm norm;
-    if (tp) {
+    if (tp || annotations) {
       norm.tensor = group;
-      norm.split_over_tensor = [&](const std::string& name) { return tp->is_split(name); };
-    }
-    if (annotations) {
-      norm.tensor = group;
-      norm.split_over_tensor = [&](const std::string& name) { return annotations->is_split(name); };
+      norm.split_over_tensor = [&](const std::string& name) {
+        return tp ? tp->is_split(name) : annotations->is_split(name);
+      };
     }
     parallel::clip_grad_norm(stepped, 1.0, norm);
     optimizer.step();

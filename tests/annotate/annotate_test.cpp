@@ -105,6 +105,16 @@ TEST(Annotations, AConstraintPutsTheGradientWhereTheValueWent) {
   EXPECT_TRUE(at::allclose(full_tensor(w.grad()), pw.grad()));
 }
 
+// Every (distributed) parameter of `got`, made whole, against `want`'s.
+void expect_same_parameters(torch::nn::Module& got, torch::nn::Module& want, const std::string& where) {
+  auto expected = want.named_parameters();
+  for (const auto& item : got.named_parameters()) {
+    const at::Tensor whole = full_tensor(item.value());
+    EXPECT_TRUE(at::allclose(whole, expected[item.key()], 1e-4, 1e-5))
+        << where << " " << item.key() << " differs by " << (whole - expected[item.key()]).abs().max().item<double>();
+  }
+}
+
 // The user's model: nothing distributed in it.
 struct NetImpl : torch::nn::Module {
   NetImpl()
@@ -159,11 +169,7 @@ TEST(Annotations, ParametersAreAnnotatedInPlaceAndTheModelTrainsLikeOneProcess) 
       opt_split.step();
       EXPECT_NEAR(got.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>()) << where << " step " << step;
     }
-    auto want = single->named_parameters();
-    for (const auto& item : split_net->named_parameters()) {
-      EXPECT_TRUE(at::allclose(full_tensor(item.value()), want[item.key()], 1e-4, 1e-5))
-            << where << " " << item.key() << " differs by " << (full_tensor(item.value()) - want[item.key()]).abs().max().item<double>();
-    }
+    expect_same_parameters(*split_net, *single, where);
   }
 }
 
@@ -214,11 +220,7 @@ TEST(Annotations, GptFromWeightAnnotationsTrainsLikeOneProcess) {
         opt_split.step();
         EXPECT_NEAR(got.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>()) << where << " step " << step;
       }
-      auto want = single->named_parameters();
-      for (const auto& item : split_gpt->named_parameters()) {
-        EXPECT_TRUE(at::allclose(full_tensor(item.value()), want[item.key()], 1e-4, 1e-5))
-            << where << " " << item.key() << " differs by " << (full_tensor(item.value()) - want[item.key()]).abs().max().item<double>();
-      }
+      expect_same_parameters(*split_gpt, *single, where);
     }
   }
 }
