@@ -39,11 +39,15 @@ struct GenerateOptions {
   int64_t tokens = 300;
   double temperature = 0.8;
   int64_t top_k = 40;
+  double top_p = 1.0;
   uint64_t seed = 1;
+  std::vector<std::string> stop;  // the text ends before the first of these
+  int tp = 1;                     // ranks splitting the model (all ranks of the job)
   bool no_kv_cache = false;
   bool timing = false;
 };
-int run_generate(const GenerateOptions& options);
+// meshtrain generate: prints the prompt and the text sampled after it, as it comes.
+int run_generate(comm::Runtime& runtime, const GenerateOptions& options);
 
 // meshtrain checkpoint inspect DIR: step, layout, files and every tensor (no MPI).
 int run_checkpoint_inspect(const std::string& path, bool json);

@@ -200,14 +200,27 @@ int main(int argc, char** argv) {
                        "Checkpoint folder, or a checkpoint directory (its latest is used)")
       ->required();
   generate->add_option("--prompt", generate_options.prompt, "Text to continue")->capture_default_str();
-  generate->add_option("--tokens", generate_options.tokens, "Tokens to generate")->check(CLI::PositiveNumber)->capture_default_str();
+  generate->add_option("--tokens,--max-tokens", generate_options.tokens, "The most tokens to generate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   generate->add_option("--temperature", generate_options.temperature, "Softmax temperature (0: greedy, the likeliest token)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   generate->add_option("--top-k", generate_options.top_k, "Sample among the k likeliest tokens (0: all)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  generate->add_option("--top-p", generate_options.top_p,
+                       "Sample among the likeliest tokens whose probabilities sum to p (nucleus sampling; 1: off)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   generate->add_option("--seed", generate_options.seed, "Sampling seed")->capture_default_str();
+  generate->add_option("--stop", generate_options.stop,
+                       "End the text before this string (repeat for several; the stop string is not printed)");
+  generate->add_option("--parallel.tp", generate_options.tp,
+                       "Split the model over this many ranks by tensor parallelism (all ranks of the job: "
+                       "meshtrain run -n 2 generate --parallel.tp=2 ...)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   generate->add_flag("--no-kv-cache", generate_options.no_kv_cache,
                      "Recompute the whole context for every new token instead of keeping keys and values (slower; "
                      "the same tokens)");
@@ -245,14 +258,13 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (prepare->parsed() || generate->parsed() || timeline->parsed() || inspect->parsed() ||
+  if (prepare->parsed() || timeline->parsed() || inspect->parsed() ||
       (plan->parsed() && !plan_calibrate)) {  // no MPI
     try {
       if (inspect->parsed()) return meshtrain::apps::run_checkpoint_inspect(inspect_path, inspect_json);
       if (plan->parsed()) return meshtrain::apps::run_plan(plan_options);
       if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
-      if (timeline->parsed()) return meshtrain::apps::run_timeline(timeline_trace, timeline_out, timeline_title);
-      return meshtrain::apps::run_generate(generate_options);
+      return meshtrain::apps::run_timeline(timeline_trace, timeline_out, timeline_title);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
       return 1;
@@ -277,6 +289,7 @@ int main(int argc, char** argv) {
     runtime.emplace(&argc, &argv);
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
+    if (generate->parsed()) return meshtrain::apps::run_generate(*runtime, generate_options);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);

@@ -13,17 +13,6 @@ namespace meshtrain::model {
 
 namespace {
 
-// The next token from the last position's logits [1, vocab].
-at::Tensor pick(at::Tensor logits, const SampleOptions& options, at::Generator& generator) {
-  if (options.temperature == 0) return logits.argmax(-1, /*keepdim=*/true);
-  logits = logits / options.temperature;
-  if (options.top_k > 0 && options.top_k < logits.size(-1)) {
-    const at::Tensor kth = std::get<0>(logits.topk(options.top_k, -1)).narrow(-1, options.top_k - 1, 1);
-    logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-  }
-  return at::multinomial(at::softmax(logits.to(at::kFloat), -1), 1, false, generator);
-}
-
 // Installs a cache on the model for the length of a generation.
 class CacheScope {
  public:
@@ -38,9 +27,34 @@ class CacheScope {
 
 }  // namespace
 
+void SampleOptions::validate() const {
+  if (tokens < 1) throw std::invalid_argument("max tokens must be at least 1 (got " + std::to_string(tokens) + ")");
+  if (!(temperature >= 0)) throw std::invalid_argument("temperature must be >= 0 (0: greedy); got " + std::to_string(temperature));
+  if (top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0: the whole vocabulary); got " + std::to_string(top_k));
+  if (!(top_p > 0 && top_p <= 1)) throw std::invalid_argument("top_p must be in (0, 1]; got " + std::to_string(top_p));
+}
+
+at::Tensor pick_next(at::Tensor logits, const SampleOptions& options, at::Generator& generator) {
+  if (options.temperature == 0) return logits.argmax(-1, /*keepdim=*/true);
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  logits = logits.to(at::kFloat) / options.temperature;
+  if (options.top_k > 0 && options.top_k < logits.size(-1)) {
+    const at::Tensor kth = std::get<0>(logits.topk(options.top_k, -1)).narrow(-1, options.top_k - 1, 1);
+    logits = logits.masked_fill(logits < kth, kNone);
+  }
+  if (options.top_p < 1) {
+    // Keep the likeliest tokens until their probabilities reach top_p (the
+    // token that crosses it included, so at least one).
+    auto [sorted, order] = logits.sort(-1, /*descending=*/true);
+    const at::Tensor before = at::softmax(sorted, -1).cumsum(-1) - at::softmax(sorted, -1);
+    const at::Tensor drop = at::zeros_like(logits, at::kBool).scatter(-1, order, before >= options.top_p);
+    logits = logits.masked_fill(drop, kNone);
+  }
+  return at::multinomial(at::softmax(logits, -1), 1, false, generator);
+}
+
 at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options) {
-  if (!(options.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0 (0: greedy)");
-  if (options.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
+  options.validate();
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
   model->eval();
@@ -53,23 +67,27 @@ at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& o
   // The logits after the last `context` tokens: from the cache while the
   // sequence fits, else (a sliding window) a forward over the window.
   auto last_logits = [&](bool fresh) {
+    at::Tensor logits;
     if (scope && !fresh && scope->cache().length() < context) {
-      return model->forward(sequence.narrow(1, sequence.size(1) - 1, 1)).select(1, 0);
+      logits = model->forward(sequence.narrow(1, sequence.size(1) - 1, 1)).select(1, 0);
+    } else {
+      if (scope) scope->cache().clear();
+      const int64_t t = std::min(context, sequence.size(1));
+      logits = model->forward(sequence.narrow(1, sequence.size(1) - t, t)).select(1, t - 1);
     }
-    if (scope) scope->cache().clear();
-    const int64_t t = std::min(context, sequence.size(1));
-    return model->forward(sequence.narrow(1, sequence.size(1) - t, t)).select(1, t - 1);
+    return options.full_vocabulary ? options.full_vocabulary(logits) : logits;
   };
   for (int64_t i = 0; i < options.tokens; ++i) {
-    const at::Tensor next = pick(last_logits(i == 0), options, generator);
+    const at::Tensor next = pick_next(last_logits(i == 0), options, generator);
     sequence = at::cat({sequence, next}, 1);
+    if (options.on_token && !options.on_token(next.item<int64_t>())) break;
   }
   model->train(was_training);
   return sequence.narrow(1, start, sequence.size(1) - start).view({-1});
 }
 
 std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>& prompts, const SampleOptions& options) {
-  if (!(options.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0 (0: greedy)");
+  options.validate();
   if (prompts.empty()) return {};
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
@@ -94,14 +112,15 @@ std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>
   for (int64_t r = 0; r < b; ++r) generators.push_back(at::make_generator<at::CPUGeneratorImpl>(options.seed));
   CacheScope scope(model);
   scope.cache().set_padding(pads);
-  at::Tensor logits = model->forward(tokens).select(1, longest - 1);
+  auto whole = [&](const at::Tensor& logits) { return options.full_vocabulary ? options.full_vocabulary(logits) : logits; };
+  at::Tensor logits = whole(model->forward(tokens).select(1, longest - 1));
   std::vector<at::Tensor> out(b);
   for (int64_t i = 0; i < options.tokens; ++i) {
     std::vector<at::Tensor> next;
-    for (int64_t r = 0; r < b; ++r) next.push_back(pick(logits.narrow(0, r, 1), options, generators[r]));
+    for (int64_t r = 0; r < b; ++r) next.push_back(pick_next(logits.narrow(0, r, 1), options, generators[r]));
     const at::Tensor step = at::cat(next, 0);  // [B, 1]
     for (int64_t r = 0; r < b; ++r) out[r] = out[r].defined() ? at::cat({out[r], next[r].view({1})}) : next[r].view({1});
-    if (i + 1 < options.tokens) logits = model->forward(step).select(1, 0);
+    if (i + 1 < options.tokens) logits = whole(model->forward(step).select(1, 0));
   }
   model->train(was_training);
   return out;

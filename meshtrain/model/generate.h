@@ -3,20 +3,35 @@
 
 #include "meshtrain/model/gpt.h"
 
+#include <functional>
 #include <vector>
 
 namespace meshtrain::model {
 
 struct SampleOptions {
-  int64_t tokens = 200;
+  int64_t tokens = 200;      // the most new tokens (max_tokens)
   double temperature = 0.8;  // >= 0; 0: greedy (the likeliest token)
   int64_t top_k = 40;        // 0: the whole vocabulary
+  double top_p = 1.0;        // (0, 1]: sample among the likeliest tokens whose probabilities sum to top_p (nucleus)
   uint64_t seed = 1;
   bool kv_cache = true;      // keys and values kept (Note [KV cache]); false: every step a full forward
+  // Called with each new token; returning false ends the generation there
+  // (a stop string was seen, the client went away).
+  std::function<bool(int64_t token)> on_token;
+  // The last position's logits [B, V'] -> [B, vocab]: tensor parallel gathers
+  // a vocabulary split over ranks. Unset: the model's logits are whole.
+  std::function<at::Tensor(const at::Tensor&)> full_vocabulary;
+
+  // Throws std::invalid_argument naming the option that is out of range.
+  void validate() const;
 };
 
-// Extends `prompt` (int64 token ids, 1-D) by options.tokens sampled tokens and
-// returns only the new ones. Deterministic for a seed.
+// The next token of each row from logits [B, vocab], by the options'
+// temperature, top-k and top-p, drawing from `generator`: [B, 1].
+at::Tensor pick_next(at::Tensor logits, const SampleOptions& options, at::Generator& generator);
+
+// Extends `prompt` (int64 token ids, 1-D) by up to options.tokens sampled
+// tokens and returns only the new ones. Deterministic for a seed.
 at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options);
 
 // Several prompts of any lengths in one batch (left-padded, with the KV

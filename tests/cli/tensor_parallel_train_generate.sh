@@ -18,6 +18,16 @@ grep -q "^step     5/5 | loss" "$run/second.log"
 "$meshtrain" run -n 4 train "${common[@]}" --training.micro_batch=4 --parallel.tp=4 --training.steps=6 | tee "$run/third.log"
 grep -q "resumed from .*step-00000005 at step 5" "$run/third.log"
 grep -q "^step     6/6 | loss" "$run/third.log"
-sample=$("$meshtrain" generate --checkpoint "$run/checkpoints" --prompt "Licence " --tokens 16 --seed 3)
-[[ "$sample" == "Licence "* ]]
-echo "ok: 2-D tensor-parallel training resumed, continued as tp(4) and sampled"
+# Tensor-parallel generation (heads, KV cache and vocabulary split) gives one
+# rank's tokens: sampled with top-k and top-p, and greedy up to a stop string.
+for args in "--seed 3 --top-p 0.9" "--temperature 0 --stop ce"; do
+  read -ra sampling <<< "$args"
+  one=$("$meshtrain" generate --checkpoint "$run/checkpoints" --prompt "Licence " --tokens 40 "${sampling[@]}")
+  [[ "$one" == "Licence "* ]]
+  for tp in 2 4; do
+    split=$("$meshtrain" run -n $tp generate --parallel.tp=$tp --checkpoint "$run/checkpoints" --prompt "Licence " \
+      --tokens 40 "${sampling[@]}")
+    [ "$split" = "$one" ] || { printf 'tp %s: %q\n  1: %q\n' "$tp" "$split" "$one"; exit 1; }
+  done
+done
+echo "ok: 2-D tensor-parallel training resumed, continued as tp(4), and sampled alike on 1, 2 and 4 ranks"

@@ -16,4 +16,8 @@ again=$("$meshtrain" generate --checkpoint "$run/checkpoints" --prompt "Licence 
 printf 'sample: %s\n' "$sample"
 [[ "$sample" == "Licence "* ]]
 [ "$sample" = "$again" ]  # deterministic for a seed
+# A stop string ends the text before it (the first 'e' after the prompt).
+stopped=$("$meshtrain" generate --checkpoint "$run/checkpoints" --prompt "Licence " --tokens 64 --seed 3 --stop e)
+[[ "$stopped" == "Licence "* ]]
+[[ "${stopped#Licence }" != *e* ]]
 echo "ok: trained, checkpointed and sampled"
