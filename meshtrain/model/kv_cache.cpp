@@ -26,6 +26,60 @@ void KvCache::set_padding(const std::vector<int64_t>& pads) {
   pads_ = at::tensor(pads, at::kLong);
 }
 
+int64_t KvCache::rows() const {
+  const Layer& first = layers_.begin()->second;
+  return first.k.defined() ? first.k.size(0) : 0;
+}
+
+at::Tensor KvCache::pads_or_zeros() const { return pads_.defined() ? pads_ : at::zeros({rows()}, at::kLong); }
+
+void KvCache::pad_left(int64_t slots) {
+  if (slots == 0) return;
+  for (auto& [name, layer] : layers_) {
+    auto padded = [&](const at::Tensor& x) {
+      std::vector<int64_t> shape = x.sizes().vec();
+      shape[2] = slots;
+      return at::cat({at::zeros(shape, x.options()), x}, 2);
+    };
+    layer.k = padded(layer.k), layer.v = padded(layer.v);
+  }
+  pads_ = pads_or_zeros() + slots;
+  length_ += slots;
+}
+
+void KvCache::append_rows(const KvCache& other) {
+  if (blocks_done_ != 0 || other.blocks_done_ != 0) throw std::logic_error("kv cache: append_rows inside a forward");
+  if (other.rows() == 0) return;
+  if (rows() == 0) {
+    for (auto& [name, layer] : layers_) layer.k = other.layers_.at(name).k, layer.v = other.layers_.at(name).v;
+    pads_ = other.pads_or_zeros();
+    length_ = other.length_;
+    return;
+  }
+  KvCache joining = other;
+  if (joining.length_ < length_) joining.pad_left(length_ - joining.length_);
+  if (length_ < joining.length_) pad_left(joining.length_ - length_);
+  for (auto& [name, layer] : layers_) {
+    const Layer& theirs = joining.layers_.at(name);
+    layer.k = at::cat({layer.k, theirs.k}, 0), layer.v = at::cat({layer.v, theirs.v}, 0);
+  }
+  pads_ = at::cat({pads_or_zeros(), joining.pads_or_zeros()});
+}
+
+void KvCache::keep_rows(const std::vector<int64_t>& rows) {
+  if (blocks_done_ != 0) throw std::logic_error("kv cache: keep_rows inside a forward");
+  if (rows.empty()) return clear();
+  const at::Tensor index = at::tensor(rows, at::kLong);
+  pads_ = pads_or_zeros().index_select(0, index);
+  const int64_t unused = pads_.min().item<int64_t>();  // slots before every row's first token
+  for (auto& [name, layer] : layers_) {
+    layer.k = layer.k.index_select(0, index).narrow(2, unused, length_ - unused);
+    layer.v = layer.v.index_select(0, index).narrow(2, unused, length_ - unused);
+  }
+  pads_ = pads_ - unused;
+  length_ -= unused;
+}
+
 namespace {
 
 // Rotary embedding of x [B, H, t, d] at per-row positions [B, t].

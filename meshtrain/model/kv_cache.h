@@ -23,6 +23,16 @@ namespace meshtrain::model {
 // different lengths is left-padded (set_padding): each row's positions start
 // at its own first token and its padding is masked out, so each row's logits
 // are those of the row alone.
+//
+// Note [Continuous batching]
+// A server decodes the sequences it is running one token each per forward,
+// and sequences join and leave between forwards. A new sequence is
+// prefilled in a cache of its own, then append_rows() puts its rows under
+// the running ones: the shorter side gets more left padding, so slot s is
+// position s - pad of each row and new tokens still go to one slot for all.
+// keep_rows() drops finished rows, then the slots before every remaining
+// row's first token, so the cache is as long as its longest row: a request
+// that fits the context alone fits it in any batch.
 class KvCache : public ForwardHooks {
  public:
   explicit KvCache(const Gpt& model);
@@ -33,6 +43,13 @@ class KvCache : public ForwardHooks {
   // first real token. Call after clear(), before the prompt's forward.
   void set_padding(const std::vector<int64_t>& pads);
   int64_t length() const { return length_; }  // tokens cached (after a forward has passed every block)
+  int64_t rows() const;                        // the batch held (0 when empty)
+
+  // Continuous batching (Note [Continuous batching]): `other`'s rows join
+  // this cache's after them, both left-padded to the longer; and only
+  // `rows` stay (in that order), slots no row uses any more dropped.
+  void append_rows(const KvCache& other);
+  void keep_rows(const std::vector<int64_t>& rows);
 
  private:
   struct Layer {
@@ -42,6 +59,8 @@ class KvCache : public ForwardHooks {
   at::Tensor attend(Layer& layer, const at::Tensor& qkv_out);
   void check_room(int64_t t) const;  // throws when t more tokens exceed the context
   at::Tensor positions(int64_t t) const;  // [B, t] positions of the next t slots, with padding
+  void pad_left(int64_t slots);           // `slots` empty slots before every row's tokens
+  at::Tensor pads_or_zeros() const;
 
   GptConfig config_;
   std::map<std::string, Layer> layers_;  // by call site

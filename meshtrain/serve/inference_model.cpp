@@ -20,6 +20,15 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
     torch::NoGradGuard no_grad;
     for (auto& item : gpt_->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
   }
+  split();
+}
+
+InferenceModel::InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name)
+    : gpt_(std::move(gpt)), group_(std::move(tp_group)), name_(std::move(name)) {
+  split();
+}
+
+void InferenceModel::split() {
   gpt_->eval();
   if (group_ && group_->size() > 1) {
     parallel::check_tensor_parallel(gpt_->config(), group_->size(), /*sequence_parallel=*/false);

@@ -25,6 +25,8 @@ class InferenceModel {
   // `checkpoint`: a checkpoint folder or a directory with a 'latest' pointer.
   // `tp_group`: the ranks that split the model (null or size 1: whole).
   InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group);
+  // A model in memory (the same full model on every rank of the group).
+  InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name = "meshtrain");
   ~InferenceModel();
 
   model::Gpt& gpt() { return gpt_; }
@@ -38,6 +40,8 @@ class InferenceModel {
   int64_t step() const { return step_; }
 
  private:
+  void split();
+
   model::Gpt gpt_{nullptr};
   std::unique_ptr<parallel::TensorParallel> tp_;
   parallel::CommPtr group_;

@@ -1,0 +1,67 @@
+// Continuous batching: many generations decoded together, joining and leaving
+// between forwards (Note [Continuous batching]).
+#pragma once
+
+#include "meshtrain/model/kv_cache.h"
+#include "meshtrain/serve/inference_model.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace meshtrain::serve {
+
+struct GenerationRequest {
+  uint64_t id = 0;
+  std::vector<int64_t> prompt;  // token ids; prompt + options.tokens must fit the context
+  model::SampleOptions options;  // tokens (max), temperature, top_k, top_p, seed; callbacks unused
+};
+
+struct TokenEvent {
+  uint64_t id = 0;
+  int64_t token = 0;
+  bool last = false;  // the request's max tokens reached: it has left the batch
+};
+
+// Each sequence samples with its own generator seeded from its options, so
+// its tokens are those model::generate() gives for the same prompt and
+// options alone (the batch changes which rows share a matmul, not what a
+// row computes). Collective under tensor parallel: every rank of the group
+// must make the same calls in the same order.
+class BatchEngine {
+ public:
+  BatchEngine(InferenceModel& model, int64_t max_batch);
+  ~BatchEngine();
+
+  // Throws std::invalid_argument saying what is wrong with a request (empty
+  // prompt, beyond the context, sampling options out of range).
+  void check(const GenerationRequest& request) const;
+  // Prefills the requests together (left-padded) and adds them to the batch;
+  // returns each one's first token. At most room() requests.
+  std::vector<TokenEvent> admit(const std::vector<GenerationRequest>& requests);
+  // One forward over the running sequences' last tokens: a token for each.
+  std::vector<TokenEvent> step();
+  // Ends a running sequence (a stop string, a client gone). Unknown ids are ignored.
+  void cancel(uint64_t id);
+
+  int64_t running() const { return static_cast<int64_t>(rows_.size()); }
+  int64_t room() const { return max_batch_ - running(); }
+
+ private:
+  struct Row {
+    uint64_t id;
+    model::SampleOptions options;
+    at::Generator generator;
+    int64_t last_token;
+    int64_t made;  // tokens generated so far
+  };
+  std::vector<TokenEvent> sample(const at::Tensor& logits, const std::vector<size_t>& rows);
+  void drop_finished();
+
+  InferenceModel& model_;
+  int64_t max_batch_;
+  std::shared_ptr<model::KvCache> cache_;  // the running batch's, installed on the model
+  std::vector<Row> rows_;                   // in cache row order
+};
+
+}  // namespace meshtrain::serve
