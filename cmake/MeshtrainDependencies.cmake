@@ -1,6 +1,6 @@
 # Finds what meshtrain builds against and defines:
 #   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
-#   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json,
+#   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json, PkgConfig::HTTPLIB,
 #   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
 find_package(Threads REQUIRED)
@@ -19,6 +19,9 @@ endif()
 find_package(CLI11 CONFIG REQUIRED)
 find_package(tomlplusplus CONFIG REQUIRED)
 find_package(nlohmann_json 3 CONFIG REQUIRED)
+# cpp-httplib (Debian's libcpp-httplib-dev), for meshtrain serve.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 
 # NCCL: only meaningful when libtorch itself was built with CUDA. Prefer the NCCL
 # that ships beside the torch wheel (the one libtorch_cuda loads), then the CUDA

@@ -49,6 +49,24 @@ struct GenerateOptions {
 // meshtrain generate: prints the prompt and the text sampled after it, as it comes.
 int run_generate(comm::Runtime& runtime, const GenerateOptions& options);
 
+struct ServeOptions {
+  std::string checkpoint;
+  std::string host = "127.0.0.1";
+  int port = 8000;                     // 0: any free port (printed)
+  int64_t max_batch = 16;
+  int64_t queue = 64;
+  int tp = 1;
+  int threads = 0;                     // HTTP handler threads; 0: max_batch + queue + 4
+  std::string model_name = "meshtrain";
+  bool log = false;
+};
+// meshtrain serve: the OpenAI completions API until SIGTERM/SIGINT, which
+// drains the requests in flight and returns 0.
+int run_serve(comm::Runtime& runtime, const ServeOptions& options);
+// Blocks SIGTERM and SIGINT in this thread and those it starts (call before
+// MPI starts its threads): serve waits for them with sigwait.
+void block_stop_signals();
+
 // meshtrain checkpoint inspect DIR: step, layout, files and every tensor (no MPI).
 int run_checkpoint_inspect(const std::string& path, bool json);
 

@@ -226,6 +226,35 @@ int main(int argc, char** argv) {
                      "the same tokens)");
   generate->add_flag("--timing", generate_options.timing, "Print the tokens per second to stderr");
 
+  meshtrain::apps::ServeOptions serve_options;
+  CLI::App* serve = app.add_subcommand(
+      "serve", "Serve a checkpoint over an OpenAI-compatible HTTP API: POST /v1/completions (stream: true for "
+               "server-sent events), GET /v1/models, GET /health. Requests join the running batch between decode "
+               "steps (continuous batching). SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.");
+  serve->add_option("--checkpoint", serve_options.checkpoint,
+                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
+      ->required();
+  serve->add_option("--host", serve_options.host, "Address to listen on")->capture_default_str();
+  serve->add_option("--port", serve_options.port, "Port (0: any free port, printed at start)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  serve->add_option("--max-batch", serve_options.max_batch, "Sequences decoded together")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  serve->add_option("--queue", serve_options.queue, "Requests waiting beyond the batch; more get 429")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  serve->add_option("--parallel.tp", serve_options.tp,
+                    "Split the model over this many ranks (all ranks of the job: meshtrain run -n 2 serve "
+                    "--parallel.tp=2 ...)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  serve->add_option("--model-name", serve_options.model_name, "The model's name in the API")->capture_default_str();
+  serve->add_option("--threads", serve_options.threads, "HTTP handler threads (0: max-batch + queue + 4)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  serve->add_flag("--log", serve_options.log, "Print a line per request to stderr");
+
   std::string inspect_path;
   bool inspect_json = false;
   CLI::App* checkpoint = app.add_subcommand("checkpoint", "Look into distributed checkpoints");
@@ -284,12 +313,14 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (serve->parsed()) meshtrain::apps::block_stop_signals();  // before MPI starts threads
   std::optional<meshtrain::comm::Runtime> runtime;
   try {
     runtime.emplace(&argc, &argv);
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (generate->parsed()) return meshtrain::apps::run_generate(*runtime, generate_options);
+    if (serve->parsed()) return meshtrain::apps::run_serve(*runtime, serve_options);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);

@@ -1,0 +1,93 @@
+// meshtrain serve: a checkpoint behind an OpenAI-compatible HTTP API, on one
+// rank or split over a tensor-parallel group (rank 0 speaks HTTP).
+#include "meshtrain/apps/commands.h"
+
+#include "meshtrain/serve/http_frontend.h"
+#include "meshtrain/serve/scheduler.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <thread>
+
+namespace meshtrain::apps {
+
+void block_stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+namespace {
+
+// Waits for SIGTERM or SIGINT (blocked in every thread by block_stop_signals)
+// and drains the scheduler. wake() ends the wait without draining.
+class StopSignals {
+ public:
+  explicit StopSignals(serve::Scheduler& scheduler)
+      : thread_([this, &scheduler] {
+          sigset_t set;
+          sigemptyset(&set);
+          sigaddset(&set, SIGTERM);
+          sigaddset(&set, SIGINT);
+          sigaddset(&set, SIGUSR1);
+          int signal = 0;
+          sigwait(&set, &signal);
+          if (signal == SIGUSR1) return;
+          std::fprintf(stderr, "meshtrain serve: %s: finishing the requests in flight, then exiting\n",
+                       signal == SIGTERM ? "SIGTERM" : "SIGINT");
+          scheduler.drain();
+        }) {}
+  ~StopSignals() {
+    pthread_kill(thread_.native_handle(), SIGUSR1);
+    thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
+
+}  // namespace
+
+int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
+  if (options.tp != runtime.size()) {
+    throw std::invalid_argument("serve: --parallel.tp=" + std::to_string(options.tp) + " but " +
+                                std::to_string(runtime.size()) + " rank(s) run; launch tp ranks (meshtrain run -n " +
+                                std::to_string(options.tp) + " serve --parallel.tp=" + std::to_string(options.tp) + " ...)");
+  }
+  serve::InferenceModel inference(options.checkpoint, runtime.world());
+  serve::Scheduler scheduler(inference, runtime.world(), serve::SchedulerOptions{options.max_batch, options.queue});
+  if (runtime.rank() != 0) {
+    scheduler.run();  // rank 0's turns, until it stops
+    return 0;
+  }
+  serve::FrontendCallbacks callbacks;
+  callbacks.check = [&](serve::CompletionJob& job) { scheduler.check(job); };
+  callbacks.submit = [&](std::shared_ptr<serve::CompletionJob> job) { return scheduler.submit(std::move(job)); };
+  callbacks.draining = [&] { return scheduler.draining(); };
+  const int threads = options.threads > 0 ? options.threads : static_cast<int>(options.max_batch + options.queue + 4);
+  serve::HttpFrontend frontend(callbacks, options.model_name, threads, options.log);
+  const int port = frontend.bind(options.host, options.port);
+  std::thread http([&] { frontend.listen(); });
+  std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld\n",
+              options.model_name.c_str(), static_cast<long long>(inference.step()), options.host.c_str(), port,
+              options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue));
+  std::fflush(stdout);
+  try {
+    StopSignals signals(scheduler);
+    scheduler.run();
+  } catch (...) {
+    frontend.stop();
+    http.join();
+    throw;
+  }
+  frontend.stop();
+  http.join();
+  std::fprintf(stderr, "meshtrain serve: stopped\n");
+  return 0;
+}
+
+}  // namespace meshtrain::apps

@@ -1,0 +1,212 @@
+#include "meshtrain/serve/scheduler.h"
+
+#include "meshtrain/model/text_stream.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstring>
+
+namespace meshtrain::serve {
+
+struct Scheduler::Turn {
+  bool stop = false;
+  std::vector<uint64_t> cancel;
+  std::vector<GenerationRequest> admit;
+
+  std::string to_json() const {
+    nlohmann::json j = {{"stop", stop}, {"cancel", cancel}, {"admit", nlohmann::json::array()}};
+    for (const GenerationRequest& r : admit) {
+      j["admit"].push_back({{"id", r.id},
+                            {"prompt", r.prompt},
+                            {"tokens", r.options.tokens},
+                            {"temperature", r.options.temperature},
+                            {"top_k", r.options.top_k},
+                            {"top_p", r.options.top_p},
+                            {"seed", r.options.seed}});
+    }
+    return j.dump();
+  }
+  static Turn from_json(const std::string& text) {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    Turn turn;
+    turn.stop = j.at("stop");
+    turn.cancel = j.at("cancel").get<std::vector<uint64_t>>();
+    for (const nlohmann::json& a : j.at("admit")) {
+      GenerationRequest r;
+      r.id = a.at("id");
+      r.prompt = a.at("prompt").get<std::vector<int64_t>>();
+      r.options.tokens = a.at("tokens");
+      r.options.temperature = a.at("temperature");
+      r.options.top_k = a.at("top_k");
+      r.options.top_p = a.at("top_p");
+      r.options.seed = a.at("seed");
+      turn.admit.push_back(std::move(r));
+    }
+    return turn;
+  }
+};
+
+struct Scheduler::Live {
+  std::shared_ptr<CompletionJob> job;
+  model::TextStream text;
+  int64_t made = 0;
+  bool ended = false;  // answered (stop string) or abandoned: to be cancelled in the engine
+};
+
+Scheduler::Scheduler(InferenceModel& model, parallel::CommPtr group, SchedulerOptions options)
+    : model_(model), group_(std::move(group)), options_(options), engine_(model, options.max_batch) {
+  if (options_.queue < 0) throw std::invalid_argument("the queue length must be >= 0");
+}
+
+Scheduler::~Scheduler() = default;
+
+namespace {
+
+model::SampleOptions sample_options(const CompletionParams& p) {
+  model::SampleOptions o;
+  o.tokens = p.max_tokens;
+  o.temperature = p.temperature;
+  o.top_k = p.top_k;
+  o.top_p = p.top_p;
+  o.seed = p.seed;
+  return o;
+}
+
+}  // namespace
+
+void Scheduler::check(CompletionJob& job) const {
+  job.prompt_ids = model_.encode(job.params().prompt);
+  GenerationRequest request;
+  request.prompt = job.prompt_ids;
+  request.options = sample_options(job.params());
+  engine_.check(request);
+}
+
+Submitted Scheduler::submit(std::shared_ptr<CompletionJob> job) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (draining_) return Submitted::kDraining;
+  if (static_cast<int64_t>(queue_.size()) >= options_.queue) return Submitted::kQueueFull;
+  queue_.push_back(std::move(job));
+  wake_.notify_all();
+  return Submitted::kQueued;
+}
+
+void Scheduler::drain() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  draining_ = true;
+  wake_.notify_all();
+}
+
+bool Scheduler::draining() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return draining_;
+}
+
+int64_t Scheduler::waiting() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+int64_t Scheduler::running() const { return engine_.running(); }
+
+Scheduler::Turn Scheduler::next_turn() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  wake_.wait_for(lock, std::chrono::milliseconds(500),
+                 [&] { return !queue_.empty() || !live_.empty() || draining_; });
+  Turn turn;
+  for (auto it = live_.begin(); it != live_.end();) {
+    Live& live = *it->second;
+    if (!live.ended && live.job->abandoned) live.ended = true;
+    if (!live.ended) {
+      ++it;
+      continue;
+    }
+    turn.cancel.push_back(it->first);
+    it = live_.erase(it);
+  }
+  int64_t room = engine_.room() + static_cast<int64_t>(turn.cancel.size());
+  while (room > 0 && !queue_.empty()) {
+    std::shared_ptr<CompletionJob> job = std::move(queue_.front());
+    queue_.pop_front();
+    if (job->abandoned) continue;
+    GenerationRequest request;
+    request.id = next_id_++;
+    request.prompt = job->prompt_ids;
+    request.options = sample_options(job->params());
+    auto decode = [this](const std::vector<int64_t>& tokens) { return model_.decode(tokens); };
+    live_[request.id] = std::make_unique<Live>(Live{job, model::TextStream(decode, job->params().stop)});
+    turn.admit.push_back(std::move(request));
+    --room;
+  }
+  turn.stop = draining_ && queue_.empty() && live_.empty();
+  return turn;
+}
+
+void Scheduler::apply(const Turn& turn) {
+  for (uint64_t id : turn.cancel) engine_.cancel(id);
+  std::vector<TokenEvent> events = engine_.admit(turn.admit);
+  const std::vector<TokenEvent> stepped = engine_.step();
+  events.insert(events.end(), stepped.begin(), stepped.end());
+  if (!group_ || group_->rank() == 0) deliver(events);
+}
+
+void Scheduler::deliver(const std::vector<TokenEvent>& events) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const TokenEvent& e : events) {
+    auto it = live_.find(e.id);
+    if (it == live_.end()) continue;
+    Live& live = *it->second;
+    if (live.ended) {  // its cancel goes out next turn
+      if (e.last) live_.erase(it);
+      continue;
+    }
+    live.job->push(live.text.push(e.token));
+    ++live.made;
+    if (live.text.stopped()) {
+      live.job->finish("stop", live.made);
+      live.ended = true;
+      if (e.last) live_.erase(it);
+    } else if (e.last) {
+      live.job->push(live.text.finish());
+      live.job->finish("length", live.made);
+      live_.erase(it);
+    }
+  }
+}
+
+void Scheduler::fail_all(const std::string& message) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [id, live] : live_) live->job->fail(message);
+  for (auto& job : queue_) job->fail(message);
+  live_.clear();
+  queue_.clear();
+  draining_ = true;
+}
+
+void Scheduler::run() {
+  const bool leader = !group_ || group_->rank() == 0;
+  const bool split = group_ && group_->size() > 1;
+  while (true) {
+    Turn turn;
+    try {
+      if (leader) turn = next_turn();
+      if (split) {  // rank 0's turn to the group: its length, then its bytes
+        std::string bytes = leader ? turn.to_json() : std::string();
+        at::Tensor length = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
+        group_->broadcast(length, 0).wait();
+        at::Tensor buffer = at::empty({length.item<int64_t>()}, at::kByte);
+        if (leader) std::memcpy(buffer.data_ptr(), bytes.data(), bytes.size());
+        group_->broadcast(buffer, 0).wait();
+        if (!leader) turn = Turn::from_json(std::string(static_cast<const char*>(buffer.data_ptr()), buffer.numel()));
+      }
+      if (turn.stop) return;
+      apply(turn);
+    } catch (const std::exception& e) {
+      if (leader) fail_all(std::string("the server failed: ") + e.what());
+      throw;
+    }
+  }
+}
+
+}  // namespace meshtrain::serve
