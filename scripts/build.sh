@@ -15,7 +15,7 @@ if [ ! -f "$build_dir/CMakeCache.txt" ] || [ $# -gt 0 ]; then
   mkdir -p "$build_dir"
   log="$build_dir/configure.log"
   cmake -S "$root_dir" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE="$build_type" \
-    -DCMAKE_PREFIX_PATH="$torch_prefix" "$@" > "$log" 2>&1 || { cat "$log"; exit 1; }
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DMESHTRAIN_PYTHON="$venv_dir/bin/python" "$@" > "$log" 2>&1 || { cat "$log"; exit 1; }
   grep -E '^-- meshtrain:' "$log" || true
 fi
 cmake --build "$build_dir" --parallel "$(nproc)"

@@ -2,7 +2,8 @@
 # Installs everything meshtrain needs on Debian 12, idempotently:
 #   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json,
 #     GoogleTest, Google Benchmark, Python venv support),
-#   - the pinned torch wheel (which carries libtorch) into .venv/ of this project.
+#   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
+#   - the Python packages the tests use (the openai client) into the same .venv/.
 # Runs as root or through sudo. When everything is present it changes nothing.
 set -euo pipefail
 
@@ -72,6 +73,22 @@ install_torch() {
     "torch==$torch_version" numpy
 }
 
+# Python packages the tests drive meshtrain with (the official OpenAI client).
+test_packages=(openai)
+install_test_packages() {
+  local missing=() pkg
+  for pkg in "${test_packages[@]}"; do
+    "$venv_dir/bin/python" -c "import $pkg" 2>/dev/null || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
+    log "test packages: all present"
+    return
+  fi
+  log "installing test packages into $venv_dir:" "${missing[@]}"
+  "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check "${missing[@]}"
+}
+
 install_debian_packages
 install_torch
+install_test_packages
 log "done; libtorch CMake prefix: $("$venv_dir/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

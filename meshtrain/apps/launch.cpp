@@ -111,6 +111,15 @@ void forward_signal(int signal) {
   if (child_pid > 0) kill(child_pid, signal);
 }
 
+// Note [Stopping a server under mpirun]
+// mpirun meets SIGTERM by ending every rank, which would cut off the
+// requests a server has in flight. So for `serve` the launcher passes Ctrl-C
+// and SIGTERM on as SIGUSR2, which mpirun forwards to the ranks as it is;
+// serve takes it as its signal to drain (rank 0), then tells the group to stop.
+void forward_as_drain(int) {
+  if (child_pid > 0) kill(child_pid, SIGUSR2);
+}
+
 }  // namespace
 
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args) {
@@ -146,9 +155,10 @@ void forward_signal(int signal) {
     _exit(127);
   }
   close(pipe_fds[1]);
-  // Ctrl-C and termination reach mpirun, which ends the ranks.
-  std::signal(SIGINT, forward_signal);
-  std::signal(SIGTERM, forward_signal);
+  // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains first).
+  const bool server = args.front() == "serve";
+  std::signal(SIGINT, server ? forward_as_drain : forward_signal);
+  std::signal(SIGTERM, server ? forward_as_drain : forward_signal);
   filter_stderr(pipe_fds[0]);
   int status = 0;
   while (waitpid(child_pid, &status, 0) < 0 && errno == EINTR) {

@@ -13,35 +13,33 @@
 
 namespace meshtrain::apps {
 
-void block_stop_signals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
-
 namespace {
 
-// Waits for SIGTERM or SIGINT (blocked in every thread by block_stop_signals)
-// and drains the scheduler. wake() ends the wait without draining.
+// SIGTERM and SIGINT; SIGUSR2 (what `meshtrain run` turns them into, Note
+// [Stopping a server under mpirun]); SIGUSR1 (wakes the waiting thread).
+sigset_t stop_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int signal : {SIGTERM, SIGINT, SIGUSR2, SIGUSR1}) sigaddset(&set, signal);
+  return set;
+}
+
+// Waits for a stop signal (blocked in every thread by block_stop_signals)
+// and drains the scheduler; the destructor ends the wait without draining.
 class StopSignals {
  public:
   explicit StopSignals(serve::Scheduler& scheduler)
       : thread_([this, &scheduler] {
-          sigset_t set;
-          sigemptyset(&set);
-          sigaddset(&set, SIGTERM);
-          sigaddset(&set, SIGINT);
-          sigaddset(&set, SIGUSR1);
+          const sigset_t set = stop_signals();
           int signal = 0;
           sigwait(&set, &signal);
           if (signal == SIGUSR1) return;
           std::fprintf(stderr, "meshtrain serve: %s: finishing the requests in flight, then exiting\n",
-                       signal == SIGTERM ? "SIGTERM" : "SIGINT");
+                       signal == SIGINT ? "SIGINT" : "SIGTERM");
           scheduler.drain();
         }) {}
   ~StopSignals() {
+    // Blocked everywhere, SIGUSR1 stays pending harmlessly if the thread has already returned.
     pthread_kill(thread_.native_handle(), SIGUSR1);
     thread_.join();
   }
@@ -49,6 +47,15 @@ class StopSignals {
  private:
   std::thread thread_;
 };
+
+}  // namespace
+
+void block_stop_signals() {
+  const sigset_t set = stop_signals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+namespace {
 
 }  // namespace
 

@@ -1,0 +1,223 @@
+"""meshtrain serve driven the way people use it: the official openai client,
+curl, and many concurrent clients. Every completion must equal what
+`meshtrain generate` prints for the same prompt, seed and sampling.
+
+usage: serve_test.py MESHTRAIN CHECKPOINT
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+MESHTRAIN, CHECKPOINT = sys.argv[1], sys.argv[2]
+failures = []
+
+
+def check(ok, what):
+    print(("ok: " if ok else "FAIL: ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+class Server:
+    def __init__(self, *extra, ranks=1):
+        prefix = [MESHTRAIN] if ranks == 1 else [MESHTRAIN, "run", "-n", str(ranks)]
+        tp = [] if ranks == 1 else [f"--parallel.tp={ranks}"]
+        self.proc = subprocess.Popen(prefix + ["serve", "--checkpoint", CHECKPOINT, "--port", "0", *tp, *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            found = re.search(r"http://127\.0\.0\.1:(\d+)", line or "")
+            if found:
+                self.url = f"http://127.0.0.1:{found.group(1)}"
+                return
+            if self.proc.poll() is not None:
+                break
+        raise RuntimeError("the server did not start: " + self.proc.stderr.read())
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=120)
+        if code != 0:
+            print(f"the server exited with status {code}:\n{self.proc.stderr.read()}", flush=True)
+        return code
+
+
+def offline(prompt, max_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop=()):
+    args = [MESHTRAIN, "generate", "--checkpoint", CHECKPOINT, "--prompt", prompt, "--tokens", str(max_tokens),
+            "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed)]
+    for s in stop:
+        args += ["--stop", s]
+    out = subprocess.run(args, check=True, capture_output=True).stdout.decode("utf-8", "replace")
+    assert out.startswith(prompt) and out.endswith("\n"), out
+    return out[len(prompt):-1]
+
+
+def post(url, body, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+CASES = [  # prompt, max_tokens, temperature, top_k, top_p, seed
+    ("The ", 40, 0.8, 40, 1.0, 3),
+    ("To be, or not", 25, 0.0, 0, 1.0, 1),
+    ("Licence", 60, 1.0, 0, 0.9, 7),
+    ("a", 12, 1.3, 5, 0.95, 11),
+]
+
+
+def completions_equal_offline(server):
+    client = server.client()
+    check([m.id for m in client.models.list().data] == ["meshtrain"], "GET /v1/models lists the model")
+    for prompt, n, t, k, p, seed in CASES:
+        want = offline(prompt, n, t, k, p, seed)
+        got = client.completions.create(model="meshtrain", prompt=prompt, max_tokens=n, temperature=t, top_p=p,
+                                        seed=seed, extra_body={"top_k": k})
+        check(got.choices[0].text == want and got.choices[0].finish_reason == "length"
+              and got.usage.completion_tokens == n and got.usage.prompt_tokens == len(prompt.encode()),
+              f"completion of {prompt!r} (t={t}, top_k={k}, top_p={p}) equals offline generation")
+        chunks = list(client.completions.create(model="meshtrain", prompt=prompt, max_tokens=n, temperature=t, top_p=p,
+                                                seed=seed, extra_body={"top_k": k}, stream=True))
+        check("".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length",
+              f"streamed completion of {prompt!r} equals it too ({len(chunks)} events)")
+    want = offline("The ", 60, 0.8, 40, 1.0, 3, stop=["e", "XY"])
+    got = client.completions.create(model="meshtrain", prompt="The ", max_tokens=60, temperature=0.8, seed=3,
+                                    stop=["e", "XY"], extra_body={"top_k": 40})
+    check(got.choices[0].text == want and "e" not in want and got.choices[0].finish_reason in ("stop", "length"),
+          f"stop strings end the text as offline ({want!r}, {got.choices[0].finish_reason})")
+    echoed = client.completions.create(model="meshtrain", prompt="The ", max_tokens=5, temperature=0, echo=True)
+    check(echoed.choices[0].text.startswith("The ") and len(echoed.choices[0].text) >= 5, "echo returns the prompt first")
+
+
+def bad_requests_are_refused(server):
+    client = server.client()
+    for what, kwargs, error in [
+        ("a negative temperature", dict(prompt="x", temperature=-1), openai.BadRequestError),
+        ("prompt + max_tokens beyond the context", dict(prompt="x" * 100, max_tokens=100), openai.BadRequestError),
+        ("top_p above 1", dict(prompt="x", top_p=1.5), openai.BadRequestError),
+        ("n = 2", dict(prompt="x", n=2), openai.BadRequestError),
+    ]:
+        try:
+            client.completions.create(model="meshtrain", **kwargs)
+            check(False, f"{what} is refused")
+        except error as e:
+            check(e.status_code == 400 and e.body["message"], f"{what} gets 400: {e.body['message']}")
+    try:
+        client.completions.create(model="gpt-4", prompt="x")
+        check(False, "another model's name is refused")
+    except openai.NotFoundError as e:
+        check("does not exist" in e.body["message"], "another model's name gets 404")
+    curl = lambda *a: subprocess.run(["curl", "-s", "-w", "\\n%{http_code}", *a], capture_output=True, text=True).stdout
+    out = curl(server.url + "/v1/completions", "-H", "Content-Type: application/json", "-d", "{not json")
+    check(out.endswith("\n400") and "not valid JSON" in out, "curl: malformed JSON gets 400 with a message")
+    out = curl(server.url + "/v1/completions", "-d", '{"max_tokens": 3}')
+    check(out.endswith("\n400") and "'prompt' is required" in out, "curl: a missing prompt gets 400")
+    out = curl(server.url + "/health")
+    check(out == '{"status":"ok"}\n200', "curl: GET /health")
+    out = curl(server.url + "/v1/completions", "-d", '{"prompt": "The ", "max_tokens": 8, "temperature": 0}')
+    check(out.endswith("\n200") and json.loads(out.rsplit("\n", 1)[0])["choices"][0]["text"] == offline("The ", 8, 0.0),
+          "curl: a completion")
+
+
+def many_clients_get_their_own_completions(server, clients):
+    requests = [(f"{i} To be{',' * (i % 5)} ", 10 + 3 * (i % 7), [0.0, 0.7, 1.0][i % 3], i % 4 * 10, 1.0, 100 + i)
+                for i in range(clients)]
+    wants = [offline(*r) for r in requests]
+    results = [None] * clients
+    start = threading.Barrier(clients)
+
+    def one(i):
+        prompt, n, t, k, p, seed = requests[i]
+        client = server.client()
+        start.wait()
+        if i % 2:
+            stream = client.completions.create(model="meshtrain", prompt=prompt, max_tokens=n, temperature=t, seed=seed,
+                                               extra_body={"top_k": k}, stream=True)
+            results[i] = "".join(c.choices[0].text for c in stream)
+        else:
+            results[i] = client.completions.create(model="meshtrain", prompt=prompt, max_tokens=n, temperature=t,
+                                                   seed=seed, extra_body={"top_k": k}).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wrong = [i for i in range(clients) if results[i] != wants[i]]
+    check(not wrong, f"{clients} concurrent clients each got offline generation's text (wrong: {wrong})")
+
+
+def a_full_queue_answers_429():
+    server = Server("--max-batch", "1", "--queue", "1")
+    codes = []
+    start = threading.Barrier(8)
+
+    def one():
+        start.wait()
+        codes.append(post(server.url, {"prompt": "The ", "max_tokens": 100, "temperature": 0})[0])
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    check(codes.count(429) >= 1 and codes.count(200) >= 2 and set(codes) <= {200, 429},
+          f"a full queue answers 429 and serves the rest ({sorted(codes)})")
+    check(server.stop() == 0, "the server exits 0")
+
+
+def sigterm_drains(server):
+    client = server.client()
+    want = offline("The ", 100, 0.8, 40, 1.0, 5)
+    stream = client.completions.create(model="meshtrain", prompt="The ", max_tokens=100, temperature=0.8, seed=5,
+                                       extra_body={"top_k": 40}, stream=True)
+    text = next(iter(stream)).choices[0].text
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    try:
+        refused = post(server.url, {"prompt": "x", "max_tokens": 2})[0] == 503
+    except (urllib.error.URLError, ConnectionError):
+        refused = True
+    text += "".join(c.choices[0].text for c in stream)
+    check(text == want, "a completion in flight at SIGTERM is finished in full")
+    check(refused, "new requests after SIGTERM are refused")
+    code = server.proc.wait(timeout=120)
+    check(code == 0, f"after draining the server exits 0 (status {code})")
+
+
+def main():
+    server = Server()
+    completions_equal_offline(server)
+    bad_requests_are_refused(server)
+    many_clients_get_their_own_completions(server, int(os.environ.get("SERVE_TEST_CLIENTS", "24")))
+    sigterm_drains(server)
+    a_full_queue_answers_429()
+    if os.environ.get("SERVE_TEST_TP"):
+        ranks = int(os.environ["SERVE_TEST_TP"])
+        split = Server(ranks=ranks)
+        completions_equal_offline(split)
+        many_clients_get_their_own_completions(split, 8)
+        check(split.stop() == 0, f"tensor-parallel serving on {ranks} ranks exits 0 after SIGTERM")
+    print(f"{len(failures)} failure(s)")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
