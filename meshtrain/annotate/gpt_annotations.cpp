@@ -15,8 +15,11 @@ std::vector<ShardingRule> gpt_megatron_annotations(const model::GptConfig& confi
     }
   };
   need(config.heads, "model.heads");  // (vocabulary and MLP may split unevenly; a head may not)
+  need(config.key_value_heads(), "model.kv_heads");
+  const int64_t qkv_blocks = config.grouped_query() ? 1 : 3;  // Note [Grouped-query layout]
   const Sharding rows = mesh_split_sharding(mesh, {tp, -1}), columns = mesh_split_sharding(mesh, {-1, tp});
-  const Sharding heads = mesh_split_sharding(mesh, {tp, -1}, 3), head_bias = mesh_split_sharding(mesh, {tp}, 3);
+  const Sharding heads = mesh_split_sharding(mesh, {tp, -1}, qkv_blocks);
+  const Sharding head_bias = mesh_split_sharding(mesh, {tp}, qkv_blocks);
   const Sharding vector = mesh_split_sharding(mesh, {tp});
   return {
       {"wte.weight", rows},

@@ -24,14 +24,36 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
 }
 
-NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias) : rms_(kind == "rmsnorm") {
+QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config) {
+  const int64_t b = qkv_out.size(0), t = qkv_out.size(1), n = qkv_out.size(2), hd = config.head_dim();
+  if (!config.grouped_query()) {
+    std::vector<at::Tensor> parts = qkv_out.split(n / 3, -1);
+    auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, hd}).transpose(1, 2); };
+    return {heads(parts[0]), heads(parts[1]), heads(parts[2])};
+  }
+  const int64_t per_group = config.heads / config.key_value_heads();
+  const at::Tensor grouped = qkv_out.view({b, t, -1, per_group + 2, hd});  // [B, T, G, rep + 2, hd]
+  const int64_t groups = grouped.size(2);
+  QkvHeads out;
+  out.q = grouped.narrow(3, 0, per_group).reshape({b, t, groups * per_group, hd}).transpose(1, 2);
+  out.k = grouped.select(3, per_group).transpose(1, 2);
+  out.v = grouped.select(3, per_group + 1).transpose(1, 2);
+  return out;
+}
+
+at::Tensor repeat_kv(const at::Tensor& x, int64_t times) {
+  if (times == 1) return x;
+  return x.repeat_interleave(times, /*dim=*/1);
+}
+
+NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias, double eps) : rms_(kind == "rmsnorm"), eps_(eps) {
   weight_ = register_parameter("weight", torch::ones({width}));
   if (!rms_ && bias) bias_ = register_parameter("bias", torch::zeros({width}));
 }
 
 at::Tensor NormImpl::forward(const at::Tensor& x) {
-  if (rms_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + 1e-5) * weight_;
-  return at::layer_norm(x, {x.size(-1)}, weight_, bias_, 1e-5);
+  if (rms_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight_;
+  return at::layer_norm(x, {x.size(-1)}, weight_, bias_, eps_);
 }
 
 at::Tensor HookChain::call(const std::string& module, const at::Tensor& input, ForwardHooks::Forward forward) const {
@@ -45,7 +67,8 @@ at::Tensor HookChain::call(const std::string& module, const at::Tensor& input, F
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain,
                                                  const std::string& name)
-    : head_dim_(config.head_dim()),
+    : config_(config),
+      head_dim_(config.head_dim()),
       dropout_(config.dropout),
       rope_(config.position == "rope"),
       chain_(std::move(chain)),
@@ -53,11 +76,11 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
       core_name_(name + ".core"),
       proj_name_(name + ".proj"),
       drop_name_(name + ".drop") {
-  qkv = register_module("qkv", linear(config.width, 3 * config.width, config.bias));
+  qkv = register_module("qkv", linear(config.width, config.qkv_width(), config.bias));
   proj = register_module("proj", linear(config.width, config.width, config.bias));
   if (rope_) {
     const int64_t half = config.head_dim() / 2;
-    const at::Tensor inv_freq = at::pow(10000.0, -at::arange(half, at::kDouble) / half);
+    const at::Tensor inv_freq = at::pow(config.rope_theta, -at::arange(half, at::kDouble) / half);
     const at::Tensor angles = at::outer(at::arange(config.context, at::kDouble), inv_freq).to(at::kFloat);
     cos_ = register_buffer("rope_cos", angles.cos());
     sin_ = register_buffer("rope_sin", angles.sin());
@@ -65,16 +88,17 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
 }
 
 at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
-  const int64_t b = qkv_out.size(0), t = qkv_out.size(1), w = qkv_out.size(2) / 3;
-  std::vector<at::Tensor> parts = qkv_out.split(w, -1);
-  auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, head_dim_}).transpose(1, 2); };
-  at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+  const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
+  auto [q, k, v] = split_qkv(qkv_out, config_);
+  const int64_t w = q.size(1) * head_dim_;
   if (rope_) {
     q = apply_rope(q, cos_, sin_);
     k = apply_rope(k, cos_, sin_);
   }
   const double p = is_training() ? dropout_ : 0.0;
-  const at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+  const int64_t times = q.size(1) / k.size(1);
+  const at::Tensor y = at::scaled_dot_product_attention(q, repeat_kv(k, times), repeat_kv(v, times), /*attn_mask=*/{}, p,
+                                                       /*is_causal=*/true);
   return y.transpose(1, 2).reshape({b, t, w});
 }
 
@@ -123,9 +147,9 @@ BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, 
       norm2_name_(name + ".norm2"),
       mlp_name_(name + ".mlp"),
       moe_name_(name + ".moe") {
-  norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias));
+  norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias, config.norm_eps));
   attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_));
-  norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias));
+  norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias, config.norm_eps));
   if (experts) {
     moe = register_module("moe", Moe(config));
   } else {
@@ -151,7 +175,7 @@ GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
     block_names_.push_back("blocks." + std::to_string(i));
     blocks->push_back(Block(config_, chain_, block_names_.back(), config_.is_moe_block(i)));
   }
-  norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias));
+  norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias, config_.norm_eps));
   if (!config_.tie_embeddings) head = register_module("head", linear(config_.width, config_.vocab_size, false));
   initialise(seed);
 }

@@ -59,6 +59,20 @@ class ForwardHooks {
 // (tables cos / sin [context, d/2]).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
 
+// Note [Grouped-query layout]
+// The fused qkv projection's outputs are [q | k | v] (a third each) with
+// multi-head attention. With grouped-query attention (kv_heads < heads) they
+// go by key/value group: for each group, the q of its heads / kv_heads query
+// heads, then its k, then its v. Either way a contiguous share of the
+// outputs holds whole heads with their keys and values, so tensor parallel
+// splits them by rows (in thirds for MHA, in one piece for GQA).
+struct QkvHeads {
+  at::Tensor q, k, v;  // q [B, Hq, T, hd]; k, v [B, Hkv, T, hd] (this rank's heads)
+};
+QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config);
+// Keys or values [B, Hkv, T, hd] repeated for the query heads sharing them: [B, Hq, T, hd].
+at::Tensor repeat_kv(const at::Tensor& x, int64_t times);
+
 // The hooks of one model, shared by all its modules.
 class HookChain {
  public:
@@ -70,11 +84,12 @@ class HookChain {
 // LayerNorm (weight, optional bias) or RMSNorm (weight), over the last dim.
 class NormImpl : public torch::nn::Module {
  public:
-  NormImpl(const std::string& kind, int64_t width, bool bias);
+  NormImpl(const std::string& kind, int64_t width, bool bias, double eps = 1e-5);
   at::Tensor forward(const at::Tensor& x);
 
  private:
   bool rms_;
+  double eps_;
   at::Tensor weight_, bias_;
 };
 TORCH_MODULE(Norm);
@@ -90,6 +105,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
  private:
   at::Tensor attend(const at::Tensor& qkv_out);  // the "core" call
 
+  GptConfig config_;
   int64_t head_dim_;
   double dropout_;
   bool rope_;

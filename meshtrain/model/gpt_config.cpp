@@ -69,6 +69,13 @@ void GptConfig::validate() const {
   if (position == "rope" && head_dim() % 2 != 0) {
     reject("width", std::to_string(width), "rope needs an even head size (width / heads)");
   }
+  if (kv_heads < 0 || (kv_heads > 0 && heads % kv_heads != 0)) {
+    reject("kv_heads", std::to_string(kv_heads),
+           "must divide model.heads (" + std::to_string(heads) + "); 0: as many as heads");
+  }
+  if (ffn_hidden < 0) reject("ffn_hidden", std::to_string(ffn_hidden), "must be >= 0 (0: the default for model.mlp)");
+  if (!(rope_theta > 0)) reject("rope_theta", std::to_string(rope_theta), "must be > 0");
+  if (!(norm_eps > 0 && norm_eps < 1)) reject("norm_eps", std::to_string(norm_eps), "must be in (0, 1)");
   if (!(dropout >= 0.0 && dropout < 1.0)) reject("dropout", std::to_string(dropout), "must be in [0, 1)");
   if (norm != "layernorm" && norm != "rmsnorm") reject("norm", "\"" + norm + "\"", "use \"layernorm\" or \"rmsnorm\"");
   if (position != "learned" && position != "rope") {
@@ -96,6 +103,7 @@ void GptConfig::validate() const {
 }
 
 int64_t GptConfig::mlp_hidden() const {
+  if (ffn_hidden > 0) return ffn_hidden;
   if (mlp == "gelu") return 4 * width;
   const int64_t hidden = (8 * width + 2) / 3;
   return (hidden + 63) / 64 * 64;
@@ -113,7 +121,7 @@ int64_t feed_forward_parameters(const GptConfig& c, int64_t h) {
 int64_t count_parameters(const GptConfig& c, int64_t experts_counted) {
   const int64_t d = c.width, b = c.bias ? 1 : 0;
   const int64_t norm_params = (c.norm == "layernorm" && c.bias) ? 2 * d : d;
-  const int64_t attention = d * 3 * d + b * 3 * d + d * d + b * d;
+  const int64_t attention = d * c.qkv_width() + b * c.qkv_width() + d * d + b * d;
   const int64_t dense = feed_forward_parameters(c, c.mlp_hidden());
   const int64_t moe = c.moe_experts * d + experts_counted * feed_forward_parameters(c, c.expert_hidden());
   const int64_t blocks = c.layers * (2 * norm_params + attention) + (c.layers - c.moe_blocks()) * dense +
@@ -131,7 +139,7 @@ int64_t GptConfig::active_parameter_count() const { return count_parameters(*thi
 
 double GptConfig::flops_per_token() const {
   const double d = width, h = mlp_hidden(), e = expert_hidden();
-  const double attention_weights = 4 * d * d;
+  const double attention_weights = d * qkv_width() + d * d;  // qkv and the output projection
   const double mlp_weights = (mlp == "gelu" ? 2 : 3) * d * h;
   const double moe_weights = moe_experts * d + moe_top_k * (mlp == "gelu" ? 2 : 3) * d * e;
   const double dense_blocks = static_cast<double>(layers - moe_blocks()), moe_blocks_ = static_cast<double>(moe_blocks());

@@ -21,6 +21,12 @@ struct GptConfig {
   std::string mlp = "gelu";            // "gelu" (4·width hidden) | "swiglu" (hidden below)
   bool tie_embeddings = true;          // the LM head shares the token embedding
   bool bias = true;                    // biases in linear layers and norms (GPT-2 has them)
+  // Grouped-query attention (Llama 2/3): key/value heads, each shared by
+  // heads / kv_heads query heads; 0: as many as heads (multi-head attention).
+  int64_t kv_heads = 0;
+  int64_t ffn_hidden = 0;              // the MLP's hidden size; 0: the default for mlp (below)
+  double rope_theta = 10000.0;         // rotary base (Llama 3: 500000)
+  double norm_eps = 1e-5;              // epsilon of layernorm / rmsnorm
 
   // Mixture of experts (model/moe.h): the feed-forward of every moe_every-th
   // block (blocks moe_every-1, 2·moe_every-1, ...) is moe_experts experts of
@@ -42,7 +48,11 @@ struct GptConfig {
   void validate() const;
 
   int64_t head_dim() const { return width / heads; }
-  int64_t mlp_hidden() const;  // gelu: 4·width; swiglu: 8/3·width rounded up to a multiple of 64
+  int64_t key_value_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  bool grouped_query() const { return key_value_heads() != heads; }
+  int64_t qkv_width() const { return width + 2 * key_value_heads() * head_dim(); }  // the fused qkv's outputs
+  // ffn_hidden, else gelu: 4·width; swiglu: 8/3·width rounded up to a multiple of 64.
+  int64_t mlp_hidden() const;
   bool moe() const { return moe_experts > 0; }
   bool is_moe_block(int64_t i) const { return moe() && i % moe_every == moe_every - 1; }
   int64_t moe_blocks() const { return moe() ? layers / moe_every : 0; }

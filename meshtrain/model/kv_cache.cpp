@@ -120,12 +120,10 @@ at::Tensor KvCache::around(const std::string& module, const at::Tensor& input, c
 }
 
 at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
-  const int64_t b = qkv_out.size(0), t = qkv_out.size(1), w = qkv_out.size(2) / 3;
-  const int64_t head_dim = config_.head_dim();
+  const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
   check_room(t);
-  std::vector<at::Tensor> parts = qkv_out.split(w, -1);
-  auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, head_dim}).transpose(1, 2); };
-  at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+  auto [q, k, v] = split_qkv(qkv_out, config_);
+  const int64_t w = q.size(1) * config_.head_dim();
   if (layer.cos.defined() && pads_.defined()) {
     const at::Tensor at_positions = positions(t);
     q = rope_at(q, layer.cos, layer.sin, at_positions);
@@ -136,9 +134,13 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   }
   layer.k = layer.k.defined() ? at::cat({layer.k, k}, 2) : k.contiguous();
   layer.v = layer.v.defined() ? at::cat({layer.v, v}, 2) : v.contiguous();
+  // Keys and values are kept per key/value head (a grouped-query model's
+  // cache is heads / kv_heads times smaller) and repeated for attention.
+  const int64_t times = q.size(1) / k.size(1);
+  const at::Tensor keys = repeat_kv(layer.k, times), values = repeat_kv(layer.v, times);
   at::Tensor y;
   if (length_ == 0 && !pads_.defined()) {
-    y = at::scaled_dot_product_attention(q, layer.k, layer.v, /*attn_mask=*/{}, 0.0, /*is_causal=*/true);
+    y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true);
   } else {
     // New query i (slot length_ + i) sees every cached key and the new ones up
     // to itself, a row's padding never (a padding query sees itself alone).
@@ -149,7 +151,7 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
       const at::Tensor real = cols.view({1, 1, total}) >= pads_.view({-1, 1, 1});
       mask = (mask.view({1, t, total}).logical_and(real)).logical_or(cols.view({1, 1, total}) == rows.view({1, t, 1})).unsqueeze(1);
     }
-    y = at::scaled_dot_product_attention(q, layer.k, layer.v, /*attn_mask=*/mask, 0.0, /*is_causal=*/false);
+    y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/mask, 0.0, /*is_causal=*/false);
   }
   return y.transpose(1, 2).reshape({b, t, w});
 }

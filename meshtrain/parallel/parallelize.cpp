@@ -57,7 +57,7 @@ mesh::ModelDims model_dims(const model::GptConfig& config) {
   mesh::ModelDims dims;
   dims.layers = config.layers;
   dims.heads = config.heads;
-  dims.kv_heads = config.heads;
+  dims.kv_heads = config.key_value_heads();
   dims.ffn = config.mlp_hidden();
   dims.vocab = config.vocab_size;
   dims.context = config.context;

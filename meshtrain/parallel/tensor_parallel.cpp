@@ -46,7 +46,8 @@ bool binds_module(Style style) {
 TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool sequence_parallel) {
   TensorParallelPlan plan = {
       {"wte", Style::kVocabEmbedding},
-      {"blocks.*.attn.qkv", Style::kColwise, 3},
+      // Whole heads with their keys and values in each share (Note [Grouped-query layout]).
+      {"blocks.*.attn.qkv", Style::kColwise, config.grouped_query() ? 1 : 3},
       {"blocks.*.attn.core", Style::kLocalRandom},
       {"blocks.*.attn.proj", Style::kRowwise},
       {"head", Style::kVocabHead},

@@ -82,7 +82,8 @@ ModelShape ModelShape::from_config(const model::GptConfig& config, const std::st
   m.vocab = config.vocab_size;
   m.seq = config.context;
   m.layers = config.layers;
-  m.heads = m.kv_heads = config.heads;
+  m.heads = config.heads;
+  m.kv_heads = config.key_value_heads();
   m.width = config.width;
   m.ffn = config.mlp_hidden();
   m.gated_mlp = config.mlp == "swiglu";

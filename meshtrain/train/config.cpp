@@ -130,6 +130,12 @@ const std::vector<Field>& fields() {
     f.push_back(field("model", "layers", "transformer blocks", MESHTRAIN_CONFIG_MEMBER(model.layers)));
     f.push_back(field("model", "heads", "attention heads (must divide width)", MESHTRAIN_CONFIG_MEMBER(model.heads)));
     f.push_back(field("model", "width", "model dimension", MESHTRAIN_CONFIG_MEMBER(model.width)));
+    f.push_back(field("model", "kv_heads", "key/value heads for grouped-query attention (0: as many as heads)",
+                      MESHTRAIN_CONFIG_MEMBER(model.kv_heads)));
+    f.push_back(field("model", "ffn_hidden", "the MLP's hidden size (0: 4 x width for gelu, 8/3 x width for swiglu)",
+                      MESHTRAIN_CONFIG_MEMBER(model.ffn_hidden)));
+    f.push_back(field("model", "rope_theta", "rotary position base", MESHTRAIN_CONFIG_MEMBER(model.rope_theta)));
+    f.push_back(field("model", "norm_eps", "epsilon of the norms", MESHTRAIN_CONFIG_MEMBER(model.norm_eps)));
     f.push_back(field("model", "context", "sequence length in tokens", MESHTRAIN_CONFIG_MEMBER(model.context)));
     f.push_back(field("model", "vocab_size", "vocabulary (the byte tokenizer needs 256)",
                       MESHTRAIN_CONFIG_MEMBER(model.vocab_size)));
@@ -546,7 +552,9 @@ std::string model_config_to_json(const model::GptConfig& c) {
   nlohmann::json j{{"vocab_size", c.vocab_size}, {"context", c.context}, {"layers", c.layers},
                    {"heads", c.heads},           {"width", c.width},     {"dropout", c.dropout},
                    {"norm", c.norm},             {"position", c.position}, {"mlp", c.mlp},
-                   {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias}};
+                   {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias},
+                   {"kv_heads", c.kv_heads},     {"ffn_hidden", c.ffn_hidden}, {"rope_theta", c.rope_theta},
+                   {"norm_eps", c.norm_eps}};
   if (c.moe()) {
     j["moe"] = {{"experts", c.moe_experts},         {"every", c.moe_every},   {"top_k", c.moe_top_k},
                 {"capacity_factor", c.moe_capacity_factor}, {"second_expert", c.moe_second_expert},
@@ -569,6 +577,11 @@ model::GptConfig model_config_from_json(const std::string& text) {
   c.mlp = j.at("mlp");
   c.tie_embeddings = j.at("tie_embeddings");
   c.bias = j.at("bias");
+  // Added later: absent in older checkpoints, which had the defaults.
+  c.kv_heads = j.value("kv_heads", int64_t{0});
+  c.ffn_hidden = j.value("ffn_hidden", int64_t{0});
+  c.rope_theta = j.value("rope_theta", 10000.0);
+  c.norm_eps = j.value("norm_eps", 1e-5);
   if (j.contains("moe")) {
     const nlohmann::json& m = j.at("moe");
     c.moe_experts = m.at("experts");

@@ -142,7 +142,8 @@ std::string Trainer::model_fingerprint() const {
   return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
          std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
          " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
-         (m.bias ? "/bias" : "/nobias");
+         (m.bias ? "/bias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
+         (m.ffn_hidden > 0 ? " ffn=" + std::to_string(m.ffn_hidden) : "");
 }
 
 StepResult Trainer::step() {

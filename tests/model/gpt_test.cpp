@@ -19,6 +19,40 @@ TEST(GptConfig, ParameterCountMatchesTheModulesForEveryStyle) {
   odd.mlp = "swiglu";
   Gpt model(odd, 1);
   EXPECT_EQ(counted(*model), odd.parameter_count());
+  GptConfig grouped = GptConfig::preset("llama-tiny");
+  grouped.kv_heads = 2, grouped.ffn_hidden = 100;
+  Gpt gqa(grouped, 1);
+  EXPECT_EQ(counted(*gqa), grouped.parameter_count());
+  EXPECT_EQ(gqa->blocks[0]->as<Block>()->attn->qkv->weight.size(0), grouped.width + 2 * 2 * grouped.head_dim());
+}
+
+// Grouped-query attention is multi-head attention whose heads in a group
+// share keys and values: with the shared k and v copied to every head of
+// their group, the MHA model computes the same logits.
+TEST(Gpt, GroupedQueryAttentionEqualsMultiHeadWithSharedKeysAndValues) {
+  GptConfig grouped = GptConfig::preset("llama-tiny");
+  grouped.layers = 2, grouped.heads = 4, grouped.kv_heads = 2, grouped.context = 16;
+  GptConfig multi = grouped;
+  multi.kv_heads = 0;
+  Gpt gqa(grouped, 3), mha(multi, 4);
+  torch::NoGradGuard no_grad;
+  auto theirs = gqa->named_parameters();
+  const int64_t hd = grouped.head_dim(), rep = 2;
+  for (auto& item : mha->named_parameters()) {
+    const at::Tensor& src = theirs[item.key()];
+    if (item.key().find("attn.qkv.weight") == std::string::npos) {
+      item.value().copy_(src);
+      continue;
+    }
+    // Note [Grouped-query layout]: per group [q (rep heads), k, v].
+    const at::Tensor groups = src.view({2, rep + 2, hd, grouped.width});
+    const at::Tensor q = groups.narrow(1, 0, rep).reshape({-1, grouped.width});
+    const at::Tensor k = groups.select(1, rep).unsqueeze(1).expand({2, rep, hd, grouped.width}).reshape({-1, grouped.width});
+    const at::Tensor v = groups.select(1, rep + 1).unsqueeze(1).expand({2, rep, hd, grouped.width}).reshape({-1, grouped.width});
+    item.value().copy_(at::cat({q, k, v}));
+  }
+  const at::Tensor tokens = at::randint(0, grouped.vocab_size, {2, 16}, at::kLong);
+  EXPECT_TRUE(at::allclose(gqa->forward(tokens), mha->forward(tokens), 1e-5, 1e-5));
 }
 
 TEST(GptConfig, KnownSizesAndFlops) {

@@ -16,8 +16,11 @@ GptConfig small_model(bool llama) {
 }
 
 TEST(KvCache, PrefillThenOneTokenAtATimeGivesTheFullForwardsLogits) {
-  for (bool llama : {false, true}) {
-    Gpt gpt(small_model(llama), 3);
+  for (int style : {0, 1, 2}) {  // gpt2, llama, llama with grouped-query attention
+    const bool llama = style > 0;
+    GptConfig config = small_model(llama);
+    if (style == 2) config.kv_heads = 2;
+    Gpt gpt(config, 3);
     gpt->eval();
     torch::NoGradGuard no_grad;
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);

@@ -167,8 +167,9 @@ class Recorder : public model::ForwardHooks {
   std::map<std::string, at::Tensor> outputs;
 };
 
-// A model every group size here divides: heads 12, MLP 288 or 192, vocab 264, context 12.
-model::GptConfig divisible_model(bool llama) {
+// A model every group size here divides: heads 12, MLP 288 or 192, vocab 264,
+// context 12; with grouped-query attention 24 heads sharing 12 key/value heads.
+model::GptConfig divisible_model(bool llama, bool grouped_query = false) {
   model::GptConfig c = model::GptConfig::preset("tiny");
   c.layers = 2;
   c.width = 72;
@@ -182,19 +183,22 @@ model::GptConfig divisible_model(bool llama) {
     c.tie_embeddings = false;
     c.bias = false;
   }
+  if (grouped_query) c.width = 144, c.heads = 24, c.kv_heads = 12;
   return c;
 }
 
 // The part of a full-model output `want` that rank r of t holds in `got`:
 // a sequence chunk (dim 1 with sequence parallel, dim 0 for positions), or a
 // block of features (last dim; qkv holds q, k and v blocks).
-at::Tensor part_held(const std::string& site, const at::Tensor& want, const at::Tensor& got, int t, int r) {
+at::Tensor part_held(const std::string& site, const at::Tensor& want, const at::Tensor& got, int t, int r,
+                     bool grouped_query) {
   if (got.sizes() == want.sizes()) return want;
   const int64_t last = want.dim() - 1;
   for (int64_t d = 0; d < want.dim(); ++d) {
     if (got.size(d) == want.size(d)) continue;
     if (d != last) return chunk(want, d, t, r);
-    const int64_t parts = site.size() > 4 && site.compare(site.size() - 4, 4, ".qkv") == 0 ? 3 : 1;
+    const bool qkv = site.size() > 4 && site.compare(site.size() - 4, 4, ".qkv") == 0;
+    const int64_t parts = qkv && !grouped_query ? 3 : 1;  // Note [Grouped-query layout]
     std::vector<int64_t> blocks = want.sizes().vec();
     blocks.back() = parts;
     blocks.push_back(t);
@@ -208,11 +212,12 @@ TEST(TensorParallelLayers, EveryModuleAndGradientMatchesTheFullModel) {
   for (int t : group_sizes()) {
     const CommPtr comm = group_of(t);
     const int r = comm->rank();
-    for (bool llama : {false, true}) {
+    for (int style : {0, 1, 2}) {  // gpt2, llama, llama with grouped-query attention
       for (bool sp : {false, true}) {
-        const std::string where = std::string(llama ? "llama-style" : "gpt2-style") + (sp ? " + SP" : "") +
-                                  ", t = " + std::to_string(t);
-        const model::GptConfig config = divisible_model(llama);
+        const bool llama = style > 0, grouped = style == 2;
+        const std::string where = std::string(grouped ? "llama-style GQA" : llama ? "llama-style" : "gpt2-style") +
+                                  (sp ? " + SP" : "") + ", t = " + std::to_string(t);
+        const model::GptConfig config = divisible_model(llama, grouped);
         model::Gpt full(config, 7), split(config, 7);
         TensorParallel tp(split, comm, gpt_tensor_parallel_plan(config, sp), {sp, 7});
         auto full_record = std::make_shared<Recorder>(), split_record = std::make_shared<Recorder>();
@@ -230,7 +235,7 @@ TEST(TensorParallelLayers, EveryModuleAndGradientMatchesTheFullModel) {
         ASSERT_EQ(split_record->outputs.size(), full_record->outputs.size()) << where;
         for (const auto& [site, out] : full_record->outputs) {
           const at::Tensor& mine = split_record->outputs.at(site);
-          expect_close(mine, part_held(site, out, mine, t, r), "output of '" + site + "', " + where);
+          expect_close(mine, part_held(site, out, mine, t, r, grouped), "output of '" + site + "', " + where);
         }
         auto full_params = full->named_parameters();
         for (const auto& item : split->named_parameters()) {
