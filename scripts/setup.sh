@@ -3,7 +3,7 @@
 #   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json,
 #     GoogleTest, Google Benchmark, Python venv support),
 #   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
-#   - the Python packages the tests use (the openai client) into the same .venv/.
+#   - the Python packages the tests use (openai, transformers) into the same .venv/.
 # Runs as root or through sudo. When everything is present it changes nothing.
 set -euo pipefail
 
@@ -73,8 +73,9 @@ install_torch() {
     "torch==$torch_version" numpy
 }
 
-# Python packages the tests drive meshtrain with (the official OpenAI client).
-test_packages=(openai)
+# Python packages the tests check meshtrain against (the official OpenAI
+# client; Hugging Face transformers, which brings safetensors).
+test_packages=(openai transformers)
 install_test_packages() {
   local missing=() pkg
   for pkg in "${test_packages[@]}"; do

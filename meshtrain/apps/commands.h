@@ -67,6 +67,15 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options);
 // MPI starts its threads): serve waits for them with sigwait.
 void block_stop_signals();
 
+// meshtrain import hf DIR --out CKPT: a Hugging Face GPT-2 or Llama folder as
+// a meshtrain checkpoint (step 0). export hf: the reverse. logits: the
+// logits [1, T, V] of token ids, as a safetensors file (to compare with
+// another implementation).
+int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::string& out_dir);
+int run_export_hf(const std::string& checkpoint, const std::string& out_dir, const std::string& dtype,
+                  int64_t max_shard_bytes);
+int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out);
+
 // meshtrain checkpoint inspect DIR: step, layout, files and every tensor (no MPI).
 int run_checkpoint_inspect(const std::string& path, bool json);
 

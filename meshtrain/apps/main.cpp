@@ -255,6 +255,34 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   serve->add_flag("--log", serve_options.log, "Print a line per request to stderr");
 
+  std::string import_dir, import_out, export_checkpoint, export_out, export_dtype = "float32", export_shard = "5G";
+  CLI::App* import = app.add_subcommand("import", "Bring a model trained elsewhere in as a meshtrain checkpoint");
+  import->require_subcommand(1);
+  CLI::App* import_hf = import->add_subcommand(
+      "hf", "A Hugging Face transformers folder (config.json + model.safetensors, or shards with "
+            "model.safetensors.index.json) of a GPT-2 or Llama model (grouped-query attention included)");
+  import_hf->add_option("dir", import_dir, "The Hugging Face model folder")->required()->check(CLI::ExistingDirectory);
+  import_hf->add_option("--out", import_out, "Checkpoint directory to write (step 0, with a latest pointer)")
+      ->required();
+  CLI::App* export_ = app.add_subcommand("export", "Hand a meshtrain checkpoint to other tools");
+  export_->require_subcommand(1);
+  CLI::App* export_hf = export_->add_subcommand(
+      "hf", "As a Hugging Face transformers folder (GPT2LMHeadModel or LlamaForCausalLM): config.json and "
+            "safetensors, sharded with an index when larger than --max-shard-size");
+  export_hf->add_option("checkpoint", export_checkpoint, "Checkpoint folder, or a checkpoint directory (its latest)")
+      ->required();
+  export_hf->add_option("--out", export_out, "Folder to write")->required();
+  export_hf->add_option("--dtype", export_dtype, "float32, bfloat16 or float16")->capture_default_str();
+  export_hf->add_option("--max-shard-size", export_shard, "Largest safetensors file (e.g. 500M, 5G)")
+      ->capture_default_str();
+  std::string logits_checkpoint, logits_tokens, logits_out;
+  CLI::App* logits = app.add_subcommand(
+      "logits", "Write the logits [1, T, vocab] of a token sequence to a safetensors file (to compare with "
+                "another implementation)");
+  logits->add_option("--checkpoint", logits_checkpoint, "Checkpoint folder or directory")->required();
+  logits->add_option("--tokens", logits_tokens, "Token ids separated by commas, e.g. 1,2,3")->required();
+  logits->add_option("--out", logits_out, "The safetensors file to write (tensor \"logits\")")->required();
+
   std::string inspect_path;
   bool inspect_json = false;
   CLI::App* checkpoint = app.add_subcommand("checkpoint", "Look into distributed checkpoints");
@@ -287,6 +315,15 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (export_hf->parsed() || logits->parsed()) {  // no MPI
+    try {
+      if (logits->parsed()) return meshtrain::apps::run_logits(logits_checkpoint, logits_tokens, logits_out);
+      return meshtrain::apps::run_export_hf(export_checkpoint, export_out, export_dtype, parse_bytes(export_shard));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
+      return 1;
+    }
+  }
   if (prepare->parsed() || timeline->parsed() || inspect->parsed() ||
       (plan->parsed() && !plan_calibrate)) {  // no MPI
     try {
@@ -321,6 +358,7 @@ int main(int argc, char** argv) {
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (generate->parsed()) return meshtrain::apps::run_generate(*runtime, generate_options);
     if (serve->parsed()) return meshtrain::apps::run_serve(*runtime, serve_options);
+    if (import_hf->parsed()) return meshtrain::apps::run_import_hf(*runtime, import_dir, import_out);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);

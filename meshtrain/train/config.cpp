@@ -563,6 +563,14 @@ std::string model_config_to_json(const model::GptConfig& c) {
   return j.dump();
 }
 
+std::string model_fingerprint(const model::GptConfig& m) {
+  return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
+         std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
+         " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
+         (m.bias ? "/bias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
+         (m.ffn_hidden > 0 ? " ffn=" + std::to_string(m.ffn_hidden) : "");
+}
+
 model::GptConfig model_config_from_json(const std::string& text) {
   const nlohmann::json j = nlohmann::json::parse(text);
   model::GptConfig c;

@@ -95,5 +95,7 @@ struct TrainConfig {
 // The model shape as JSON (stored in checkpoints) and back.
 std::string model_config_to_json(const model::GptConfig& config);
 model::GptConfig model_config_from_json(const std::string& text);
+// The model's shape in one line, recorded in checkpoints and checked on resume.
+std::string model_fingerprint(const model::GptConfig& config);
 
 }  // namespace meshtrain::train

@@ -137,14 +137,7 @@ double Trainer::mfu(double tokens_per_second) const {
   return config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * world_->size());
 }
 
-std::string Trainer::model_fingerprint() const {
-  const auto& m = config_.model;
-  return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
-         std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
-         " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
-         (m.bias ? "/bias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
-         (m.ffn_hidden > 0 ? " ffn=" + std::to_string(m.ffn_hidden) : "");
-}
+std::string Trainer::model_fingerprint() const { return train::model_fingerprint(config_.model); }
 
 StepResult Trainer::step() {
   const auto start = Clock::now();

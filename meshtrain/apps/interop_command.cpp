@@ -1,0 +1,105 @@
+// meshtrain import hf / export hf / logits: models in Hugging Face's format in
+// and out, and the logits of a token sequence to compare implementations.
+#include "meshtrain/apps/commands.h"
+
+#include "meshtrain/checkpoint/reader.h"
+#include "meshtrain/checkpoint/store.h"
+#include "meshtrain/checkpoint/writer.h"
+#include "meshtrain/interop/hf_checkpoint.h"
+#include "meshtrain/interop/safetensors.h"
+#include "meshtrain/model/gpt.h"
+#include "meshtrain/train/config.h"
+
+#include <cstdio>
+#include <sstream>
+
+namespace meshtrain::apps {
+
+namespace {
+
+// The model a checkpoint holds, with its weights.
+model::Gpt load_model(const std::string& checkpoint) {
+  checkpoint::CheckpointReader reader(checkpoint::CheckpointStore::resolve(checkpoint));
+  model::Gpt gpt(train::model_config_from_json(reader.metadata().model_config), 0);
+  torch::NoGradGuard no_grad;
+  for (auto& item : gpt->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
+  gpt->eval();
+  return gpt;
+}
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw std::invalid_argument("--dtype " + name + ": use float32, bfloat16 or float16");
+}
+
+}  // namespace
+
+int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::string& out_dir) {
+  if (runtime.size() != 1) throw std::invalid_argument("import runs on one rank");
+  const interop::HfModel hf = interop::read_hf_model(dir);
+  model::Gpt gpt(hf.config, 0);
+  placement::TrainingState state;
+  for (auto& item : gpt->named_parameters()) {
+    auto it = hf.weights.find(item.key());
+    if (it == hf.weights.end()) throw std::logic_error("import: no weight for " + item.key());
+    placement::StateTensor t;
+    t.name = "model/" + item.key();
+    t.spec.shape = item.value().sizes().vec();
+    t.spec.axes = {"dp"};
+    t.spec.placements = {placement::Placement::replicate()};
+    t.local = it->second.reshape({-1}).contiguous();
+    state.push_back(std::move(t));
+  }
+  checkpoint::Metadata meta;
+  meta.step = 0;
+  meta.model = train::model_fingerprint(hf.config);
+  meta.model_config = train::model_config_to_json(hf.config);
+  meta.layout = "imported from Hugging Face " + hf.model_type;
+  meta.world = 1;
+  checkpoint::CheckpointWriter writer(checkpoint::CheckpointStore(out_dir, 1), runtime.world(), /*async=*/false);
+  writer.save(meta, state, mesh::MeshLayout({{"dp", 1}}, 1));
+  writer.wait();
+  std::printf("meshtrain import: %s model from %s (%.1fM parameters) -> %s\n", hf.model_type.c_str(), dir.c_str(),
+              hf.config.parameter_count() / 1e6, checkpoint::CheckpointStore::resolve(out_dir).c_str());
+  return 0;
+}
+
+int run_export_hf(const std::string& checkpoint, const std::string& out_dir, const std::string& dtype,
+                  int64_t max_shard_bytes) {
+  const model::Gpt gpt = load_model(checkpoint);
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& item : gpt->named_parameters()) weights[item.key()] = item.value().detach();
+  interop::write_hf_model(out_dir, gpt->config(), weights, parse_dtype(dtype), max_shard_bytes);
+  std::printf("meshtrain export: %s -> %s (config.json, safetensors in %s)\n", checkpoint.c_str(), out_dir.c_str(),
+              dtype.c_str());
+  return 0;
+}
+
+int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out) {
+  model::Gpt gpt = load_model(checkpoint);
+  std::vector<int64_t> ids;
+  std::istringstream in(tokens);
+  for (std::string word; std::getline(in, word, ',');) {
+    try {
+      ids.push_back(std::stoll(word));
+    } catch (const std::exception&) {
+      throw std::invalid_argument("--tokens: \"" + word + "\" is not a token id (give ids separated by commas)");
+    }
+    if (ids.back() < 0 || ids.back() >= gpt->config().vocab_size) {
+      throw std::invalid_argument("--tokens: id " + word + " is outside the vocabulary of " +
+                                  std::to_string(gpt->config().vocab_size));
+    }
+  }
+  if (ids.empty() || static_cast<int64_t>(ids.size()) > gpt->config().context) {
+    throw std::invalid_argument("--tokens: give 1 to " + std::to_string(gpt->config().context) + " token ids");
+  }
+  torch::NoGradGuard no_grad;
+  const at::Tensor logits = gpt->forward(at::tensor(ids, at::kLong).view({1, -1}));
+  interop::write_safetensors(out, {{"logits", logits}});
+  std::printf("meshtrain logits: [1, %zu, %lld] -> %s\n", ids.size(), static_cast<long long>(logits.size(2)), out.c_str());
+  return 0;
+}
+
+}  // namespace meshtrain::apps
