@@ -1,6 +1,7 @@
 # Finds what meshtrain builds against and defines:
 #   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
 #   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json, PkgConfig::HTTPLIB,
+#   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY,
 #   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
 find_package(Threads REQUIRED)
@@ -22,6 +23,12 @@ find_package(nlohmann_json 3 CONFIG REQUIRED)
 # cpp-httplib (Debian's libcpp-httplib-dev), for meshtrain serve.
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
+# Tokenizers: SentencePiece (libsentencepiece-dev) and PCRE2 (GPT-2's pattern),
+# linked by file so the installed package needs no targets of theirs.
+find_library(MESHTRAIN_SENTENCEPIECE_LIBRARY sentencepiece REQUIRED)
+find_library(MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
+set(MESHTRAIN_SENTENCEPIECE_LIBRARIES ${MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY} ${MESHTRAIN_SENTENCEPIECE_LIBRARY})
+find_library(MESHTRAIN_PCRE2_LIBRARY pcre2-8 REQUIRED)
 
 # NCCL: only meaningful when libtorch itself was built with CUDA. Prefer the NCCL
 # that ships beside the torch wheel (the one libtorch_cuda loads), then the CUDA

@@ -3,7 +3,7 @@
 #   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json,
 #     GoogleTest, Google Benchmark, Python venv support),
 #   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
-#   - the Python packages the tests use (openai, transformers) into the same .venv/.
+#   - the Python packages the tests use (openai, transformers, sentencepiece) into the same .venv/.
 # Runs as root or through sudo. When everything is present it changes nothing.
 set -euo pipefail
 
@@ -14,7 +14,7 @@ torch_version=${MESHTRAIN_TORCH_VERSION:-2.11.0}
 debian_packages=(
   g++ cmake ninja-build make pkg-config git
   libopenmpi-dev openmpi-bin
-  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pip
 )
@@ -75,7 +75,7 @@ install_torch() {
 
 # Python packages the tests check meshtrain against (the official OpenAI
 # client; Hugging Face transformers, which brings safetensors).
-test_packages=(openai transformers)
+test_packages=(openai transformers sentencepiece)
 install_test_packages() {
   local missing=() pkg
   for pkg in "${test_packages[@]}"; do

@@ -31,7 +31,14 @@ int run_selfcheck(comm::Runtime& runtime, int64_t bench_max_bytes);
 int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides);
 
 // meshtrain prepare TEXT... --out DIR: text -> train.bin / val.bin (no MPI needed).
-int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction);
+int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,
+                const std::string& tokenizer);
+
+// meshtrain tokenizer train / encode / decode (apps/tokenizer_command.cpp).
+int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, const std::string& type,
+                        const std::string& prefix);
+int run_tokenizer_encode(const std::string& tokenizer, const std::string& text, const std::string& file);
+int run_tokenizer_decode(const std::string& tokenizer, const std::vector<int64_t>& ids);
 
 struct GenerateOptions {
   std::string checkpoint;  // a checkpoint folder, or a directory holding a 'latest' pointer

@@ -8,9 +8,12 @@
 #include "meshtrain/interop/hf_checkpoint.h"
 #include "meshtrain/interop/safetensors.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/text/tokenizer.h"
 #include "meshtrain/train/config.h"
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 
 namespace meshtrain::apps {
@@ -25,6 +28,41 @@ model::Gpt load_model(const std::string& checkpoint) {
   for (auto& item : gpt->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
   gpt->eval();
   return gpt;
+}
+
+// The tokenizer files of a Hugging Face folder, if it has ones meshtrain reads.
+std::unique_ptr<text::Tokenizer> hf_tokenizer(const std::string& dir, int64_t vocab) {
+  namespace fs = std::filesystem;
+  const fs::path d(dir);
+  const bool any = (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt")) || fs::exists(d / "tokenizer.json") ||
+                   fs::exists(d / "tokenizer.model");
+  if (!any) {
+    std::fprintf(stderr, "meshtrain import: %s has no tokenizer files; generate and serve will use bytes\n", dir.c_str());
+    return nullptr;
+  }
+  try {
+    std::unique_ptr<text::Tokenizer> tokenizer = text::load_tokenizer(dir);
+    if (tokenizer->vocab_size() > vocab) {
+      throw text::TokenizerError("its " + std::to_string(tokenizer->vocab_size()) + " tokens exceed the model's " +
+                                 std::to_string(vocab));
+    }
+    return tokenizer;
+  } catch (const text::TokenizerError& e) {
+    std::fprintf(stderr, "meshtrain import: the tokenizer was not imported (%s); generate and serve will use bytes\n",
+                 e.what());
+    return nullptr;
+  }
+}
+
+// The tokenizer's files beside an exported model, with a tokenizer_config.json naming its class.
+void write_tokenizer(const std::string& dir, const text::Tokenizer& tokenizer) {
+  if (tokenizer.kind() == "bytes") return;
+  for (const auto& [name, content] : tokenizer.files()) {
+    std::ofstream out(std::filesystem::path(dir) / name, std::ios::binary | std::ios::trunc);
+    out << content;
+  }
+  std::ofstream config(std::filesystem::path(dir) / "tokenizer_config.json", std::ios::trunc);
+  config << "{\"tokenizer_class\": \"" << (tokenizer.kind() == "gpt2-bpe" ? "GPT2Tokenizer" : "LlamaTokenizer") << "\"}\n";
 }
 
 at::ScalarType parse_dtype(const std::string& name) {
@@ -58,20 +96,26 @@ int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::str
   meta.model_config = train::model_config_to_json(hf.config);
   meta.layout = "imported from Hugging Face " + hf.model_type;
   meta.world = 1;
+  const std::unique_ptr<text::Tokenizer> tokenizer = hf_tokenizer(dir, hf.config.vocab_size);
+  if (tokenizer) meta.tokenizer = text::tokenizer_to_json(*tokenizer);
   checkpoint::CheckpointWriter writer(checkpoint::CheckpointStore(out_dir, 1), runtime.world(), /*async=*/false);
   writer.save(meta, state, mesh::MeshLayout({{"dp", 1}}, 1));
   writer.wait();
-  std::printf("meshtrain import: %s model from %s (%.1fM parameters) -> %s\n", hf.model_type.c_str(), dir.c_str(),
-              hf.config.parameter_count() / 1e6, checkpoint::CheckpointStore::resolve(out_dir).c_str());
+  std::printf("meshtrain import: %s model from %s (%.1fM parameters, tokenizer %s) -> %s\n", hf.model_type.c_str(),
+              dir.c_str(), hf.config.parameter_count() / 1e6,
+              tokenizer ? tokenizer->describe().c_str() : "bytes", checkpoint::CheckpointStore::resolve(out_dir).c_str());
   return 0;
 }
 
 int run_export_hf(const std::string& checkpoint, const std::string& out_dir, const std::string& dtype,
                   int64_t max_shard_bytes) {
   const model::Gpt gpt = load_model(checkpoint);
+  const std::string tokenizer =
+      checkpoint::CheckpointStore::read_metadata(checkpoint::CheckpointStore::resolve(checkpoint)).tokenizer;
   std::map<std::string, at::Tensor> weights;
   for (const auto& item : gpt->named_parameters()) weights[item.key()] = item.value().detach();
   interop::write_hf_model(out_dir, gpt->config(), weights, parse_dtype(dtype), max_shard_bytes);
+  write_tokenizer(out_dir, *text::tokenizer_from_json(tokenizer));
   std::printf("meshtrain export: %s -> %s (config.json, safetensors in %s)\n", checkpoint.c_str(), out_dir.c_str(),
               dtype.c_str());
   return 0;

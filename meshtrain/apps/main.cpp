@@ -190,6 +190,10 @@ int main(int argc, char** argv) {
   CLI::App* prepare = app.add_subcommand("prepare", "Turn text files or directories into token files (train.bin, val.bin)");
   prepare->add_option("inputs", prepare_inputs, "Text files or directories")->required();
   prepare->add_option("--out", prepare_out, "Output directory")->capture_default_str();
+  std::string prepare_tokenizer = "bytes";
+  prepare->add_option("--tokenizer", prepare_tokenizer,
+                      "bytes, a SentencePiece .model, a tokenizer.json, or a folder with vocab.json + merges.txt")
+      ->capture_default_str();
   prepare->add_option("--val-fraction", prepare_val_fraction, "Share of tokens held out for validation")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
@@ -275,6 +279,27 @@ int main(int argc, char** argv) {
   export_hf->add_option("--dtype", export_dtype, "float32, bfloat16 or float16")->capture_default_str();
   export_hf->add_option("--max-shard-size", export_shard, "Largest safetensors file (e.g. 500M, 5G)")
       ->capture_default_str();
+  CLI::App* tokenizer = app.add_subcommand("tokenizer", "Train and try tokenizers");
+  tokenizer->require_subcommand(1);
+  std::vector<std::string> tok_inputs;
+  int64_t tok_vocab = 8000;
+  std::string tok_type = "unigram", tok_out, tok_spec = "bytes", tok_text, tok_file;
+  std::vector<int64_t> tok_ids;
+  CLI::App* tok_train = tokenizer->add_subcommand(
+      "train", "Train a SentencePiece model on text files (byte fallback on: any text encodes); writes OUT.model "
+               "and OUT.vocab. Use it with [data] tokenizer = \"OUT.model\" and model.vocab_size = --vocab.");
+  tok_train->add_option("inputs", tok_inputs, "Text files")->required()->check(CLI::ExistingFile);
+  tok_train->add_option("--vocab", tok_vocab, "Vocabulary size")->check(CLI::Range(64, 65536))->capture_default_str();
+  tok_train->add_option("--type", tok_type, "unigram or bpe")->capture_default_str();
+  tok_train->add_option("--out", tok_out, "Output prefix")->required();
+  CLI::App* tok_encode = tokenizer->add_subcommand("encode", "Print the token ids of a text");
+  tok_encode->add_option("--tokenizer", tok_spec, "As [data] tokenizer")->capture_default_str();
+  tok_encode->add_option("--text", tok_text, "The text");
+  tok_encode->add_option("--file", tok_file, "Or a file's text")->check(CLI::ExistingFile);
+  CLI::App* tok_decode = tokenizer->add_subcommand("decode", "Print the text of token ids");
+  tok_decode->add_option("--tokenizer", tok_spec, "As [data] tokenizer")->capture_default_str();
+  tok_decode->add_option("ids", tok_ids, "Token ids")->required();
+
   std::string logits_checkpoint, logits_tokens, logits_out;
   CLI::App* logits = app.add_subcommand(
       "logits", "Write the logits [1, T, vocab] of a token sequence to a safetensors file (to compare with "
@@ -315,8 +340,11 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (export_hf->parsed() || logits->parsed()) {  // no MPI
+  if (export_hf->parsed() || logits->parsed() || tokenizer->parsed()) {  // no MPI
     try {
+      if (tok_train->parsed()) return meshtrain::apps::run_tokenizer_train(tok_inputs, tok_vocab, tok_type, tok_out);
+      if (tok_encode->parsed()) return meshtrain::apps::run_tokenizer_encode(tok_spec, tok_text, tok_file);
+      if (tok_decode->parsed()) return meshtrain::apps::run_tokenizer_decode(tok_spec, tok_ids);
       if (logits->parsed()) return meshtrain::apps::run_logits(logits_checkpoint, logits_tokens, logits_out);
       return meshtrain::apps::run_export_hf(export_checkpoint, export_out, export_dtype, parse_bytes(export_shard));
     } catch (const std::exception& e) {
@@ -329,7 +357,9 @@ int main(int argc, char** argv) {
     try {
       if (inspect->parsed()) return meshtrain::apps::run_checkpoint_inspect(inspect_path, inspect_json);
       if (plan->parsed()) return meshtrain::apps::run_plan(plan_options);
-      if (prepare->parsed()) return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction);
+      if (prepare->parsed()) {
+        return meshtrain::apps::run_prepare(prepare_inputs, prepare_out, prepare_val_fraction, prepare_tokenizer);
+      }
       return meshtrain::apps::run_timeline(timeline_trace, timeline_out, timeline_title);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));

@@ -20,8 +20,9 @@ int run_train(comm::Runtime& runtime, const std::string& config_path, const std:
   return 0;
 }
 
-int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction) {
-  const train::PrepareResult result = train::prepare(inputs, out_dir, val_fraction);
+int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,
+                const std::string& tokenizer) {
+  const train::PrepareResult result = train::prepare(inputs, out_dir, val_fraction, tokenizer);
   std::printf("meshtrain prepare: %zu file(s) -> %s (%lld tokens), %s (%lld tokens)\n", result.sources.size(),
               result.train_path.c_str(), static_cast<long long>(result.train_tokens), result.val_path.c_str(),
               static_cast<long long>(result.val_tokens));

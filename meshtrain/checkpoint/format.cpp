@@ -61,6 +61,7 @@ std::string Metadata::to_json() const {
             {"layout", layout},
             {"world", world},
             {"tensors", tensors_json}};
+  if (!tokenizer.empty()) j["tokenizer"] = json::parse(tokenizer);
   return j.dump(1) + "\n";
 }
 
@@ -79,6 +80,7 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
     m.model_config = j.at("model_config").dump();
     m.layout = j.at("layout").get<std::string>();
     m.world = j.at("world").get<int64_t>();
+    if (j.contains("tokenizer")) m.tokenizer = j.at("tokenizer").dump();
     for (const auto& [name, t] : j.at("tensors").items()) {
       TensorEntry entry;
       entry.shape = t.at("shape").get<std::vector<int64_t>>();

@@ -66,6 +66,7 @@ struct Metadata {
   std::string model_config;    // the model's config as JSON
   std::string layout;          // ParallelDims::str() of the saving run
   int64_t world = 1;           // its world size
+  std::string tokenizer;       // text::tokenizer_to_json of the training's tokenizer ("": bytes)
   std::map<std::string, TensorEntry> tensors;
 
   std::string to_json() const;

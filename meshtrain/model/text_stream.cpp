@@ -4,7 +4,8 @@
 
 namespace meshtrain::model {
 
-TextStream::TextStream(Decode decode, std::vector<std::string> stop) : decode_(std::move(decode)) {
+TextStream::TextStream(Decode decode, std::vector<std::string> stop, int64_t end_token)
+    : decode_(std::move(decode)), end_token_(end_token) {
   for (std::string& s : stop) {
     if (!s.empty()) stop_.push_back(std::move(s));
   }
@@ -24,6 +25,10 @@ size_t incomplete_utf8_tail(const std::string& text) {
 
 std::string TextStream::push(int64_t token) {
   if (stopped_) return {};
+  if (token == end_token_ && end_token_ >= 0) {
+    stopped_ = true;
+    return text_.substr(emitted_);  // what was held back for a stop string that never came
+  }
   tokens_.push_back(token);
   text_ = decode_(tokens_);
   // The earliest stop string that appears in the text not yet emitted (a stop

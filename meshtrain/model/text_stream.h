@@ -15,12 +15,13 @@ namespace meshtrain::model {
 // string, and before an incomplete UTF-8 character (a byte-level tokenizer
 // emits a character's bytes one token at a time). When a stop string appears
 // the text ends just before it, the stop string itself is not emitted (as
-// OpenAI's API does), and stopped() turns true. Concatenating every push()
+// OpenAI's API does), and stopped() turns true; so does the end-of-text token. Concatenating every push()
 // and finish() gives the final text.
 class TextStream {
  public:
   using Decode = std::function<std::string(const std::vector<int64_t>&)>;
-  TextStream(Decode decode, std::vector<std::string> stop);
+  // `end_token`: the tokenizer's end of text (stops the stream, emits nothing); -1: none.
+  TextStream(Decode decode, std::vector<std::string> stop, int64_t end_token = -1);
 
   // Adds a token and returns the text that became final (often empty).
   std::string push(int64_t token);
@@ -32,6 +33,7 @@ class TextStream {
  private:
   Decode decode_;
   std::vector<std::string> stop_;
+  int64_t end_token_;
   std::vector<int64_t> tokens_;
   std::string text_;      // all tokens decoded
   size_t emitted_ = 0;    // bytes of text_ already returned

@@ -15,6 +15,7 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
   checkpoint::CheckpointReader reader(folder);
   name_ = std::filesystem::path(folder).filename().string();
   step_ = reader.metadata().step;
+  tokenizer_ = text::tokenizer_from_json(reader.metadata().tokenizer);
   gpt_ = model::Gpt(train::model_config_from_json(reader.metadata().model_config), 0);
   {
     torch::NoGradGuard no_grad;
@@ -24,7 +25,7 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
 }
 
 InferenceModel::InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name)
-    : gpt_(std::move(gpt)), group_(std::move(tp_group)), name_(std::move(name)) {
+    : gpt_(std::move(gpt)), group_(std::move(tp_group)), tokenizer_(text::bytes_tokenizer()), name_(std::move(name)) {
   split();
 }
 
@@ -50,12 +51,11 @@ model::SampleOptions InferenceModel::with_split(model::SampleOptions options) co
 }
 
 std::vector<int64_t> InferenceModel::encode(const std::string& text) const {
-  const std::vector<uint16_t> ids = train::ByteTokenizer::encode(text);
-  return {ids.begin(), ids.end()};
+  return tokenizer_->encode(text);
 }
 
 std::string InferenceModel::decode(const std::vector<int64_t>& tokens) const {
-  return train::ByteTokenizer::decode(at::tensor(tokens, at::kLong));
+  return tokenizer_->decode(tokens);
 }
 
 }  // namespace meshtrain::serve

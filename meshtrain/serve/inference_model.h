@@ -4,6 +4,7 @@
 
 #include "meshtrain/model/generate.h"
 #include "meshtrain/parallel/tensor_parallel.h"
+#include "meshtrain/text/tokenizer.h"
 
 #include <memory>
 #include <string>
@@ -25,7 +26,7 @@ class InferenceModel {
   // `checkpoint`: a checkpoint folder or a directory with a 'latest' pointer.
   // `tp_group`: the ranks that split the model (null or size 1: whole).
   InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group);
-  // A model in memory (the same full model on every rank of the group).
+  // A model in memory (the same full model on every rank of the group), bytes as its tokenizer.
   InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name = "meshtrain");
   ~InferenceModel();
 
@@ -33,7 +34,8 @@ class InferenceModel {
   const model::GptConfig& config() const { return gpt_->config(); }
   // Options with full_vocabulary set for this model's split.
   model::SampleOptions with_split(model::SampleOptions options) const;
-  // The model's tokenizer.
+  // The model's tokenizer (the one it was trained or imported with).
+  const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   std::vector<int64_t> encode(const std::string& text) const;
   std::string decode(const std::vector<int64_t>& tokens) const;
   const std::string& name() const { return name_; }  // the checkpoint folder's name
@@ -45,6 +47,7 @@ class InferenceModel {
   model::Gpt gpt_{nullptr};
   std::unique_ptr<parallel::TensorParallel> tp_;
   parallel::CommPtr group_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
   std::string name_;
   int64_t step_ = 0;
 };

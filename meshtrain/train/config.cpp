@@ -161,6 +161,9 @@ const std::vector<Field>& fields() {
     f.push_back(field("model", "moe_z_loss", "router z-loss weight", MESHTRAIN_CONFIG_MEMBER(model.moe_z_loss)));
     f.push_back(field("model", "moe_hidden", "an expert's hidden size (0: the dense MLP's)",
                       MESHTRAIN_CONFIG_MEMBER(model.moe_hidden)));
+    f.push_back(field("data", "tokenizer", "\"bytes\", a SentencePiece .model, a tokenizer.json, or a folder with "
+                      "vocab.json + merges.txt (GPT-2 BPE); model.vocab_size must hold its vocabulary",
+                      MESHTRAIN_CONFIG_MEMBER(tokenizer)));
     f.push_back(field("data", "text", "text files or directories prepared when no token files are given",
                       MESHTRAIN_CONFIG_MEMBER(text)));
     f.push_back(field("data", "train_file", "training token file from `meshtrain prepare` (overrides text)",
@@ -412,10 +415,10 @@ void TrainConfig::validate(int world_size) {
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
   }
-  if (model.vocab_size != 256 && train_file.empty()) {
+  if (model.vocab_size != 256 && train_file.empty() && (tokenizer.empty() || tokenizer == "bytes")) {
     bad("model.vocab_size", std::to_string(model.vocab_size),
-        "text is prepared with the byte tokenizer, which has 256 tokens; use 256, or give token files "
-        "(data.train_file, data.val_file) of a larger vocabulary");
+        "text is prepared with the byte tokenizer, which has 256 tokens; use 256, name a larger tokenizer "
+        "(data.tokenizer), or give token files (data.train_file, data.val_file) of a larger vocabulary");
   }
   if (steps < 1) bad("training.steps", std::to_string(steps), "must be >= 1");
   if (micro_batch < 1) bad("training.micro_batch", std::to_string(micro_batch), "must be >= 1");

@@ -30,6 +30,7 @@ struct TrainConfig {
   std::string train_file;  // token files (meshtrain prepare); override `text` when set
   std::string val_file;
   double val_fraction = 0.1;
+  std::string tokenizer = "bytes";  // text::load_tokenizer's spec
   // [training]
   int64_t steps = 100;
   int64_t batch = 16;        // global batch, sequences per optimizer step

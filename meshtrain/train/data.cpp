@@ -1,5 +1,7 @@
 #include "meshtrain/train/data.h"
 
+#include "meshtrain/text/tokenizer.h"
+
 #include "meshtrain/util/files.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -145,7 +147,8 @@ at::Tensor TokenFile::slice(int64_t offset, int64_t length) const {
   return result;
 }
 
-PrepareResult prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction) {
+PrepareResult prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,
+                      const std::string& tokenizer_spec) {
   if (inputs.empty()) throw DataError("prepare: name at least one text file or directory");
   if (!(val_fraction > 0.0 && val_fraction < 1.0)) {
     throw DataError("prepare: the validation fraction must be in (0, 1), got " + std::to_string(val_fraction));
@@ -171,7 +174,19 @@ PrepareResult prepare(const std::vector<std::string>& inputs, const std::string&
   std::string text;
   for (const std::string& source : result.sources) text += read_text(source);
   if (text.empty()) throw DataError("input " + inputs.front() + (inputs.size() > 1 ? " and the others" : "") + ": empty, no text to train on");
-  const std::vector<uint16_t> tokens = ByteTokenizer::encode(text);
+  std::unique_ptr<text::Tokenizer> tokenizer;
+  std::vector<int64_t> ids;
+  try {
+    tokenizer = text::load_tokenizer(tokenizer_spec);
+    ids = tokenizer->encode(text);
+  } catch (const text::TokenizerError& e) {
+    throw DataError(std::string("tokenizer: ") + e.what());
+  }
+  if (tokenizer->vocab_size() > 65536) {
+    throw DataError("tokenizer " + tokenizer->describe() + ": token files hold at most 65536 distinct tokens");
+  }
+  const std::vector<uint16_t> tokens(ids.begin(), ids.end());
+  const int64_t vocab = tokenizer->vocab_size();
   const auto val_tokens = static_cast<int64_t>(std::ceil(tokens.size() * val_fraction));
   const int64_t train_tokens = static_cast<int64_t>(tokens.size()) - val_tokens;
   if (train_tokens < 2 || val_tokens < 2) {
@@ -180,10 +195,8 @@ PrepareResult prepare(const std::vector<std::string>& inputs, const std::string&
   util::make_directories(out_dir);
   result.train_path = util::join_path(out_dir, "train.bin");
   result.val_path = util::join_path(out_dir, "val.bin");
-  write_token_file(result.train_path, std::vector<uint16_t>(tokens.begin(), tokens.begin() + train_tokens),
-                   ByteTokenizer::kVocabSize);
-  write_token_file(result.val_path, std::vector<uint16_t>(tokens.begin() + train_tokens, tokens.end()),
-                   ByteTokenizer::kVocabSize);
+  write_token_file(result.train_path, std::vector<uint16_t>(tokens.begin(), tokens.begin() + train_tokens), vocab);
+  write_token_file(result.val_path, std::vector<uint16_t>(tokens.begin() + train_tokens, tokens.end()), vocab);
   result.train_tokens = train_tokens;
   result.val_tokens = val_tokens;
   return result;

@@ -64,7 +64,9 @@ struct PrepareResult {
 // Tokenises the text files (directories: every regular file in them, sorted;
 // the same file reached twice is read once) and writes train.bin and val.bin to
 // `out_dir`; the last `val_fraction` of the tokens is validation data.
-PrepareResult prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction);
+// `tokenizer`: text::load_tokenizer's spec ("bytes" by default).
+PrepareResult prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,
+                      const std::string& tokenizer = "bytes");
 
 // Note [Sampler]
 // A token file of N tokens holds W = (N - 1) / T windows of T + 1 tokens at

@@ -107,11 +107,21 @@ Trainer::~Trainer() {
 }
 
 void Trainer::open_data() {
+  try {
+    tokenizer_ = text::load_tokenizer(config_.tokenizer);
+  } catch (const text::TokenizerError& e) {
+    throw ConfigError(std::string("data.tokenizer: ") + e.what());
+  }
+  if (tokenizer_->vocab_size() > config_.model.vocab_size) {
+    throw ConfigError("model.vocab_size = " + std::to_string(config_.model.vocab_size) + " is smaller than the " +
+                      "tokenizer's vocabulary (" + tokenizer_->describe() + "); set model.vocab_size = " +
+                      std::to_string(tokenizer_->vocab_size()));
+  }
   // Token files as given, or the configured text prepared once by rank 0.
   if (config_.train_file.empty()) {
     const std::string data_dir = config_.out + "/data";
     comm::on_root_or_all_fail(*world_, 0, [&] {
-      const PrepareResult prepared = prepare(config_.text, data_dir, config_.val_fraction);
+      const PrepareResult prepared = prepare(config_.text, data_dir, config_.val_fraction, config_.tokenizer);
       std::printf("meshtrain: prepared %zu text file(s) into %s: %lld training and %lld validation tokens\n",
                   prepared.sources.size(), data_dir.c_str(), static_cast<long long>(prepared.train_tokens),
                   static_cast<long long>(prepared.val_tokens));
@@ -250,7 +260,7 @@ void Trainer::run() {
   }
   save_checkpoint();
   finish_checkpoints();
-  if (config_.sample_tokens <= 0 || config_.model.vocab_size != 256) return;  // samples are decoded as bytes
+  if (config_.sample_tokens <= 0) return;
   // The parameters gathered into a plain fp32 model on rank 0.
   const std::map<std::string, at::Tensor> full = full_parameters(0);
   if (world_->rank() != 0) return;
@@ -263,8 +273,9 @@ void Trainer::run() {
   model::SampleOptions options;
   options.tokens = config_.sample_tokens;
   options.seed = config_.seed;
-  const at::Tensor prompt_tokens = at::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), at::kLong);
-  const std::string text = ByteTokenizer::decode(model::generate(sampler, prompt_tokens, options));
+  const at::Tensor prompt_tokens = at::tensor(tokenizer_->encode(prompt), at::kLong);
+  const at::Tensor made = model::generate(sampler, prompt_tokens, options);
+  const std::string text = tokenizer_->decode(std::vector<int64_t>(made.data_ptr<int64_t>(), made.data_ptr<int64_t>() + made.numel()));
   std::printf("\nmeshtrain: sample after %lld steps (temperature %.1f, top-k %lld):\n%s%s\n", (long long)step_,
               options.temperature, (long long)options.top_k, prompt.c_str(), text.c_str());
   std::fflush(stdout);

@@ -8,6 +8,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/parallelize.h"
+#include "meshtrain/text/tokenizer.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/progress.h"
@@ -99,6 +100,7 @@ class Trainer {
   TrainConfig config_;
   std::shared_ptr<comm::Communicator> world_;
   at::Device device_ = at::kCPU;  // config_.device for this rank
+  std::unique_ptr<text::Tokenizer> tokenizer_;  // [data] tokenizer: prepares text, decodes samples, saved in checkpoints
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
   std::unique_ptr<parallel::ParallelModel> parallel_;

@@ -45,6 +45,7 @@ void Trainer::save_checkpoint() {
   meta.model_config = model_config_to_json(config_.model);
   meta.layout = layout_of(config_);
   meta.world = world_->size();
+  meta.tokenizer = text::tokenizer_to_json(*tokenizer_);
   writer_->save(std::move(meta), parallel_->state(), parallel_->mesh().layout());
 }
 

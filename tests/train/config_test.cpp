@@ -162,8 +162,10 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"data.train_file=/x.bin"}, 1),
             "data.train_file = \"/x.bin\": give both data.train_file and data.val_file, or neither (then data.text is prepared)");
   EXPECT_EQ(validated({"model.vocab_size=300"}, 1),
-            "model.vocab_size = 300: text is prepared with the byte tokenizer, which has 256 tokens; use 256, "
-            "or give token files (data.train_file, data.val_file) of a larger vocabulary");
+            "model.vocab_size = 300: text is prepared with the byte tokenizer, which has 256 tokens; use 256, name a "
+            "larger tokenizer (data.tokenizer), or give token files (data.train_file, data.val_file) of a larger "
+            "vocabulary");
+  EXPECT_EQ(validated({"model.vocab_size=300", "data.tokenizer=sp.model"}, 1), "");
 }
 
 TEST(TrainConfig, HelpListsEveryKeyWithItsDefault) {
