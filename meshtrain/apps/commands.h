@@ -83,6 +83,18 @@ int run_export_hf(const std::string& checkpoint, const std::string& out_dir, con
                   int64_t max_shard_bytes);
 int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out);
 
+struct GenerateBenchOptions {
+  std::string checkpoint;
+  int64_t batch = 1;
+  int64_t prompt_tokens = 64;
+  int64_t new_tokens = 64;
+  int warmup = 1;
+  int trials = 5;
+};
+// meshtrain bench generate: prefill and decode times (medians) of a batch on
+// the serving path, and row 0's greedy tokens, as one JSON line.
+int run_bench_generate(const GenerateBenchOptions& options);
+
 // meshtrain checkpoint inspect DIR: step, layout, files and every tensor (no MPI).
 int run_checkpoint_inspect(const std::string& path, bool json);
 

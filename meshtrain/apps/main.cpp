@@ -126,6 +126,22 @@ int main(int argc, char** argv) {
                     "write against a raw write of the same bytes on the same disk. Config overrides as for train.",
       checkpoint_warmup, checkpoint_steps);
 
+  meshtrain::apps::GenerateBenchOptions generate_bench;
+  CLI::App* bench_generate = bench->add_subcommand(
+      "generate", "Prefill and decode timed apart on the serving path (continuous-batching engine, KV cache, greedy): "
+                  "a batch of the same prompt, medians of --trials, one JSON line with row 0's tokens "
+                  "(bench/generate_vs_hf.py runs transformers' generate() on the same weights beside it)");
+  bench_generate->add_option("--checkpoint", generate_bench.checkpoint, "Checkpoint folder or directory")->required();
+  bench_generate->add_option("--batch", generate_bench.batch, "Sequences")->check(CLI::PositiveNumber)->capture_default_str();
+  bench_generate->add_option("--prompt-tokens", generate_bench.prompt_tokens, "Prompt length")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  bench_generate->add_option("--new-tokens", generate_bench.new_tokens, "Tokens to generate")
+      ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  bench_generate->add_option("--warmup", generate_bench.warmup, "Untimed runs")->capture_default_str();
+  bench_generate->add_option("--trials", generate_bench.trials, "Timed runs")->check(CLI::PositiveNumber)->capture_default_str();
+
   std::string timeline_trace, timeline_out, timeline_title = "pipeline timeline";
   CLI::App* timeline = app.add_subcommand(
       "timeline", "Draw a pipeline trace (trace.json written by train with --run.trace_step=N) as an SVG picture: one "
@@ -340,8 +356,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (export_hf->parsed() || logits->parsed() || tokenizer->parsed()) {  // no MPI
+  if (export_hf->parsed() || logits->parsed() || tokenizer->parsed() || bench_generate->parsed()) {  // no MPI
     try {
+      if (bench_generate->parsed()) return meshtrain::apps::run_bench_generate(generate_bench);
       if (tok_train->parsed()) return meshtrain::apps::run_tokenizer_train(tok_inputs, tok_vocab, tok_type, tok_out);
       if (tok_encode->parsed()) return meshtrain::apps::run_tokenizer_encode(tok_spec, tok_text, tok_file);
       if (tok_decode->parsed()) return meshtrain::apps::run_tokenizer_decode(tok_spec, tok_ids);

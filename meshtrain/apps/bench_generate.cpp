@@ -1,0 +1,73 @@
+// meshtrain bench generate: prefill and decode timed apart on the serving
+// path (the batch engine with its KV cache), batch B, greedy, one JSON line.
+#include "meshtrain/apps/commands.h"
+
+#include "meshtrain/serve/batch_engine.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+namespace meshtrain::apps {
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int run_bench_generate(const GenerateBenchOptions& options) {
+  serve::InferenceModel inference(options.checkpoint, nullptr);
+  const model::GptConfig& config = inference.config();
+  if (options.prompt_tokens + options.new_tokens > config.context) {
+    throw std::invalid_argument("--prompt-tokens + --new-tokens exceed the model's context of " +
+                                std::to_string(config.context));
+  }
+  // Every row the same prompt (ids (7i + 3) mod vocab), so a peer can be given the same batch.
+  serve::GenerationRequest request;
+  for (int64_t i = 0; i < options.prompt_tokens; ++i) request.prompt.push_back((7 * i + 3) % config.vocab_size);
+  request.options.tokens = options.new_tokens;
+  request.options.temperature = 0;
+  std::vector<double> prefill, decode;
+  std::vector<int64_t> tokens;
+  for (int trial = 0; trial < options.warmup + options.trials; ++trial) {
+    serve::BatchEngine engine(inference, options.batch);
+    std::vector<serve::GenerationRequest> batch(options.batch, request);
+    for (int64_t r = 0; r < options.batch; ++r) batch[r].id = r;
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    std::vector<int64_t> row0;
+    for (const serve::TokenEvent& e : engine.admit(batch)) {
+      if (e.id == 0) row0.push_back(e.token);
+    }
+    const auto prefilled = Clock::now();
+    while (engine.running() > 0) {
+      for (const serve::TokenEvent& e : engine.step()) {
+        if (e.id == 0) row0.push_back(e.token);
+      }
+    }
+    const auto done = Clock::now();
+    if (trial < options.warmup) continue;
+    prefill.push_back(std::chrono::duration<double>(prefilled - start).count());
+    decode.push_back(std::chrono::duration<double>(done - prefilled).count());
+    tokens = row0;
+  }
+  const double p = median(prefill), d = median(decode);
+  const nlohmann::json line = {{"batch", options.batch},
+                               {"prompt_tokens", options.prompt_tokens},
+                               {"new_tokens", options.new_tokens},
+                               {"prefill_s", p},
+                               {"prefill_tokens_per_s", options.batch * options.prompt_tokens / p},
+                               {"decode_s", d},
+                               {"decode_tokens_per_s", options.batch * (options.new_tokens - 1) / d},
+                               {"tokens", tokens}};
+  std::printf("%s\n", line.dump().c_str());
+  return 0;
+}
+
+}  // namespace meshtrain::apps
