@@ -135,12 +135,14 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   layer.k = layer.k.defined() ? at::cat({layer.k, k}, 2) : k.contiguous();
   layer.v = layer.v.defined() ? at::cat({layer.v, v}, 2) : v.contiguous();
   // Keys and values are kept per key/value head (a grouped-query model's
-  // cache is heads / kv_heads times smaller) and repeated for attention.
-  const int64_t times = q.size(1) / k.size(1);
-  const at::Tensor keys = repeat_kv(layer.k, times), values = repeat_kv(layer.v, times);
+  // cache is heads / kv_heads times smaller); attention's grouped-query mode
+  // reads them without repeating them for each query head.
+  const bool grouped = q.size(1) != k.size(1);
+  const at::Tensor& keys = layer.k;
+  const at::Tensor& values = layer.v;
   at::Tensor y;
   if (length_ == 0 && !pads_.defined()) {
-    y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true);
+    y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true, std::nullopt, grouped);
   } else {
     // New query i (slot length_ + i) sees every cached key and the new ones up
     // to itself, a row's padding never (a padding query sees itself alone).
@@ -151,7 +153,8 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
       const at::Tensor real = cols.view({1, 1, total}) >= pads_.view({-1, 1, 1});
       mask = (mask.view({1, t, total}).logical_and(real)).logical_or(cols.view({1, 1, total}) == rows.view({1, t, 1})).unsqueeze(1);
     }
-    y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/mask, 0.0, /*is_causal=*/false);
+    y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/mask, 0.0, /*is_causal=*/false, std::nullopt,
+                                         grouped);
   }
   return y.transpose(1, 2).reshape({b, t, w});
 }

@@ -15,22 +15,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+from checks import Checks  # noqa: E402
+
 MESHTRAIN = sys.argv[1]
-failures = []
+CHECKS = Checks(MESHTRAIN)
+check, meshtrain = CHECKS.check, CHECKS.meshtrain
 torch.manual_seed(0)
-
-
-def check(ok, what):
-    print(("ok: " if ok else "FAIL: ") + what, flush=True)
-    if not ok:
-        failures.append(what)
-
-
-def meshtrain(*args):
-    out = subprocess.run([MESHTRAIN, *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"meshtrain {' '.join(args)} failed:\n{out.stderr}")
-    return out.stdout
 
 
 def hf_logits(model, tokens):
@@ -113,8 +104,7 @@ def main():
                              text=True)
         check(out.returncode == 1 and ("rope scaling" in out.stderr or "rope_scaling" in out.stderr),
               "rope scaling is refused by name: " + out.stderr.strip())
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1 if failures else 0)
+    CHECKS.finish()
 
 
 if __name__ == "__main__":

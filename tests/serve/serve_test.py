@@ -17,14 +17,12 @@ import urllib.request
 
 import openai
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+from checks import Checks  # noqa: E402
+
 MESHTRAIN, CHECKPOINT = sys.argv[1], sys.argv[2]
-failures = []
-
-
-def check(ok, what):
-    print(("ok: " if ok else "FAIL: ") + what, flush=True)
-    if not ok:
-        failures.append(what)
+CHECKS = Checks(MESHTRAIN)
+check = CHECKS.check
 
 
 class Server:
@@ -215,8 +213,7 @@ def main():
         completions_equal_offline(split)
         many_clients_get_their_own_completions(split, 8)
         check(split.stop() == 0, f"tensor-parallel serving on {ranks} ranks exits 0 after SIGTERM")
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1 if failures else 0)
+    CHECKS.finish()
 
 
 if __name__ == "__main__":

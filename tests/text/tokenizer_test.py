@@ -18,24 +18,15 @@ import tokenizers
 import torch
 import transformers
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+from checks import Checks  # noqa: E402
+
 MESHTRAIN = sys.argv[1]
-failures = []
+CHECKS = Checks(MESHTRAIN)
+check, meshtrain = CHECKS.check, CHECKS.meshtrain
 
 EXTRA = ("Naïve café — déjà vu, 東京タワー and emoji 😀👍🏽; tabs\tand  double  spaces,\n\n"
          "numbers 3.14159 and ½ ⅓, ALL CAPS, it's they'll we'd I'm you're.   \n")
-
-
-def check(ok, what):
-    print(("ok: " if ok else "FAIL: ") + what, flush=True)
-    if not ok:
-        failures.append(what)
-
-
-def meshtrain(*args):
-    out = subprocess.run([MESHTRAIN, *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"meshtrain {' '.join(args)} failed:\n{out.stderr}")
-    return out.stdout
 
 
 def our_ids(spec, path):
@@ -129,5 +120,4 @@ def main(work):
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as work:
         main(work)
-    print(f"{len(failures)} failure(s)")
-    sys.exit(1 if failures else 0)
+    CHECKS.finish()
