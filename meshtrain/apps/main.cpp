@@ -38,7 +38,8 @@ int64_t parse_bytes(const std::string& text) { return static_cast<int64_t>(mesht
 int main(int argc, char** argv) {
   CLI::App app{
       "meshtrain: train transformer models that do not fit on one device by splitting them across\n"
-      "processes (data, fully sharded, tensor, pipeline and expert parallel on one device mesh).\n"
+      "processes (data, fully sharded, tensor, pipeline and expert parallel on one device mesh), and\n"
+      "serve them (an OpenAI-compatible HTTP API; Hugging Face GPT-2 and Llama models in and out).\n"
       "Launch ranks with `meshtrain run -n 2 selfcheck`, plain mpirun/srun, or run one rank without a launcher.\n"
       "Environment: MESHTRAIN_COMM_TIMEOUT=seconds (watchdog, default 300), MESHTRAIN_DESYNC_CHECK=1\n"
       "(compare every collective's op, dtype and shape across ranks before running it)."};
@@ -215,7 +216,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   meshtrain::apps::GenerateOptions generate_options;
-  CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint");
+  CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint, streamed as it comes (temperature, top-k, top-p, seed, stop strings; "
+      "split over ranks with --parallel.tp)");
   generate->add_option("--checkpoint", generate_options.checkpoint,
                        "Checkpoint folder, or a checkpoint directory (its latest is used)")
       ->required();
