@@ -1,5 +1,6 @@
 // meshtrain: train transformer models split across many processes.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/inference_cli.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/train/config.h"
@@ -127,22 +128,6 @@ int main(int argc, char** argv) {
                     "write against a raw write of the same bytes on the same disk. Config overrides as for train.",
       checkpoint_warmup, checkpoint_steps);
 
-  meshtrain::apps::GenerateBenchOptions generate_bench;
-  CLI::App* bench_generate = bench->add_subcommand(
-      "generate", "Prefill and decode timed apart on the serving path (continuous-batching engine, KV cache, greedy): "
-                  "a batch of the same prompt, medians of --trials, one JSON line with row 0's tokens "
-                  "(bench/generate_vs_hf.py runs transformers' generate() on the same weights beside it)");
-  bench_generate->add_option("--checkpoint", generate_bench.checkpoint, "Checkpoint folder or directory")->required();
-  bench_generate->add_option("--batch", generate_bench.batch, "Sequences")->check(CLI::PositiveNumber)->capture_default_str();
-  bench_generate->add_option("--prompt-tokens", generate_bench.prompt_tokens, "Prompt length")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  bench_generate->add_option("--new-tokens", generate_bench.new_tokens, "Tokens to generate")
-      ->check(CLI::Range(2, 1 << 20))
-      ->capture_default_str();
-  bench_generate->add_option("--warmup", generate_bench.warmup, "Untimed runs")->capture_default_str();
-  bench_generate->add_option("--trials", generate_bench.trials, "Timed runs")->check(CLI::PositiveNumber)->capture_default_str();
-
   std::string timeline_trace, timeline_out, timeline_title = "pipeline timeline";
   CLI::App* timeline = app.add_subcommand(
       "timeline", "Draw a pipeline trace (trace.json written by train with --run.trace_step=N) as an SVG picture: one "
@@ -215,116 +200,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
 
-  meshtrain::apps::GenerateOptions generate_options;
-  CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint, streamed as it comes (temperature, top-k, top-p, seed, stop strings; "
-      "split over ranks with --parallel.tp)");
-  generate->add_option("--checkpoint", generate_options.checkpoint,
-                       "Checkpoint folder, or a checkpoint directory (its latest is used)")
-      ->required();
-  generate->add_option("--prompt", generate_options.prompt, "Text to continue")->capture_default_str();
-  generate->add_option("--tokens,--max-tokens", generate_options.tokens, "The most tokens to generate")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  generate->add_option("--temperature", generate_options.temperature, "Softmax temperature (0: greedy, the likeliest token)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  generate->add_option("--top-k", generate_options.top_k, "Sample among the k likeliest tokens (0: all)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  generate->add_option("--top-p", generate_options.top_p,
-                       "Sample among the likeliest tokens whose probabilities sum to p (nucleus sampling; 1: off)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->capture_default_str();
-  generate->add_option("--seed", generate_options.seed, "Sampling seed")->capture_default_str();
-  generate->add_option("--stop", generate_options.stop,
-                       "End the text before this string (repeat for several; the stop string is not printed)");
-  generate->add_option("--parallel.tp", generate_options.tp,
-                       "Split the model over this many ranks by tensor parallelism (all ranks of the job: "
-                       "meshtrain run -n 2 generate --parallel.tp=2 ...)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  generate->add_flag("--no-kv-cache", generate_options.no_kv_cache,
-                     "Recompute the whole context for every new token instead of keeping keys and values (slower; "
-                     "the same tokens)");
-  generate->add_flag("--timing", generate_options.timing, "Print the tokens per second to stderr");
-
-  meshtrain::apps::ServeOptions serve_options;
-  CLI::App* serve = app.add_subcommand(
-      "serve", "Serve a checkpoint over an OpenAI-compatible HTTP API: POST /v1/completions (stream: true for "
-               "server-sent events), GET /v1/models, GET /health. Requests join the running batch between decode "
-               "steps (continuous batching). SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.");
-  serve->add_option("--checkpoint", serve_options.checkpoint,
-                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
-      ->required();
-  serve->add_option("--host", serve_options.host, "Address to listen on")->capture_default_str();
-  serve->add_option("--port", serve_options.port, "Port (0: any free port, printed at start)")
-      ->check(CLI::Range(0, 65535))
-      ->capture_default_str();
-  serve->add_option("--max-batch", serve_options.max_batch, "Sequences decoded together")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  serve->add_option("--queue", serve_options.queue, "Requests waiting beyond the batch; more get 429")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  serve->add_option("--parallel.tp", serve_options.tp,
-                    "Split the model over this many ranks (all ranks of the job: meshtrain run -n 2 serve "
-                    "--parallel.tp=2 ...)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  serve->add_option("--model-name", serve_options.model_name, "The model's name in the API")->capture_default_str();
-  serve->add_option("--threads", serve_options.threads, "HTTP handler threads (0: max-batch + queue + 4)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  serve->add_flag("--log", serve_options.log, "Print a line per request to stderr");
-
-  std::string import_dir, import_out, export_checkpoint, export_out, export_dtype = "float32", export_shard = "5G";
-  CLI::App* import = app.add_subcommand("import", "Bring a model trained elsewhere in as a meshtrain checkpoint");
-  import->require_subcommand(1);
-  CLI::App* import_hf = import->add_subcommand(
-      "hf", "A Hugging Face transformers folder (config.json + model.safetensors, or shards with "
-            "model.safetensors.index.json) of a GPT-2 or Llama model (grouped-query attention included)");
-  import_hf->add_option("dir", import_dir, "The Hugging Face model folder")->required()->check(CLI::ExistingDirectory);
-  import_hf->add_option("--out", import_out, "Checkpoint directory to write (step 0, with a latest pointer)")
-      ->required();
-  CLI::App* export_ = app.add_subcommand("export", "Hand a meshtrain checkpoint to other tools");
-  export_->require_subcommand(1);
-  CLI::App* export_hf = export_->add_subcommand(
-      "hf", "As a Hugging Face transformers folder (GPT2LMHeadModel or LlamaForCausalLM): config.json and "
-            "safetensors, sharded with an index when larger than --max-shard-size");
-  export_hf->add_option("checkpoint", export_checkpoint, "Checkpoint folder, or a checkpoint directory (its latest)")
-      ->required();
-  export_hf->add_option("--out", export_out, "Folder to write")->required();
-  export_hf->add_option("--dtype", export_dtype, "float32, bfloat16 or float16")->capture_default_str();
-  export_hf->add_option("--max-shard-size", export_shard, "Largest safetensors file (e.g. 500M, 5G)")
-      ->capture_default_str();
-  CLI::App* tokenizer = app.add_subcommand("tokenizer", "Train and try tokenizers");
-  tokenizer->require_subcommand(1);
-  std::vector<std::string> tok_inputs;
-  int64_t tok_vocab = 8000;
-  std::string tok_type = "unigram", tok_out, tok_spec = "bytes", tok_text, tok_file;
-  std::vector<int64_t> tok_ids;
-  CLI::App* tok_train = tokenizer->add_subcommand(
-      "train", "Train a SentencePiece model on text files (byte fallback on: any text encodes); writes OUT.model "
-               "and OUT.vocab. Use it with [data] tokenizer = \"OUT.model\" and model.vocab_size = --vocab.");
-  tok_train->add_option("inputs", tok_inputs, "Text files")->required()->check(CLI::ExistingFile);
-  tok_train->add_option("--vocab", tok_vocab, "Vocabulary size")->check(CLI::Range(64, 65536))->capture_default_str();
-  tok_train->add_option("--type", tok_type, "unigram or bpe")->capture_default_str();
-  tok_train->add_option("--out", tok_out, "Output prefix")->required();
-  CLI::App* tok_encode = tokenizer->add_subcommand("encode", "Print the token ids of a text");
-  tok_encode->add_option("--tokenizer", tok_spec, "As [data] tokenizer")->capture_default_str();
-  tok_encode->add_option("--text", tok_text, "The text");
-  tok_encode->add_option("--file", tok_file, "Or a file's text")->check(CLI::ExistingFile);
-  CLI::App* tok_decode = tokenizer->add_subcommand("decode", "Print the text of token ids");
-  tok_decode->add_option("--tokenizer", tok_spec, "As [data] tokenizer")->capture_default_str();
-  tok_decode->add_option("ids", tok_ids, "Token ids")->required();
-
-  std::string logits_checkpoint, logits_tokens, logits_out;
-  CLI::App* logits = app.add_subcommand(
-      "logits", "Write the logits [1, T, vocab] of a token sequence to a safetensors file (to compare with "
-                "another implementation)");
-  logits->add_option("--checkpoint", logits_checkpoint, "Checkpoint folder or directory")->required();
-  logits->add_option("--tokens", logits_tokens, "Token ids separated by commas, e.g. 1,2,3")->required();
-  logits->add_option("--out", logits_out, "The safetensors file to write (tensor \"logits\")")->required();
+  meshtrain::apps::InferenceCli inference(app, *bench);
 
   std::string inspect_path;
   bool inspect_json = false;
@@ -358,14 +234,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (export_hf->parsed() || logits->parsed() || tokenizer->parsed() || bench_generate->parsed()) {  // no MPI
+  if (inference.parsed() && !inference.wants_mpi()) {
     try {
-      if (bench_generate->parsed()) return meshtrain::apps::run_bench_generate(generate_bench);
-      if (tok_train->parsed()) return meshtrain::apps::run_tokenizer_train(tok_inputs, tok_vocab, tok_type, tok_out);
-      if (tok_encode->parsed()) return meshtrain::apps::run_tokenizer_encode(tok_spec, tok_text, tok_file);
-      if (tok_decode->parsed()) return meshtrain::apps::run_tokenizer_decode(tok_spec, tok_ids);
-      if (logits->parsed()) return meshtrain::apps::run_logits(logits_checkpoint, logits_tokens, logits_out);
-      return meshtrain::apps::run_export_hf(export_checkpoint, export_out, export_dtype, parse_bytes(export_shard));
+      return inference.run_without_mpi();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
       return 1;
@@ -399,15 +270,13 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (serve->parsed()) meshtrain::apps::block_stop_signals();  // before MPI starts threads
+  if (inference.serving()) meshtrain::apps::block_stop_signals();  // before MPI starts threads
   std::optional<meshtrain::comm::Runtime> runtime;
   try {
     runtime.emplace(&argc, &argv);
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
-    if (generate->parsed()) return meshtrain::apps::run_generate(*runtime, generate_options);
-    if (serve->parsed()) return meshtrain::apps::run_serve(*runtime, serve_options);
-    if (import_hf->parsed()) return meshtrain::apps::run_import_hf(*runtime, import_dir, import_out);
+    if (inference.parsed()) return inference.run_with_mpi(*runtime);
     if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
     if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);

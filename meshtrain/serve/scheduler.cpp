@@ -103,13 +103,6 @@ bool Scheduler::draining() const {
   return draining_;
 }
 
-int64_t Scheduler::waiting() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<int64_t>(queue_.size());
-}
-
-int64_t Scheduler::running() const { return engine_.running(); }
-
 Scheduler::Turn Scheduler::next_turn() {
   std::unique_lock<std::mutex> lock(mutex_);
   wake_.wait_for(lock, std::chrono::milliseconds(500),

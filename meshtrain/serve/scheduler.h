@@ -46,9 +46,6 @@ class Scheduler {
   // when rank 0 says so.
   void run();
 
-  int64_t waiting() const;
-  int64_t running() const;
-
  private:
   struct Turn;
   struct Live;
