@@ -1,5 +1,6 @@
 #include "meshtrain/model/kv_cache.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace meshtrain::model {
@@ -15,7 +16,7 @@ KvCache::KvCache(const Gpt& model) : config_(model->config()) {
 }
 
 void KvCache::clear() {
-  for (auto& [name, layer] : layers_) layer.k = layer.v = at::Tensor();
+  for (auto& [name, layer] : layers_) layer.set({}, {});
   pads_ = at::Tensor();
   length_ = 0;
   blocks_done_ = 0;
@@ -41,7 +42,7 @@ void KvCache::pad_left(int64_t slots) {
       shape[2] = slots;
       return at::cat({at::zeros(shape, x.options()), x}, 2);
     };
-    layer.k = padded(layer.k), layer.v = padded(layer.v);
+    layer.set(padded(layer.k), padded(layer.v));
   }
   pads_ = pads_or_zeros() + slots;
   length_ += slots;
@@ -51,7 +52,7 @@ void KvCache::append_rows(const KvCache& other) {
   if (blocks_done_ != 0 || other.blocks_done_ != 0) throw std::logic_error("kv cache: append_rows inside a forward");
   if (other.rows() == 0) return;
   if (rows() == 0) {
-    for (auto& [name, layer] : layers_) layer.k = other.layers_.at(name).k, layer.v = other.layers_.at(name).v;
+    for (auto& [name, layer] : layers_) layer.set(other.layers_.at(name).k, other.layers_.at(name).v);
     pads_ = other.pads_or_zeros();
     length_ = other.length_;
     return;
@@ -61,7 +62,7 @@ void KvCache::append_rows(const KvCache& other) {
   if (length_ < joining.length_) pad_left(joining.length_ - length_);
   for (auto& [name, layer] : layers_) {
     const Layer& theirs = joining.layers_.at(name);
-    layer.k = at::cat({layer.k, theirs.k}, 0), layer.v = at::cat({layer.v, theirs.v}, 0);
+    layer.set(at::cat({layer.k, theirs.k}, 0), at::cat({layer.v, theirs.v}, 0));
   }
   pads_ = at::cat({pads_or_zeros(), joining.pads_or_zeros()});
 }
@@ -73,8 +74,8 @@ void KvCache::keep_rows(const std::vector<int64_t>& rows) {
   pads_ = pads_or_zeros().index_select(0, index);
   const int64_t unused = pads_.min().item<int64_t>();  // slots before every row's first token
   for (auto& [name, layer] : layers_) {
-    layer.k = layer.k.index_select(0, index).narrow(2, unused, length_ - unused);
-    layer.v = layer.v.index_select(0, index).narrow(2, unused, length_ - unused);
+    layer.set(layer.k.index_select(0, index).narrow(2, unused, length_ - unused),
+              layer.v.index_select(0, index).narrow(2, unused, length_ - unused));
   }
   pads_ = pads_ - unused;
   length_ -= unused;
@@ -119,6 +120,20 @@ at::Tensor KvCache::around(const std::string& module, const at::Tensor& input, c
   return out;
 }
 
+void KvCache::append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fresh) const {
+  const int64_t used = cached.defined() ? cached.size(2) : 0, t = fresh.size(2);
+  if (!room.defined() || room.size(2) < used + t) {
+    const int64_t capacity = std::min(config_.context, std::max({used + t, 2 * used, int64_t{16}}));
+    std::vector<int64_t> shape = fresh.sizes().vec();
+    shape[2] = capacity;
+    at::Tensor grown = at::empty(shape, fresh.options());
+    if (used > 0) grown.narrow(2, 0, used).copy_(cached);
+    room = grown;
+  }
+  room.narrow(2, used, t).copy_(fresh);
+  cached = room.narrow(2, 0, used + t);
+}
+
 at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
   check_room(t);
@@ -132,8 +147,8 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
     q = apply_rope(q, layer.cos, layer.sin, length_);
     k = apply_rope(k, layer.cos, layer.sin, length_);
   }
-  layer.k = layer.k.defined() ? at::cat({layer.k, k}, 2) : k.contiguous();
-  layer.v = layer.v.defined() ? at::cat({layer.v, v}, 2) : v.contiguous();
+  append(layer.k, layer.k_room, k);
+  append(layer.v, layer.v_room, v);
   // Keys and values are kept per key/value head (a grouped-query model's
   // cache is heads / kv_heads times smaller); attention's grouped-query mode
   // reads them without repeating them for each query head.

@@ -53,9 +53,19 @@ class KvCache : public ForwardHooks {
 
  private:
   struct Layer {
-    at::Tensor k, v;  // [B, H, T, head_dim]
+    // [B, Hkv, T, head_dim]: views of the first T slots of k_room / v_room
+    // when those are defined (room to append without copying what is cached).
+    at::Tensor k, v;
+    at::Tensor k_room, v_room;
     at::Tensor cos, sin;  // the block's rope tables (undefined: learned positions)
+    void set(at::Tensor keys, at::Tensor values) {  // new contents, without room
+      k = std::move(keys), v = std::move(values);
+      k_room = v_room = at::Tensor();
+    }
   };
+  // Appends `fresh` [B, Hkv, t, hd] after `cached` in `room`, which grows
+  // (doubling, up to the context) when full: O(t) per call, not O(length).
+  void append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fresh) const;
   at::Tensor attend(Layer& layer, const at::Tensor& qkv_out);
   void check_room(int64_t t) const;  // throws when t more tokens exceed the context
   at::Tensor positions(int64_t t) const;  // [B, t] positions of the next t slots, with padding
