@@ -2,12 +2,12 @@
 // and out, and the logits of a token sequence to compare implementations.
 #include "meshtrain/apps/commands.h"
 
-#include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/checkpoint/store.h"
 #include "meshtrain/checkpoint/writer.h"
 #include "meshtrain/interop/hf_checkpoint.h"
 #include "meshtrain/interop/safetensors.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/serve/inference_model.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/train/config.h"
 
@@ -19,16 +19,6 @@
 namespace meshtrain::apps {
 
 namespace {
-
-// The model a checkpoint holds, with its weights.
-model::Gpt load_model(const std::string& checkpoint) {
-  checkpoint::CheckpointReader reader(checkpoint::CheckpointStore::resolve(checkpoint));
-  model::Gpt gpt(train::model_config_from_json(reader.metadata().model_config), 0);
-  torch::NoGradGuard no_grad;
-  for (auto& item : gpt->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
-  gpt->eval();
-  return gpt;
-}
 
 // The tokenizer files of a Hugging Face folder, if it has ones meshtrain reads.
 std::unique_ptr<text::Tokenizer> hf_tokenizer(const std::string& dir, int64_t vocab) {
@@ -109,20 +99,19 @@ int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::str
 
 int run_export_hf(const std::string& checkpoint, const std::string& out_dir, const std::string& dtype,
                   int64_t max_shard_bytes) {
-  const model::Gpt gpt = load_model(checkpoint);
-  const std::string tokenizer =
-      checkpoint::CheckpointStore::read_metadata(checkpoint::CheckpointStore::resolve(checkpoint)).tokenizer;
+  serve::InferenceModel inference(checkpoint, nullptr);
   std::map<std::string, at::Tensor> weights;
-  for (const auto& item : gpt->named_parameters()) weights[item.key()] = item.value().detach();
-  interop::write_hf_model(out_dir, gpt->config(), weights, parse_dtype(dtype), max_shard_bytes);
-  write_tokenizer(out_dir, *text::tokenizer_from_json(tokenizer));
+  for (const auto& item : inference.gpt()->named_parameters()) weights[item.key()] = item.value().detach();
+  interop::write_hf_model(out_dir, inference.config(), weights, parse_dtype(dtype), max_shard_bytes);
+  write_tokenizer(out_dir, inference.tokenizer());
   std::printf("meshtrain export: %s -> %s (config.json, safetensors in %s)\n", checkpoint.c_str(), out_dir.c_str(),
               dtype.c_str());
   return 0;
 }
 
 int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out) {
-  model::Gpt gpt = load_model(checkpoint);
+  serve::InferenceModel inference(checkpoint, nullptr);
+  model::Gpt& gpt = inference.gpt();
   std::vector<int64_t> ids;
   std::istringstream in(tokens);
   for (std::string word; std::getline(in, word, ',');) {
