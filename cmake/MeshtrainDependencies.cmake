@@ -1,7 +1,7 @@
 # Finds what meshtrain builds against and defines:
 #   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
 #   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json, PkgConfig::HTTPLIB,
-#   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY,
+#   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY, MESHTRAIN_URING_LIBRARY,
 #   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
 find_package(Threads REQUIRED)
@@ -29,6 +29,8 @@ find_library(MESHTRAIN_SENTENCEPIECE_LIBRARY sentencepiece REQUIRED)
 find_library(MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
 set(MESHTRAIN_SENTENCEPIECE_LIBRARIES ${MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY} ${MESHTRAIN_SENTENCEPIECE_LIBRARY})
 find_library(MESHTRAIN_PCRE2_LIBRARY pcre2-8 REQUIRED)
+# The NVMe tier: io_uring (liburing-dev).
+find_library(MESHTRAIN_URING_LIBRARY uring REQUIRED)
 
 # NCCL: only meaningful when libtorch itself was built with CUDA. Prefer the NCCL
 # that ships beside the torch wheel (the one libtorch_cuda loads), then the CUDA

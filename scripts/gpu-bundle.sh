@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Gathers what a GPU machine without a package registry lacks to build and run
 # meshtrain: the Debian packages of Open MPI, CLI11, toml++, nlohmann-json,
+# liburing, cpp-httplib, SentencePiece, PCRE2,
 # GoogleTest and Google Benchmark with the runtime libraries they load, fetched
 # with `apt-get download` and unpacked into one folder (git-ignored). Carry that
 # folder to the machine; scripts/gpu-check.sh finds it there.
@@ -22,6 +23,7 @@ packages=(
   libopenmpi-dev libopenmpi3 openmpi-bin openmpi-common libpmix2 libpmix-dev
   libcli11-dev libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
+  liburing-dev liburing2 libcpp-httplib-dev libsentencepiece-dev libsentencepiece0 libpcre2-dev
   libhwloc15 libhwloc-dev libevent-core-2.1-7 libevent-pthreads-2.1-7 libevent-2.1-7 libevent-extra-2.1-7
   libevent-openssl-2.1-7 libevent-dev libfabric1 libibverbs1 ibverbs-providers librdmacm1 libmunge2
   libnl-3-200 libnl-route-3-200 libnuma1 libpsm-infinipath1 libpsm2-2 libucx0 libatomic1 libltdl7
