@@ -1,6 +1,7 @@
 #include "meshtrain/parallel/adamw.h"
 
 #include "meshtrain/model/moe.h"
+#include "meshtrain/offload/cpu_adam.h"
 
 namespace meshtrain::parallel {
 
@@ -47,14 +48,49 @@ void set_adamw_steps(torch::optim::AdamW& optimizer, int64_t steps) {
   }
 }
 
+namespace {
+
+bool fused_cpu_eligible(const at::Tensor& p) {
+  const at::Tensor& g = p.grad();
+  return p.device().is_cpu() && p.scalar_type() == at::kFloat && p.is_contiguous() && g.scalar_type() == at::kFloat &&
+         g.is_contiguous() && g.device().is_cpu();
+}
+
+bool fused_cuda_eligible(const at::Tensor& p) {
+  return p.is_cuda() && p.scalar_type() == at::kFloat && p.grad().is_contiguous();
+}
+
+// The CPU AdamW kernel (Note [CPU AdamW]) on every parameter with a gradient.
+void cpu_step(torch::optim::AdamW& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    for (const at::Tensor& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      torch::optim::AdamWParamState& state = adamw_state(optimizer, p);
+      state.step(state.step() + 1);
+      offload::cpu_adamw(p, p.grad(), state.exp_avg(), state.exp_avg_sq(),
+                         {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                          state.step()});
+    }
+  }
+}
+
+}  // namespace
+
 void adamw_step(torch::optim::AdamW& optimizer) {
+  bool cpu = true, cuda = true;
   for (const auto& group : optimizer.param_groups()) {
     for (const at::Tensor& p : group.params()) {
-      if (p.grad().defined() && !(p.is_cuda() && p.scalar_type() == at::kFloat && p.grad().is_contiguous())) {
-        optimizer.step();
-        return;
-      }
+      if (!p.grad().defined()) continue;
+      cpu = cpu && fused_cpu_eligible(p);
+      cuda = cuda && fused_cuda_eligible(p);
     }
+  }
+  if (cpu) return cpu_step(optimizer);
+  if (!cuda) {
+    optimizer.step();
+    return;
   }
   torch::NoGradGuard no_grad;
   for (auto& group : optimizer.param_groups()) {

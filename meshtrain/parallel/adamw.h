@@ -39,7 +39,8 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 torch::optim::AdamWParamState& adamw_state(torch::optim::AdamW& optimizer, const at::Tensor& parameter);
 // Sets the step count of every parameter's state (creating missing ones).
 void set_adamw_steps(torch::optim::AdamW& optimizer, int64_t steps);
-// optimizer.step(), on CUDA as one fused kernel per parameter group
+// optimizer.step(), on the CPU as one fused pass per parameter
+// (offload::cpu_adamw, Note [CPU AdamW]), on CUDA as one fused kernel per parameter group
 // (at::_fused_adamw_, the kernel of PyTorch's AdamW(fused=True)) instead of
 // about ten kernels per parameter; the states are the same tensors, so
 // checkpoints see no difference. Elsewhere it is optimizer.step().

@@ -83,7 +83,7 @@ double ShardedState::clip_grad_norm(double max_norm) {
 
 void ShardedState::step(double lr) {
   set_learning_rate(*optimizer, lr);
-  optimizer->step();
+  adamw_step(*optimizer);
   if (stage3()) return;  // the next forward gathers
   std::lock_guard<std::mutex> lock(mutex);
   torch::NoGradGuard no_grad;
