@@ -1,6 +1,10 @@
 // meshtrain bench generate: prefill and decode timed apart on the serving
 // path (the batch engine with its KV cache), batch B, greedy, one JSON line.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/offload_flags.h"
+#include "meshtrain/util/memory.h"
+
+#include <fstream>
 
 #include "meshtrain/serve/batch_engine.h"
 
@@ -22,7 +26,9 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int run_bench_generate(const GenerateBenchOptions& options) {
-  serve::InferenceModel inference(options.checkpoint, nullptr);
+  memory::install();
+  serve::InferenceModel inference(options.checkpoint, nullptr, inference_offload(options.offload));
+  apply_memory_limit(options.offload, inference);
   const model::GptConfig& config = inference.config();
   if (options.prompt_tokens + options.new_tokens > config.context) {
     throw std::invalid_argument("--prompt-tokens + --new-tokens exceed the model's context of " +
@@ -58,15 +64,29 @@ int run_bench_generate(const GenerateBenchOptions& options) {
     tokens = row0;
   }
   const double p = median(prefill), d = median(decode);
-  const nlohmann::json line = {{"batch", options.batch},
+  const offload::WeightStream* stream = inference.weight_stream();
+  nlohmann::json line = {{"batch", options.batch},
                                {"prompt_tokens", options.prompt_tokens},
                                {"new_tokens", options.new_tokens},
                                {"prefill_s", p},
                                {"prefill_tokens_per_s", options.batch * options.prompt_tokens / p},
                                {"decode_s", d},
                                {"decode_tokens_per_s", options.batch * (options.new_tokens - 1) / d},
-                               {"tokens", tokens}};
+                               {"tokens", tokens},
+                               {"weights", options.offload.weights},
+                               {"kv", options.offload.kv},
+                               {"peak_counted_mib", memory::peak_bytes() / 1048576.0}};
+  if (stream != nullptr) {
+    // Each forward moves every block once: decode makes new_tokens - 1 forwards.
+    line["streamed_bytes_per_forward"] = stream->streamed_bytes();
+    line["decode_forwards_per_s"] = (options.new_tokens - 1) / d;
+    line["exposed_transfer_s"] = stream->exposed_seconds();
+  }
   std::printf("%s\n", line.dump().c_str());
+  if (!options.json_path.empty()) {
+    std::ofstream out(options.json_path, std::ios::app);
+    out << line.dump() << "\n";
+  }
   return 0;
 }
 

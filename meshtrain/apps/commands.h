@@ -40,6 +40,16 @@ int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, c
 int run_tokenizer_encode(const std::string& tokenizer, const std::string& text, const std::string& file);
 int run_tokenizer_decode(const std::string& tokenizer, const std::vector<int64_t>& ids);
 
+// ZeRO-Inference for generate, serve and bench generate (--offload.*,
+// offload/weight_stream.h), and the device memory limit (--memory.limit_mb).
+struct InferenceOffloadFlags {
+  std::string weights = "none";  // "none" | "cpu" | "nvme"
+  std::string nvme_dir = "/tmp";
+  int prefetch = 1;
+  std::string kv = "device";  // "device" | "cpu"
+  int64_t memory_limit_mb = 0;
+};
+
 struct GenerateOptions {
   std::string checkpoint;  // a checkpoint folder, or a directory holding a 'latest' pointer
   std::string prompt = "The ";
@@ -52,6 +62,7 @@ struct GenerateOptions {
   int tp = 1;                     // ranks splitting the model (all ranks of the job)
   bool no_kv_cache = false;
   bool timing = false;
+  InferenceOffloadFlags offload;
 };
 // meshtrain generate: prints the prompt and the text sampled after it, as it comes.
 int run_generate(comm::Runtime& runtime, const GenerateOptions& options);
@@ -66,6 +77,7 @@ struct ServeOptions {
   int threads = 0;                     // HTTP handler threads; 0: max_batch + queue + 4
   std::string model_name = "meshtrain";
   bool log = false;
+  InferenceOffloadFlags offload;
 };
 // meshtrain serve: the OpenAI completions API until SIGTERM/SIGINT, which
 // drains the requests in flight and returns 0.
@@ -90,6 +102,8 @@ struct GenerateBenchOptions {
   int64_t new_tokens = 64;
   int warmup = 1;
   int trials = 5;
+  InferenceOffloadFlags offload;
+  std::string json_path;  // also append the JSON line here
 };
 // meshtrain bench generate: prefill and decode times (medians) of a batch on
 // the serving path, and row 0's greedy tokens, as one JSON line.

@@ -1,6 +1,8 @@
 // meshtrain generate: text from a checkpoint, streamed as it is sampled, on
 // one rank or split over a tensor-parallel group.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/offload_flags.h"
+#include "meshtrain/util/memory.h"
 
 #include "meshtrain/model/text_stream.h"
 #include "meshtrain/serve/inference_model.h"
@@ -18,8 +20,11 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
                                 std::to_string(options.tp) + " generate --parallel.tp=" + std::to_string(options.tp) +
                                 " ...)");
   }
-  serve::InferenceModel inference(options.checkpoint, runtime.world());
+  memory::install();
+  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload));
   const bool speaker = runtime.rank() == 0;
+  const std::string offload_line = apply_memory_limit(options.offload, inference);
+  if (speaker && !offload_line.empty()) std::fputs(offload_line.c_str(), stderr);
   model::SampleOptions sample;
   sample.tokens = options.tokens;
   sample.temperature = options.temperature;
@@ -51,8 +56,9 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   if (speaker) std::printf("%s\n", text.finish().c_str());
   const int64_t made = static_cast<int64_t>(text.tokens().size());
   if (speaker && options.timing) {
-    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %d)\n", static_cast<long long>(made),
-                 seconds, made / seconds, sample.kv_cache ? "kv cache" : "full recompute", options.tp);
+    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %d), peak counted memory %s\n",
+                 static_cast<long long>(made), seconds, made / seconds, sample.kv_cache ? "kv cache" : "full recompute",
+                 options.tp, memory::format_mib(memory::peak_bytes()).c_str());
   }
   return 0;
 }

@@ -1,5 +1,7 @@
 #include "meshtrain/apps/inference_cli.h"
 
+#include "meshtrain/apps/offload_flags.h"
+
 #include "meshtrain/plan/layout.h"
 
 namespace meshtrain::apps {
@@ -31,6 +33,8 @@ void InferenceCli::add_bench(CLI::App& bench) {
   bench_generate_->add_option("--trials", bench_.trials, "Timed runs")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  bench_generate_->add_option("--json", bench_.json_path, "Also append the JSON line to this file");
+  add_offload_flags(*bench_generate_, bench_.offload);
 }
 
 void InferenceCli::add_generate(CLI::App& app) {
@@ -71,6 +75,7 @@ void InferenceCli::add_generate(CLI::App& app) {
                           "Recompute the whole context for every new token instead of keeping keys and values (slower; "
                           "the same tokens)");
   generate_app_->add_flag("--timing", generate_.timing, "Print the tokens per second to stderr");
+  add_offload_flags(*generate_app_, generate_.offload);
 }
 
 void InferenceCli::add_serve(CLI::App& app) {
@@ -104,6 +109,7 @@ void InferenceCli::add_serve(CLI::App& app) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   serve_app_->add_flag("--log", serve_.log, "Print a line per request to stderr");
+  add_offload_flags(*serve_app_, serve_.offload);
 }
 
 void InferenceCli::add_interop(CLI::App& app) {

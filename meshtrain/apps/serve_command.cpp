@@ -1,6 +1,8 @@
 // meshtrain serve: a checkpoint behind an OpenAI-compatible HTTP API, on one
 // rank or split over a tensor-parallel group (rank 0 speaks HTTP).
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/offload_flags.h"
+#include "meshtrain/util/memory.h"
 
 #include "meshtrain/serve/http_frontend.h"
 #include "meshtrain/serve/scheduler.h"
@@ -65,7 +67,10 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
                                 std::to_string(runtime.size()) + " rank(s) run; launch tp ranks (meshtrain run -n " +
                                 std::to_string(options.tp) + " serve --parallel.tp=" + std::to_string(options.tp) + " ...)");
   }
-  serve::InferenceModel inference(options.checkpoint, runtime.world());
+  memory::install();
+  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload));
+  const std::string offload_line = apply_memory_limit(options.offload, inference);
+  if (runtime.rank() == 0 && !offload_line.empty()) std::fputs(offload_line.c_str(), stderr);
   serve::Scheduler scheduler(inference, runtime.world(), serve::SchedulerOptions{options.max_batch, options.queue});
   if (runtime.rank() != 0) {
     scheduler.run();  // rank 0's turns, until it stops

@@ -16,7 +16,10 @@ namespace {
 // Installs a cache on the model for the length of a generation.
 class CacheScope {
  public:
-  explicit CacheScope(Gpt& model) : model_(model), cache_(std::make_shared<KvCache>(model)) { model_->add_forward_hooks(cache_); }
+  CacheScope(Gpt& model, const SampleOptions& options) : model_(model), cache_(std::make_shared<KvCache>(model)) {
+    if (options.kv_storage) cache_->set_storage(options.kv_storage);
+    model_->add_forward_hooks(cache_);
+  }
   ~CacheScope() { model_->remove_forward_hooks(cache_.get()); }
   KvCache& cache() { return *cache_; }
 
@@ -63,7 +66,7 @@ at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& o
   at::Tensor sequence = prompt.numel() ? prompt.to(at::kLong).view({1, -1}) : at::zeros({1, 1}, at::kLong);
   const int64_t start = prompt.numel() ? sequence.size(1) : 1;
   std::optional<CacheScope> scope;
-  if (options.kv_cache) scope.emplace(model);
+  if (options.kv_cache) scope.emplace(model, options);
   // The logits after the last `context` tokens: from the cache while the
   // sequence fits, else (a sliding window) a forward over the window.
   auto last_logits = [&](bool fresh) {
@@ -110,7 +113,7 @@ std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>
   }
   std::vector<at::Generator> generators;
   for (int64_t r = 0; r < b; ++r) generators.push_back(at::make_generator<at::CPUGeneratorImpl>(options.seed));
-  CacheScope scope(model);
+  CacheScope scope(model, options);
   scope.cache().set_padding(pads);
   auto whole = [&](const at::Tensor& logits) { return options.full_vocabulary ? options.full_vocabulary(logits) : logits; };
   at::Tensor logits = whole(model->forward(tokens).select(1, longest - 1));

@@ -21,6 +21,8 @@ struct SampleOptions {
   // The last position's logits [B, V'] -> [B, vocab]: tensor parallel gathers
   // a vocabulary split over ranks. Unset: the model's logits are whole.
   std::function<at::Tensor(const at::Tensor&)> full_vocabulary;
+  // Where the KV cache keeps keys and values (KvCache::set_storage; unset: the device).
+  std::function<at::Tensor(at::IntArrayRef, const at::TensorOptions&)> kv_storage;
 
   // Throws std::invalid_argument naming the option that is out of range.
   void validate() const;

@@ -126,7 +126,7 @@ void KvCache::append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fre
     const int64_t capacity = std::min(config_.context, std::max({used + t, 2 * used, int64_t{16}}));
     std::vector<int64_t> shape = fresh.sizes().vec();
     shape[2] = capacity;
-    at::Tensor grown = at::empty(shape, fresh.options());
+    at::Tensor grown = storage_ ? storage_(shape, fresh.options()) : at::empty(shape, fresh.options());
     if (used > 0) grown.narrow(2, 0, used).copy_(cached);
     room = grown;
   }
@@ -153,8 +153,8 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   // cache is heads / kv_heads times smaller); attention's grouped-query mode
   // reads them without repeating them for each query head.
   const bool grouped = q.size(1) != k.size(1);
-  const at::Tensor& keys = layer.k;
-  const at::Tensor& values = layer.v;
+  const at::Tensor keys = layer.k.device() == q.device() ? layer.k : layer.k.to(q.device());
+  const at::Tensor values = layer.v.device() == q.device() ? layer.v : layer.v.to(q.device());
   at::Tensor y;
   if (length_ == 0 && !pads_.defined()) {
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true, std::nullopt, grouped);

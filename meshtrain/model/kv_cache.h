@@ -4,6 +4,7 @@
 
 #include "meshtrain/model/gpt.h"
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,6 +34,9 @@ namespace meshtrain::model {
 // keep_rows() drops finished rows, then the slots before every remaining
 // row's first token, so the cache is as long as its longest row: a request
 // that fits the context alone fits it in any batch.
+// Allocates room for keys or values of these sizes and options.
+using KvCacheStorage = std::function<at::Tensor(at::IntArrayRef sizes, const at::TensorOptions& options)>;
+
 class KvCache : public ForwardHooks {
  public:
   explicit KvCache(const Gpt& model);
@@ -50,6 +54,12 @@ class KvCache : public ForwardHooks {
   // `rows` stay (in that order), slots no row uses any more dropped.
   void append_rows(const KvCache& other);
   void keep_rows(const std::vector<int64_t>& rows);
+
+  // Where the room for keys and values is allocated (unset: at::empty on the
+  // model's device). ZeRO-Inference's kv = "cpu" gives host memory here;
+  // attention then reads the cache where it lives (on a GPU, copied over per
+  // layer and step).
+  void set_storage(KvCacheStorage storage) { storage_ = std::move(storage); }
 
  private:
   struct Layer {
@@ -73,6 +83,7 @@ class KvCache : public ForwardHooks {
   at::Tensor pads_or_zeros() const;
 
   GptConfig config_;
+  KvCacheStorage storage_;
   std::map<std::string, Layer> layers_;  // by call site
   at::Tensor pads_;  // [B] int64, or undefined: no padding
   int64_t length_ = 0;

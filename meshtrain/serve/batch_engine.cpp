@@ -10,6 +10,7 @@ namespace meshtrain::serve {
 BatchEngine::BatchEngine(InferenceModel& model, int64_t max_batch)
     : model_(model), max_batch_(max_batch), cache_(std::make_shared<model::KvCache>(model.gpt())) {
   if (max_batch < 1) throw std::invalid_argument("the batch must hold at least one sequence");
+  cache_->set_storage(model_.kv_storage());
   model_.gpt()->add_forward_hooks(cache_);
 }
 
@@ -48,6 +49,7 @@ std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>&
     tokens[i].narrow(0, pads.back(), p.size()).copy_(at::tensor(p, at::kLong));
   }
   auto fresh = std::make_shared<model::KvCache>(model_.gpt());
+  fresh->set_storage(model_.kv_storage());
   model_.gpt()->remove_forward_hooks(cache_.get());
   model_.gpt()->add_forward_hooks(fresh);
   if (b > 1) fresh->set_padding(pads);

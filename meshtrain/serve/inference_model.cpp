@@ -5,12 +5,26 @@
 #include "meshtrain/parallel/tensor_parallel_ops.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
+#include "meshtrain/offload/host_memory.h"
+#include "meshtrain/util/memory.h"
 
 #include <filesystem>
+#include <optional>
 
 namespace meshtrain::serve {
 
-InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group) : group_(std::move(tp_group)) {
+void InferenceOffload::validate() const {
+  offload::parse_tier(weights, "offload.weights");
+  if (kv != "device" && kv != "cpu") throw std::invalid_argument("offload.kv = \"" + kv + "\": must be \"device\" or \"cpu\"");
+  if (prefetch < 0) throw std::invalid_argument("offload.prefetch = " + std::to_string(prefetch) + ": must be >= 0");
+}
+
+InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload)
+    : group_(std::move(tp_group)), offload_(std::move(offload)) {
+  offload_.validate();
+  // Offloaded weights are loaded in host memory, then streamed (Note [Host scope]).
+  std::optional<memory::HostScope> host;
+  if (offload_.weights != "none") host.emplace();
   const std::string folder = checkpoint::CheckpointStore::resolve(checkpoint);
   checkpoint::CheckpointReader reader(folder);
   name_ = std::filesystem::path(folder).filename().string();
@@ -22,11 +36,53 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
     for (auto& item : gpt_->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
   }
   split();
+  host.reset();
+  stream_weights();
 }
 
-InferenceModel::InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name)
-    : gpt_(std::move(gpt)), group_(std::move(tp_group)), tokenizer_(text::bytes_tokenizer()), name_(std::move(name)) {
-  split();
+InferenceModel::InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name, InferenceOffload offload)
+    : gpt_(std::move(gpt)),
+      group_(std::move(tp_group)),
+      tokenizer_(text::bytes_tokenizer()),
+      name_(std::move(name)),
+      offload_(std::move(offload)) {
+  offload_.validate();
+  {
+    std::optional<memory::HostScope> host;
+    if (offload_.weights != "none") host.emplace();
+    split();
+  }
+  stream_weights();
+}
+
+void InferenceModel::stream_weights() {
+  const offload::Tier tier = offload::parse_tier(offload_.weights, "offload.weights");
+  if (tier == offload::Tier::kDevice) return;
+  torch::NoGradGuard no_grad;
+  for (auto& p : gpt_->parameters()) p.set_requires_grad(false);
+  offload::StoreOptions options;
+  options.nvme_dir = offload_.nvme_dir;
+  options.max_in_flight = std::max(offload_.prefetch, 1);
+  store_ = std::make_shared<offload::TieredStore>(options);
+  stream_ = std::make_shared<offload::WeightStream>(gpt_, store_, tier, offload_.prefetch);
+  gpt_->add_forward_hooks(stream_);
+  // What is not streamed (embeddings, final norm, head) is copied to the
+  // device; its host copy is freed.
+  for (auto& item : gpt_->named_parameters()) {
+    if (item.key().rfind("blocks.", 0) == 0) continue;
+    at::Tensor& p = item.value();
+    p.set_data(p.detach().clone());
+  }
+  for (auto& item : gpt_->named_buffers()) item.value().set_data(item.value().detach().clone());
+}
+
+model::KvCacheStorage InferenceModel::kv_storage() const {
+  if (offload_.kv != "cpu") return {};
+  return [](at::IntArrayRef sizes, const at::TensorOptions& options) {
+    int64_t numel = 1;
+    for (int64_t s : sizes) numel *= s;
+    return offload::host_tensor(numel, options.dtype().toScalarType()).view(sizes);
+  };
 }
 
 void InferenceModel::split() {
@@ -47,6 +103,7 @@ model::SampleOptions InferenceModel::with_split(model::SampleOptions options) co
       return parallel::all_gather_along(logits.contiguous(), *group, logits.dim() - 1);
     };
   }
+  if (!options.kv_storage) options.kv_storage = kv_storage();
   return options;
 }
 

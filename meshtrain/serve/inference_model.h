@@ -3,6 +3,8 @@
 #pragma once
 
 #include "meshtrain/model/generate.h"
+#include "meshtrain/model/kv_cache.h"
+#include "meshtrain/offload/weight_stream.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/text/tokenizer.h"
 
@@ -21,18 +23,28 @@ namespace meshtrain::serve {
 // are gathered (full_vocabulary), so every rank samples from identical
 // logits with an identical generator and picks the same token without a
 // broadcast.
+// ZeRO-Inference (Note [Weight streaming]): where the weights and the KV cache live.
+struct InferenceOffload {
+  std::string weights = "none";  // "none" | "cpu" | "nvme": the blocks' weights streamed from that tier
+  std::string nvme_dir = "/tmp";
+  int prefetch = 1;              // blocks fetched ahead of the one computing
+  std::string kv = "device";     // "device" | "cpu": where the KV cache is kept
+  // Throws std::invalid_argument naming the option.
+  void validate() const;
+};
+
 class InferenceModel {
  public:
   // `checkpoint`: a checkpoint folder or a directory with a 'latest' pointer.
   // `tp_group`: the ranks that split the model (null or size 1: whole).
-  InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group);
+  InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload = {});
   // A model in memory (the same full model on every rank of the group), bytes as its tokenizer.
-  InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name = "meshtrain");
+  InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name = "meshtrain", InferenceOffload offload = {});
   ~InferenceModel();
 
   model::Gpt& gpt() { return gpt_; }
   const model::GptConfig& config() const { return gpt_->config(); }
-  // Options with full_vocabulary set for this model's split.
+  // Options with full_vocabulary set for this model's split, and kv_storage for its offload.
   model::SampleOptions with_split(model::SampleOptions options) const;
   // The model's tokenizer (the one it was trained or imported with).
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -40,9 +52,16 @@ class InferenceModel {
   std::string decode(const std::vector<int64_t>& tokens) const;
   const std::string& name() const { return name_; }  // the checkpoint folder's name
   int64_t step() const { return step_; }
+  // Where KV caches for this model keep keys and values (unset: the device).
+  model::KvCacheStorage kv_storage() const;
+  // The weight stream when the weights are offloaded (else null).
+  const offload::WeightStream* weight_stream() const { return stream_.get(); }
+  const InferenceOffload& offload() const { return offload_; }
 
  private:
   void split();
+  // With weights offloaded: the blocks to the tiered store, the rest to the device.
+  void stream_weights();
 
   model::Gpt gpt_{nullptr};
   std::unique_ptr<parallel::TensorParallel> tp_;
@@ -50,6 +69,9 @@ class InferenceModel {
   std::unique_ptr<text::Tokenizer> tokenizer_;
   std::string name_;
   int64_t step_ = 0;
+  InferenceOffload offload_;
+  std::shared_ptr<offload::TieredStore> store_;
+  std::shared_ptr<offload::WeightStream> stream_;
 };
 
 }  // namespace meshtrain::serve

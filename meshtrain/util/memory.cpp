@@ -27,6 +27,9 @@ std::atomic<int64_t> g_limit{0};
 std::atomic<int> g_phase{0};
 std::atomic<int> g_rank{0};
 std::atomic<bool> g_installed{false};
+std::atomic<int64_t> g_host_current{0};
+std::atomic<int64_t> g_host_peak{0};
+thread_local bool t_host_scope = false;
 
 void raise_to(std::atomic<int64_t>& peak, int64_t value) {
   int64_t seen = peak.load(std::memory_order_relaxed);
@@ -46,7 +49,11 @@ void release(void* data) {
   char* block = static_cast<char*>(data) - kHeader;
   int64_t bytes = 0;
   std::memcpy(&bytes, block, sizeof bytes);
-  g_current.fetch_sub(bytes, std::memory_order_relaxed);
+  if (bytes >= 0) {
+    g_current.fetch_sub(bytes, std::memory_order_relaxed);
+  } else {
+    g_host_current.fetch_add(bytes, std::memory_order_relaxed);  // a host-scope block stores -size
+  }
   g_base_deleter(block);
 }
 
@@ -56,6 +63,7 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     const auto bytes = static_cast<int64_t>(n);
+    if (t_host_scope) return allocate_block(n, -bytes);
     const int64_t now = g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     const int64_t limit = g_limit.load(std::memory_order_relaxed);
     if (limit > 0 && now > limit) {
@@ -65,15 +73,11 @@ class CountingAllocator final : public c10::Allocator {
                        phase_name(phase), ": allocating ", format_mib(bytes), " with ", format_mib(now - bytes),
                        " in use would exceed the per-rank limit of ", format_mib(limit),
                        " (memory.limit_mb). Shard more (a higher parallel.zero_stage, more ranks), use a smaller "
-                       "training.micro_batch, or raise the limit.");
+                       "training.micro_batch, offload (the [offload] settings), or raise the limit.");
     }
     raise_to(g_peak, now);
     raise_to(g_phase_peak[g_phase.load(std::memory_order_relaxed)], now);
-    c10::DataPtr block = base_->allocate(n + kHeader);
-    char* start = static_cast<char*>(block.release_context());
-    std::memcpy(start, &bytes, sizeof bytes);
-    void* data = start + kHeader;
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+    return allocate_block(n, bytes);
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -81,6 +85,16 @@ class CountingAllocator final : public c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
  private:
+  // `tag`: the size, negated for host-scope blocks (Note [Host scope]).
+  c10::DataPtr allocate_block(size_t n, int64_t tag) {
+    if (tag < 0) raise_to(g_host_peak, g_host_current.fetch_sub(tag, std::memory_order_relaxed) - tag);
+    c10::DataPtr block = base_->allocate(n + kHeader);
+    char* start = static_cast<char*>(block.release_context());
+    std::memcpy(start, &tag, sizeof tag);
+    void* data = start + kHeader;
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
   c10::Allocator* base_;
 };
 
@@ -127,6 +141,11 @@ void set_limit(int64_t bytes) { g_limit = bytes; }
 int64_t limit() { return g_limit.load(); }
 void set_rank(int rank) { g_rank = rank; }
 Phase current_phase() { return static_cast<Phase>(g_phase.load(std::memory_order_relaxed)); }
+
+HostScope::HostScope() : previous_(t_host_scope) { t_host_scope = true; }
+HostScope::~HostScope() { t_host_scope = previous_; }
+int64_t host_bytes() { return g_host_current.load(std::memory_order_relaxed); }
+int64_t host_peak_bytes() { return g_host_peak.load(std::memory_order_relaxed); }
 
 PhaseScope::PhaseScope(Phase phase) : previous_(current_phase()) {
   g_phase = static_cast<int>(phase);
