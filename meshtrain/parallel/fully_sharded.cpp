@@ -110,6 +110,7 @@ placement::TrainingState FullySharded::state(const ParameterLayouts& layouts) {
       s.groups.expert_replicate ? placement::balanced_owners(expert_sizes, s.groups.expert_replicate->size())
                                 : std::vector<int>();
   size_t next = 0, next_expert = 0;
+  std::map<size_t, OffloadedAdamW::Views> offloaded;  // by unit: host tensors (Note [Offloaded optimizer])
   for (size_t i = 0; i < s.slices.size(); ++i) {
     const ShardedState::Slice& slice = s.slices[i];
     const Unit& unit = s.units[slice.unit];
@@ -120,6 +121,15 @@ placement::TrainingState FullySharded::state(const ParameterLayouts& layouts) {
     layout.spec.flat_begin = slice.begin;
     layout.spec.flat_end = slice.end;
     const bool write = layout.write && owned;
+    if (s.offloaded) {
+      if (!offloaded.count(slice.unit)) offloaded[slice.unit] = s.offloaded->views(slice.unit);
+      const OffloadedAdamW::Views& v = offloaded[slice.unit];
+      const int64_t at = unit.offsets[slice.param] + slice.begin - s.shard_rank * unit.shard, n = slice.end - slice.begin;
+      out.push_back({"model/" + name, layout.spec, v.master.narrow(0, at, n), write});
+      out.push_back({"optim/" + name + "/exp_avg", layout.spec, v.exp_avg.narrow(0, at, n), write});
+      out.push_back({"optim/" + name + "/exp_avg_sq", layout.spec, v.exp_avg_sq.narrow(0, at, n), write});
+      continue;
+    }
     out.push_back({"model/" + name, layout.spec, slice.tensor, write});
     torch::optim::AdamWParamState& adam = adamw_state(*s.optimizer, slice.tensor);
     out.push_back({"optim/" + name + "/exp_avg", layout.spec, adam.exp_avg(), write});
@@ -129,7 +139,12 @@ placement::TrainingState FullySharded::state(const ParameterLayouts& layouts) {
 }
 
 void FullySharded::after_load(int64_t optimizer_steps) {
-  set_adamw_steps(*state_->optimizer, optimizer_steps);
+  if (state_->offloaded) {
+    state_->offloaded->set_steps(optimizer_steps);
+    state_->offloaded->after_load();
+  } else {
+    set_adamw_steps(*state_->optimizer, optimizer_steps);
+  }
   if (state_->stage3()) return;
   std::lock_guard<std::mutex> lock(state_->mutex);
   torch::NoGradGuard no_grad;
@@ -140,9 +155,10 @@ std::map<std::string, at::Tensor> FullySharded::full_parameters(int root) {
   ShardedState& s = *state_;
   std::map<std::string, at::Tensor> out;
   const bool keep = root < 0 || s.groups.all->rank() == root;
-  for (auto& unit : s.units) {
-    at::Tensor flat = at::empty({unit.padded}, unit.master.options());
-    s.gather_comm->all_gather(flat, unit.master.contiguous()).wait();
+  for (size_t u = 0; u < s.units.size(); ++u) {
+    const Unit& unit = s.units[u];
+    at::Tensor flat = at::empty({unit.padded}, unit.full.options().dtype(at::kFloat));
+    s.gather_comm->all_gather(flat, s.master_values(u)).wait();
     if (!keep) continue;
     for (size_t i = 0; i < unit.params.size(); ++i) {
       out[unit.names[i]] = flat.narrow(0, unit.offsets[i], unit.params[i].numel()).view(unit.params[i].sizes()).clone();
@@ -170,15 +186,16 @@ void FullySharded::load_full_state_dict(const std::map<std::string, at::Tensor>&
   torch::NoGradGuard no_grad;
   ObserverPause pause;  // this writes into the flat buffers itself
   std::lock_guard<std::mutex> lock(s.mutex);
-  for (auto& unit : s.units) {
-    at::Tensor flat = at::zeros({unit.padded}, unit.master.options());
+  for (size_t u = 0; u < s.units.size(); ++u) {
+    Unit& unit = s.units[u];
+    at::Tensor flat = at::zeros({unit.padded}, unit.full.options().dtype(at::kFloat));
     if (s.groups.all->rank() == root) {
       for (size_t i = 0; i < unit.params.size(); ++i) {
         flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(state.at(unit.names[i]).reshape({-1}));
       }
     }
     s.groups.all->broadcast(flat, root).wait();
-    unit.master.copy_(flat.narrow(0, s.shard_rank * unit.shard, unit.shard));
+    s.set_master_values(u, flat.narrow(0, s.shard_rank * unit.shard, unit.shard));
     if (unit.residency != Residency::kFreed) {  // stages 1 and 2, or a stage-3 unit in use
       s.wait_gathered_locked(unit);
       unit.full.copy_(flat);
@@ -188,10 +205,17 @@ void FullySharded::load_full_state_dict(const std::map<std::string, at::Tensor>&
 
 std::string FullySharded::describe() const {
   const ShardedState& s = *state_;
+  std::string offload;
+  if (s.offloaded) {
+    offload = ", optimizer offloaded to " + std::string(offload::tier_name(s.options.offload_optimizer));
+    if (s.options.offload_params != offload::Tier::kDevice) {
+      offload += ", parameters to " + std::string(offload::tier_name(s.options.offload_params));
+    }
+  }
   return "ZeRO stage " + std::to_string(s.options.stage) + " over dp(" + std::to_string(s.groups.replicate->size()) +
          ") x fsdp(" + std::to_string(s.shards) + "), " + std::to_string(s.units.size()) + " units, " +
          comm::dtype_name(s.options.param_dtype) + " compute, " + comm::dtype_name(s.options.reduce_dtype) +
-         " reductions";
+         " reductions" + offload;
 }
 
 int FullySharded::stage() const { return state_->options.stage; }

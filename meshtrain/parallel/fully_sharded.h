@@ -4,6 +4,7 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/offload/tier.h"
 #include "meshtrain/parallel/adamw.h"
 #include "meshtrain/parallel/data_parallelism.h"
 
@@ -55,6 +56,12 @@ struct FullyShardedOptions {
   // them with the unit holding their module (their block).
   std::function<bool(const std::string&)> expert;
   double expert_scale = 1.0;
+  // ZeRO-Offload / ZeRO-Infinity (Note [Offloaded optimizer]): the fp32
+  // masters and AdamW moments in host memory or an NVMe file, the step on
+  // the CPU; at stage 3 the parameter shards too (params needs optimizer).
+  offload::Tier offload_optimizer = offload::Tier::kDevice;
+  offload::Tier offload_params = offload::Tier::kDevice;
+  std::string nvme_dir = "/tmp";
 };
 
 // Communicators of a sharded layout. `shard` (the fsdp axis) holds one shard

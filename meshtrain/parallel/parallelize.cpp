@@ -9,6 +9,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
 
+#include <filesystem>
 #include <optional>
 
 namespace meshtrain::parallel {
@@ -201,6 +202,12 @@ void ParallelModel::apply_data_parallelism() {
   o.param_dtype = parse_dtype(options_.param_dtype);
   o.reduce_dtype = parse_dtype(options_.reduce_dtype);
   o.stage1_reduce_scatter = options_.zero1_reduce == "reduce_scatter";
+  o.offload_optimizer = offload::parse_tier(options_.offload_optimizer, "offload.optimizer");
+  o.offload_params = offload::parse_tier(options_.offload_params, "offload.params");
+  if (o.offload_optimizer == offload::Tier::kNvme || o.offload_params == offload::Tier::kNvme) {
+    std::filesystem::create_directories(options_.nvme_dir);
+  }
+  o.nvme_dir = options_.nvme_dir;
   o.adamw = options_.adamw;
   o.split_over_tensor = norm_groups_.split_over_tensor;
   o.counted_elsewhere = norm_groups_.counted_elsewhere;

@@ -48,6 +48,10 @@ struct ParallelizeOptions {
   std::string param_dtype = "float32";
   std::string reduce_dtype = "float32";
   std::string zero1_reduce = "all_reduce";
+  // ZeRO-Offload / ZeRO-Infinity (zero_stage >= 1): "none" | "cpu" | "nvme".
+  std::string offload_optimizer = "none";
+  std::string offload_params = "none";
+  std::string nvme_dir = "/tmp";
   AdamWSettings adamw;
   // Tensor parallel: "plan" (the hand-written layers, tensor_parallel.h) or
   // "annotations" (weights annotated, the rest by completion: annotated_tensor_parallel.h).

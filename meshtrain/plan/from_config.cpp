@@ -26,6 +26,7 @@ PlannedRun planned_run(const train::TrainConfig& config) {
   Layout& l = run.layout;
   l = Layout::from_dims(config.parallel, config.micro_batch);
   l.recompute = config.activation_checkpoint;
+  if (config.offload_optimizer != "none") l.offload = config.offload_params != "none" ? "parameters" : "optimizer";
   run.microbatches = config.grad_accum;
   if (config.activation_checkpoint != "none" && config.activation_checkpoint_every != 1) {
     throw std::invalid_argument("the planner models checkpointing of every block only (activation_checkpoint_every = 1)");

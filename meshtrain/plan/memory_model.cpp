@@ -221,8 +221,16 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
     states.parameters = p.param * psi / (l.zero_stage >= 3 ? shards : 1);
     states.gradients = p.grad * psi / (l.zero_stage >= 2 ? shards : 1);
     states.optimizer = p.optimizer * psi / (l.zero_stage >= 1 ? shards : 1);
-    if (l.offload != "none") states.host += states.optimizer, states.optimizer = 0;
-    if (l.offload == "parameters") states.host += states.parameters + states.gradients, states.parameters = states.gradients = 0;
+    // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
+    // the host (in fp32 training the masters were the parameters, so the host
+    // holds a copy of this rank's shard); sharded gradients accumulate there;
+    // with "parameters" the stage-3 parameter shards too.
+    if (l.offload != "none") {
+      states.host += states.optimizer + (p.param == 4 && p.optimizer == 8 ? 4 * psi / shards : 0);
+      states.optimizer = 0;
+      if (l.zero_stage >= 2) states.host += states.gradients, states.gradients = 0;
+    }
+    if (l.offload == "parameters") states.host += states.parameters, states.parameters = 0;
 
     // Walk this rank's computations in order, keeping what each leaves
     // behind (a stage's activations until its backward, the loss's saved

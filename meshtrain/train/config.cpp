@@ -241,6 +241,13 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(reduce_dtype)));
     f.push_back(field("parallel", "zero1_reduce", "zero_stage 1: \"all_reduce\" full gradients then read the shard, or "
                       "\"reduce_scatter\" into a shard buffer (+4 bytes per owned element)", MESHTRAIN_CONFIG_MEMBER(zero1_reduce)));
+    f.push_back(field("offload", "optimizer", "\"none\", \"cpu\" or \"nvme\": keep the fp32 master weights and AdamW "
+                      "moments in host memory or a file on a local disk and step them on the CPU (ZeRO-Offload / "
+                      "ZeRO-Infinity; parallel.zero_stage >= 1)", MESHTRAIN_CONFIG_MEMBER(offload_optimizer)));
+    f.push_back(field("offload", "params", "\"none\", \"cpu\" or \"nvme\": zero_stage 3's parameter shards there too, "
+                      "read before each gather (needs offload.optimizer)", MESHTRAIN_CONFIG_MEMBER(offload_params)));
+    f.push_back(field("offload", "nvme_dir", "folder on a local disk for the nvme tier (default: <run.out>/nvme)",
+                      MESHTRAIN_CONFIG_MEMBER(offload_nvme_dir)));
     f.push_back(field("memory", "limit_mb", "per-rank limit on CPU tensor memory; beyond it a clear out-of-memory "
                       "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
     f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
@@ -495,6 +502,19 @@ void TrainConfig::validate(int world_size) {
   }
   if (zero1_reduce != "all_reduce" && zero1_reduce != "reduce_scatter") {
     bad("parallel.zero1_reduce", "\"" + zero1_reduce + "\"", "use \"all_reduce\" or \"reduce_scatter\"");
+  }
+  for (const auto& [key, value] : {std::pair<std::string, std::string>{"offload.optimizer", offload_optimizer},
+                                   {"offload.params", offload_params}}) {
+    if (value != "none" && value != "cpu" && value != "nvme") bad(key, "\"" + value + "\"", "use \"none\", \"cpu\" or \"nvme\"");
+  }
+  if (offload_optimizer != "none" && parallel.zero_stage == 0) {
+    bad("offload.optimizer", "\"" + offload_optimizer + "\"", "needs parallel.zero_stage >= 1 (the sharded optimizer)");
+  }
+  if (offload_params != "none" && parallel.zero_stage != 3) {
+    bad("offload.params", "\"" + offload_params + "\"", "needs parallel.zero_stage = 3 (sharded parameters)");
+  }
+  if (offload_params != "none" && offload_optimizer == "none") {
+    bad("offload.params", "\"" + offload_params + "\"", "needs offload.optimizer = \"cpu\" or \"nvme\" as well");
   }
   if (memory_limit_mb < 0) bad("memory.limit_mb", std::to_string(memory_limit_mb), "must be >= 0 (0: no limit)");
   grad_accum = batch / (micro_batch * data_ranks());

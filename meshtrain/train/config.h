@@ -64,6 +64,11 @@ struct TrainConfig {
   std::string reduce_dtype = "float32";  // zero_stage >= 1: dtype of gradient reductions
   std::string zero1_reduce = "all_reduce";  // zero_stage 1: "all_reduce" (then slice) or "reduce_scatter"
   std::string tp_impl = "plan";  // tensor parallel: "plan" (hand-written layers) or "annotations" (weights annotated)
+  // [offload] ZeRO-Offload / ZeRO-Infinity (parallel/fsdp/offloaded_adamw.h)
+  std::string offload_optimizer = "none";  // "none" | "cpu" | "nvme": fp32 masters + AdamW moments, step on the CPU
+  std::string offload_params = "none";     // "none" | "cpu" | "nvme": zero_stage 3's parameter shards
+  std::string offload_nvme_dir;            // default: <run.out>/nvme
+  std::string nvme_dir() const { return offload_nvme_dir.empty() ? out + "/nvme" : offload_nvme_dir; }
   // [memory]
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]

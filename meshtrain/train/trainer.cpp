@@ -67,6 +67,9 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
   o.param_dtype = c.param_dtype;
   o.reduce_dtype = c.reduce_dtype;
   o.zero1_reduce = c.zero1_reduce;
+  o.offload_optimizer = c.offload_optimizer;
+  o.offload_params = c.offload_params;
+  o.nvme_dir = c.nvme_dir();
   o.adamw = {c.lr, c.beta1, c.beta2, 1e-8, c.weight_decay};
   o.tp_impl = c.tp_impl;
   return o;

@@ -93,7 +93,7 @@ void ShardedState::fold_locked(size_t keep) {
     unit.reduce_work.wait();
     const auto& replicate = replicate_of(unit);
     if (replicate->size() > 1) replicate->all_reduce(unit.reduce_out, comm::ReduceOp::kAvg).wait();
-    unit.shard_grad.add_(unit.reduce_out);
+    unit.shard_grad.add_(unit.reduce_out.to(unit.shard_grad.device()));  // host memory when offloaded
     unit.reduce_in = unit.reduce_out = at::Tensor();
     unit.reduce_work = comm::Work();
   }
@@ -119,7 +119,7 @@ void ShardedState::after_backward() {
     for (Unit& unit : units) {
       const bool grad_is_view = unit.grad.defined() && unit.shard_grad.is_alias_of(unit.grad);
       if (options.stage1_reduce_scatter) {
-        unit.shard_grad.copy_(unit.reduce_out);
+        unit.shard_grad.copy_(unit.reduce_out.to(unit.shard_grad.device()));
       } else {
         if (unit.reduce_in.defined()) unit.grad.copy_(unit.reduce_in);
         if (!grad_is_view) unit.shard_grad.copy_(unit.grad.narrow(0, shard_rank * unit.shard, unit.shard));

@@ -32,8 +32,7 @@ void ShardedState::gather_locked(Unit& unit) {
   if (unit.residency != Residency::kFreed) return;
   ObserverPause pause;  // a one-rank gather copies into `full` on this thread
   allocate_storage(unit.full);
-  at::Tensor input = unit.master;
-  if (options.param_dtype != at::kFloat) input = unit.gather_input = unit.master.to(options.param_dtype);
+  const at::Tensor input = unit.gather_input = gather_input(static_cast<size_t>(&unit - units.data()));
   unit.gather_work = gather_comm->all_gather(unit.full, input);
   unit.residency = Residency::kGathering;
 }

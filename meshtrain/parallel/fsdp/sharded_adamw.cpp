@@ -20,6 +20,11 @@ at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t length) {
 }  // namespace
 
 void ShardedState::build_optimizer() {
+  if (options.offload_optimizer != offload::Tier::kDevice) {
+    offloaded = std::make_unique<OffloadedAdamW>(*this, options.offload_optimizer, options.offload_params, options.nvme_dir);
+  } else if (options.offload_params != offload::Tier::kDevice) {
+    throw std::invalid_argument("offload.params needs offload.optimizer = \"cpu\" or \"nvme\" too");
+  }
   // AdamW over this rank's slice of every parameter (padding excluded).
   std::vector<AdamWParameter> adamw;
   for (Unit& unit : units) {
@@ -28,17 +33,39 @@ void ShardedState::build_optimizer() {
       const int64_t lo = std::max(begin, unit.offsets[i]);
       const int64_t hi = std::min(end, unit.offsets[i] + unit.params[i].numel());
       if (lo >= hi) continue;
-      at::Tensor slice = alias(unit.master, lo - begin, hi - lo);
+      // (An NVMe master has no tensor: the offloaded optimizer streams it.)
+      at::Tensor slice = unit.master.defined() ? alias(unit.master, lo - begin, hi - lo) : at::Tensor();
       const bool split = options.split_over_tensor && options.split_over_tensor(unit.names[i]);
       const Stretch stretch{size_t(&unit - units.data()), lo - begin, hi - lo, split};
       if (split) tensor_split.push_back(stretch);
       if (options.counted_elsewhere && options.counted_elsewhere(unit.names[i])) counted_elsewhere.push_back(stretch);
-      slice.mutable_grad() = alias(unit.shard_grad, lo - begin, hi - lo);
-      adamw.push_back({slice, decay_dims(unit.names[i], unit.params[i])});
+      if (!offloaded) {
+        slice.mutable_grad() = alias(unit.shard_grad, lo - begin, hi - lo);
+        adamw.push_back({slice, decay_dims(unit.names[i], unit.params[i])});
+      }
       slices.push_back({stretch.unit, i, lo - unit.offsets[i], hi - unit.offsets[i], slice});
     }
   }
-  optimizer = make_adamw(adamw, options.adamw);
+  if (!offloaded) optimizer = make_adamw(adamw, options.adamw);
+}
+
+at::Tensor ShardedState::gather_input(size_t u) {
+  Unit& unit = units[u];
+  if (offloaded) {
+    if (stage3()) return offloaded->gather_input(u);
+    return unit.full.narrow(0, shard_rank * unit.shard, unit.shard);  // the step wrote this rank's part
+  }
+  return options.param_dtype == at::kFloat ? unit.master : unit.master.to(options.param_dtype);
+}
+
+at::Tensor ShardedState::master_values(size_t u) {
+  if (offloaded) return offloaded->master_values(u);
+  return units[u].master.contiguous();
+}
+
+void ShardedState::set_master_values(size_t u, const at::Tensor& values) {
+  if (offloaded) return offloaded->set_master_values(u, values);
+  units[u].master.copy_(values);
 }
 
 double ShardedState::clip_grad_norm(double max_norm) {
@@ -48,9 +75,10 @@ double ShardedState::clip_grad_norm(double max_norm) {
   // the others are copies there: [split, copied] sums of squares. Experts add
   // up over groups.expert (each ep rank holds others), in a third sum.
   at::Tensor squares = at::zeros({3}, at::TensorOptions(at::kDouble).device(reduce_comm->device()));
-  for (Unit& unit : units) squares[unit.expert ? 2 : 1] += unit.shard_grad.to(at::kDouble).pow(2).sum();
+  // (An offloaded optimizer's shard gradients are in host memory: summed there.)
+  for (Unit& unit : units) squares[unit.expert ? 2 : 1] += unit.shard_grad.to(at::kDouble).pow(2).sum().to(squares.device());
   auto squares_of = [&](const Stretch& x) {
-    return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum();
+    return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum().to(squares.device());
   };
   for (const Stretch& x : tensor_split) {
     const at::Tensor part = squares_of(x);
@@ -82,8 +110,12 @@ double ShardedState::clip_grad_norm(double max_norm) {
 }
 
 void ShardedState::step(double lr) {
-  set_learning_rate(*optimizer, lr);
-  adamw_step(*optimizer);
+  if (offloaded) {
+    offloaded->step(lr);
+  } else {
+    set_learning_rate(*optimizer, lr);
+    adamw_step(*optimizer);
+  }
   if (stage3()) return;  // the next forward gathers
   std::lock_guard<std::mutex> lock(mutex);
   torch::NoGradGuard no_grad;

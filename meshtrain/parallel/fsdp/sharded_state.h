@@ -5,6 +5,7 @@
 #pragma once
 
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/fsdp/offloaded_adamw.h"
 #include "meshtrain/parallel/fully_sharded.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -70,7 +71,8 @@ struct ShardedState {
   std::shared_ptr<model::ForwardHooks> hooks;
   bool observed = false;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keep the gradient hooks alive
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<torch::optim::AdamW> optimizer;  // or, offloaded:
+  std::unique_ptr<OffloadedAdamW> offloaded;
   // This rank's slice of a parameter: elements [begin, end) of unit.params[param],
   // and the tensor AdamW updates for it (an alias into the unit's master).
   struct Slice {
@@ -132,6 +134,12 @@ struct ShardedState {
   void after_backward();
   // sharded_adamw.cpp
   void build_optimizer();
+  // What gathering unit u reads: its fp32 master (or a cast), or with an
+  // offloaded optimizer the parameter shard (Note [Offloaded optimizer]).
+  at::Tensor gather_input(size_t u);
+  // Unit u's fp32 master shard, on the device, and setting it.
+  at::Tensor master_values(size_t u);
+  void set_master_values(size_t u, const at::Tensor& values);
   double clip_grad_norm(double max_norm);
   void step(double lr);
 };
