@@ -147,6 +147,20 @@ int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrid
 // bench checkpoint: step time with no save, with a save before each step written
 // in the background and in the loop, the snapshot and write times, and the
 // write against the disk's raw speed for the same bytes (see bench_checkpoint.cpp).
+// meshtrain bench offload: the tiered store's bandwidth against fio on the
+// same file, the CPU AdamW against libtorch's, ZeRO-Inference tokens/s
+// against the transfer bound per batch size, and training step time and
+// memory with each offload (apps/bench_offload*.cpp). One JSON line per row.
+struct OffloadBenchOptions {
+  std::vector<std::string> parts{"tiers", "adam", "inference", "training"};
+  std::string nvme_dir = "/tmp";
+  int64_t file_mb = 512;  // the NVMe read test's file
+  int trials = 3;
+  std::vector<int64_t> batches{1, 8, 32, 64};
+  std::string json_path;
+};
+int run_bench_offload(comm::Runtime& runtime, const OffloadBenchOptions& options);
+
 int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                          int timed_steps);
 

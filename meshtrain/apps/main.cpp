@@ -128,6 +128,25 @@ int main(int argc, char** argv) {
                     "write against a raw write of the same bytes on the same disk. Config overrides as for train.",
       checkpoint_warmup, checkpoint_steps);
 
+  meshtrain::apps::OffloadBenchOptions offload_bench;
+  CLI::App* bench_offload = bench->add_subcommand(
+      "offload", "Tiered memory, one JSON line per row: the host and NVMe tiers' bandwidth (the NVMe read against fio "
+                 "on the same file), the fused CPU AdamW against torch::optim::AdamW, ZeRO-Inference decode tokens/s "
+                 "per batch against the bound (streamed bytes / tier bandwidth), and training step time and memory "
+                 "with the optimizer and parameters offloaded (bench/cpu_adam_vs_torch.py adds PyTorch's own AdamW)");
+  bench_offload->add_option("--parts", offload_bench.parts, "Which parts")
+      ->check(CLI::IsMember({"tiers", "adam", "inference", "training"}))
+      ->capture_default_str();
+  bench_offload->add_option("--nvme-dir", offload_bench.nvme_dir, "Folder on the disk to measure")->capture_default_str();
+  bench_offload->add_option("--file-mb", offload_bench.file_mb, "Size of the NVMe test file")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  bench_offload->add_option("--trials", offload_bench.trials, "Timed trials (medians)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  bench_offload->add_option("--batches", offload_bench.batches, "Inference batch sizes")->capture_default_str();
+  bench_offload->add_option("--json", offload_bench.json_path, "Also append the rows to this file");
+
   std::string timeline_trace, timeline_out, timeline_title = "pipeline timeline";
   CLI::App* timeline = app.add_subcommand(
       "timeline", "Draw a pipeline trace (trace.json written by train with --run.trace_step=N) as an SVG picture: one "
@@ -285,6 +304,7 @@ int main(int argc, char** argv) {
     if (bench_checkpoint->parsed()) {
       return meshtrain::apps::run_bench_checkpoint(*runtime, overrides, checkpoint_warmup, checkpoint_steps);
     }
+    if (bench_offload->parsed()) return meshtrain::apps::run_bench_offload(*runtime, offload_bench);
     if (plan->parsed()) return meshtrain::apps::run_plan_calibrate(*runtime, plan_options);
     if (selfcheck->parsed()) return meshtrain::apps::run_selfcheck(*runtime, parse_bytes(selfcheck_bench_max));
     if (bench_comm->parsed()) {

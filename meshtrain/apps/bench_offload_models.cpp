@@ -1,0 +1,134 @@
+// meshtrain bench offload, part two: ZeRO-Inference decode speed against the
+// transfer bound per batch size, and training step time and memory with the
+// optimizer (and parameters) offloaded.
+#include "meshtrain/apps/bench_offload.h"
+
+#include "meshtrain/apps/bench_util.h"
+#include "meshtrain/offload/tier.h"
+#include "meshtrain/serve/batch_engine.h"
+#include "meshtrain/train/trainer.h"
+#include "meshtrain/util/memory.h"
+
+#include <optional>
+
+namespace meshtrain::apps::offload_bench {
+
+namespace {
+
+// 8 blocks of width 512: 25M parameters, 100 MB in fp32.
+model::GptConfig inference_model() {
+  model::GptConfig c = model::GptConfig::preset("tiny");
+  c.width = 512, c.heads = 8, c.layers = 8, c.context = 128, c.dropout = 0;
+  return c;
+}
+
+struct Decode {
+  double tokens_per_s = 0, forwards_per_s = 0;
+};
+
+// Median decode speed of `batch` sequences (prompt 16, 8 new tokens, greedy).
+Decode decode_speed(serve::InferenceModel& model, int64_t batch, int trials) {
+  constexpr int64_t prompt = 16, fresh = 8;
+  serve::GenerationRequest request;
+  for (int64_t i = 0; i < prompt; ++i) request.prompt.push_back((7 * i + 3) % model.config().vocab_size);
+  request.options.tokens = fresh;
+  request.options.temperature = 0;
+  std::vector<double> seconds;
+  for (int t = 0; t < trials + 1; ++t) {
+    serve::BatchEngine engine(model, batch);
+    std::vector<serve::GenerationRequest> requests(batch, request);
+    for (int64_t r = 0; r < batch; ++r) requests[r].id = r;
+    engine.admit(requests);
+    const auto start = BenchClock::now();
+    while (engine.running() > 0) engine.step();
+    if (t > 0) seconds.push_back(seconds_since(start));
+  }
+  const double s = median(seconds);
+  return {batch * (fresh - 1) / s, (fresh - 1) / s};
+}
+
+}  // namespace
+
+void bench_inference(const OffloadBenchOptions& options, const TierBandwidth& bandwidth, const Emit& emit) {
+  memory::install();
+  std::map<int64_t, double> resident;
+  for (const std::string weights : {"none", "cpu", "nvme"}) {
+    serve::InferenceOffload offload;
+    offload.weights = weights, offload.nvme_dir = options.nvme_dir, offload.prefetch = 1;
+    model::Gpt gpt{nullptr};
+    {
+      std::optional<memory::HostScope> host;
+      if (weights != "none") host.emplace();
+      gpt = model::Gpt(inference_model(), 1);
+    }
+    serve::InferenceModel model(gpt, nullptr, "bench", offload);
+    for (int64_t batch : options.batches) {
+      memory::reset_peaks();
+      const Decode d = decode_speed(model, batch, options.trials);
+      nlohmann::json row = {{"part", "inference"}, {"weights", weights}, {"batch", batch},
+                            {"decode_tokens_per_s", d.tokens_per_s}, {"forwards_per_s", d.forwards_per_s},
+                            {"peak_counted_mib", memory::peak_bytes() / 1048576.0}};
+      if (weights == "none") resident[batch] = d.tokens_per_s;
+      if (const offload::WeightStream* stream = model.weight_stream()) {
+        // The bound: every forward moves the blocks' bytes at the tier's measured bandwidth.
+        const double tier = weights == "cpu" ? bandwidth.host : bandwidth.nvme;
+        const double bound = batch * tier / static_cast<double>(stream->streamed_bytes());
+        row["streamed_mib_per_forward"] = stream->streamed_bytes() / 1048576.0;
+        row["tier_gb_s"] = tier / 1e9;
+        row["bound_tokens_per_s"] = bound;
+        row["fraction_of_bound"] = d.tokens_per_s / bound;
+        if (resident.count(batch)) row["vs_resident"] = d.tokens_per_s / resident[batch];
+      }
+      emit(row);
+    }
+  }
+}
+
+void bench_training(comm::Runtime& runtime, const OffloadBenchOptions& options, const Emit& emit) {
+  using Overrides = std::vector<std::string>;
+  const std::string out = options.nvme_dir + "/meshtrain-bench-offload-" + std::to_string(runtime.rank());
+  const std::vector<Overrides> variants = {
+      {"parallel.zero_stage=1"},
+      {"parallel.zero_stage=1", "offload.optimizer=cpu"},
+      {"parallel.zero_stage=3"},
+      {"parallel.zero_stage=3", "offload.optimizer=cpu"},
+      {"parallel.zero_stage=3", "offload.optimizer=nvme"},
+      {"parallel.zero_stage=3", "offload.optimizer=cpu", "offload.params=cpu"},
+      {"parallel.zero_stage=3", "offload.optimizer=nvme", "offload.params=nvme"}};
+  std::map<std::string, double> baseline;  // step seconds of the resident run per stage
+  for (const Overrides& variant : variants) {
+    Overrides all = {"model.preset=small", "training.batch=8", "training.micro_batch=8", "training.sample_tokens=0",
+                     "training.eval_every=0", "training.log_every=0", "checkpoint.every=0", "checkpoint.resume=false",
+                     "run.out=" + out, "offload.nvme_dir=" + out + "/nvme"};
+    all.insert(all.end(), variant.begin(), variant.end());
+    train::TrainConfig config = train::TrainConfig::load("", all);
+    config.steps = 2 + 2 * options.trials + 1;
+    config.validate(runtime.size());
+    const int64_t before = memory::current_bytes();
+    train::Trainer trainer(config, runtime.world());
+    std::vector<double> seconds;
+    train::StepResult result;
+    for (int s = 0; s < 2 + 2 * options.trials; ++s) {
+      const auto start = BenchClock::now();
+      result = trainer.step();
+      if (s >= 2) seconds.push_back(seconds_since(start));
+    }
+    const std::string stage = variant.front();
+    const double step = median(seconds);
+    if (variant.size() == 1) baseline[stage] = step;
+    std::string name;
+    for (const std::string& o : variant) name += (name.empty() ? "" : " ") + o;
+    emit({{"part", "training"},
+          {"layout", name},
+          {"ranks", runtime.size()},
+          {"parameters", config.model.parameter_count()},
+          {"step_s", step},
+          {"vs_resident", baseline[stage] / step},
+          {"model_states_mib", (result.memory.model_states - before) / 1048576.0},
+          {"peak_mib", (result.memory.peak() - before) / 1048576.0},
+          {"host_tier_mib", offload::tier_stats(offload::Tier::kHost).current / 1048576.0},
+          {"nvme_tier_mib", offload::tier_stats(offload::Tier::kNvme).current / 1048576.0}});
+  }
+}
+
+}  // namespace meshtrain::apps::offload_bench
