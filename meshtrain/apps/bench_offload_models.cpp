@@ -77,7 +77,13 @@ void bench_inference(const OffloadBenchOptions& options, const TierBandwidth& ba
         row["tier_gb_s"] = tier / 1e9;
         row["bound_tokens_per_s"] = bound;
         row["fraction_of_bound"] = d.tokens_per_s / bound;
-        if (resident.count(batch)) row["vs_resident"] = d.tokens_per_s / resident[batch];
+        if (resident.count(batch)) {
+          // The roofline: neither faster than the transfer nor than the resident model computes.
+          const double roof = std::min(bound, resident[batch]);
+          row["vs_resident"] = d.tokens_per_s / resident[batch];
+          row["roofline_tokens_per_s"] = roof;
+          row["fraction_of_roofline"] = d.tokens_per_s / roof;
+        }
       }
       emit(row);
     }
@@ -98,7 +104,7 @@ void bench_training(comm::Runtime& runtime, const OffloadBenchOptions& options, 
   std::map<std::string, double> baseline;  // step seconds of the resident run per stage
   for (const Overrides& variant : variants) {
     Overrides all = {"model.preset=small", "training.batch=8", "training.micro_batch=8", "training.sample_tokens=0",
-                     "training.eval_every=0", "training.log_every=0", "checkpoint.every=0", "checkpoint.resume=false",
+                     "training.eval_every=0", "training.log_every=1000", "checkpoint.every=0", "checkpoint.resume=false",
                      "run.out=" + out, "offload.nvme_dir=" + out + "/nvme"};
     all.insert(all.end(), variant.begin(), variant.end());
     train::TrainConfig config = train::TrainConfig::load("", all);

@@ -15,7 +15,8 @@ namespace meshtrain::offload {
 // Installed on a Gpt, the stream moves every block's parameters into one
 // flat slot of the tiered store each and frees their device storage; the
 // parameters stay the module's tensors, views of a per-block flat buffer
-// whose storage comes and goes (as fully sharded's units). Around each
+// whose storage comes and goes (as fully sharded's units; the buffers are
+// recycled among the blocks). Around each
 // "blocks.N" call it waits for block N's fetch, issues the fetches of the
 // next `prefetch` blocks (wrapping to the first ones for the next forward,
 // as decoding runs forward after forward), computes, and frees block N. So
@@ -47,11 +48,16 @@ class WeightStream : public model::ForwardHooks {
   };
   void fetch(Block& block);
   void release(Block& block);
+  void allocate_storage(const at::Tensor& flat);
+  void recycle_storage(const at::Tensor& flat);
 
   std::shared_ptr<TieredStore> store_;
   std::vector<Block> blocks_;
   int prefetch_;
   double exposed_ = 0;
+  // Released blocks' device buffers (with their sizes), reused by the next
+  // fetches: at most prefetch + 1 exist, so the counted memory is theirs.
+  std::vector<std::pair<at::DataPtr, size_t>> free_;
 };
 
 }  // namespace meshtrain::offload
