@@ -101,39 +101,63 @@ void bench_training(comm::Runtime& runtime, const OffloadBenchOptions& options, 
       {"parallel.zero_stage=3", "offload.optimizer=nvme"},
       {"parallel.zero_stage=3", "offload.optimizer=cpu", "offload.params=cpu"},
       {"parallel.zero_stage=3", "offload.optimizer=nvme", "offload.params=nvme"}};
-  std::map<std::string, double> baseline;  // step seconds of the resident run per stage
-  for (const Overrides& variant : variants) {
+  auto make_config = [&](const Overrides& variant) {
     Overrides all = {"model.preset=small", "training.batch=8", "training.micro_batch=8", "training.sample_tokens=0",
                      "training.eval_every=0", "training.log_every=1000", "checkpoint.every=0", "checkpoint.resume=false",
                      "run.out=" + out, "offload.nvme_dir=" + out + "/nvme"};
     all.insert(all.end(), variant.begin(), variant.end());
     train::TrainConfig config = train::TrainConfig::load("", all);
-    config.steps = 2 + 2 * options.trials + 1;
+    config.steps = 1000;
     config.validate(runtime.size());
+    return config;
+  };
+  // Memory: one variant at a time, after two steps.
+  struct Memory {
+    double states = 0, peak = 0, host = 0, nvme = 0;
+  };
+  std::vector<Memory> memory(variants.size());
+  for (size_t v = 0; v < variants.size(); ++v) {
     const int64_t before = memory::current_bytes();
-    train::Trainer trainer(config, runtime.world());
-    std::vector<double> seconds;
+    const int64_t host = offload::tier_stats(offload::Tier::kHost).current;
+    const int64_t nvme = offload::tier_stats(offload::Tier::kNvme).current;
+    train::Trainer trainer(make_config(variants[v]), runtime.world());
     train::StepResult result;
-    for (int s = 0; s < 2 + 2 * options.trials; ++s) {
+    for (int s = 0; s < 2; ++s) result = trainer.step();
+    memory[v] = {(result.memory.model_states - before) / 1048576.0, (result.memory.peak() - before) / 1048576.0,
+                 (offload::tier_stats(offload::Tier::kHost).current - host) / 1048576.0,
+                 (offload::tier_stats(offload::Tier::kNvme).current - nvme) / 1048576.0};
+  }
+  // Time: every variant alive, one step of each in turn per round (the
+  // machine's drift touches them alike), medians over the rounds.
+  std::vector<std::unique_ptr<train::Trainer>> trainers;
+  for (const Overrides& variant : variants) {
+    trainers.push_back(std::make_unique<train::Trainer>(make_config(variant), runtime.world()));
+    trainers.back()->step();  // warm-up
+  }
+  std::vector<std::vector<double>> seconds(variants.size());
+  for (int round = 0; round < 2 * options.trials + 1; ++round) {
+    for (size_t v = 0; v < variants.size(); ++v) {
       const auto start = BenchClock::now();
-      result = trainer.step();
-      if (s >= 2) seconds.push_back(seconds_since(start));
+      trainers[v]->step();
+      seconds[v].push_back(seconds_since(start));
     }
-    const std::string stage = variant.front();
-    const double step = median(seconds);
-    if (variant.size() == 1) baseline[stage] = step;
+  }
+  std::map<std::string, double> baseline;  // median step of the resident run per stage
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const double step = median(seconds[v]);
+    if (variants[v].size() == 1) baseline[variants[v].front()] = step;
     std::string name;
-    for (const std::string& o : variant) name += (name.empty() ? "" : " ") + o;
+    for (const std::string& o : variants[v]) name += (name.empty() ? "" : " ") + o;
     emit({{"part", "training"},
           {"layout", name},
           {"ranks", runtime.size()},
-          {"parameters", config.model.parameter_count()},
+          {"parameters", trainers[v]->config().model.parameter_count()},
           {"step_s", step},
-          {"vs_resident", baseline[stage] / step},
-          {"model_states_mib", (result.memory.model_states - before) / 1048576.0},
-          {"peak_mib", (result.memory.peak() - before) / 1048576.0},
-          {"host_tier_mib", offload::tier_stats(offload::Tier::kHost).current / 1048576.0},
-          {"nvme_tier_mib", offload::tier_stats(offload::Tier::kNvme).current / 1048576.0}});
+          {"vs_resident", baseline[variants[v].front()] / step},
+          {"model_states_mib", memory[v].states},
+          {"peak_mib", memory[v].peak},
+          {"host_tier_mib", memory[v].host},
+          {"nvme_tier_mib", memory[v].nvme}});
   }
 }
 

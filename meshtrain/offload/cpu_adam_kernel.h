@@ -19,7 +19,7 @@ inline void adamw_range(float* p, const float* g, float* m, float* v, int64_t be
                         c10::BFloat16* out) {
   using Vec = at::vec::Vectorized<float>;
   const Vec decay(s.decay), b1(s.beta1), c1(s.one_minus_beta1), b2(s.beta2), c2(s.one_minus_beta2),
-      sqrt_bias2(s.sqrt_bias2), eps(s.eps), step_size(s.step_size);
+      inv_sqrt_bias2(1.0f / s.sqrt_bias2), eps(s.eps), step_size(s.step_size);
   int64_t i = begin;
   constexpr int64_t width = Vec::size();
   for (; i + width <= end; i += width) {
@@ -27,7 +27,7 @@ inline void adamw_range(float* p, const float* g, float* m, float* v, int64_t be
     const Vec param = Vec::loadu(p + i) * decay;
     const Vec average = at::vec::fmadd(grad, c1, Vec::loadu(m + i) * b1);
     const Vec square = at::vec::fmadd(grad * grad, c2, Vec::loadu(v + i) * b2);
-    const Vec denominator = square.sqrt() / sqrt_bias2 + eps;
+    const Vec denominator = at::vec::fmadd(square.sqrt(), inv_sqrt_bias2, eps);
     const Vec updated = param - step_size * (average / denominator);
     updated.store(p + i);
     average.store(m + i);
@@ -40,7 +40,7 @@ inline void adamw_range(float* p, const float* g, float* m, float* v, int64_t be
     const float param = p[i] * s.decay;
     const float average = grad * s.one_minus_beta1 + m[i] * s.beta1;
     const float square = grad * grad * s.one_minus_beta2 + v[i] * s.beta2;
-    const float denominator = std::sqrt(square) / s.sqrt_bias2 + s.eps;
+    const float denominator = std::sqrt(square) * (1.0f / s.sqrt_bias2) + s.eps;
     p[i] = param - s.step_size * (average / denominator);
     m[i] = average;
     v[i] = square;
