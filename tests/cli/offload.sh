@@ -40,6 +40,11 @@ for weights in cpu nvme; do
   grep -q "weights streamed from $weights" "$run/gen-$weights.log"
 done
 
+# Tensor parallel over 2 ranks, each streaming its half of every block from NVMe.
+got=$("$meshtrain" run -n 2 "${gen[@]}" --parallel.tp=2 --offload.weights nvme --offload.nvme_dir "$run/nvme" \
+      --memory.limit_mb 8 2> "$run/gen-tp.log") || { cat "$run/gen-tp.log"; exit 1; }
+[ "$got" = "$want" ] || { echo "tp 2 from nvme: '$got' vs '$want'"; exit 1; }
+
 "$meshtrain" serve --checkpoint "$ckpt" --port 0 --offload.weights cpu --offload.kv cpu --memory.limit_mb 8 \
   > "$run/serve.log" 2>&1 &
 server=$!

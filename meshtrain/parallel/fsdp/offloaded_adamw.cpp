@@ -63,14 +63,29 @@ OffloadedAdamW::OffloadedAdamW(ShardedState& state, Tier optimizer_tier, Tier pa
 OffloadedAdamW::~OffloadedAdamW() = default;
 
 void OffloadedAdamW::update(size_t u, float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
-                            const offload::AdamWStep& s) const {
+                            const offload::AdamWStep& s, at::BFloat16* bf16) const {
   for (const Segment& seg : entries_[u].segments) {
     const int64_t lo = std::max(begin, seg.offset), hi = std::min(end, seg.offset + seg.length);
     if (lo >= hi) continue;
     offload::AdamWStep step = s;
     if (!seg.decay) step.weight_decay = 0;
-    offload::cpu_adamw(p + (lo - begin), g + (lo - begin), m + (lo - begin), v + (lo - begin), hi - lo, step);
+    offload::cpu_adamw(p + (lo - begin), g + (lo - begin), m + (lo - begin), v + (lo - begin), hi - lo, step,
+                       bf16 != nullptr ? bf16 + lo : nullptr);
   }
+}
+
+at::BFloat16* OffloadedAdamW::bf16_parameters(size_t u) {
+  Unit& unit = s_.units[u];
+  at::Tensor target;
+  if (!s_.stage3()) {
+    target = unit.full.narrow(0, s_.shard_rank * unit.shard, unit.shard);
+  } else if (params_tier_ != Tier::kNvme) {
+    target = entries_[u].param_shard;
+  }
+  if (!target.defined() || target.scalar_type() != at::kBFloat16 || !target.device().is_cpu() || !target.is_contiguous()) {
+    return nullptr;
+  }
+  return target.data_ptr<at::BFloat16>();
 }
 
 void OffloadedAdamW::step(double lr) {
@@ -93,9 +108,11 @@ void OffloadedAdamW::step(double lr) {
 void OffloadedAdamW::step_host(size_t u, const at::Tensor& grad, const offload::AdamWStep& s) {
   Entry& e = entries_[u];
   const at::Tensor& master = s_.units[u].master;
+  // bf16 parameters on the CPU are written in the same pass (Note [CPU AdamW]).
+  at::BFloat16* bf16 = bf16_parameters(u);
   update(u, master.data_ptr<float>(), grad.data_ptr<float>(), e.host_exp_avg.data_ptr<float>(),
-         e.host_exp_avg_sq.data_ptr<float>(), 0, master.numel(), s);
-  write_parameters(u, master);
+         e.host_exp_avg_sq.data_ptr<float>(), 0, master.numel(), s, bf16);
+  if (bf16 == nullptr) write_parameters(u, master);
 }
 
 // Chunk by chunk through two sets of host buffers: chunk i + 1's reads run on

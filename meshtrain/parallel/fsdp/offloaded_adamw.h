@@ -81,8 +81,13 @@ class OffloadedAdamW {
   void step_nvme(size_t u, const at::Tensor& grad, const offload::AdamWStep& s);
   // The updated fp32 master `values` (host, [shard]) to the unit's parameters.
   void write_parameters(size_t u, const at::Tensor& values);
+  // AdamW over elements [begin, end) of unit u's shard, the pointers at
+  // element `begin`; `bf16` (at element 0, or null) gets the bf16 parameters.
   void update(size_t u, float* p, const float* g, float* m, float* v, int64_t begin, int64_t end,
-              const offload::AdamWStep& s) const;
+              const offload::AdamWStep& s, at::BFloat16* bf16 = nullptr) const;
+  // Where unit u's parameters in the compute dtype are, when that is bf16 in
+  // CPU memory the step can write in its own pass (else null).
+  at::BFloat16* bf16_parameters(size_t u);
 
   ShardedState& s_;
   offload::Tier optimizer_tier_, params_tier_;
