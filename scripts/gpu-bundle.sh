@@ -23,7 +23,8 @@ packages=(
   libopenmpi-dev libopenmpi3 openmpi-bin openmpi-common libpmix2 libpmix-dev
   libcli11-dev libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
-  liburing-dev liburing2 libcpp-httplib-dev libsentencepiece-dev libsentencepiece0 libpcre2-dev
+  liburing-dev liburing2 libcpp-httplib-dev libcpp-httplib0.11 libbrotli1 libsentencepiece-dev libsentencepiece0
+  libpcre2-dev pkgconf pkgconf-bin libpkgconf3
   libhwloc15 libhwloc-dev libevent-core-2.1-7 libevent-pthreads-2.1-7 libevent-2.1-7 libevent-extra-2.1-7
   libevent-openssl-2.1-7 libevent-dev libfabric1 libibverbs1 ibverbs-providers librdmacm1 libmunge2
   libnl-3-200 libnl-route-3-200 libnuma1 libpsm-infinipath1 libpsm2-2 libucx0 libatomic1 libltdl7
@@ -84,6 +85,8 @@ export PMIX_MCA_mca_base_component_path="$multiarch/pmix2/lib/pmix"
 export OMPI_MCA_mca_base_component_show_load_errors=0
 export PMIX_MCA_pcompress_base_silence_warning=1
 export CMAKE_PREFIX_PATH="$bundle_root/usr:${CMAKE_PREFIX_PATH:-}"
+# pkg-config (cpp-httplib) and its .pc files.
+export PKG_CONFIG_PATH="$multiarch/pkgconfig:$bundle_root/usr/share/pkgconfig:${PKG_CONFIG_PATH:-}"
 # FindMPI: the unpacked wrapper compiler and mpiexec.
 export MESHTRAIN_BUNDLE_CMAKE_ARGS="-DMPI_CXX_COMPILER=$bundle_root/usr/bin/mpicxx -DMPIEXEC_EXECUTABLE=$bundle_root/usr/bin/mpirun"
 EOF
