@@ -12,16 +12,8 @@
 namespace meshtrain::train {
 namespace {
 
-using Overrides = std::vector<std::string>;
-
 // Experts every rank count here divides: 6 for 3 ranks, 8 otherwise.
 int64_t experts_for(int ranks) { return ranks == 3 ? 6 : 8; }
-
-std::string describe(const Overrides& layout) {
-  std::string text;
-  for (const std::string& o : layout) text += (text.empty() ? "" : " ") + o;
-  return text;
-}
 
 class ExpertParallelTest : public TrainingTest {
  protected:

@@ -12,7 +12,6 @@
 namespace meshtrain::train {
 namespace {
 
-using Overrides = std::vector<std::string>;
 using testing::error_of;
 
 // Micro-batches small enough to accumulate several per step on any world size.
@@ -33,12 +32,6 @@ class FullyShardedTest : public TrainingTest {
       }
     }
     return out;
-  }
-
-  static std::string describe(const Overrides& overrides) {
-    std::string text;
-    for (const auto& o : overrides) text += (text.empty() ? "" : " ") + o;
-    return text;
   }
 };
 

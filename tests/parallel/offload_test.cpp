@@ -13,14 +13,6 @@
 namespace meshtrain::train {
 namespace {
 
-using Overrides = std::vector<std::string>;
-
-std::string describe(const Overrides& overrides) {
-  std::string text;
-  for (const auto& o : overrides) text += (text.empty() ? "" : " ") + o;
-  return text;
-}
-
 class OffloadTest : public TrainingTest {};
 
 TEST_F(OffloadTest, EveryStageAndTierEqualsOneProcess) {

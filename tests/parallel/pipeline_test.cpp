@@ -7,14 +7,6 @@
 namespace meshtrain::train {
 namespace {
 
-using Overrides = std::vector<std::string>;
-
-std::string describe(const Overrides& layout) {
-  std::string text;
-  for (const std::string& o : layout) text += (text.empty() ? "" : " ") + o;
-  return text;
-}
-
 class PipelineTraining : public TrainingTest {
  protected:
   void SetUp() override {

@@ -377,14 +377,6 @@ TEST(TensorParallelMemory, ActivationsPerLayerFollowKorthikanti) {
 namespace meshtrain::train {
 namespace {
 
-using Overrides = std::vector<std::string>;
-
-std::string describe(const Overrides& overrides) {
-  std::string text;
-  for (const auto& o : overrides) text += (text.empty() ? "" : " ") + o;
-  return text;
-}
-
 class TensorParallelTraining : public TrainingTest {
  protected:
   // tp = 2 and 4 alone (with data parallel over the rest), with and without

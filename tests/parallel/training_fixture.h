@@ -15,6 +15,14 @@ using testing::world;
 
 constexpr int64_t kBatch = 24;  // divisible by 1, 2, 3, 4 and 8 ranks
 
+// A layout as config overrides ("parallel.zero_stage=3", ...), and it in one line.
+using Overrides = std::vector<std::string>;
+inline std::string describe(const Overrides& overrides) {
+  std::string text;
+  for (const std::string& o : overrides) text += (text.empty() ? "" : " ") + o;
+  return text;
+}
+
 class TrainingTest : public ::testing::Test {
  protected:
   void SetUp() override {
