@@ -2,10 +2,10 @@
 
 #include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/checkpoint/store.h"
+#include "meshtrain/offload/host_memory.h"
 #include "meshtrain/parallel/tensor_parallel_ops.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
-#include "meshtrain/offload/host_memory.h"
 #include "meshtrain/util/memory.h"
 
 #include <filesystem>

@@ -39,6 +39,8 @@ class InferenceModel {
   // `tp_group`: the ranks that split the model (null or size 1: whole).
   InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload = {});
   // A model in memory (the same full model on every rank of the group), bytes as its tokenizer.
+  // With offloaded weights, build it under a memory::HostScope so that it is never counted
+  // as device memory (the checkpoint constructor loads that way itself).
   InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::string name = "meshtrain", InferenceOffload offload = {});
   ~InferenceModel();
 
