@@ -4,7 +4,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <future>
 #include <stdexcept>
 
 namespace meshtrain::offload {
@@ -109,10 +111,25 @@ void TieredStore::copy_out(const Slot& slot, const at::Tensor& dst) {
     count_read(Tier::kHost, slot.bytes());
     return;
   }
-  at::Tensor buffer = staging(round_up(slot.bytes()));
-  nvme_file().read(slot.offset, buffer.data_ptr(), round_up(slot.bytes()));
-  const at::Tensor typed = at::from_blob(buffer.data_ptr(), {slot.numel}, at::TensorOptions(slot.dtype));
-  dst.view({-1}).copy_(typed);
+  // In pieces: piece i is copied out (on a helper thread) while this thread,
+  // which owns the I/O, reads piece i + 1.
+  const int64_t bytes = slot.bytes(), total = round_up(bytes);
+  constexpr int64_t kPiece = int64_t{32} << 20;  // 32 requests: the queue stays full
+  at::Tensor buffer = staging(total);
+  uint8_t* base = buffer.data_ptr<uint8_t>();
+  const at::Tensor out = dst.view({-1}).view(at::kByte);
+  std::future<void> copying;
+  for (int64_t at = 0; at < total; at += kPiece) {
+    nvme_file().read(slot.offset + at, base + at, std::min(kPiece, total - at));
+    if (copying.valid()) copying.get();
+    const int64_t n = std::min(kPiece, bytes - at);
+    if (n > 0) {
+      copying = std::async(std::launch::async, [&out, base, at, n] {
+        out.narrow(0, at, n).copy_(at::from_blob(base + at, {n}, at::TensorOptions(at::kByte)));
+      });
+    }
+  }
+  if (copying.valid()) copying.get();
   release_staging(buffer);
 }
 

@@ -31,7 +31,8 @@ namespace meshtrain::offload {
 // max_in_flight = 2 with the buffer in use). An NVMe transfer goes through a
 // host staging buffer from a small pool (O_DIRECT needs aligned memory; on a
 // GPU machine this is the pinned buffer the copy engine reads), the file read
-// as io_uring chunks in flight together. Each tier's resident and moved bytes are counted (tier.h).
+// as io_uring chunks in flight together, in 32 MiB pieces: a piece is copied
+// out while the next is read. Each tier's resident and moved bytes are counted (tier.h).
 class Ticket {
  public:
   Ticket() = default;
