@@ -38,7 +38,6 @@ serve::InferenceOffload inference_offload(const InferenceOffloadFlags& flags) {
 }
 
 std::string apply_memory_limit(const InferenceOffloadFlags& flags, const serve::InferenceModel& model) {
-  memory::install();
   memory::set_limit(flags.memory_limit_mb << 20);
   memory::reset_peaks();
   std::string line;

@@ -10,7 +10,8 @@ namespace meshtrain::apps {
 
 void add_offload_flags(CLI::App& command, InferenceOffloadFlags& flags);
 serve::InferenceOffload inference_offload(const InferenceOffloadFlags& flags);
-// After the model is loaded: the counting allocator holds the rank to
+// After the model is loaded (with the counting allocator installed before
+// it, so that what stays resident is counted): the counting allocator holds the rank to
 // memory_limit_mb (0: no limit) and its peaks start over. Returns a line for
 // the log ("" without offload or limit).
 std::string apply_memory_limit(const InferenceOffloadFlags& flags, const serve::InferenceModel& model);

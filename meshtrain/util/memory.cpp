@@ -27,8 +27,6 @@ std::atomic<int64_t> g_limit{0};
 std::atomic<int> g_phase{0};
 std::atomic<int> g_rank{0};
 std::atomic<bool> g_installed{false};
-std::atomic<int64_t> g_host_current{0};
-std::atomic<int64_t> g_host_peak{0};
 thread_local bool t_host_scope = false;
 
 void raise_to(std::atomic<int64_t>& peak, int64_t value) {
@@ -49,11 +47,7 @@ void release(void* data) {
   char* block = static_cast<char*>(data) - kHeader;
   int64_t bytes = 0;
   std::memcpy(&bytes, block, sizeof bytes);
-  if (bytes >= 0) {
-    g_current.fetch_sub(bytes, std::memory_order_relaxed);
-  } else {
-    g_host_current.fetch_add(bytes, std::memory_order_relaxed);  // a host-scope block stores -size
-  }
+  g_current.fetch_sub(bytes, std::memory_order_relaxed);  // 0 for a host-scope block
   g_base_deleter(block);
 }
 
@@ -63,7 +57,7 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     const auto bytes = static_cast<int64_t>(n);
-    if (t_host_scope) return allocate_block(n, -bytes);
+    if (t_host_scope) return allocate_block(n, 0);
     const int64_t now = g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     const int64_t limit = g_limit.load(std::memory_order_relaxed);
     if (limit > 0 && now > limit) {
@@ -85,12 +79,11 @@ class CountingAllocator final : public c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
  private:
-  // `tag`: the size, negated for host-scope blocks (Note [Host scope]).
-  c10::DataPtr allocate_block(size_t n, int64_t tag) {
-    if (tag < 0) raise_to(g_host_peak, g_host_current.fetch_sub(tag, std::memory_order_relaxed) - tag);
+  // `counted`: the bytes release() gives back (0 for host-scope blocks, Note [Host scope]).
+  c10::DataPtr allocate_block(size_t n, int64_t counted) {
     c10::DataPtr block = base_->allocate(n + kHeader);
     char* start = static_cast<char*>(block.release_context());
-    std::memcpy(start, &tag, sizeof tag);
+    std::memcpy(start, &counted, sizeof counted);
     void* data = start + kHeader;
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
@@ -144,8 +137,6 @@ Phase current_phase() { return static_cast<Phase>(g_phase.load(std::memory_order
 
 HostScope::HostScope() : previous_(t_host_scope) { t_host_scope = true; }
 HostScope::~HostScope() { t_host_scope = previous_; }
-int64_t host_bytes() { return g_host_current.load(std::memory_order_relaxed); }
-int64_t host_peak_bytes() { return g_host_peak.load(std::memory_order_relaxed); }
 
 PhaseScope::PhaseScope(Phase phase) : previous_(current_phase()) {
   g_phase = static_cast<int>(phase);

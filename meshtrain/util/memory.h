@@ -67,7 +67,7 @@ class PhaseScope {
 // On a machine without a GPU the counted memory plays the device's part, and
 // host memory (the offload tiers) must be told apart from it. While a
 // HostScope lives on a thread, that thread's CPU allocations are host memory:
-// not counted in current_bytes() nor held to the limit, but in host_bytes().
+// neither counted in current_bytes() nor held to the limit.
 // A model is built and loaded this way before its weights move to the
 // tiered store, as it would be built in CPU memory before a GPU sees it.
 class HostScope {
@@ -80,8 +80,6 @@ class HostScope {
  private:
   bool previous_;
 };
-int64_t host_bytes();
-int64_t host_peak_bytes();
 
 // Allocated and peak bytes of a CUDA device's caching allocator; zeros on the
 // CPU or where libtorch does not expose them (before 2.9).

@@ -58,6 +58,17 @@ OffloadedAdamW::OffloadedAdamW(ShardedState& state, Tier optimizer_tier, Tier pa
     if (!grad_is_view) unit.shard_grad = offload::host_tensor(shard, at::kFloat, cuda);
     entries_.push_back(std::move(e));
   }
+  if (optimizer_tier == Tier::kNvme) {
+    // The step's double buffer of chunks and the updated master of a unit, for every step.
+    int64_t largest = 0;
+    for (const Unit& unit : s_.units) largest = std::max(largest, unit.shard);
+    const int64_t chunk = std::min(chunk_, offload::round_up(largest, 1024));
+    for (Buffers& b : nvme_buffers_) {
+      b = {offload::host_tensor(chunk, at::kFloat), offload::host_tensor(chunk, at::kFloat),
+           offload::host_tensor(chunk, at::kFloat)};
+    }
+    nvme_updated_ = offload::host_tensor(largest, at::kFloat);
+  }
 }
 
 OffloadedAdamW::~OffloadedAdamW() = default;
@@ -121,28 +132,18 @@ void OffloadedAdamW::step_nvme(size_t u, const at::Tensor& grad, const offload::
   Entry& e = entries_[u];
   const int64_t shard = s_.units[u].shard;
   const int64_t chunk = std::min(chunk_, offload::round_up(shard, 1024));
-  struct Buffers {
-    at::Tensor p, m, v;
-  };
-  Buffers buffers[2];
-  for (Buffers& b : buffers) {
-    b.p = offload::host_tensor(chunk, at::kFloat);
-    b.m = offload::host_tensor(chunk, at::kFloat);
-    b.v = offload::host_tensor(chunk, at::kFloat);
-  }
-  // The whole updated master, for the parameters (host memory, the shard's size).
-  at::Tensor updated = offload::host_tensor(shard, at::kFloat);
+  const at::Tensor updated = nvme_updated_.narrow(0, 0, shard);
   auto read = [&](int64_t begin, Buffers& b) {
     const int64_t n = std::min(chunk, shard - begin);
     store_->read_range(e.master, begin, n, b.p);
     store_->read_range(e.exp_avg, begin, n, b.m);
     store_->read_range(e.exp_avg_sq, begin, n, b.v);
   };
-  std::future<void> next = std::async(std::launch::async, read, 0, std::ref(buffers[0]));
+  std::future<void> next = std::async(std::launch::async, read, 0, std::ref(nvme_buffers_[0]));
   for (int64_t begin = 0, i = 0; begin < shard; begin += chunk, ++i) {
     next.get();
-    Buffers& b = buffers[i % 2];
-    if (begin + chunk < shard) next = std::async(std::launch::async, read, begin + chunk, std::ref(buffers[(i + 1) % 2]));
+    Buffers& b = nvme_buffers_[i % 2];
+    if (begin + chunk < shard) next = std::async(std::launch::async, read, begin + chunk, std::ref(nvme_buffers_[(i + 1) % 2]));
     const int64_t n = std::min(chunk, shard - begin);
     update(u, b.p.data_ptr<float>(), grad.data_ptr<float>() + begin, b.m.data_ptr<float>(), b.v.data_ptr<float>(),
            begin, begin + n, s);

@@ -89,12 +89,18 @@ class OffloadedAdamW {
   // CPU memory the step can write in its own pass (else null).
   at::BFloat16* bf16_parameters(size_t u);
 
+  struct Buffers {
+    at::Tensor p, m, v;  // a chunk of the master and the moments
+  };
+
   ShardedState& s_;
   offload::Tier optimizer_tier_, params_tier_;
   std::shared_ptr<offload::TieredStore> store_;
   std::vector<Entry> entries_;
   int64_t steps_ = 0;
   int64_t chunk_ = int64_t{1} << 20;  // elements per NVMe chunk
+  Buffers nvme_buffers_[2];           // NVMe: host memory the step streams through
+  at::Tensor nvme_updated_;           // NVMe: the updated master of one unit (the largest shard)
 };
 
 }  // namespace meshtrain::parallel
