@@ -141,6 +141,25 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def profile_steps(directory, steps, train_step, writer):
+    """Profiles `steps` steps: a Chrome trace and each operator's self time per step,
+    in the format of `meshtrain bench train --profile` (ops.json)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for s in range(steps):
+            train_step(s)
+    if not writer:
+        return
+    os.makedirs(directory, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(directory, "trace.json"))
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows)
+    with open(os.path.join(directory, "ops.json"), "w") as f:
+        json.dump([{"name": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                    "share": e.self_cpu_time_total / total} for e in rows], f)
+        f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
@@ -161,6 +180,9 @@ def main():
     parser.add_argument("--moe-hidden", type=int, default=0, help="an expert's hidden size (0: 4 x width)")
     parser.add_argument("--moe-capacity-factor", type=float, default=1.25, help="0: dropless")
     parser.add_argument("--moe-second-expert", default="random", choices=["random", "always"])
+    parser.add_argument("--profile", default="", metavar="DIR",
+                        help="after the timed steps, profile more: DIR/trace.json (Chrome trace) and DIR/ops.json")
+    parser.add_argument("--profile-steps", type=int, default=3)
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -195,10 +217,8 @@ def main():
     accumulation = args.batch // (args.micro_batch * world)
     assert accumulation * args.micro_batch * world == args.batch, "batch must divide by micro-batch x ranks"
     generator = torch.Generator().manual_seed(rank)
-    total = args.warmup_steps + args.steps
-    seconds = []
-    for step in range(total):
-        start = time.perf_counter()
+
+    def train_step(step, total):
         lr = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * step / total))
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -218,8 +238,17 @@ def main():
         if world > 1:
             dist.all_reduce(loss_value, op=dist.ReduceOp.AVG if hasattr(dist.ReduceOp, "AVG") else dist.ReduceOp.SUM)
         loss_value.item()
+
+    total = args.warmup_steps + args.steps
+    seconds = []
+    for step in range(total):
+        start = time.perf_counter()
+        train_step(step, total)
         if step >= args.warmup_steps:
             seconds.append(time.perf_counter() - start)
+    if args.profile:
+        profile_steps(args.profile, args.profile_steps, lambda s: train_step(total + s, total + args.profile_steps),
+                      rank == 0)
     tokens_per_second = args.batch * context / statistics.median(seconds)
     memory = torch.tensor([peak_rss_mib(), peak_rss_mib() - baseline_rss], dtype=torch.float64)
     memories = [memory.clone() for _ in range(world)]

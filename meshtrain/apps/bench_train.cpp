@@ -4,7 +4,9 @@
 
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
+#include "meshtrain/train/op_profile.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/util/files.h"
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -39,12 +41,24 @@ std::vector<double> gather(comm::Communicator& comm, double value) {
   return std::vector<double>(everyone.data_ptr<double>(), everyone.data_ptr<double>() + comm.size());
 }
 
+// Profiles `steps` steps on every rank; rank 0 writes what it saw to `dir`.
+void profile_steps_into(train::Trainer& trainer, bool writer, const std::string& dir, int steps) {
+  train::OpProfile profile;
+  for (int s = 0; s < steps; ++s) trainer.step();
+  if (writer) util::make_directories(dir);
+  const std::vector<train::OpTime> ops = profile.stop(writer ? dir + "/trace.json" : "");
+  if (!writer) return;
+  std::ofstream(dir + "/ops.json") << train::op_times_json(ops, steps) << "\n";
+  std::fprintf(stderr, "meshtrain: %d profiled steps; trace in %s/trace.json, all operators in %s/ops.json\n%s",
+               steps, dir.c_str(), dir.c_str(), train::op_times_table(ops, steps, 25).c_str());
+}
+
 }  // namespace
 
 int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
-                    int timed_steps) {
+                    int timed_steps, const std::string& profile_dir, int profile_steps) {
   train::TrainConfig config = train::TrainConfig::load("", overrides);
-  config.steps = warmup_steps + timed_steps;
+  config.steps = warmup_steps + timed_steps + (profile_dir.empty() ? 0 : profile_steps);
   config.resume = false;
   config.validate(runtime.size());
   const double baseline_rss = rss_mib();
@@ -79,6 +93,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;
+  if (!profile_dir.empty()) profile_steps_into(trainer, runtime.rank() == 0, profile_dir, profile_steps);
   const std::vector<double> peak_rss = gather(*runtime.world(), peak_rss_mib());
   const std::vector<double> rss_growth = gather(*runtime.world(), peak_rss_mib() - baseline_rss);
   const std::vector<double> counted_peak = gather(*runtime.world(), peak / 1048576.0);

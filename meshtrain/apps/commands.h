@@ -121,9 +121,10 @@ int run_bench_moe(comm::Runtime& runtime, const std::vector<std::string>& overri
 
 // meshtrain bench train [--section.key=value ...]: times training steps (after
 // warm-up) and prints one JSON line: tokens/s, MFU, all-reduce time per step and
-// the share of it hidden behind backward.
+// the share of it hidden behind backward. With `profile_dir`, then profiles
+// `profile_steps` more steps (op_profile.h) and writes the trace and the table there.
 int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
-                    int timed_steps);
+                    int timed_steps, const std::string& profile_dir = "", int profile_steps = 3);
 
 // meshtrain bench graph: on one GPU, a training step with forward and backward
 // captured as a CUDA graph and replayed, against the same step run eagerly:

@@ -87,6 +87,16 @@ int main(int argc, char** argv) {
                "matmul peak, and the share of all-reduce time hidden behind backward, as one JSON line. "
                "bench/train_vs_pytorch.py runs it beside the PyTorch reference.",
       bench_warmup, bench_steps);
+  std::string bench_profile;
+  int bench_profile_steps = 3;
+  bench_train
+      ->add_option("--profile", bench_profile,
+                   "After the timed steps, profile more steps with libtorch's profiler (rank 0): write DIR/trace.json "
+                   "(Chrome trace), DIR/ops.json (each operator's self time per step) and print the largest")
+      ->type_name("DIR");
+  bench_train->add_option("--profile-steps", bench_profile_steps, "Steps to profile")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   int graph_warmup = 5, graph_steps = 20;
   CLI::App* bench_graph = timed_bench(
       "graph", "On one GPU: a training step whose forward and backward are captured once as a CUDA graph and "
@@ -296,7 +306,10 @@ int main(int argc, char** argv) {
     set_threads_per_rank(*runtime);
     if (train->parsed()) return meshtrain::apps::run_train(*runtime, train_config, overrides);
     if (inference.parsed()) return inference.run_with_mpi(*runtime);
-    if (bench_train->parsed()) return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps);
+    if (bench_train->parsed()) {
+      return meshtrain::apps::run_bench_train(*runtime, overrides, bench_warmup, bench_steps, bench_profile,
+                                              bench_profile_steps);
+    }
     if (bench_graph->parsed()) return meshtrain::apps::run_bench_graph(*runtime, overrides, graph_warmup, graph_steps);
     if (bench_tp->parsed()) return meshtrain::apps::run_bench_tp(*runtime, overrides, tp_warmup, tp_steps);
     if (bench_moe->parsed()) return meshtrain::apps::run_bench_moe(*runtime, overrides, moe_warmup, moe_steps);

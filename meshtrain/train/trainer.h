@@ -27,8 +27,9 @@ namespace meshtrain::train {
 
 using checkpoint::CheckpointError;
 
-// One rank's fp32 matmul rate (FLOP/s) with its threads: 2·n³ / t for n = 1024, best of 3.
-// FLOP/s of a large matmul on `device` in `dtype` (the peak MFU is quoted against).
+// One rank's matmul rate (FLOP/s) on `device` in `dtype` with its threads, the
+// peak MFU is quoted against: 2·n³ / t, best of 3, n = 2048 on a CPU and 8192
+// on a GPU. Measured once per process for each device and dtype.
 double measure_matmul_peak(at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
 
 // Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
