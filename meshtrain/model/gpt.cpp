@@ -1,5 +1,7 @@
 #include "meshtrain/model/gpt.h"
 
+#include "meshtrain/model/fused/ops.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
@@ -46,14 +48,24 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t times) {
   return x.repeat_interleave(times, /*dim=*/1);
 }
 
-NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias, double eps) : rms_(kind == "rmsnorm"), eps_(eps) {
+NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias, double eps, bool fused)
+    : rms_(kind == "rmsnorm"), fused_(fused), eps_(eps) {
   weight_ = register_parameter("weight", torch::ones({width}));
   if (!rms_ && bias) bias_ = register_parameter("bias", torch::zeros({width}));
 }
 
 at::Tensor NormImpl::forward(const at::Tensor& x) {
+  if (fused_ && fused::eligible(x) && fused::eligible(weight_)) return fused::add_norm(x, {}, weight_, bias_, rms_, eps_).second;
   if (rms_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight_;
   return at::layer_norm(x, {x.size(-1)}, weight_, bias_, eps_);
+}
+
+std::pair<at::Tensor, at::Tensor> NormImpl::forward_add(const at::Tensor& x, const at::Tensor& residual) {
+  if (fused_ && fused::eligible(x) && fused::eligible(residual) && fused::eligible(weight_)) {
+    return fused::add_norm(x, residual, weight_, bias_, rms_, eps_);
+  }
+  const at::Tensor h = x + residual;
+  return {h, forward(h)};
 }
 
 at::Tensor HookChain::call(const std::string& module, const at::Tensor& input, ForwardHooks::Forward forward) const {
@@ -71,6 +83,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
       head_dim_(config.head_dim()),
       dropout_(config.dropout),
       rope_(config.position == "rope"),
+      fused_(config.fused),
       chain_(std::move(chain)),
       qkv_name_(name + ".qkv"),
       core_name_(name + ".core"),
@@ -91,14 +104,17 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
   const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
   auto [q, k, v] = split_qkv(qkv_out, config_);
   const int64_t w = q.size(1) * head_dim_;
+  const bool fused = fused_ && fused::eligible(q);
   if (rope_) {
-    q = apply_rope(q, cos_, sin_);
-    k = apply_rope(k, cos_, sin_);
+    q = fused ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);
+    k = fused ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
   }
   const double p = is_training() ? dropout_ : 0.0;
   const int64_t times = q.size(1) / k.size(1);
-  const at::Tensor y = at::scaled_dot_product_attention(q, repeat_kv(k, times), repeat_kv(v, times), /*attn_mask=*/{}, p,
-                                                       /*is_causal=*/true);
+  k = repeat_kv(k, times);
+  v = repeat_kv(v, times);
+  const at::Tensor y = fused ? fused::attention(q, k, v, p, /*causal=*/true)
+                             : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
   return y.transpose(1, 2).reshape({b, t, w});
 }
 
@@ -112,6 +128,7 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
 
 MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
     : dropout_(config.dropout),
+      fused_(config.fused),
       chain_(std::move(chain)),
       fc_name_(name + ".fc"),
       proj_name_(name + ".proj"),
@@ -130,26 +147,44 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
   }
 }
 
-at::Tensor MlpImpl::forward(const at::Tensor& x) {
+at::Tensor MlpImpl::activation(const at::Tensor& x) {
   const HookChain& c = *chain_;
   auto call = [&](const std::string& name, const torch::nn::Linear& layer, const at::Tensor& in) {
     return c.call(name, in, [impl = layer.ptr()](const at::Tensor& y) { return impl->forward(y); });
   };
-  const at::Tensor out = fc ? call(proj_name_, proj, at::gelu(call(fc_name_, fc, x), "tanh"))
-                            : call(down_name_, down, at::silu(call(gate_name_, gate, x)) * call(up_name_, up, x));
+  if (fc && fused_ && fused::plain(x)) {
+    // The bias is added with the GELU (tensor parallel's plan knows: bias_in_model).
+    const at::Tensor a = c.call(fc_name_, x, [impl = fc.ptr()](const at::Tensor& y) { return at::linear(y, impl->weight); });
+    const at::Tensor& bias = fc->bias;
+    if (fused::eligible(a) && (!bias.defined() || fused::eligible(bias))) return fused::bias_gelu(a, bias);
+    return at::gelu(bias.defined() ? a + bias : a, "tanh");
+  }
+  if (fc) return at::gelu(call(fc_name_, fc, x), "tanh");
+  const at::Tensor g = call(gate_name_, gate, x), u = call(up_name_, up, x);
+  if (fused_ && fused::eligible(g) && fused::eligible(u)) return fused::swiglu(g, u);
+  return at::silu(g) * u;
+}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  const HookChain& c = *chain_;
+  const at::Tensor hidden = activation(x);
+  const torch::nn::Linear& out_layer = fc ? proj : down;
+  const at::Tensor out =
+      c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr()](const at::Tensor& y) { return impl->forward(y); });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
 BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts)
-    : chain_(std::move(chain)),
+    : fused_(config.fused),
+      chain_(std::move(chain)),
       norm1_name_(name + ".norm1"),
       attn_name_(name + ".attn"),
       norm2_name_(name + ".norm2"),
       mlp_name_(name + ".mlp"),
       moe_name_(name + ".moe") {
-  norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias, config.norm_eps));
+  norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias, config.norm_eps, config.fused));
   attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_));
-  norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias, config.norm_eps));
+  norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias, config.norm_eps, config.fused));
   if (experts) {
     moe = register_module("moe", Moe(config));
   } else {
@@ -157,13 +192,29 @@ BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, 
   }
 }
 
+at::Tensor BlockImpl::feed_forward(const at::Tensor& m) {
+  const HookChain& c = *chain_;
+  if (moe) return c.call(moe_name_, m, [this](const at::Tensor& in) { return moe->forward(in); });
+  return c.call(mlp_name_, m, [this](const at::Tensor& in) { return mlp->forward(in); });
+}
+
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
   const at::Tensor a = c.call(norm1_name_, x, [this](const at::Tensor& in) { return norm1->forward(in); });
-  const at::Tensor h = x + c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
-  const at::Tensor m = c.call(norm2_name_, h, [this](const at::Tensor& in) { return norm2->forward(in); });
-  if (moe) return h + c.call(moe_name_, m, [this](const at::Tensor& in) { return moe->forward(in); });
-  return h + c.call(mlp_name_, m, [this](const at::Tensor& in) { return mlp->forward(in); });
+  const at::Tensor attended = c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
+  if (!fused_) {
+    const at::Tensor h = x + attended;
+    return h + feed_forward(c.call(norm2_name_, h, [this](const at::Tensor& in) { return norm2->forward(in); }));
+  }
+  // The residual add and norm2 in one pass (Note [Forward hooks]).
+  at::Tensor h;
+  const at::Tensor m = c.call(norm2_name_, attended, [this, x, &h](const at::Tensor& in) {
+    auto [sum, normed] = norm2->forward_add(x, in);
+    h = sum;
+    return normed;
+  });
+  TORCH_CHECK(h.defined(), "a hook around ", norm2_name_, " did not call the norm");
+  return h + feed_forward(m);
 }
 
 GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
@@ -175,7 +226,7 @@ GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
     block_names_.push_back("blocks." + std::to_string(i));
     blocks->push_back(Block(config_, chain_, block_names_.back(), config_.is_moe_block(i)));
   }
-  norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias, config_.norm_eps));
+  norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias, config_.norm_eps, config_.fused));
   if (!config_.tie_embeddings) head = register_module("head", linear(config_.width, config_.vocab_size, false));
   initialise(seed);
 }
@@ -251,13 +302,15 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
 }
 
 at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
-  // In fp32 whatever the parameters' dtype: the log-softmax over the vocabulary needs the range.
-  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}), flat_targets = targets.reshape({-1});
   for (const auto& hooks : chain_->hooks) {
-    at::Tensor loss = hooks->cross_entropy(flat, targets.reshape({-1}));
+    at::Tensor loss = hooks->cross_entropy(flat, flat_targets);
     if (loss.defined()) return loss;
   }
-  return at::cross_entropy_loss(flat, targets.reshape({-1}));
+  // In fp32 whatever the logits' dtype: the log-softmax over the vocabulary
+  // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
+  if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets);
+  return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {

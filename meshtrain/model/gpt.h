@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace meshtrain::model {
@@ -31,6 +32,9 @@ namespace meshtrain::model {
 //     .moe                in a mixture-of-experts block, instead of .mlp
 //   norm_f, head          final norm; the LM head (tied to wte or not)
 // A hook may change a call's input, its output, or compute it another way.
+// With model.fused, .norm2 is called on the attention's output and adds the
+// residual itself (one pass: h = x + attn, norm(h)), and .mlp.fc's own call
+// leaves out its bias, which is added with the GELU (Note [Fused operators]).
 // The model itself knows nothing of parallelism: the parallel layer uses the
 // hooks (fully sharded units gather their parameters around "" and blocks.N;
 // tensor parallel puts its collectives around the linears and embeddings).
@@ -44,7 +48,8 @@ class ForwardHooks {
   virtual ~ForwardHooks() = default;
   // Returns the output of `module` on `input`; `forward` is its own computation.
   virtual at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) = 0;
-  // The mean cross-entropy of logits [N, V'] against targets [N], or an
+  // The mean cross-entropy of logits [N, V'] (in the dtype the head computed
+  // them, bf16 under autocast; fp32 is the hook's to choose) against targets [N], or an
   // undefined tensor to leave it to the model (tensor parallel computes it
   // from logits sharded over the vocabulary).
   virtual at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
@@ -84,11 +89,14 @@ class HookChain {
 // LayerNorm (weight, optional bias) or RMSNorm (weight), over the last dim.
 class NormImpl : public torch::nn::Module {
  public:
-  NormImpl(const std::string& kind, int64_t width, bool bias, double eps = 1e-5);
+  // `fused`: through model/fused/ops.h where the tensors allow.
+  NormImpl(const std::string& kind, int64_t width, bool bias, double eps = 1e-5, bool fused = false);
   at::Tensor forward(const at::Tensor& x);
+  // (h, norm(h)) for h = x + residual, in one pass when fused.
+  std::pair<at::Tensor, at::Tensor> forward_add(const at::Tensor& x, const at::Tensor& residual);
 
  private:
-  bool rms_;
+  bool rms_, fused_;
   double eps_;
   at::Tensor weight_, bias_;
 };
@@ -108,7 +116,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   GptConfig config_;
   int64_t head_dim_;
   double dropout_;
-  bool rope_;
+  bool rope_, fused_;
   at::Tensor cos_, sin_;  // rope tables [context, head_dim / 2]
   std::shared_ptr<HookChain> chain_;
   std::string qkv_name_, core_name_, proj_name_, drop_name_;
@@ -124,7 +132,10 @@ class MlpImpl : public torch::nn::Module {
   torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};  // swiglu
 
  private:
+  at::Tensor activation(const at::Tensor& x);  // the hidden layer before proj / down
+
   double dropout_;
+  bool fused_;
   std::shared_ptr<HookChain> chain_;
   std::string fc_name_, proj_name_, gate_name_, up_name_, down_name_, drop_name_;
 };
@@ -142,6 +153,9 @@ class BlockImpl : public torch::nn::Module {
   Moe moe{nullptr};
 
  private:
+  at::Tensor feed_forward(const at::Tensor& m);
+
+  bool fused_;
   std::shared_ptr<HookChain> chain_;
   std::string norm1_name_, attn_name_, norm2_name_, mlp_name_, moe_name_;
 };

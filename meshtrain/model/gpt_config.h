@@ -27,6 +27,9 @@ struct GptConfig {
   int64_t ffn_hidden = 0;              // the MLP's hidden size; 0: the default for mlp (below)
   double rope_theta = 10000.0;         // rotary base (Llama 3: 500000)
   double norm_eps = 1e-5;              // epsilon of layernorm / rmsnorm
+  // The fused CPU operators (model/fused/ops.h) where the tensors allow;
+  // false: the reference composition of ATen operators everywhere.
+  bool fused = true;
 
   // Mixture of experts (model/moe.h): the feed-forward of every moe_every-th
   // block (blocks moe_every-1, 2·moe_every-1, ...) is moe_experts experts of

@@ -55,7 +55,7 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
   const bool dense_blocks = config.moe_blocks() < config.layers;
   if (config.moe()) plan.push_back({"blocks.*.moe", Style::kMixtureOfExperts});
   if (dense_blocks && config.mlp == "gelu") {
-    plan.push_back({"blocks.*.mlp.fc", Style::kColwise});
+    plan.push_back({"blocks.*.mlp.fc", Style::kColwise, 1, /*bias_in_model=*/config.fused});
     plan.push_back({"blocks.*.mlp.proj", Style::kRowwise});
   } else if (dense_blocks) {
     plan.push_back({"blocks.*.mlp.gate", Style::kColwise});
@@ -162,7 +162,7 @@ struct TensorParallel::Hooks : model::ForwardHooks {
   // Logits are split over the vocabulary only when the plan splits the head.
   at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) override {
     if (!split_head) return {};
-    return vocab_parallel_cross_entropy(logits, targets, vocab_start, owner->comm_);
+    return vocab_parallel_cross_entropy(logits.to(at::kFloat), targets, vocab_start, owner->comm_);
   }
 };
 
@@ -215,7 +215,7 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
         set_split(prefix + "weight", *weight, 0, rule->style == Style::kColwise ? rule->parts : 1);
         if (bias) set_split(prefix + "bias", *bias, 0, rule->parts);
         hooks_->weights[name] = *weight;
-        if (bias) hooks_->biases[name] = *bias;
+        if (bias && !rule->bias_in_model) hooks_->biases[name] = *bias;
         if (rule->style == Style::kVocabEmbedding) hooks_->vocab_start = rank * weight->size(0);
         break;
       case Style::kRowwise: {

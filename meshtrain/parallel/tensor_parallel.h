@@ -56,6 +56,9 @@ struct TensorParallelRule {
   std::string pattern;  // dotted name; "*" matches one segment ("blocks.*.attn.qkv")
   TensorParallelStyle style;
   int parts = 1;        // kColwise: equal sub-blocks of the output features
+  // kColwise: the model adds this linear's bias itself, fused with what follows
+  // (model.fused: the MLP's bias + GELU), so the hook's own linear leaves it out.
+  bool bias_in_model = false;
 };
 
 using TensorParallelPlan = std::vector<TensorParallelRule>;

@@ -136,6 +136,8 @@ const std::vector<Field>& fields() {
                       MESHTRAIN_CONFIG_MEMBER(model.ffn_hidden)));
     f.push_back(field("model", "rope_theta", "rotary position base", MESHTRAIN_CONFIG_MEMBER(model.rope_theta)));
     f.push_back(field("model", "norm_eps", "epsilon of the norms", MESHTRAIN_CONFIG_MEMBER(model.norm_eps)));
+    f.push_back(field("model", "fused", "fused CPU kernels for norms, GELU/SwiGLU, RoPE, cross-entropy (false: "
+                      "reference ATen operators)", MESHTRAIN_CONFIG_MEMBER(model.fused)));
     f.push_back(field("model", "context", "sequence length in tokens", MESHTRAIN_CONFIG_MEMBER(model.context)));
     f.push_back(field("model", "vocab_size", "vocabulary (the byte tokenizer needs 256)",
                       MESHTRAIN_CONFIG_MEMBER(model.vocab_size)));

@@ -1,0 +1,57 @@
+// The fused CPU kernels' entry points (kernels_impl.h is compiled once per
+// instruction set; kernels.cpp picks the table for the CPU it runs on). Rows
+// are contiguous; each tensor is fp32 or bf16 (Dt); the arithmetic is fp32.
+#pragma once
+
+#include <cstdint>
+
+namespace meshtrain::model::fused::kernel {
+
+enum class Dt { kFloat, kBFloat16 };
+
+struct Norm {
+  int64_t rows = 0, width = 0;
+  bool rms = false;
+  float eps = 1e-5f;
+  const float* weight = nullptr;  // [width]
+  const float* bias = nullptr;    // [width] or none
+};
+
+struct Table {
+  // h = x + r (r may be null: h is x, not written); y = norm(h) · weight + bias;
+  // mean, rstd [rows] kept for backward.
+  void (*add_norm_forward)(const Norm& n, const void* x, Dt xt, const void* r, Dt rt, void* h, Dt ht, void* y, Dt yt,
+                           float* mean, float* rstd);
+  // dx = dh (may be null) + norm's backward of dy; written to dx and, when
+  // given, dr. dweight, dbias [width] (may be null) are accumulated into.
+  void (*add_norm_backward)(const Norm& n, const void* h, Dt ht, const void* dy, Dt dyt, const void* dh, Dt dht,
+                            const float* mean, const float* rstd, void* dx, Dt dxt, void* dr, Dt drt, float* dweight,
+                            float* dbias);
+  // y = gelu_tanh(a + bias) over rows x width (bias [width] or null).
+  void (*bias_gelu_forward)(int64_t rows, int64_t width, const void* a, Dt at, const float* bias, void* y, Dt yt);
+  // da = dy · gelu'(a + bias); dbias (may be null) accumulates the column sums of da.
+  void (*bias_gelu_backward)(int64_t rows, int64_t width, const void* a, Dt at, const float* bias, const void* dy,
+                             Dt dyt, void* da, Dt dat, float* dbias);
+  // y = silu(g) · u over n elements; backward gives dg, du.
+  void (*swiglu_forward)(int64_t n, const void* g, const void* u, void* y, Dt t);
+  void (*swiglu_backward)(int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du, Dt t);
+  // Per row: lse = logsumexp(logits), loss = lse - logits[target] (0 where
+  // target == ignore). Backward: dlogits = (softmax - onehot) · scale (0 rows where ignored).
+  void (*cross_entropy_forward)(int64_t rows, int64_t vocab, const void* logits, Dt lt, const int64_t* targets,
+                                int64_t ignore, float* lse, float* loss);
+  void (*cross_entropy_backward)(int64_t rows, int64_t vocab, const void* logits, Dt lt, const int64_t* targets,
+                                 int64_t ignore, const float* lse, float scale, void* dlogits);
+  // Rotary embedding of x [B, H, T, d] (strides sb, sh, st; the last dim
+  // contiguous) into y contiguous: pairs (i, i + d/2) rotated by sign·angle of
+  // positions offset + t (cos, sin [*, d/2]). sign -1 is the backward.
+  void (*rope)(const int64_t* sizes, const int64_t* strides, const void* x, const float* cos, const float* sin,
+               int64_t offset, float sign, void* y, Dt t);
+};
+
+extern const Table avx512_table;   // built on x86-64
+extern const Table default_table;  // any CPU
+
+// The table for this CPU.
+const Table& table();
+
+}  // namespace meshtrain::model::fused::kernel

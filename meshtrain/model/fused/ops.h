@@ -1,0 +1,58 @@
+// Fused CPU operators for the model (Note [Fused operators]), each an autograd
+// function with its own forward and backward over the kernels in kernels.h.
+// The model uses them where `model.fused` is on and the tensors are plain CPU
+// tensors of fp32 or bf16; otherwise it composes the reference ATen operators.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+namespace meshtrain::model::fused {
+
+// Note [Fused operators]
+// Around the matrix multiplies, a step spends its time on passes over
+// activations: residual adds, norms, GELU, casts between fp32 and bf16,
+// softmax and cross-entropy over the vocabulary. Each operator here reads its
+// inputs once and writes its outputs once, converting bf16 to fp32 in
+// registers (fp32 arithmetic and accumulation) and back:
+//   add_norm       h = x + r and y = LayerNorm/RMSNorm(h), y written in the
+//                  autocast dtype when autocast is on (no cast before the next
+//                  linear); backward adds the residual's gradient in the same pass
+//   bias_gelu      gelu_tanh(a + bias), with the bias' gradient as column sums
+//   swiglu         silu(g) · u
+//   cross_entropy  mean over rows of logsumexp - target logit, row by row: no
+//                  fp32 copy of the logits, no log-softmax materialised
+//   rope           the rotation, reading q/k through their strides
+//   attention      scaled-dot-product attention in fp32 on CPUs without AMX,
+//                  where ATen's bf16 flash kernel is slower than its fp32 one
+// AdamW's fused kernel is offload/cpu_adam.h (used by every CPU optimizer step).
+
+// Whether the fused kernels take these tensors: defined, plain (no dispatch
+// subclass such as a distributed tensor) CPU tensors of fp32 or bf16.
+bool eligible(const at::Tensor& t);
+// Not a dispatch subclass (a distributed tensor): the model may reorder its
+// operators around such a tensor (bias added after the linear, with the GELU).
+bool plain(const at::Tensor& t);
+
+// (h, y) with h = x + residual, y = norm(h) over the last dim (rms: RMSNorm,
+// else LayerNorm with `bias` if defined). `residual` undefined: y = norm(x), h = x.
+std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                           const at::Tensor& bias, bool rms, double eps);
+// gelu_tanh(a + bias) (bias [width] or undefined), in a's dtype.
+at::Tensor bias_gelu(const at::Tensor& a, const at::Tensor& bias);
+// silu(g) · u, in g's dtype.
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
+// Mean cross-entropy of logits [N, V] (fp32 or bf16) against targets [N]
+// (entries equal to ignore_index are left out), in fp32.
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = -100);
+// Rotary embedding of x [B, H, T, d] with tables cos / sin [context, d/2] (fp32)
+// at positions offset..offset+T-1; the result is contiguous.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
+// Causal or full scaled-dot-product attention of q, k, v [B, H, T, d].
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal);
+
+// Which kernel set runs: "avx512" or "default".
+const char* kernel_set();
+
+}  // namespace meshtrain::model::fused

@@ -1,0 +1,183 @@
+// Each fused operator (model/fused/ops.h) against the reference ATen
+// composition: the forward and every gradient, tight in fp32, within bf16's
+// resolution in bf16; then whole models with model.fused on and off.
+#include "meshtrain/model/fused/ops.h"
+#include "meshtrain/model/gpt.h"
+
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+
+namespace meshtrain::model {
+namespace {
+
+using Op = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+// Inputs that require grad, copies of `values` in `dtype`.
+std::vector<at::Tensor> leaves(const std::vector<at::Tensor>& values, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& v : values) out.push_back(v.to(dtype).detach().requires_grad_(true));
+  return out;
+}
+
+double relative_error(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  return (x - y).norm().item<double>() / std::max(1e-12, y.norm().item<double>());
+}
+
+// Runs both on the same inputs with the same upstream gradient: the outputs
+// and the gradients of every input agree to `tolerance` (relative, in norm).
+void expect_same(const Op& fused_op, const Op& reference, const std::vector<at::Tensor>& values,
+                 at::ScalarType dtype, double tolerance, const std::string& what) {
+  SCOPED_TRACE(what + (dtype == at::kBFloat16 ? " bf16" : " fp32"));
+  const std::vector<at::Tensor> a = leaves(values, dtype), b = leaves(values, dtype);
+  const at::Tensor ya = fused_op(a), yb = reference(b);
+  ASSERT_EQ(ya.sizes(), yb.sizes());
+  EXPECT_LT(relative_error(ya, yb), tolerance) << "forward";
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const at::Tensor upstream = at::randn(yb.sizes(), gen, at::kDouble, {}, {}, {});
+  (ya.to(at::kDouble) * upstream).sum().backward();
+  (yb.to(at::kDouble) * upstream).sum().backward();
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].grad().defined(), b[i].grad().defined()) << "input " << i;
+    if (a[i].grad().defined()) EXPECT_LT(relative_error(a[i].grad(), b[i].grad()), tolerance) << "gradient of input " << i;
+  }
+}
+
+at::Tensor randn(std::vector<int64_t> shape, uint64_t seed, double scale = 1.0) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen) * scale;
+}
+
+// bf16 keeps 8 bits of mantissa: a relative error of a few 2^-8 is its resolution.
+constexpr double kFp32 = 1e-5, kBf16 = 2e-2;
+
+TEST(FusedOps, AddLayerNormAndRmsNormMatchTheReference) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const double tol = dtype == at::kFloat ? kFp32 : kBf16;
+    // Widths around the vector width, rows of several chunks.
+    for (int64_t width : {7, 16, 37, 384}) {
+      const std::vector<at::Tensor> in = {randn({3, 50, width}, 1), randn({3, 50, width}, 2), 1 + randn({width}, 3, 0.1),
+                                          randn({width}, 4, 0.1)};
+      const std::string w = " width " + std::to_string(width);
+      expect_same([](auto& t) { auto [h, y] = fused::add_norm(t[0], t[1], t[2], t[3], false, 1e-5); return at::cat({h, y}, -1); },
+                  [](auto& t) { auto h = t[0] + t[1]; return at::cat({h, at::layer_norm(h, {h.size(-1)}, t[2], t[3], 1e-5)}, -1); },
+                  in, dtype, tol, "add + layernorm" + w);
+      expect_same([](auto& t) { auto [h, y] = fused::add_norm(t[0], t[1], t[2], {}, true, 1e-6); return at::cat({h, y}, -1); },
+                  [](auto& t) {
+                    auto h = t[0] + t[1];
+                    return at::cat({h, h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-6) * t[2]}, -1);
+                  },
+                  {in[0], in[1], in[2]}, dtype, tol, "add + rmsnorm" + w);
+      expect_same([](auto& t) { return fused::add_norm(t[0], {}, t[1], t[2], false, 1e-5).second; },
+                  [](auto& t) { return at::layer_norm(t[0], {t[0].size(-1)}, t[1], t[2], 1e-5); },
+                  {in[0], in[2], in[3]}, dtype, tol, "layernorm" + w);
+    }
+  }
+}
+
+TEST(FusedOps, OnlyTheSumUsedStillGetsItsGradient) {
+  const at::Tensor x = randn({4, 8}, 1).requires_grad_(), r = randn({4, 8}, 2).requires_grad_();
+  const at::Tensor w = at::ones({8}).requires_grad_();
+  auto [h, y] = fused::add_norm(x, r, w, {}, true, 1e-5);
+  (h * 3).sum().backward();
+  EXPECT_TRUE(x.grad().allclose(at::full({4, 8}, 3.0)));
+  EXPECT_TRUE(r.grad().allclose(at::full({4, 8}, 3.0)));
+}
+
+TEST(FusedOps, BiasGeluAndSwigluMatchTheReference) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const double tol = dtype == at::kFloat ? kFp32 : kBf16;
+    for (int64_t width : {5, 16, 100, 1536}) {
+      const std::vector<at::Tensor> in = {randn({2, 33, width}, 5, 2.0), randn({width}, 6, 0.5), randn({2, 33, width}, 7)};
+      const std::string w = " width " + std::to_string(width);
+      expect_same([](auto& t) { return fused::bias_gelu(t[0], t[1]); },
+                  [](auto& t) { return at::gelu(t[0] + t[1], "tanh"); }, {in[0], in[1]}, dtype, tol, "bias + gelu" + w);
+      expect_same([](auto& t) { return fused::bias_gelu(t[0], {}); }, [](auto& t) { return at::gelu(t[0], "tanh"); },
+                  {in[0]}, dtype, tol, "gelu" + w);
+      expect_same([](auto& t) { return fused::swiglu(t[0], t[1]); }, [](auto& t) { return at::silu(t[0]) * t[1]; },
+                  {in[0], in[2]}, dtype, tol, "swiglu" + w);
+    }
+  }
+}
+
+TEST(FusedOps, CrossEntropyMatchesTheReferenceWithoutAnFp32Copy) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const double tol = dtype == at::kFloat ? kFp32 : kBf16;
+    for (int64_t vocab : {3, 16, 257, 1000}) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(vocab);
+      at::Tensor targets = at::randint(vocab, {64}, gen, at::kLong);
+      targets[5] = -100;  // ignored, as at::cross_entropy_loss does
+      expect_same([&](auto& t) { return fused::cross_entropy(t[0], targets); },
+                  [&](auto& t) { return at::cross_entropy_loss(t[0].to(at::kFloat), targets); },
+                  {randn({64, vocab}, 8, 3.0)}, dtype, tol, "cross-entropy vocab " + std::to_string(vocab));
+    }
+  }
+  EXPECT_THROW(fused::cross_entropy(at::zeros({2, 4}), at::tensor({0, 4}, at::kLong)), c10::Error);
+}
+
+TEST(FusedOps, RopeMatchesTheReferenceThroughStrides) {
+  const int64_t half = 8;
+  const at::Tensor angles = at::outer(at::arange(40, at::kDouble), at::pow(10000.0, -at::arange(half, at::kDouble) / half));
+  const at::Tensor cos = angles.cos().to(at::kFloat), sin = angles.sin().to(at::kFloat);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const double tol = dtype == at::kFloat ? kFp32 : kBf16;
+    for (int64_t offset : {0, 5}) {
+      // q as split_qkv makes it: a transposed view of [B, T, H, d].
+      expect_same([&](auto& t) { return fused::rope(t[0].transpose(1, 2), cos, sin, offset); },
+                  [&](auto& t) { return apply_rope(t[0].transpose(1, 2), cos, sin, offset); },
+                  {randn({2, 30, 3, 2 * half}, 9)}, dtype, tol, "rope offset " + std::to_string(offset));
+    }
+  }
+}
+
+TEST(FusedOps, AttentionMatchesTheReference) {
+  const std::vector<at::Tensor> in = {randn({2, 3, 40, 16}, 10), randn({2, 3, 40, 16}, 11), randn({2, 3, 40, 16}, 12)};
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    expect_same([](auto& t) { return fused::attention(t[0], t[1], t[2], 0.0, true); },
+                [](auto& t) { return at::scaled_dot_product_attention(t[0], t[1], t[2], {}, 0.0, true); }, in, dtype,
+                dtype == at::kFloat ? kFp32 : kBf16, "attention");
+  }
+}
+
+// Whole models: the loss and every parameter's gradient with fused on equal
+// those with it off, for both styles, in fp32 and under bf16 autocast.
+TEST(FusedOps, ModelsWithFusedOperatorsMatchTheReferenceModels) {
+  for (const std::string preset : {"tiny", "llama-tiny"}) {
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(preset + (bf16 ? " bf16" : " fp32"));
+      GptConfig config = GptConfig::preset(preset);
+      config.layers = 2;
+      config.context = 32;
+      if (preset == "llama-tiny") config.kv_heads = 2;
+      GptConfig reference_config = config;
+      reference_config.fused = false;
+      Gpt fused_model(config, 3), reference(reference_config, 3);
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(4);
+      const at::Tensor tokens = at::randint(config.vocab_size, {3, 33}, gen, at::kLong);
+      const at::Tensor input = tokens.narrow(1, 0, 32), targets = tokens.narrow(1, 1, 32);
+      auto loss_of = [&](Gpt& model) {
+        if (bf16) {
+          at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+          at::autocast::set_autocast_enabled(at::kCPU, true);
+        }
+        at::Tensor loss = model->loss(input, targets);
+        at::autocast::set_autocast_enabled(at::kCPU, false);
+        at::autocast::clear_cache();
+        loss.backward();
+        return loss.item<double>();
+      };
+      const double a = loss_of(fused_model), b = loss_of(reference);
+      EXPECT_NEAR(a, b, bf16 ? 2e-2 : 1e-5);
+      const auto pa = fused_model->named_parameters(), pb = reference->named_parameters();
+      for (const auto& item : pb) {
+        EXPECT_LT(relative_error(pa[item.key()].grad(), item.value().grad()), bf16 ? 5e-2 : 1e-4) << item.key();
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::model
