@@ -428,6 +428,27 @@ TEST_F(TensorParallelTraining, Bfloat16AutocastTracksOneProcess) {
   }
 }
 
+// The fused CPU operators (model.fused, the default) in the split layers, the
+// MLP's bias added with the GELU after the column-parallel linear, against one
+// process on the reference operators; GPT-2 and Llama styles.
+TEST_F(TensorParallelTraining, FusedOperatorsEqualTheReferenceProcess) {
+  const int n = world()->size();
+  if (n % 2 != 0) GTEST_SKIP() << "needs an even world";
+  const Overrides llama = {"model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.bias=false",
+                           "model.tie_embeddings=false"};
+  for (const Overrides& style : {Overrides{}, llama}) {
+    for (const char* sp : {"parallel.sequence_parallel=false", "parallel.sequence_parallel=true"}) {
+      Overrides layout = {"parallel.tp=2", sp, "model.fused=true"}, reference = {"model.fused=false"};
+      layout.insert(layout.end(), style.begin(), style.end());
+      reference.insert(reference.end(), style.begin(), style.end());
+      const int64_t micro = kBatch / (n / 2);
+      Trainer parallel(config(n, micro, "", layout), world());
+      Trainer single(config(1, micro, "", reference), alone());
+      expect_same_training(parallel, single, 5, describe(layout));
+    }
+  }
+}
+
 TEST_F(TensorParallelTraining, ResumeContinuesBitExactly) {
   const int n = world()->size();
   if (n % 2 != 0) GTEST_SKIP() << "needs an even world";

@@ -157,8 +157,12 @@ void add_norm_backward(const Norm& n, const void* h, Dt ht, const void* dy, Dt d
   });
 }
 
-// GELU, tanh approximation: 0.5·z·(1 + tanh(k0·(z + k1·z³))).
+// GELU, tanh approximation: 0.5·z·(1 + tanh(u)), u = k0·(z + k1·z³), computed
+// as z·sigmoid(2u) with ATen's polynomial exp (exp_u20): Sleef's tanh is about
+// three times slower here.
 constexpr float kK0 = 0.7978845608028654f, kK1 = 0.044715f;
+
+inline Vec sigmoid(const Vec& g) { return Vec(1.0f) / (Vec(1.0f) + (Vec(0.0f) - g).exp_u20()); }
 
 void bias_gelu_forward(int64_t rows, int64_t width, const void* a, Dt at, const float* bias, void* y, Dt yt) {
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
@@ -170,8 +174,8 @@ void bias_gelu_forward(int64_t rows, int64_t width, const void* a, Dt at, const 
       each_vec(width, [&](int64_t i, int64_t c) {
         Vec z = Vec::loadu(in + i, c);
         if (bias) z += Vec::loadu(bias + i, c);
-        const Vec t = (Vec(kK0) * (z + Vec(kK1) * z * z * z)).tanh();
-        (Vec(0.5f) * z * (Vec(1.0f) + t)).store(out + i, c);
+        const Vec s = sigmoid(Vec(2 * kK0) * (z + Vec(kK1) * z * z * z));
+        (z * s).store(out + i, c);
       });
       write_row(out, y, yt, offset, width);
     }
@@ -193,9 +197,8 @@ void bias_gelu_backward(int64_t rows, int64_t width, const void* a, Dt at, const
         Vec z = Vec::loadu(in + i, c);
         if (bias) z += Vec::loadu(bias + i, c);
         const Vec z2 = z * z;
-        const Vec t = (Vec(kK0) * (z + Vec(kK1) * z2 * z)).tanh();
-        const Vec derivative =
-            Vec(0.5f) * (Vec(1.0f) + t) + Vec(0.5f) * z * (Vec(1.0f) - t * t) * Vec(kK0) * (Vec(1.0f) + Vec(3 * kK1) * z2);
+        const Vec s = sigmoid(Vec(2 * kK0) * (z + Vec(kK1) * z2 * z));
+        const Vec derivative = s + z * s * (Vec(1.0f) - s) * Vec(2 * kK0) * (Vec(1.0f) + Vec(3 * kK1) * z2);
         const Vec d = Vec::loadu(grad + i, c) * derivative;
         d.store(out + i, c);
         if (dbias) (Vec::loadu(gb.values.data() + i, c) + d).store(gb.values.data() + i, c);
@@ -207,8 +210,6 @@ void bias_gelu_backward(int64_t rows, int64_t width, const void* a, Dt at, const
 }
 
 constexpr int64_t kBlock = 4096;
-
-inline Vec sigmoid(const Vec& g) { return Vec(1.0f) / (Vec(1.0f) + (Vec(0.0f) - g).exp()); }
 
 void swiglu_forward(int64_t n, const void* g, const void* u, void* y, Dt t) {
   at::parallel_for(0, n, kBlock, [&](int64_t begin, int64_t end) {
