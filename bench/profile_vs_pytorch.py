@@ -1,0 +1,84 @@
+"""Where one training step's time goes, operator by operator, for meshtrain and
+PyTorch doing the same work: runs `meshtrain bench train --profile` and
+bench/reference/train_gpt.py --profile (libtorch's profiler on both sides; a
+Chrome trace each, for chrome://tracing or ui.perfetto.dev), then prints each
+side's self time per step by category and its largest operators. Run from the
+repository root with the project's virtual environment:
+
+    .venv/bin/python bench/profile_vs_pytorch.py [--preset small] [--dtype bfloat16] [--out runs/profile]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHTRAIN = os.path.join(ROOT, "build", "bin", "meshtrain")
+REFERENCE = os.path.join(ROOT, "bench", "reference", "train_gpt.py")
+
+CATEGORIES = [  # first match wins
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("attention", ("scaled_dot_product",)),
+    ("casts and copies", ("aten::copy_", "aten::_to_copy", "aten::to", "ToCopyBackward")),
+    ("norms", ("layer_norm", "add_norm", "aten::rsqrt", "aten::pow", "aten::mean")),
+    ("activations", ("gelu", "silu", "swiglu", "aten::tanh")),
+    ("cross-entropy", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("optimizer", ("adam", "cpu_adamw", "Optimizer", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt", "_foreach")),
+    ("adds, fills, sums", ("aten::add", "aten::fill_", "aten::zero_", "aten::sum", "aten::mul", "aten::div")),
+]
+
+
+def category(name):
+    for label, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return label
+    return "other (views, allocation, autograd)"
+
+
+def summarise(path):
+    with open(path) as f:
+        ops = json.load(f)
+    totals = {}
+    for op in ops:
+        totals[category(op["name"])] = totals.get(category(op["name"]), 0.0) + op["self_ms_per_step"]
+    return ops, totals
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", default="runs/profile")
+    args = parser.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())))
+    ours_dir, theirs_dir = os.path.join(args.out, "meshtrain"), os.path.join(args.out, "pytorch")
+    subprocess.run([MESHTRAIN, "bench", "train", "--steps", "2", "--profile", ours_dir, "--profile-steps",
+                    str(args.steps), f"--model.preset={args.preset}", f"--training.dtype={args.dtype}",
+                    f"--training.batch={args.batch}", f"--training.micro_batch={args.micro_batch}",
+                    f"--run.out={args.out}/run"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, REFERENCE, "--preset", args.preset, "--dtype", args.dtype, "--batch", str(args.batch),
+                    "--micro-batch", str(args.micro_batch), "--steps", "2", "--profile", theirs_dir, "--profile-steps",
+                    str(args.steps)], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ours, ours_totals = summarise(os.path.join(ours_dir, "ops.json"))
+    theirs, theirs_totals = summarise(os.path.join(theirs_dir, "ops.json"))
+    print(f"{args.preset}, {args.dtype}, batch {args.batch}, micro-batch {args.micro_batch}, "
+          f"{env['OMP_NUM_THREADS']} threads: self time per step (ms), {args.steps} profiled steps")
+    print(f"{'category':40} {'meshtrain':>10} {'pytorch':>10}")
+    labels = [label for label, _ in CATEGORIES] + ["other (views, allocation, autograd)"]
+    for label in labels:
+        print(f"{label:40} {ours_totals.get(label, 0):>10.1f} {theirs_totals.get(label, 0):>10.1f}")
+    print(f"{'all operators':40} {sum(ours_totals.values()):>10.1f} {sum(theirs_totals.values()):>10.1f}")
+    for side, ops in (("meshtrain", ours), ("pytorch", theirs)):
+        print(f"\n{side}: largest operators")
+        for op in ops[:args.top]:
+            print(f"  {op['name'][:62]:62} {op['calls_per_step']:>6.0f} calls {op['self_ms_per_step']:>9.1f} ms")
+    print(f"\nChrome traces: {ours_dir}/trace.json, {theirs_dir}/trace.json")
+
+
+if __name__ == "__main__":
+    main()
