@@ -39,6 +39,8 @@ double measure_matmul_peak(at::Device device, at::ScalarType dtype) {
   // would overstate MFU.
   const int64_t n = gpu ? 8192 : 2048;
   const int repeats = gpu ? 10 : 1;
+  // A measurement, not training memory: on the CPU neither counted nor held to memory.limit_mb.
+  const memory::HostScope uncounted;
   const at::TensorOptions options = at::TensorOptions().device(device).dtype(dtype);
   // Filled without drawing random numbers: the training's random streams stay where they are.
   at::Tensor a = at::linspace(-1, 1, n * n, options).view({n, n}), b = a.t().contiguous(), c = at::empty({n, n}, options);
