@@ -29,12 +29,12 @@ Sizes sizes(const ModelShape& model, int64_t micro_batch, int64_t tp, bool sp) {
   return {tokens, tokens * static_cast<double>(model.width), static_cast<double>(tp), sp && tp > 1};
 }
 
-// What a norm saves beyond its input: LayerNorm (fused) its fp32 mean and
-// reciprocal deviation per token; meshtrain's RMSNorm, composed of
-// elementwise operations, the reciprocal RMS and the normalised input (which
-// the scale's multiply keeps).
+// What a norm saves beyond its input: LayerNorm (ATen's, or the fused add +
+// norm) and the fused RMSNorm their fp32 mean and reciprocal deviation per
+// token; the reference RMSNorm, composed of elementwise operations, the
+// reciprocal RMS and the normalised input (which the scale's multiply keeps).
 double norm_saved(const ModelShape& model, const Sizes& z, double activation_bytes) {
-  return model.rms_norm ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
+  return model.rms_norm && !model.fused ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
 }
 
 // The loss's side of one micro-batch on the last stage: what stays saved
@@ -130,7 +130,8 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   bytes += e * z.region(z.u);                                // MLP input
   const double hidden = z.u * static_cast<double>(model.ffn) / h;
   if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
-  bytes += (model.gated_mlp ? 4 : 2) * e * z.split(hidden);  // GELU: its input and output; SwiGLU: gate, up, silu, product
+  // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
+  bytes += (model.gated_mlp ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
   return bytes;
 }
 

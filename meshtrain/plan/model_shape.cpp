@@ -91,6 +91,7 @@ ModelShape ModelShape::from_config(const model::GptConfig& config, const std::st
   m.bias = config.bias;
   m.tied_head = config.tie_embeddings;
   m.learned_positions = config.position == "learned";
+  m.fused = config.fused;
   if (config.moe()) {
     m.experts = config.moe_experts;
     m.moe_every = config.moe_every;

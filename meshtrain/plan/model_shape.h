@@ -27,6 +27,7 @@ struct ModelShape {
   bool bias = true;             // biases in linear layers and norms
   bool tied_head = true;        // the LM head is the token embedding
   bool learned_positions = true;  // a position embedding table (GPT) instead of RoPE
+  bool fused = true;            // model.fused: the fused CPU operators (what they save differs)
   // Mixture of experts (model/moe.h): blocks every-1, 2·every-1, ... replace
   // the MLP by a router and `experts` MLPs of `expert_ffn`, top_k per token.
   int64_t experts = 0;          // 0: dense
