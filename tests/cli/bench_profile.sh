@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# meshtrain bench train --profile as a person runs it, bf16 on a tiny model:
+# a Chrome trace and every operator's self time, with the fused operators and
+# the CPU AdamW among them, and MFU against the bf16 peak (at most 100%).
+set -euo pipefail
+meshtrain=$1
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$meshtrain" bench train --steps 1 --warmup-steps 1 --profile "$dir/profile" --profile-steps 1 --model.preset=tiny \
+  --model.layers=2 --training.dtype=bfloat16 --training.batch=4 --training.micro_batch=2 --run.out="$dir/run" \
+  > "$dir/bench.txt" 2> "$dir/table.txt"
+grep -q "all operators" "$dir/table.txt"
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+trace = json.load(open(d + "/profile/trace.json"))
+assert trace["traceEvents"], "empty trace"
+ops = {o["name"]: o for o in json.load(open(d + "/profile/ops.json"))}
+for name in ("aten::mm", "meshtrain::fused_add_norm", "meshtrain::fused_bias_gelu_backward", "meshtrain::cpu_adamw"):
+    assert name in ops and ops[name]["calls_per_step"] > 0, name
+assert abs(sum(o["share"] for o in ops.values()) - 1) < 1e-6
+row = json.loads([l for l in open(d + "/bench.txt") if l.startswith("{")][-1])
+assert row["dtype"] == "bfloat16" and 0 < row["mfu"] <= 1, row
+PY
