@@ -42,7 +42,9 @@ void expect_same(const Op& fused_op, const Op& reference, const std::vector<at::
   (yb.to(at::kDouble) * upstream).sum().backward();
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(a[i].grad().defined(), b[i].grad().defined()) << "input " << i;
-    if (a[i].grad().defined()) EXPECT_LT(relative_error(a[i].grad(), b[i].grad()), tolerance) << "gradient of input " << i;
+    if (a[i].grad().defined()) {
+      EXPECT_LT(relative_error(a[i].grad(), b[i].grad()), tolerance) << "gradient of input " << i;
+    }
   }
 }
 
