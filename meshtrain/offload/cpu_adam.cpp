@@ -1,6 +1,7 @@
 #include "meshtrain/offload/cpu_adam.h"
 
 #include "meshtrain/offload/cpu_adam_dispatch.h"
+#include "meshtrain/util/cpu_features.h"
 
 #include <ATen/record_function.h>
 
@@ -8,22 +9,7 @@
 
 namespace meshtrain::offload {
 
-
-namespace {
-
-bool has_avx512() {
-#if defined(__x86_64__)
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
-const char* cpu_adamw_kernel() { return has_avx512() ? "avx512" : "default"; }
+const char* cpu_adamw_kernel() { return util::cpu_has_avx512() ? "avx512" : "default"; }
 
 void cpu_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& step,
                at::BFloat16* bf16_out) {
@@ -40,7 +26,7 @@ void cpu_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_s
                           static_cast<float>(step.eps),
                           static_cast<float>(step.lr / bias1)};
 #if defined(__x86_64__)
-  if (has_avx512()) return kernel::adamw_avx512(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
+  if (util::cpu_has_avx512()) return kernel::adamw_avx512(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
 #endif
   kernel::adamw_default(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
 }

@@ -1,15 +1,14 @@
 #include "meshtrain/model/fused/ops.h"
 
 #include "meshtrain/model/fused/kernels.h"
+#include "meshtrain/util/cpu_features.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 
-#include <fstream>
 #include <optional>
-#include <string>
 
 namespace meshtrain::model::fused {
 
@@ -31,18 +30,6 @@ at::Tensor as_float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat)
 // The dtype a CPU matmul would compute in now: autocast's when it is on.
 at::ScalarType compute_dtype(at::ScalarType fallback) {
   return at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : fallback;
-}
-
-bool has_amx() {
-  static const bool yes = [] {
-    std::ifstream cpuinfo("/proc/cpuinfo");
-    std::string line;
-    while (std::getline(cpuinfo, line)) {
-      if (line.rfind("flags", 0) == 0) return line.find(" amx_tile") != std::string::npos;
-    }
-    return false;
-  }();
-  return yes;
 }
 
 struct AddNorm : torch::autograd::Function<AddNorm> {
@@ -221,9 +208,8 @@ struct Rope : torch::autograd::Function<Rope> {
 bool plain(const at::Tensor& t) { return !t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1); }
 
 bool eligible(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
-         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
-         !t.key_set().has(c10::DispatchKey::PrivateUse1);
+  return t.defined() && plain(t) && t.device().is_cpu() && t.layout() == at::kStrided &&
+         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
 }
 
 std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
@@ -250,7 +236,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal) {
   const bool bf16 = q.scalar_type() == at::kBFloat16 || compute_dtype(q.scalar_type()) == at::kBFloat16;
-  if (!q.device().is_cpu() || !bf16 || has_amx()) {
+  if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
     return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, causal);
   }
   // Without AMX, ATen's CPU flash attention is about twice as fast in fp32 as in
