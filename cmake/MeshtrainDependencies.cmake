@@ -1,6 +1,7 @@
 # Finds what meshtrain builds against and defines:
 #   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
 #   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json, PkgConfig::HTTPLIB,
+#   MESHTRAIN_GRPC_LIBRARIES, MESHTRAIN_PROTOC, MESHTRAIN_GRPC_CPP_PLUGIN, OpenSSL::Crypto/SSL,
 #   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY, MESHTRAIN_URING_LIBRARY,
 #   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
@@ -29,6 +30,34 @@ find_library(MESHTRAIN_SENTENCEPIECE_LIBRARY sentencepiece REQUIRED)
 find_library(MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
 set(MESHTRAIN_SENTENCEPIECE_LIBRARIES ${MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY} ${MESHTRAIN_SENTENCEPIECE_LIBRARY})
 find_library(MESHTRAIN_PCRE2_LIBRARY pcre2-8 REQUIRED)
+# Federated learning: gRPC and protobuf (libgrpc++-dev, protobuf-compiler-grpc),
+# OpenSSL (X25519, AES-GCM, TLS). Libraries by pkg-config, the code generators by path.
+# protobuf is linked statically with its symbols hidden (Note [Two protobufs]).
+#
+# Note [Two protobufs]
+# Debian's libsentencepiece carries its own protobuf-lite and exports its
+# symbols; with the system's libprotobuf.so in the same process the two
+# interpose each other (libprotobuf's start-up code ran sentencepiece's copy
+# of a parser and crashed). So protobuf comes from libprotobuf.a, first on the
+# link line (our references bind to it, not to sentencepiece), its symbols
+# made local (--exclude-libs) and none of ours exported to shared libraries
+# (fl/protobuf_local.map), so sentencepiece keeps binding to its own copy.
+pkg_check_modules(MESHTRAIN_GRPC REQUIRED grpc++)
+pkg_check_modules(MESHTRAIN_PROTOBUF_PC REQUIRED protobuf)
+set(MESHTRAIN_GRPC_LIBRARIES ${MESHTRAIN_GRPC_LINK_LIBRARIES})
+find_library(MESHTRAIN_PROTOBUF_STATIC NAMES libprotobuf.a REQUIRED)
+find_program(MESHTRAIN_PROTOC protoc REQUIRED)
+find_program(MESHTRAIN_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
+find_package(OpenSSL REQUIRED)
+# libtorch's include directory carries an old copy of protobuf's headers
+# (torch/include/google/protobuf) that shadows the system's; a directory of
+# the build tree holding only a link to the system's google/ goes first.
+pkg_get_variable(MESHTRAIN_PROTOBUF_INCLUDEDIR protobuf includedir)
+set(MESHTRAIN_PROTOBUF_INCLUDE ${CMAKE_BINARY_DIR}/protobuf-include)
+file(MAKE_DIRECTORY ${MESHTRAIN_PROTOBUF_INCLUDE})
+if(NOT EXISTS ${MESHTRAIN_PROTOBUF_INCLUDE}/google)
+  file(CREATE_LINK ${MESHTRAIN_PROTOBUF_INCLUDEDIR}/google ${MESHTRAIN_PROTOBUF_INCLUDE}/google SYMBOLIC)
+endif()
 # The NVMe tier: io_uring (liburing-dev).
 find_library(MESHTRAIN_URING_LIBRARY uring REQUIRED)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything meshtrain needs on Debian 12, idempotently:
-#   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json,
+#   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL,
 #     GoogleTest, Google Benchmark, Python venv support),
 #   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
 #   - the Python packages the tests use (openai, transformers, sentencepiece) into the same .venv/.
@@ -15,6 +15,7 @@ debian_packages=(
   g++ cmake ninja-build make pkg-config git
   libopenmpi-dev openmpi-bin
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev liburing-dev fio
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pip
 )

@@ -1,5 +1,6 @@
 // meshtrain: train transformer models split across many processes.
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/fl_cli.h"
 #include "meshtrain/apps/inference_cli.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/plan/layout.h"
@@ -251,7 +252,18 @@ int main(int argc, char** argv) {
   run->prefix_command();  // everything after the options is the command every rank runs
   run->footer("Example: meshtrain run -n 4 bench comm --max-size 64M");
 
+  meshtrain::apps::FlCli federated(app);
+
   CLI11_PARSE(app, argc, argv);
+
+  if (federated.parsed()) {  // no MPI
+    try {
+      return federated.run(argv[0]);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
+      return 1;
+    }
+  }
 
   if (run->parsed()) {
     try {

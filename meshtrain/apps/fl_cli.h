@@ -1,0 +1,42 @@
+// The command line of federated learning: meshtrain fl server | client |
+// simulate | split | plot (no MPI).
+#pragma once
+
+#include "meshtrain/fl/client.h"
+#include "meshtrain/fl/split.h"
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+namespace meshtrain::apps {
+
+class FlCli {
+ public:
+  explicit FlCli(CLI::App& app);
+  bool parsed() const;
+  int run(const char* self) const;  // self: this executable (simulate starts copies of it)
+
+ private:
+  int run_server() const;
+  int run_simulate(const char* self) const;
+  std::vector<std::string> overrides(CLI::App* sub) const;
+
+  CLI::App *fl_ = nullptr, *server_ = nullptr, *client_ = nullptr, *simulate_ = nullptr, *split_ = nullptr,
+           *plot_ = nullptr;
+  std::string config_, port_file_;
+  bool help_config_ = false;
+  fl::ClientOptions client_options_;
+  std::string client_ca_, client_cert_, client_key_;
+  bool client_insecure_ = false;
+  int simulate_clients_ = 4;
+  std::string simulate_text_;
+  double simulate_timeout_ = 3600;
+  std::string split_text_, split_out_;
+  fl::SplitOptions split_options_;
+  std::vector<std::string> plot_inputs_;
+  std::string plot_out_ = "fl_loss.svg", plot_title_ = "Validation loss against uplink bytes";
+};
+
+}  // namespace meshtrain::apps

@@ -1,0 +1,221 @@
+#include "meshtrain/fl/client.h"
+
+#include "meshtrain/fl/federation.grpc.pb.h"
+#include "meshtrain/fl/secagg.h"
+#include "meshtrain/fl/transport.h"
+#include "meshtrain/fl/update.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/util/files.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+
+namespace meshtrain::fl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string token_file_of(const std::string& data) {
+  if (util::is_directory(data)) return data + "/train.bin";
+  return data;
+}
+
+class Participant {
+ public:
+  explicit Participant(const ClientOptions& o)
+      : o_(o), file_(token_file_of(o.data)), rng_(at::make_generator<at::CPUGeneratorImpl>(std::random_device{}())) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+    args.SetMaxSendMessageSize(kMaxMessageBytes);
+    stub_ = wire::Federation::NewStub(grpc::CreateCustomChannel(o.server, channel_credentials(o.tls, o.server), args));
+  }
+
+  int run() {
+    join();
+    while (true) {
+      wire::Task task;
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      wire::PollRequest request;
+      request.set_client_id(o_.id);
+      request.set_session(session_);
+      const grpc::Status status = stub_->Poll(&context, request, &task);
+      if (!status.ok()) {
+        log("lost the server (%s); rejoining", status.error_message().c_str());
+        join();
+        continue;
+      }
+      switch (task.kind()) {
+        case wire::Task::WAIT: continue;
+        case wire::Task::STOP: log("stopped by the server: %s", task.message().c_str()); return 0;
+        default: break;
+      }
+      wire::Result result;
+      std::string phase;
+      try {
+        phase = handle(task, result);
+      } catch (const secagg::SecAggError& e) {
+        log("round %llu: %s", static_cast<unsigned long long>(task.round()), e.what());
+        continue;
+      }
+      if (phase == "fit" && o_.straggle_s > 0)
+        std::this_thread::sleep_for(std::chrono::duration<double>(o_.straggle_s));
+      submit(task, result);
+      if (!o_.drop_after.empty() && phase == o_.drop_after) {
+        log("dropping out after %s, as asked (--drop-after)", phase.c_str());
+        return 3;
+      }
+    }
+  }
+
+ private:
+  template <typename... Args>
+  void log(const char* format, Args... args) const {
+    if (o_.quiet) return;
+    std::string f = "fl client " + o_.id + ": " + format + "\n";
+    std::fprintf(stderr, f.c_str(), args...);
+  }
+
+  void join() {
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(o_.connect_timeout_s));
+    std::string last;
+    while (Clock::now() < deadline) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      wire::JoinRequest request;
+      request.set_client_id(o_.id);
+      request.set_examples(static_cast<uint64_t>(examples()));
+      wire::JoinReply reply;
+      const grpc::Status status = stub_->Join(&context, request, &reply);
+      if (status.ok()) {
+        session_ = reply.session();
+        log("joined %s with %lld training sequences", o_.server.c_str(), static_cast<long long>(examples()));
+        return;
+      }
+      if (status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
+        throw ClientError("the server at " + o_.server + " refused this client: " + status.error_message());
+      last = status.error_message();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+    throw ClientError("could not reach the federation server at " + o_.server + " within " +
+                      std::to_string(static_cast<int>(o_.connect_timeout_s)) + " s (" + last +
+                      "). Is it running? With TLS: does --ca hold the CA of the server's certificate? With mutual TLS: "
+                      "is this client's certificate signed by the server's client CA?");
+  }
+
+  int64_t examples() const { return (file_.size() - 1) / std::max<int64_t>(1, context_len_); }
+
+  void submit(const wire::Task& task, wire::Result& result) {
+    result.set_client_id(o_.id);
+    result.set_session(session_);
+    result.set_round(task.round());
+    result.set_kind(task.kind());
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+    wire::Ack ack;
+    const grpc::Status status = stub_->Submit(&context, result, &ack);
+    if (!status.ok()) log("round %llu: result not taken: %s", static_cast<unsigned long long>(task.round()),
+                          status.error_message().c_str());
+    else log("round %llu: sent %s, %zu bytes", static_cast<unsigned long long>(task.round()),
+             wire::Task::Kind_Name(task.kind()).c_str(), result.ByteSizeLong());
+  }
+
+  // Returns the phase name of the task it answered.
+  std::string handle(const wire::Task& task, wire::Result& result) {
+    switch (task.kind()) {
+      case wire::Task::FIT: fit(task, result); return "fit";
+      case wire::Task::SECAGG_SHARE:
+        if (!secure_) throw secagg::SecAggError("a share request without a secure round in progress");
+        for (auto& s : secure_->share({task.peers().begin(), task.peers().end()})) *result.add_shares() = std::move(s);
+        return "share";
+      case wire::Task::SECAGG_MASK: {
+        if (!secure_) throw secagg::SecAggError("a mask request without a secure round in progress");
+        const std::vector<uint32_t> y = secure_->mask(x_, {task.shares().begin(), task.shares().end()});
+        result.set_masked(y.data(), y.size() * sizeof(uint32_t));
+        return "mask";
+      }
+      case wire::Task::SECAGG_UNMASK:
+        if (!secure_) throw secagg::SecAggError("an unmask request without a secure round in progress");
+        for (auto& r : secure_->reveal({task.survivors().begin(), task.survivors().end()},
+                                       {task.dropped().begin(), task.dropped().end()}))
+          *result.add_revealed() = std::move(r);
+        secure_.reset();
+        return "unmask";
+      default: throw secagg::SecAggError("unknown task kind " + std::to_string(task.kind()));
+    }
+  }
+
+  void load_model(const wire::Task& task) {
+    if (task.model_json() != model_json_) {
+      model_json_ = task.model_json();
+      const model::GptConfig config = train::model_config_from_json(model_json_);
+      model_ = model::Gpt(config, 0);
+      context_len_ = config.context;
+      sampler_ = std::make_unique<train::Sampler>(file_, config.context, std::hash<std::string>{}(o_.id));
+    }
+    std::vector<at::Tensor> params = parameters_of(*model_);
+    if (static_cast<size_t>(task.weights_size()) != params.size())
+      throw ClientError("the server sent " + std::to_string(task.weights_size()) + " tensors for a model of " +
+                        std::to_string(params.size()));
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor w = from_wire(task.weights(static_cast<int>(i)));
+      if (w.sizes() != params[i].sizes()) throw ClientError("tensor '" + task.weights(static_cast<int>(i)).name() + "' has the wrong shape");
+      params[i].copy_(w);
+    }
+  }
+
+  void fit(const wire::Task& task, wire::Result& result) {
+    load_model(task);
+    const wire::FitConfig& fit = task.fit();
+    const CompressionSpec spec = CompressionSpec::from_wire(fit.compression());
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& p : parameters_of(*model_)) shapes.push_back(p.sizes().vec());
+    const std::vector<Structure> structures = round_structures(spec, shapes, fit.seed());
+    const LocalFit local = fit_locally(*model_, *sampler_, fit, structures);
+    result.set_examples(static_cast<uint64_t>(sampler_->windows()));
+    result.set_train_loss(static_cast<float>(local.mean_loss));
+    log("round %llu: %u local steps, loss %.4f", static_cast<unsigned long long>(task.round()), fit.local_steps(),
+        local.mean_loss);
+    if (fit.secagg().enabled()) {
+      const auto& s = fit.secagg();
+      x_ = secagg::quantise_ring(concat_sketched(local.payloads, spec, fit.seed()), s.clip(), static_cast<int>(s.bits()),
+                                 std::random_device{}());
+      secure_ = std::make_unique<secagg::ClientSession>(o_.id, static_cast<int>(s.threshold()));
+      *result.mutable_keys() = secure_->keys();
+      return;
+    }
+    for (auto& e : encode_update(local.payloads, spec, fit.seed(), o_.id, false, rng_)) *result.add_update() = std::move(e);
+  }
+
+  const ClientOptions& o_;
+  std::unique_ptr<wire::Federation::Stub> stub_;
+  std::string session_;
+  train::TokenFile file_;
+  std::unique_ptr<train::Sampler> sampler_;
+  at::Generator rng_;
+  std::string model_json_;
+  model::Gpt model_{nullptr};
+  int64_t context_len_ = 128;
+  std::unique_ptr<secagg::ClientSession> secure_;
+  std::vector<uint32_t> x_;
+};
+
+}  // namespace
+
+int run_client(const ClientOptions& options) {
+  if (options.id.empty()) throw ClientError("--id is required");
+  if (!options.drop_after.empty() && options.drop_after != "fit" && options.drop_after != "share" &&
+      options.drop_after != "mask")
+    throw ClientError("--drop-after " + options.drop_after + ": use fit, share or mask");
+  Participant participant(options);
+  return participant.run();
+}
+
+}  // namespace meshtrain::fl

@@ -1,0 +1,37 @@
+// `meshtrain fl client`: joins a federation server, then polls for tasks —
+// train locally and send the encoded update (FIT), or take a step of secure
+// aggregation — until the server says STOP. Reconnects and rejoins when the
+// server restarts.
+#pragma once
+
+#include "meshtrain/fl/config.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace meshtrain::fl {
+
+class ClientError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ClientOptions {
+  std::string id;
+  std::string server = "127.0.0.1:50051";
+  std::string data;               // a directory holding train.bin (fl split), or a token file
+  TlsConfig tls;                  // ca: verifies the server; cert/key: this client's, for mutual TLS
+  double connect_timeout_s = 60;  // to reach (or reach again) the server
+  // For exercising the server's fault handling: wait this long before
+  // sending each training result; stop answering after this phase
+  // ("fit", "share", "mask") of the first round that gets there.
+  double straggle_s = 0;
+  std::string drop_after;
+  bool quiet = false;
+};
+
+// Returns 0 when the server stopped the federation, 3 after --drop-after.
+// Throws ClientError with what to do when the server cannot be reached or refuses.
+int run_client(const ClientOptions& options);
+
+}  // namespace meshtrain::fl

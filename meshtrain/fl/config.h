@@ -1,0 +1,78 @@
+// The federated server's configuration: a TOML file with [model] (as for
+// `meshtrain train`) and [fl], [fl.client], [fl.compression], [fl.secagg],
+// [fl.data], [fl.server] (meshtrain fl server --help-config lists the keys),
+// plus section.key=value overrides.
+#pragma once
+
+#include "meshtrain/fl/codec.h"
+#include "meshtrain/fl/strategy.h"
+#include "meshtrain/model/gpt_config.h"
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace meshtrain::fl {
+
+class FlConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// TLS for either side. Server: cert/key are its own, `ca` verifies client
+// certificates under mutual TLS. Client: `ca` verifies the server, cert/key
+// are its own under mutual TLS. `insecure`: plaintext, loopback only.
+struct TlsConfig {
+  std::string cert, key, ca;
+  bool mutual = false;
+  std::vector<std::string> allow;  // mutual TLS: client certificate common names admitted (empty: any the CA signed)
+  bool insecure = false;
+};
+
+struct FlConfig {
+  std::string preset = "tiny";
+  model::GptConfig model = model::GptConfig::preset("tiny");
+  // [fl]
+  int64_t rounds = 10;
+  double fraction = 1.0;        // of the available clients sampled each round
+  int64_t min_available = 1;    // clients connected before a round starts
+  int64_t min_fit = 1;          // results needed for the round to count
+  double deadline_s = 120;      // per round phase: later results are dropped
+  double wait_clients_s = 120;  // how long a round waits for min_available
+  uint64_t seed = 1;
+  std::string label;            // names this configuration in metrics and plots (default: the compression)
+  StrategyConfig strategy;
+  // [fl.client]
+  int64_t local_steps = 5;
+  int64_t batch = 8;
+  double lr = 0.05;
+  std::string optimizer = "sgd";  // "sgd" | "adamw"
+  // [fl.compression]
+  CompressionSpec compression;
+  // [fl.secagg]
+  bool secagg = false;
+  int64_t threshold = 2;
+  double clip = 0.5;
+  int64_t secagg_bits = 16;
+  // [fl.data]
+  std::string val_file;        // server-side validation token file (fl split's val.bin)
+  std::string clients_dir;     // fl simulate: one client per subdirectory holding train.bin
+  int64_t eval_batches = 4;
+  // [fl.server]
+  std::string listen = "127.0.0.1:0";  // port 0: any free port (printed, and written to --port-file)
+  std::string out = "runs/fl";         // metrics.jsonl, state.safetensors, loss.svg
+  bool resume = true;
+  TlsConfig tls;
+
+  // Loads `path` (empty: defaults), applies overrides ("section.key=value",
+  // e.g. "fl.rounds=3"), validates. Throws FlConfigError naming the key.
+  static FlConfig load(const std::string& path, const std::vector<std::string>& overrides);
+  void validate() const;
+  std::string display_label() const { return label.empty() ? compression.describe() : label; }
+  static std::string describe_keys();
+};
+
+bool is_loopback_address(const std::string& host_port);
+
+}  // namespace meshtrain::fl

@@ -1,0 +1,168 @@
+#include "meshtrain/fl/coordinator.h"
+
+#include <algorithm>
+#include <random>
+#include <sstream>
+
+namespace meshtrain::fl {
+namespace {
+
+constexpr auto kLiveness = std::chrono::seconds(30);  // a client silent this long is gone
+constexpr auto kLongPoll = std::chrono::seconds(1);
+
+bool valid_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
+  });
+}
+
+std::string new_session() {
+  static std::mt19937_64 rng(std::random_device{}());
+  std::ostringstream s;
+  s << std::hex << rng() << rng();
+  return s.str();
+}
+
+const char* kind_name(wire::Task::Kind kind) { return wire::Task::Kind_Name(kind).c_str(); }
+
+}  // namespace
+
+bool Coordinator::live(const Client& c, Clock::time_point now) const { return !c.left && now - c.seen < kLiveness; }
+
+std::string Coordinator::check_session(const std::string& id, const std::string& session) {
+  auto it = clients_.find(id);
+  if (it == clients_.end() || it->second.session != session)
+    return "unknown client or session '" + id + "': call Join first";
+  it->second.seen = Clock::now();
+  return {};
+}
+
+std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session) {
+  const std::string& id = request.client_id();
+  if (!valid_id(id)) return "client id '" + id + "': use 1 to 128 letters, digits, '_', '-' or '.'";
+  if (!allow_.empty()) {
+    if (std::find(allow_.begin(), allow_.end(), peer_name) == allow_.end())
+      return "client certificate '" + peer_name + "' is not on the server's allow list";
+    if (peer_name != id) return "client id '" + id + "' differs from its certificate's name '" + peer_name + "'";
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stopping_) return "the federation has finished";
+  Client& c = clients_[id];
+  c = Client{new_session(), Clock::now(), false, false};
+  *session = c.session;
+  changed_.notify_all();
+  return {};
+}
+
+std::string Coordinator::poll(const wire::PollRequest& request, wire::Task* task) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (std::string e = check_session(request.client_id(), request.session()); !e.empty()) return e;
+  const std::string& id = request.client_id();
+  changed_.wait_for(lock, kLongPoll, [&] { return stopping_ || pending_.count(id) > 0; });
+  clients_[id].seen = Clock::now();
+  auto it = pending_.find(id);
+  if (it != pending_.end()) {
+    *task = std::move(it->second);
+    pending_.erase(it);
+    traffic_[id].down += static_cast<int64_t>(task->ByteSizeLong());
+  } else if (stopping_) {
+    task->set_kind(wire::Task::STOP);
+    task->set_message(stop_message_);
+    clients_[id].stopped = true;
+    changed_.notify_all();
+  } else {
+    task->set_kind(wire::Task::WAIT);
+  }
+  return {};
+}
+
+std::string Coordinator::submit(const wire::Result& result) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::string& id = result.client_id();
+  if (std::string e = check_session(id, result.session()); !e.empty()) return e;
+  if (!phase_open_ || result.round() != round_ || result.kind() != kind_ || !expected_.count(id) || results_.count(id)) {
+    std::ostringstream why;
+    why << "result for round " << result.round() << " " << kind_name(result.kind()) << " refused: the server is at round "
+        << round_ << " " << kind_name(kind_) << (phase_open_ ? "" : " (closed: past the deadline)");
+    return why.str();
+  }
+  traffic_[id].up += static_cast<int64_t>(result.ByteSizeLong());
+  results_[id] = result;
+  changed_.notify_all();
+  return {};
+}
+
+std::string Coordinator::leave(const wire::LeaveRequest& request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (std::string e = check_session(request.client_id(), request.session()); !e.empty()) return e;
+  clients_[request.client_id()].left = true;
+  changed_.notify_all();
+  return {};
+}
+
+std::vector<std::string> Coordinator::wait_for_clients(size_t count, double seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  std::vector<std::string> ids;
+  auto enough = [&] {
+    ids.clear();
+    const auto now = Clock::now();
+    for (const auto& [id, c] : clients_)
+      if (live(c, now)) ids.push_back(id);
+    return ids.size() >= count;
+  };
+  changed_.wait_for(lock, std::chrono::duration<double>(seconds), enough);
+  enough();
+  return ids;
+}
+
+void Coordinator::open(uint64_t round, wire::Task::Kind kind, std::map<std::string, wire::Task> tasks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  round_ = round;
+  kind_ = kind;
+  phase_open_ = true;
+  expected_.clear();
+  results_.clear();
+  for (auto& [id, task] : tasks) {
+    task.set_round(round);
+    task.set_kind(kind);
+    expected_.insert(id);
+  }
+  pending_ = std::move(tasks);
+  changed_.notify_all();
+}
+
+std::map<std::string, wire::Result> Coordinator::close(double seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  changed_.wait_until(lock, deadline, [&] {
+    if (results_.size() == expected_.size()) return true;
+    // A client that left cannot answer: do not wait for it.
+    for (const auto& id : expected_)
+      if (!results_.count(id) && !clients_[id].left) return false;
+    return true;
+  });
+  phase_open_ = false;
+  pending_.clear();
+  return std::move(results_);
+}
+
+std::map<std::string, Traffic> Coordinator::take_traffic() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(traffic_, {});
+}
+
+void Coordinator::stop(const std::string& message, double seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  stopping_ = true;
+  stop_message_ = message;
+  changed_.notify_all();
+  changed_.wait_for(lock, std::chrono::duration<double>(seconds), [&] {
+    const auto now = Clock::now();
+    for (const auto& [id, c] : clients_)
+      if (live(c, now) && !c.stopped) return false;
+    return true;
+  });
+}
+
+}  // namespace meshtrain::fl

@@ -1,0 +1,71 @@
+// The state the gRPC handlers and the server's round loop share: who is
+// connected, the open phase (its tasks waiting to be polled and the results
+// in), and the bytes each client sent and received this round.
+#pragma once
+
+#include "meshtrain/fl/federation.pb.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace meshtrain::fl {
+
+struct Traffic {
+  int64_t up = 0, down = 0;  // serialized protobuf bytes of results and tasks
+};
+
+class Coordinator {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit Coordinator(std::vector<std::string> allow) : allow_(std::move(allow)) {}
+
+  // Handlers. Each returns "" or the reason the call is refused.
+  std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session);
+  std::string poll(const wire::PollRequest& request, wire::Task* task);
+  std::string submit(const wire::Result& result);
+  std::string leave(const wire::LeaveRequest& request);
+
+  // Round loop.
+  std::vector<std::string> wait_for_clients(size_t count, double seconds);  // connected ids, sorted
+  // Opens a phase: each client in `tasks` receives its task at its next poll.
+  void open(uint64_t round, wire::Task::Kind kind, std::map<std::string, wire::Task> tasks);
+  // Waits until every client of the phase answered or `seconds` passed, closes
+  // the phase (later results are refused) and returns the results in.
+  std::map<std::string, wire::Result> close(double seconds);
+  std::map<std::string, Traffic> take_traffic();
+  // From now on every poll answers STOP with `message`; waits up to `seconds`
+  // for the connected clients to have heard it.
+  void stop(const std::string& message, double seconds);
+
+ private:
+  struct Client {
+    std::string session;
+    Clock::time_point seen;
+    bool left = false, stopped = false;
+  };
+  bool live(const Client& c, Clock::time_point now) const;
+  std::string check_session(const std::string& id, const std::string& session);
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::string> allow_;
+  std::map<std::string, Client> clients_;
+  uint64_t round_ = 0;
+  wire::Task::Kind kind_ = wire::Task::WAIT;
+  bool phase_open_ = false;
+  std::map<std::string, wire::Task> pending_;       // not yet polled
+  std::set<std::string> expected_;
+  std::map<std::string, wire::Result> results_;
+  std::map<std::string, Traffic> traffic_;
+  bool stopping_ = false;
+  std::string stop_message_;
+};
+
+}  // namespace meshtrain::fl

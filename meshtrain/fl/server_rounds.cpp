@@ -1,0 +1,320 @@
+#include "meshtrain/fl/server_rounds.h"
+
+#include "meshtrain/fl/metrics.h"
+#include "meshtrain/fl/secagg.h"
+#include "meshtrain/fl/update.h"
+#include "meshtrain/interop/safetensors.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/util/files.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+namespace meshtrain::fl {
+namespace {
+
+std::string state_path(const FlConfig& c) { return c.out + "/state.safetensors"; }
+
+std::vector<uint32_t> words_of(const std::string& bytes) {
+  std::vector<uint32_t> out(bytes.size() / 4);
+  std::memcpy(out.data(), bytes.data(), out.size() * 4);
+  return out;
+}
+
+}  // namespace
+
+Rounds::Rounds(const FlConfig& config, Coordinator& coordinator)
+    : config_(config), coordinator_(coordinator), model_(config.model, config.seed), strategy_(config.strategy) {
+  params_ = parameters_of(*model_);
+  names_ = parameter_names(*model_);
+  for (const auto& p : params_) shapes_.push_back(p.sizes().vec());
+  if (!config_.val_file.empty()) {
+    val_file_ = std::make_unique<train::TokenFile>(config_.val_file);
+    val_ = std::make_unique<train::Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
+  }
+  util::make_directories(config_.out);
+  if (config_.resume && util::path_exists(state_path(config_))) resume();
+}
+
+std::vector<at::Tensor> Rounds::weights() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params_) out.push_back(p.detach().clone());
+  return out;
+}
+
+wire::Task Rounds::fit_task(uint64_t round) const {
+  wire::Task task;
+  task.set_model_json(train::model_config_to_json(config_.model));
+  for (size_t i = 0; i < params_.size(); ++i) *task.add_weights() = to_wire(names_[i], params_[i]);
+  wire::FitConfig* fit = task.mutable_fit();
+  fit->set_local_steps(static_cast<uint32_t>(config_.local_steps));
+  fit->set_batch(static_cast<uint32_t>(config_.batch));
+  fit->set_lr(static_cast<float>(config_.lr));
+  fit->set_optimizer(config_.optimizer);
+  fit->set_prox_mu(static_cast<float>(config_.strategy.prox_mu));
+  fit->set_seed(mix_seed(config_.seed, round));
+  *fit->mutable_compression() = config_.compression.to_wire();
+  fit->mutable_secagg()->set_enabled(config_.secagg);
+  fit->mutable_secagg()->set_threshold(static_cast<uint32_t>(config_.threshold));
+  fit->mutable_secagg()->set_clip(static_cast<float>(config_.clip));
+  fit->mutable_secagg()->set_bits(static_cast<uint32_t>(config_.secagg_bits));
+  fit->set_data_offset((round - 1) * static_cast<uint64_t>(config_.local_steps * config_.batch));
+  return task;
+}
+
+Rounds::Outcome Rounds::run_round(uint64_t round) {
+  Outcome outcome;
+  std::vector<std::string> available =
+      coordinator_.wait_for_clients(static_cast<size_t>(config_.min_available), config_.wait_clients_s);
+  if (static_cast<int64_t>(available.size()) < config_.min_available) {
+    outcome.error = std::to_string(available.size()) + " clients connected after " +
+                    std::to_string(static_cast<int>(config_.wait_clients_s)) + " s, fewer than min_available = " +
+                    std::to_string(config_.min_available);
+    return outcome;
+  }
+  const auto wanted = std::max<size_t>(static_cast<size_t>(config_.min_fit),
+                                       static_cast<size_t>(std::ceil(config_.fraction * available.size())));
+  std::mt19937_64 rng(mix_seed(config_.seed, round + 0x5a));
+  std::shuffle(available.begin(), available.end(), rng);
+  available.resize(std::min(available.size(), wanted));
+  std::sort(available.begin(), available.end());
+  outcome.sampled = available;
+
+  const wire::Task task = fit_task(round);
+  std::map<std::string, wire::Task> tasks;
+  for (const auto& id : outcome.sampled) tasks[id] = task;
+  coordinator_.open(round, wire::Task::FIT, std::move(tasks));
+  const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s);
+  for (const auto& id : outcome.sampled)
+    if (!results.count(id)) outcome.dropped.push_back(id);
+  if (static_cast<int64_t>(results.size()) < config_.min_fit) {
+    outcome.error = std::to_string(results.size()) + " of " + std::to_string(outcome.sampled.size()) +
+                    " clients returned results before the deadline, fewer than min_fit = " +
+                    std::to_string(config_.min_fit);
+    return outcome;
+  }
+  if (config_.secagg) aggregate_secure(round, results, outcome);
+  else aggregate_plain(round, results, outcome);
+  return outcome;
+}
+
+void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome) {
+  const uint64_t seed = mix_seed(config_.seed, round);
+  const std::vector<Structure> structures = round_structures(config_.compression, shapes_, seed);
+  std::vector<std::vector<at::Tensor>> updates;
+  std::vector<double> weights;
+  double loss = 0;
+  for (const auto& [id, r] : results) {
+    try {
+      if (r.examples() == 0) throw std::runtime_error("0 examples");
+      if (!std::isfinite(r.train_loss())) throw std::runtime_error("train loss not finite");
+      updates.push_back(decode_update({r.update().begin(), r.update().end()}, config_.compression, structures, seed, id,
+                                      /*shared_seeds=*/false));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fl server: round %llu: the update of '%s' is rejected: %s\n",
+                   static_cast<unsigned long long>(round), id.c_str(), e.what());
+      outcome.dropped.push_back(id);
+      continue;
+    }
+    weights.push_back(static_cast<double>(r.examples()));
+    loss += r.train_loss() * static_cast<double>(r.examples());
+    outcome.participants.push_back(id);
+  }
+  if (static_cast<int64_t>(updates.size()) < config_.min_fit) {
+    outcome.error = std::to_string(updates.size()) + " valid updates, fewer than min_fit = " + std::to_string(config_.min_fit);
+    return;
+  }
+  double total = 0;
+  for (double w : weights) total += w;
+  outcome.train_loss = loss / total;
+  apply_mean(weighted_mean(updates, weights));
+}
+
+// Note [Secure aggregation]: keys arrived with the FIT results; three phases follow.
+void Rounds::aggregate_secure(uint64_t round, const std::map<std::string, wire::Result>& fit_results, Outcome& outcome) {
+  const uint64_t seed = mix_seed(config_.seed, round);
+  secagg::ServerSession session(static_cast<int>(config_.threshold));
+  double loss = 0, examples = 0;
+  try {
+    for (const auto& [id, r] : fit_results) {
+      session.add_keys(id, r.keys());
+      loss += r.train_loss() * static_cast<double>(r.examples());
+      examples += static_cast<double>(r.examples());
+    }
+    std::map<std::string, wire::Task> tasks;
+    const std::vector<wire::PeerKeys> peers = session.peers();
+    for (const auto& [id, r] : fit_results) {
+      wire::Task& t = tasks[id];
+      for (const auto& p : peers) *t.add_peers() = p;
+    }
+    coordinator_.open(round, wire::Task::SECAGG_SHARE, std::move(tasks));
+    for (const auto& [id, r] : coordinator_.close(config_.deadline_s))
+      session.add_shares(id, {r.shares().begin(), r.shares().end()});
+    tasks.clear();
+    for (const auto& p : peers) {
+      if (!session.sent_shares(p.client_id())) continue;  // not in U2
+      std::vector<wire::SealedShares> mine = session.shares_for(p.client_id());
+      tasks[p.client_id()];
+      for (auto& s : mine) *tasks[p.client_id()].add_shares() = std::move(s);
+    }
+    coordinator_.open(round, wire::Task::SECAGG_MASK, std::move(tasks));
+    const std::vector<Structure> structures = round_structures(config_.compression, shapes_, seed);
+    size_t length = 0;
+    for (size_t i = 0; i < structures.size(); ++i)
+      length += static_cast<size_t>(kept_entries(config_.compression, sketch_seed(seed, static_cast<uint32_t>(i), "", true),
+                                                 structures[i].payload_size()));
+    for (const auto& [id, r] : coordinator_.close(config_.deadline_s)) {
+      if (r.masked().size() != length * 4) {
+        std::fprintf(stderr, "fl server: round %llu: the masked update of '%s' has %zu bytes, expected %zu\n",
+                     static_cast<unsigned long long>(round), id.c_str(), r.masked().size(), length * 4);
+        continue;
+      }
+      session.add_masked(id, words_of(r.masked()));
+    }
+    tasks.clear();
+    const std::vector<std::string> survivors = session.survivors(), dropped = session.dropped();
+    for (const auto& id : survivors) {
+      wire::Task& t = tasks[id];
+      for (const auto& s : survivors) t.add_survivors(s);
+      for (const auto& d : dropped) t.add_dropped(d);
+    }
+    coordinator_.open(round, wire::Task::SECAGG_UNMASK, std::move(tasks));
+    for (const auto& [id, r] : coordinator_.close(config_.deadline_s))
+      session.add_revealed(id, {r.revealed().begin(), r.revealed().end()});
+    const std::vector<uint32_t> sum = session.sum();
+    std::vector<float> mean = secagg::dequantise_ring_sum(sum, static_cast<int>(survivors.size()),
+                                                          static_cast<float>(config_.clip), static_cast<int>(config_.secagg_bits));
+    for (float& v : mean) v /= static_cast<float>(survivors.size());
+    for (const auto& [id, r] : fit_results)
+      if (std::find(survivors.begin(), survivors.end(), id) == survivors.end()) outcome.dropped.push_back(id);
+    outcome.participants = survivors;
+    outcome.train_loss = examples > 0 ? loss / examples : 0;
+    if (static_cast<int64_t>(survivors.size()) < config_.min_fit)
+      throw secagg::SecAggError(std::to_string(survivors.size()) + " masked updates, fewer than min_fit");
+    apply_mean(split_sketched(mean, config_.compression, structures, seed));
+  } catch (const std::exception& e) {
+    outcome.error = e.what();
+  }
+}
+
+void Rounds::apply_mean(const std::vector<at::Tensor>& mean) {
+  at::NoGradGuard no_grad;
+  strategy_.apply(params_, mean);
+}
+
+double Rounds::evaluate() {
+  if (!val_) return std::nan("");
+  at::NoGradGuard no_grad;
+  model_->eval();
+  double sum = 0;
+  for (int64_t b = 0; b < config_.eval_batches; ++b) {
+    auto [inputs, targets] = val_->rows(b * config_.batch, config_.batch);
+    sum += model_->loss(inputs, targets).item<double>();
+  }
+  model_->train();
+  return sum / static_cast<double>(config_.eval_batches);
+}
+
+void Rounds::save(uint64_t round) const {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (size_t i = 0; i < params_.size(); ++i) tensors.emplace_back("model." + names_[i], params_[i].detach());
+  auto& s = const_cast<Strategy&>(strategy_);
+  for (size_t i = 0; i < s.first_moment().size(); ++i) {
+    tensors.emplace_back("server.m." + std::to_string(i), s.first_moment()[i]);
+    tensors.emplace_back("server.v." + std::to_string(i), s.second_moment()[i]);
+  }
+  interop::write_safetensors(state_path(config_), tensors,
+                             {{"round", std::to_string(round)},
+                              {"model", train::model_fingerprint(config_.model)},
+                              {"strategy", config_.strategy.name},
+                              {"uplink_bytes", std::to_string(cumulative_up_)},
+                              {"downlink_bytes", std::to_string(cumulative_down_)}});
+}
+
+void Rounds::resume() {
+  const interop::SafetensorsFile file(state_path(config_));
+  const auto& meta = file.metadata();
+  auto get = [&](const std::string& key) {
+    auto it = meta.find(key);
+    if (it == meta.end()) throw std::runtime_error(file.path() + ": not a federated server state (no '" + key + "')");
+    return it->second;
+  };
+  if (get("model") != train::model_fingerprint(config_.model))
+    throw std::runtime_error(file.path() + " holds another model (" + get("model") + "); remove it or set "
+                             "fl.server.resume = false");
+  if (get("strategy") != config_.strategy.name)
+    throw std::runtime_error(file.path() + " was written by strategy " + get("strategy") + ", not " + config_.strategy.name);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(file.read("model." + names_[i]));
+  if (file.contains("server.m.0")) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      strategy_.first_moment().push_back(file.read("server.m." + std::to_string(i)));
+      strategy_.second_moment().push_back(file.read("server.v." + std::to_string(i)));
+    }
+  }
+  next_round_ = std::stoull(get("round")) + 1;
+  cumulative_up_ = std::stoll(get("uplink_bytes"));
+  cumulative_down_ = std::stoll(get("downlink_bytes"));
+  std::fprintf(stderr, "fl server: resumed from %s after round %llu\n", file.path().c_str(),
+               static_cast<unsigned long long>(next_round_ - 1));
+}
+
+void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val_loss) {
+  nlohmann::json row;
+  row["round"] = round;
+  row["label"] = config_.display_label();
+  row["strategy"] = config_.strategy.name;
+  row["status"] = o.error.empty() ? "ok" : "failed";
+  if (!o.error.empty()) row["error"] = o.error;
+  row["sampled"] = o.sampled;
+  row["participants"] = o.participants;
+  row["dropped"] = o.dropped;
+  row["train_loss"] = o.error.empty() && round > 0 ? nlohmann::json(o.train_loss) : nlohmann::json(nullptr);
+  row["val_loss"] = std::isnan(val_loss) ? nlohmann::json(nullptr) : nlohmann::json(val_loss);
+  int64_t up = 0, down = 0;
+  nlohmann::json per_client = nlohmann::json::object();
+  for (const auto& [id, t] : coordinator_.take_traffic()) {
+    up += t.up;
+    down += t.down;
+    per_client[id] = {{"up", t.up}, {"down", t.down}};
+  }
+  cumulative_up_ += up;
+  cumulative_down_ += down;
+  row["uplink_bytes"] = up;
+  row["downlink_bytes"] = down;
+  row["cumulative_uplink_bytes"] = cumulative_up_;
+  row["cumulative_downlink_bytes"] = cumulative_down_;
+  row["bytes_per_client"] = per_client;
+  row["seconds"] = seconds;
+  append_jsonl(config_.out + "/metrics.jsonl", row);
+  std::fprintf(stderr, "fl server: round %llu/%lld %s: %zu of %zu clients, train loss %.4f, val loss %.4f, up %lld B, "
+               "down %lld B, %.2f s%s%s\n",
+               static_cast<unsigned long long>(round), static_cast<long long>(config_.rounds),
+               o.error.empty() ? "done" : "FAILED", o.participants.size(), o.sampled.size(), o.train_loss, val_loss,
+               static_cast<long long>(up), static_cast<long long>(down), seconds, o.error.empty() ? "" : ": ",
+               o.error.c_str());
+}
+
+int Rounds::run() {
+  int failed = 0;
+  if (next_round_ == 1) record(0, Outcome{}, 0.0, evaluate());
+  for (uint64_t round = next_round_; round <= static_cast<uint64_t>(config_.rounds); ++round) {
+    const auto start = std::chrono::steady_clock::now();
+    const Outcome outcome = run_round(round);
+    if (!outcome.error.empty()) ++failed;
+    const double val_loss = evaluate();
+    record(round, outcome, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), val_loss);
+    save(round);
+  }
+  coordinator_.stop("the federation finished its " + std::to_string(config_.rounds) + " rounds", 5.0);
+  write_loss_svg({config_.out + "/metrics.jsonl"}, config_.out + "/loss.svg");
+  return failed;
+}
+
+}  // namespace meshtrain::fl
