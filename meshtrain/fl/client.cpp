@@ -157,7 +157,7 @@ class Participant {
       const model::GptConfig config = train::model_config_from_json(model_json_);
       model_ = model::Gpt(config, 0);
       context_len_ = config.context;
-      sampler_ = std::make_unique<train::Sampler>(file_, config.context, std::hash<std::string>{}(o_.id));
+      sampler_ = std::make_unique<train::Sampler>(file_, config.context, client_sampler_seed(o_.id));
     }
     std::vector<at::Tensor> params = parameters_of(*model_);
     if (static_cast<size_t>(task.weights_size()) != params.size())
@@ -208,6 +208,12 @@ class Participant {
 };
 
 }  // namespace
+
+uint64_t client_sampler_seed(const std::string& id) {
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a: the same on every platform
+  for (unsigned char c : id) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
 
 int run_client(const ClientOptions& options) {
   if (options.id.empty()) throw ClientError("--id is required");

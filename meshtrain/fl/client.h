@@ -30,6 +30,10 @@ struct ClientOptions {
   bool quiet = false;
 };
 
+// A client's data order: its sampler shuffles with this seed (from its id),
+// the same in every round and after a restart.
+uint64_t client_sampler_seed(const std::string& id);
+
 // Returns 0 when the server stopped the federation, 3 after --drop-after.
 // Throws ClientError with what to do when the server cannot be reached or refuses.
 int run_client(const ClientOptions& options);

@@ -293,6 +293,10 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
   row["bytes_per_client"] = per_client;
   row["seconds"] = seconds;
   append_jsonl(config_.out + "/metrics.jsonl", row);
+  if (round == 0) {
+    std::fprintf(stderr, "fl server: round 0 (the starting model): val loss %.4f\n", val_loss);
+    return;
+  }
   std::fprintf(stderr, "fl server: round %llu/%lld %s: %zu of %zu clients, train loss %.4f, val loss %.4f, up %lld B, "
                "down %lld B, %.2f s%s%s\n",
                static_cast<unsigned long long>(round), static_cast<long long>(config_.rounds),
