@@ -78,6 +78,7 @@ FlCli::FlCli(CLI::App& app) {
   client_->add_option("--key", client_key_, "Mutual TLS: this client's private key (PEM)");
   client_->add_flag("--insecure", client_insecure_, "Plaintext (only to a loopback address)");
   client_->add_option("--connect-timeout", client_options_.connect_timeout_s, "Seconds to reach the server")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->capture_default_str();
   client_->add_option("--straggle", client_options_.straggle_s,
                       "Testing: wait this many seconds before sending each training result");
