@@ -3,7 +3,8 @@
 #   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL,
 #     GoogleTest, Google Benchmark, Python venv support),
 #   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
-#   - the Python packages the tests use (openai, transformers, sentencepiece) into the same .venv/.
+#   - the Python packages the tests use (openai, transformers, sentencepiece) into the same .venv/,
+#   - with --bench, the benchmarks' peers (flwr).
 # Runs as root or through sudo. When everything is present it changes nothing.
 set -euo pipefail
 
@@ -90,7 +91,20 @@ install_test_packages() {
   "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check "${missing[@]}"
 }
 
+# Packages only the benchmarks' peers need (`setup.sh --bench`): Flower for
+# bench/fl_vs_flower.py.
+bench_packages=(flwr)
+install_bench_packages() {
+  if "$venv_dir/bin/python" -c "import flwr" 2>/dev/null; then
+    log "benchmark packages: all present"
+    return
+  fi
+  log "installing benchmark packages into $venv_dir:" "${bench_packages[@]}"
+  "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check "${bench_packages[@]}"
+}
+
 install_debian_packages
 install_torch
 install_test_packages
+if [ "${1:-}" = "--bench" ]; then install_bench_packages; fi
 log "done; libtorch CMake prefix: $("$venv_dir/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

@@ -82,6 +82,8 @@ FlCli::FlCli(CLI::App& app) {
       ->capture_default_str();
   client_->add_option("--straggle", client_options_.straggle_s,
                       "Testing: wait this many seconds before sending each training result");
+  client_->add_option("--leave-after", client_options_.leave_after,
+                      "Leave the federation after this many rounds (0: stay until the server stops)");
   client_->add_option("--drop-after", client_options_.drop_after,
                       "Testing: vanish after this phase of a round (fit, share or mask)");
 

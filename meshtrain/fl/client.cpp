@@ -70,6 +70,12 @@ class Participant {
         log("dropping out after %s, as asked (--drop-after)", phase.c_str());
         return 3;
       }
+      const bool secure = task.kind() != wire::Task::FIT || task.fit().secagg().enabled();
+      const bool round_done = phase == (secure ? "unmask" : "fit");
+      if (round_done && o_.leave_after > 0 && ++rounds_done_ == o_.leave_after) {
+        leave();
+        return 0;
+      }
     }
   }
 
@@ -107,6 +113,17 @@ class Participant {
                       std::to_string(static_cast<int>(o_.connect_timeout_s)) + " s (" + last +
                       "). Is it running? With TLS: does --ca hold the CA of the server's certificate? With mutual TLS: "
                       "is this client's certificate signed by the server's client CA?");
+  }
+
+  void leave() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    wire::LeaveRequest request;
+    request.set_client_id(o_.id);
+    request.set_session(session_);
+    wire::Ack ack;
+    const grpc::Status status = stub_->Leave(&context, request, &ack);
+    log("left the federation after %d rounds%s", rounds_done_, status.ok() ? "" : " (the server did not answer)");
   }
 
   int64_t examples() const { return (file_.size() - 1) / std::max<int64_t>(1, context_len_); }
@@ -205,6 +222,7 @@ class Participant {
   int64_t context_len_ = 128;
   std::unique_ptr<secagg::ClientSession> secure_;
   std::vector<uint32_t> x_;
+  int rounds_done_ = 0;
 };
 
 }  // namespace

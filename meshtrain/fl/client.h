@@ -27,6 +27,8 @@ struct ClientOptions {
   // ("fit", "share", "mask") of the first round that gets there.
   double straggle_s = 0;
   std::string drop_after;
+  int leave_after = 0;  // > 0: leave the federation (Leave) after this many rounds
+
   bool quiet = false;
 };
 
@@ -34,7 +36,7 @@ struct ClientOptions {
 // the same in every round and after a restart.
 uint64_t client_sampler_seed(const std::string& id);
 
-// Returns 0 when the server stopped the federation, 3 after --drop-after.
+// Returns 0 when the server stopped the federation or after --leave-after, 3 after --drop-after.
 // Throws ClientError with what to do when the server cannot be reached or refuses.
 int run_client(const ClientOptions& options);
 

@@ -1,6 +1,7 @@
 #include "meshtrain/fl/coordinator.h"
 
 #include <algorithm>
+#include <iomanip>
 #include <random>
 #include <sstream>
 
@@ -19,8 +20,8 @@ bool valid_id(const std::string& id) {
 
 std::string new_session() {
   static std::mt19937_64 rng(std::random_device{}());
-  std::ostringstream s;
-  s << std::hex << rng() << rng();
+  std::ostringstream s;  // fixed length: a result's size does not depend on its session
+  s << std::hex << std::setfill('0') << std::setw(16) << rng() << std::setw(16) << rng();
   return s.str();
 }
 

@@ -69,6 +69,8 @@ std::vector<LossSeries> read_series(const std::vector<std::string>& paths) {
       }
       if (row.contains("label") && row["label"].is_string()) s.label = row["label"];
       if (!row.contains("val_loss") || !row["val_loss"].is_number()) continue;
+      // The start (round 0) has sent nothing: no place on a log axis.
+      if (row.value("cumulative_uplink_bytes", 0.0) <= 0) continue;
       s.uplink_bytes.push_back(row.value("cumulative_uplink_bytes", 0.0));
       s.val_loss.push_back(row["val_loss"]);
     }

@@ -45,7 +45,7 @@ FlConfig tiny_config(const std::string& out) {
 
 // Runs the server's rounds with one client thread per data file; returns the final weights.
 std::vector<at::Tensor> federate(const FlConfig& config, const std::vector<std::string>& files,
-                                 const std::vector<double>& straggle = {}) {
+                                 const std::vector<double>& straggle = {}, const std::vector<int>& leave_after = {}) {
   Server server(config);
   std::vector<std::thread> threads;
   for (size_t i = 0; i < files.size(); ++i) {
@@ -57,6 +57,7 @@ std::vector<at::Tensor> federate(const FlConfig& config, const std::vector<std::
       o.tls.insecure = true;
       o.quiet = true;
       o.straggle_s = i < straggle.size() ? straggle[i] : 0;
+      o.leave_after = i < leave_after.size() ? leave_after[i] : 0;
       run_client(o);
     });
   }
@@ -137,8 +138,8 @@ TEST(FlFederation, StragglersAreDroppedAndTheRoundCompletes) {
   config.rounds = 1;
   config.min_available = 3;
   config.min_fit = 2;
-  config.deadline_s = 1.5;
-  federate(config, files, {0, 0, 4.0});
+  config.deadline_s = 3;
+  federate(config, files, {0, 0, 6.0});
   const auto rows = metrics(config.out);
   ASSERT_EQ(rows.size(), 2u);  // round 0 (the start) and round 1
   EXPECT_EQ(rows[1]["status"], "ok");
@@ -147,6 +148,27 @@ TEST(FlFederation, StragglersAreDroppedAndTheRoundCompletes) {
   // Uplink counted per client: the two on time sent, the straggler's late result was refused.
   EXPECT_GT(rows[1]["bytes_per_client"]["c0"]["up"].get<int64_t>(), 0);
   EXPECT_FALSE(rows[1]["bytes_per_client"].contains("c2") && rows[1]["bytes_per_client"]["c2"]["up"].get<int64_t>() > 0);
+}
+
+TEST(FlFederation, AClientThatLeavesIsNoLongerCounted) {
+  const std::string dir = ::testing::TempDir() + "/fl_leave";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 2);
+  FlConfig config = tiny_config(dir + "/out");
+  config.min_available = 2;  // round 1 has both; c1 leaves after it
+  config.wait_clients_s = 2;
+  federate(config, files, {}, {0, 1});
+  const auto rows = metrics(config.out);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[1]["status"], "ok");
+  EXPECT_EQ(rows[1]["participants"].size(), 2u);
+  // Round 2 either starts after the Leave (one client connected, fewer than
+  // min_available: discarded after wait_clients_s) or samples c1 just before
+  // it and does not wait for it. Without the Leave, c1 would count as
+  // connected for 30 s and round 2 would wait for it until the deadline (60 s).
+  const auto& participants = rows[2]["participants"];
+  EXPECT_EQ(std::find(participants.begin(), participants.end(), "c1"), participants.end()) << rows[2];
+  EXPECT_LT(rows[2]["seconds"].get<double>(), 10.0) << rows[2];
 }
 
 TEST(FlFederation, ARestartedServerResumesWhereItStopped) {
