@@ -42,11 +42,9 @@ std::string Coordinator::check_session(const std::string& id, const std::string&
 std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session) {
   const std::string& id = request.client_id();
   if (!valid_id(id)) return "client id '" + id + "': use 1 to 128 letters, digits, '_', '-' or '.'";
-  if (!allow_.empty()) {
-    if (std::find(allow_.begin(), allow_.end(), peer_name) == allow_.end())
-      return "client certificate '" + peer_name + "' is not on the server's allow list";
-    if (peer_name != id) return "client id '" + id + "' differs from its certificate's name '" + peer_name + "'";
-  }
+  if (!allow_.empty() && std::find(allow_.begin(), allow_.end(), peer_name) == allow_.end())
+    return "client certificate '" + peer_name + "' is not on the server's allow list";
+  if (mutual_ && peer_name != id) return "client id '" + id + "' differs from its certificate's name '" + peer_name + "'";
   std::lock_guard<std::mutex> lock(mutex_);
   if (stopping_) return "the federation has finished";
   Client& c = clients_[id];

@@ -24,7 +24,9 @@ class Coordinator {
  public:
   using Clock = std::chrono::steady_clock;
 
-  explicit Coordinator(std::vector<std::string> allow) : allow_(std::move(allow)) {}
+  // `mutual`: a client's id must be its certificate's common name; `allow`:
+  // the names admitted (empty: any the client CA signed).
+  Coordinator(bool mutual, std::vector<std::string> allow) : mutual_(mutual), allow_(std::move(allow)) {}
 
   // Handlers. Each returns "" or the reason the call is refused.
   std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session);
@@ -55,6 +57,7 @@ class Coordinator {
 
   std::mutex mutex_;
   std::condition_variable changed_;
+  bool mutual_;
   std::vector<std::string> allow_;
   std::map<std::string, Client> clients_;
   uint64_t round_ = 0;

@@ -50,7 +50,8 @@ class FederationService final : public wire::Federation::Service {
 
 Server::Server(FlConfig config)
     : config_(std::move(config)),
-      coordinator_(std::make_unique<Coordinator>(config_.tls.mutual ? config_.tls.allow : std::vector<std::string>{})),
+      coordinator_(std::make_unique<Coordinator>(config_.tls.mutual,
+                                                 config_.tls.mutual ? config_.tls.allow : std::vector<std::string>{})),
       service_(std::make_unique<FederationService>(*coordinator_)),
       rounds_(std::make_unique<Rounds>(config_, *coordinator_)) {
   grpc::ServerBuilder builder;

@@ -71,6 +71,12 @@ if client carol "$run/speakers/MENENIUS" --connect-timeout 20 > "$run/carol.log"
   fail "a client not on the allowlist was admitted"
 fi
 grep -q "not on the server's allow list" "$run/carol.log" || { cat "$run/carol.log"; fail "carol: no clear error"; }
+# bob's certificate, another client's name.
+if "$meshtrain" fl client --server "localhost:$port" --id alice --data "$run/speakers/MENENIUS" --ca "$run/ca.crt" \
+  --cert "$run/bob.crt" --key "$run/bob.key" --connect-timeout 20 > "$run/impostor.log" 2>&1; then
+  fail "a client joined under another client's name"
+fi
+grep -q "differs from its certificate's name" "$run/impostor.log" || { cat "$run/impostor.log"; fail "impostor: no clear error"; }
 
 # Kill the server once round 2 is written, restart it on the same port.
 for _ in $(seq 600); do
