@@ -44,7 +44,7 @@ port=$("$meshtrain" fl server --help-config > /dev/null && python3 -c 'import so
 server_args=(fl server --fl.server.listen=127.0.0.1:$port --fl.server.cert="$run/localhost.crt"
   --fl.server.key="$run/localhost.key" --fl.server.client_ca="$run/ca.crt" --fl.server.mutual_tls=true
   '--fl.server.allow=["alice","bob","dave"]' --fl.server.out="$run/out" --fl.rounds=4 --fl.min_available=3
-  --fl.min_fit=2 --fl.deadline_s=4 --fl.secagg.enabled=true --fl.secagg.threshold=2
+  --fl.min_fit=2 --fl.deadline_s=4 --fl.wait_clients_s=20 --fl.secagg.enabled=true --fl.secagg.threshold=2
   --fl.data.val_file="$run/speakers/val.bin" --model.layers=1 --model.width=32 --model.heads=2 --model.context=32
   --fl.client.local_steps=4 --fl.client.batch=4 --fl.client.lr=0.5)
 "$meshtrain" "${server_args[@]}" > "$run/server1.log" 2>&1 &
