@@ -29,7 +29,10 @@ CONFIGS = {  # label: [fl] overrides
     "mask(0.25)": ["fl.compression.structure=\"mask\"", "fl.compression.mask_fraction=0.25"],
     "sketch(rotate+keep 0.25+2 bit)": ["fl.compression.rotate=true", "fl.compression.keep=0.25",
                                          "fl.compression.bits=2"],
+    # Not in the default list: secure aggregation (t = 6 of 8, 16-bit ring quantisation).
+    "secagg(t=6)": ["fl.secagg.enabled=true", "fl.secagg.threshold=6"],
 }
+DEFAULT_CONFIGS = ["full", "low_rank(8)", "mask(0.25)", "sketch(rotate+keep 0.25+2 bit)"]
 
 
 def read_tokens(path):
@@ -203,7 +206,7 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated labels of " + ", ".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated labels of " + ", ".join(CONFIGS))
     p.add_argument("--skip-flower", action="store_true")
     p.add_argument("--role", default="bench", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
