@@ -234,6 +234,7 @@ int FlCli::run(const char* self) const {
     options.tls.key = client_key_;
     options.tls.mutual = !client_cert_.empty();
     options.tls.insecure = client_insecure_;
+    options.leave_on_signal = true;  // Ctrl-C or SIGTERM: say goodbye to the server, exit 0
     if (!options.tls.insecure && options.tls.ca.empty())
       throw std::invalid_argument("fl client: give --ca (the server's CA certificate) for TLS, or --insecure to a "
                                   "loopback address");

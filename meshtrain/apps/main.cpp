@@ -41,7 +41,9 @@ int main(int argc, char** argv) {
   CLI::App app{
       "meshtrain: train transformer models that do not fit on one device by splitting them across\n"
       "processes (data, fully sharded, tensor, pipeline and expert parallel on one device mesh), and\n"
-      "serve them (an OpenAI-compatible HTTP API; Hugging Face GPT-2 and Llama models in and out).\n"
+      "serve them (an OpenAI-compatible HTTP API; Hugging Face GPT-2 and Llama models in and out), and\n"
+      "train them federated (`meshtrain fl`: a server and clients over gRPC/TLS, compressed updates,\n"
+      "secure aggregation).\n"
       "Launch ranks with `meshtrain run -n 2 selfcheck`, plain mpirun/srun, or run one rank without a launcher.\n"
       "Environment: MESHTRAIN_COMM_TIMEOUT=seconds (watchdog, default 300), MESHTRAIN_DESYNC_CHECK=1\n"
       "(compare every collective's op, dtype and shape across ranks before running it)."};

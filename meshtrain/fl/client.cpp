@@ -9,7 +9,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -19,6 +21,9 @@ namespace meshtrain::fl {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+std::atomic<bool> stop_signalled{false};
+extern "C" void on_stop_signal(int) { stop_signalled = true; }
 
 std::string token_file_of(const std::string& data) {
   if (util::is_directory(data)) return data + "/train.bin";
@@ -32,12 +37,22 @@ class Participant {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessageBytes);
     args.SetMaxSendMessageSize(kMaxMessageBytes);
+    // gRPC backs off up to 120 s between connection attempts by default: a
+    // client started before its server, or a server restarting, would be
+    // rejoined minutes late. Retry every 0.25-2 s instead.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     stub_ = wire::Federation::NewStub(grpc::CreateCustomChannel(o.server, channel_credentials(o.tls, o.server), args));
   }
 
   int run() {
     join();
     while (true) {
+      if (stop_signalled) {
+        leave();
+        return 0;
+      }
       wire::Task task;
       grpc::ClientContext context;
       context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
@@ -94,6 +109,7 @@ class Participant {
     while (Clock::now() < deadline) {
       grpc::ClientContext context;
       context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      context.set_wait_for_ready(true);  // wait for a connection rather than fail at once
       wire::JoinRequest request;
       request.set_client_id(o_.id);
       request.set_examples(static_cast<uint64_t>(examples()));
@@ -238,6 +254,10 @@ int run_client(const ClientOptions& options) {
   if (!options.drop_after.empty() && options.drop_after != "fit" && options.drop_after != "share" &&
       options.drop_after != "mask")
     throw ClientError("--drop-after " + options.drop_after + ": use fit, share or mask");
+  if (options.leave_on_signal) {
+    std::signal(SIGINT, on_stop_signal);
+    std::signal(SIGTERM, on_stop_signal);
+  }
   Participant participant(options);
   return participant.run();
 }

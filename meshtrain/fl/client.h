@@ -28,6 +28,7 @@ struct ClientOptions {
   double straggle_s = 0;
   std::string drop_after;
   int leave_after = 0;  // > 0: leave the federation (Leave) after this many rounds
+  bool leave_on_signal = false;  // SIGINT/SIGTERM: leave the federation (Leave) at the next poll, return 0
 
   bool quiet = false;
 };

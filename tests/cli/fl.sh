@@ -109,6 +109,24 @@ PY
 grep -q "dropping out after share" "$run/dave.log" || fail "dave did not drop out"
 grep -q "stopped by the server" "$run/alice.log" || { cat "$run/alice.log"; fail "alice was not stopped by the server"; }
 
+# A client stopped with SIGTERM leaves the federation and exits 0.
+"$meshtrain" fl server --fl.server.insecure=true --fl.rounds=1 --fl.min_available=2 --fl.wait_clients_s=30 \
+  --fl.server.out="$run/leave" --model.layers=1 --model.width=32 --model.heads=2 --model.context=32 \
+  --fl.server.listen=127.0.0.1:0 --port-file "$run/leave.port" > "$run/leave_server.log" 2>&1 &
+leave_server=$!
+pids+=($leave_server)
+for _ in $(seq 100); do [ -s "$run/leave.port" ] && break; sleep 0.1; done
+"$meshtrain" fl client --server "127.0.0.1:$(cat "$run/leave.port")" --insecure --id erin \
+  --data "$run/speakers/MENENIUS" > "$run/erin.log" 2>&1 &
+erin=$!
+for _ in $(seq 100); do grep -q "erin' joined" "$run/leave_server.log" && break; sleep 0.1; done
+kill -TERM $erin
+wait $erin || fail "a client stopped with SIGTERM exited non-zero"
+grep -q "left the federation" "$run/erin.log" || { cat "$run/erin.log"; fail "erin did not leave"; }
+for _ in $(seq 50); do grep -q "erin' left" "$run/leave_server.log" && break; sleep 0.1; done
+grep -q "erin' left" "$run/leave_server.log" || { cat "$run/leave_server.log"; fail "the server did not see erin leave"; }
+kill $leave_server
+
 # Plaintext is refused off loopback; the plot draws one line per file.
 if "$meshtrain" fl server --fl.server.insecure=true --fl.server.listen=0.0.0.0:0 > "$run/insecure.log" 2>&1; then
   fail "plaintext on a public address was accepted"
