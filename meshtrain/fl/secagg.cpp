@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <memory>
 #include <random>
 
@@ -191,6 +192,7 @@ std::vector<uint32_t> quantise_ring(const std::vector<float>& x, float clip, int
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   std::vector<uint32_t> q(x.size());
   for (size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i])) throw SecAggError("the update holds a non-finite value; this client sits the round out");
     const double v = std::clamp(static_cast<double>(x[i]), -static_cast<double>(clip), static_cast<double>(clip));
     const double t = (v + clip) / (2.0 * clip) * levels;
     const double lo = std::floor(t);

@@ -135,6 +135,7 @@ TEST(FlSecAgg, RingQuantisationSumsBack) {
   for (int i = 0; i < 3; ++i) s[i] = qa[i] + qb[i];
   const std::vector<float> sum = dequantise_ring_sum(s, 2, 0.5f, 16);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(sum[i], a[i] + b[i], 2.0 / 65535);
+  EXPECT_THROW(quantise_ring({0.1f, std::nanf("")}, 0.5f, 16, 3), SecAggError);
 }
 
 }  // namespace
