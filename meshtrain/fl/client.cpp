@@ -218,8 +218,10 @@ class Participant {
         local.mean_loss);
     if (fit.secagg().enabled()) {
       const auto& s = fit.secagg();
-      x_ = secagg::quantise_ring(concat_sketched(local.payloads, spec, fit.seed()), s.clip(), static_cast<int>(s.bits()),
-                                 std::random_device{}());
+      x_ = secagg::weight_by_examples(
+          secagg::quantise_ring(concat_sketched(local.payloads, spec, fit.seed()), s.clip(), static_cast<int>(s.bits()),
+                                std::random_device{}()),
+          static_cast<uint32_t>(sampler_->windows()));
       secure_ = std::make_unique<secagg::ClientSession>(o_.id, static_cast<int>(s.threshold()));
       *result.mutable_keys() = secure_->keys();
       return;

@@ -209,6 +209,23 @@ std::vector<float> dequantise_ring_sum(const std::vector<uint32_t>& sum, int cou
   return out;
 }
 
+std::vector<uint32_t> weight_by_examples(std::vector<uint32_t> x, uint32_t examples) {
+  for (auto& v : x) v *= examples;  // in Z_2^32, as the masks
+  x.push_back(examples);
+  return x;
+}
+
+std::vector<float> weighted_mean_from_sum(const std::vector<uint32_t>& sum, float clip, int bits) {
+  if (sum.empty() || sum.back() == 0) throw SecAggError("secure aggregation: the sum holds no examples");
+  const uint64_t examples = sum.back();
+  if (examples * ((uint64_t{1} << bits) - 1) >= (uint64_t{1} << 32))
+    throw SecAggError("secure aggregation: " + std::to_string(examples) + " examples times 2^" + std::to_string(bits) +
+                      " levels could wrap the ring Z_2^32; lower fl.secagg.bits");
+  std::vector<float> mean = dequantise_ring_sum({sum.begin(), sum.end() - 1}, static_cast<int>(examples), clip, bits);
+  for (float& v : mean) v /= static_cast<float>(examples);
+  return mean;
+}
+
 // ---- client ----
 
 ClientSession::ClientSession(std::string id, int threshold)

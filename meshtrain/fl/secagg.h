@@ -3,7 +3,8 @@
 //
 // Note [Secure aggregation]
 // Each client u holds an integer vector x_u in Z_2^32 (its update, clipped and
-// quantised: quantise_ring). One round, after training:
+// quantised: quantise_ring; times its example count with the count appended:
+// weight_by_examples). One round, after training:
 //  1. keys:   u makes two X25519 key pairs (c_u for encryption, s_u for masks)
 //             and sends both public keys. U1 = those who did.
 //  2. shares: u draws a self-mask seed b_u, splits b_u and s_u's secret key
@@ -63,6 +64,13 @@ std::vector<uint32_t> prg(const Bytes& seed, size_t n);
 std::vector<uint32_t> quantise_ring(const std::vector<float>& x, float clip, int bits, uint64_t seed);
 // The sum of `count` quantised vectors back to the sum of the values.
 std::vector<float> dequantise_ring_sum(const std::vector<uint32_t>& sum, int count, float clip, int bits);
+
+// FedAvg's weights inside the ring: every quantised entry times the client's
+// example count, and the count appended, so the secure sum carries Σ nᵢ·xᵢ
+// and Σ nᵢ. The server then divides: the weighted mean, and nothing per client.
+std::vector<uint32_t> weight_by_examples(std::vector<uint32_t> x, uint32_t examples);
+// Throws SecAggError when Σ nᵢ·(2^bits - 1) reaches 2^32 (the sum could have wrapped).
+std::vector<float> weighted_mean_from_sum(const std::vector<uint32_t>& sum, float clip, int bits);
 
 // One client's side of one round.
 class ClientSession {

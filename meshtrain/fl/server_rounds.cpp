@@ -165,7 +165,7 @@ void Rounds::aggregate_secure(uint64_t round, const std::map<std::string, wire::
     }
     coordinator_.open(round, wire::Task::SECAGG_MASK, std::move(tasks));
     const std::vector<Structure> structures = round_structures(config_.compression, shapes_, seed);
-    size_t length = 0;
+    size_t length = 1;  // the sketched values, and the example count (weight_by_examples)
     for (size_t i = 0; i < structures.size(); ++i)
       length += static_cast<size_t>(kept_entries(config_.compression, sketch_seed(seed, static_cast<uint32_t>(i), "", true),
                                                  structures[i].payload_size()));
@@ -188,9 +188,8 @@ void Rounds::aggregate_secure(uint64_t round, const std::map<std::string, wire::
     for (const auto& [id, r] : coordinator_.close(config_.deadline_s))
       session.add_revealed(id, {r.revealed().begin(), r.revealed().end()});
     const std::vector<uint32_t> sum = session.sum();
-    std::vector<float> mean = secagg::dequantise_ring_sum(sum, static_cast<int>(survivors.size()),
-                                                          static_cast<float>(config_.clip), static_cast<int>(config_.secagg_bits));
-    for (float& v : mean) v /= static_cast<float>(survivors.size());
+    const std::vector<float> mean =
+        secagg::weighted_mean_from_sum(sum, static_cast<float>(config_.clip), static_cast<int>(config_.secagg_bits));
     for (const auto& [id, r] : fit_results)
       if (std::find(survivors.begin(), survivors.end(), id) == survivors.end()) outcome.dropped.push_back(id);
     outcome.participants = survivors;

@@ -130,6 +130,55 @@ TEST(FlFederation, OneLocalStepPerClientEqualsLargeBatchTraining) {
   expect_same(federated, *reference, 2e-5);
 }
 
+TEST(FlFederation, SecureAggregationIsFedAvgWeightedByExamples) {
+  const std::string dir = ::testing::TempDir() + "/fl_secure";
+  util::remove_tree(dir);
+  util::make_directories(dir);
+  const std::string text = util::read_text_file(kExcerpt);
+  const std::vector<std::string> files{dir + "/c0.bin", dir + "/c1.bin"};  // a third and two thirds
+  train::write_token_file(files[0], train::ByteTokenizer::encode(text.substr(0, text.size() / 3)), 256);
+  train::write_token_file(files[1], train::ByteTokenizer::encode(text.substr(text.size() / 3)), 256);
+  FlConfig config = tiny_config(dir + "/out");
+  config.rounds = 1;
+  config.local_steps = 1;
+  config.min_available = config.min_fit = 2;
+  config.secagg = true;
+  config.threshold = 2;
+  config.clip = 1.0;
+  const std::vector<at::Tensor> federated = federate(config, files);
+
+  // Each client's one SGD step from the same start, averaged by its sequences.
+  model::Gpt start(config.model, config.seed);
+  const std::vector<at::Tensor> w0 = parameters_of(*start);
+  std::vector<at::Tensor> expected, unweighted;
+  for (const auto& w : w0) {
+    expected.push_back(at::zeros_like(w));
+    unweighted.push_back(at::zeros_like(w));
+  }
+  double total = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    model::Gpt m(config.model, config.seed);
+    train::TokenFile file(files[i]);
+    train::Sampler sampler(file, config.model.context, client_sampler_seed("c" + std::to_string(i)));
+    sgd_step(*m, {sampler.rows(0, config.batch)}, config.lr);
+    const auto w = parameters_of(*m);
+    for (size_t p = 0; p < w.size(); ++p) {
+      expected[p] += w[p] * static_cast<double>(sampler.windows());
+      unweighted[p] += w[p] / static_cast<double>(files.size());
+    }
+    total += static_cast<double>(sampler.windows());
+  }
+  // 16-bit quantisation over [-1, 1]: each entry within a step (3e-5) of the weighted mean.
+  for (size_t p = 0; p < expected.size(); ++p)
+    EXPECT_LT((federated[p] - expected[p] / total).abs().max().item<double>(), 6e-5) << "parameter " << p;
+  // And the test tells weighted from unweighted: those differ by far more.
+  double apart = 0;
+  for (size_t p = 0; p < expected.size(); ++p)
+    apart = std::max(apart, (federated[p] - unweighted[p]).abs().max().item<double>());
+  EXPECT_GT(apart, 1e-3);
+  EXPECT_EQ(metrics(config.out)[1]["status"], "ok");
+}
+
 TEST(FlFederation, StragglersAreDroppedAndTheRoundCompletes) {
   const std::string dir = ::testing::TempDir() + "/fl_straggle";
   util::remove_tree(dir);

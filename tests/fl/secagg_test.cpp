@@ -136,6 +136,14 @@ TEST(FlSecAgg, RingQuantisationSumsBack) {
   const std::vector<float> sum = dequantise_ring_sum(s, 2, 0.5f, 16);
   for (int i = 0; i < 3; ++i) EXPECT_NEAR(sum[i], a[i] + b[i], 2.0 / 65535);
   EXPECT_THROW(quantise_ring({0.1f, std::nanf("")}, 0.5f, 16, 3), SecAggError);
+  // Weighted by examples inside the ring: (3a + b) / 4.
+  std::vector<uint32_t> wa = weight_by_examples(qa, 3), wb = weight_by_examples(qb, 1), ws(4);
+  for (int i = 0; i < 4; ++i) ws[i] = wa[i] + wb[i];
+  const std::vector<float> mean = weighted_mean_from_sum(ws, 0.5f, 16);
+  ASSERT_EQ(mean.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(mean[i], (3 * a[i] + b[i]) / 4, 2.0 / 65535);
+  std::vector<uint32_t> big = weight_by_examples(qa, 70000);
+  EXPECT_THROW(weighted_mean_from_sum(big, 0.5f, 16), SecAggError);  // 70000 · 65535 > 2^32
 }
 
 }  // namespace
