@@ -223,7 +223,7 @@ double Rounds::evaluate() {
 void Rounds::save(uint64_t round) const {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (size_t i = 0; i < params_.size(); ++i) tensors.emplace_back("model." + names_[i], params_[i].detach());
-  auto& s = const_cast<Strategy&>(strategy_);
+  const Strategy& s = strategy_;
   for (size_t i = 0; i < s.first_moment().size(); ++i) {
     tensors.emplace_back("server.m." + std::to_string(i), s.first_moment()[i]);
     tensors.emplace_back("server.v." + std::to_string(i), s.second_moment()[i]);

@@ -30,6 +30,8 @@ class Strategy {
   // The server optimizer's moments (empty for FedAvg/FedProx), for checkpoints.
   std::vector<at::Tensor>& first_moment() { return m_; }
   std::vector<at::Tensor>& second_moment() { return v_; }
+  const std::vector<at::Tensor>& first_moment() const { return m_; }
+  const std::vector<at::Tensor>& second_moment() const { return v_; }
 
  private:
   StrategyConfig config_;
