@@ -177,7 +177,7 @@ struct PlanOptions {
   int64_t global_batch = 0;         // sequences per step; 0: the config's, or about 1M tokens
   std::string layout;               // evaluate this one ("tp=2 sp pp=2 ..."; "config": the config file's own)
   std::string precision;            // "bf16-mixed" | "fp32" (default: bf16-mixed for presets, fp32 for configs)
-  std::string attention;            // "flash" | "math"
+  std::string attention;            // "flash" | "math" | "batched"
   double moe_load = 0;              // mixture of experts: the busiest rank's expert load (0: balanced)
   bool json = false;
   int top = 10;

@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
                    "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
                    "ep tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
   plan->add_option("--precision", plan_options.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
-  plan->add_option("--attention", plan_options.attention, "flash (no s^2 term) or math (softmax saved)");
+  plan->add_option("--attention", plan_options.attention, "flash (no s^2 term), math (softmax saved) or batched (the fused CPU attention: q, k, v copies and softmax)");
   plan->add_option("--moe-load", plan_options.moe_load,
                    "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k "
                    "(training reports it as rank_load; default: a balanced router)")

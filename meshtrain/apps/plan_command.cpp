@@ -150,7 +150,9 @@ int run_plan(const PlanOptions& o) {
   if (o.seq > 0) model.seq = o.seq;
   if (!o.precision.empty()) workload.precision = plan::Precision::parse(o.precision);
   if (!o.attention.empty()) {
-    if (o.attention != "flash" && o.attention != "math") throw std::invalid_argument("--attention: use flash or math");
+    if (o.attention != "flash" && o.attention != "math" && o.attention != "batched") {
+      throw std::invalid_argument("--attention: use flash, math or batched");
+    }
     workload.attention = o.attention;
   }
   if (o.global_batch > 0) workload.global_batch = o.global_batch;

@@ -1,5 +1,7 @@
 #include "meshtrain/plan/from_config.h"
 
+#include "meshtrain/model/fused/ops.h"
+
 #include <stdexcept>
 
 namespace meshtrain::plan {
@@ -16,7 +18,12 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   const bool gpu = config.device != "cpu";
   // libtorch's fused attention on the CPU has no dropout; with dropout it falls back to the math kernel.
   // On CUDA the memory-efficient kernel takes dropout, and dropout keeps byte masks.
-  run.workload.attention = config.model.dropout > 0 && !gpu ? "math" : "flash";
+  // The fused operators' batched attention keeps contiguous q, k, v and its softmax (Note [CPU attention]).
+  const bool bf16 = config.dtype == "bfloat16" || config.param_dtype == "bfloat16";
+  const bool batched = config.model.fused && config.tp_impl != "annotations" &&
+                       model::fused::batched_attention_applies(!gpu, bf16, config.model.context,
+                                                               config.model.head_dim(), config.model.dropout);
+  run.workload.attention = batched ? "batched" : config.model.dropout > 0 && !gpu ? "math" : "flash";
   if (gpu) run.workload.precision.mask = 1;
   return run;
 }

@@ -58,7 +58,8 @@ struct Workload {
   int64_t global_batch = 0;  // sequences per optimizer step (0: the planner picks 8 per data rank)
   Precision precision = Precision::parse("bf16-mixed");
   // "flash": fused attention saving its output and log-sum-exp (libtorch's SDPA without dropout);
-  // "math": softmax probabilities (and dropout mask and output) saved, as Korthikanti et al. assume.
+  // "math": softmax probabilities (and dropout mask and output) saved, as Korthikanti et al. assume;
+  // "batched": the fused CPU attention (Note [CPU attention]): contiguous q, k, v and the softmax.
   std::string attention = "flash";
   double dropout = 0;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one

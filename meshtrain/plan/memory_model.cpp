@@ -105,6 +105,18 @@ const pipeline::Schedule& schedule_of(const Layout& layout, int64_t microbatches
                                               static_cast<int>(layout.virtual_stages), static_cast<int>(microbatches));
 }
 
+// What a layer saves from its attention output on: dropout masks, the MLP's
+// input and its activations (or the experts').
+double mlp_saved(const ModelShape& model, const Sizes& z, double e, const ActivationOptions& o, bool moe, int64_t ep) {
+  double bytes = 0;
+  if (o.dropout > 0) bytes += 2 * o.precision.mask * z.region(z.u);  // dropout after attention and after the MLP
+  bytes += e * z.region(z.u);                                        // MLP input
+  if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
+  // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
+  const double hidden = z.u * static_cast<double>(model.ffn) / static_cast<double>(model.width);
+  return bytes + (model.gated_mlp ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
+}
+
 }  // namespace
 
 double layer_activation_bytes(const ModelShape& model, const ActivationOptions& o, bool moe, int64_t ep) {
@@ -115,24 +127,23 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   const double s = static_cast<double>(model.seq), heads = static_cast<double>(model.heads);
   double bytes = 2 * (e * z.region(z.u) + z.region(norm_saved(model, z, e)));  // both norms
   bytes += e * z.region(z.u);                                // qkv projection's input
+  bytes += e * z.split(z.u);                                 // attention output = output projection's input
+  const double scores = heads * s * z.tokens;                // a·s²·b
+  if (o.attention == "batched" && o.recompute != "selective") {
+    // Contiguous q, k, v over every head (k, v repeated), and the softmax;
+    // the qkv projection's output is not kept (Note [CPU attention]).
+    return bytes + 3 * e * z.split(z.u) + e * z.split(scores) + mlp_saved(model, z, e, o, moe, ep);
+  }
   bytes += e * z.split(z.u * (h + 2 * kv) / h);              // q, k, v
   if (!model.learned_positions) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k
-  bytes += e * z.split(z.u);                                 // attention output = output projection's input
   if (o.recompute != "selective") {                          // the attention core
     if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
     } else {
-      const double scores = heads * s * z.tokens;            // a·s²·b
       bytes += z.split(scores) * (e + (o.dropout > 0 ? mask + e : 0));  // softmax (+ dropout mask and output)
     }
   }
-  if (o.dropout > 0) bytes += 2 * mask * z.region(z.u);      // dropout after attention and after the MLP
-  bytes += e * z.region(z.u);                                // MLP input
-  const double hidden = z.u * static_cast<double>(model.ffn) / h;
-  if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
-  // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
-  bytes += (model.gated_mlp ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
-  return bytes;
+  return bytes + mlp_saved(model, z, e, o, moe, ep);
 }
 
 void check_layout(const ModelShape& model, const Layout& l, int64_t microbatches) {

@@ -1,6 +1,7 @@
 // Each fused operator (model/fused/ops.h) against the reference ATen
 // composition: the forward and every gradient, tight in fp32, within bf16's
 // resolution in bf16; then whole models with model.fused on and off.
+#include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/gpt.h"
 
@@ -135,12 +136,60 @@ TEST(FusedOps, RopeMatchesTheReferenceThroughStrides) {
   }
 }
 
+// The batched path (Note [CPU attention]) under bf16, ATen's kernel in fp32:
+// causal and full, fewer queries than keys, strided views, and fp32 inputs
+// under bf16 autocast, against ATen's attention.
 TEST(FusedOps, AttentionMatchesTheReference) {
-  const std::vector<at::Tensor> in = {randn({2, 3, 40, 16}, 10), randn({2, 3, 40, 16}, 11), randn({2, 3, 40, 16}, 12)};
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    expect_same([](auto& t) { return fused::attention(t[0], t[1], t[2], 0.0, true); },
-                [](auto& t) { return at::scaled_dot_product_attention(t[0], t[1], t[2], {}, 0.0, true); }, in, dtype,
-                dtype == at::kFloat ? kFp32 : kBf16, "attention");
+  auto transposed = [](const at::Tensor& x) { return x.transpose(1, 2).contiguous().transpose(1, 2); };
+  for (bool causal : {true, false}) {
+    for (int64_t q_len : {40, 17}) {
+      SCOPED_TRACE(std::string(causal ? "causal" : "full") + " q_len " + std::to_string(q_len));
+      const std::vector<at::Tensor> in = {transposed(randn({2, 3, q_len, 16}, 10)), randn({2, 3, 40, 16}, 11),
+                                          randn({2, 3, 40, 16}, 12)};
+      const Op reference = [causal](auto& t) {
+        return at::scaled_dot_product_attention(t[0], t[1], t[2], {}, 0.0, causal);
+      };
+      const Op ours = [causal](auto& t) { return fused::attention(t[0], t[1], t[2], 0.0, causal); };
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+        expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "attention");
+      }
+      auto autocast = [](const Op& op) -> Op {
+        return [op](auto& t) {
+          at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+          at::autocast::set_autocast_enabled(at::kCPU, true);
+          const at::Tensor y = op(t);
+          at::autocast::set_autocast_enabled(at::kCPU, false);
+          at::autocast::clear_cache();
+          EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+          return y;
+        };
+      };
+      expect_same(autocast(ours), autocast(reference), in, at::kFloat, kBf16, "attention under autocast");
+    }
+  }
+}
+
+// The softmax passes of the batched attention against ATen's softmax and its
+// gradient, in fp32 and in place, with rows that are not a whole number of vectors.
+TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
+  const int64_t q_len = 37, k_len = 37, rows = 2 * q_len;
+  const float scale = 0.3f;
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    const at::Tensor s = randn({2, q_len, k_len}, 20, 3.0);
+    const at::Tensor dp = randn({2, q_len, k_len}, 21);
+    const at::Tensor mask = at::ones({q_len, k_len}, at::kBool).triu(1);
+    const at::Tensor leaf = s.clone().requires_grad_(true);
+    const at::Tensor expected = at::softmax(causal ? (leaf * scale).masked_fill(mask, -INFINITY) : leaf * scale, -1);
+    expected.backward(dp);
+    const at::Tensor p = s.clone();
+    fused::kernel::table().attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), fused::kernel::Dt::kFloat, scale, causal,
+                                              p.data_ptr(), fused::kernel::Dt::kFloat);
+    EXPECT_LT(relative_error(p, expected.detach()), 1e-6);
+    const at::Tensor ds = dp.clone();
+    fused::kernel::table().attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), fused::kernel::Dt::kFloat, ds.data_ptr(),
+                                               fused::kernel::Dt::kFloat, scale, causal, ds.data_ptr(), fused::kernel::Dt::kFloat);
+    EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
   }
 }
 

@@ -332,11 +332,79 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
   });
 }
 
+// Rows of attention scores [batch·q_len, k_len]: row r is query i = r % q_len.
+// A causal row sees keys 0..i (ATen's is_causal); the rest of the row is
+// written as zeros.
+inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal) {
+  return causal ? std::min(k_len, row % q_len + 1) : k_len;
+}
+
+inline float row_max(const float* x, int64_t n) {
+  const int64_t full = n / kW * kW;
+  float m = -std::numeric_limits<float>::infinity();
+  if (full > 0) {
+    Vec vm = Vec::loadu(x);
+    for (int64_t i = kW; i < full; i += kW) vm = at::vec::maximum(vm, Vec::loadu(x + i));
+    float lanes[kW];
+    vm.store(lanes);
+    m = *std::max_element(lanes, lanes + kW);
+  }
+  for (int64_t i = full; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
+                               bool causal, void* p, Dt pt) {
+  at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * k_len);
+    const Vec vscale(scale);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal);
+      const float* x = read_row(s, st, offset, n, scratch.data());
+      float* e = work_row(p, pt, offset, scratch.data() + k_len);
+      const Vec vmax(row_max(x, n) * scale);  // scale > 0
+      Vec acc(0);
+      each_vec(n, [&](int64_t i, int64_t c) {
+        const Vec v = (Vec::loadu(x + i, c) * vscale - vmax).exp_u20();
+        v.store(e + i, c);
+        acc += Vec::set(Vec(0), v, c);
+      });
+      const Vec inverse(1.0f / horizontal_sum(acc));
+      each_vec(n, [&](int64_t i, int64_t c) { (Vec::loadu(e + i, c) * inverse).store(e + i, c); });
+      std::fill(e + n, e + k_len, 0.0f);
+      write_row(e, p, pt, offset, k_len);
+    }
+  });
+}
+
+void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
+                                Dt dpt, float scale, bool causal, void* ds, Dt dst) {
+  at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(3 * k_len);
+    const Vec vscale(scale);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal);
+      const float* pr = read_row(p, pt, offset, n, scratch.data());
+      const float* gr = read_row(dp, dpt, offset, n, scratch.data() + k_len);
+      Vec acc(0);
+      each_vec(n, [&](int64_t i, int64_t c) { acc += Vec::set(Vec(0), Vec::loadu(pr + i, c) * Vec::loadu(gr + i, c), c); });
+      const Vec dot(horizontal_sum(acc));
+      float* out = work_row(ds, dst, offset, scratch.data() + 2 * k_len);
+      each_vec(n, [&](int64_t i, int64_t c) {
+        (Vec::loadu(pr + i, c) * (Vec::loadu(gr + i, c) - dot) * vscale).store(out + i, c);
+      });
+      std::fill(out + n, out + k_len, 0.0f);
+      write_row(out, ds, dst, offset, k_len);
+    }
+  });
+}
+
 }  // namespace
 
 inline Table make_table() {
   return {add_norm_forward,      add_norm_backward,      bias_gelu_forward, bias_gelu_backward, swiglu_forward,
-          swiglu_backward,       cross_entropy_forward,  cross_entropy_backward, rope};
+          swiglu_backward,       cross_entropy_forward,  cross_entropy_backward, rope,
+          attention_softmax_forward, attention_softmax_backward};
 }
 
 }  // namespace meshtrain::model::fused::kernel

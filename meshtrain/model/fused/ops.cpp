@@ -1,11 +1,9 @@
 #include "meshtrain/model/fused/ops.h"
 
 #include "meshtrain/model/fused/kernels.h"
-#include "meshtrain/util/cpu_features.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 
 #include <optional>
@@ -232,19 +230,6 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, in
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset) {
   return Rope::apply(x, cos, sin, offset);
-}
-
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal) {
-  const bool bf16 = q.scalar_type() == at::kBFloat16 || compute_dtype(q.scalar_type()) == at::kBFloat16;
-  if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
-    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, causal);
-  }
-  // Without AMX, ATen's CPU flash attention is about twice as fast in fp32 as in
-  // bf16 (docs/BENCHMARKS.md): compute in fp32, out of autocast's reach.
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
-                                                        /*attn_mask=*/{}, dropout, causal);
-  return y.to(compute_dtype(q.scalar_type()));
 }
 
 const char* kernel_set() { return &kernel::table() == &kernel::default_table ? "default" : "avx512"; }
