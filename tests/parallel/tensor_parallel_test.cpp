@@ -305,9 +305,10 @@ TEST(TensorParallelRandom, LocalStreamsDifferAndTheSharedStreamStaysInStep) {
 // Korthikanti et al. 2022 count, per layer, fp16 activations plus 1-byte
 // dropout masks: sbh(34 + 5as/h) unsplit, sbh(10 + 24/t + 5as/(ht)) with
 // tensor parallel, (sbh/t)(34 + 5as/h) with sequence parallel. Here: fp32 (4
-// bytes), dropout 0 (no masks), and attention by the fused CPU kernel, which
-// keeps the log-sum-exp [b, a, s] instead of the s x s scores. What one block
-// keeps for backward (and its output), in units of sbh bytes:
+// bytes), dropout 0 (no masks), and attention by ATen's fused CPU kernel
+// (under fp32 the model takes it, Note [CPU attention]), which keeps the
+// log-sum-exp [b, a, s] instead of the s x s scores. What one block keeps for
+// backward (and its output), in units of sbh bytes:
 //   replicated: input of norm1 4, input of qkv 4, input of norm2 4, input of fc 4   = 16
 //   split:      qkv output 12 (q, k, v are views of it), attention output 4 (the
 //               kernel writes it so that proj's [b, s, h] input is a view of it),

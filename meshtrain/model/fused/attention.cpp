@@ -14,26 +14,28 @@ namespace meshtrain::model::fused {
 
 // Note [CPU attention]
 // ATen's CPU attention is a flash kernel: it walks blocks of keys with an
-// online softmax and keeps only the row statistics. It is slower than the same
-// arithmetic as batched matrix multiplies, which oneDNN runs near the matmul
-// peak: for fwd + bwd of [8, 6, 256, 64] on 2 cores without AMX, the six
-// products take 20 ms against ATen's 27 in fp32, and 8 against 37 in bf16 (its
-// bf16 variant is slower than its fp32 one there). So on the CPU:
+// online softmax and keeps only the row statistics. Without AMX its bf16
+// variant is slower than its fp32 one, and far slower than the same arithmetic
+// as batched matrix multiplies, which oneDNN runs near the bf16 matmul peak
+// with AVX512-BF16 dot products: for fwd + bwd of [8, 6, 256, 64] on 2 cores,
+// the six products take 8 ms against ATen's 37 (in fp32, 20 against 27, and
+// in the `small` step no faster than ATen's: fp32 keeps ATen's kernel). So
+// under bf16 on a CPU without AMX:
 //   forward   s = q·kᵀ (bmm)  p = softmax(scale·s, causal) (one fused pass, in
 //             place)  y = p·v (bmm)
 //   backward  dp = dy·vᵀ, dv = pᵀ·dy (bmm)  ds = scale·p·(dp − rowsum(p·dp))
 //             (one fused pass, in place)  dq = ds·k, dk = dsᵀ·q (bmm)
-// p is kept for backward: [B·H, T, T] in the compute dtype, no more than q, k,
-// v and y together while T ≤ 4·d, the longest key range taken here (longer ones
-// take ATen's kernel: p would grow as T²). Entries past a causal query's
-// position are written as zeros and skipped by the softmax passes; the matrix
+// p is kept for backward: [B·H, T, T] in bf16, no more than q, k, v and y
+// together while T ≤ 4·d, the longest key range taken here (longer ones take
+// ATen's kernel: p would grow as T²). Entries past a causal query's position
+// are written as zeros and skipped by the softmax passes; the matrix
 // multiplies compute them (splitting off the masked blocks measured no faster
-// at T = 256). Under bf16, scores are rounded to bf16 before the softmax (fp32
+// at T = 256). Scores are rounded to bf16 before the softmax (fp32
 // accumulation inside the product): the precision of PyTorch's math attention,
-// not its flash kernel's; the softmax itself is fp32. Dropout, GPUs, and bf16
-// on CPUs with AMX (whose bf16 flash kernel uses it) take ATen's kernel; bf16
-// without AMX then computes it in fp32. The planner counts p as the unfused
-// attention's softmax (plan/from_config.cpp).
+// not its flash kernel's; the softmax itself is fp32. Everything else (fp32,
+// dropout, GPUs, CPUs with AMX, whose bf16 flash kernel uses it) takes ATen's
+// kernel; bf16 without AMX then computes it in fp32. The planner counts the
+// copies of q, k, v and p (attention = "batched", plan/from_config.cpp).
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -100,7 +102,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
 }  // namespace
 
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout) {
-  return cpu && dropout == 0.0 && keys <= 4 * head_dim && !(bf16 && util::cpu_has_amx());
+  return cpu && bf16 && dropout == 0.0 && keys <= 4 * head_dim && !util::cpu_has_amx();
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal) {

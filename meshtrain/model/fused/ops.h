@@ -24,8 +24,9 @@ namespace meshtrain::model::fused {
 //   cross_entropy  mean over rows of logsumexp - target logit, row by row: no
 //                  fp32 copy of the logits, no log-softmax materialised
 //   rope           the rotation, reading q/k through their strides
-//   attention      scaled-dot-product attention as batched matrix multiplies
-//                  around a fused causal softmax (Note [CPU attention], attention.cpp)
+//   attention      under bf16, scaled-dot-product attention as batched matrix
+//                  multiplies around a fused causal softmax (Note [CPU attention],
+//                  attention.cpp)
 // AdamW's fused kernel is offload/cpu_adam.h (used by every CPU optimizer step).
 
 // Whether the fused kernels take these tensors: defined, plain (no dispatch
@@ -52,8 +53,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // Causal or full scaled-dot-product attention of q, k, v [B, H, T, d].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal);
 // Whether attention() takes its batched path (Note [CPU attention]), which
-// keeps the softmax [B, H, T, keys] for backward: on a CPU, without dropout,
-// keys <= 4 * head_dim, and not bf16 on a CPU with AMX.
+// keeps the softmax [B, H, T, keys] for backward: bf16 on a CPU without AMX,
+// without dropout, keys <= 4 * head_dim.
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout);
 
 // Which kernel set runs: "avx512" or "default".
