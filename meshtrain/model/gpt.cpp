@@ -15,6 +15,15 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
+// x·Wᵀ + b through ATen's linear, which folds a [B, T, in] input into one addmm
+// (under autocast with the bias in bf16 too). libtorch's functional linear,
+// which LinearImpl::forward calls, adds the bias in place after the matmul for
+// such inputs: an fp32 round trip over the output per call under bf16.
+// Distributed tensors keep the module's own forward.
+at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x) {
+  return fused::plain(x) ? at::linear(x, layer->weight, layer->bias) : layer->forward(x);
+}
+
 }  // namespace
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset) {
@@ -120,9 +129,9 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
-  const at::Tensor qkv_out = c.call(qkv_name_, x, [this](const at::Tensor& in) { return qkv->forward(in); });
+  const at::Tensor qkv_out = c.call(qkv_name_, x, [this](const at::Tensor& in) { return apply_linear(qkv.get(), in); });
   const at::Tensor y = c.call(core_name_, qkv_out, [this](const at::Tensor& in) { return attend(in); });
-  const at::Tensor out = c.call(proj_name_, y, [this](const at::Tensor& in) { return proj->forward(in); });
+  const at::Tensor out = c.call(proj_name_, y, [this](const at::Tensor& in) { return apply_linear(proj.get(), in); });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
@@ -150,7 +159,7 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
 at::Tensor MlpImpl::activation(const at::Tensor& x) {
   const HookChain& c = *chain_;
   auto call = [&](const std::string& name, const torch::nn::Linear& layer, const at::Tensor& in) {
-    return c.call(name, in, [impl = layer.ptr()](const at::Tensor& y) { return impl->forward(y); });
+    return c.call(name, in, [impl = layer.ptr()](const at::Tensor& y) { return apply_linear(impl.get(), y); });
   };
   if (fc && fused_ && fused::plain(x)) {
     // The bias is added with the GELU (tensor parallel's plan knows: bias_in_model).
@@ -170,7 +179,7 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const at::Tensor hidden = activation(x);
   const torch::nn::Linear& out_layer = fc ? proj : down;
   const at::Tensor out =
-      c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr()](const at::Tensor& y) { return impl->forward(y); });
+      c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr()](const at::Tensor& y) { return apply_linear(impl.get(), y); });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
