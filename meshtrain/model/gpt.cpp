@@ -178,8 +178,9 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
   const at::Tensor hidden = activation(x);
   const torch::nn::Linear& out_layer = fc ? proj : down;
-  const at::Tensor out =
-      c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr()](const at::Tensor& y) { return apply_linear(impl.get(), y); });
+  const at::Tensor out = c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr()](const at::Tensor& y) {
+    return apply_linear(impl.get(), y);
+  });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 

@@ -4,6 +4,7 @@
 #include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/util/memory.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
@@ -191,6 +192,19 @@ TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
                                                fused::kernel::Dt::kFloat, scale, causal, ds.data_ptr(), fused::kernel::Dt::kFloat);
     EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
   }
+}
+
+// What the batched attention keeps (Note [CPU attention]): the bf16 softmax
+// [B, H, T, T] besides its output; contiguous q, k, v are kept as views.
+TEST(FusedOps, BatchedAttentionKeepsItsSoftmaxAndNothingMore) {
+  if (!fused::batched_attention_applies(true, true, 64, 16, 0.0)) GTEST_SKIP() << "ATen's kernel on this CPU";
+  memory::install();
+  std::vector<at::Tensor> in = leaves({randn({2, 3, 64, 16}, 30), randn({2, 3, 64, 16}, 31), randn({2, 3, 64, 16}, 32)},
+                                      at::kBFloat16);
+  const int64_t before = memory::current_bytes();
+  const at::Tensor y = fused::attention(in[0], in[1], in[2], 0.0, true);
+  const int64_t kept = memory::current_bytes() - before;
+  EXPECT_EQ(kept, 2 * 3 * 64 * 64 * 2 + y.numel() * 2) << "softmax and output, in bf16";
 }
 
 // Whole models: the loss and every parameter's gradient with fused on equal

@@ -387,7 +387,9 @@ void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, cons
       const float* pr = read_row(p, pt, offset, n, scratch.data());
       const float* gr = read_row(dp, dpt, offset, n, scratch.data() + k_len);
       Vec acc(0);
-      each_vec(n, [&](int64_t i, int64_t c) { acc += Vec::set(Vec(0), Vec::loadu(pr + i, c) * Vec::loadu(gr + i, c), c); });
+      each_vec(n, [&](int64_t i, int64_t c) {
+        acc += Vec::set(Vec(0), Vec::loadu(pr + i, c) * Vec::loadu(gr + i, c), c);
+      });
       const Vec dot(horizontal_sum(acc));
       float* out = work_row(ds, dst, offset, scratch.data() + 2 * k_len);
       each_vec(n, [&](int64_t i, int64_t c) {
