@@ -1,9 +1,9 @@
 // Causal or full scaled-dot-product attention on the CPU (Note [CPU attention]).
 #include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/ops.h"
+#include "meshtrain/model/fused/tensor_args.h"
 #include "meshtrain/util/cpu_features.h"
 
-#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
@@ -42,13 +42,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 
-kernel::Dt dt(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 ? kernel::Dt::kBFloat16 : kernel::Dt::kFloat;
-}
-
-at::ScalarType compute_dtype(at::ScalarType fallback) {
-  return at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : fallback;
-}
+using namespace detail;
 
 // [B, H, T, d] as [B·H, T, d] in `type` (a copy where the view cannot be).
 at::Tensor batched(const at::Tensor& x, at::ScalarType type) {

@@ -251,9 +251,8 @@ void swiglu_backward(int64_t n, const void* g, const void* u, const void* dy, vo
   });
 }
 
-// The row's maximum and sum of exp(x - max), full vectors then a scalar tail
-// (zero-filled lanes would count).
-inline void max_and_sum_exp(const float* x, int64_t n, float& max_out, float& sum_out) {
+// The row's maximum: full vectors, then a scalar tail (zero-filled lanes would count).
+inline float row_max(const float* x, int64_t n) {
   const int64_t full = n / kW * kW;
   float m = -std::numeric_limits<float>::infinity();
   if (full > 0) {
@@ -264,6 +263,13 @@ inline void max_and_sum_exp(const float* x, int64_t n, float& max_out, float& su
     m = *std::max_element(lanes, lanes + kW);
   }
   for (int64_t i = full; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// The row's maximum and sum of exp(x - max).
+inline void max_and_sum_exp(const float* x, int64_t n, float& max_out, float& sum_out) {
+  const int64_t full = n / kW * kW;
+  const float m = row_max(x, n);
   Vec acc(0);
   const Vec vm(m);
   for (int64_t i = 0; i < full; i += kW) acc += (Vec::loadu(x + i) - vm).exp();
@@ -337,20 +343,6 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
 // written as zeros.
 inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal) {
   return causal ? std::min(k_len, row % q_len + 1) : k_len;
-}
-
-inline float row_max(const float* x, int64_t n) {
-  const int64_t full = n / kW * kW;
-  float m = -std::numeric_limits<float>::infinity();
-  if (full > 0) {
-    Vec vm = Vec::loadu(x);
-    for (int64_t i = kW; i < full; i += kW) vm = at::vec::maximum(vm, Vec::loadu(x + i));
-    float lanes[kW];
-    vm.store(lanes);
-    m = *std::max_element(lanes, lanes + kW);
-  }
-  for (int64_t i = full; i < n; ++i) m = std::max(m, x[i]);
-  return m;
 }
 
 void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,

@@ -1,8 +1,8 @@
 #include "meshtrain/model/fused/ops.h"
 
 #include "meshtrain/model/fused/kernels.h"
+#include "meshtrain/model/fused/tensor_args.h"
 
-#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 
@@ -15,20 +15,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-kernel::Dt dt(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 ? kernel::Dt::kBFloat16 : kernel::Dt::kFloat;
-}
-
-const void* ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
-void* mut(const at::Tensor& t) { return t.defined() ? t.mutable_data_ptr() : nullptr; }
-const float* fptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
-
-at::Tensor as_float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; }
-
-// The dtype a CPU matmul would compute in now: autocast's when it is on.
-at::ScalarType compute_dtype(at::ScalarType fallback) {
-  return at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : fallback;
-}
+using namespace detail;
 
 struct AddNorm : torch::autograd::Function<AddNorm> {
   // Optional tensors are std::optional: autograd's apply() takes no undefined tensors.
@@ -146,7 +133,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const at::Tensor lc = logits.contiguous(), tc = targets.to(at::kLong).contiguous();
     const int64_t rows = lc.size(0), vocab = lc.size(1);
     const at::Tensor used = tc != ignore;
-    TORCH_CHECK(((tc >= 0 & tc < vocab) | used.logical_not()).all().item<bool>(), "cross_entropy: a target is outside ",
+    TORCH_CHECK((((tc >= 0) & (tc < vocab)) | used.logical_not()).all().item<bool>(), "cross_entropy: a target is outside ",
                 "the vocabulary of ", vocab);
     const at::Tensor lse = at::empty({rows}, lc.options().dtype(at::kFloat)), loss = at::empty_like(lse);
     kernel::table().cross_entropy_forward(rows, vocab, ptr(lc), dt(lc), tc.const_data_ptr<int64_t>(), ignore,

@@ -1,0 +1,27 @@
+// Helpers shared by the fused operators' autograd functions (ops.cpp,
+// attention.cpp): tensors to kernel arguments, and the dtype matmuls compute in.
+#pragma once
+
+#include "meshtrain/model/fused/kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+
+namespace meshtrain::model::fused::detail {
+
+inline kernel::Dt dt(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? kernel::Dt::kBFloat16 : kernel::Dt::kFloat;
+}
+
+inline const void* ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
+inline void* mut(const at::Tensor& t) { return t.defined() ? t.mutable_data_ptr() : nullptr; }
+inline const float* fptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
+
+inline at::Tensor as_float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; }
+
+// The dtype a CPU matmul would compute in now: autocast's when it is on.
+inline at::ScalarType compute_dtype(at::ScalarType fallback) {
+  return at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : fallback;
+}
+
+}  // namespace meshtrain::model::fused::detail
