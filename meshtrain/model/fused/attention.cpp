@@ -40,8 +40,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-
 using namespace detail;
 
 // [B, H, T, d] as [B·H, T, d] in `type` (a copy where the view cannot be).
