@@ -183,13 +183,14 @@ TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
     const at::Tensor leaf = s.clone().requires_grad_(true);
     const at::Tensor expected = at::softmax(causal ? (leaf * scale).masked_fill(mask, -INFINITY) : leaf * scale, -1);
     expected.backward(dp);
+    const fused::kernel::Table& kernels = fused::kernel::table();
+    constexpr fused::kernel::Dt f32 = fused::kernel::Dt::kFloat;
     const at::Tensor p = s.clone();
-    fused::kernel::table().attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), fused::kernel::Dt::kFloat, scale, causal,
-                                              p.data_ptr(), fused::kernel::Dt::kFloat);
+    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, causal, p.data_ptr(), f32);
     EXPECT_LT(relative_error(p, expected.detach()), 1e-6);
     const at::Tensor ds = dp.clone();
-    fused::kernel::table().attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), fused::kernel::Dt::kFloat, ds.data_ptr(),
-                                               fused::kernel::Dt::kFloat, scale, causal, ds.data_ptr(), fused::kernel::Dt::kFloat);
+    kernels.attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), f32, ds.data_ptr(), f32, scale, causal,
+                                       ds.data_ptr(), f32);
     EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
   }
 }

@@ -42,6 +42,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using namespace detail;
 
+// The softmax's scale for heads of size d.
+float scale_for(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+
 // [B, H, T, d] as [B·H, T, d] in `type` (a copy where the view cannot be).
 at::Tensor batched(const at::Tensor& x, at::ScalarType type) {
   return x.to(type).reshape({x.size(0) * x.size(1), x.size(2), x.size(3)});
@@ -55,14 +58,12 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const at::Tensor qb = batched(q, type), kb = batched(k, type), vb = batched(v, type);
     const int64_t q_len = q.size(2), k_len = k.size(2);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
     const at::Tensor p = at::bmm(qb, kb.transpose(1, 2));
-    kernel::table().attention_softmax_forward(p.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p), scale,
-                                              causal, p.mutable_data_ptr(), dt(p));
+    kernel::table().attention_softmax_forward(p.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
+                                              scale_for(q.size(3)), causal, p.mutable_data_ptr(), dt(p));
     const at::Tensor y = at::bmm(p, vb);
     ctx->save_for_backward({qb, kb, vb, p});
     ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = static_cast<double>(scale);
     ctx->saved_data["types"] = std::vector<int64_t>{int64_t(q.scalar_type()), int64_t(k.scalar_type()),
                                                     int64_t(v.scalar_type())};
     return y.view({q.size(0), q.size(1), q_len, v.size(3)});
@@ -80,8 +81,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::Tensor dv = at::bmm(p.transpose(1, 2), dy);
     const at::Tensor ds = at::bmm(dy, vb.transpose(1, 2));  // dp, then ds in place
     kernel::table().attention_softmax_backward(ds.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
-                                               ds.const_data_ptr(), dt(ds),
-                                               static_cast<float>(ctx->saved_data["scale"].toDouble()),
+                                               ds.const_data_ptr(), dt(ds), scale_for(qb.size(2)),
                                                ctx->saved_data["causal"].toBool(), ds.mutable_data_ptr(), dt(ds));
     const at::Tensor dq = at::bmm(ds, kb), dk = at::bmm(ds.transpose(1, 2), qb);
     auto shaped = [&](const at::Tensor& g, int64_t type) {
