@@ -34,11 +34,13 @@ const char* phase_name(Phase phase);  // "model_states", "forward", ...
 // bytes in use and the limit, so an over-large layout fails at once and says
 // where, instead of swapping or being killed.
 // Only CPU tensors are counted; on CUDA, device_stats() reads the caching
-// allocator's own counters.
+// allocator's own counters. Freed blocks of 128 KiB or more are kept for
+// reuse, uncounted (Note [Block cache] in memory.cpp).
 void install();
 bool installed();
 
 int64_t current_bytes();
+int64_t cached_bytes();               // freed blocks kept for reuse: not in current_bytes()
 int64_t peak_bytes();                 // since install() or reset_peaks()
 int64_t phase_peak_bytes(Phase phase);  // highest current_bytes() seen while in `phase`
 void reset_peaks();                   // all peaks := current_bytes()
