@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -65,7 +66,18 @@ class BlockCache {
  public:
   BlockCache() {
     const char* mib = std::getenv("MESHTRAIN_HOST_CACHE_MB");
-    capacity_ = (mib != nullptr ? std::strtoull(mib, nullptr, 10) : 1024) << 20;
+    if (mib == nullptr) return;
+    char* end = nullptr;
+    const unsigned long long value = std::strtoull(mib, &end, 10);
+    if (end == mib || *end != '\0') {
+      // Before MPI is up: the launcher's rank variable keeps the message to one rank.
+      const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+      if (rank != nullptr && std::string(rank) != "0") return;
+      std::fprintf(stderr, "meshtrain: MESHTRAIN_HOST_CACHE_MB=%s is not a whole number of MiB; keeping %zu MiB\n",
+                   mib, capacity_ >> 20);
+      return;
+    }
+    capacity_ = static_cast<size_t>(value) << 20;
   }
 
   // A kept block of exactly `size` bytes, or nullptr.
@@ -109,7 +121,7 @@ class BlockCache {
   }
 
   static constexpr size_t kMinimum = 128 << 10;
-  size_t capacity_;
+  size_t capacity_ = size_t{1024} << 20;
   std::mutex mutex_;
   std::unordered_map<size_t, std::vector<char*>> free_;
   size_t cached_ = 0;
