@@ -1,5 +1,6 @@
 #include "meshtrain/plan/memory_model.h"
 
+#include "meshtrain/model/fused/ops.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 
@@ -130,9 +131,10 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   bytes += e * z.split(z.u);                                 // attention output = output projection's input
   const double scores = heads * s * z.tokens;                // a·s²·b
   if (o.attention == "batched" && o.recompute != "selective") {
-    // Contiguous q, k, v over every head (k, v repeated), and the softmax;
-    // the qkv projection's output is not kept (Note [CPU attention]).
-    return bytes + 3 * e * z.split(z.u) + e * z.split(scores) + mlp_saved(model, z, e, o, moe, ep);
+    // Contiguous q, k, v over every head (k, v repeated), and the causal
+    // softmax's blocks; the qkv projection's output is not kept (Note [CPU attention]).
+    const double kept = static_cast<double>(model::fused::batched_attention_scores(model.seq, model.seq, true)) / (s * s);
+    return bytes + 3 * e * z.split(z.u) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
   }
   bytes += e * z.split(z.u * (h + 2 * kv) / h);              // q, k, v
   if (!model.learned_positions) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k

@@ -137,16 +137,17 @@ TEST(FusedOps, RopeMatchesTheReferenceThroughStrides) {
   }
 }
 
-// The batched path (Note [CPU attention]) under bf16, ATen's kernel in fp32:
-// causal and full, fewer queries than keys, strided views, and fp32 inputs
-// under bf16 autocast, against ATen's attention.
+// The batched path (Note [CPU attention]), in fp32 and bf16: causal (its rows
+// split in two, for even and odd lengths) and full, fewer queries than keys,
+// strided views, and fp32 inputs under bf16 autocast, against ATen's attention.
 TEST(FusedOps, AttentionMatchesTheReference) {
   auto transposed = [](const at::Tensor& x) { return x.transpose(1, 2).contiguous().transpose(1, 2); };
   for (bool causal : {true, false}) {
-    for (int64_t q_len : {40, 17}) {
-      SCOPED_TRACE(std::string(causal ? "causal" : "full") + " q_len " + std::to_string(q_len));
-      const std::vector<at::Tensor> in = {transposed(randn({2, 3, q_len, 16}, 10)), randn({2, 3, 40, 16}, 11),
-                                          randn({2, 3, 40, 16}, 12)};
+    for (auto [q_len, k_len] : std::vector<std::pair<int64_t, int64_t>>{{40, 40}, {17, 40}, {41, 41}}) {
+      SCOPED_TRACE(std::string(causal ? "causal" : "full") + " q_len " + std::to_string(q_len) + " k_len " +
+                   std::to_string(k_len));
+      const std::vector<at::Tensor> in = {transposed(randn({2, 3, q_len, 16}, 10)), randn({2, 3, k_len, 16}, 11),
+                                          randn({2, 3, k_len, 16}, 12)};
       const Op reference = [causal](auto& t) {
         return at::scaled_dot_product_attention(t[0], t[1], t[2], {}, 0.0, causal);
       };
@@ -171,41 +172,52 @@ TEST(FusedOps, AttentionMatchesTheReference) {
 }
 
 // The softmax passes of the batched attention against ATen's softmax and its
-// gradient, in fp32 and in place, with rows that are not a whole number of vectors.
+// gradient, in fp32 and in place, with rows that are not a whole number of
+// vectors, and with queries that start past the first key (the causal split's
+// second block).
 TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
-  const int64_t q_len = 37, k_len = 37, rows = 2 * q_len;
+  const int64_t q_len = 37, rows = 2 * q_len;
   const float scale = 0.3f;
-  for (bool causal : {true, false}) {
-    SCOPED_TRACE(causal ? "causal" : "full");
+  for (auto [causal, key_offset] : std::vector<std::pair<bool, int64_t>>{{true, 0}, {false, 0}, {true, 6}}) {
+    SCOPED_TRACE(std::string(causal ? "causal" : "full") + " key offset " + std::to_string(key_offset));
+    const int64_t k_len = q_len + key_offset;
     const at::Tensor s = randn({2, q_len, k_len}, 20, 3.0);
     const at::Tensor dp = randn({2, q_len, k_len}, 21);
-    const at::Tensor mask = at::ones({q_len, k_len}, at::kBool).triu(1);
+    const at::Tensor mask = at::ones({q_len, k_len}, at::kBool).triu(1 + key_offset);
     const at::Tensor leaf = s.clone().requires_grad_(true);
     const at::Tensor expected = at::softmax(causal ? (leaf * scale).masked_fill(mask, -INFINITY) : leaf * scale, -1);
     expected.backward(dp);
     const fused::kernel::Table& kernels = fused::kernel::table();
     constexpr fused::kernel::Dt f32 = fused::kernel::Dt::kFloat;
     const at::Tensor p = s.clone();
-    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, causal, p.data_ptr(), f32);
+    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, causal, key_offset, p.data_ptr(),
+                                      f32);
     EXPECT_LT(relative_error(p, expected.detach()), 1e-6);
     const at::Tensor ds = dp.clone();
     kernels.attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), f32, ds.data_ptr(), f32, scale, causal,
-                                       ds.data_ptr(), f32);
+                                       key_offset, ds.data_ptr(), f32);
     EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
   }
 }
 
-// What the batched attention keeps (Note [CPU attention]): the bf16 softmax
-// [B, H, T, T] besides its output; contiguous q, k, v are kept as views.
+// What the batched attention keeps (Note [CPU attention]): the causal
+// softmax's two blocks, [B·H, 32, 32] and [B·H, 32, 64] of T = 64, besides its
+// output; contiguous q, k, v are kept as views.
 TEST(FusedOps, BatchedAttentionKeepsItsSoftmaxAndNothingMore) {
-  if (!fused::batched_attention_applies(true, true, 64, 16, 0.0)) GTEST_SKIP() << "ATen's kernel on this CPU";
   memory::install();
-  std::vector<at::Tensor> in = leaves({randn({2, 3, 64, 16}, 30), randn({2, 3, 64, 16}, 31), randn({2, 3, 64, 16}, 32)},
-                                      at::kBFloat16);
-  const int64_t before = memory::current_bytes();
-  const at::Tensor y = fused::attention(in[0], in[1], in[2], 0.0, true);
-  const int64_t kept = memory::current_bytes() - before;
-  EXPECT_EQ(kept, 2 * 3 * 64 * 64 * 2 + y.numel() * 2) << "softmax and output, in bf16";
+  EXPECT_EQ(fused::batched_attention_scores(64, 64, true), 32 * 32 + 32 * 64);
+  EXPECT_EQ(fused::batched_attention_scores(17, 40, true), 17 * 40);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    if (!fused::batched_attention_applies(true, dtype == at::kBFloat16, 64, 16, 0.0)) continue;  // bf16 with AMX
+    SCOPED_TRACE(c10::toString(dtype));
+    std::vector<at::Tensor> in =
+        leaves({randn({2, 3, 64, 16}, 30), randn({2, 3, 64, 16}, 31), randn({2, 3, 64, 16}, 32)}, dtype);
+    const int64_t before = memory::current_bytes();
+    const at::Tensor y = fused::attention(in[0], in[1], in[2], 0.0, true);
+    const int64_t kept = memory::current_bytes() - before;
+    const int64_t size = c10::elementSize(dtype);
+    EXPECT_EQ(kept, 2 * 3 * (32 * 32 + 32 * 64) * size + y.numel() * size) << "softmax blocks and output";
+  }
 }
 
 // Whole models: the loss and every parameter's gradient with fused on equal

@@ -3,6 +3,7 @@
 // training (alone and on a 2-D mesh with data parallel or sharding),
 // random streams, activation memory against Korthikanti et al. 2022, and
 // resume — over every tp group size the world allows.
+#include "meshtrain/model/fused/ops.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/util/memory.h"
 #include "tests/harness/error_of.h"
@@ -305,19 +306,22 @@ TEST(TensorParallelRandom, LocalStreamsDifferAndTheSharedStreamStaysInStep) {
 // Korthikanti et al. 2022 count, per layer, fp16 activations plus 1-byte
 // dropout masks: sbh(34 + 5as/h) unsplit, sbh(10 + 24/t + 5as/(ht)) with
 // tensor parallel, (sbh/t)(34 + 5as/h) with sequence parallel. Here: fp32 (4
-// bytes), dropout 0 (no masks), and attention by ATen's fused CPU kernel
-// (under fp32 the model takes it, Note [CPU attention]), which keeps the
-// log-sum-exp [b, a, s] instead of the s x s scores. What one block keeps for
-// backward (and its output), in units of sbh bytes:
+// bytes), dropout 0 (no masks), and attention by the fused CPU kernel (Note
+// [CPU attention]), which keeps the causal softmax's blocks, k = 3s/4 entries
+// per query and head (ATen's kernel, where it takes over, keeps k = 1: the
+// log-sum-exp). What one block keeps for backward (and its output), in units
+// of sbh bytes:
 //   replicated: input of norm1 4, input of qkv 4, input of norm2 4, input of fc 4   = 16
-//   split:      qkv output 12 (q, k, v are views of it), attention output 4 (the
-//               kernel writes it so that proj's [b, s, h] input is a view of it),
-//               fc output 16, gelu output 16                                    = 48
-// plus the log-sum-exp 4as/h: unsplit sbh(64 + 4a/h), tensor parallel
-// sbh(16 + 48/t + 4a/(ht)), sequence parallel (sbh/t)(64 + 4a/h) (the column
+//   split:      q, k, v 12 (contiguous copies; the qkv output is not kept, or,
+//               under ATen's kernel, q, k, v are views of it), attention output
+//               4 (proj's [b, s, h] input), fc output 16, gelu output 16       = 48
+// plus the softmax 4ak/h: unsplit sbh(64 + 4ak/h), tensor parallel
+// sbh(16 + (48 + 4ak/h)/t), sequence parallel (sbh/t)(64 + 4ak/h) (the column
 // linears keep their sequence chunk and gather again in backward).
 double activation_formula(int64_t s, int64_t b, int64_t h, int64_t a, int t, bool sp) {
-  const double sbh = double(s) * b * h, scores = 4.0 * a / h;
+  const bool batched = model::fused::batched_attention_applies(true, false, s, h / a, 0.0);
+  const double k = batched ? double(model::fused::batched_attention_scores(s, s, true)) / double(s) : 1.0;
+  const double sbh = double(s) * b * h, scores = 4.0 * a * k / h;
   if (t == 1) return sbh * (64 + scores);
   if (!sp) return sbh * (16 + (48 + scores) / t);
   return sbh / t * (64 + scores);

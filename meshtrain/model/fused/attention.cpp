@@ -15,27 +15,30 @@ namespace meshtrain::model::fused {
 // Note [CPU attention]
 // ATen's CPU attention is a flash kernel: it walks blocks of keys with an
 // online softmax and keeps only the row statistics. Without AMX its bf16
-// variant is slower than its fp32 one, and far slower than the same arithmetic
-// as batched matrix multiplies, which oneDNN runs near the bf16 matmul peak
-// with AVX512-BF16 dot products: for fwd + bwd of [8, 6, 256, 64] on 2 cores,
-// the six products take 8 ms against ATen's 37 (in fp32, 20 against 27, and
-// in the `small` step no faster than ATen's: fp32 keeps ATen's kernel). So
-// under bf16 on a CPU without AMX:
+// variant is slower than its fp32 one, and both are slower than the same
+// arithmetic as batched matrix multiplies, which oneDNN and MKL run near the
+// matmul peak: for fwd + bwd of [8, 6, 256, 64] on 2 cores, the six products
+// take 8 ms in bf16 (AVX512-BF16 dot products) against ATen's 27, and 17 ms in
+// fp32 against 22. So on the CPU (bf16 only without AMX, whose bf16 flash
+// kernel uses it):
 //   forward   s = q·kᵀ (bmm)  p = softmax(scale·s, causal) (one fused pass, in
 //             place)  y = p·v (bmm)
 //   backward  dp = dy·vᵀ, dv = pᵀ·dy (bmm)  ds = scale·p·(dp − rowsum(p·dp))
 //             (one fused pass, in place)  dq = ds·k, dk = dsᵀ·q (bmm)
-// p is kept for backward: [B·H, T, T] in bf16, no more than q, k, v and y
+// Causal with as many queries as keys, the rows split in two halves: the first
+// h = T/2 queries see only the first h keys, so their block is [h, h] and the
+// last T − h rows' is [T − h, T]; every product then covers 3/4 of T², not the
+// masked quarter (fp32 fwd + bwd 14.4 ms against 17.4 whole; bf16 the same
+// either way). Entries past a causal query's position inside a block are
+// written as zeros and skipped by the softmax passes. p is kept for backward,
+// in the compute dtype: [B·H, 3T²/4] causal, no more than q, k, v and y
 // together while T ≤ 4·d, the longest key range taken here (longer ones take
-// ATen's kernel: p would grow as T²). Entries past a causal query's position
-// are written as zeros and skipped by the softmax passes; the matrix
-// multiplies compute them (splitting off the masked blocks measured no faster
-// at T = 256). Scores are rounded to bf16 before the softmax (fp32
-// accumulation inside the product): the precision of PyTorch's math attention,
-// not its flash kernel's; the softmax itself is fp32. Everything else (fp32,
-// dropout, GPUs, CPUs with AMX, whose bf16 flash kernel uses it) takes ATen's
-// kernel; bf16 without AMX then computes it in fp32. The planner counts the
-// copies of q, k, v and p (attention = "batched", plan/from_config.cpp).
+// ATen's kernel: p would grow as T²). Under bf16 the scores are rounded to bf16
+// before the softmax (fp32 accumulation inside the product): the precision of
+// PyTorch's math attention, not its flash kernel's; the softmax itself is fp32.
+// Dropout and GPUs take ATen's kernel; bf16 without AMX then computes it in
+// fp32. The planner counts the copies of q, k, v and p (attention = "batched",
+// plan/from_config.cpp, batched_attention_scores()).
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -45,9 +48,44 @@ using namespace detail;
 // The softmax's scale for heads of size d.
 float scale_for(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 
+// The causal split's first block: h queries against h keys; 0 for no split.
+int64_t causal_split(int64_t q_len, int64_t k_len, bool causal) {
+  return causal && q_len == k_len && q_len >= 2 ? q_len / 2 : 0;
+}
+
 // [B, H, T, d] as [B·H, T, d] in `type` (a copy where the view cannot be).
 at::Tensor batched(const at::Tensor& x, at::ScalarType type) {
   return x.to(type).reshape({x.size(0) * x.size(1), x.size(2), x.size(3)});
+}
+
+// One block of rows: p = softmax(scale · q·kᵀ), queries at key positions
+// key_offset + i.
+at::Tensor block_softmax(const at::Tensor& q, const at::Tensor& k, float scale, bool causal, int64_t key_offset) {
+  const at::Tensor p = at::bmm(q, k.transpose(1, 2));
+  const int64_t q_len = q.size(1), k_len = k.size(1);
+  kernel::table().attention_softmax_forward(p.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p), scale, causal,
+                                            key_offset, p.mutable_data_ptr(), dt(p));
+  return p;
+}
+
+struct BlockGrads {
+  at::Tensor dq, dk, dv;
+};
+
+// The gradients one block of rows (p from block_softmax) sends to its q rows,
+// and to the k and v rows it saw.
+BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& dy, float scale, bool causal, int64_t key_offset) {
+  BlockGrads g;
+  g.dv = at::bmm(p.transpose(1, 2), dy);
+  const at::Tensor ds = at::bmm(dy, v.transpose(1, 2));  // dp, then ds in place
+  const int64_t q_len = q.size(1), k_len = k.size(1);
+  kernel::table().attention_softmax_backward(ds.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
+                                             ds.const_data_ptr(), dt(ds), scale, causal, key_offset,
+                                             ds.mutable_data_ptr(), dt(ds));
+  g.dq = at::bmm(ds, k);
+  g.dk = at::bmm(ds.transpose(1, 2), q);
+  return g;
 }
 
 struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
@@ -57,13 +95,21 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::ScalarType type = compute_dtype(q.scalar_type());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const at::Tensor qb = batched(q, type), kb = batched(k, type), vb = batched(v, type);
-    const int64_t q_len = q.size(2), k_len = k.size(2);
-    const at::Tensor p = at::bmm(qb, kb.transpose(1, 2));
-    kernel::table().attention_softmax_forward(p.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
-                                              scale_for(q.size(3)), causal, p.mutable_data_ptr(), dt(p));
-    const at::Tensor y = at::bmm(p, vb);
-    ctx->save_for_backward({qb, kb, vb, p});
+    const int64_t q_len = q.size(2), k_len = k.size(2), h = causal_split(q_len, k_len, causal);
+    const float scale = scale_for(q.size(3));
+    at::Tensor y;
+    if (h == 0) {
+      const at::Tensor p = block_softmax(qb, kb, scale, causal, 0);
+      y = at::bmm(p, vb);
+      ctx->save_for_backward({qb, kb, vb, p});
+    } else {
+      const at::Tensor first = block_softmax(qb.narrow(1, 0, h), kb.narrow(1, 0, h), scale, true, 0);
+      const at::Tensor rest = block_softmax(qb.narrow(1, h, q_len - h), kb, scale, true, h);
+      y = at::cat({at::bmm(first, vb.narrow(1, 0, h)), at::bmm(rest, vb)}, 1);
+      ctx->save_for_backward({qb, kb, vb, first, rest});
+    }
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["split"] = h;
     ctx->saved_data["types"] = std::vector<int64_t>{int64_t(q.scalar_type()), int64_t(k.scalar_type()),
                                                     int64_t(v.scalar_type())};
     return y.view({q.size(0), q.size(1), q_len, v.size(3)});
@@ -73,28 +119,40 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     RECORD_FUNCTION("meshtrain::fused_attention_backward", std::vector<c10::IValue>());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &qb = saved[0], &kb = saved[1], &vb = saved[2], &p = saved[3];
+    const at::Tensor &qb = saved[0], &kb = saved[1], &vb = saved[2];
     const std::vector<int64_t> types = ctx->saved_data["types"].toIntVector();
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const int64_t h = ctx->saved_data["split"].toInt(), q_len = qb.size(1);
+    const float scale = scale_for(qb.size(2));
     const at::Tensor& dy4 = grads[0];
-    const at::Tensor dy = batched(dy4, p.scalar_type());
-    const int64_t q_len = qb.size(1), k_len = kb.size(1);
-    const at::Tensor dv = at::bmm(p.transpose(1, 2), dy);
-    const at::Tensor ds = at::bmm(dy, vb.transpose(1, 2));  // dp, then ds in place
-    kernel::table().attention_softmax_backward(ds.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
-                                               ds.const_data_ptr(), dt(ds), scale_for(qb.size(2)),
-                                               ctx->saved_data["causal"].toBool(), ds.mutable_data_ptr(), dt(ds));
-    const at::Tensor dq = at::bmm(ds, kb), dk = at::bmm(ds.transpose(1, 2), qb);
-    auto shaped = [&](const at::Tensor& g, int64_t type) {
-      return g.view({dy4.size(0), dy4.size(1), g.size(1), g.size(2)}).to(static_cast<at::ScalarType>(type));
+    const at::Tensor dy = batched(dy4, saved[3].scalar_type());
+    BlockGrads g;
+    if (h == 0) {
+      g = block_backward(saved[3], qb, kb, vb, dy, scale, causal, 0);
+    } else {
+      g = block_backward(saved[4], qb.narrow(1, h, q_len - h), kb, vb, dy.narrow(1, h, q_len - h), scale, true, h);
+      const BlockGrads first = block_backward(saved[3], qb.narrow(1, 0, h), kb.narrow(1, 0, h), vb.narrow(1, 0, h),
+                                              dy.narrow(1, 0, h), scale, true, 0);
+      g.dq = at::cat({first.dq, g.dq}, 1);
+      g.dk.narrow(1, 0, h).add_(first.dk);
+      g.dv.narrow(1, 0, h).add_(first.dv);
+    }
+    auto shaped = [&](const at::Tensor& t, int64_t type) {
+      return t.view({dy4.size(0), dy4.size(1), t.size(1), t.size(2)}).to(static_cast<at::ScalarType>(type));
     };
-    return {shaped(dq, types[0]), shaped(dk, types[1]), shaped(dv, types[2]), {}};
+    return {shaped(g.dq, types[0]), shaped(g.dk, types[1]), shaped(g.dv, types[2]), {}};
   }
 };
 
 }  // namespace
 
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout) {
-  return cpu && bf16 && dropout == 0.0 && keys <= 4 * head_dim && !util::cpu_has_amx();
+  return cpu && dropout == 0.0 && keys <= 4 * head_dim && !(bf16 && util::cpu_has_amx());
+}
+
+int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal) {
+  const int64_t h = causal_split(q_len, k_len, causal);
+  return h == 0 ? q_len * k_len : h * h + (q_len - h) * k_len;
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal) {

@@ -341,17 +341,17 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
 // Rows of attention scores [batch·q_len, k_len]: row r is query i = r % q_len.
 // A causal row sees keys 0..i (ATen's is_causal); the rest of the row is
 // written as zeros.
-inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal) {
-  return causal ? std::min(k_len, row % q_len + 1) : k_len;
+inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal, int64_t key_offset) {
+  return causal ? std::min(k_len, row % q_len + key_offset + 1) : k_len;
 }
 
 void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                               bool causal, void* p, Dt pt) {
+                               bool causal, int64_t key_offset, void* p, Dt pt) {
   at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal);
+      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
       const float* x = read_row(s, st, offset, n, scratch.data());
       float* e = work_row(p, pt, offset, scratch.data() + k_len);
       const Vec vmax(row_max(x, n) * scale);  // scale > 0
@@ -370,12 +370,12 @@ void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const
 }
 
 void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                Dt dpt, float scale, bool causal, void* ds, Dt dst) {
+                                Dt dpt, float scale, bool causal, int64_t key_offset, void* ds, Dt dst) {
   at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(3 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal);
+      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
       const float* pr = read_row(p, pt, offset, n, scratch.data());
       const float* gr = read_row(dp, dpt, offset, n, scratch.data() + k_len);
       Vec acc(0);

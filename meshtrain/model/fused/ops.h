@@ -24,9 +24,9 @@ namespace meshtrain::model::fused {
 //   cross_entropy  mean over rows of logsumexp - target logit, row by row: no
 //                  fp32 copy of the logits, no log-softmax materialised
 //   rope           the rotation, reading q/k through their strides
-//   attention      under bf16, scaled-dot-product attention as batched matrix
-//                  multiplies around a fused causal softmax (Note [CPU attention],
-//                  attention.cpp)
+//   attention      on the CPU, scaled-dot-product attention as batched matrix
+//                  multiplies around a fused causal softmax, causal rows split
+//                  to skip the masked quarter (Note [CPU attention], attention.cpp)
 // AdamW's fused kernel is offload/cpu_adam.h (used by every CPU optimizer step).
 
 // Whether the fused kernels take these tensors: defined, plain (no dispatch
@@ -53,9 +53,12 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // Causal or full scaled-dot-product attention of q, k, v [B, H, T, d].
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal);
 // Whether attention() takes its batched path (Note [CPU attention]), which
-// keeps the softmax [B, H, T, keys] for backward: bf16 on a CPU without AMX,
-// without dropout, keys <= 4 * head_dim.
+// keeps the softmax for backward: on the CPU (bf16 only without AMX), without
+// dropout, keys <= 4 * head_dim.
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout);
+// How many softmax entries per head that path keeps: q_len · k_len, or causal
+// with q_len = k_len = T, h² + (T − h)·T for h = T/2 (3T²/4 for even T).
+int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal);
 
 // Which kernel set runs: "avx512" or "default".
 const char* kernel_set();
