@@ -106,6 +106,8 @@ def main():
             rows.append({
                 "preset": preset, "ranks": ranks, "dtype": args.dtype, "threads_per_rank": ours[0]["threads"],
                 "meshtrain_tokens_per_s": ours_tps, "pytorch_tokens_per_s": theirs_tps, "ratio": ours_tps / theirs_tps,
+                # Each round's own ratio (its runs a minute apart), for the spread the medians hide.
+                "round_ratios": [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)],
                 "meshtrain_unfused_tokens_per_s": tps.get("meshtrain_unfused"),
                 "pytorch_compile_tokens_per_s": tps.get("pytorch_compile"),
                 "ratio_vs_compile": ours_tps / tps["pytorch_compile"] if "pytorch_compile" in tps else None,
