@@ -338,9 +338,9 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
   });
 }
 
-// Rows of attention scores [batch·q_len, k_len]: row r is query i = r % q_len.
-// A causal row sees keys 0..i (ATen's is_causal); the rest of the row is
-// written as zeros.
+// Rows of attention scores [batch·q_len, k_len]: row r is query i = r % q_len,
+// at key position i + key_offset. A causal row sees keys 0..i + key_offset
+// (ATen's is_causal for offset 0); the rest of the row is written as zeros.
 inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal, int64_t key_offset) {
   return causal ? std::min(k_len, row % q_len + key_offset + 1) : k_len;
 }
