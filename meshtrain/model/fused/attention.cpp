@@ -31,15 +31,15 @@ namespace meshtrain::model::fused {
 // masked quarter (fwd + bwd alone: fp32 14.4 ms against 17.4 whole, bf16 the
 // same; in the `small` step 7% more tokens/s in either). Entries past a causal
 // query's position inside a block are written as zeros and skipped by the
-// softmax passes. p is kept for backward,
-// in the compute dtype: [B·H, 3T²/4] causal, no more than q, k, v and y
-// together while T ≤ 4·d, the longest key range taken here (longer ones take
-// ATen's kernel: p would grow as T²). Under bf16 the scores are rounded to bf16
-// before the softmax (fp32 accumulation inside the product): the precision of
-// PyTorch's math attention, not its flash kernel's; the softmax itself is fp32.
-// Dropout and GPUs take ATen's kernel; bf16 without AMX then computes it in
-// fp32. The planner counts the copies of q, k, v and p (attention = "batched",
-// plan/from_config.cpp, batched_attention_scores()).
+// softmax passes. p is kept for backward, in the compute dtype: [B·H, 3T²/4]
+// causal, no more than q, k, v and y together while T ≤ 4·d, the longest key
+// range taken here (longer ones take ATen's kernel: p would grow as T²). Under
+// bf16 the scores are rounded to bf16 before the softmax (fp32 accumulation
+// inside the product): the precision of PyTorch's math attention, not its flash
+// kernel's; the softmax itself is fp32. Dropout and GPUs take ATen's kernel;
+// bf16 without AMX then computes it in fp32. The planner counts the copies of
+// q, k, v and p (attention = "batched", plan/from_config.cpp,
+// batched_attention_scores()).
 namespace {
 
 using torch::autograd::AutogradContext;
