@@ -4,7 +4,8 @@ For each model preset and rank count, runs `meshtrain bench train` and
 bench/reference/train_gpt.py (single process, or DDP over gloo through
 torch.distributed.run) alternately, with the same threads per rank, the same
 environment, the same global batch, micro-batch, optimizer and schedule, and
-prints median tokens/s of each, their ratio, meshtrain's MFU against the
+prints median tokens/s of each, their ratio (each round's own ratio in the JSON
+line: bench/train_side_by_side.py when they spread), meshtrain's MFU against the
 measured matmul peak of the run's dtype, and the share of all-reduce time hidden behind
 backward: 1 - (time a rank waits for its all-reduces after the last rank's
 backward ended) / (the same all-reduces timed alone); the wait for the slowest
