@@ -110,7 +110,6 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
       ctx->save_for_backward({qb, kb, vb, first, rest});
     }
     ctx->saved_data["causal"] = causal;
-    ctx->saved_data["split"] = h;
     ctx->saved_data["types"] = std::vector<int64_t>{int64_t(q.scalar_type()), int64_t(k.scalar_type()),
                                                     int64_t(v.scalar_type())};
     return y.view({q.size(0), q.size(1), q_len, v.size(3)});
@@ -123,7 +122,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::Tensor &qb = saved[0], &kb = saved[1], &vb = saved[2];
     const std::vector<int64_t> types = ctx->saved_data["types"].toIntVector();
     const bool causal = ctx->saved_data["causal"].toBool();
-    const int64_t h = ctx->saved_data["split"].toInt(), q_len = qb.size(1);
+    const int64_t q_len = qb.size(1), h = causal_split(q_len, kb.size(1), causal);
     const float scale = scale_for(qb.size(2));
     const at::Tensor& dy4 = grads[0];
     const at::Tensor dy = batched(dy4, saved[3].scalar_type());
