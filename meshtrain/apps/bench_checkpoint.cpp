@@ -6,6 +6,7 @@
 #include "meshtrain/apps/bench_util.h"
 
 #include "meshtrain/checkpoint/writer.h"
+#include "meshtrain/parallel/parallel_state.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 
@@ -78,9 +79,9 @@ int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>&
   auto save = [&](Side& side) {
     checkpoint::Metadata meta;
     meta.step = trainer.completed_steps();
-    meta.layout = config.parallel.str();
+    meta.layout = config.parallel.dims.str();
     meta.world = world->size();
-    side.writer->save(meta, trainer.parallel().state(), trainer.mesh().layout());
+    side.writer->save(meta, parallel::training_state(trainer.parts()), trainer.mesh().layout());
     side.blocking.push_back(side.writer->last_blocking_seconds());
   };
   for (int s = 0; s < timed_steps; ++s) {
@@ -116,7 +117,7 @@ int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>&
     const double every = 50;  // checkpoint.every's default
     nlohmann::json line = {{"preset", config.preset},
                            {"ranks", world->size()},
-                           {"layout", config.parallel.str()},
+                           {"layout", config.parallel.dims.str()},
                            {"checkpoint_mib", bytes.item<double>() / 1048576.0},
                            {"step_s", base},
                            {"step_s_with_async_save", async_step},

@@ -30,7 +30,7 @@ namespace {
 // One model and its optimizer on cuda:0, training on one fixed batch.
 struct Run {
   Run(const train::TrainConfig& config, const at::Tensor& tokens)
-      : model(config.model, config.seed), bfloat16(config.dtype == "bfloat16") {
+      : model(config.model, config.seed), bfloat16(config.bfloat16()) {
     model->to(at::Device(at::kCUDA, 0));
     std::vector<parallel::AdamWParameter> parameters;
     for (const auto& item : model->named_parameters()) {
@@ -147,7 +147,7 @@ int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& over
   nlohmann::json line = {{"preset", config.preset},
                          {"parameters", config.model.parameter_count()},
                          {"batch", config.micro_batch},
-                         {"dtype", config.dtype},
+                         {"dtype", config::name_of(parallel::state_dtype_names(), config.dtype)},
                          {"eager_tokens_per_s", tokens / eager_seconds},
                          {"graph_tokens_per_s", tokens / graph_seconds},
                          {"speedup", eager_seconds / graph_seconds},

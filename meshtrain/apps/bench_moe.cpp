@@ -153,7 +153,7 @@ nlohmann::json training_row(comm::Runtime& runtime, std::vector<std::string> ove
   }
   return {{"part", "training"},
           {"model", name},
-          {"ep", config.parallel.ep},
+          {"ep", config.parallel.dims.ep},
           {"parameters", config.model.parameter_count()},
           {"active_parameters", config.model.active_parameter_count()},
           {"tokens_per_s", static_cast<double>(config.batch * config.model.context) / median(seconds)},

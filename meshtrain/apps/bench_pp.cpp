@@ -62,7 +62,7 @@ Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::C
   at::Tensor activation = at::zeros({group->size()}, at::kDouble);
   for (int s = 0; s < warmup + steps; ++s) {
     const train::StepResult result = trainer.step();
-    const auto ranks = pipe::gather_spans(*group, trainer.parallel().pipeline()->executor().spans(), 0);
+    const auto ranks = pipe::gather_spans(*group, trainer.parts().pipeline->executor().spans(), 0);
     const int64_t peak = std::max(result.memory.phase_peak[int(memory::Phase::kForward)],
                                   result.memory.phase_peak[int(memory::Phase::kBackward)]);
     at::Tensor mine = at::zeros({group->size()}, at::kDouble);
@@ -87,7 +87,7 @@ Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::C
       total += last - first;
     }
     waits.push_back(wait / total);
-    const pipe::Schedule schedule = pipe::make_schedule(config.parallel.schedule, int(config.parallel.pp), int(config.parallel.virtual_stages),
+    const pipe::Schedule schedule = pipe::make_schedule(config.parallel.dims.schedule, int(config.parallel.dims.pp), int(config.parallel.dims.virtual_stages),
                                                         int(config.grad_accum));
     simulated.push_back(pipe::validate(schedule, forward / forwards, backward / backwards).mean_bubble());
     if (trace && s == warmup + steps - 1) *trace = ranks;

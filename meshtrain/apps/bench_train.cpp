@@ -79,7 +79,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
     model_states = result.memory.model_states;
     peak = std::max(peak, result.memory.peak());
     if (sharded) continue;
-    const auto [entered, returned] = trainer.parallel().data_parallel()->last_finish_times();
+    const auto [entered, returned] = trainer.parts().data_parallel()->last_finish_times();
     const std::vector<double> everyone = gather(*runtime.world(), entered);
     const double last_arrival = *std::max_element(everyone.begin(), everyone.end());
     const double skew = last_arrival - entered;
@@ -89,7 +89,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   const double exposed_per_step = exposed_total / timed_steps;
   const double skew_per_step = skew_total / timed_steps;
   const double reduce_per_step =
-      runtime.size() > 1 && !sharded ? trainer.parallel().data_parallel()->standalone_reduce_seconds(5) : 0.0;
+      runtime.size() > 1 && !sharded ? trainer.parts().data_parallel()->standalone_reduce_seconds(5) : 0.0;
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;
@@ -115,7 +115,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
     nlohmann::json line = {{"side", "meshtrain"},
                            {"preset", config.preset},
                            {"ranks", runtime.size()},
-                           {"zero_stage", config.parallel.zero_stage},
+                           {"zero_stage", config.parallel.dims.zero_stage},
                            {"parameters", config.model.parameter_count()},
                            {"batch", config.batch},
                            {"micro_batch", config.micro_batch},
@@ -128,14 +128,14 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
                            {"counted_peak_mib", counted_peak},
                            {"counted_model_states_mib", counted_states},
                            {"device", trainer.device().str()},
-                           {"dtype", config.dtype},
+                           {"dtype", config::name_of(parallel::state_dtype_names(), config.dtype)},
                            {"device_peak_mib", device_peak},
                            {"planned_peak_mib", planned_peak}};
     if (sharded) {
       line["exposed_gather_s_per_step"] = (sharded->exposed_gather_seconds() - gather_before) / timed_steps;
       line["exposed_reduce_s_per_step"] = (sharded->exposed_reduce_seconds() - reduce_before) / timed_steps;
       line["largest_unit_numel"] = sharded->largest_unit_numel();
-      line["shards"] = config.parallel.fsdp;
+      line["shards"] = config.parallel.dims.fsdp;
     } else {
       line["allreduce_s_per_step"] = reduce_per_step;
       line["exposed_wait_s_per_step"] = exposed_per_step;

@@ -9,6 +9,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/serve/inference_model.h"
 #include "meshtrain/text/tokenizer.h"
+#include "meshtrain/model/config_json.h"
 #include "meshtrain/train/config.h"
 
 #include <cstdio>
@@ -82,8 +83,8 @@ int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::str
   }
   checkpoint::Metadata meta;
   meta.step = 0;
-  meta.model = train::model_fingerprint(hf.config);
-  meta.model_config = train::model_config_to_json(hf.config);
+  meta.model = model::fingerprint(hf.config);
+  meta.model_config = model::to_json(hf.config);
   meta.layout = "imported from Hugging Face " + hf.model_type;
   meta.world = 1;
   const std::unique_ptr<text::Tokenizer> tokenizer = hf_tokenizer(dir, hf.config.vocab_size);

@@ -4,7 +4,7 @@
 #include "meshtrain/fl/secagg.h"
 #include "meshtrain/fl/transport.h"
 #include "meshtrain/fl/update.h"
-#include "meshtrain/train/config.h"
+#include "meshtrain/model/config_json.h"
 #include "meshtrain/util/files.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -187,7 +187,7 @@ class Participant {
   void load_model(const wire::Task& task) {
     if (task.model_json() != model_json_) {
       model_json_ = task.model_json();
-      const model::GptConfig config = train::model_config_from_json(model_json_);
+      const model::GptConfig config = model::config_from_json(model_json_);
       model_ = model::Gpt(config, 0);
       context_len_ = config.context;
       sampler_ = std::make_unique<train::Sampler>(file_, config.context, client_sampler_seed(o_.id));

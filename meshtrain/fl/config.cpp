@@ -1,6 +1,6 @@
 #include "meshtrain/fl/config.h"
 
-#include "meshtrain/train/config.h"
+#include "meshtrain/model/config_json.h"
 
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
@@ -101,7 +101,7 @@ void apply_model(FlConfig& c, const toml::table& model) {
   if (auto p = model["preset"]) c.preset = as<std::string>(*p.node(), "model.preset");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(train::model_config_to_json(model::GptConfig::preset(c.preset)));
+    j = nlohmann::json::parse(model::to_json(model::GptConfig::preset(c.preset)));
   } catch (const std::exception& e) {
     throw FlConfigError(std::string("model.preset: ") + e.what());
   }
@@ -114,7 +114,7 @@ void apply_model(FlConfig& c, const toml::table& model) {
     else if (j[key].is_number_integer()) j[key] = as<int64_t>(node, "model." + key);
     else j[key] = as<double>(node, "model." + key);
   }
-  c.model = train::model_config_from_json(j.dump());
+  c.model = model::config_from_json(j.dump());
 }
 
 void apply_table(FlConfig& c, const toml::table& table, const std::string& prefix) {

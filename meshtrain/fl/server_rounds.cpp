@@ -4,7 +4,7 @@
 #include "meshtrain/fl/secagg.h"
 #include "meshtrain/fl/update.h"
 #include "meshtrain/interop/safetensors.h"
-#include "meshtrain/train/config.h"
+#include "meshtrain/model/config_json.h"
 #include "meshtrain/util/files.h"
 
 #include <nlohmann/json.hpp>
@@ -50,7 +50,7 @@ std::vector<at::Tensor> Rounds::weights() const {
 
 wire::Task Rounds::fit_task(uint64_t round) const {
   wire::Task task;
-  task.set_model_json(train::model_config_to_json(config_.model));
+  task.set_model_json(model::to_json(config_.model));
   for (size_t i = 0; i < params_.size(); ++i) *task.add_weights() = to_wire(names_[i], params_[i]);
   wire::FitConfig* fit = task.mutable_fit();
   fit->set_local_steps(static_cast<uint32_t>(config_.local_steps));
@@ -230,7 +230,7 @@ void Rounds::save(uint64_t round) const {
   }
   interop::write_safetensors(state_path(config_), tensors,
                              {{"round", std::to_string(round)},
-                              {"model", train::model_fingerprint(config_.model)},
+                              {"model", model::fingerprint(config_.model)},
                               {"strategy", config_.strategy.name},
                               {"uplink_bytes", std::to_string(cumulative_up_)},
                               {"downlink_bytes", std::to_string(cumulative_down_)}});
@@ -244,7 +244,7 @@ void Rounds::resume() {
     if (it == meta.end()) throw std::runtime_error(file.path() + ": not a federated server state (no '" + key + "')");
     return it->second;
   };
-  if (get("model") != train::model_fingerprint(config_.model))
+  if (get("model") != model::fingerprint(config_.model))
     throw std::runtime_error(file.path() + " holds another model (" + get("model") + "); remove it or set "
                              "fl.server.resume = false");
   if (get("strategy") != config_.strategy.name)

@@ -21,10 +21,14 @@ LayoutError::LayoutError(std::string key, std::string value, std::string reason)
       value_(std::move(value)),
       reason_(std::move(reason)) {}
 
-const std::vector<std::string>& ParallelDims::schedule_names() {
-  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved"};
+const config::Names<PipelineSchedule>& pipeline_schedule_names() {
+  static const config::Names<PipelineSchedule> names = {{PipelineSchedule::kGpipe, "gpipe"},
+                                                        {PipelineSchedule::kOneFOneB, "1f1b"},
+                                                        {PipelineSchedule::kInterleaved, "interleaved"}};
   return names;
 }
+
+const std::string& schedule_name(PipelineSchedule schedule) { return config::name_of(pipeline_schedule_names(), schedule); }
 
 void ParallelDims::resolve(int64_t world_size) {
   for (const auto& [key, value] : {std::pair<const char*, int64_t>{"pp", pp}, {"tp", tp}, {"ep", ep}}) {
@@ -72,16 +76,12 @@ void ParallelDims::check() const {
     refuse("zero_stage", "3", "does not combine with pp(" + n(pp) + ") > 1 (every micro-batch would gather every "
                               "stage's parameters again); use zero_stage 1 or 2 with pipelines");
   }
-  const auto& names = schedule_names();
-  if (std::find(names.begin(), names.end(), schedule) == names.end()) {
-    refuse("pp_schedule", "\"" + schedule + "\"", "use \"gpipe\", \"1f1b\" or \"interleaved\"");
-  }
   if (virtual_stages < 1) refuse("virtual_stages", n(virtual_stages), "must be >= 1");
-  if (virtual_stages > 1 && schedule != "interleaved") {
+  if (virtual_stages > 1 && schedule != PipelineSchedule::kInterleaved) {
     refuse("virtual_stages", n(virtual_stages), "needs pp_schedule = \"interleaved\"");
   }
   if (virtual_stages > 1 && pp < 2) refuse("virtual_stages", n(virtual_stages), "needs pp >= 2");
-  if (schedule == "interleaved" && pp > 1 && virtual_stages < 2) {
+  if (schedule == PipelineSchedule::kInterleaved && pp > 1 && virtual_stages < 2) {
     refuse("virtual_stages", n(virtual_stages),
            "pp_schedule = \"interleaved\" needs virtual_stages >= 2 (with one stage per rank it is 1f1b)");
   }
@@ -115,7 +115,7 @@ void ParallelDims::check_model(const ModelDims& m) const {
 
 void ParallelDims::check_microbatches(int64_t microbatches) const {
   if (microbatches < 1) refuse("microbatches", n(microbatches), "needs at least one micro-batch per data rank");
-  if (schedule == "interleaved" && pp > 1 && microbatches % pp != 0) {
+  if (schedule == PipelineSchedule::kInterleaved && pp > 1 && microbatches % pp != 0) {
     refuse("microbatches", n(microbatches),
            "the interleaved schedule needs micro-batches per step divisible by pp(" + n(pp) + ")");
   }
@@ -136,7 +136,7 @@ std::string ParallelDims::formula() const {
 
 std::string ParallelDims::str() const {
   std::string text = "pp=" + n(pp);
-  if (pp > 1) text += " " + schedule + (virtual_stages > 1 ? " v=" + n(virtual_stages) : "");
+  if (pp > 1) text += " " + schedule_name(schedule) + (virtual_stages > 1 ? " v=" + n(virtual_stages) : "");
   text += " dp=" + n(dp) + " fsdp=" + n(fsdp);
   if (ep > 1) text += " ep=" + n(ep);
   text += " tp=" + n(tp) + (sequence_parallel ? " sp" : "") + " zero=" + n(zero_stage);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "meshtrain/mesh/mesh_layout.h"
+#include "meshtrain/util/config_keys.h"
 
 #include <cstdint>
 #include <stdexcept>
@@ -25,6 +26,11 @@ class LayoutError : public std::invalid_argument {
  private:
   std::string key_, value_, reason_;
 };
+
+// The pipeline schedules (parallel/pipeline/schedule.h).
+enum class PipelineSchedule { kGpipe, kOneFOneB, kInterleaved };
+const config::Names<PipelineSchedule>& pipeline_schedule_names();  // gpipe, 1f1b, interleaved
+const std::string& schedule_name(PipelineSchedule schedule);
 
 // The sizes of a model that the layout rules depend on.
 struct ModelDims {
@@ -51,7 +57,7 @@ struct ModelDims {
 // - ep > 1 needs a mixture-of-experts model whose experts it divides; the ep
 //   ranks of a group read different micro-batches (data ranks are dp * fsdp *
 //   ep); it combines with every zero_stage, tp and pp;
-// - pp_schedule is gpipe, 1f1b or interleaved; virtual_stages > 1 needs
+// - virtual_stages > 1 needs
 //   interleaved and pp >= 2; interleaved with pp >= 2 needs virtual_stages >= 2
 //   (with one it is 1f1b) and micro-batches divisible by pp; pp *
 //   virtual_stages <= layers (every stage needs a block); micro-batches >= 1.
@@ -63,10 +69,8 @@ struct ParallelDims {
   int64_t tp = 1;
   bool sequence_parallel = false;
   int zero_stage = 0;  // 0: plain data parallel; 1: optimizer states sharded; 2: + gradients; 3: + parameters
-  std::string schedule = "1f1b";
+  PipelineSchedule schedule = PipelineSchedule::kOneFOneB;
   int64_t virtual_stages = 1;
-
-  static const std::vector<std::string>& schedule_names();  // gpipe, 1f1b, interleaved
 
   // Fills dp and fsdp left at 0 so that the product is `world_size`, then
   // check()s. Throws LayoutError.

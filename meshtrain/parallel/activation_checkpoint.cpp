@@ -82,10 +82,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 }  // namespace
 
 CheckpointMode parse_checkpoint_mode(const std::string& name) {
-  if (name == "none") return CheckpointMode::kNone;
-  if (name == "full") return CheckpointMode::kFull;
-  if (name == "selective") return CheckpointMode::kSelective;
-  throw std::invalid_argument("activation checkpoint mode must be none, full or selective, not '" + name + "'");
+  return config::parse_name(checkpoint_mode_names(), "parallel.activation_checkpoint", name);
 }
 
 at::Tensor checkpoint(const model::ForwardHooks::Forward& forward, const at::Tensor& input,

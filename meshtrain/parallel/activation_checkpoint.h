@@ -3,6 +3,8 @@
 #pragma once
 
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/parallel_spec.h"
+#include "meshtrain/parallel/random_streams.h"
 
 #include <functional>
 #include <memory>
@@ -11,20 +13,9 @@
 
 namespace meshtrain::parallel {
 
-enum class CheckpointMode {
-  kNone,
-  kFull,       // the whole block: only its input is kept
-  kSelective,  // attention proper (attn.core): its input, qkv's output, is kept
-};
-// "none" | "full" | "selective"; throws std::invalid_argument otherwise.
+// CheckpointMode (parallel_spec.h) by name: "none" | "full" | "selective";
+// throws config::ConfigError (a std::invalid_argument) otherwise.
 CheckpointMode parse_checkpoint_mode(const std::string& name);
-
-// A random stream other than the default generator that a recomputed forward
-// draws from (tensor parallel's per-rank stream): read and replaced by value.
-struct RandomStream {
-  std::function<at::Tensor()> get;
-  std::function<void(const at::Tensor&)> set;
-};
 
 // Note [Activation checkpointing]
 // An around-hook on "blocks.N" (full) or "blocks.N.attn.core" (selective)

@@ -25,20 +25,6 @@ std::pair<torch::nn::Module*, std::string> holder(torch::nn::Module& root, const
 
 }  // namespace
 
-void check_annotated_layout(const mesh::ParallelDims& dims, const std::string& activation_checkpoint, bool bfloat16,
-                            bool cpu) {
-  auto refuse = [](const std::string& what) {
-    throw mesh::LayoutError("tp_impl", "\"annotations\"", "does not combine with " + what + " yet; use tp_impl = \"plan\"");
-  };
-  if (dims.pp > 1) refuse("pipeline parallel (pp > 1)");
-  if (dims.ep > 1) refuse("expert parallel (ep > 1)");
-  if (dims.zero_stage > 2) refuse("ZeRO-3 (zero_stage = 3)");
-  if (dims.sequence_parallel) refuse("sequence parallel");
-  if (activation_checkpoint != "none") refuse("activation checkpointing");
-  if (bfloat16) refuse("bfloat16 autocast");
-  if (!cpu) refuse("a GPU device");
-}
-
 AnnotatedTensorParallel::AnnotatedTensorParallel(model::Gpt model, std::shared_ptr<const mesh::DeviceMesh> mesh)
     : model_(std::move(model)), mesh_(std::move(mesh)), local_(std::make_shared<torch::nn::Module>()) {
   annotate::annotate_module(*model_, mesh_, annotate::gpt_megatron_annotations(model_->config(), *mesh_));
@@ -82,6 +68,10 @@ std::map<std::string, at::Tensor> AnnotatedTensorParallel::gather_all(const std:
                                              annotate::replicated(*mesh_));
   }
   return out;
+}
+
+std::string AnnotatedTensorParallel::describe() const {
+  return "tensor parallel tp(" + std::to_string(comm()->size()) + ") from sharding annotations";
 }
 
 }  // namespace meshtrain::parallel

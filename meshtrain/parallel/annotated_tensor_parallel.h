@@ -4,8 +4,8 @@
 #pragma once
 
 #include "meshtrain/annotate/annotate.h"
-#include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/tensor_parallelism.h"
 
 #include <torch/torch.h>
 
@@ -33,26 +33,23 @@ namespace meshtrain::parallel {
 // the annotation mesh would call the ranks' different micro-batches one
 // Replicate value, which a rule may cut and gather; a batch annotated as
 // split over dp, as annotate_test does, is the way to put dp there.)
-// Throws mesh::LayoutError (key "tp_impl") naming what annotations do not
-// combine with yet: pp, ep, ZeRO-3, sequence parallel, activation
-// checkpointing, bfloat16 autocast, a GPU. (ZeRO-1/2 shard the pieces'
-// optimizer states and gradients over the data axes as for the plan.)
-void check_annotated_layout(const mesh::ParallelDims& dims, const std::string& activation_checkpoint, bool bfloat16,
-                            bool cpu);
-
-class AnnotatedTensorParallel {
+// Annotations do not combine yet with pp, ep, ZeRO-3, sequence parallel,
+// activation checkpointing, bfloat16 autocast or a GPU: ParallelSpec::check
+// refuses those. (ZeRO-1/2 shard the pieces' optimizer states and gradients
+// over the data axes as for the plan.)
+class AnnotatedTensorParallel : public TensorParallelism {
  public:
   // `mesh`: the tp group's (its other axes of size 1).
   AnnotatedTensorParallel(model::Gpt model, std::shared_ptr<const mesh::DeviceMesh> mesh);
 
   std::shared_ptr<torch::nn::Module> local_module() const { return local_; }
-  void after_backward();
+  void after_backward() override;
 
-  bool is_split(const std::string& name) const;
-  placement::Placement placement_of(const std::string& name) const;  // over tp
-  // Every entry of `local` (parameters' pieces by name) made whole. Collective.
-  std::map<std::string, at::Tensor> gather_all(const std::map<std::string, at::Tensor>& local) const;
-  const std::shared_ptr<comm::Communicator>& comm() const { return mesh_->comm("tp"); }
+  bool is_split(const std::string& name) const override;
+  placement::Placement placement_of(const std::string& name) const override;  // over tp
+  std::map<std::string, at::Tensor> gather_all(const std::map<std::string, at::Tensor>& local) const override;
+  const std::shared_ptr<comm::Communicator>& comm() const override { return mesh_->comm("tp"); }
+  std::string describe() const override;
 
  private:
   model::Gpt model_;

@@ -7,13 +7,6 @@
 
 namespace meshtrain::parallel {
 
-at::ScalarType parse_dtype(const std::string& name) {
-  if (name == "float32") return at::kFloat;
-  if (name == "bfloat16") return at::kBFloat16;
-  if (name == "float16") return at::kHalf;
-  throw std::invalid_argument("unknown dtype '" + name + "' (float32, bfloat16 or float16)");
-}
-
 FullySharded::FullySharded(std::shared_ptr<torch::nn::Module> module, ShardingGroups groups,
                            FullyShardedOptions options)
     : state_(std::make_shared<ShardedState>()) {

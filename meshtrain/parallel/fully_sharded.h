@@ -172,6 +172,4 @@ class FullySharded : public DataParallelism {
   std::shared_ptr<ShardedState> state_;
 };
 
-at::ScalarType parse_dtype(const std::string& name);  // "float32" | "bfloat16" | "float16"
-
 }  // namespace meshtrain::parallel

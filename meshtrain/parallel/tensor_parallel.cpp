@@ -1,6 +1,6 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 
-#include "meshtrain/parallel/parallelize.h"
+#include "meshtrain/parallel/parallel_spec.h"
 
 #include <cmath>
 #include <mutex>
@@ -253,14 +253,7 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
   // The tied LM head multiplies by the (vocab-split) token embedding.
   if (!model_->head && hooks_->weights.count("wte")) hooks_->weights["head"] = hooks_->weights.at("wte");
 
-  at::Generator generator = at::globalContext().defaultGenerator(comm_->device());
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    const at::Tensor saved = generator.get_state();
-    generator.set_current_seed(options_.seed + 2718 + rank);
-    local_random_state_ = generator.get_state();
-    generator.set_state(saved);
-  }
+  local_random_state_ = seeded_state(comm_->device(), RandomStreams::per_rank_seed(options_.seed, rank));
   model_->add_forward_hooks(hooks_);
 }
 
@@ -306,6 +299,16 @@ std::map<std::string, at::Tensor> TensorParallel::gather_all(const std::map<std:
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, tensor] : local) out[name] = gather(name, tensor);  // same order on every rank
   return out;
+}
+
+std::vector<RandomStreams::PerRank> TensorParallel::random_streams() {
+  RandomStream stream{[this] { return local_random_state(); }, [this](const at::Tensor& s) { set_local_random_state(s); }};
+  return {{"tensor_parallel", stream, comm_->rank()}};
+}
+
+std::string TensorParallel::describe() const {
+  return "tensor parallel tp(" + std::to_string(comm_->size()) + ")" +
+         (options_.sequence_parallel ? " with sequence parallel" : "");
 }
 
 void TensorParallel::with_local_random(const std::function<void()>& fn) {

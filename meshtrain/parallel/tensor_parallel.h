@@ -4,6 +4,7 @@
 
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/tensor_parallel_ops.h"
+#include "meshtrain/parallel/tensor_parallelism.h"
 #include "meshtrain/placement/placement.h"
 
 #include <torch/torch.h>
@@ -76,7 +77,7 @@ void check_tensor_parallel(const model::GptConfig& config, int t, bool sequence_
 
 struct TensorParallelOptions {
   bool sequence_parallel = false;
-  uint64_t seed = 1337;  // of the per-rank random stream (seed + 2718 + rank)
+  uint64_t seed = 1337;  // of the per-rank random stream (RandomStreams::per_rank_seed)
 };
 
 // Note [Tensor parallel]
@@ -97,25 +98,22 @@ struct TensorParallelOptions {
 // is the same on every rank; regions holding different data on each rank
 // (attention over split heads; dropout on sequence chunks) draw from a
 // per-rank stream, swapped in and out of the default generator.
-class TensorParallel {
+class TensorParallel : public TensorParallelism {
  public:
   // `comm` is the tp group. Every rank must hold the same full model.
   TensorParallel(model::Gpt model, CommPtr comm, const TensorParallelPlan& plan, TensorParallelOptions options);
-  ~TensorParallel();
+  ~TensorParallel() override;
   TensorParallel(const TensorParallel&) = delete;
   TensorParallel& operator=(const TensorParallel&) = delete;
 
-  // Whether a parameter is split over the group (else every rank holds it whole).
-  bool is_split(const std::string& name) const;
-  // How: Shard(dim, parts) (each of `parts` equal blocks of `dim` split
-  // alike, Note [Placements]), or Replicate.
-  placement::Placement placement_of(const std::string& name) const;
+  // Shard(dim, parts): each of `parts` equal blocks of `dim` split alike.
+  bool is_split(const std::string& name) const override;
+  placement::Placement placement_of(const std::string& name) const override;
   // The full value of parameter `name` from the local shards of every rank. Collective.
   at::Tensor gather(const std::string& name, const at::Tensor& local) const;
   // `full` cut to this rank's shard of parameter `name` (copied).
   at::Tensor shard(const std::string& name, const at::Tensor& full) const;
-  // Every entry of `local` (parameters by name) made full. Collective.
-  std::map<std::string, at::Tensor> gather_all(const std::map<std::string, at::Tensor>& local) const;
+  std::map<std::string, at::Tensor> gather_all(const std::map<std::string, at::Tensor>& local) const override;
 
   // Runs `fn` with this rank's random stream as the default generator.
   void with_local_random(const std::function<void()>& fn);
@@ -123,8 +121,12 @@ class TensorParallel {
   at::Tensor local_random_state() const { return local_random_state_.clone(); }
   void set_local_random_state(const at::Tensor& state) { local_random_state_ = state.clone(); }
 
+  // The per-rank stream, as "tensor_parallel" at this rank's tp rank.
+  std::vector<RandomStreams::PerRank> random_streams() override;
+  std::string describe() const override;
+
   bool sequence_parallel() const { return options_.sequence_parallel; }
-  const CommPtr& comm() const { return comm_; }
+  const CommPtr& comm() const override { return comm_; }
 
  private:
   struct Hooks;

@@ -14,13 +14,13 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   // changes the matmuls, not the states.
   run.workload.precision = Precision::parse("fp32");
   run.workload.dropout = config.model.dropout;
-  run.workload.prefetch = config.prefetch;
+  run.workload.prefetch = config.parallel.prefetch;
   const bool gpu = config.device != "cpu";
   // libtorch's fused attention on the CPU has no dropout; with dropout it falls back to the math kernel.
   // On CUDA the memory-efficient kernel takes dropout, and dropout keeps byte masks.
   // The fused operators' batched attention keeps contiguous q, k, v and its softmax (Note [CPU attention]).
-  const bool bf16 = config.dtype == "bfloat16" || config.param_dtype == "bfloat16";
-  const bool batched = config.model.fused && config.tp_impl != "annotations" &&
+  const bool bf16 = config.bfloat16() || config.parallel.param_dtype == at::kBFloat16;
+  const bool batched = config.model.fused && !config.parallel.annotated() &&
                        model::fused::batched_attention_applies(!gpu, bf16, config.model.context,
                                                                config.model.head_dim(), config.model.dropout);
   run.workload.attention = batched ? "batched" : config.model.dropout > 0 && !gpu ? "math" : "flash";
@@ -31,11 +31,10 @@ PlannedRun planned_model(const train::TrainConfig& config) {
 PlannedRun planned_run(const train::TrainConfig& config) {
   PlannedRun run = planned_model(config);
   Layout& l = run.layout;
-  l = Layout::from_dims(config.parallel, config.micro_batch);
-  l.recompute = config.activation_checkpoint;
-  if (config.offload_optimizer != "none") l.offload = config.offload_params != "none" ? "parameters" : "optimizer";
+  l = Layout(config.parallel, config.micro_batch);
   run.microbatches = config.grad_accum;
-  if (config.activation_checkpoint != "none" && config.activation_checkpoint_every != 1) {
+  if (config.parallel.activation_checkpoint != parallel::CheckpointMode::kNone &&
+      config.parallel.activation_checkpoint_every != 1) {
     throw std::invalid_argument("the planner models checkpointing of every block only (activation_checkpoint_every = 1)");
   }
   return run;

@@ -2,42 +2,31 @@
 // workload (batch, precision, attention kernel) and the machine it runs on.
 #pragma once
 
-#include "meshtrain/mesh/parallel_dims.h"
+#include "meshtrain/parallel/parallel_spec.h"
 
 #include <cstdint>
 #include <string>
 
 namespace meshtrain::plan {
 
-// One way to lay a training run out on pp x dp x fsdp x ep x tp ranks (the
-// trainer's mesh, tp innermost), with the memory options that go with it.
-struct Layout {
-  int64_t pp = 1;
-  int64_t dp = 1;            // replicas
-  int64_t fsdp = 1;          // shards of the ZeRO/FSDP axis (zero_stage >= 1)
-  int64_t ep = 1;            // expert parallel: experts split over ep data ranks
-  int64_t tp = 1;
-  bool sp = false;           // sequence parallel (tp > 1)
-  int zero_stage = 0;        // 0: plain data parallel; 1, 2, 3 as in the ZeRO paper
-  std::string schedule = "1f1b";  // pp > 1: "gpipe" | "1f1b" | "interleaved"
-  int64_t virtual_stages = 1;
-  int64_t micro_batch = 1;   // sequences per forward/backward
-  std::string recompute = "none";  // "none" | "selective" | "full"
-  std::string offload = "none";    // "none" | "optimizer" (states on the host) | "parameters" (ZeRO-3: all on the host)
+// One way to lay a training run out: a ParallelSpec (the degrees of the
+// trainer's mesh pp x dp x fsdp x ep x tp, tp innermost, and the techniques'
+// options: recompute, offload) plus the micro-batch. Degrees are explicit
+// (dp and fsdp 1 unless given).
+struct Layout : parallel::ParallelSpec {
+  int64_t micro_batch = 1;  // sequences per forward/backward
 
-  // The degrees, sequence parallel, ZeRO stage and schedule as the layout
-  // rules see them (mesh/parallel_dims.h), and back.
-  mesh::ParallelDims dims() const;
-  static Layout from_dims(const mesh::ParallelDims& dims, int64_t micro_batch = 1);
+  Layout() { dims.dp = dims.fsdp = 1; }
+  Layout(const parallel::ParallelSpec& spec, int64_t micro_batch) : parallel::ParallelSpec(spec), micro_batch(micro_batch) {}
 
-  int64_t world() const { return pp * dp * fsdp * ep * tp; }
-  int64_t data_ranks() const { return dp * fsdp * ep; }
-  int64_t expert_data_ranks() const { return dp * fsdp; }  // those that hold the same experts
-  int64_t shards() const { return zero_stage > 0 ? fsdp : 1; }  // ZeRO shards over fsdp, replicates over dp (hybrid)
+  int64_t world() const { return dims.world(); }
+  int64_t data_ranks() const { return dims.data_ranks(); }
+  int64_t expert_data_ranks() const { return dims.dp * dims.fsdp; }  // those that hold the same experts
+  int64_t shards() const { return dims.shards(); }  // ZeRO shards over fsdp, replicates over dp (hybrid)
 
-  // "pp=2 1f1b tp=4 sp dp=1 zero=1 fsdp=8 mb=1 recompute=selective"; parse() reads it back and
-  // also accepts commas; keys: dp fsdp ep tp sp pp schedule v zero mb recompute offload.
-  std::string str() const;
+  // "pp=2 1f1b tp=4 sp dp=1 zero=1 fsdp=8 mb=1 recompute=selective": ParallelSpec::str() with the
+  // micro-batch; parse() reads it back (ParallelSpec::parse's keys and mb).
+  std::string str() const { return parallel::ParallelSpec::str(micro_batch); }
   // Throws std::invalid_argument naming the key or value and what is allowed.
   static Layout parse(const std::string& text);
 };

@@ -97,13 +97,14 @@ double moe_saved(const ModelShape& model, const Sizes& z, double e, int64_t ep, 
 // The schedule each rank runs (one rank: micro-batches one after another),
 // cached: the search asks for the same ones often.
 const pipeline::Schedule& schedule_of(const Layout& layout, int64_t microbatches) {
-  static std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, pipeline::Schedule> cache;
-  const std::string name = layout.pp > 1 ? layout.schedule : "1f1b";
-  const auto key = std::make_tuple(name, layout.pp, layout.virtual_stages, microbatches);
+  static std::map<std::tuple<mesh::PipelineSchedule, int64_t, int64_t, int64_t>, pipeline::Schedule> cache;
+  const mesh::ParallelDims& d = layout.dims;
+  const mesh::PipelineSchedule name = d.pp > 1 ? d.schedule : mesh::PipelineSchedule::kOneFOneB;
+  const auto key = std::make_tuple(name, d.pp, d.virtual_stages, microbatches);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  return cache[key] = pipeline::make_schedule(name, static_cast<int>(layout.pp),
-                                              static_cast<int>(layout.virtual_stages), static_cast<int>(microbatches));
+  return cache[key] = pipeline::make_schedule(name, static_cast<int>(d.pp), static_cast<int>(d.virtual_stages),
+                                              static_cast<int>(microbatches));
 }
 
 // What a layer saves from its attention output on: dropout masks, the MLP's
@@ -123,14 +124,14 @@ double mlp_saved(const ModelShape& model, const Sizes& z, double e, const Activa
 double layer_activation_bytes(const ModelShape& model, const ActivationOptions& o, bool moe, int64_t ep) {
   const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
   const double e = o.precision.activation, mask = o.precision.mask;
-  if (o.recompute == "full") return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
+  if (o.recompute == parallel::CheckpointMode::kFull) return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
   const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
   const double s = static_cast<double>(model.seq), heads = static_cast<double>(model.heads);
   double bytes = 2 * (e * z.region(z.u) + z.region(norm_saved(model, z, e)));  // both norms
   bytes += e * z.region(z.u);                                // qkv projection's input
   bytes += e * z.split(z.u);                                 // attention output = output projection's input
   const double scores = heads * s * z.tokens;                // a·s²·b
-  if (o.attention == "batched" && o.recompute != "selective") {
+  if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective) {
     // Contiguous q, k, v over every head (k, v repeated), and the causal
     // softmax's blocks; the qkv projection's output is not kept (Note [CPU attention]).
     const double kept = static_cast<double>(model::fused::batched_attention_scores(model.seq, model.seq, true)) / (s * s);
@@ -138,7 +139,7 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   }
   bytes += e * z.split(z.u * (h + 2 * kv) / h);              // q, k, v
   if (!model.learned_positions) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k
-  if (o.recompute != "selective") {                          // the attention core
+  if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core
     if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
     } else {
@@ -149,17 +150,14 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
 }
 
 void check_layout(const ModelShape& model, const Layout& l, int64_t microbatches) {
-  auto refuse = [&](const std::string& why) { throw std::invalid_argument("layout " + l.str() + ": " + why); };
+  // The trainer's rules (Note [Parallel spec]), on a copy: the degrees are explicit already.
+  Layout checked = l;
   try {
-    const mesh::ParallelDims dims = l.dims();
-    dims.check();
-    dims.check_model(model.dims());
-    dims.check_microbatches(microbatches);
-  } catch (const mesh::LayoutError& e) {
-    refuse(e.what());
+    checked.check(l.world(), model.dims(), {});
+    checked.check_microbatches(microbatches);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("layout " + l.str() + ": " + e.what());
   }
-  if (l.offload != "none" && l.zero_stage == 0) refuse("offload needs zero >= 1 (the host holds the shards)");
-  if (l.offload == "parameters" && l.zero_stage != 3) refuse("offloading parameters needs zero = 3");
 }
 
 std::vector<int64_t> stage_blocks(const ModelShape& model, int64_t stages) {
@@ -175,36 +173,36 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
                                         int64_t microbatches) {
   check_layout(model, l, microbatches);
   const Precision& p = w.precision;
-  const Sizes z = sizes(model, l.micro_batch, l.tp, l.sp);
-  const double t = static_cast<double>(l.tp), shards = static_cast<double>(l.shards()), e = p.activation;
+  const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel);
+  const double t = static_cast<double>(l.dims.tp), shards = static_cast<double>(l.shards()), e = p.activation;
   const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab);
 
   // Parameters on one tensor-parallel rank (a MoE block: its ep-th of the experts).
   const double block = static_cast<double>(model.block_split_parameters()) / t +
                        static_cast<double>(model.block_parameters() - model.block_split_parameters());
-  const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.ep);
+  const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.dims.ep);
   // A MoE block: the dense block less its MLP (split by tp, its output bias whole), plus the router and experts (whole on every tp rank).
   const double mlp_bias = static_cast<double>(model.bias ? model.width : 0);
   const double mlp_split = static_cast<double>(model.mlp_parameters(model.ffn)) - mlp_bias;
   const double moe_block = block - mlp_split / t - mlp_bias + static_cast<double>(model.experts * model.width) + local_experts;
   const double embedding = vocab * h / t + (model.learned_positions ? static_cast<double>(model.seq) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tied_head ? 0 : vocab * h);
-  const double head = head_norm + ((!model.tied_head || l.pp > 1) ? vocab * h / t : 0);
+  const double head = head_norm + ((!model.tied_head || l.dims.pp > 1) ? vocab * h / t : 0);
   const double largest_tensor = std::max({vocab * h / t, static_cast<double>(model.ffn) * h / t,
                                           h * (h + 2.0 * static_cast<double>(model.kv_width())) / t,
-                                          static_cast<double>(model.expert_ffn * model.experts / l.ep) * h});
+                                          static_cast<double>(model.expert_ffn * model.experts / l.dims.ep) * h});
 
-  ActivationOptions options{l.micro_batch, l.tp, l.sp, l.recompute, w.attention, w.dropout, p, w.moe_load};
+  ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
   const double per_layer = layer_activation_bytes(model, options);
-  const double per_moe_layer = layer_activation_bytes(model, options, true, l.ep);
-  options.recompute = "none";
+  const double per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep);
+  options.recompute = parallel::CheckpointMode::kNone;
   const double full_layer = std::max(layer_activation_bytes(model, options),
-                                     model.moe() ? layer_activation_bytes(model, options, true, l.ep) : 0.0);
+                                     model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
   const OutputBytes out = output_bytes(model, z, p);
   const double boundary = e * z.region(z.u);  // one activation (or its gradient) sent between stages
 
-  const int64_t chunks = l.pp * l.virtual_stages;
-  const std::vector<int64_t> blocks = l.pp > 1 ? stage_blocks(model, chunks) : std::vector<int64_t>{model.layers};
+  const int64_t chunks = l.dims.pp * l.dims.virtual_stages;
+  const std::vector<int64_t> blocks = l.dims.pp > 1 ? stage_blocks(model, chunks) : std::vector<int64_t>{model.layers};
   std::vector<int64_t> moe_blocks(blocks.size(), 0);  // of each chunk's blocks, the MoE ones
   for (int64_t c = 0, i = 0; c < chunks; ++c) {
     for (int64_t end = i + blocks[c]; i < end; ++i) moe_blocks[c] += model.is_moe_block(i) ? 1 : 0;
@@ -213,14 +211,14 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
   // ZeRO-3 units (one per block, the root holding embedding and head),
   // gathered in full (their tensor-parallel shards) while they compute.
   const double root_unit = embedding + head;
-  const bool gathers = l.zero_stage == 3;
+  const bool gathers = l.dims.zero_stage == 3;
 
   std::vector<RankMemory> ranks;
-  for (int64_t r = 0; r < l.pp; ++r) {
+  for (int64_t r = 0; r < l.dims.pp; ++r) {
     RankMemory rank;
     rank.pipeline_rank = static_cast<int>(r);
-    for (int64_t c = r; c < chunks; c += l.pp) rank.layers += blocks[c], rank.moe_layers += moe_blocks[c];
-    const bool first = r == 0, last = r == l.pp - 1;
+    for (int64_t c = r; c < chunks; c += l.dims.pp) rank.layers += blocks[c], rank.moe_layers += moe_blocks[c];
+    const bool first = r == 0, last = r == l.dims.pp - 1;
     const double dense_layers = static_cast<double>(rank.layers - rank.moe_layers);
     const double psi = dense_layers * block + static_cast<double>(rank.moe_layers) * moe_block + (first ? embedding : 0) +
                        (last ? head : 0);
@@ -228,23 +226,23 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
     rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * local_experts;
     const double largest_block = rank.moe_layers > 0 ? std::max(block, moe_block) : block;
     const double dense_workspace = layer_backward_workspace(model, z, p, false, 1, 0);
-    const double moe_workspace = rank.moe_layers > 0 ? layer_backward_workspace(model, z, p, true, l.ep, w.moe_load) : 0.0;
+    const double moe_workspace = rank.moe_layers > 0 ? layer_backward_workspace(model, z, p, true, l.dims.ep, w.moe_load) : 0.0;
     const double workspace = std::max(dense_workspace, moe_workspace);
 
     MemoryBreakdown states;
-    states.parameters = p.param * psi / (l.zero_stage >= 3 ? shards : 1);
-    states.gradients = p.grad * psi / (l.zero_stage >= 2 ? shards : 1);
-    states.optimizer = p.optimizer * psi / (l.zero_stage >= 1 ? shards : 1);
+    states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
+    states.gradients = p.grad * psi / (l.dims.zero_stage >= 2 ? shards : 1);
+    states.optimizer = p.optimizer * psi / (l.dims.zero_stage >= 1 ? shards : 1);
     // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
     // the host (in fp32 training the masters were the parameters, so the host
     // holds a copy of this rank's shard); sharded gradients accumulate there;
     // with "parameters" the stage-3 parameter shards too.
-    if (l.offload != "none") {
+    if (l.offloaded()) {
       states.host += states.optimizer + (p.param == 4 && p.optimizer == 8 ? 4 * psi / shards : 0);
       states.optimizer = 0;
-      if (l.zero_stage >= 2) states.host += states.gradients, states.gradients = 0;
+      if (l.dims.zero_stage >= 2) states.host += states.gradients, states.gradients = 0;
     }
-    if (l.offload == "parameters") states.host += states.parameters, states.parameters = 0;
+    if (l.offload_params != offload::Tier::kDevice) states.host += states.parameters, states.parameters = 0;
 
     // Walk this rank's computations in order, keeping what each leaves
     // behind (a stage's activations until its backward, the loss's saved
@@ -289,7 +287,7 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
         // starts with its experts, whose workspace is freed before any of
         // the block's gradients exist; its expert gradients complete (then
         // are reduced) once its saved tensors are freed.
-        const double recomputed = l.recompute == "full" ? full_layer : 0;
+        const double recomputed = l.activation_checkpoint == parallel::CheckpointMode::kFull ? full_layer : 0;
         if (gathers && rank.moe_layers > 0) {
           const double gathered = sends + p.param * (root_unit + moe_block);
           consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
@@ -311,7 +309,7 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
     }
     // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
     // a unit's updated shards into a full buffer (two units' worth in flight).
-    const double optimizer_work = l.zero_stage == 0 ? 4 * 4 * largest_tensor : 2 * 4 * std::max(largest_block, root_unit);
+    const double optimizer_work = l.dims.zero_stage == 0 ? 4 * 4 * largest_tensor : 2 * 4 * std::max(largest_block, root_unit);
     consider("optimizer step", 0, 0, 0, optimizer_work);
     rank.memory = peak;
     ranks.push_back(rank);

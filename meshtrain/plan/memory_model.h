@@ -56,7 +56,7 @@ struct ActivationOptions {
   int64_t micro_batch = 1;
   int64_t tp = 1;
   bool sp = false;
-  std::string recompute = "none";
+  parallel::CheckpointMode recompute = parallel::CheckpointMode::kNone;
   std::string attention = "flash";
   double dropout = 0;
   Precision precision = Precision::parse("bf16-mixed");

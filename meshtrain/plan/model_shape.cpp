@@ -195,12 +195,14 @@ double ModelShape::head_training_flops() const {
   return 6.0 * static_cast<double>(seq) * static_cast<double>(vocab) * static_cast<double>(width);
 }
 
-double ModelShape::block_recompute_flops(const std::string& recompute) const {
+double ModelShape::block_recompute_flops(parallel::CheckpointMode recompute) const {
   const double s = static_cast<double>(seq), h = static_cast<double>(width);
-  if (recompute == "none") return 0;
-  if (recompute == "selective") return s * 4 * s * h;
-  if (recompute == "full") return block_training_flops() / 3;  // a forward is a third of forward + backward
-  throw std::invalid_argument("recompute '" + recompute + "': use none, selective or full");
+  switch (recompute) {
+    case parallel::CheckpointMode::kNone: return 0;
+    case parallel::CheckpointMode::kSelective: return s * 4 * s * h;
+    case parallel::CheckpointMode::kFull: break;
+  }
+  return block_training_flops() / 3;  // a forward is a third of forward + backward
 }
 
 std::string ModelShape::describe() const {

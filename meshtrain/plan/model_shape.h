@@ -5,6 +5,7 @@
 #pragma once
 
 #include "meshtrain/mesh/parallel_dims.h"
+#include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/model/gpt_config.h"
 
 #include <cstdint>
@@ -73,7 +74,7 @@ struct ModelShape {
   double training_flops_per_sequence() const;
   // The forward work recompute repeats in one block: "selective" the
   // attention core (4·seq·width per token), "full" the block's forward.
-  double block_recompute_flops(const std::string& recompute) const;
+  double block_recompute_flops(parallel::CheckpointMode recompute) const;
 
   // "gpt2-124m: 124.4M parameters, 12 layers, h 768, 12 heads, ffn 3072, vocab 50257, seq 1024"
   // (+ ", 8 experts top-2 every block, 12.9B active" with experts)

@@ -44,13 +44,13 @@ std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine,
           }
           for (int64_t fsdp : shard_counts) {
             Layout l;
-            l.tp = tp;
-            l.sp = tp > 1 && model.seq % tp == 0;
-            l.pp = pp;
-            l.ep = ep;
-            l.fsdp = fsdp;
-            l.dp = replicated / fsdp;
-            l.zero_stage = zero;
+            l.dims.tp = tp;
+            l.dims.sequence_parallel = tp > 1 && model.seq % tp == 0;
+            l.dims.pp = pp;
+            l.dims.ep = ep;
+            l.dims.fsdp = fsdp;
+            l.dims.dp = replicated / fsdp;
+            l.dims.zero_stage = zero;
             shapes.push_back(l);
           }
         }
@@ -96,19 +96,22 @@ SearchResult search(const ModelShape& model, const Workload& workload, const Mac
   SearchResult result;
   for (const Layout& shape : mesh_shapes(model, machine, world)) {
     const int64_t data = shape.data_ranks();
-    std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
-    if (shape.pp > 1) schedules.push_back({"interleaved", 2});
+    std::vector<std::pair<mesh::PipelineSchedule, int64_t>> schedules = {{mesh::PipelineSchedule::kOneFOneB, 1}};
+    if (shape.dims.pp > 1) schedules.push_back({mesh::PipelineSchedule::kInterleaved, 2});
     for (const auto& [schedule, v] : schedules) {
       for (int64_t mb = 1; mb <= workload.global_batch / data; mb *= 2) {
         if (workload.global_batch % (mb * data) != 0) continue;
-        for (const char* recompute : {"none", "selective", "full"}) {
-          for (const char* offload : {"none", "optimizer", "parameters"}) {
+        using parallel::CheckpointMode;
+        for (CheckpointMode recompute : {CheckpointMode::kNone, CheckpointMode::kSelective, CheckpointMode::kFull}) {
+          // Offload: nothing, the optimizer states, or the parameters too (to host memory).
+          for (int offloaded = 0; offloaded < 3; ++offloaded) {
             Layout l = shape;
-            l.schedule = schedule;
-            l.virtual_stages = v;
+            l.dims.schedule = schedule;
+            l.dims.virtual_stages = v;
             l.micro_batch = mb;
-            l.recompute = recompute;
-            l.offload = offload;
+            l.activation_checkpoint = recompute;
+            l.offload_optimizer = offloaded >= 1 ? offload::Tier::kHost : offload::Tier::kDevice;
+            l.offload_params = offloaded >= 2 ? offload::Tier::kHost : offload::Tier::kDevice;
             try {
               Candidate c = evaluate(model, workload, l, machine);
               ++result.examined;

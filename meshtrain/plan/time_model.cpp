@@ -33,22 +33,22 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
                             int64_t microbatches, const std::vector<RankMemory>& ranks) {
   TimeBreakdown time;
   const double m = static_cast<double>(microbatches), b = static_cast<double>(l.micro_batch);
-  const double t = static_cast<double>(l.tp), rate = machine.peak_flops * machine.mfu;
+  const double t = static_cast<double>(l.dims.tp), rate = machine.peak_flops * machine.mfu;
   const Precision& p = w.precision;
 
   // The slowest pipeline rank (its blocks; embedding lookups are free, the
   // head is not) and the most parameters any rank reduces.
   const double moe_flops = model.moe() ? model.block_training_flops(model.moe_every - 1) : 0;
   auto recompute_flops = [&](double flops, double layers) {
-    if (l.recompute == "full") return flops / 3;  // a forward is a third of forward + backward
-    return layers * model.block_recompute_flops(l.recompute);
+    if (l.activation_checkpoint == parallel::CheckpointMode::kFull) return flops / 3;  // a forward is a third of forward + backward
+    return layers * model.block_recompute_flops(l.activation_checkpoint);
   };
   double slowest = 0, slowest_recompute = 0, psi = 0, expert_psi = 0;
   int64_t most_layers = 0, most_moe_layers = 0;
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
     const double blocks = (layers - moe_layers) * model.block_training_flops() + moe_layers * moe_flops;
-    const double flops = blocks + (rank.pipeline_rank == l.pp - 1 ? model.head_training_flops() : 0);
+    const double flops = blocks + (rank.pipeline_rank == l.dims.pp - 1 ? model.head_training_flops() : 0);
     if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers);
     most_layers = std::max(most_layers, rank.layers);
     most_moe_layers = std::max(most_moe_layers, rank.moe_layers);
@@ -57,30 +57,30 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
   const double sequences = m * b;  // per data rank per step
   time.recompute = sequences * slowest_recompute / t / rate;
   time.compute = sequences * slowest / t / rate + time.recompute;
-  if (l.pp > 1) {
-    const double bubble = parallel::pipeline::theoretical_bubble(static_cast<int>(l.pp), static_cast<int>(l.virtual_stages),
+  if (l.dims.pp > 1) {
+    const double bubble = parallel::pipeline::theoretical_bubble(static_cast<int>(l.dims.pp), static_cast<int>(l.dims.virtual_stages),
                                                                  static_cast<int>(microbatches));
     time.bubble = time.compute * bubble / (1 - bubble);
   }
 
   const double activation = p.activation * static_cast<double>(model.seq) * b * static_cast<double>(model.width);
-  if (l.tp > 1) {
-    const Link tp = link(machine, l.tp, 1);
-    const double per_layer = 4 + (l.recompute == "full" ? 2 : 0);
+  if (l.dims.tp > 1) {
+    const Link tp = link(machine, l.dims.tp, 1);
+    const double per_layer = 4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0);
     const double collectives = m * (static_cast<double>(most_layers) * per_layer + 2);  // + embedding and head
     const double seconds = collectives * tp.all_reduce(activation, t);
-    time.traffic.push_back({"tp", l.sp ? "all-gather + reduce-scatter activations" : "all-reduce activations",
+    time.traffic.push_back({"tp", l.dims.sequence_parallel ? "all-gather + reduce-scatter activations" : "all-reduce activations",
                             collectives * activation, seconds});
     time.tensor_parallel = seconds;
   }
 
-  if (l.ep > 1 && most_moe_layers > 0) {
+  if (l.dims.ep > 1 && most_moe_layers > 0) {
     // Dispatch and combine: an all-to-all each way per MoE layer and
     // micro-batch, forward and backward (and the recomputed forward), each
     // sending (ep-1)/ep of the layer's assignments off the rank, plus the
     // forward's exchange of token counts.
-    const Link ep_link = link(machine, l.ep, l.tp);
-    const double n = static_cast<double>(l.ep), forwards = l.recompute == "full" ? 2 : 1;
+    const Link ep_link = link(machine, l.dims.ep, l.dims.tp);
+    const double n = static_cast<double>(l.dims.ep), forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
     const double exchange = model.assignments(static_cast<double>(model.seq) * b, w.moe_load) / t *
                             static_cast<double>(model.width) * p.activation * (n - 1) / n;  // a tp rank sends its share
     const double per_layer = (2 * forwards + 2) * exchange;
@@ -90,8 +90,8 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     time.traffic.push_back({"ep", "all-to-all tokens to and from experts", layers * per_layer, time.expert_parallel});
   }
 
-  const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dp);
-  const Link shard_link = link(machine, l.fsdp, l.ep * l.tp), replica_link = link(machine, l.data_ranks(), l.tp);
+  const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dims.dp);
+  const Link shard_link = link(machine, l.dims.fsdp, l.dims.ep * l.dims.tp), replica_link = link(machine, l.data_ranks(), l.dims.tp);
   double hidden_behind = 2.0 / 3.0 * (time.compute - time.recompute);  // backward
   double dp_seconds = 0;
   auto add = [&](const char* group, const char* what, double bytes, double seconds) {
@@ -99,26 +99,26 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     time.traffic.push_back({group, what, bytes, seconds});
     dp_seconds += seconds;
   };
-  if (l.zero_stage == 0) {
+  if (l.dims.zero_stage == 0) {
     // Expert gradients are reduced only among the ranks holding the same experts.
     const double shared = psi - expert_psi, data = static_cast<double>(l.data_ranks());
     add("dp", "all-reduce gradients", p.grad * shared, replica_link.all_reduce(p.grad * shared, data));
     if (expert_psi > 0) {
       add("dp", "all-reduce expert gradients", p.grad * expert_psi,
-          link(machine, l.expert_data_ranks(), l.ep * l.tp).all_reduce(p.grad * expert_psi, replicas));
+          link(machine, l.expert_data_ranks(), l.dims.ep * l.dims.tp).all_reduce(p.grad * expert_psi, replicas));
     }
   } else {
     const double grads = p.grad * psi, params = p.param * psi;
-    const double reductions = l.zero_stage == 1 ? 1 : m;  // ZeRO-2/3 reduce-scatter after every micro-batch
+    const double reductions = l.dims.zero_stage == 1 ? 1 : m;  // ZeRO-2/3 reduce-scatter after every micro-batch
     add("dp", "reduce-scatter gradients", reductions * grads, reductions * shard_link.all_gather(grads, shards));
     // Shards are copies over dp x ep (an expert's over dp only).
     const double shared = p.grad * (psi - expert_psi) / shards, experts = p.grad * expert_psi / shards;
-    const double copies = static_cast<double>(l.dp * l.ep);
-    if (l.dp * l.ep > 1) add("dp", "all-reduce gradient shards across replicas", shared,
-                             link(machine, l.dp * l.ep, l.tp).all_reduce(shared, copies));
-    if (l.dp > 1 && experts > 0) add("dp", "all-reduce expert gradient shards across replicas", experts,
-                                     link(machine, l.dp, l.tp * l.fsdp * l.ep).all_reduce(experts, replicas));
-    if (l.zero_stage < 3) {
+    const double copies = static_cast<double>(l.dims.dp * l.dims.ep);
+    if (l.dims.dp * l.dims.ep > 1) add("dp", "all-reduce gradient shards across replicas", shared,
+                             link(machine, l.dims.dp * l.dims.ep, l.dims.tp).all_reduce(shared, copies));
+    if (l.dims.dp > 1 && experts > 0) add("dp", "all-reduce expert gradient shards across replicas", experts,
+                                     link(machine, l.dims.dp, l.dims.tp * l.dims.fsdp * l.dims.ep).all_reduce(experts, replicas));
+    if (l.dims.zero_stage < 3) {
       add("dp", "all-gather parameters", params, shard_link.all_gather(params, shards));
     } else {
       add("dp", "all-gather parameters (forward and backward)", 2 * m * params,
@@ -128,19 +128,19 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
   }
   time.data_parallel = std::max(0.0, dp_seconds - hidden_behind);
 
-  if (l.pp > 1) {
-    const double boundary = l.sp ? activation / t : activation;
-    const Link pp = link(machine, 2, l.data_ranks() * l.tp);
-    const double messages = 2 * m * static_cast<double>(l.virtual_stages);  // activation forward, gradient back
+  if (l.dims.pp > 1) {
+    const double boundary = l.dims.sequence_parallel ? activation / t : activation;
+    const Link pp = link(machine, 2, l.data_ranks() * l.dims.tp);
+    const double messages = 2 * m * static_cast<double>(l.dims.virtual_stages);  // activation forward, gradient back
     time.pipeline = messages * pp.send(boundary);
     time.traffic.push_back({"pp", "send activations and gradients", messages * boundary, time.pipeline});
   }
 
-  if (l.offload != "none") {
+  if (l.offloaded()) {
     const double shard = psi / shards;
     double bytes = (p.grad + p.param) * shard;                                  // gradients down, parameters up
     bytes += (2 * p.optimizer + p.grad + p.param) * shard;                      // the host optimizer's pass
-    if (l.offload == "parameters") bytes += 2 * m * p.param * psi / shards;     // parameters fetched per micro-batch
+    if (l.offload_params != offload::Tier::kDevice) bytes += 2 * m * p.param * psi / shards;     // parameters fetched per micro-batch
     time.offload = bytes / machine.host_bandwidth;
     time.traffic.push_back({"host", "offload traffic", bytes, time.offload});
   }

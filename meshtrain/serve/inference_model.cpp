@@ -4,7 +4,7 @@
 #include "meshtrain/checkpoint/store.h"
 #include "meshtrain/offload/host_memory.h"
 #include "meshtrain/parallel/tensor_parallel_ops.h"
-#include "meshtrain/train/config.h"
+#include "meshtrain/model/config_json.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/memory.h"
 
@@ -30,7 +30,7 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
   name_ = std::filesystem::path(folder).filename().string();
   step_ = reader.metadata().step;
   tokenizer_ = text::tokenizer_from_json(reader.metadata().tokenizer);
-  gpt_ = model::Gpt(train::model_config_from_json(reader.metadata().model_config), 0);
+  gpt_ = model::Gpt(model::config_from_json(reader.metadata().model_config), 0);
   {
     torch::NoGradGuard no_grad;
     for (auto& item : gpt_->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));

@@ -1,120 +1,29 @@
 #include "meshtrain/train/config.h"
 
-#include "meshtrain/parallel/annotated_tensor_parallel.h"
-
 #include "meshtrain/comm/runtime.h"
-#include "meshtrain/parallel/activation_checkpoint.h"
-#include "meshtrain/parallel/parallelize.h"
-#include "meshtrain/parallel/pipeline/stages.h"
 
-#include <nlohmann/json.hpp>
 #include <torch/cuda.h>
 #include <toml++/toml.h>
 
-#include <algorithm>
-#include <functional>
-#include <map>
 #include <sstream>
-#include <type_traits>
 #include <utility>
 
 namespace meshtrain::train {
 
 namespace {
 
-enum class Kind { kInt, kFloat, kBool, kString, kStringList };
+using config::Kind;
+using config::Value;
+using Field = config::Key<TrainConfig>;
 
-const char* kind_name(Kind kind) {
-  switch (kind) {
-    case Kind::kInt: return "an integer";
-    case Kind::kFloat: return "a number";
-    case Kind::kBool: return "true or false";
-    case Kind::kString: return "a string";
-    case Kind::kStringList: return "a list of strings";
-  }
-  return "?";
-}
-
-struct Value {
-  int64_t i = 0;
-  double f = 0;
-  bool b = false;
-  std::string s;
-  std::vector<std::string> list;
-};
-
-struct Field {
-  std::string section, key;
-  Kind kind;
-  std::string help;
-  std::function<void(TrainConfig&, const Value&)> set;
-  std::function<std::string(const TrainConfig&)> show;
-};
-
-// How each C++ type of a config field is read from TOML and shown in --help.
-template <typename T>
-struct FieldType;
-template <>
-struct FieldType<int64_t> {
-  static constexpr Kind kind = Kind::kInt;
-  static void assign(int64_t& target, const Value& v) { target = v.i; }
-  static std::string show(int64_t v) { return std::to_string(v); }
-};
-template <>
-struct FieldType<int> {
-  static constexpr Kind kind = Kind::kInt;
-  static void assign(int& target, const Value& v) { target = static_cast<int>(v.i); }
-  static std::string show(int v) { return std::to_string(v); }
-};
-template <>
-struct FieldType<uint64_t> {
-  static constexpr Kind kind = Kind::kInt;
-  static void assign(uint64_t& target, const Value& v) { target = static_cast<uint64_t>(v.i); }
-  static std::string show(uint64_t v) { return std::to_string(v); }
-};
-template <>
-struct FieldType<double> {
-  static constexpr Kind kind = Kind::kFloat;
-  static void assign(double& target, const Value& v) { target = v.f; }
-  static std::string show(double v) {
-    std::ostringstream out;
-    out << v;
-    return out.str();
-  }
-};
-template <>
-struct FieldType<bool> {
-  static constexpr Kind kind = Kind::kBool;
-  static void assign(bool& target, const Value& v) { target = v.b; }
-  static std::string show(bool v) { return v ? "true" : "false"; }
-};
-template <>
-struct FieldType<std::string> {
-  static constexpr Kind kind = Kind::kString;
-  static void assign(std::string& target, const Value& v) { target = v.s; }
-  static std::string show(const std::string& v) { return "\"" + v + "\""; }
-};
-template <>
-struct FieldType<std::vector<std::string>> {
-  static constexpr Kind kind = Kind::kStringList;
-  static void assign(std::vector<std::string>& target, const Value& v) { target = v.list; }
-  static std::string show(const std::vector<std::string>& v) {
-    std::string s = "[";
-    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", \"" : "\"") + v[i] + "\"";
-    return s + "]";
-  }
-};
-
-// A field whose value lives at `member(config)`.
-template <typename Member>
-Field field(std::string section, std::string key, std::string help, Member member) {
-  using T = std::decay_t<decltype(member(std::declval<TrainConfig&>()))>;
-  return {std::move(section), std::move(key), FieldType<T>::kind, std::move(help),
-          [member](TrainConfig& c, const Value& v) { FieldType<T>::assign(member(c), v); },
-          [member](const TrainConfig& c) { return FieldType<T>::show(member(const_cast<TrainConfig&>(c))); }};
+template <typename Access>
+Field field(std::string section, std::string key, std::string help, Access access) {
+  return config::key<TrainConfig>(std::move(section), std::move(key), std::move(help), access);
 }
 
 #define MESHTRAIN_CONFIG_MEMBER(expression) [](TrainConfig& c) -> auto& { return c.expression; }
+
+const config::Names<at::ScalarType>& compute_dtype_names() { return parallel::state_dtype_names(); }
 
 // The schema: every key a config may hold. Model keys apply on top of the preset.
 const std::vector<Field>& fields() {
@@ -188,68 +97,17 @@ const std::vector<Field>& fields() {
     f.push_back(field("training", "grad_clip", "clip gradients to this global norm (0: off)",
                       MESHTRAIN_CONFIG_MEMBER(grad_clip)));
     f.push_back(field("training", "seed", "seed of the model init and the data order", MESHTRAIN_CONFIG_MEMBER(seed)));
-    f.push_back(field("training", "dtype", "\"float32\" or \"bfloat16\" (autocast of matmuls)",
-                      MESHTRAIN_CONFIG_MEMBER(dtype)));
+    f.push_back(config::enum_key<TrainConfig>("training", "dtype", "\"float32\" or \"bfloat16\" (autocast of matmuls)",
+                                              compute_dtype_names(), MESHTRAIN_CONFIG_MEMBER(dtype)));
     f.push_back(field("training", "eval_every", "steps between validation losses (0: at the end only)",
                       MESHTRAIN_CONFIG_MEMBER(eval_every)));
     f.push_back(field("training", "eval_batches", "validation micro-batches per rank", MESHTRAIN_CONFIG_MEMBER(eval_batches)));
     f.push_back(field("training", "log_every", "steps between progress lines", MESHTRAIN_CONFIG_MEMBER(log_every)));
     f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
                       MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
-    f.push_back(field("parallel", "dp", "replicas: data-parallel ranks holding the same shards (0: derived)",
-                      MESHTRAIN_CONFIG_MEMBER(parallel.dp)));
-    f.push_back(field("parallel", "fsdp", "shards per replica when zero_stage >= 1; dp x fsdp = ranks (0: derived)",
-                      MESHTRAIN_CONFIG_MEMBER(parallel.fsdp)));
-    f.push_back(field("parallel", "tp", "tensor-parallel ranks: attention split by heads, MLP and vocabulary split "
-                      "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(parallel.tp)));
-    f.push_back(field("parallel", "ep", "expert-parallel ranks: each holds model.moe_experts / ep experts of every "
-                      "mixture-of-experts block; they read different micro-batches (data ranks are dp x fsdp x ep)",
-                      MESHTRAIN_CONFIG_MEMBER(parallel.ep)));
-    f.push_back(field("parallel", "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along the "
-                      "sequence (activations 1/tp per rank, same communication)", MESHTRAIN_CONFIG_MEMBER(parallel.sequence_parallel)));
-    f.push_back(field("parallel", "tp_impl", "how tensor parallel is applied: \"plan\" (hand-written Megatron layers) or "
-                      "\"annotations\" (the weights annotated with mesh_split, every other tensor placed by the sharding rules)",
-                      MESHTRAIN_CONFIG_MEMBER(tp_impl)));
-    f.push_back(field("parallel", "pp", "pipeline stages: the blocks split into pp consecutive groups, micro-batches "
-                      "flowing through them; pp x dp x fsdp x tp = ranks", MESHTRAIN_CONFIG_MEMBER(parallel.pp)));
-    f.push_back(field("parallel", "pp_schedule", "\"gpipe\" (all forwards, then all backwards), \"1f1b\" (at most pp "
-                      "micro-batches in flight) or \"interleaved\" (1f1b over virtual_stages per rank: bubble / v)",
-                      MESHTRAIN_CONFIG_MEMBER(parallel.schedule)));
-    f.push_back(field("parallel", "microbatches", "micro-batches per step per data rank (sets training.micro_batch; "
-                      "0: batch / (micro_batch x dp x fsdp)); the bubble is (pp-1)/(microbatches+pp-1)",
-                      MESHTRAIN_CONFIG_MEMBER(microbatches)));
-    f.push_back(field("parallel", "virtual_stages", "stages per pipeline rank, non-adjacent (pp_schedule = \"interleaved\")",
-                      MESHTRAIN_CONFIG_MEMBER(parallel.virtual_stages)));
-    f.push_back(field("parallel", "pp_split", "blocks per stage: \"params\" (balance parameter counts), \"time\" "
-                      "(balance times measured at start) or a list like \"3,3,2\"", MESHTRAIN_CONFIG_MEMBER(pp_split)));
-    f.push_back(field("parallel", "activation_checkpoint", "\"none\", \"full\" (keep block inputs only, recompute in "
-                      "backward) or \"selective\" (recompute attention proper)", MESHTRAIN_CONFIG_MEMBER(activation_checkpoint)));
-    f.push_back(field("parallel", "activation_checkpoint_every", "checkpoint every k-th block (1: all)",
-                      MESHTRAIN_CONFIG_MEMBER(activation_checkpoint_every)));
-    f.push_back(field("parallel", "zero_stage",
-                      "0: data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters (FSDP)",
-                      MESHTRAIN_CONFIG_MEMBER(parallel.zero_stage)));
-    f.push_back(field("parallel", "bucket_mb", "gradient all-reduce bucket size in MiB (zero_stage 0)",
-                      MESHTRAIN_CONFIG_MEMBER(bucket_mb)));
-    f.push_back(field("parallel", "unit_policy", "sharded units: \"block\" (one per transformer block + root) or \"model\"",
-                      MESHTRAIN_CONFIG_MEMBER(unit_policy)));
-    f.push_back(field("parallel", "prefetch", "zero_stage 3: gather the next unit while this one computes",
-                      MESHTRAIN_CONFIG_MEMBER(prefetch)));
-    f.push_back(field("parallel", "reshard_after_forward", "zero_stage 3: free a block's parameters after its forward",
-                      MESHTRAIN_CONFIG_MEMBER(reshard_after_forward)));
-    f.push_back(field("parallel", "param_dtype", "zero_stage >= 1: \"float32\" or \"bfloat16\" parameters for compute "
-                      "(fp32 master shards)", MESHTRAIN_CONFIG_MEMBER(param_dtype)));
-    f.push_back(field("parallel", "reduce_dtype", "zero_stage >= 1: \"float32\" or \"bfloat16\" gradient reductions",
-                      MESHTRAIN_CONFIG_MEMBER(reduce_dtype)));
-    f.push_back(field("parallel", "zero1_reduce", "zero_stage 1: \"all_reduce\" full gradients then read the shard, or "
-                      "\"reduce_scatter\" into a shard buffer (+4 bytes per owned element)", MESHTRAIN_CONFIG_MEMBER(zero1_reduce)));
-    f.push_back(field("offload", "optimizer", "\"none\", \"cpu\" or \"nvme\": keep the fp32 master weights and AdamW "
-                      "moments in host memory or a file on a local disk and step them on the CPU (ZeRO-Offload / "
-                      "ZeRO-Infinity; parallel.zero_stage >= 1)", MESHTRAIN_CONFIG_MEMBER(offload_optimizer)));
-    f.push_back(field("offload", "params", "\"none\", \"cpu\" or \"nvme\": zero_stage 3's parameter shards there too, "
-                      "read before each gather (needs offload.optimizer)", MESHTRAIN_CONFIG_MEMBER(offload_params)));
-    f.push_back(field("offload", "nvme_dir", "folder on a local disk for the nvme tier (default: <run.out>/nvme)",
-                      MESHTRAIN_CONFIG_MEMBER(offload_nvme_dir)));
+    for (const config::Key<parallel::ParallelSpec>& key : parallel::ParallelSpec::keys()) {
+      f.push_back(config::lift<TrainConfig>(key, MESHTRAIN_CONFIG_MEMBER(parallel)));
+    }
     f.push_back(field("memory", "limit_mb", "per-rank limit on CPU tensor memory; beyond it a clear out-of-memory "
                       "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
     f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
@@ -279,7 +137,7 @@ const std::vector<Field>& fields() {
 
 const Field* find_field(const std::string& section, const std::string& key) {
   for (const Field& f : fields()) {
-    if (f.section == section && f.key == key) return &f;
+    if (f.section == section && f.name == key) return &f;
   }
   return nullptr;
 }
@@ -287,7 +145,7 @@ const Field* find_field(const std::string& section, const std::string& key) {
 [[noreturn]] void unknown_key(const std::string& section, const std::string& key, const std::string& where) {
   std::string known;
   for (const Field& f : fields()) {
-    if (f.section == section) known += (known.empty() ? "" : ", ") + f.key;
+    if (f.section == section) known += (known.empty() ? "" : ", ") + f.name;
   }
   if (known.empty()) {
     std::string sections;
@@ -307,9 +165,9 @@ std::string node_text(const toml::node& node) {
 
 Value convert(const Field& field, const toml::node& node, const std::string& where) {
   Value value;
-  const std::string name = field.section + "." + field.key;
+  const std::string name = field.full_name();
   auto wrong = [&]() -> ConfigError {
-    return ConfigError(where + ": " + name + " = " + node_text(node) + " must be " + kind_name(field.kind));
+    return ConfigError(where + ": " + name + " = " + node_text(node) + " must be " + config::kind_name(field.kind));
   };
   switch (field.kind) {
     case Kind::kInt:
@@ -347,14 +205,14 @@ void apply(TrainConfig& config, const Field& field, const toml::node& node, cons
   const Value value = convert(field, node, where);
   try {
     field.set(config, value);
+  } catch (const ConfigError&) {
+    throw;  // names the key and what is allowed already
   } catch (const std::invalid_argument& e) {
-    throw ConfigError(where + ": " + field.section + "." + field.key + ": " + e.what());
+    throw ConfigError(where + ": " + field.full_name() + ": " + e.what());
   }
 }
 
-[[noreturn]] void bad(const std::string& key, const std::string& value, const std::string& allowed) {
-  throw ConfigError(key + " = " + value + ": " + allowed);
-}
+using config::refuse;
 
 }  // namespace
 
@@ -410,7 +268,7 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
         parsed = toml::parse("v = " + raw);
       } catch (const toml::parse_error&) {
         if (field->kind == Kind::kStringList) parsed.insert("v", raw);
-        else throw ConfigError(where + ": " + section + "." + key + " = " + raw + " must be " + kind_name(field->kind));
+        else throw ConfigError(where + ": " + section + "." + key + " = " + raw + " must be " + config::kind_name(field->kind));
       }
     }
     apply(config, *field, *parsed.get("v"), where);
@@ -418,136 +276,79 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
   return config;
 }
 
+namespace {
+
+std::string n(int64_t v) { return std::to_string(v); }
+std::string n(double v) { return std::to_string(v); }
+
+// [training]: the optimizer, the schedule and the loop's own counts.
+void check_training(const TrainConfig& c) {
+  if (c.steps < 1) refuse("training.steps", n(c.steps), "must be >= 1");
+  if (c.micro_batch < 1) refuse("training.micro_batch", n(c.micro_batch), "must be >= 1");
+  if (c.batch < 1) refuse("training.batch", n(c.batch), "must be >= 1");
+  if (!(c.lr > 0)) refuse("training.lr", n(c.lr), "must be > 0");
+  if (c.min_lr < 0 || c.min_lr > c.lr) refuse("training.min_lr", n(c.min_lr), "must be in [0, training.lr]");
+  if (c.warmup < 0) refuse("training.warmup", n(c.warmup), "must be >= 0");
+  if (c.weight_decay < 0) refuse("training.weight_decay", n(c.weight_decay), "must be >= 0");
+  if (!(c.beta1 >= 0 && c.beta1 < 1)) refuse("training.beta1", n(c.beta1), "must be in [0, 1)");
+  if (!(c.beta2 >= 0 && c.beta2 < 1)) refuse("training.beta2", n(c.beta2), "must be in [0, 1)");
+  if (c.grad_clip < 0) refuse("training.grad_clip", n(c.grad_clip), "must be >= 0 (0: off)");
+  if (c.eval_every < 0) refuse("training.eval_every", n(c.eval_every), "must be >= 0");
+  if (c.eval_batches < 1) refuse("training.eval_batches", n(c.eval_batches), "must be >= 1");
+  if (c.log_every < 1) refuse("training.log_every", n(c.log_every), "must be >= 1");
+  if (c.sample_tokens < 0) refuse("training.sample_tokens", n(c.sample_tokens), "must be >= 0");
+}
+
+// [data], [memory], [checkpoint] and [run].
+void check_data_and_run(const TrainConfig& c) {
+  if (c.model.vocab_size != 256 && c.train_file.empty() && (c.tokenizer.empty() || c.tokenizer == "bytes")) {
+    refuse("model.vocab_size", n(c.model.vocab_size),
+           "text is prepared with the byte tokenizer, which has 256 tokens; use 256, name a larger tokenizer "
+           "(data.tokenizer), or give token files (data.train_file, data.val_file) of a larger vocabulary");
+  }
+  if (!(c.val_fraction > 0 && c.val_fraction < 1)) refuse("data.val_fraction", n(c.val_fraction), "must be in (0, 1)");
+  if (c.train_file.empty() != c.val_file.empty()) {
+    refuse(c.train_file.empty() ? "data.val_file" : "data.train_file",
+           config::quoted(c.train_file.empty() ? c.val_file : c.train_file),
+           "give both data.train_file and data.val_file, or neither (then data.text is prepared)");
+  }
+  if (c.train_file.empty() && c.text.empty()) refuse("data.text", "[]", "name text to train on, or data.train_file");
+  if (c.memory_limit_mb < 0) refuse("memory.limit_mb", n(c.memory_limit_mb), "must be >= 0 (0: no limit)");
+  if (c.checkpoint_every < 0) refuse("checkpoint.every", n(c.checkpoint_every), "must be >= 0");
+  if (c.checkpoint_keep < 1) refuse("checkpoint.keep", n(c.checkpoint_keep), "must be >= 1");
+  const std::string& device = c.device;
+  if (device != "cpu" && device != "cuda" && device != "auto" && device.rfind("cuda:", 0) != 0) {
+    refuse("run.device", config::quoted(device), "use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"");
+  }
+  if ((device == "cuda" || device.rfind("cuda:", 0) == 0) && !torch::cuda::is_available()) {
+    refuse("run.device", config::quoted(device), "no CUDA device is visible to this process; use \"cpu\" or \"auto\"");
+  }
+  if (!c.sharding_report.empty() && !c.parallel.annotated()) {
+    refuse("run.sharding_report", config::quoted(c.sharding_report),
+           "reports what annotations decided: set parallel.tp_impl = \"annotations\"");
+  }
+  if (c.trace_step < 0) refuse("run.trace_step", n(c.trace_step), "must be >= 0 (0: none)");
+  if (c.out.empty()) refuse("run.out", "\"\"", "must name a directory");
+}
+
+}  // namespace
+
 void TrainConfig::validate(int world_size) {
   try {
     model.validate();
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
   }
-  if (model.vocab_size != 256 && train_file.empty() && (tokenizer.empty() || tokenizer == "bytes")) {
-    bad("model.vocab_size", std::to_string(model.vocab_size),
-        "text is prepared with the byte tokenizer, which has 256 tokens; use 256, name a larger tokenizer "
-        "(data.tokenizer), or give token files (data.train_file, data.val_file) of a larger vocabulary");
-  }
-  if (steps < 1) bad("training.steps", std::to_string(steps), "must be >= 1");
-  if (micro_batch < 1) bad("training.micro_batch", std::to_string(micro_batch), "must be >= 1");
-  if (batch < 1) bad("training.batch", std::to_string(batch), "must be >= 1");
-  // The layout rules (mesh/parallel_dims.h): degrees against the world size, then against the model.
-  const mesh::ParallelDims given = parallel;
-  try {
-    parallel.resolve(world_size);
-    parallel.check_model(meshtrain::parallel::model_dims(model));
-  } catch (const mesh::LayoutError& e) {
-    std::string value = e.value();
-    if (e.key() == "dp" || e.key() == "fsdp") value = std::to_string(e.key() == "dp" ? given.dp : given.fsdp);
-    bad("parallel." + e.key(), value, e.reason());
-  }
-  if (pp_split != "params" && pp_split != "time") {
-    try {
-      meshtrain::parallel::pipeline::parse_split(pp_split, model.layers, static_cast<int>(parallel.stages()));
-    } catch (const std::invalid_argument& e) {
-      bad("parallel.pp_split", "\"" + pp_split + "\"", e.what());
-    }
-  }
-  try {
-    meshtrain::parallel::parse_checkpoint_mode(activation_checkpoint);
-  } catch (const std::invalid_argument&) {
-    bad("parallel.activation_checkpoint", "\"" + activation_checkpoint + "\"", "use \"none\", \"full\" or \"selective\"");
-  }
-  if (activation_checkpoint_every < 1) {
-    bad("parallel.activation_checkpoint_every", std::to_string(activation_checkpoint_every), "must be >= 1");
-  }
-  if (tp_impl != "plan" && tp_impl != "annotations") bad("parallel.tp_impl", "\"" + tp_impl + "\"", "use \"plan\" or \"annotations\"");
-  if (tp_impl == "annotations") {
-    try {
-      meshtrain::parallel::check_annotated_layout(parallel, activation_checkpoint, dtype == "bfloat16", device == "cpu");
-    } catch (const mesh::LayoutError& e) {
-      bad("parallel.tp_impl", e.value(), e.reason());
-    }
-  }
-  if (!sharding_report.empty() && tp_impl != "annotations") {
-    bad("run.sharding_report", "\"" + sharding_report + "\"", "reports what annotations decided: set parallel.tp_impl = \"annotations\"");
-  }
-  if (microbatches < 0) bad("parallel.microbatches", std::to_string(microbatches), "must be >= 0 (0: derived)");
-  if (device != "cpu" && device != "cuda" && device != "auto" && device.rfind("cuda:", 0) != 0) {
-    bad("run.device", "\"" + device + "\"", "use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"");
-  }
-  if ((device == "cuda" || device.rfind("cuda:", 0) == 0) && !torch::cuda::is_available()) {
-    bad("run.device", "\"" + device + "\"", "no CUDA device is visible to this process; use \"cpu\" or \"auto\"");
-  }
-  if (trace_step < 0) bad("run.trace_step", std::to_string(trace_step), "must be >= 0 (0: none)");
-  const std::string ep_factor = parallel.ep > 1 ? " x ep (" + std::to_string(parallel.ep) + ")" : "";
-  if (microbatches > 0) {
-    if (batch % (microbatches * data_ranks()) != 0) {
-      bad("parallel.microbatches", std::to_string(microbatches),
-          "training.batch (" + std::to_string(batch) + ") must be divisible by microbatches x dp (" +
-              std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ")" + ep_factor + " = " +
-              std::to_string(microbatches * data_ranks()));
-    }
-    micro_batch = batch / (microbatches * data_ranks());
-  }
-  if (batch % (micro_batch * data_ranks()) != 0) {
-    bad("training.batch", std::to_string(batch),
-        "must be divisible by training.micro_batch (" + std::to_string(micro_batch) + ") x dp (" +
-            std::to_string(parallel.dp) + ") x fsdp (" + std::to_string(parallel.fsdp) + ")" + ep_factor + " = " +
-            std::to_string(micro_batch * data_ranks()));
-  }
-  if (unit_policy != "block" && unit_policy != "model") {
-    bad("parallel.unit_policy", "\"" + unit_policy + "\"", "use \"block\" or \"model\"");
-  }
-  for (const auto& [key, value] : {std::pair<const char*, const std::string&>{"parallel.param_dtype", param_dtype},
-                                   {"parallel.reduce_dtype", reduce_dtype}}) {
-    if (value != "float32" && value != "bfloat16") bad(key, "\"" + value + "\"", "use \"float32\" or \"bfloat16\"");
-    if (value != "float32" && parallel.zero_stage == 0) {
-      bad(key, "\"" + value + "\"", "applies to parallel.zero_stage >= 1; for data parallel use training.dtype");
-    }
-  }
-  if (zero1_reduce != "all_reduce" && zero1_reduce != "reduce_scatter") {
-    bad("parallel.zero1_reduce", "\"" + zero1_reduce + "\"", "use \"all_reduce\" or \"reduce_scatter\"");
-  }
-  for (const auto& [key, value] : {std::pair<std::string, std::string>{"offload.optimizer", offload_optimizer},
-                                   {"offload.params", offload_params}}) {
-    if (value != "none" && value != "cpu" && value != "nvme") bad(key, "\"" + value + "\"", "use \"none\", \"cpu\" or \"nvme\"");
-  }
-  if (offload_optimizer != "none" && parallel.zero_stage == 0) {
-    bad("offload.optimizer", "\"" + offload_optimizer + "\"", "needs parallel.zero_stage >= 1 (the sharded optimizer)");
-  }
-  if (offload_params != "none" && parallel.zero_stage != 3) {
-    bad("offload.params", "\"" + offload_params + "\"", "needs parallel.zero_stage = 3 (sharded parameters)");
-  }
-  if (offload_params != "none" && offload_optimizer == "none") {
-    bad("offload.params", "\"" + offload_params + "\"", "needs offload.optimizer = \"cpu\" or \"nvme\" as well");
-  }
-  if (memory_limit_mb < 0) bad("memory.limit_mb", std::to_string(memory_limit_mb), "must be >= 0 (0: no limit)");
-  grad_accum = batch / (micro_batch * data_ranks());
-  try {
-    parallel.check_microbatches(grad_accum);
-  } catch (const mesh::LayoutError& e) {
-    bad("parallel." + e.key(), e.value(), e.reason());
-  }
-  if (!(lr > 0)) bad("training.lr", std::to_string(lr), "must be > 0");
-  if (min_lr < 0 || min_lr > lr) bad("training.min_lr", std::to_string(min_lr), "must be in [0, training.lr]");
-  if (warmup < 0) bad("training.warmup", std::to_string(warmup), "must be >= 0");
-  if (weight_decay < 0) bad("training.weight_decay", std::to_string(weight_decay), "must be >= 0");
-  if (!(beta1 >= 0 && beta1 < 1)) bad("training.beta1", std::to_string(beta1), "must be in [0, 1)");
-  if (!(beta2 >= 0 && beta2 < 1)) bad("training.beta2", std::to_string(beta2), "must be in [0, 1)");
-  if (grad_clip < 0) bad("training.grad_clip", std::to_string(grad_clip), "must be >= 0 (0: off)");
-  if (dtype != "float32" && dtype != "bfloat16") bad("training.dtype", "\"" + dtype + "\"", "use \"float32\" or \"bfloat16\"");
-  if (eval_every < 0) bad("training.eval_every", std::to_string(eval_every), "must be >= 0");
-  if (eval_batches < 1) bad("training.eval_batches", std::to_string(eval_batches), "must be >= 1");
-  if (log_every < 1) bad("training.log_every", std::to_string(log_every), "must be >= 1");
-  if (sample_tokens < 0) bad("training.sample_tokens", std::to_string(sample_tokens), "must be >= 0");
-  if (bucket_mb < 1) bad("parallel.bucket_mb", std::to_string(bucket_mb), "must be >= 1");
-  if (checkpoint_every < 0) bad("checkpoint.every", std::to_string(checkpoint_every), "must be >= 0");
-  if (checkpoint_keep < 1) bad("checkpoint.keep", std::to_string(checkpoint_keep), "must be >= 1");
-  if (!(val_fraction > 0 && val_fraction < 1)) bad("data.val_fraction", std::to_string(val_fraction), "must be in (0, 1)");
-  if (train_file.empty() != val_file.empty()) {
-    bad(train_file.empty() ? "data.val_file" : "data.train_file", "\"" + (train_file.empty() ? val_file : train_file) + "\"",
-        "give both data.train_file and data.val_file, or neither (then data.text is prepared)");
-  }
-  if (train_file.empty() && text.empty()) bad("data.text", "[]", "name text to train on, or data.train_file");
-  if (out.empty()) bad("run.out", "\"\"", "must name a directory");
+  check_training(*this);
+  check_data_and_run(*this);
+  // Every rule of the layout and the techniques' options (Note [Parallel spec]).
+  parallel.check(world_size, model, compute());
+  const parallel::ParallelSpec::BatchShape shape = parallel.batch_shape(batch, micro_batch);
+  micro_batch = shape.micro_batch;
+  grad_accum = shape.microbatches;
 }
+
+parallel::Compute TrainConfig::compute() const { return {bfloat16(), device == "cpu"}; }
 
 at::Device TrainConfig::torch_device(int local_rank) const {
   if (device == "cpu") return at::Device(at::kCPU);
@@ -566,68 +367,11 @@ std::string TrainConfig::describe_keys() {
       section = f.section;
       out << "\n[" << section << "]\n";
     }
-    std::string line = "  " + f.key + " = " + f.show(defaults);
+    std::string line = "  " + f.name + " = " + f.show(defaults);
     if (line.size() < 36) line.resize(36, ' ');
     out << line << "  " << f.help << "\n";
   }
   return out.str();
-}
-
-std::string model_config_to_json(const model::GptConfig& c) {
-  nlohmann::json j{{"vocab_size", c.vocab_size}, {"context", c.context}, {"layers", c.layers},
-                   {"heads", c.heads},           {"width", c.width},     {"dropout", c.dropout},
-                   {"norm", c.norm},             {"position", c.position}, {"mlp", c.mlp},
-                   {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias},
-                   {"kv_heads", c.kv_heads},     {"ffn_hidden", c.ffn_hidden}, {"rope_theta", c.rope_theta},
-                   {"norm_eps", c.norm_eps}};
-  if (c.moe()) {
-    j["moe"] = {{"experts", c.moe_experts},         {"every", c.moe_every},   {"top_k", c.moe_top_k},
-                {"capacity_factor", c.moe_capacity_factor}, {"second_expert", c.moe_second_expert},
-                {"aux_loss", c.moe_aux_loss},       {"z_loss", c.moe_z_loss}, {"hidden", c.moe_hidden}};
-  }
-  return j.dump();
-}
-
-std::string model_fingerprint(const model::GptConfig& m) {
-  return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
-         std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
-         " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
-         (m.bias ? "/bias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
-         (m.ffn_hidden > 0 ? " ffn=" + std::to_string(m.ffn_hidden) : "");
-}
-
-model::GptConfig model_config_from_json(const std::string& text) {
-  const nlohmann::json j = nlohmann::json::parse(text);
-  model::GptConfig c;
-  c.vocab_size = j.at("vocab_size");
-  c.context = j.at("context");
-  c.layers = j.at("layers");
-  c.heads = j.at("heads");
-  c.width = j.at("width");
-  c.dropout = j.at("dropout");
-  c.norm = j.at("norm");
-  c.position = j.at("position");
-  c.mlp = j.at("mlp");
-  c.tie_embeddings = j.at("tie_embeddings");
-  c.bias = j.at("bias");
-  // Added later: absent in older checkpoints, which had the defaults.
-  c.kv_heads = j.value("kv_heads", int64_t{0});
-  c.ffn_hidden = j.value("ffn_hidden", int64_t{0});
-  c.rope_theta = j.value("rope_theta", 10000.0);
-  c.norm_eps = j.value("norm_eps", 1e-5);
-  if (j.contains("moe")) {
-    const nlohmann::json& m = j.at("moe");
-    c.moe_experts = m.at("experts");
-    c.moe_every = m.at("every");
-    c.moe_top_k = m.at("top_k");
-    c.moe_capacity_factor = m.at("capacity_factor");
-    c.moe_second_expert = m.at("second_expert");
-    c.moe_aux_loss = m.at("aux_loss");
-    c.moe_z_loss = m.at("z_loss");
-    c.moe_hidden = m.at("hidden");
-  }
-  c.validate();
-  return c;
 }
 
 }  // namespace meshtrain::train

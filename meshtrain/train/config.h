@@ -3,8 +3,9 @@
 // before any work starts.
 #pragma once
 
-#include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/model/gpt_config.h"
+#include "meshtrain/parallel/parallel_spec.h"
+#include "meshtrain/util/config_keys.h"
 
 #include <c10/core/Device.h>
 
@@ -16,10 +17,7 @@
 namespace meshtrain::train {
 
 // A config error: names the key, the value and what is allowed.
-class ConfigError : public std::invalid_argument {
- public:
-  using std::invalid_argument::invalid_argument;
-};
+using ConfigError = config::ConfigError;
 
 struct TrainConfig {
   // [model]
@@ -43,32 +41,14 @@ struct TrainConfig {
   double beta2 = 0.95;
   double grad_clip = 1.0;    // global-norm clipping; 0 disables
   uint64_t seed = 1337;
-  std::string dtype = "float32";  // "float32" | "bfloat16" (autocast)
+  at::ScalarType dtype = at::kFloat;  // float32, or bfloat16 (autocast of matmuls)
   int64_t eval_every = 25;   // 0: only at the end
   int64_t eval_batches = 4;  // micro-batches of validation data per rank
   int64_t log_every = 1;
   int64_t sample_tokens = 300;  // generated at the end of training (0: none)
-  // [parallel]
-  // Degrees (pp, dp, fsdp, tp; dp and fsdp 0: derived), sequence parallel,
-  // ZeRO stage, schedule and virtual stages; the layout rules live there.
-  mesh::ParallelDims parallel;
-  int64_t microbatches = 0;  // per data rank per step; 0: batch / (micro_batch x dp x fsdp)
-  std::string pp_split = "params";  // "params" | "time" (balanced) | "3,3,2" (blocks per stage)
-  std::string activation_checkpoint = "none";  // "none" | "full" | "selective"
-  int64_t activation_checkpoint_every = 1;     // every k-th block
-  int64_t bucket_mb = 25;
-  std::string unit_policy = "block";  // fully sharded units: "block" or "model"
-  bool prefetch = true;
-  bool reshard_after_forward = true;
-  std::string param_dtype = "float32";   // zero_stage >= 1: dtype of forward/backward
-  std::string reduce_dtype = "float32";  // zero_stage >= 1: dtype of gradient reductions
-  std::string zero1_reduce = "all_reduce";  // zero_stage 1: "all_reduce" (then slice) or "reduce_scatter"
-  std::string tp_impl = "plan";  // tensor parallel: "plan" (hand-written layers) or "annotations" (weights annotated)
-  // [offload] ZeRO-Offload / ZeRO-Infinity (parallel/fsdp/offloaded_adamw.h)
-  std::string offload_optimizer = "none";  // "none" | "cpu" | "nvme": fp32 masters + AdamW moments, step on the CPU
-  std::string offload_params = "none";     // "none" | "cpu" | "nvme": zero_stage 3's parameter shards
-  std::string offload_nvme_dir;            // default: <run.out>/nvme
-  std::string nvme_dir() const { return offload_nvme_dir.empty() ? out + "/nvme" : offload_nvme_dir; }
+  // [parallel] and [offload]: the degrees, their layout rules and every
+  // technique's options (parallel/parallel_spec.h).
+  parallel::ParallelSpec parallel;
   // [memory]
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]
@@ -85,7 +65,11 @@ struct TrainConfig {
 
   // Derived, after validate(world_size).
   int64_t grad_accum = 1;  // micro-batches per data rank per step (the pipeline's m when pp > 1)
-  int64_t data_ranks() const { return parallel.data_ranks(); }  // ranks that each read their own micro-batches
+  int64_t data_ranks() const { return parallel.dims.data_ranks(); }  // ranks that each read their own micro-batches
+  bool bfloat16() const { return dtype == at::kBFloat16; }
+  // What the matmuls and parameters compute in and where (the rules that depend on it).
+  parallel::Compute compute() const;
+  std::string nvme_dir() const { return parallel.nvme_dir(out); }
 
   // Loads `path` (empty: defaults only), then applies overrides ("section.key=value").
   // The torch device `device` names for a rank whose node-local rank is `local_rank`.
@@ -97,11 +81,5 @@ struct TrainConfig {
   // One line per key: "[section] key = default   help".
   static std::string describe_keys();
 };
-
-// The model shape as JSON (stored in checkpoints) and back.
-std::string model_config_to_json(const model::GptConfig& config);
-model::GptConfig model_config_from_json(const std::string& text);
-// The model's shape in one line, recorded in checkpoints and checked on resume.
-std::string model_fingerprint(const model::GptConfig& config);
 
 }  // namespace meshtrain::train

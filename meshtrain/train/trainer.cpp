@@ -5,9 +5,11 @@
 #include <optional>
 
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/model/config_json.h"
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/comm/watchdog.h"
 #include "meshtrain/model/generate.h"
+#include "meshtrain/parallel/parallel_state.h"
 #include "meshtrain/parallel/pipeline/trace.h"
 #include "meshtrain/util/files.h"
 
@@ -65,27 +67,14 @@ double learning_rate(const TrainConfig& config, int64_t step) {
 
 parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Device device) {
   parallel::ParallelizeOptions o;
-  o.dims = c.parallel;
-  o.microbatches = c.grad_accum;
-  o.micro_batch = c.micro_batch;
-  o.seed = c.seed;
-  o.bfloat16_autocast = c.dtype == "bfloat16";
+  o.spec = c.parallel;
+  o.spec.offload_nvme_dir = c.nvme_dir();
   o.device = device;
-  o.pp_split = c.pp_split;
-  o.activation_checkpoint = c.activation_checkpoint;
-  o.activation_checkpoint_every = c.activation_checkpoint_every;
-  o.bucket_mb = c.bucket_mb;
-  o.unit_policy = c.unit_policy;
-  o.prefetch = c.prefetch;
-  o.reshard_after_forward = c.reshard_after_forward;
-  o.param_dtype = c.param_dtype;
-  o.reduce_dtype = c.reduce_dtype;
-  o.zero1_reduce = c.zero1_reduce;
-  o.offload_optimizer = c.offload_optimizer;
-  o.offload_params = c.offload_params;
-  o.nvme_dir = c.nvme_dir();
+  o.seed = c.seed;
+  o.micro_batch = c.micro_batch;
+  o.microbatches = c.grad_accum;
+  o.bfloat16_autocast = c.bfloat16();
   o.adamw = {c.lr, c.beta1, c.beta2, 1e-8, c.weight_decay};
-  o.tp_impl = c.tp_impl;
   return o;
 }
 
@@ -97,17 +86,18 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   previous_limit_ = memory::limit();
   if (config_.memory_limit_mb > 0) memory::set_limit(config_.memory_limit_mb << 20);
 
-  parallel_ = parallel::parallelize(model::Gpt(config_.model, config_.seed), world_, parallelize_options(config_, device_));
+  engine_ = std::make_unique<parallel::StepEngine>(
+      parallel::parallelize(model::Gpt(config_.model, config_.seed), world_, parallelize_options(config_, device_)));
   writer_ = std::make_unique<checkpoint::CheckpointWriter>(
       checkpoint::CheckpointStore(config_.checkpoint_path(), config_.checkpoint_keep), world_, config_.checkpoint_async);
   // The random streams (dropout, the random second expert) start from the seed, whatever
   // ran before in this process; a resume in the same layout then restores them.
-  parallel_->reseed_random_streams(config_.seed, 0);
+  parts().random.reseed(config_.seed, 0);
   if (config_.resume) resume();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
 
-  const bool bf16 = config_.dtype == "bfloat16" || config_.param_dtype == "bfloat16";
+  const bool bf16 = config_.bfloat16() || config_.parallel.param_dtype == at::kBFloat16;
   // MFU is against the peak of the dtype the matmuls run in.
   at::Tensor peak = at::full({1}, measure_matmul_peak(device_, bf16 ? at::kBFloat16 : at::kFloat), at::kDouble);
   world_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
@@ -164,7 +154,9 @@ double Trainer::mfu(double tokens_per_second) const {
   return config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * world_->size());
 }
 
-std::string Trainer::model_fingerprint() const { return train::model_fingerprint(config_.model); }
+std::map<std::string, at::Tensor> Trainer::full_parameters(int root) { return parallel::full_parameters(parts(), root); }
+
+std::string Trainer::model_fingerprint() const { return model::fingerprint(config_.model); }
 
 StepResult Trainer::step() {
   const auto start = Clock::now();
@@ -174,21 +166,21 @@ StepResult Trainer::step() {
   StepResult result;
   result.lr = learning_rate(config_, step_);
 
-  parallel_->zero_grad();
+  engine_->zero_grad();
   const auto [inputs, targets] = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
   std::optional<annotate::ReportScope> report;
   if (!config_.sharding_report.empty() && !reported_) report.emplace();
-  const double loss_sum = parallel_->forward_backward(inputs, targets);
-  if (parallel_->pipeline() && config_.trace_step == step_ + 1) write_trace();
+  const double loss_sum = engine_->forward_backward(inputs, targets);
+  if (parts().pipeline && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
   {
     memory::PhaseScope phase(memory::Phase::kOptimizer);
-    result.grad_norm = parallel_->clip_grad_norm(config_.grad_clip);
-    parallel_->step(result.lr);
+    result.grad_norm = engine_->clip_grad_norm(config_.grad_clip);
+    engine_->step(result.lr);
   }
   if (report) write_sharding_report(report->report());
-  result.loss = parallel_->mean_loss(loss_sum);
-  result.moe = parallel_->moe_metrics();
+  result.loss = engine_->mean_loss(loss_sum);
+  result.moe = engine_->moe_metrics();
   result.step = ++step_;
   result.memory.model_states = memory::current_bytes();
   for (int p = 0; p < memory::kPhaseCount; ++p) result.memory.phase_peak[p] = memory::phase_peak_bytes(memory::Phase(p));
@@ -199,7 +191,7 @@ StepResult Trainer::step() {
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batches(Sampler& sampler, int64_t start,
                                                                                   int64_t count) const {
   // Data rank r reads micro-batches r, r + ranks, ... of the stream from `start`.
-  const auto& data = parallel_->data_comm();
+  const auto& data = parts().data;
   const int64_t micro = config_.micro_batch, ranks = data->size();
   std::vector<at::Tensor> inputs, targets;
   for (int64_t i = 0; i < count; ++i) {
@@ -212,7 +204,7 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batch
 
 double Trainer::evaluate() {
   const auto [inputs, targets] = micro_batches(*val_sampler_, 0, config_.eval_batches);
-  return parallel_->mean_loss(parallel_->evaluate(inputs, targets) / config_.eval_batches);
+  return engine_->mean_loss(engine_->evaluate(inputs, targets) / config_.eval_batches);
 }
 
 void Trainer::write_sharding_report(const annotate::ShardingReport& report) {
@@ -224,15 +216,15 @@ void Trainer::write_sharding_report(const annotate::ShardingReport& report) {
 }
 
 void Trainer::write_trace() {
-  const auto ranks = parallel::pipeline::gather_spans(*world_, parallel_->pipeline()->executor().spans(), 0);
+  const auto ranks = parallel::pipeline::gather_spans(*world_, parts().pipeline->executor().spans(), 0);
   if (world_->rank() != 0) return;
   util::make_directories(config_.out);
   const std::string trace = config_.out + "/trace.json", picture = config_.out + "/timeline.svg";
   util::write_text_file(trace, parallel::pipeline::chrome_trace(ranks));
   char title[256];
   std::snprintf(title, sizeof title, "step %lld: %s, pp=%lld, v=%lld, %lld micro-batches, %d ranks",
-                (long long)config_.trace_step, config_.parallel.schedule.c_str(), (long long)config_.parallel.pp,
-                (long long)config_.parallel.virtual_stages, (long long)config_.grad_accum, world_->size());
+                (long long)config_.trace_step, mesh::schedule_name(config_.parallel.dims.schedule).c_str(), (long long)config_.parallel.dims.pp,
+                (long long)config_.parallel.dims.virtual_stages, (long long)config_.grad_accum, world_->size());
   util::write_text_file(picture, parallel::pipeline::timeline_svg(ranks, title));
   std::printf("meshtrain: pipeline trace of step %lld in %s (open in ui.perfetto.dev), picture in %s\n",
               (long long)config_.trace_step, trace.c_str(), picture.c_str());
@@ -244,7 +236,7 @@ void Trainer::run() {
   char line[512];
   std::snprintf(line, sizeof line, "training %s (%s, %.2fM parameters) on %d rank(s), ", config_.preset.c_str(),
                 model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, world_->size());
-  progress_->say(line + parallel_->describe());
+  progress_->say(line + parts().describe());
   if (config_.memory_limit_mb > 0) {
     progress_->say("per-rank memory limit " + std::to_string(config_.memory_limit_mb) + " MiB (counted CPU tensors)");
   }

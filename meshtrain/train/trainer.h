@@ -7,7 +7,7 @@
 #include "meshtrain/checkpoint/writer.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
-#include "meshtrain/parallel/parallelize.h"
+#include "meshtrain/parallel/step_engine.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
@@ -67,16 +67,17 @@ class Trainer {
     std::string folder, reason;
   };
   const std::vector<Skipped>& skipped_checkpoints() const { return skipped_; }
-  parallel::ParallelModel& parallel() { return *parallel_; }
+  // What parallelize() made of the model: the techniques applied and their pieces.
+  parallel::Parallelized& parts() { return engine_->parts(); }
+  const parallel::Parallelized& parts() const { return engine_->parts(); }
   // The model as the parallel layer left it: with zero_stage 3 its parameters
   // have no storage between steps; use full_parameters().
-  model::Gpt& model() { return parallel_->model(); }
-  parallel::FullySharded* sharded() { return parallel_->sharded(); }
-  parallel::TensorParallel* tensor_parallel() { return parallel_->tensor_parallel(); }
-  const mesh::DeviceMesh& mesh() const { return parallel_->mesh(); }
+  model::Gpt& model() { return parts().model; }
+  parallel::FullySharded* sharded() { return parts().sharded(); }
+  const mesh::DeviceMesh& mesh() const { return *parts().mesh; }
   // Every parameter, unsharded, fp32, by name, on every rank (root -1) or at
   // least on world rank `root`. Collective.
-  std::map<std::string, at::Tensor> full_parameters(int root = -1) { return parallel_->full_parameters(root); }
+  std::map<std::string, at::Tensor> full_parameters(int root = -1);
   const TrainConfig& config() const { return config_; }
   std::string model_fingerprint() const;
   // One rank's fp32 matmul rate (FLOP/s), measured at construction.
@@ -104,7 +105,7 @@ class Trainer {
   std::unique_ptr<text::Tokenizer> tokenizer_;  // [data] tokenizer: prepares text, decodes samples, saved in checkpoints
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
-  std::unique_ptr<parallel::ParallelModel> parallel_;
+  std::unique_ptr<parallel::StepEngine> engine_;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;
   std::unique_ptr<Progress> progress_;
   int64_t previous_limit_ = 0;

@@ -4,6 +4,8 @@
 
 #include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/model/config_json.h"
+#include "meshtrain/parallel/parallel_state.h"
 
 #include <nlohmann/json.hpp>
 
@@ -31,7 +33,7 @@ bool is_random_stream(const std::string& name) { return name.rfind("rng/", 0) ==
 // applied (the annotated one keeps no per-rank stream: a change of either
 // reseeds the random streams, the model and optimizer states load alike).
 std::string layout_of(const TrainConfig& config) {
-  return config.parallel.str() + (config.tp_impl == "annotations" ? " tp_impl=annotations" : "");
+  return config.parallel.dims.str() + (config.parallel.annotated() ? " tp_impl=annotations" : "");
 }
 
 }  // namespace
@@ -42,11 +44,11 @@ void Trainer::save_checkpoint() {
   meta.step = step_;
   meta.cursor = cursor_;
   meta.model = model_fingerprint();
-  meta.model_config = model_config_to_json(config_.model);
+  meta.model_config = model::to_json(config_.model);
   meta.layout = layout_of(config_);
   meta.world = world_->size();
   meta.tokenizer = text::tokenizer_to_json(*tokenizer_);
-  writer_->save(std::move(meta), parallel_->state(), parallel_->mesh().layout());
+  writer_->save(std::move(meta), parallel::training_state(parts()), mesh().layout());
 }
 
 void Trainer::finish_checkpoints() { writer_->wait(); }
@@ -61,11 +63,11 @@ void Trainer::load_checkpoint(const std::string& folder) {
   }
   const bool same_layout = meta.layout == layout_of(config_) && meta.world == world_->size();
   comm::on_all_or_all_fail(*world_, [&] {
-    reader->load(parallel_->state(), parallel_->mesh().layout(), world_->rank(),
+    reader->load(parallel::training_state(parts()), mesh().layout(), world_->rank(),
                  [&](const std::string& name) { return same_layout || !is_random_stream(name); });
   });
-  parallel_->after_load(meta.step, same_layout);
-  if (!same_layout) parallel_->reseed_random_streams(config_.seed, meta.step);
+  parallel::after_load(parts(), meta.step, same_layout);
+  if (!same_layout) parts().random.reseed(config_.seed, meta.step);
   step_ = meta.step;
   cursor_ = meta.cursor;
 }

@@ -7,7 +7,8 @@
 #include "meshtrain/annotate/report.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/annotated_tensor_parallel.h"
-#include "meshtrain/parallel/parallelize.h"
+#include "meshtrain/parallel/parallel_state.h"
+#include "meshtrain/parallel/step_engine.h"
 #include "tests/harness/mpi_env.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -277,16 +278,16 @@ TEST(Annotations, TheTrainersAnnotatedTensorParallelEqualsThePlan) {
       int64_t bytes[2] = {0, 0};
       for (int impl = 0; impl < 2; ++impl) {
         parallel::ParallelizeOptions o;
-        o.dims.tp = tp;
-        o.dims.zero_stage = zero;
-        o.dims.resolve(n);
+        o.spec.dims.tp = tp;
+        o.spec.dims.zero_stage = zero;
+        o.spec.dims.resolve(n);
         o.microbatches = 2;
         o.micro_batch = 2;
-        o.tp_impl = impl == 0 ? "plan" : "annotations";
+        o.spec.tp_impl = impl == 0 ? parallel::TensorParallelImpl::kPlan : parallel::TensorParallelImpl::kAnnotations;
         o.adamw.lr = 1e-3;
-        auto model = parallel::parallelize(model::Gpt(config, 7), world(), o);
-        const auto& tp_comm = model->annotated() ? model->annotated()->comm() : model->mesh().comm("tp");
-        at::Generator g = at::make_generator<at::CPUGeneratorImpl>(31 + model->data_comm()->rank());
+        auto model = std::make_unique<parallel::StepEngine>(parallel::parallelize(model::Gpt(config, 7), world(), o));
+        const auto& tp_comm = model->parts().tensor->comm();
+        at::Generator g = at::make_generator<at::CPUGeneratorImpl>(31 + model->parts().data->rank());
         for (int step = 0; step < 3; ++step) {
           std::vector<at::Tensor> inputs, targets;
           for (int m = 0; m < 2; ++m) {
@@ -302,7 +303,7 @@ TEST(Annotations, TheTrainersAnnotatedTensorParallelEqualsThePlan) {
           if (step == 0) bytes[impl] = wire_bytes(*tp_comm) - before;
           losses[impl].push_back(model->mean_loss(loss));
         }
-        params[impl] = model->full_parameters();
+        params[impl] = parallel::full_parameters(model->parts());
       }
       const std::string what = where + (llama ? ", llama" : ", gpt2");
       for (int step = 0; step < 3; ++step) {

@@ -10,6 +10,7 @@
 #include "meshtrain/comm/backend/nccl/nccl_communicator.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
+#include "meshtrain/parallel/random_streams.h"
 #include "tests/parallel/training_fixture.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -67,7 +68,7 @@ TEST_F(CudaTest, OneRankTrainingTracksTheCpu) {
   Trainer cpu(config(1, kBatch), alone());
   Trainer gpu(config(1, kBatch, "", on_gpu({})), alone());
   EXPECT_TRUE(gpu.device().is_cuda());
-  EXPECT_TRUE(gpu.parallel().model()->parameters().front().is_cuda());
+  EXPECT_TRUE(gpu.model()->parameters().front().is_cuda());
   for (int s = 0; s < 6; ++s) {
     const StepResult want = cpu.step(), got = gpu.step();
     EXPECT_NEAR(got.loss, want.loss, 1e-4 * want.loss) << "step " << s + 1;
@@ -91,7 +92,7 @@ TEST_F(CudaTest, Bfloat16AutocastTracksFloat32) {
   }
   EXPECT_GT(largest, 0.0) << "the bfloat16 run computed exactly what float32 did: autocast was not on";
   // Parameters stay float32 (autocast changes the matmuls only).
-  EXPECT_EQ(bf16.parallel().model()->parameters().front().scalar_type(), at::kFloat);
+  EXPECT_EQ(bf16.model()->parameters().front().scalar_type(), at::kFloat);
 }
 
 TEST_F(CudaTest, PeakMemoryWithinTenPercentOfThePlanner) {
@@ -192,11 +193,35 @@ TEST_F(CudaTest, FullyShardedReleasesCudaStorageBetweenSteps) {
   expect_same_training(sharded, single, 3, "ZeRO-3 on CUDA");
   // Outside forward and backward, a block's gathered parameters hold no memory.
   int released = 0, held = 0;
-  for (const auto& item : sharded.parallel().model()->named_parameters()) {
+  for (const auto& item : sharded.model()->named_parameters()) {
     if (item.key().rfind("blocks.", 0) != 0) continue;
     (item.value().storage().data() == nullptr ? released : held) += 1;
   }
   EXPECT_GT(released, 0) << held << " block parameters still hold their storage";
+}
+
+// Note [Random streams] on a GPU: a per-rank stream reseeded for a CUDA run
+// holds a CUDA generator's state (not a CPU one), which loads into the CUDA
+// generator, and a checkpoint's copies restore the draws exactly.
+TEST_F(CudaTest, RandomStreamsReseedAndRestoreCudaGenerators) {
+  if (world()->size() != 1) GTEST_SKIP() << "one rank";
+  const at::Device device(at::kCUDA, 0);
+  at::Tensor own;
+  parallel::RandomStream stream{[&] { return own.clone(); }, [&](const at::Tensor& s) { own = s.clone(); }};
+  parallel::RandomStreams streams(device, {{"tensor_parallel", stream, 1}});
+  streams.reseed(1337, 2);
+  at::Generator cuda = at::globalContext().defaultGenerator(device);
+  const at::Tensor saved = cuda.get_state();
+  EXPECT_EQ(own.numel(), saved.numel()) << "the per-rank stream holds another device's state";
+  EXPECT_NO_THROW(cuda.set_state(own));
+  cuda.set_state(saved);
+  placement::TrainingState state;
+  streams.add_state(state, mesh::MeshLayout::from_degrees({{"dp", 1}}, 1));
+  ASSERT_EQ(state.size(), 3u);  // rng/cpu, rng/cuda, rng/tensor_parallel
+  EXPECT_EQ(state[1].name, "rng/cuda");
+  const at::Tensor first = at::rand({8}, at::TensorOptions().device(device));
+  streams.restore();
+  EXPECT_TRUE(at::equal(at::rand({8}, at::TensorOptions().device(device)), first));
 }
 
 TEST_F(CudaTest, CheckpointingReplaysCudaRandomStreams) {
@@ -231,7 +256,7 @@ TEST_F(CudaTest, TwoRanksOnOneGpuEqualOneProcess) {
   for (const auto& [layout, micro] : layouts) {
     Trainer parallel(config(2, micro, "", on_gpu(layout)), world());
     Trainer single(config(1, kBatch, "", on_gpu({})), alone());
-    EXPECT_NE(std::string(parallel.parallel().mesh().comm("dp")->backend_name()).find("host-staged"), std::string::npos)
+    EXPECT_NE(std::string(parallel.mesh().comm("dp")->backend_name()).find("host-staged"), std::string::npos)
         << "two ranks on one GPU should go through the host";
     expect_same_training(parallel, single, 3, describe(layout) + " on CUDA");
   }

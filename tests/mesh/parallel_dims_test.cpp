@@ -46,7 +46,7 @@ TEST(ParallelDims, BrokenRulesPrintTheirFormula) {
                                               "(pp(2) * ep(1) * tp(2)))");
   EXPECT_EQ(resolved(dims(1, 0, 0, 3), 8), "tp = 3: pp(1) * ep(1) * tp(3) = 3 does not divide the world size 8");
   ParallelDims d = dims(1, 1, 1, 1);
-  d.schedule = "interleaved";
+  d.schedule = PipelineSchedule::kInterleaved;
   d.pp = 2;
   EXPECT_EQ(error_of([&] { d.check(); }),
             "virtual_stages = 1: pp_schedule = \"interleaved\" needs virtual_stages >= 2 (with one stage per rank it is "
@@ -63,7 +63,7 @@ TEST(ParallelDims, BrokenRulesPrintTheirFormula) {
   d = dims(1, 1, 1, 1);
   d.ep = 2;
   d.pp = d.virtual_stages = 1;
-  d.schedule = "1f1b";
+  d.schedule = PipelineSchedule::kOneFOneB;
   EXPECT_EQ(error_of([&] { d.check_model(model); }),
             "ep = 2: expert parallel needs a mixture-of-experts model (model.moe_experts > 0)");
   model.experts = 6;
@@ -115,8 +115,10 @@ TEST(ParallelDims, ConfigAndPlannerAgreeOnEveryLayout) {
                       config_error = e.what();
                     }
                     plan::Layout layout;
-                    layout.pp = pp, layout.dp = data / fsdp, layout.fsdp = fsdp, layout.tp = tp;
-                    layout.zero_stage = zero, layout.sp = sp, layout.schedule = schedule, layout.virtual_stages = v;
+                    layout.dims.pp = pp, layout.dims.dp = data / fsdp, layout.dims.fsdp = fsdp, layout.dims.tp = tp;
+                    layout.dims.zero_stage = zero, layout.dims.sequence_parallel = sp;
+                    layout.dims.schedule = config::parse_name(pipeline_schedule_names(), "schedule", schedule);
+                    layout.dims.virtual_stages = v;
                     std::string plan_error;
                     try {
                       plan::check_layout(shape, layout, m);

@@ -80,7 +80,7 @@ TEST_F(TrainingTest, Bfloat16AutocastTracksFloat32) {
   // steps (fp32 master weights, optimizer and reductions are unchanged).
   const int n = world()->size();
   TrainConfig mixed = config(n, kBatch / n);
-  mixed.dtype = "bfloat16";
+  mixed.dtype = at::kBFloat16;
   Trainer low(mixed, world());
   Trainer full(config(n, kBatch / n), world());
   for (int s = 0; s < 5; ++s) {

@@ -155,7 +155,7 @@ TEST_F(ExpertParallelTest, ShardedStagesOfAnMoeModelEqualOneProcessAndMoveTheExp
   }
   if (n == 8) layouts.push_back(moe(2, {"parallel.zero_stage=3", "parallel.ep=4"}));  // fsdp 2 x ep 4
   for (const Overrides& layout : layouts) {
-    const int stage = config(n, 1, "", layout).parallel.zero_stage;
+    const int stage = config(n, 1, "", layout).parallel.dims.zero_stage;
     const int64_t micro = kBatch / config(n, 1, "", layout).data_ranks();
     expect_equal_to_one_process(layout, micro);
     Trainer trainer(config(n, micro, "", layout), world());

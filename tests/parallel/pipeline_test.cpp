@@ -77,7 +77,7 @@ TEST_F(PipelineTraining, StashedMicrobatchesFollowTheSchedule) {
                     world());
     trainer.step();
     const StepResult r = trainer.step();
-    const int stash = trainer.parallel().pipeline()->executor().peak_stashed();
+    const int stash = trainer.parts().pipeline->executor().peak_stashed();
     const int rank = world()->rank();
     if (schedule == "gpipe") EXPECT_EQ(stash, m) << "rank " << rank;
     else EXPECT_EQ(stash, n - rank) << "rank " << rank;

@@ -34,7 +34,7 @@ class PlanMemory : public TrainingTest {
       c.model.mlp = "swiglu";
       c.model.tie_embeddings = c.model.bias = false;
     }
-    c.batch = (c.parallel.pp > 1 ? 16 : 8) * c.data_ranks();  // pipelines: 4 micro-batches
+    c.batch = (c.parallel.dims.pp > 1 ? 16 : 8) * c.data_ranks();  // pipelines: 4 micro-batches
     c.validate(n);
     const int64_t before = memory::current_bytes();
     double measured = 0, states = 0, moe_load = 0;

@@ -57,7 +57,7 @@ TEST(PlanModel, TrainingFlopsFollowNarayananEquationThree) {
     const double B = 8, s = m.seq, l = m.layers, h = m.width, V = m.vocab;
     // With full recompute (their setting): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
     const double eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
-    const double ours = B * (m.training_flops_per_sequence() + l * m.block_recompute_flops("full"));
+    const double ours = B * (m.training_flops_per_sequence() + l * m.block_recompute_flops(parallel::CheckpointMode::kFull));
     EXPECT_NEAR(ours / eq3, 1.0, 1e-12) << m.describe();
     // Without recompute, three quarters of the blocks' share.
     EXPECT_NEAR(B * m.training_flops_per_sequence() / (eq3 - 24 * B * s * l * h * h * (1 + s / (6 * h))), 1.0, 1e-12);
@@ -75,9 +75,9 @@ TEST(PlanMemoryFormula, ModelStatesFollowTheZeroPaper) {
     for (int64_t n : {1, 2, 8, 64}) {
       for (int stage = 0; stage <= 3; ++stage) {
         Layout l;
-        l.zero_stage = stage;
-        if (stage > 0) l.fsdp = n;
-        else l.dp = n;
+        l.dims.zero_stage = stage;
+        if (stage > 0) l.dims.fsdp = n;
+        else l.dims.dp = n;
         const double states = estimate_memory(m, w, l, 1).front().memory.model_states();
         const double want = stage == 0   ? 16 * psi
                             : stage == 1 ? 4 * psi + 12 * psi / n
@@ -115,9 +115,9 @@ TEST(PlanMemoryFormula, ActivationsFollowKorthikanti) {
         check("tp", sbh * (10 + 24.0 / t + 5 * a * s / (h * t)));
         o.sp = t > 1;
         check("tp+sp", sbh / t * (34 + 5 * a * s / h));
-        o.recompute = "selective";
+        o.recompute = parallel::CheckpointMode::kSelective;
         check("tp+sp+selective", 34 * sbh / t);
-        o.recompute = "full";
+        o.recompute = parallel::CheckpointMode::kFull;
         check("tp+sp+full", 2 * sbh / t);
         o.sp = false;
         check("full", 2 * sbh);
@@ -131,9 +131,9 @@ TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
   m.vocab = 256;  // a small embedding: the parameter split is six blocks per stage
   Workload w;
   Layout l;
-  l.pp = 4;
+  l.dims.pp = 4;
   for (const std::string schedule : {"gpipe", "1f1b"}) {
-    l.schedule = schedule;
+    l.dims.schedule = config::parse_name(mesh::pipeline_schedule_names(), "schedule", schedule);
     const auto ranks = estimate_memory(m, w, l, 8);
     ASSERT_EQ(ranks.size(), 4u);
     for (int r = 0; r < 4; ++r) {
@@ -142,7 +142,7 @@ TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
     }
   }
   // The first 1F1B stage holds p micro-batches of L/p layers: one whole model's activations.
-  l.schedule = "1f1b";
+  l.dims.schedule = mesh::PipelineSchedule::kOneFOneB;
   ActivationOptions o;
   EXPECT_NEAR(estimate_memory(m, w, l, 8).front().memory.activations / (24 * layer_activation_bytes(m, o)), 1.0, 1e-12);
 }
@@ -164,8 +164,8 @@ TEST(PlanTime, BubbleAndComputeFollowTheirFormulas) {
 
 TEST(PlanLayout, ParsesPrintsAndRefuses) {
   const Layout l = Layout::parse("pp=2,interleaved,v=2 tp=4 sp zero=1 dp=8 mb=2 recompute=selective");
-  EXPECT_EQ(l.pp, 2);
-  EXPECT_EQ(l.fsdp, 8);  // zero with dp: ZeRO's shards
+  EXPECT_EQ(l.dims.pp, 2);
+  EXPECT_EQ(l.dims.fsdp, 8);  // zero with dp: ZeRO's shards
   EXPECT_EQ(l.world(), 64);
   EXPECT_EQ(l.str(), "pp=2 interleaved v=2 tp=4 sp zero=1 fsdp=8 mb=2 recompute=selective");
   EXPECT_EQ(Layout::parse(l.str()).str(), l.str());
@@ -179,7 +179,7 @@ TEST(PlanLayout, ParsesPrintsAndRefuses) {
             std::string::npos);
   EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("pp=4 interleaved v=2"), 6); }).find("divisible by pp(4)"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("offload=optimizer"), 1); }).find("offload needs zero >= 1"),
+  EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("offload=optimizer"), 1); }).find("offload.optimizer = \"cpu\": needs parallel.zero_stage >= 1"),
             std::string::npos);
   EXPECT_EQ(parse_bytes("80GiB"), 80.0 * (1 << 30));
   EXPECT_EQ(parse_bytes("64K"), 65536);
@@ -204,7 +204,7 @@ TEST(PlanSearch, RanksWhatFitsAndSaysWhyTheRestDoNot) {
     EXPECT_NE(c.why_not.find("needs "), std::string::npos) << c.why_not;
   }
   // Plain data parallel cannot hold 16 bytes per parameter of 6.7B in 80 GiB.
-  for (const Candidate& c : big.fitting) EXPECT_FALSE(c.layout.zero_stage == 0 && c.layout.pp == 1 && c.layout.tp == 1);
+  for (const Candidate& c : big.fitting) EXPECT_FALSE(c.layout.dims.zero_stage == 0 && c.layout.dims.pp == 1 && c.layout.dims.tp == 1);
   machine.device_memory = 24.0 * (1 << 30);
   const SearchResult small = search(m, w, machine, 8);
   EXPECT_LT(small.fitting.size(), big.fitting.size());
@@ -309,9 +309,9 @@ TEST(PlanMoe, SearchConsidersExpertParallel) {
   const SearchResult result = search(m, w, Machine(), 64);
   ASSERT_FALSE(result.fitting.empty());
   bool any_ep = false;
-  for (const Candidate& c : result.fitting) any_ep = any_ep || c.layout.ep > 1;
+  for (const Candidate& c : result.fitting) any_ep = any_ep || c.layout.dims.ep > 1;
   EXPECT_TRUE(any_ep);
-  for (const Candidate& c : result.fitting) EXPECT_EQ(m.experts % c.layout.ep, 0);
+  for (const Candidate& c : result.fitting) EXPECT_EQ(m.experts % c.layout.dims.ep, 0);
 }
 
 }  // namespace

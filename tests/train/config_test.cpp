@@ -25,7 +25,7 @@ TEST(TrainConfig, DefaultsValidateAndDeriveAccumulation) {
   TrainConfig c = TrainConfig::load("", {});
   c.validate(2);
   EXPECT_EQ(c.preset, "small");
-  EXPECT_EQ(c.parallel.dp, 2);
+  EXPECT_EQ(c.parallel.dims.dp, 2);
   EXPECT_EQ(c.grad_accum, 1);  // 16 / (8 x 2)
   c = TrainConfig::load("", {"training.micro_batch=2"});
   c.validate(2);
@@ -36,7 +36,7 @@ TEST(TrainConfig, ShardedAxesFillTheWorld) {
   auto axes = [](std::vector<std::string> overrides, int world) {
     TrainConfig c = TrainConfig::load("", overrides);
     c.validate(world);
-    return std::vector<int64_t>{c.parallel.dp, c.parallel.fsdp, c.grad_accum};
+    return std::vector<int64_t>{c.parallel.dims.dp, c.parallel.dims.fsdp, c.grad_accum};
   };
   EXPECT_EQ(axes({"parallel.zero_stage=3", "training.batch=32", "training.micro_batch=2"}, 4),
             (std::vector<int64_t>{1, 4, 4}));

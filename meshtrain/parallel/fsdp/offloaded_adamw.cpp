@@ -11,11 +11,9 @@ using offload::Tier;
 
 OffloadedAdamW::OffloadedAdamW(ShardedState& state, Tier optimizer_tier, Tier params_tier, const std::string& nvme_dir)
     : s_(state), optimizer_tier_(optimizer_tier), params_tier_(params_tier) {
-  if (optimizer_tier == Tier::kDevice) throw std::invalid_argument("offloaded AdamW: the optimizer tier is cpu or nvme");
-  if (params_tier != Tier::kDevice && !s_.stage3()) {
-    throw std::invalid_argument("offload.params = \"" + std::string(offload::tier_name(params_tier)) +
-                                "\" needs parallel.zero_stage = 3 (stages 1 and 2 keep the full parameters on every rank)");
-  }
+  // The rules of which tiers combine with which stage are ParallelSpec::check's.
+  TORCH_INTERNAL_ASSERT(optimizer_tier != Tier::kDevice, "offloaded AdamW: the optimizer tier is the host or NVMe");
+  TORCH_INTERNAL_ASSERT(params_tier == Tier::kDevice || s_.stage3(), "offloaded AdamW: parameter shards offload at stage 3 only");
   offload::StoreOptions options;
   options.nvme_dir = nvme_dir;
   const bool cuda = s_.units.front().full.is_cuda();

@@ -32,20 +32,33 @@ std::string Action::str() const {
 }
 
 Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches) {
-  // The layout rules (schedule names, virtual stages, micro-batch counts) are ParallelDims'.
+  mesh::PipelineSchedule kind;
+  try {
+    kind = config::parse_name(mesh::pipeline_schedule_names(), "pp_schedule", name);
+  } catch (const config::ConfigError& e) {
+    throw ScheduleError("pipeline schedule '" + name + "': " + e.what());
+  }
+  return make_schedule(kind, ranks, virtual_stages, microbatches);
+}
+
+Schedule make_schedule(mesh::PipelineSchedule kind, int ranks, int virtual_stages, int microbatches) {
+  // The layout rules (virtual stages, micro-batch counts) are ParallelDims'.
   mesh::ParallelDims dims;
   dims.pp = ranks;
   dims.dp = dims.fsdp = 1;
-  dims.schedule = name;
+  dims.schedule = kind;
   dims.virtual_stages = virtual_stages;
   try {
     dims.check();
     dims.check_microbatches(microbatches);
   } catch (const mesh::LayoutError& e) {
-    throw ScheduleError("pipeline schedule '" + name + "': " + e.what());
+    throw ScheduleError("pipeline schedule '" + mesh::schedule_name(kind) + "': " + e.what());
   }
-  if (name == "gpipe") return gpipe(ranks, microbatches);
-  if (name == "1f1b") return one_f_one_b(ranks, microbatches);
+  switch (kind) {
+    case mesh::PipelineSchedule::kGpipe: return gpipe(ranks, microbatches);
+    case mesh::PipelineSchedule::kOneFOneB: return one_f_one_b(ranks, microbatches);
+    case mesh::PipelineSchedule::kInterleaved: break;
+  }
   return interleaved_1f1b(ranks, virtual_stages, microbatches);
 }
 

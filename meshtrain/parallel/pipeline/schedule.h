@@ -3,6 +3,8 @@
 // simulates one before it runs.
 #pragma once
 
+#include "meshtrain/mesh/parallel_dims.h"
+
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -60,8 +62,10 @@ struct Schedule {
   int rank_of(int stage) const { return stage % ranks; }
 };
 
-// "gpipe", "1f1b" or "interleaved" (mesh::ParallelDims::schedule_names()).
-// Throws ScheduleError for a name or sizes the layout rules refuse.
+// Throws ScheduleError for sizes the layout rules refuse.
+Schedule make_schedule(mesh::PipelineSchedule kind, int ranks, int virtual_stages, int microbatches);
+// By name: "gpipe", "1f1b" or "interleaved" (mesh::pipeline_schedule_names());
+// throws ScheduleError for another name too.
 Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches);
 Schedule gpipe(int ranks, int microbatches);
 Schedule one_f_one_b(int ranks, int microbatches);

@@ -8,9 +8,10 @@ StagedModel::StagedModel(model::Gpt& model, const std::shared_ptr<comm::Communic
   const int p = pipeline_->size(), v = options.virtual_stages, me = pipeline_->rank();
   const model::GptConfig& config = model->config();
   std::vector<int64_t> blocks;
-  if (options.split == "params" || options.split == "time") {
-    std::vector<double> costs = options.split == "params" ? parameter_costs(config)
-                                                          : measured_costs(config, options.micro_batch);
+  if (options.split.kind != StageSplit::Kind::kBlocks) {
+    std::vector<double> costs = options.split.kind == StageSplit::Kind::kParams
+                                    ? parameter_costs(config)
+                                    : measured_costs(config, options.micro_batch);
     // Every rank must cut alike: the mean of the ranks' measurements.
     at::Tensor mean = at::tensor(costs, at::kDouble).to(world->device());
     world->all_reduce(mean, comm::ReduceOp::kAvg).wait();
@@ -18,7 +19,8 @@ StagedModel::StagedModel(model::Gpt& model, const std::shared_ptr<comm::Communic
     costs.assign(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
     blocks = balance(costs, p * v);
   } else {
-    blocks = parse_split(options.split, config.layers, p * v);
+    blocks = options.split.blocks;
+    check_block_counts(blocks, config.layers, p * v);
   }
   stages_ = stage_specs(blocks);
   std::vector<StageSpec> mine;
@@ -74,7 +76,7 @@ std::string StagedModel::describe(int64_t micro_batch) const {
   std::string split;
   for (const auto& stage : stages_) split += (split.empty() ? "" : " | ") + stage.str();
   const int p = pipeline_->size(), v = options_.virtual_stages, m = options_.microbatches;
-  return "pipeline pp(" + std::to_string(p) + ") " + options_.schedule + " with " + std::to_string(m) +
+  return "pipeline pp(" + std::to_string(p) + ") " + mesh::schedule_name(options_.schedule) + " with " + std::to_string(m) +
          " micro-batches of " + std::to_string(micro_batch) +
          (v > 1 ? ", " + std::to_string(v) + " virtual stages per rank" : "") + ", bubble " +
          std::to_string(int(100 * theoretical_bubble(p, v, m) + 0.5)) + "%; stages: " + split;

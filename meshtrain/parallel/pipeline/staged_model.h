@@ -5,6 +5,7 @@
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/parallel/pipeline/executor.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 
@@ -16,11 +17,11 @@
 namespace meshtrain::parallel::pipeline {
 
 struct StagedModelOptions {
-  std::string schedule = "1f1b";
+  mesh::PipelineSchedule schedule = mesh::PipelineSchedule::kOneFOneB;
   int virtual_stages = 1;
   int microbatches = 1;     // per step, per data rank
-  std::string split = "params";  // "params" | "time" | "3,3,2"
-  int64_t micro_batch = 1;  // sequences per micro-batch (for "time")
+  StageSplit split;         // by parameters, by measured time, or counts per stage
+  int64_t micro_batch = 1;  // sequences per micro-batch (for a split by time)
 };
 
 class StagedModel {

@@ -90,7 +90,7 @@ std::vector<int64_t> balance(const std::vector<double>& costs, int stages) {
   return blocks;
 }
 
-std::vector<int64_t> parse_split(const std::string& text, int64_t layers, int stages) {
+std::vector<int64_t> parse_block_counts(const std::string& text) {
   std::vector<int64_t> blocks;
   std::stringstream in(text);
   std::string item;
@@ -107,15 +107,27 @@ std::vector<int64_t> parse_split(const std::string& text, int64_t layers, int st
     }
     blocks.push_back(n);
   }
+  return blocks;
+}
+
+void check_block_counts(const std::vector<int64_t>& blocks, int64_t layers, int stages) {
   if (static_cast<int>(blocks.size()) != stages) {
-    throw std::invalid_argument("'" + text + "' gives " + std::to_string(blocks.size()) + " stages, the pipeline has " +
+    throw std::invalid_argument("gives " + std::to_string(blocks.size()) + " stages, the pipeline has " +
                                 std::to_string(stages) + " (pp x virtual_stages)");
   }
   int64_t total = 0;
   for (int64_t n : blocks) total += n;
   if (total != layers) {
-    throw std::invalid_argument("'" + text + "' places " + std::to_string(total) + " blocks, the model has " +
-                                std::to_string(layers));
+    throw std::invalid_argument("places " + std::to_string(total) + " blocks, the model has " + std::to_string(layers));
+  }
+}
+
+std::vector<int64_t> parse_split(const std::string& text, int64_t layers, int stages) {
+  const std::vector<int64_t> blocks = parse_block_counts(text);
+  try {
+    check_block_counts(blocks, layers, stages);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("'" + text + "' " + e.what());
   }
   return blocks;
 }

@@ -31,8 +31,12 @@ std::vector<double> measured_costs(const model::GptConfig& config, int64_t micro
 
 // Blocks per stage (each >= 1) minimising the most expensive stage; `costs` as above.
 std::vector<int64_t> balance(const std::vector<double>& costs, int stages);
-// "3,3,2": blocks per stage, checked against the layer and stage counts
-// (throws std::invalid_argument saying what is wrong).
+// "3,3,2": blocks per stage (each >= 1), or std::invalid_argument.
+std::vector<int64_t> parse_block_counts(const std::string& text);
+// Throws std::invalid_argument ("gives 2 stages, the pipeline has 4 ...")
+// unless there is one count per stage and they add up to `layers`.
+void check_block_counts(const std::vector<int64_t>& blocks, int64_t layers, int stages);
+// Both: "3,3,2" read and checked against the layer and stage counts.
 std::vector<int64_t> parse_split(const std::string& text, int64_t layers, int stages);
 std::vector<StageSpec> stage_specs(const std::vector<int64_t>& blocks_per_stage);
 

@@ -1,0 +1,174 @@
+#include "meshtrain/parallel/step_engine.h"
+
+#include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/parallel/pipeline/stages.h"
+#include "meshtrain/util/memory.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <optional>
+
+namespace meshtrain::parallel {
+
+namespace {
+
+// Autocast of matmuls to bfloat16 on `device` for the lifetime of the object.
+class Autocast {
+ public:
+  Autocast(bool enabled, at::Device device) : enabled_(enabled), type_(device.type()) {
+    if (!enabled_) return;
+    at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+    at::autocast::set_autocast_enabled(type_, true);
+  }
+  ~Autocast() {
+    if (!enabled_) return;
+    at::autocast::set_autocast_enabled(type_, false);
+    at::autocast::clear_cache();
+  }
+
+ private:
+  bool enabled_;
+  at::DeviceType type_;
+};
+
+// A loss computed on distributed tensors (annotations) made a plain value.
+at::Tensor plain(const at::Tensor& loss) { return annotate::is_dist(loss) ? annotate::full_tensor(loss) : loss; }
+
+}  // namespace
+
+StepEngine::StepEngine(Parallelized parts) : parts_(std::move(parts)) {}
+
+void StepEngine::set_aux_loss_scale(double scale) {
+  for (model::Moe& layer : parts_.model->moe_layers()) layer->set_aux_loss_scale(scale);
+}
+
+double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+  const int64_t count = static_cast<int64_t>(inputs.size());
+  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, 1.0 / count);
+  const ParallelizeOptions& o = parts_.options;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
+  set_aux_loss_scale(1.0 / static_cast<double>(count));
+  for (int64_t a = 0; a < count; ++a) {
+    parts_.data_parallelism->set_sync(a == count - 1);
+    at::Tensor loss;
+    {
+      memory::PhaseScope phase(memory::Phase::kForward);
+      Autocast autocast(o.bfloat16_autocast, o.device);
+      loss = parts_.model->loss(inputs[a], targets[a]) / static_cast<double>(count);
+    }
+    {
+      memory::PhaseScope phase(memory::Phase::kBackward);
+      loss.backward();
+      if (parts_.tensor) parts_.tensor->after_backward();
+      parts_.data_parallelism->after_backward();
+    }
+    loss_sum += plain(loss.detach());
+  }
+  return loss_sum.item<double>();  // once per step: on a GPU each item() waits for the queue
+}
+
+double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+  memory::PhaseScope phase(memory::Phase::kEval);
+  torch::NoGradGuard no_grad;
+  const ParallelizeOptions& o = parts_.options;
+  parts_.model->eval();
+  at::Tensor total = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
+  if (parts_.pipeline) {
+    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, 1.0);
+  } else {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      Autocast autocast(o.bfloat16_autocast, o.device);
+      total += plain(parts_.model->loss(inputs[i], targets[i]).detach());
+    }
+  }
+  parts_.model->train();
+  return total.item<double>();
+}
+
+double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
+                                const std::vector<at::Tensor>& targets, double scale) {
+  const ParallelizeOptions& o = parts_.options;
+  model::Gpt& model = parts_.model;
+  pipeline::StagedModel& staged = *parts_.pipeline;
+  std::optional<memory::PhaseScope> backward_phase;
+  set_aux_loss_scale(scale);
+  pipeline::StageCallbacks callbacks;
+  callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
+    memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
+    Autocast autocast(o.bfloat16_autocast, o.device);
+    const pipeline::StageSpec& spec = staged.stages()[stage];
+    const at::Tensor out = pipeline::run_stage(model, spec, spec.embed ? inputs[mb] : input);
+    return spec.head ? model->cross_entropy(out, targets[mb]) * scale : out;
+  };
+  callbacks.before_backward = [&](bool last) {
+    backward_phase.emplace(memory::Phase::kBackward);
+    parts_.data_parallelism->set_sync(last);
+  };
+  callbacks.after_backward = [&] {
+    parts_.data_parallelism->after_backward();
+    backward_phase.reset();
+  };
+  const mesh::ParallelDims& dims = parts_.spec().dims;
+  const int64_t context = model->config().context;
+  const int64_t rows = dims.sequence_parallel ? context / dims.tp : context;
+  const at::ScalarType dtype = parts_.sharded() ? parts_.spec().param_dtype : at::kFloat;
+  return staged.executor().run(schedule, callbacks, {inputs.front().size(0), rows, model->config().width}, dtype);
+}
+
+double StepEngine::mean_loss(double local) {
+  at::Tensor loss = at::full({1}, local, at::TensorOptions(at::kDouble).device(parts_.data->device()));
+  if (parts_.pipeline) parts_.pipeline->comm()->all_reduce(loss).wait();  // the last stage has it
+  parts_.data->all_reduce(loss, comm::ReduceOp::kAvg).wait();            // tensor-parallel ranks hold the same
+  return loss.item<double>();
+}
+
+void StepEngine::zero_grad() { parts_.data_parallelism->zero_grad(); }
+
+double StepEngine::clip_grad_norm(double max_norm) {
+  const pipeline::StagedModel* staged = parts_.pipeline.get();
+  if (staged && staged->tied_embedding_group()) {
+    // The tied embedding's gradient: the sum of its first- and last-stage copies.
+    at::Tensor grad = parts_.data_parallelism->reduced_gradient(pipeline::StagedModel::tied_embedding_name());
+    staged->tied_embedding_group()->all_reduce(grad).wait();
+  }
+  return parts_.data_parallelism->clip_grad_norm(max_norm);
+}
+
+void StepEngine::step(double lr) { parts_.data_parallelism->step(lr); }
+
+std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
+  std::vector<model::Moe> layers = parts_.model->moe_layers();
+  if (layers.empty()) return {};
+  // Per layer: forwards, then the sums of aux, z, dropped, load and routed,
+  // summed over every rank; the most any rank computed, its maximum.
+  std::vector<double> rows, computed;
+  for (model::Moe& layer : layers) {
+    const model::MoeStats s = layer->stats();
+    rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed});
+    computed.push_back(s.computed);
+    layer->reset_stats();
+  }
+  const std::shared_ptr<comm::Communicator>& world = parts_.world;
+  at::Tensor sums = at::tensor(rows, at::kDouble).to(world->device());
+  at::Tensor most = at::tensor(computed, at::kDouble).to(world->device());
+  world->all_reduce(sums).wait();
+  world->all_reduce(most, comm::ReduceOp::kMax).wait();
+  sums = sums.cpu();
+  most = most.cpu();
+  const double* sum = sums.data_ptr<double>();
+  // Ranks that run this layer: those of its pipeline stage.
+  const double ranks = static_cast<double>(world->size()) / static_cast<double>(parts_.spec().dims.pp);
+  const model::GptConfig& config = parts_.model->config();
+  std::vector<model::MoeLayerMetrics> out;
+  for (int64_t block = 0, i = 0; block < config.layers; ++block) {
+    if (!config.is_moe_block(block)) continue;
+    const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
+    out.push_back({block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
+                   most.data_ptr<double>()[i] / balanced, computed[i] / balanced});
+    ++i;
+    sum += 6;
+  }
+  return out;
+}
+
+}  // namespace meshtrain::parallel
