@@ -185,6 +185,8 @@ const std::vector<config::Key<ParallelSpec>>& ParallelSpec::keys() {
                                   "parameters (FSDP)", MESHTRAIN_SPEC_MEMBER(dims.zero_stage)));
     k.push_back(key<ParallelSpec>(p, "bucket_mb", "gradient all-reduce bucket size in MiB (zero_stage 0)",
                                   MESHTRAIN_SPEC_MEMBER(bucket_mb)));
+    k.push_back(key<ParallelSpec>(p, "first_bucket_mb", "the first bucket (zero_stage 0; the last layers' gradients): "
+                                  "small, so the first all-reduce starts early in backward", MESHTRAIN_SPEC_MEMBER(first_bucket_mb)));
     k.push_back(enum_key<ParallelSpec>(p, "unit_policy", "sharded units: \"block\" (one per transformer block + root) "
                                        "or \"model\"", shard_unit_names(), MESHTRAIN_SPEC_MEMBER(unit_policy)));
     k.push_back(key<ParallelSpec>(p, "prefetch", "zero_stage 3: gather the next unit while this one computes",
@@ -272,6 +274,7 @@ void ParallelSpec::check(int64_t world, const mesh::ModelDims& model, const Comp
     refuse("offload.params", params_tier, "needs offload.optimizer = \"cpu\" or \"nvme\" as well");
   }
   if (bucket_mb < 1) refuse("parallel.bucket_mb", n(bucket_mb), "must be >= 1");
+  if (first_bucket_mb < 1) refuse("parallel.first_bucket_mb", n(first_bucket_mb), "must be >= 1");
 }
 
 ParallelSpec::BatchShape ParallelSpec::batch_shape(int64_t batch, int64_t micro_batch) const {

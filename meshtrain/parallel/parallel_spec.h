@@ -85,6 +85,7 @@ struct ParallelSpec {
   int64_t activation_checkpoint_every = 1;  // every k-th block
   // Data parallel (zero_stage 0): gradient all-reduce buckets.
   int64_t bucket_mb = 25;
+  int64_t first_bucket_mb = 1;  // the last layers' gradients: small, so communication starts early in backward
   // ZeRO / FSDP (zero_stage >= 1).
   ShardUnits unit_policy = ShardUnits::kBlock;
   bool prefetch = true;               // zero_stage 3: gather the next unit during this one

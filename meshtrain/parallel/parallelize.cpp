@@ -69,6 +69,7 @@ void apply_activation_checkpointing(Parallelized& p) {
 void apply_data_parallel(Parallelized& p) {
   DataParallelOptions o;
   o.bucket_bytes = p.spec().bucket_mb << 20;
+  o.first_bucket_bytes = p.spec().first_bucket_mb << 20;
   o.adamw = p.options.adamw;
   o.norm = p.norm_groups;
   if (p.experts) {

@@ -64,6 +64,7 @@ TEST(ParallelSpec, CheckHoldsTheRulesOfEveryKnob) {
             "parallel.pp_split = \"3,2\": '3,2' places 5 blocks, the model has 4");
   EXPECT_EQ(checked({"parallel.activation_checkpoint_every=0"}, 1), "parallel.activation_checkpoint_every = 0: must be >= 1");
   EXPECT_EQ(checked({"parallel.bucket_mb=0"}, 1), "parallel.bucket_mb = 0: must be >= 1");
+  EXPECT_EQ(checked({"parallel.first_bucket_mb=0"}, 1), "parallel.first_bucket_mb = 0: must be >= 1");
   // Degrees left at 0 are resolved; the value a rule quotes is the one given.
   ParallelSpec s = spec_of({"parallel.zero_stage=3", "parallel.dp=2"});
   s.check(8, tiny());
