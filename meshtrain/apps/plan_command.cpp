@@ -77,11 +77,11 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
   return j;
 }
 
-void print_header(const plan::ModelShape& model, const plan::Workload& w, const plan::Machine& m, int64_t world) {
-  std::printf("model    %s\n", model.describe().c_str());
+void print_header(const model::GptConfig& model, const std::string& name, const plan::Workload& w, const plan::Machine& m, int64_t world) {
+  std::printf("model    %s\n", model.describe(name).c_str());
   std::printf("run      %lld ranks (%lld per node), %s per device, %s, global batch %lld x %lld tokens, %s attention\n",
               (long long)world, (long long)m.devices_per_node, plan::format_bytes(m.device_memory).c_str(),
-              w.precision.name.c_str(), (long long)w.global_batch, (long long)model.seq, w.attention.c_str());
+              w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str());
   std::printf("machine  %s: %.0f TFLOP/s peak x MFU %.2f, %.0f GB/s in a node, %.0f GB/s across, %.0f us latency\n",
               m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6);
 }
@@ -132,7 +132,8 @@ void print_detail(const plan::Candidate& c, const plan::Machine& machine) {
 int run_plan(const PlanOptions& o) {
   const auto start = Clock::now();
   if (o.world < 1) throw std::invalid_argument("--world must be >= 1");
-  plan::ModelShape model;
+  model::GptConfig model;
+  std::string name = o.model;
   plan::Workload workload;
   std::optional<plan::PlannedRun> configured;
   if (is_config_file(o.model)) {
@@ -143,11 +144,12 @@ int run_plan(const PlanOptions& o) {
     }
     const plan::PlannedRun run = configured ? *configured : plan::planned_model(config);
     model = run.model;
+    name = run.name;
     workload = run.workload;
   } else {
-    model = plan::ModelShape::preset(o.model);
+    model = plan::preset_model(o.model);
   }
-  if (o.seq > 0) model.seq = o.seq;
+  if (o.seq > 0) model.context = o.seq;
   if (!o.precision.empty()) workload.precision = plan::Precision::parse(o.precision);
   if (!o.attention.empty()) {
     if (o.attention != "flash" && o.attention != "math" && o.attention != "batched") {
@@ -171,7 +173,7 @@ int run_plan(const PlanOptions& o) {
       std::printf("%s\n", candidate_json(c).dump(2).c_str());
       return 0;
     }
-    print_header(model, workload, machine, o.world);
+    print_header(model, name, workload, machine, o.world);
     print_detail(c, machine);
     return 0;
   }
@@ -182,7 +184,7 @@ int run_plan(const PlanOptions& o) {
     nlohmann::json fitting = nlohmann::json::array(), rejected = nlohmann::json::array();
     for (size_t i = 0; i < result.fitting.size() && i < static_cast<size_t>(o.top); ++i) fitting.push_back(candidate_json(result.fitting[i]));
     for (size_t i = 0; i < result.rejected.size() && i < static_cast<size_t>(o.top); ++i) rejected.push_back(candidate_json(result.rejected[i]));
-    nlohmann::json j = {{"model", model.describe()},     {"parameters", model.parameter_count()},
+    nlohmann::json j = {{"model", model.describe(name)},     {"parameters", model.parameter_count()},
                         {"active_parameters", model.active_parameter_count()},
                         {"world", o.world},              {"device_memory", machine.device_memory},
                         {"global_batch", workload.global_batch}, {"examined", result.examined},
@@ -190,7 +192,7 @@ int run_plan(const PlanOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  print_header(model, workload, machine, o.world);
+  print_header(model, name, workload, machine, o.world);
   std::printf("searched %lld layouts in %.2f s: %zu fit, %zu do not\n", (long long)result.examined, seconds,
               result.fitting.size(), result.rejected.size());
   if (!result.fitting.empty()) {

@@ -1,5 +1,6 @@
 #include "meshtrain/model/gpt_config.h"
 
+#include <cstdio>
 #include <map>
 #include <stdexcept>
 
@@ -17,22 +18,53 @@ GptConfig shape(int64_t vocab, int64_t context, int64_t layers, int64_t heads, i
   return c;
 }
 
+// A Llama-style shape: RMSNorm, RoPE, SwiGLU, untied head, no biases.
+GptConfig llama(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t kv_heads, int64_t width,
+                int64_t ffn, double rope_theta) {
+  GptConfig c = shape(vocab, context, layers, heads, width);
+  c.norm = "rmsnorm";
+  c.position = "rope";
+  c.mlp = "swiglu";
+  c.tie_embeddings = false;
+  c.bias = false;
+  c.kv_heads = kv_heads == heads ? 0 : kv_heads;
+  c.ffn_hidden = ffn;
+  c.rope_theta = rope_theta;
+  return c;
+}
+
+// A GPT-2/3-style shape with the MLP of 4·width: LayerNorm with biases, learned positions, tied head.
+GptConfig gpt(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t width) {
+  return shape(vocab, context, layers, heads, width);
+}
+
 const std::map<std::string, GptConfig>& presets() {
   static const std::map<std::string, GptConfig> table = [] {
     std::map<std::string, GptConfig> t;
     t["tiny"] = shape(256, 128, 4, 4, 256);
     t["small"] = shape(256, 256, 6, 6, 384);
-    GptConfig llama = shape(256, 128, 4, 4, 256);
-    llama.norm = "rmsnorm";
-    llama.position = "rope";
-    llama.mlp = "swiglu";
-    llama.tie_embeddings = false;
-    llama.bias = false;
-    t["llama-tiny"] = llama;
+    t["llama-tiny"] = llama(256, 128, 4, 4, 4, 256, 0, 10000);  // the MLP's default hidden size
     t["gpt2-124m"] = shape(50257, 1024, 12, 12, 768);
     t["gpt2-350m"] = shape(50257, 1024, 24, 16, 1024);
     t["gpt2-774m"] = shape(50257, 1024, 36, 20, 1280);
     t["gpt2-1.5b"] = shape(50257, 1024, 48, 25, 1600);
+    // Published shapes (model cards and papers); the MLP sizes are the released ones.
+    t["llama2-7b"] = llama(32000, 4096, 32, 32, 32, 4096, 11008, 10000);
+    t["llama2-13b"] = llama(32000, 4096, 40, 40, 40, 5120, 13824, 10000);
+    t["llama2-70b"] = llama(32000, 4096, 80, 64, 8, 8192, 28672, 10000);
+    t["llama3-8b"] = llama(128256, 8192, 32, 32, 8, 4096, 14336, 500000);
+    t["llama3-70b"] = llama(128256, 8192, 80, 64, 8, 8192, 28672, 500000);
+    // GPT-3's 50257 tokens padded to 50304 (a multiple of 128, as Megatron-LM pads) so tensor parallel splits it.
+    t["gpt3-175b"] = gpt(50304, 2048, 96, 96, 12288);
+    t["gpt-1t"] = gpt(51200, 2048, 128, 160, 25600);  // Narayanan et al. 2021, Table 1
+    // Jiang et al. 2024: Mistral-7B's shape with 8 SwiGLU experts in every block, top 2, dropless.
+    GptConfig mixtral = llama(32000, 4096, 32, 32, 8, 4096, 14336, 1e6);
+    mixtral.moe_experts = 8;
+    mixtral.moe_every = 1;
+    mixtral.moe_top_k = 2;
+    mixtral.moe_capacity_factor = 0;
+    mixtral.moe_second_expert = "always";
+    t["mixtral-8x7b"] = mixtral;
     return t;
   }();
   return table;
@@ -55,7 +87,9 @@ GptConfig GptConfig::preset(const std::string& name) {
 }
 
 std::vector<std::string> GptConfig::preset_names() {
-  return {"tiny", "small", "llama-tiny", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b"};
+  return {"tiny",      "small",      "llama-tiny", "gpt2-124m",  "gpt2-350m", "gpt2-774m", "gpt2-1.5b",
+          "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",  "llama3-70b", "gpt3-175b", "gpt-1t",
+          "mixtral-8x7b"};
 }
 
 void GptConfig::validate() const {
@@ -109,43 +143,108 @@ int64_t GptConfig::mlp_hidden() const {
   return (hidden + 63) / 64 * 64;
 }
 
-namespace {
+// Note [Model counts]
+// Every count follows from the shape, part by part, as model::Gpt builds it:
+// a block is the qkv projection (width x qkv_width, + bias), the output
+// projection (width x width, + bias), two norms (scale, + shift for
+// LayerNorm with biases) and the MLP (GELU: two matrices; SwiGLU: three, the
+// biases of all but the last sized hidden); a MoE block replaces the MLP by
+// a router (width x experts) and its experts. Tensor parallel splits the qkv
+// and MLP input matrices by rows, their biases with them, and the output
+// matrices by columns; the output biases and the norms stay whole. The
+// planner's memory and time models and the parallel layer use these; tests
+// compare them with the parameters a built model holds.
 
-// Parameters of one feed-forward of hidden size h (GELU: fc, proj; SwiGLU: gate, up, down).
-int64_t feed_forward_parameters(const GptConfig& c, int64_t h) {
-  const int64_t d = c.width, b = c.bias ? 1 : 0;
-  return c.mlp == "gelu" ? d * h + b * h + h * d + b * d : 2 * d * h + 2 * b * h + h * d + b * d;
+int64_t GptConfig::mlp_parameters(int64_t hidden) const {
+  const int64_t b = bias ? 1 : 0, matrices = gated_mlp() ? 3 : 2;
+  return matrices * width * hidden + b * ((matrices - 1) * hidden + width);
 }
 
-// Every parameter, with `experts_counted` experts per MoE block.
-int64_t count_parameters(const GptConfig& c, int64_t experts_counted) {
-  const int64_t d = c.width, b = c.bias ? 1 : 0;
-  const int64_t norm_params = (c.norm == "layernorm" && c.bias) ? 2 * d : d;
-  const int64_t attention = d * c.qkv_width() + b * c.qkv_width() + d * d + b * d;
-  const int64_t dense = feed_forward_parameters(c, c.mlp_hidden());
-  const int64_t moe = c.moe_experts * d + experts_counted * feed_forward_parameters(c, c.expert_hidden());
-  const int64_t blocks = c.layers * (2 * norm_params + attention) + (c.layers - c.moe_blocks()) * dense +
-                         c.moe_blocks() * moe;
-  const int64_t embeddings = c.vocab_size * d + (c.position == "learned" ? c.context * d : 0);
-  const int64_t head = c.tie_embeddings ? 0 : c.vocab_size * d;
-  return embeddings + blocks + norm_params + head;
+int64_t GptConfig::block_split_parameters() const {
+  const int64_t h = width, b = bias ? 1 : 0, qkv = qkv_width(), hidden = mlp_hidden();
+  const int64_t attention = h * qkv + b * qkv + h * h;  // qkv (column) + projection weight (row)
+  const int64_t mlp = (gated_mlp() ? 3 : 2) * h * hidden + b * (gated_mlp() ? 2 : 1) * hidden;  // column biases split too
+  return attention + mlp;
+}
+
+int64_t GptConfig::block_parameters() const {
+  const int64_t norm_params = (!rms_norm() && bias) ? 2 * width : width;
+  const int64_t row_biases = bias ? 2 * width : 0;  // attention and MLP output biases: replicated
+  return block_split_parameters() + row_biases + 2 * norm_params;
+}
+
+int64_t GptConfig::expert_parameters() const { return moe_experts * mlp_parameters(expert_hidden()); }
+
+int64_t GptConfig::moe_block_parameters() const {
+  return block_parameters() - mlp_parameters(mlp_hidden()) + moe_experts * width + expert_parameters();
+}
+
+int64_t GptConfig::embedding_parameters() const {
+  return vocab_size * width + (learned_positions() ? context * width : 0);
+}
+
+int64_t GptConfig::head_parameters() const {
+  const int64_t norm_params = (!rms_norm() && bias) ? 2 * width : width;
+  return norm_params + (tie_embeddings ? 0 : vocab_size * width);
+}
+
+int64_t GptConfig::parameter_count() const {
+  return embedding_parameters() + (layers - moe_blocks()) * block_parameters() + moe_blocks() * moe_block_parameters() +
+         head_parameters();
+}
+
+int64_t GptConfig::active_parameter_count() const {
+  return parameter_count() - moe_blocks() * (moe_experts - moe_top_k) * mlp_parameters(expert_hidden());
+}
+
+double GptConfig::block_training_flops(bool moe) const {
+  const double s = static_cast<double>(context), h = static_cast<double>(width);
+  const double mlp_matrices = gated_mlp() ? 3.0 : 2.0;
+  const double attention = h * static_cast<double>(qkv_width()) + h * h;
+  double weights = attention + mlp_matrices * h * static_cast<double>(mlp_hidden());
+  if (moe) {
+    weights = attention + static_cast<double>(moe_experts) * h +
+              mlp_matrices * h * static_cast<double>(expert_hidden()) * static_cast<double>(moe_top_k);
+  }
+  return s * (6 * weights + 12 * s * h);
+}
+
+double GptConfig::head_training_flops() const {
+  return 6.0 * static_cast<double>(context) * static_cast<double>(vocab_size) * static_cast<double>(width);
+}
+
+double GptConfig::training_flops_per_sequence() const {
+  double flops = head_training_flops();
+  for (int64_t i = 0; i < layers; ++i) flops += block_training_flops(is_moe_block(i));
+  return flops;
+}
+
+namespace {
+
+std::string count_text(double n) {
+  char text[32];
+  if (n >= 1e12) std::snprintf(text, sizeof text, "%.2fT", n / 1e12);
+  else if (n >= 1e9) std::snprintf(text, sizeof text, "%.2fB", n / 1e9);
+  else if (n >= 1e6) std::snprintf(text, sizeof text, "%.1fM", n / 1e6);
+  else std::snprintf(text, sizeof text, "%.0fK", n / 1e3);
+  return text;
 }
 
 }  // namespace
 
-int64_t GptConfig::parameter_count() const { return count_parameters(*this, moe_experts); }
-
-int64_t GptConfig::active_parameter_count() const { return count_parameters(*this, moe() ? moe_top_k : 0); }
-
-double GptConfig::flops_per_token() const {
-  const double d = width, h = mlp_hidden(), e = expert_hidden();
-  const double attention_weights = d * qkv_width() + d * d;  // qkv and the output projection
-  const double mlp_weights = (mlp == "gelu" ? 2 : 3) * d * h;
-  const double moe_weights = moe_experts * d + moe_top_k * (mlp == "gelu" ? 2 : 3) * d * e;
-  const double dense_blocks = static_cast<double>(layers - moe_blocks()), moe_blocks_ = static_cast<double>(moe_blocks());
-  const double matmul_params =
-      layers * attention_weights + dense_blocks * mlp_weights + moe_blocks_ * moe_weights + vocab_size * d;
-  return 6 * matmul_params + 12.0 * layers * context * d;
+std::string GptConfig::describe(const std::string& name) const {
+  std::string text = name + ": " + count_text(static_cast<double>(parameter_count())) + " parameters, " +
+                     std::to_string(layers) + " layers, h " + std::to_string(width) + ", " + std::to_string(heads) +
+                     " heads";
+  if (grouped_query()) text += " (" + std::to_string(key_value_heads()) + " kv)";
+  text += ", ffn " + std::to_string(mlp_hidden()) + (gated_mlp() ? " swiglu" : " gelu") + ", vocab " +
+          std::to_string(vocab_size) + ", seq " + std::to_string(context);
+  if (moe()) {
+    text += ", " + std::to_string(moe_experts) + " experts top-" + std::to_string(moe_top_k) +
+            (moe_every == 1 ? " in every block" : " in 1 of every " + std::to_string(moe_every) + " blocks") + ", " +
+            count_text(static_cast<double>(active_parameter_count())) + " active";
+  }
+  return text;
 }
 
 }  // namespace meshtrain::model

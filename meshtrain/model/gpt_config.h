@@ -1,5 +1,7 @@
 // GptConfig: the shape of a GPT-family decoder, its named presets, and the
-// parameter count and training FLOPs that follow from the shape alone.
+// parameter counts and training FLOPs that follow from the shape alone. It is
+// the one description of a model: the layout rules (parallel::model_dims),
+// the planner and the checkpoints all read it.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +45,9 @@ struct GptConfig {
   double moe_z_loss = 0.001;           // router z-loss: β·mean(logsumexp(logits)²)
   int64_t moe_hidden = 0;              // an expert's hidden size; 0: the dense MLP's
 
-  // Named shapes: tiny, small, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b.
+  // Named shapes: tiny, small, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m,
+  // gpt2-1.5b, and the published shapes llama2-7b/13b/70b, llama3-8b/70b,
+  // gpt3-175b, gpt-1t, mixtral-8x7b. Throws std::invalid_argument listing them.
   static GptConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
 
@@ -53,22 +57,44 @@ struct GptConfig {
   int64_t head_dim() const { return width / heads; }
   int64_t key_value_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   bool grouped_query() const { return key_value_heads() != heads; }
-  int64_t qkv_width() const { return width + 2 * key_value_heads() * head_dim(); }  // the fused qkv's outputs
+  int64_t kv_width() const { return key_value_heads() * head_dim(); }  // the outputs of k (and of v)
+  int64_t qkv_width() const { return width + 2 * kv_width(); }       // the fused qkv's outputs
   // ffn_hidden, else gelu: 4·width; swiglu: 8/3·width rounded up to a multiple of 64.
   int64_t mlp_hidden() const;
   bool moe() const { return moe_experts > 0; }
   bool is_moe_block(int64_t i) const { return moe() && i % moe_every == moe_every - 1; }
   int64_t moe_blocks() const { return moe() ? layers / moe_every : 0; }
   int64_t expert_hidden() const { return moe_hidden > 0 ? moe_hidden : mlp_hidden(); }
-  // Exact number of trainable parameters (tied embeddings counted once; every expert).
+  bool gated_mlp() const { return mlp == "swiglu"; }  // three matrices instead of two
+  bool rms_norm() const { return norm == "rmsnorm"; }
+  bool learned_positions() const { return position == "learned"; }  // a position table (GPT) instead of RoPE
+
+  // Parameter counts by part (Note [Model counts]); parameter_count() is
+  // their sum, the tied head counted once, every expert counted.
+  int64_t embedding_parameters() const;          // token (+ position) embedding
+  int64_t block_parameters() const;              // one dense transformer block
+  int64_t block_split_parameters() const;        // of those, the ones tensor parallel splits
+  int64_t mlp_parameters(int64_t hidden) const;  // one MLP of this style and hidden size (weights and biases)
+  int64_t moe_block_parameters() const;          // one MoE block: attention, norms, router, every expert
+  int64_t expert_parameters() const;             // the experts of one MoE block (what expert parallel splits)
+  int64_t head_parameters() const;               // final norm + untied LM head
   int64_t parameter_count() const;
   // Those a token uses: with experts, moe_top_k experts per MoE block instead of all.
   int64_t active_parameter_count() const;
-  // Training FLOPs per token at full context: 6·N_matmul + 12·layers·context·width for
-  // attention scores and values (forward 2, backward 4 per multiply-add), where
-  // N_matmul counts the weights used in matrix multiplies (the embedding lookups are
-  // not multiplies; the LM head is). MoE blocks count top_k experts and the router.
-  double flops_per_token() const;
+
+  // Training FLOPs (forward + backward) of one sequence of `context` tokens:
+  // 6 per weight of every matrix multiply per token (the LM head included, the
+  // embedding lookups not) and 12·context·width per token and layer for the
+  // attention's scores and weighted values. MoE blocks count the router and
+  // moe_top_k experts.
+  double block_training_flops(bool moe = false) const;  // a dense block, or a MoE block
+  double head_training_flops() const;            // the LM head
+  double training_flops_per_sequence() const;
+  double flops_per_token() const { return training_flops_per_sequence() / static_cast<double>(context); }
+
+  // "gpt2-124m: 124.4M parameters, 12 layers, h 768, 12 heads, ffn 3072 gelu, vocab 50257, seq 1024"
+  // (+ ", 8 experts top-2 in every block, 12.88B active" with experts).
+  std::string describe(const std::string& name) const;
 };
 
 }  // namespace meshtrain::model

@@ -6,9 +6,19 @@
 
 namespace meshtrain::plan {
 
+model::GptConfig preset_model(const std::string& name) {
+  for (const std::string& preset : model::GptConfig::preset_names()) {
+    if (preset == name) return model::GptConfig::preset(name);
+  }
+  std::string names;
+  for (const auto& n : model::GptConfig::preset_names()) names += (names.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown model '" + name + "': give a meshtrain config file (.toml) or a preset: " + names);
+}
+
 PlannedRun planned_model(const train::TrainConfig& config) {
   PlannedRun run;
-  run.model = ModelShape::from_config(config.model, config.preset);
+  run.name = config.preset;
+  run.model = config.model;
   run.workload.global_batch = config.batch;
   // meshtrain keeps fp32 parameters and optimizer states; bfloat16 autocast
   // changes the matmuls, not the states.

@@ -4,17 +4,22 @@
 #pragma once
 
 #include "meshtrain/plan/layout.h"
-#include "meshtrain/plan/model_shape.h"
+#include "meshtrain/model/gpt_config.h"
 #include "meshtrain/train/config.h"
 
 namespace meshtrain::plan {
 
 struct PlannedRun {
-  ModelShape model;
+  std::string name;  // the model's, as the planner prints it (the config's preset)
+  model::GptConfig model;
   Workload workload;
   Layout layout;
   int64_t microbatches = 1;  // per data rank per step
 };
+
+// The preset `name` (model::GptConfig::preset_names()); throws
+// std::invalid_argument("unknown model 'NAME': give a meshtrain config file (.toml) or a preset: ...").
+model::GptConfig preset_model(const std::string& name);
 
 // The model and workload of `config` (layout left at its defaults); any config.
 PlannedRun planned_model(const train::TrainConfig& config);

@@ -25,8 +25,8 @@ struct Sizes {
   double region(double x) const { return sp ? x / t : x; }
 };
 
-Sizes sizes(const ModelShape& model, int64_t micro_batch, int64_t tp, bool sp) {
-  const double tokens = static_cast<double>(model.seq) * static_cast<double>(micro_batch);
+Sizes sizes(const model::GptConfig& model, int64_t micro_batch, int64_t tp, bool sp) {
+  const double tokens = static_cast<double>(model.context) * static_cast<double>(micro_batch);
   return {tokens, tokens * static_cast<double>(model.width), static_cast<double>(tp), sp && tp > 1};
 }
 
@@ -34,8 +34,8 @@ Sizes sizes(const ModelShape& model, int64_t micro_batch, int64_t tp, bool sp) {
 // norm) and the fused RMSNorm their fp32 mean and reciprocal deviation per
 // token; the reference RMSNorm, composed of elementwise operations, the
 // reciprocal RMS and the normalised input (which the scale's multiply keeps).
-double norm_saved(const ModelShape& model, const Sizes& z, double activation_bytes) {
-  return model.rms_norm && !model.fused ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
+double norm_saved(const model::GptConfig& model, const Sizes& z, double activation_bytes) {
+  return model.rms_norm() && !model.fused ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
 }
 
 // The loss's side of one micro-batch on the last stage: what stays saved
@@ -48,10 +48,10 @@ double norm_saved(const ModelShape& model, const Sizes& z, double activation_byt
 struct OutputBytes {
   double kept, forward, backward;
 };
-OutputBytes output_bytes(const ModelShape& model, const Sizes& z, const Precision& p) {
+OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p) {
   const double e = p.activation;
   const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
-  const double logits = z.tokens * static_cast<double>(model.vocab) / z.t;  // elements on this rank
+  const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
   const double low_precision = e < 4 ? 1 : 0;
   return {head_inputs + 4 * logits, logits * (e + 4 * low_precision),
           (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};
@@ -61,15 +61,15 @@ OutputBytes output_bytes(const ModelShape& model, const Sizes& z, const Precisio
 // output and the MLP's hidden-sized pair (a MoE layer: its experts' hidden
 // gradients and those of their inputs and outputs); with sequence parallel
 // the re-gathered input of a column-parallel linear and its gradient.
-double layer_backward_workspace(const ModelShape& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
+double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
                                 double load) {
-  const double e = p.activation, matrices = model.gated_mlp ? 3 : 2;
+  const double e = p.activation, matrices = model.gated_mlp() ? 3 : 2;
   if (moe) {  // gradients of the experts' hidden tensors, inputs and outputs (sent back: source side)
-    const double a = model.assignments(z.tokens, load) / z.t, sent = ep > 1 ? model.assignments(z.tokens) / z.t : a;
-    return e * z.u + matrices * e * a * static_cast<double>(model.expert_ffn) +
+    const double a = assignments(model, z.tokens, load) / z.t, sent = ep > 1 ? assignments(model, z.tokens) / z.t : a;
+    return e * z.u + matrices * e * a * static_cast<double>(model.expert_hidden()) +
            e * (a + sent) * static_cast<double>(model.width);
   }
-  const double hidden = z.u * static_cast<double>(model.ffn) / static_cast<double>(model.width);
+  const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
   return e * z.region(z.u) + matrices * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
 }
 
@@ -78,17 +78,17 @@ double layer_backward_workspace(const ModelShape& model, const Sizes& z, const P
 // (and its fp32 input when activations are 16-bit), the top-k indices and
 // gates, and per assignment the expert's input, hidden tensors and output,
 // its combine gate and the dispatch/combine indices (int64).
-double moe_saved(const ModelShape& model, const Sizes& z, double e, int64_t ep, double load) {
+double moe_saved(const model::GptConfig& model, const Sizes& z, double e, int64_t ep, double load) {
   // With expert parallel the experts' side follows the load this rank
   // receives, the routing side the balanced one it sends.
   // Tensor parallel: every rank routes all tokens and computes 1/t of the
   // assignments; with sequence parallel it keeps the gathered input.
-  const double n = z.tokens, a = model.assignments(n, load) / z.t, sent = ep > 1 ? model.assignments(n) / z.t : a;
+  const double n = z.tokens, a = assignments(model, n, load) / z.t, sent = ep > 1 ? assignments(model, n) / z.t : a;
   const double d = static_cast<double>(model.width);
-  const double k = static_cast<double>(model.top_k), experts = static_cast<double>(model.experts);
+  const double k = static_cast<double>(model.moe_top_k), experts = static_cast<double>(model.moe_experts);
   double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0) + (z.sp ? e * n * d : 0);
   bytes += n * k * (8 + 4) + 4 * n;
-  bytes += a * (d * e + (model.gated_mlp ? 4 : 2) * static_cast<double>(model.expert_ffn) * e);  // expert input, hidden
+  bytes += a * (d * e + (model.gated_mlp() ? 4 : 2) * static_cast<double>(model.expert_hidden()) * e);  // expert input, hidden
   bytes += sent * (d * e + 4 + 3 * 8);  // expert output back here, its gate, the dispatch/combine indices
   if (ep > 1) bytes += a * 2 * 8;       // the regrouping indices
   return bytes;
@@ -109,24 +109,24 @@ const pipeline::Schedule& schedule_of(const Layout& layout, int64_t microbatches
 
 // What a layer saves from its attention output on: dropout masks, the MLP's
 // input and its activations (or the experts').
-double mlp_saved(const ModelShape& model, const Sizes& z, double e, const ActivationOptions& o, bool moe, int64_t ep) {
+double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const ActivationOptions& o, bool moe, int64_t ep) {
   double bytes = 0;
   if (o.dropout > 0) bytes += 2 * o.precision.mask * z.region(z.u);  // dropout after attention and after the MLP
   bytes += e * z.region(z.u);                                        // MLP input
   if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
   // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
-  const double hidden = z.u * static_cast<double>(model.ffn) / static_cast<double>(model.width);
-  return bytes + (model.gated_mlp ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
+  const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
+  return bytes + (model.gated_mlp() ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
 }
 
 }  // namespace
 
-double layer_activation_bytes(const ModelShape& model, const ActivationOptions& o, bool moe, int64_t ep) {
+double layer_activation_bytes(const model::GptConfig& model, const ActivationOptions& o, bool moe, int64_t ep) {
   const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
   const double e = o.precision.activation, mask = o.precision.mask;
   if (o.recompute == parallel::CheckpointMode::kFull) return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
   const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
-  const double s = static_cast<double>(model.seq), heads = static_cast<double>(model.heads);
+  const double s = static_cast<double>(model.context), heads = static_cast<double>(model.heads);
   double bytes = 2 * (e * z.region(z.u) + z.region(norm_saved(model, z, e)));  // both norms
   bytes += e * z.region(z.u);                                // qkv projection's input
   bytes += e * z.split(z.u);                                 // attention output = output projection's input
@@ -134,11 +134,11 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective) {
     // Contiguous q, k, v over every head (k, v repeated), and the causal
     // softmax's blocks; the qkv projection's output is not kept (Note [CPU attention]).
-    const double kept = static_cast<double>(model::fused::batched_attention_scores(model.seq, model.seq, true)) / (s * s);
+    const double kept = static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true)) / (s * s);
     return bytes + 3 * e * z.split(z.u) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
   }
   bytes += e * z.split(z.u * (h + 2 * kv) / h);              // q, k, v
-  if (!model.learned_positions) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k
+  if (!model.learned_positions()) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k
   if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core
     if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
@@ -149,33 +149,40 @@ double layer_activation_bytes(const ModelShape& model, const ActivationOptions& 
   return bytes + mlp_saved(model, z, e, o, moe, ep);
 }
 
-void check_layout(const ModelShape& model, const Layout& l, int64_t microbatches) {
+double assignments(const model::GptConfig& model, double tokens, double load) {
+  const double k = static_cast<double>(model.moe_top_k);
+  if (load > 0) return tokens * k * load;
+  const double cf = model.moe_capacity_factor;
+  return tokens * k * (cf > 0 ? std::min(1.0, cf) : 1.0);
+}
+
+void check_layout(const model::GptConfig& model, const Layout& l, int64_t microbatches) {
   // The trainer's rules (Note [Parallel spec]), on a copy: the degrees are explicit already.
   Layout checked = l;
   try {
-    checked.check(l.world(), model.dims(), {});
+    checked.check(l.world(), model, {});
     checked.check_microbatches(microbatches);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument("layout " + l.str() + ": " + e.what());
   }
 }
 
-std::vector<int64_t> stage_blocks(const ModelShape& model, int64_t stages) {
+std::vector<int64_t> stage_blocks(const model::GptConfig& model, int64_t stages) {
   std::vector<double> costs;
   costs.push_back(static_cast<double>(model.embedding_parameters()));
   for (int64_t i = 0; i < model.layers; ++i) costs.push_back(static_cast<double>(model.block_parameters()));
   // The last stage holds the head even when it is tied (a copy of the embedding).
-  costs.push_back(static_cast<double>(model.head_parameters() + (model.tied_head ? model.vocab * model.width : 0)));
+  costs.push_back(static_cast<double>(model.head_parameters() + (model.tie_embeddings ? model.vocab_size * model.width : 0)));
   return pipeline::balance(costs, static_cast<int>(stages));
 }
 
-std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload& w, const Layout& l,
+std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Workload& w, const Layout& l,
                                         int64_t microbatches) {
   check_layout(model, l, microbatches);
   const Precision& p = w.precision;
   const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel);
   const double t = static_cast<double>(l.dims.tp), shards = static_cast<double>(l.shards()), e = p.activation;
-  const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab);
+  const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab_size);
 
   // Parameters on one tensor-parallel rank (a MoE block: its ep-th of the experts).
   const double block = static_cast<double>(model.block_split_parameters()) / t +
@@ -183,14 +190,14 @@ std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload&
   const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.dims.ep);
   // A MoE block: the dense block less its MLP (split by tp, its output bias whole), plus the router and experts (whole on every tp rank).
   const double mlp_bias = static_cast<double>(model.bias ? model.width : 0);
-  const double mlp_split = static_cast<double>(model.mlp_parameters(model.ffn)) - mlp_bias;
-  const double moe_block = block - mlp_split / t - mlp_bias + static_cast<double>(model.experts * model.width) + local_experts;
-  const double embedding = vocab * h / t + (model.learned_positions ? static_cast<double>(model.seq) * h : 0);
-  const double head_norm = static_cast<double>(model.head_parameters()) - (model.tied_head ? 0 : vocab * h);
-  const double head = head_norm + ((!model.tied_head || l.dims.pp > 1) ? vocab * h / t : 0);
-  const double largest_tensor = std::max({vocab * h / t, static_cast<double>(model.ffn) * h / t,
+  const double mlp_split = static_cast<double>(model.mlp_parameters(model.mlp_hidden())) - mlp_bias;
+  const double moe_block = block - mlp_split / t - mlp_bias + static_cast<double>(model.moe_experts * model.width) + local_experts;
+  const double embedding = vocab * h / t + (model.learned_positions() ? static_cast<double>(model.context) * h : 0);
+  const double head_norm = static_cast<double>(model.head_parameters()) - (model.tie_embeddings ? 0 : vocab * h);
+  const double head = head_norm + ((!model.tie_embeddings || l.dims.pp > 1) ? vocab * h / t : 0);
+  const double largest_tensor = std::max({vocab * h / t, static_cast<double>(model.mlp_hidden()) * h / t,
                                           h * (h + 2.0 * static_cast<double>(model.kv_width())) / t,
-                                          static_cast<double>(model.expert_ffn * model.experts / l.dims.ep) * h});
+                                          static_cast<double>(model.expert_hidden() * model.moe_experts / l.dims.ep) * h});
 
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
   const double per_layer = layer_activation_bytes(model, options);

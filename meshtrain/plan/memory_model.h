@@ -3,7 +3,7 @@
 #pragma once
 
 #include "meshtrain/plan/layout.h"
-#include "meshtrain/plan/model_shape.h"
+#include "meshtrain/model/gpt_config.h"
 
 #include <string>
 #include <vector>
@@ -63,9 +63,13 @@ struct ActivationOptions {
   double moe_load = 0;  // Workload::moe_load
 };
 
+// (token, expert) assignments one MoE layer computes for `tokens` tokens:
+// tokens x top_k x `load`, or with load 0 (a balanced router) x min(1, cf).
+double assignments(const model::GptConfig& model, double tokens, double load = 0);
+
 // Bytes one transformer layer keeps for its backward, per micro-batch
 // (`moe`: a mixture-of-experts block, with its expert parallel degree `ep`).
-double layer_activation_bytes(const ModelShape& model, const ActivationOptions& options, bool moe = false,
+double layer_activation_bytes(const model::GptConfig& model, const ActivationOptions& options, bool moe = false,
                               int64_t ep = 1);
 
 // One rank's memory at its peak, by term (bytes).
@@ -99,13 +103,13 @@ struct RankMemory {
 // model (heads, vocabulary, ffn or sequence not divisible by tp, more stages
 // than layers, interleaving needing m % pp == 0, ZeRO-3 with pp, offload
 // without ZeRO, ...). `microbatches` per data rank per step.
-void check_layout(const ModelShape& model, const Layout& layout, int64_t microbatches);
+void check_layout(const model::GptConfig& model, const Layout& layout, int64_t microbatches);
 
 // Blocks per pipeline stage as the trainer splits them by parameter count.
-std::vector<int64_t> stage_blocks(const ModelShape& model, int64_t stages);
+std::vector<int64_t> stage_blocks(const model::GptConfig& model, int64_t stages);
 
 // Peak memory of every pipeline rank (one entry without a pipeline).
-std::vector<RankMemory> estimate_memory(const ModelShape& model, const Workload& workload, const Layout& layout,
+std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Workload& workload, const Layout& layout,
                                         int64_t microbatches);
 
 }  // namespace meshtrain::plan

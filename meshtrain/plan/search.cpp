@@ -26,7 +26,7 @@ std::string largest_term(const MemoryBreakdown& m) {
 
 // The mesh shapes of `world` ranks: tp (within a node) x pp x data ranks, of
 // them ep (a MoE model) and ZeRO shards over all replicas or within a node.
-std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine, int64_t world) {
+std::vector<Layout> mesh_shapes(const model::GptConfig& model, const Machine& machine, int64_t world) {
   std::vector<Layout> shapes;
   for (int64_t tp : divisors(world)) {
     if (tp > machine.devices_per_node) continue;  // tensor parallel stays inside a node
@@ -34,7 +34,7 @@ std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine,
       if (pp > model.layers) continue;
       const int64_t data = world / (tp * pp);
       for (int64_t ep : divisors(data)) {
-        if (ep > 1 && (!model.moe() || model.experts % ep != 0)) continue;
+        if (ep > 1 && (!model.moe() || model.moe_experts % ep != 0)) continue;
         const int64_t replicated = data / ep;
         for (int zero = 0; zero <= 3; ++zero) {
           std::vector<int64_t> shard_counts = {zero == 0 ? 1 : replicated};
@@ -45,7 +45,7 @@ std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine,
           for (int64_t fsdp : shard_counts) {
             Layout l;
             l.dims.tp = tp;
-            l.dims.sequence_parallel = tp > 1 && model.seq % tp == 0;
+            l.dims.sequence_parallel = tp > 1 && model.context % tp == 0;
             l.dims.pp = pp;
             l.dims.ep = ep;
             l.dims.fsdp = fsdp;
@@ -62,12 +62,12 @@ std::vector<Layout> mesh_shapes(const ModelShape& model, const Machine& machine,
 
 }  // namespace
 
-int64_t default_global_batch(const ModelShape& model, int64_t world) {
-  const int64_t sequences = std::max<int64_t>(1, (int64_t{1} << 20) / model.seq);
+int64_t default_global_batch(const model::GptConfig& model, int64_t world) {
+  const int64_t sequences = std::max<int64_t>(1, (int64_t{1} << 20) / model.context);
   return std::max<int64_t>(world, (sequences + world - 1) / world * world);
 }
 
-Candidate evaluate(const ModelShape& model, const Workload& workload, const Layout& layout, const Machine& machine) {
+Candidate evaluate(const model::GptConfig& model, const Workload& workload, const Layout& layout, const Machine& machine) {
   Candidate c;
   c.layout = layout;
   const int64_t per_step = layout.micro_batch * layout.data_ranks();
@@ -91,7 +91,7 @@ Candidate evaluate(const ModelShape& model, const Workload& workload, const Layo
   return c;
 }
 
-SearchResult search(const ModelShape& model, const Workload& workload, const Machine& machine, int64_t world) {
+SearchResult search(const model::GptConfig& model, const Workload& workload, const Machine& machine, int64_t world) {
   if (world < 1) throw std::invalid_argument("world size must be >= 1");
   SearchResult result;
   for (const Layout& shape : mesh_shapes(model, machine, world)) {

@@ -5,7 +5,7 @@
 
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/plan/memory_model.h"
-#include "meshtrain/plan/model_shape.h"
+#include "meshtrain/model/gpt_config.h"
 #include "meshtrain/plan/time_model.h"
 
 #include <string>
@@ -26,7 +26,7 @@ struct Candidate {
 // Evaluates `layout` for `workload.global_batch` sequences on `machine`.
 // Throws std::invalid_argument when the layout cannot run this model
 // (check_layout) or the batch does not divide into its micro-batches.
-Candidate evaluate(const ModelShape& model, const Workload& workload, const Layout& layout, const Machine& machine);
+Candidate evaluate(const model::GptConfig& model, const Workload& workload, const Layout& layout, const Machine& machine);
 
 struct SearchResult {
   std::vector<Candidate> fitting;   // fastest first
@@ -40,9 +40,9 @@ struct SearchResult {
 // allows it, 1F1B and interleaved (v = 2) pipelines, micro-batch sizes
 // dividing the batch, no/selective/full recompute, and offload where ZeRO
 // allows it.
-SearchResult search(const ModelShape& model, const Workload& workload, const Machine& machine, int64_t world);
+SearchResult search(const model::GptConfig& model, const Workload& workload, const Machine& machine, int64_t world);
 
 // The default global batch: about a million tokens, a multiple of `world` sequences.
-int64_t default_global_batch(const ModelShape& model, int64_t world);
+int64_t default_global_batch(const model::GptConfig& model, int64_t world);
 
 }  // namespace meshtrain::plan

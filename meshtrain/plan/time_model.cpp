@@ -29,7 +29,7 @@ Link link(const Machine& machine, int64_t size, int64_t stride) {
 
 }  // namespace
 
-TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const Layout& l, const Machine& machine,
+TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& w, const Layout& l, const Machine& machine,
                             int64_t microbatches, const std::vector<RankMemory>& ranks) {
   TimeBreakdown time;
   const double m = static_cast<double>(microbatches), b = static_cast<double>(l.micro_batch);
@@ -38,16 +38,24 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
 
   // The slowest pipeline rank (its blocks; embedding lookups are free, the
   // head is not) and the most parameters any rank reduces.
-  const double moe_flops = model.moe() ? model.block_training_flops(model.moe_every - 1) : 0;
+  const double dense_flops = model.block_training_flops(), moe_flops = model.moe() ? model.block_training_flops(true) : 0;
+  // The forward work recompute repeats: selective, the attention core of
+  // each layer (4·seq·width per token); full, every block's forward (a third
+  // of forward + backward).
   auto recompute_flops = [&](double flops, double layers) {
-    if (l.activation_checkpoint == parallel::CheckpointMode::kFull) return flops / 3;  // a forward is a third of forward + backward
-    return layers * model.block_recompute_flops(l.activation_checkpoint);
+    const double s = static_cast<double>(model.context), h = static_cast<double>(model.width);
+    switch (l.activation_checkpoint) {
+      case parallel::CheckpointMode::kNone: return 0.0;
+      case parallel::CheckpointMode::kSelective: return layers * s * 4 * s * h;
+      case parallel::CheckpointMode::kFull: break;
+    }
+    return flops / 3;
   };
   double slowest = 0, slowest_recompute = 0, psi = 0, expert_psi = 0;
   int64_t most_layers = 0, most_moe_layers = 0;
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
-    const double blocks = (layers - moe_layers) * model.block_training_flops() + moe_layers * moe_flops;
+    const double blocks = (layers - moe_layers) * dense_flops + moe_layers * moe_flops;
     const double flops = blocks + (rank.pipeline_rank == l.dims.pp - 1 ? model.head_training_flops() : 0);
     if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers);
     most_layers = std::max(most_layers, rank.layers);
@@ -63,7 +71,7 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     time.bubble = time.compute * bubble / (1 - bubble);
   }
 
-  const double activation = p.activation * static_cast<double>(model.seq) * b * static_cast<double>(model.width);
+  const double activation = p.activation * static_cast<double>(model.context) * b * static_cast<double>(model.width);
   if (l.dims.tp > 1) {
     const Link tp = link(machine, l.dims.tp, 1);
     const double per_layer = 4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0);
@@ -81,7 +89,7 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     // forward's exchange of token counts.
     const Link ep_link = link(machine, l.dims.ep, l.dims.tp);
     const double n = static_cast<double>(l.dims.ep), forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
-    const double exchange = model.assignments(static_cast<double>(model.seq) * b, w.moe_load) / t *
+    const double exchange = assignments(model, static_cast<double>(model.context) * b, w.moe_load) / t *
                             static_cast<double>(model.width) * p.activation * (n - 1) / n;  // a tp rank sends its share
     const double per_layer = (2 * forwards + 2) * exchange;
     const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
@@ -145,10 +153,10 @@ TimeBreakdown estimate_time(const ModelShape& model, const Workload& w, const La
     time.traffic.push_back({"host", "offload traffic", bytes, time.offload});
   }
 
-  const double tokens = m * b * static_cast<double>(l.data_ranks()) * static_cast<double>(model.seq);
+  const double tokens = m * b * static_cast<double>(l.data_ranks()) * static_cast<double>(model.context);
   time.tokens_per_second = tokens / time.step();
   const double devices = static_cast<double>(l.world());
-  time.mfu = tokens / static_cast<double>(model.seq) * model.training_flops_per_sequence() /
+  time.mfu = tokens / static_cast<double>(model.context) * model.training_flops_per_sequence() /
              (time.step() * devices * machine.peak_flops);
   return time;
 }

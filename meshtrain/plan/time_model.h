@@ -3,7 +3,7 @@
 
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/plan/memory_model.h"
-#include "meshtrain/plan/model_shape.h"
+#include "meshtrain/model/gpt_config.h"
 
 #include <string>
 #include <vector>
@@ -65,7 +65,7 @@ struct TimeBreakdown {
 
 // `microbatches` per data rank per step; `ranks` from estimate_memory() of
 // the same layout (which pipeline rank holds how many layers and parameters).
-TimeBreakdown estimate_time(const ModelShape& model, const Workload& workload, const Layout& layout,
+TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& workload, const Layout& layout,
                             const Machine& machine, int64_t microbatches, const std::vector<RankMemory>& ranks);
 
 }  // namespace meshtrain::plan

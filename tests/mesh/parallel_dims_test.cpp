@@ -2,7 +2,6 @@
 // formulas, and one set of rules for config validation and the planner.
 #include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/plan/memory_model.h"
-#include "meshtrain/plan/model_shape.h"
 #include "meshtrain/train/config.h"
 #include "tests/harness/error_of.h"
 
@@ -85,7 +84,6 @@ TEST(ParallelDims, ConfigAndPlannerAgreeOnEveryLayout) {
     c.context = 24;
     return c;
   }();
-  const plan::ModelShape shape = plan::ModelShape::from_config(model, "test");
   int accepted = 0, refused = 0;
   for (int64_t world : {1, 2, 3, 4, 6, 8}) {
     for (int64_t pp : {1, 2, 3, 4, 8}) {
@@ -121,7 +119,7 @@ TEST(ParallelDims, ConfigAndPlannerAgreeOnEveryLayout) {
                     layout.dims.virtual_stages = v;
                     std::string plan_error;
                     try {
-                      plan::check_layout(shape, layout, m);
+                      plan::check_layout(model, layout, m);
                     } catch (const std::invalid_argument& e) {
                       plan_error = e.what();
                     }

@@ -26,6 +26,31 @@ TEST(GptConfig, ParameterCountMatchesTheModulesForEveryStyle) {
   EXPECT_EQ(gqa->blocks[0]->as<Block>()->attn->qkv->weight.size(0), grouped.width + 2 * 2 * grouped.head_dim());
 }
 
+// Note [Model counts]: each part of the count equals the parameters of the
+// modules it describes, for every style and for mixture-of-experts blocks.
+TEST(GptConfig, CountsByPartEqualTheModulesTheyDescribe) {
+  std::vector<GptConfig> configs = {GptConfig::preset("tiny"), GptConfig::preset("llama-tiny")};
+  GptConfig moe = GptConfig::preset("tiny");
+  moe.moe_experts = 4, moe.moe_every = 2, moe.moe_hidden = 96, moe.mlp = "swiglu", moe.kv_heads = 2;
+  configs.push_back(moe);
+  for (const GptConfig& c : configs) {
+    Gpt model(c, 1);
+    const int64_t wpe = model->wpe ? counted(*model->wpe) : 0;
+    EXPECT_EQ(c.embedding_parameters(), counted(*model->wte) + wpe);
+    EXPECT_EQ(c.block_parameters(), counted(*model->blocks[0]));
+    if (c.moe()) {
+      auto* block = model->blocks[1]->as<Block>();
+      EXPECT_EQ(c.moe_block_parameters(), counted(*model->blocks[1]));
+      EXPECT_EQ(c.moe_block_parameters() - c.expert_parameters() - c.moe_experts * c.width,
+                counted(*model->blocks[1]) - counted(*block->moe));
+    }
+    const int64_t head = model->head ? counted(*model->head) : 0;
+    EXPECT_EQ(c.head_parameters(), counted(*model->norm_f) + head);
+    EXPECT_EQ(c.parameter_count(), counted(*model));
+    EXPECT_NEAR(c.training_flops_per_sequence(), c.context * c.flops_per_token(), 1e-9 * c.training_flops_per_sequence());
+  }
+}
+
 // Grouped-query attention is multi-head attention whose heads in a group
 // share keys and values: with the shared k and v copied to every head of
 // their group, the MHA model computes the same logits.

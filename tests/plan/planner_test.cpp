@@ -5,6 +5,7 @@
 // pipeline stashes; layouts, the search and the machine profile.
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
+#include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/search.h"
 #include "tests/harness/error_of.h"
 
@@ -16,11 +17,11 @@ namespace {
 using testing::error_of;
 
 // GPT-style shapes of several sizes (GELU MLP of 4h, learned positions, tied head).
-std::vector<ModelShape> gpt_shapes() {
-  std::vector<ModelShape> shapes = {ModelShape::preset("gpt2-350m"), ModelShape::preset("gpt2-1.5b"),
-                                    ModelShape::preset("gpt3-175b"), ModelShape::preset("gpt-1t")};
-  ModelShape odd = ModelShape::preset("gpt2-124m");
-  odd.width = 1536, odd.ffn = 4 * 1536, odd.heads = odd.kv_heads = 24, odd.layers = 7, odd.seq = 3000;
+std::vector<model::GptConfig> gpt_shapes() {
+  std::vector<model::GptConfig> shapes = {model::GptConfig::preset("gpt2-350m"), model::GptConfig::preset("gpt2-1.5b"),
+                                    model::GptConfig::preset("gpt3-175b"), model::GptConfig::preset("gpt-1t")};
+  model::GptConfig odd = model::GptConfig::preset("gpt2-124m");
+  odd.width = 1536, odd.ffn_hidden = 4 * 1536, odd.heads = 24, odd.layers = 7, odd.context = 3000;
   shapes.push_back(odd);
   return shapes;
 }
@@ -31,34 +32,34 @@ TEST(PlanModel, ParameterCountsEqualTheBuiltModels) {
     model::Gpt gpt(config, 1);
     int64_t numel = 0;
     for (const auto& p : gpt->parameters()) numel += p.numel();
-    EXPECT_EQ(ModelShape::preset(name).parameter_count(), numel) << name;
+    EXPECT_EQ(model::GptConfig::preset(name).parameter_count(), numel) << name;
   }
 }
 
 TEST(PlanModel, ParameterCountsFollowNarayananEquationTwo) {
-  for (const ModelShape& m : gpt_shapes()) {
-    const double l = m.layers, h = m.width, V = m.vocab, s = m.seq;
+  for (const model::GptConfig& m : gpt_shapes()) {
+    const double l = m.layers, h = m.width, V = m.vocab_size, s = m.context;
     const double eq2 = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h));
     // Eq. 2 leaves out the final LayerNorm (2h).
-    EXPECT_NEAR(static_cast<double>(m.parameter_count()), eq2 + 2 * h, 1e-6 * eq2) << m.describe();
+    EXPECT_NEAR(static_cast<double>(m.parameter_count()), eq2 + 2 * h, 1e-6 * eq2) << m.describe("model");
   }
   // Published counts of the Llama models.
-  EXPECT_EQ(ModelShape::preset("llama2-7b").parameter_count(), 6738415616);
-  EXPECT_EQ(ModelShape::preset("llama2-13b").parameter_count(), 13015864320);
-  EXPECT_EQ(ModelShape::preset("llama2-70b").parameter_count(), 68976648192);
-  EXPECT_EQ(ModelShape::preset("llama3-8b").parameter_count(), 8030261248);
-  EXPECT_EQ(ModelShape::preset("llama3-70b").parameter_count(), 70553706496);
-  EXPECT_NEAR(ModelShape::preset("gpt-1t").parameter_count() / 1e9, 1008, 1);  // Narayanan et al., Table 1
-  EXPECT_NE(error_of([] { ModelShape::preset("gpt5"); }).find("unknown model 'gpt5'"), std::string::npos);
+  EXPECT_EQ(model::GptConfig::preset("llama2-7b").parameter_count(), 6738415616);
+  EXPECT_EQ(model::GptConfig::preset("llama2-13b").parameter_count(), 13015864320);
+  EXPECT_EQ(model::GptConfig::preset("llama2-70b").parameter_count(), 68976648192);
+  EXPECT_EQ(model::GptConfig::preset("llama3-8b").parameter_count(), 8030261248);
+  EXPECT_EQ(model::GptConfig::preset("llama3-70b").parameter_count(), 70553706496);
+  EXPECT_NEAR(model::GptConfig::preset("gpt-1t").parameter_count() / 1e9, 1008, 1);  // Narayanan et al., Table 1
+  EXPECT_NE(error_of([] { preset_model("gpt5"); }).find("unknown model 'gpt5'"), std::string::npos);
 }
 
 TEST(PlanModel, TrainingFlopsFollowNarayananEquationThree) {
-  for (const ModelShape& m : gpt_shapes()) {
-    const double B = 8, s = m.seq, l = m.layers, h = m.width, V = m.vocab;
+  for (const model::GptConfig& m : gpt_shapes()) {
+    const double B = 8, s = m.context, l = m.layers, h = m.width, V = m.vocab_size;
     // With full recompute (their setting): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
     const double eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
-    const double ours = B * (m.training_flops_per_sequence() + l * m.block_recompute_flops(parallel::CheckpointMode::kFull));
-    EXPECT_NEAR(ours / eq3, 1.0, 1e-12) << m.describe();
+    const double ours = B * (m.training_flops_per_sequence() + l * m.block_training_flops() / 3);
+    EXPECT_NEAR(ours / eq3, 1.0, 1e-12) << m.describe("model");
     // Without recompute, three quarters of the blocks' share.
     EXPECT_NEAR(B * m.training_flops_per_sequence() / (eq3 - 24 * B * s * l * h * h * (1 + s / (6 * h))), 1.0, 1e-12);
   }
@@ -70,7 +71,7 @@ TEST(PlanMemoryFormula, ModelStatesFollowTheZeroPaper) {
   Workload w;
   w.precision = Precision::parse("bf16-mixed");
   for (const std::string name : {"gpt2-124m", "llama2-7b", "llama3-70b"}) {
-    const ModelShape m = ModelShape::preset(name);
+    const model::GptConfig m = model::GptConfig::preset(name);
     const double psi = static_cast<double>(m.parameter_count());
     for (int64_t n : {1, 2, 8, 64}) {
       for (int stage = 0; stage <= 3; ++stage) {
@@ -99,10 +100,10 @@ TEST(PlanMemoryFormula, ModelStatesFollowTheZeroPaper) {
 // (Eq. 6); full recompute: 2sbh (Sec. 4.3). Norm statistics (16 bytes per
 // token) are ours on top: under 0.1% at these widths.
 TEST(PlanMemoryFormula, ActivationsFollowKorthikanti) {
-  for (const ModelShape& m : gpt_shapes()) {
+  for (const model::GptConfig& m : gpt_shapes()) {
     for (int64_t b : {1, 4}) {
       for (int64_t t : {1, 2, 8}) {
-        const double s = m.seq, h = m.width, a = m.heads, sbh = s * b * h;
+        const double s = m.context, h = m.width, a = m.heads, sbh = s * b * h;
         ActivationOptions o;
         o.micro_batch = b;
         o.tp = t;
@@ -110,7 +111,7 @@ TEST(PlanMemoryFormula, ActivationsFollowKorthikanti) {
         o.dropout = 0.1;
         o.precision = Precision::parse("bf16-mixed");
         auto check = [&](const std::string& what, double want) {
-          EXPECT_NEAR(layer_activation_bytes(m, o) / want, 1.0, 1e-3) << what << " " << m.describe() << " b " << b << " t " << t;
+          EXPECT_NEAR(layer_activation_bytes(m, o) / want, 1.0, 1e-3) << what << " " << m.describe("model") << " b " << b << " t " << t;
         };
         check("tp", sbh * (10 + 24.0 / t + 5 * a * s / (h * t)));
         o.sp = t > 1;
@@ -127,8 +128,8 @@ TEST(PlanMemoryFormula, ActivationsFollowKorthikanti) {
 }
 
 TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
-  ModelShape m = ModelShape::preset("gpt2-350m");
-  m.vocab = 256;  // a small embedding: the parameter split is six blocks per stage
+  model::GptConfig m = model::GptConfig::preset("gpt2-350m");
+  m.vocab_size = 256;  // a small embedding: the parameter split is six blocks per stage
   Workload w;
   Layout l;
   l.dims.pp = 4;
@@ -148,7 +149,7 @@ TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
 }
 
 TEST(PlanTime, BubbleAndComputeFollowTheirFormulas) {
-  const ModelShape m = ModelShape::preset("llama2-7b");
+  const model::GptConfig m = model::GptConfig::preset("llama2-7b");
   Workload w;
   w.global_batch = 64;
   Machine machine;
@@ -172,7 +173,7 @@ TEST(PlanLayout, ParsesPrintsAndRefuses) {
   EXPECT_NE(error_of([] { Layout::parse("tp=two"); }).find("layout tp=two: needs a whole number"), std::string::npos);
   EXPECT_NE(error_of([] { Layout::parse("zero=4"); }).find("layout zero=4: use one of 0, 1, 2, 3"), std::string::npos);
   EXPECT_NE(error_of([] { Layout::parse("xp=2"); }).find("layout key 'xp' unknown"), std::string::npos);
-  const ModelShape m = ModelShape::preset("llama2-70b");
+  const model::GptConfig m = model::GptConfig::preset("llama2-70b");
   EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("tp=16"), 1); }).find("tp(16) does not divide the key/value heads (8)"),
             std::string::npos);
   EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("pp=2 zero=3 fsdp=2"), 4); }).find("zero_stage = 3: does not combine with pp(2) > 1"),
@@ -188,7 +189,7 @@ TEST(PlanLayout, ParsesPrintsAndRefuses) {
 }
 
 TEST(PlanSearch, RanksWhatFitsAndSaysWhyTheRestDoNot) {
-  const ModelShape m = ModelShape::preset("llama2-7b");
+  const model::GptConfig m = model::GptConfig::preset("llama2-7b");
   Workload w;
   w.global_batch = default_global_batch(m, 8);
   Machine machine;
@@ -247,28 +248,28 @@ TEST(PlanMoe, ParameterCountsEqualTheBuiltModelAndMixtral) {
     model::Gpt gpt(c, 1);
     int64_t numel = 0;
     for (const auto& p : gpt->parameters()) numel += p.numel();
-    const ModelShape m = ModelShape::from_config(c, "moe");
+    const model::GptConfig m = c;
     EXPECT_EQ(m.parameter_count(), numel) << mlp;
     EXPECT_EQ(m.parameter_count(), c.parameter_count());
     EXPECT_EQ(m.active_parameter_count(), c.active_parameter_count());
   }
   // Jiang et al. 2024: 46.7B parameters, 12.9B active per token.
-  const ModelShape mixtral = ModelShape::preset("mixtral-8x7b");
+  const model::GptConfig mixtral = model::GptConfig::preset("mixtral-8x7b");
   EXPECT_NEAR(mixtral.parameter_count() / 1e9, 46.7, 0.05);
   EXPECT_NEAR(mixtral.active_parameter_count() / 1e9, 12.9, 0.05);
 }
 
 TEST(PlanMoe, FlopsCountTheRouterAndTopKExperts) {
   const model::GptConfig c = moe_config();
-  const ModelShape m = ModelShape::from_config(c, "moe");
-  const double s = m.seq, h = m.width, f = m.ffn;
+  const model::GptConfig m = c;
+  const double s = m.context, h = m.width, f = m.mlp_hidden();
   // A MoE block: the dense block with its MLP (2·h·f) replaced by the router (E·h) and k experts.
-  EXPECT_DOUBLE_EQ(m.block_training_flops(1) - m.block_training_flops(0), 6 * s * (8 * h + 2 * 2 * h * f - 2 * h * f));
+  EXPECT_DOUBLE_EQ(m.block_training_flops(true) - m.block_training_flops(false), 6 * s * (8 * h + 2 * 2 * h * f - 2 * h * f));
   EXPECT_NEAR(m.training_flops_per_sequence() / s, c.flops_per_token(), 1e-9 * c.flops_per_token());
 }
 
 TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
-  ModelShape m = ModelShape::preset("mixtral-8x7b");
+  model::GptConfig m = model::GptConfig::preset("mixtral-8x7b");
   Workload w;
   w.global_batch = 64;
   Machine machine;
@@ -297,13 +298,13 @@ TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
   // The rules: ep divides the experts; ep with ZeRO or tp is refused.
   EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("ep=3"), 1); }).find("does not divide model.moe_experts (8)"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { check_layout(ModelShape::preset("llama2-7b"), Layout::parse("ep=2"), 1); })
+  EXPECT_NE(error_of([&] { check_layout(model::GptConfig::preset("llama2-7b"), Layout::parse("ep=2"), 1); })
                 .find("needs a mixture-of-experts model"),
             std::string::npos);
 }
 
 TEST(PlanMoe, SearchConsidersExpertParallel) {
-  const ModelShape m = ModelShape::preset("mixtral-8x7b");
+  const model::GptConfig m = model::GptConfig::preset("mixtral-8x7b");
   Workload w;
   w.global_batch = default_global_batch(m, 64);
   const SearchResult result = search(m, w, Machine(), 64);
@@ -311,7 +312,7 @@ TEST(PlanMoe, SearchConsidersExpertParallel) {
   bool any_ep = false;
   for (const Candidate& c : result.fitting) any_ep = any_ep || c.layout.dims.ep > 1;
   EXPECT_TRUE(any_ep);
-  for (const Candidate& c : result.fitting) EXPECT_EQ(m.experts % c.layout.dims.ep, 0);
+  for (const Candidate& c : result.fitting) EXPECT_EQ(m.moe_experts % c.layout.dims.ep, 0);
 }
 
 }  // namespace
