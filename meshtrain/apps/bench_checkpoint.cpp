@@ -1,6 +1,7 @@
 // meshtrain bench checkpoint: what saving costs the training loop, with the
 // write in the background (checkpoint.async) and in the loop, against steps
 // without saving and against the disk's own speed, in one run.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/apps/bench_util.h"
@@ -139,6 +140,20 @@ int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>&
                 write, write / std::max(1e-9, raw_slowest), 100 * (async_step - base) / every / base);
   }
   return 0;
+}
+
+CommandPtr add_bench_checkpoint(CLI::App& bench) {
+  auto steps = std::make_shared<TimedSteps>(TimedSteps{2, 5});
+  CLI::App* sub = add_timed_bench(
+      bench, "checkpoint",
+      "What saving a checkpoint costs the training loop, in one run: median times of a step alone, of a save written "
+      "in the background (checkpoint.async, the default) + a step + waiting for the write, and of a save written in "
+      "the loop + a step, taken in turn; the snapshot and write times; the write against a raw write of the same bytes "
+      "on the same disk. Config overrides as for train.",
+      *steps);
+  return command(sub, [steps, sub](comm::Runtime& runtime) {
+    return run_bench_checkpoint(runtime, config_overrides(*sub), steps->warmup, steps->steps);
+  });
 }
 
 }  // namespace meshtrain::apps

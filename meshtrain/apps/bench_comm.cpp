@@ -1,4 +1,5 @@
 // meshtrain bench comm: our communicator against the raw MPI call, same buffers, same run.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/comm/backend/mpi/mpi_communicator.h"
@@ -164,6 +165,37 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options) {
   }
   MPI_Comm_free(&raw);
   return 0;
+}
+
+CommandPtr add_bench_comm(CLI::App& bench) {
+  struct Args {
+    CommBenchOptions options;
+    std::string min_size = "4K", max_size = "256M";
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub = bench.add_subcommand(
+      "comm", "Bus bandwidth of all_reduce, reduce_scatter, all_gather and all_to_all, and the ratio to raw MPI on "
+              "the same buffers");
+  sub->add_option("--min-size", a->min_size, "Smallest message, bytes with optional K/M/G")->capture_default_str();
+  sub->add_option("--max-size", a->max_size, "Largest message (sizes grow by 4x)")->capture_default_str();
+  sub->add_option("--trials", a->options.trials, "Timed trials per side; medians are reported")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  sub->add_option("--trial-seconds", a->options.trial_seconds, "Target length of one trial")
+      ->check(CLI::Range(0.001, 60.0))
+      ->capture_default_str();
+  sub->add_option("--ops", a->options.ops, "Ops to measure")
+      ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}))
+      ->capture_default_str();
+  sub->add_option("--json", a->options.json_path, "Also write each row as a JSON line to this file");
+  return command(sub, [a](comm::Runtime& runtime) {
+    a->options.min_bytes = parse_size(a->min_size);
+    a->options.max_bytes = parse_size(a->max_size);
+    if (a->options.min_bytes < 4 || a->options.min_bytes > a->options.max_bytes) {
+      throw std::invalid_argument("--min-size must be at least 4 bytes and at most --max-size");
+    }
+    return run_comm_bench(runtime, a->options);
+  });
 }
 
 }  // namespace meshtrain::apps

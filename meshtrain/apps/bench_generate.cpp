@@ -1,5 +1,6 @@
 // meshtrain bench generate: prefill and decode timed apart on the serving
 // path (the batch engine with its KV cache), batch B, greedy, one JSON line.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/offload_flags.h"
 #include "meshtrain/util/memory.h"
@@ -88,6 +89,30 @@ int run_bench_generate(const GenerateBenchOptions& options) {
     out << line.dump() << "\n";
   }
   return 0;
+}
+
+CommandPtr add_bench_generate(CLI::App& bench) {
+  auto o = std::make_shared<GenerateBenchOptions>();
+  CLI::App* sub = bench.add_subcommand(
+      "generate",
+      "Prefill and decode timed apart on the serving path (continuous-batching engine, KV cache, greedy): "
+      "a batch of the same prompt, medians of --trials, one JSON line with row 0's tokens "
+      "(bench/generate_vs_hf.py runs transformers' generate() on the same weights beside it)");
+  sub->add_option("--checkpoint", o->checkpoint, "Checkpoint folder or directory")->required();
+  sub->add_option("--batch", o->batch, "Sequences")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--prompt-tokens", o->prompt_tokens, "Prompt length")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--new-tokens", o->new_tokens, "Tokens to generate")
+      ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  sub->add_option("--warmup", o->warmup, "Untimed runs")->capture_default_str();
+  sub->add_option("--trials", o->trials, "Timed runs")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--json", o->json_path, "Also append the JSON line to this file");
+  add_offload_flags(*sub, o->offload);
+  return plain_command(sub, [o] { return run_bench_generate(*o); });
 }
 
 }  // namespace meshtrain::apps

@@ -1,6 +1,7 @@
 // meshtrain bench graph: a training step on one GPU with its forward and
 // backward captured once as a CUDA graph and replayed, against the same step
 // run eagerly (kernel by kernel), as one JSON line.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/model/gpt.h"
@@ -165,5 +166,19 @@ int run_bench_graph(comm::Runtime&, const std::vector<std::string>&, int, int) {
 }
 
 #endif
+
+CommandPtr add_bench_graph(CLI::App& bench) {
+  auto steps = std::make_shared<TimedSteps>(TimedSteps{5, 20});
+  CLI::App* sub = add_timed_bench(
+      bench, "graph",
+      "On one GPU: a training step whose forward and backward are captured once as a CUDA graph and replayed, against "
+      "the same step run kernel by kernel; tokens/s of each, and the losses of both from the same start (the untimed "
+      "steps), as one JSON line. Config overrides as for train (micro_batch sequences per step; model.dropout must be "
+      "0).",
+      *steps);
+  return command(sub, [steps, sub](comm::Runtime& runtime) {
+    return run_bench_graph(runtime, config_overrides(*sub), steps->warmup, steps->steps);
+  });
+}
 
 }  // namespace meshtrain::apps

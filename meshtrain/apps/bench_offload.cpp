@@ -1,6 +1,7 @@
 // meshtrain bench offload, part one: the tiers' bandwidth against fio reading
 // the same file, and the CPU AdamW against libtorch's AdamW.
 #include "meshtrain/apps/bench_offload.h"
+#include "meshtrain/apps/command.h"
 
 #include "meshtrain/apps/bench_util.h"
 #include "meshtrain/offload/cpu_adam.h"
@@ -159,6 +160,24 @@ int run_bench_offload(comm::Runtime& runtime, const OffloadBenchOptions& options
   if (wants("inference")) offload_bench::bench_inference(options, bandwidth, emit);
   if (wants("training")) offload_bench::bench_training(runtime, options, emit);
   return 0;
+}
+
+CommandPtr add_bench_offload(CLI::App& bench) {
+  auto o = std::make_shared<OffloadBenchOptions>();
+  CLI::App* sub = bench.add_subcommand(
+      "offload", "Tiered memory, one JSON line per row: the host and NVMe tiers' bandwidth (the NVMe read against fio "
+                 "on the same file), the fused CPU AdamW against torch::optim::AdamW, ZeRO-Inference decode tokens/s "
+                 "per batch against the bound (streamed bytes / tier bandwidth), and training step time and memory "
+                 "with the optimizer and parameters offloaded (bench/cpu_adam_vs_torch.py adds PyTorch's own AdamW)");
+  sub->add_option("--parts", o->parts, "Which parts")
+      ->check(CLI::IsMember({"tiers", "adam", "inference", "training"}))
+      ->capture_default_str();
+  sub->add_option("--nvme-dir", o->nvme_dir, "Folder on the disk to measure")->capture_default_str();
+  sub->add_option("--file-mb", o->file_mb, "Size of the NVMe test file")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--trials", o->trials, "Timed trials (medians)")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--batches", o->batches, "Inference batch sizes")->capture_default_str();
+  sub->add_option("--json", o->json_path, "Also append the rows to this file");
+  return command(sub, [o](comm::Runtime& runtime) { return run_bench_offload(runtime, *o); });
 }
 
 }  // namespace meshtrain::apps

@@ -2,6 +2,7 @@
 // micro-batches, in one run: the bubble measured from the executor's spans
 // against the theory, point-to-point cost, tokens/s, and the peak activation
 // memory per stage for gpipe, 1f1b and 1f1b with activation checkpointing.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/apps/bench_util.h"
@@ -204,24 +205,24 @@ int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrid
   return 0;
 }
 
-int run_timeline(const std::string& trace_path, std::string out_path, const std::string& title) {
-  if (out_path.empty()) {
-    const size_t dot = trace_path.rfind('.');
-    out_path = (dot == std::string::npos ? trace_path : trace_path.substr(0, dot)) + ".svg";
-  }
-  const std::string text = util::read_text_file(trace_path);
-  std::vector<std::vector<pipe::Span>> ranks;
-  try {
-    ranks = pipe::read_chrome_trace(text);
-  } catch (const std::runtime_error& e) {
-    throw std::runtime_error(trace_path + ": " + e.what() + " (expected the trace.json that train writes with --run.trace_step=N)");
-  }
-  util::write_text_file(out_path, pipe::timeline_svg(ranks, title));
-  const std::vector<double> bubble = pipe::measured_bubble(ranks);
-  std::printf("meshtrain: %zu ranks drawn to %s; bubble per rank:", ranks.size(), out_path.c_str());
-  for (double b : bubble) std::printf(" %.1f%%", 100 * b);
-  std::printf("\n");
-  return 0;
+CommandPtr add_bench_pp(CLI::App& bench) {
+  struct Args {
+    TimedSteps steps{1, 3};
+    std::string out = "bench/pipeline";
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub = add_timed_bench(
+      bench, "pp",
+      "Pipeline schedules (gpipe, 1f1b, interleaved with 2 virtual stages) for pp = 2 and 4 (up to the rank count) and "
+      "4, 8, 16 micro-batches, in one run: the measured bubble (idle / step time per rank, from the executor's spans) "
+      "against the theory, point-to-point time, tokens/s, and the peak activation memory of every stage for gpipe, "
+      "1f1b and 1f1b with full activation checkpointing. Writes a trace and a timeline picture of 1f1b with 8 "
+      "micro-batches per pp to --out. Default model: tiny with 8 blocks; config overrides as for train.",
+      a->steps);
+  sub->add_option("--out", a->out, "Where traces and pictures go")->capture_default_str();
+  return command(sub, [a, sub](comm::Runtime& runtime) {
+    return run_bench_pp(runtime, config_overrides(*sub), a->steps.warmup, a->steps.steps, a->out);
+  });
 }
 
 }  // namespace meshtrain::apps

@@ -2,6 +2,7 @@
 // for tp = 1, 2, 4, ... up to the world size, in one run: bytes each rank sends
 // per transformer layer (counted by the communicator) against the formula,
 // tokens/s against tp = 1, and counted memory. See Note [Tensor parallel bytes].
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/parallel/annotated_tensor_parallel.h"
@@ -196,6 +197,20 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
     }
   }
   return 0;
+}
+
+CommandPtr add_bench_tp(CLI::App& bench) {
+  auto steps = std::make_shared<TimedSteps>(TimedSteps{1, 5});
+  CLI::App* sub = add_timed_bench(
+      bench, "tp",
+      "Tensor parallel with and without sequence parallel for tp = 1, 2, 4, ... up to the rank count, in one run, and "
+      "from sharding annotations (tp_impl = annotations): bytes each rank sends per layer (counted by the "
+      "communicator) against the formula, tokens/s against tp = 1, and annotations against the plan. Default model: "
+      "small with 8 heads; config overrides as for train.",
+      *steps);
+  return command(sub, [steps, sub](comm::Runtime& runtime) {
+    return run_bench_tp(runtime, config_overrides(*sub), steps->warmup, steps->steps);
+  });
 }
 
 }  // namespace meshtrain::apps

@@ -1,5 +1,6 @@
 // meshtrain bench train: tokens/s, MFU and communication overlap of training
 // steps, as one JSON line (bench/train_vs_pytorch.py compares it with PyTorch).
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/plan/from_config.h"
@@ -145,6 +146,30 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
     std::printf("%s\n", line.dump().c_str());
   }
   return 0;
+}
+
+CommandPtr add_bench_train(CLI::App& bench) {
+  struct Args {
+    TimedSteps steps{2, 12};
+    std::string profile;
+    int profile_steps = 3;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub = add_timed_bench(
+      bench, "train",
+      "Time training steps (config overrides as for train) and print tokens/s, MFU against the measured matmul peak, "
+      "and the share of all-reduce time hidden behind backward, as one JSON line. bench/train_vs_pytorch.py runs it "
+      "beside the PyTorch reference.",
+      a->steps);
+  sub->add_option("--profile", a->profile,
+                  "After the timed steps, profile more steps with libtorch's profiler (rank 0): write DIR/trace.json "
+                  "(Chrome trace), DIR/ops.json (each operator's self time per step) and print the largest")
+      ->type_name("DIR");
+  sub->add_option("--profile-steps", a->profile_steps, "Steps to profile")->check(CLI::PositiveNumber)->capture_default_str();
+  return command(sub, [a, sub](comm::Runtime& runtime) {
+    return run_bench_train(runtime, config_overrides(*sub), a->steps.warmup, a->steps.steps, a->profile,
+                           a->profile_steps);
+  });
 }
 
 }  // namespace meshtrain::apps

@@ -1,4 +1,5 @@
 // meshtrain checkpoint inspect DIR: what a checkpoint holds.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/checkpoint/store.h"
@@ -69,6 +70,23 @@ int run_checkpoint_inspect(const std::string& path, bool json) {
                 t.chunks.size(), (long long)tensor_bytes(t));
   }
   return 0;
+}
+
+CommandPtr add_checkpoint(CLI::App& app) {
+  struct Args {
+    std::string path;
+    bool json = false;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* checkpoint = app.add_subcommand("checkpoint", "Look into distributed checkpoints");
+  checkpoint->require_subcommand(1);
+  CLI::App* inspect = checkpoint->add_subcommand(
+      "inspect", "What a checkpoint holds: its step, the layout and rank count it was saved with, its files, and every "
+                 "tensor with its global shape, dtype, chunks and size. Any layout can resume from it.");
+  inspect->add_option("checkpoint", a->path, "Checkpoint folder, or a checkpoint directory (its latest is used)")
+      ->required();
+  inspect->add_flag("--json", a->json, "Print JSON instead of a table");
+  return plain_command(inspect, [a] { return run_checkpoint_inspect(a->path, a->json); });
 }
 
 }  // namespace meshtrain::apps

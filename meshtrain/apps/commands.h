@@ -1,6 +1,10 @@
-// The meshtrain executable's subcommands.
+// The meshtrain executable's subcommands: each file of apps/ adds one (or a
+// group) to the command line and runs it (Note [Commands]); main() lists
+// them in the order --help shows. Below the factories, the options and entry
+// points the command files share.
 #pragma once
 
+#include "meshtrain/apps/command.h"
 #include "meshtrain/comm/runtime.h"
 
 #include <cstdint>
@@ -8,6 +12,30 @@
 #include <vector>
 
 namespace meshtrain::apps {
+
+CommandPtr add_selfcheck(CLI::App& app);             // selfcheck.cpp
+CommandPtr add_bench_comm(CLI::App& bench);          // bench_comm.cpp
+CommandPtr add_bench_train(CLI::App& bench);         // bench_train.cpp
+CommandPtr add_bench_graph(CLI::App& bench);         // bench_graph.cpp
+CommandPtr add_bench_tp(CLI::App& bench);            // bench_tp.cpp
+CommandPtr add_bench_moe(CLI::App& bench);           // bench_moe.cpp
+CommandPtr add_bench_pp(CLI::App& bench);            // bench_pp.cpp
+CommandPtr add_bench_checkpoint(CLI::App& bench);    // bench_checkpoint.cpp
+CommandPtr add_bench_offload(CLI::App& bench);       // bench_offload.cpp
+CommandPtr add_bench_generate(CLI::App& bench);      // bench_generate.cpp
+CommandPtr add_timeline(CLI::App& app);              // timeline_command.cpp
+CommandPtr add_plan(CLI::App& app);                  // plan_command.cpp
+CommandPtr add_train(CLI::App& app);                 // train_commands.cpp
+CommandPtr add_prepare(CLI::App& app);               // train_commands.cpp
+CommandPtr add_generate(CLI::App& app);              // generate_command.cpp
+CommandPtr add_serve(CLI::App& app);                 // serve_command.cpp
+CommandPtr add_import(CLI::App& app);                // interop_command.cpp
+CommandPtr add_export(CLI::App& app);                // interop_command.cpp
+CommandPtr add_tokenizer(CLI::App& app);             // tokenizer_command.cpp
+CommandPtr add_logits(CLI::App& app);                // interop_command.cpp
+CommandPtr add_checkpoint(CLI::App& app);            // checkpoint_command.cpp
+CommandPtr add_run(CLI::App& app);                   // launch.cpp
+CommandPtr add_fl(CLI::App& app, const char* self);  // fl_command.cpp (self: this executable)
 
 struct CommBenchOptions {
   int64_t min_bytes = int64_t{4} << 10;
@@ -164,9 +192,6 @@ int run_bench_offload(comm::Runtime& runtime, const OffloadBenchOptions& options
 
 int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                          int timed_steps);
-
-// meshtrain timeline TRACE [-o OUT.svg]: a pipeline trace drawn as SVG (no MPI needed).
-int run_timeline(const std::string& trace_path, std::string out_path, const std::string& title);
 
 struct PlanOptions {
   std::string model = "llama2-7b";  // a preset, or a meshtrain config file (.toml)

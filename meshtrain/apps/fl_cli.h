@@ -2,6 +2,7 @@
 // simulate | split | plot (no MPI).
 #pragma once
 
+#include "meshtrain/apps/command.h"
 #include "meshtrain/fl/client.h"
 #include "meshtrain/fl/split.h"
 
@@ -12,17 +13,21 @@
 
 namespace meshtrain::apps {
 
-class FlCli {
+// fl runs as one process (no MPI); `self` is this executable (simulate starts copies of it).
+class FlCli : public Command {
  public:
-  explicit FlCli(CLI::App& app);
-  bool parsed() const;
-  int run(const char* self) const;  // self: this executable (simulate starts copies of it)
+  FlCli(CLI::App& app, const char* self);
+  bool chosen() const override;
+  bool on_ranks() const override { return false; }
+  int run(comm::Runtime*) override { return dispatch(self_); }
 
  private:
+  int dispatch(const char* self) const;
   int run_server() const;
   int run_simulate(const char* self) const;
   std::vector<std::string> overrides(CLI::App* sub) const;
 
+  const char* self_;
   CLI::App *fl_ = nullptr, *server_ = nullptr, *client_ = nullptr, *simulate_ = nullptr, *split_ = nullptr,
            *plot_ = nullptr;
   std::string config_, port_file_;

@@ -54,7 +54,7 @@ std::vector<std::string> client_dirs(const std::string& root) {
 
 }  // namespace
 
-FlCli::FlCli(CLI::App& app) {
+FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
   fl_ = app.add_subcommand("fl", "Federated learning: a server and clients over gRPC (TLS) with FedAvg/FedProx/"
                                  "FedAdam/FedYogi, compressed updates and secure aggregation");
   fl_->require_subcommand(1);
@@ -118,7 +118,7 @@ FlCli::FlCli(CLI::App& app) {
   plot_->add_option("--title", plot_title_, "Title")->capture_default_str();
 }
 
-bool FlCli::parsed() const { return fl_->parsed(); }
+bool FlCli::chosen() const { return fl_->parsed(); }
 
 std::vector<std::string> FlCli::overrides(CLI::App* sub) const {
   std::vector<std::string> out;
@@ -224,7 +224,7 @@ int FlCli::run_simulate(const char* argv0) const {
   return ok ? 0 : 1;
 }
 
-int FlCli::run(const char* self) const {
+int FlCli::dispatch(const char* self) const {
   if (server_->parsed()) return run_server();
   if (simulate_->parsed()) return run_simulate(self);
   if (client_->parsed()) {
@@ -253,5 +253,7 @@ int FlCli::run(const char* self) const {
   std::printf("fl plot: wrote %s\n", plot_out_.c_str());
   return 0;
 }
+
+CommandPtr add_fl(CLI::App& app, const char* self) { return std::make_unique<FlCli>(app, self); }
 
 }  // namespace meshtrain::apps

@@ -1,5 +1,6 @@
 // meshtrain generate: text from a checkpoint, streamed as it is sampled, on
 // one rank or split over a tensor-parallel group.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/offload_flags.h"
 #include "meshtrain/util/memory.h"
@@ -61,6 +62,49 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
                  options.tp, memory::format_mib(memory::peak_bytes()).c_str());
   }
   return 0;
+}
+
+CommandPtr add_generate(CLI::App& app) {
+  auto o = std::make_shared<GenerateOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "generate",
+      "Sample text from a checkpoint, streamed as it comes (temperature, top-k, top-p, seed, stop strings; "
+      "split over ranks with --parallel.tp)");
+  sub
+      ->add_option("--checkpoint", o->checkpoint,
+                   "Checkpoint folder, or a checkpoint directory (its latest is used)")
+      ->required();
+  sub->add_option("--prompt", o->prompt, "Text to continue")->capture_default_str();
+  sub->add_option("--tokens,--max-tokens", o->tokens, "The most tokens to generate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub
+      ->add_option("--temperature", o->temperature, "Softmax temperature (0: greedy, the likeliest token)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub->add_option("--top-k", o->top_k, "Sample among the k likeliest tokens (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub
+      ->add_option("--top-p", o->top_p,
+                   "Sample among the likeliest tokens whose probabilities sum to p (nucleus sampling; 1: off)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  sub->add_option("--seed", o->seed, "Sampling seed")->capture_default_str();
+  sub->add_option("--stop", o->stop,
+                            "End the text before this string (repeat for several; the stop string is not printed)");
+  sub
+      ->add_option("--parallel.tp", o->tp,
+                   "Split the model over this many ranks by tensor parallelism (all ranks of the job: "
+                   "meshtrain run -n 2 generate --parallel.tp=2 ...)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_flag("--no-kv-cache", o->no_kv_cache,
+                          "Recompute the whole context for every new token instead of keeping keys and values (slower; "
+                          "the same tokens)");
+  sub->add_flag("--timing", o->timing, "Print the tokens per second to stderr");
+  add_offload_flags(*sub, o->offload);
+  return command(sub, [o](comm::Runtime& runtime) { return run_generate(runtime, *o); });
 }
 
 }  // namespace meshtrain::apps

@@ -1,5 +1,6 @@
 // meshtrain import hf / export hf / logits: models in Hugging Face's format in
 // and out, and the logits of a token sequence to compare implementations.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/checkpoint/store.h"
@@ -134,6 +135,60 @@ int run_logits(const std::string& checkpoint, const std::string& tokens, const s
   interop::write_safetensors(out, {{"logits", logits}});
   std::printf("meshtrain logits: [1, %zu, %lld] -> %s\n", ids.size(), static_cast<long long>(logits.size(2)), out.c_str());
   return 0;
+}
+
+CommandPtr add_import(CLI::App& app) {
+  struct Args {
+    std::string dir, out;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* import = app.add_subcommand("import", "Bring a model trained elsewhere in as a meshtrain checkpoint");
+  import->require_subcommand(1);
+  CLI::App* hf = import->add_subcommand(
+      "hf",
+      "A Hugging Face transformers folder (config.json + model.safetensors, or shards with "
+      "model.safetensors.index.json) of a GPT-2 or Llama model (grouped-query attention included)");
+  hf->add_option("dir", a->dir, "The Hugging Face model folder")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  hf->add_option("--out", a->out, "Checkpoint directory to write (step 0, with a latest pointer)")
+      ->required();
+  return command(hf, [a](comm::Runtime& runtime) { return run_import_hf(runtime, a->dir, a->out); });
+}
+
+CommandPtr add_export(CLI::App& app) {
+  struct Args {
+    std::string checkpoint, out, dtype = "float32", shard = "5G";
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* export_ = app.add_subcommand("export", "Hand a meshtrain checkpoint to other tools");
+  export_->require_subcommand(1);
+  CLI::App* hf = export_->add_subcommand(
+      "hf",
+      "As a Hugging Face transformers folder (GPT2LMHeadModel or LlamaForCausalLM): config.json and "
+      "safetensors, sharded with an index when larger than --max-shard-size");
+  hf->add_option("checkpoint", a->checkpoint, "Checkpoint folder, or a checkpoint directory (its latest)")
+      ->required();
+  hf->add_option("--out", a->out, "Folder to write")->required();
+  hf->add_option("--dtype", a->dtype, "float32, bfloat16 or float16")->capture_default_str();
+  hf->add_option("--max-shard-size", a->shard, "Largest safetensors file (e.g. 500M, 5G)")
+      ->capture_default_str();
+  return plain_command(hf, [a] { return run_export_hf(a->checkpoint, a->out, a->dtype, parse_size(a->shard)); });
+}
+
+CommandPtr add_logits(CLI::App& app) {
+  struct Args {
+    std::string checkpoint, tokens, out;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub =
+      app.add_subcommand("logits",
+                         "Write the logits [1, T, vocab] of a token sequence to a safetensors file (to compare with "
+                         "another implementation)");
+  sub->add_option("--checkpoint", a->checkpoint, "Checkpoint folder or directory")->required();
+  sub->add_option("--tokens", a->tokens, "Token ids separated by commas, e.g. 1,2,3")->required();
+  sub->add_option("--out", a->out, "The safetensors file to write (tensor \"logits\")")->required();
+  return plain_command(sub, [a] { return run_logits(a->checkpoint, a->tokens, a->out); });
 }
 
 }  // namespace meshtrain::apps

@@ -1,4 +1,5 @@
 // meshtrain run -n N <subcommand ...>: start N local ranks of this executable through mpirun.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include <mpi.h>
@@ -166,6 +167,17 @@ void forward_as_drain(int) {
   std::fflush(stdout);
   if (WIFEXITED(status)) std::exit(WEXITSTATUS(status));
   std::exit(128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 1));
+}
+
+CommandPtr add_run(CLI::App& app) {
+  auto ranks = std::make_shared<int>(0);
+  CLI::App* run = app.add_subcommand(
+      "run", "Launch N local ranks of meshtrain through mpirun, e.g. `meshtrain run -n 2 selfcheck` (handles root, "
+             "more ranks than cores, and OMP_NUM_THREADS = cores / N). Plain mpirun/srun work too.");
+  run->add_option("-n,--ranks", *ranks, "Number of ranks")->required()->check(CLI::PositiveNumber);
+  run->prefix_command();  // everything after the options is the command every rank runs
+  run->footer("Example: meshtrain run -n 4 bench comm --max-size 64M");
+  return plain_command(run, [ranks, run] { return run_launcher(*ranks, run->remaining()); });
 }
 
 }  // namespace meshtrain::apps

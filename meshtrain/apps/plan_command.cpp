@@ -1,4 +1,5 @@
 // meshtrain plan: will it fit, and which layout is fastest? See plan/.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/plan/from_config.h"
@@ -273,5 +274,69 @@ int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
   }
   return 0;
 }
+
+namespace {
+
+// Plans in one process; with --calibrate measures on the ranks of a job.
+class PlanCommand : public Command {
+ public:
+  explicit PlanCommand(CLI::App& app);
+  bool chosen() const override { return sub_->parsed(); }
+  bool on_ranks() const override { return calibrate_; }
+  int run(comm::Runtime* runtime) override { return runtime ? run_plan_calibrate(*runtime, o_) : run_plan(o_); }
+
+ private:
+  CLI::App* sub_;
+  PlanOptions o_;
+  bool calibrate_ = false;
+};
+
+PlanCommand::PlanCommand(CLI::App& app) {
+  sub_ = app.add_subcommand(
+      "plan", "Will it fit, and which layout is fastest? Predicts per-rank memory (parameters, gradients, optimizer "
+              "states, activations, logits, buffers) and step time of every layout of --world ranks (dp, ZeRO 1-3, "
+              "tp + sp, pp schedules, ep for MoE models, micro-batch, recompute, offload), drops those over "
+              "--device-memory and ranks the rest; --layout explains one. Runs in one process; `meshtrain run -n 2 "
+              "plan --calibrate` measures this machine instead.");
+  CLI::App* p = sub_;
+  p->add_option("--model", o_.model,
+                "A preset (tiny, small, llama-tiny, gpt2-124m/350m/774m/1.5b, llama2-7b/13b/70b, llama3-8b/70b, "
+                "gpt3-175b, gpt-1t, mixtral-8x7b) or a meshtrain config file (.toml)")
+      ->capture_default_str();
+  p->add_option("--world", o_.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
+  p->add_option("--device-memory", o_.device_memory, "Memory per device, e.g. 80GiB (default: the machine's)");
+  p->add_option("--gpus-per-node", o_.gpus_per_node, "Devices per node (tensor parallel stays inside one)");
+  p->add_option("--seq", o_.seq, "Sequence length (default: the model's)");
+  p->add_option("--global-batch", o_.global_batch, "Sequences per optimizer step (default: ~1M tokens)");
+  p->add_option("--layout", o_.layout,
+                "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
+                "ep tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
+  p->add_option("--precision", o_.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
+  p->add_option("--attention", o_.attention,
+                "flash (no s^2 term), math (softmax saved) or batched (the fused CPU attention: q, k, v copies and "
+                "softmax)");
+  p->add_option("--moe-load", o_.moe_load,
+                "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k (training "
+                "reports it as rank_load; default: a balanced router)")
+      ->check(CLI::NonNegativeNumber);
+  p->add_option("--top", o_.top, "Rows of the ranked table")->capture_default_str();
+  p->add_flag("--json", o_.json, "Print JSON instead of tables");
+  p->add_option("--machine", o_.machine_file, "Machine profile (JSON from --calibrate --save)")->check(CLI::ExistingFile);
+  p->add_option("--peak-tflops", o_.peak_tflops, "Peak dense TFLOP/s per device (default: H100 bf16, 989)");
+  p->add_option("--mfu", o_.mfu, "Share of the peak a step achieves (default 0.45)");
+  p->add_option("--intra-gbps", o_.intra_gbps, "Collective bus bandwidth inside a node, GB/s (default 360)");
+  p->add_option("--inter-gbps", o_.inter_gbps, "... across nodes, per device, GB/s (default 45)");
+  p->add_option("--latency-us", o_.latency_us, "Latency per collective step, microseconds (default 10)");
+  p->add_flag("--calibrate", calibrate_, "Measure this machine (run under `meshtrain run -n N` for bandwidth)");
+  p->add_option("--save", o_.save, "With --calibrate: write the profile to this file");
+  p->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --device-memory 80GiB\n"
+            "  meshtrain plan --model gpt3-175b --world 1024 --layout \"pp=8 1f1b tp=8 sp dp=16 zero=1 mb=1 "
+            "recompute=selective\"\n"
+            "  meshtrain run -n 2 plan --calibrate --save machine.json");
+}
+
+}  // namespace
+
+CommandPtr add_plan(CLI::App& app) { return std::make_unique<PlanCommand>(app); }
 
 }  // namespace meshtrain::apps

@@ -1,5 +1,6 @@
 // meshtrain selfcheck: every collective on every dtype, checked against
 // hand-computed values on all ranks, then a short bandwidth table.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/comm/backend/mpi/mpi_communicator.h"
@@ -155,6 +156,16 @@ int run_selfcheck(comm::Runtime& runtime, int64_t bench_max_bytes) {
     run_comm_bench(runtime, bench);
   }
   return failed == 0 ? 0 : 1;
+}
+
+CommandPtr add_selfcheck(CLI::App& app) {
+  auto max_size = std::make_shared<std::string>("16M");
+  CLI::App* sub = app.add_subcommand(
+      "selfcheck", "Check every collective and dtype on all ranks against hand-computed values, then print a "
+                   "bandwidth table");
+  sub->add_option("--bench-max-size", *max_size, "Largest message of the bandwidth table (e.g. 16M; 0 skips the table)")
+      ->capture_default_str();
+  return command(sub, [max_size](comm::Runtime& runtime) { return run_selfcheck(runtime, parse_size(*max_size)); });
 }
 
 }  // namespace meshtrain::apps

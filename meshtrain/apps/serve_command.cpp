@@ -1,5 +1,6 @@
 // meshtrain serve: a checkpoint behind an OpenAI-compatible HTTP API, on one
 // rank or split over a tensor-parallel group (rank 0 speaks HTTP).
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/offload_flags.h"
 #include "meshtrain/util/memory.h"
@@ -101,5 +102,58 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   std::fprintf(stderr, "meshtrain serve: stopped\n");
   return 0;
 }
+
+namespace {
+
+// Serves until SIGTERM or SIGINT: both are blocked before MPI starts its threads.
+class ServeCommand : public Command {
+ public:
+  explicit ServeCommand(CLI::App& app);
+  bool chosen() const override { return sub_->parsed(); }
+  void before_ranks() override { block_stop_signals(); }
+  int run(comm::Runtime* runtime) override { return run_serve(*runtime, o_); }
+
+ private:
+  CLI::App* sub_;
+  ServeOptions o_;
+};
+
+ServeCommand::ServeCommand(CLI::App& app) {
+  sub_ = app.add_subcommand(
+      "serve",
+      "Serve a checkpoint over an OpenAI-compatible HTTP API: POST /v1/completions (stream: true for "
+      "server-sent events), GET /v1/models, GET /health. Requests join the running batch between decode "
+      "steps (continuous batching). SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.");
+  sub_
+      ->add_option("--checkpoint", o_.checkpoint,
+                   "Checkpoint folder, or a checkpoint directory (its latest is used)")
+      ->required();
+  sub_->add_option("--host", o_.host, "Address to listen on")->capture_default_str();
+  sub_->add_option("--port", o_.port, "Port (0: any free port, printed at start)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  sub_->add_option("--max-batch", o_.max_batch, "Sequences decoded together")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub_->add_option("--queue", o_.queue, "Requests waiting beyond the batch; more get 429")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub_
+      ->add_option("--parallel.tp", o_.tp,
+                   "Split the model over this many ranks (all ranks of the job: meshtrain run -n 2 serve "
+                   "--parallel.tp=2 ...)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub_->add_option("--model-name", o_.model_name, "The model's name in the API")->capture_default_str();
+  sub_->add_option("--threads", o_.threads, "HTTP handler threads (0: max-batch + queue + 4)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  sub_->add_flag("--log", o_.log, "Print a line per request to stderr");
+  add_offload_flags(*sub_, o_.offload);
+}
+
+}  // namespace
+
+CommandPtr add_serve(CLI::App& app) { return std::make_unique<ServeCommand>(app); }
 
 }  // namespace meshtrain::apps

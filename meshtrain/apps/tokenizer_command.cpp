@@ -1,4 +1,5 @@
 // meshtrain tokenizer train / encode / decode.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/text/tokenizer.h"
@@ -30,6 +31,38 @@ int run_tokenizer_encode(const std::string& spec, const std::string& text, const
 int run_tokenizer_decode(const std::string& spec, const std::vector<int64_t>& ids) {
   std::printf("%s\n", text::load_tokenizer(spec)->decode(ids).c_str());
   return 0;
+}
+
+CommandPtr add_tokenizer(CLI::App& app) {
+  struct Args {
+    std::vector<std::string> inputs;
+    int64_t vocab = 8000;
+    std::string type = "unigram", out, spec = "bytes", text, file;
+    std::vector<int64_t> ids;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* tokenizer = app.add_subcommand("tokenizer", "Train and try tokenizers");
+  tokenizer->require_subcommand(1);
+  CLI::App* train = tokenizer->add_subcommand(
+      "train",
+      "Train a SentencePiece model on text files (byte fallback on: any text encodes); writes OUT.model "
+      "and OUT.vocab. Use it with [data] tokenizer = \"OUT.model\" and model.vocab_size = --vocab.");
+  train->add_option("inputs", a->inputs, "Text files")->required()->check(CLI::ExistingFile);
+  train->add_option("--vocab", a->vocab, "Vocabulary size")->check(CLI::Range(64, 65536))->capture_default_str();
+  train->add_option("--type", a->type, "unigram or bpe")->capture_default_str();
+  train->add_option("--out", a->out, "Output prefix")->required();
+  CLI::App* encode = tokenizer->add_subcommand("encode", "Print the token ids of a text");
+  encode->add_option("--tokenizer", a->spec, "As [data] tokenizer")->capture_default_str();
+  encode->add_option("--text", a->text, "The text");
+  encode->add_option("--file", a->file, "Or a file's text")->check(CLI::ExistingFile);
+  CLI::App* decode = tokenizer->add_subcommand("decode", "Print the text of token ids");
+  decode->add_option("--tokenizer", a->spec, "As [data] tokenizer")->capture_default_str();
+  decode->add_option("ids", a->ids, "Token ids")->required();
+  return plain_command(tokenizer, [a, train, encode] {
+    if (train->parsed()) return run_tokenizer_train(a->inputs, a->vocab, a->type, a->out);
+    if (encode->parsed()) return run_tokenizer_encode(a->spec, a->text, a->file);
+    return run_tokenizer_decode(a->spec, a->ids);
+  });
 }
 
 }  // namespace meshtrain::apps

@@ -1,4 +1,5 @@
 // meshtrain train / prepare.
+#include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
 #include "meshtrain/checkpoint/reader.h"
@@ -27,6 +28,37 @@ int run_prepare(const std::vector<std::string>& inputs, const std::string& out_d
               result.train_path.c_str(), static_cast<long long>(result.train_tokens), result.val_path.c_str(),
               static_cast<long long>(result.val_tokens));
   return 0;
+}
+
+CommandPtr add_train(CLI::App& app) {
+  auto config = std::make_shared<std::string>();
+  CLI::App* sub = app.add_subcommand(
+      "train", "Train a GPT: meshtrain train [CONFIG.toml] [--section.key=value ...]. Without a config the built-in "
+               "defaults train `small` on /usr/share/common-licenses.");
+  sub->add_option("config", *config, "TOML config file (sections as listed below)")->check(CLI::ExistingFile);
+  allow_config_overrides(*sub);
+  sub->footer("Overrides: --section.key=value, e.g. --training.steps=20 --model.preset=tiny\n"
+              "Keys and defaults:" + train::TrainConfig::describe_keys());
+  return command(sub, [config, sub](comm::Runtime& runtime) { return run_train(runtime, *config, config_overrides(*sub)); });
+}
+
+CommandPtr add_prepare(CLI::App& app) {
+  struct Args {
+    std::vector<std::string> inputs;
+    std::string out = "data", tokenizer = "bytes";
+    double val_fraction = 0.1;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub = app.add_subcommand("prepare", "Turn text files or directories into token files (train.bin, val.bin)");
+  sub->add_option("inputs", a->inputs, "Text files or directories")->required();
+  sub->add_option("--out", a->out, "Output directory")->capture_default_str();
+  sub->add_option("--tokenizer", a->tokenizer,
+                  "bytes, a SentencePiece .model, a tokenizer.json, or a folder with vocab.json + merges.txt")
+      ->capture_default_str();
+  sub->add_option("--val-fraction", a->val_fraction, "Share of tokens held out for validation")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  return plain_command(sub, [a] { return run_prepare(a->inputs, a->out, a->val_fraction, a->tokenizer); });
 }
 
 }  // namespace meshtrain::apps

@@ -1,0 +1,118 @@
+#include "meshtrain/apps/command.h"
+
+#include "meshtrain/comm/agree.h"
+#include "meshtrain/plan/layout.h"
+#include "meshtrain/util/config_keys.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <thread>
+
+namespace meshtrain::apps {
+
+namespace {
+
+// The message without libtorch's "Exception raised from ..." trailer.
+const char* error_text(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+int report(const std::exception& e) {
+  std::fprintf(stderr, "meshtrain: error: %s\n", error_text(e));
+  return dynamic_cast<const UsageError*>(&e) ? 2 : 1;
+}
+
+// One rank per core: libtorch's intra-op pool would otherwise oversubscribe the
+// cores when several ranks share a node. OMP_NUM_THREADS, when set, wins.
+void set_threads_per_rank(const comm::Runtime& runtime) {
+  if (std::getenv("OMP_NUM_THREADS")) return;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(std::max(1, cores / std::max(1, runtime.local_size())));
+}
+
+class FunctionCommand : public Command {
+ public:
+  FunctionCommand(const CLI::App* sub, std::function<int(comm::Runtime&)> on_ranks, std::function<int()> plain)
+      : sub_(sub), on_ranks_(std::move(on_ranks)), plain_(std::move(plain)) {}
+  bool chosen() const override { return sub_->parsed(); }
+  bool on_ranks() const override { return static_cast<bool>(on_ranks_); }
+  int run(comm::Runtime* runtime) override { return runtime ? on_ranks_(*runtime) : plain_(); }
+
+ private:
+  const CLI::App* sub_;
+  std::function<int(comm::Runtime&)> on_ranks_;
+  std::function<int()> plain_;
+};
+
+int run_on_ranks(Command& command, int& argc, char**& argv) {
+  command.before_ranks();
+  std::optional<comm::Runtime> runtime;
+  try {
+    runtime.emplace(&argc, &argv);
+    set_threads_per_rank(*runtime);
+    return command.run(&*runtime);
+  } catch (const std::exception& e) {
+    const bool agreed = dynamic_cast<const comm::AgreedError*>(&e) || dynamic_cast<const config::ConfigError*>(&e) ||
+                        dynamic_cast<const UsageError*>(&e);  // every rank parsed the same command line
+    if (agreed || !runtime || runtime->size() == 1) {
+      if (!runtime || runtime->rank() == 0) return report(e);
+      return dynamic_cast<const UsageError*>(&e) ? 2 : 1;
+    }
+    // This rank alone: the others may be waiting for it in a collective.
+    runtime->abort(1, std::string("error: ") + error_text(e));
+  }
+}
+
+}  // namespace
+
+CommandPtr command(const CLI::App* sub, std::function<int(comm::Runtime&)> run) {
+  return std::make_unique<FunctionCommand>(sub, std::move(run), nullptr);
+}
+
+CommandPtr plain_command(const CLI::App* sub, std::function<int()> run) {
+  return std::make_unique<FunctionCommand>(sub, nullptr, std::move(run));
+}
+
+void allow_config_overrides(CLI::App& sub) { sub.allow_extras(); }
+
+std::vector<std::string> config_overrides(const CLI::App& sub) {
+  std::vector<std::string> overrides;
+  for (const std::string& extra : sub.remaining()) {
+    if (extra.rfind("--", 0) != 0 || extra.find('=') == std::string::npos) {
+      throw UsageError("unexpected argument '" + extra + "'; overrides look like --training.steps=20");
+    }
+    overrides.push_back(extra.substr(2));
+  }
+  return overrides;
+}
+
+CLI::App* add_timed_bench(CLI::App& bench, const std::string& name, const std::string& help, TimedSteps& steps) {
+  CLI::App* sub = bench.add_subcommand(name, help);
+  sub->add_option("--warmup-steps", steps.warmup, "Untimed steps first")->capture_default_str();
+  sub->add_option("--steps", steps.steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber)->capture_default_str();
+  allow_config_overrides(*sub);
+  return sub;
+}
+
+int64_t parse_size(const std::string& text) { return static_cast<int64_t>(plan::parse_bytes(text)); }
+
+int run_chosen(const Commands& commands, int& argc, char**& argv) {
+  for (const CommandPtr& c : commands) {
+    if (!c->chosen()) continue;
+    if (c->on_ranks()) return run_on_ranks(*c, argc, argv);
+    try {
+      return c->run(nullptr);
+    } catch (const std::exception& e) {
+      return report(e);
+    }
+  }
+  std::fprintf(stderr, "meshtrain: error: no command given (meshtrain --help lists them)\n");
+  return 2;
+}
+
+}  // namespace meshtrain::apps
