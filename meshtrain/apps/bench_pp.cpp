@@ -101,6 +101,36 @@ Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::C
   return out;
 }
 
+// Peak activation memory per stage of pp = p: gpipe vs 1f1b vs 1f1b + full
+// checkpointing, 8 micro-batches of 2 (rows on the group's rank 0).
+void memory_rows(const std::vector<std::string>& base, const std::shared_ptr<comm::Communicator>& group, int p,
+                 std::vector<nlohmann::json>& rows) {
+  const int64_t micro = 2;
+  for (const std::string variant : {"gpipe", "1f1b", "1f1b+full checkpointing"}) {
+    std::vector<std::string> settings = base;
+    for (const std::string& s : {"parallel.pp=" + std::to_string(p),
+                                  "parallel.pp_schedule=" + variant.substr(0, variant.find('+')),
+                                  std::string("parallel.microbatches=8"), "training.batch=" + std::to_string(8 * micro),
+                                  std::string("parallel.activation_checkpoint=") +
+                                      (variant.find("full") != std::string::npos ? "full" : "none")}) {
+      settings.push_back(s);
+    }
+    train::TrainConfig config = train::TrainConfig::load("", settings);
+    config.validate(p);
+    const Measured r = measure(config, group, 1, 1, nullptr);
+    if (group->rank() != 0) continue;
+    std::string stages;
+    for (double mib : r.activation_mib) {
+      char cell[32];
+      std::snprintf(cell, sizeof cell, " %7.2f", mib);
+      stages += cell;
+    }
+    std::printf("pp %d m 8 %-24s peak activation MiB per stage:%s\n", p, variant.c_str(), stages.c_str());
+    rows.push_back({{"pp", p}, {"memory", variant}, {"microbatches", 8}, {"activation_mib_per_stage", r.activation_mib}});
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps,
@@ -171,30 +201,7 @@ int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrid
           }
         }
       }
-      // Peak activation memory per stage: gpipe vs 1f1b vs 1f1b + full checkpointing, m = 8.
-      for (const std::string variant : {"gpipe", "1f1b", "1f1b+full checkpointing"}) {
-        std::vector<std::string> settings = base;
-        for (const std::string& s : {"parallel.pp=" + std::to_string(p),
-                                      "parallel.pp_schedule=" + variant.substr(0, variant.find('+')),
-                                      std::string("parallel.microbatches=8"), "training.batch=" + std::to_string(8 * micro),
-                                      std::string("parallel.activation_checkpoint=") +
-                                          (variant.find("full") != std::string::npos ? "full" : "none")}) {
-          settings.push_back(s);
-        }
-        train::TrainConfig config = train::TrainConfig::load("", settings);
-        config.validate(p);
-        const Measured r = measure(config, group, 1, 1, nullptr);
-        if (group->rank() != 0) continue;
-        std::string stages;
-        for (double mib : r.activation_mib) {
-          char cell[32];
-          std::snprintf(cell, sizeof cell, " %7.2f", mib);
-          stages += cell;
-        }
-        std::printf("pp %d m 8 %-24s peak activation MiB per stage:%s\n", p, variant.c_str(), stages.c_str());
-        rows.push_back({{"pp", p}, {"memory", variant}, {"microbatches", 8}, {"activation_mib_per_stage", r.activation_mib}});
-        std::fflush(stdout);
-      }
+      memory_rows(base, group, p, rows);
       at::set_num_threads(default_threads);
     }
     world->barrier().wait();

@@ -176,149 +176,219 @@ std::vector<int64_t> stage_blocks(const model::GptConfig& model, int64_t stages)
   return pipeline::balance(costs, static_cast<int>(stages));
 }
 
-std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Workload& w, const Layout& l,
-                                        int64_t microbatches) {
-  check_layout(model, l, microbatches);
-  const Precision& p = w.precision;
-  const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel);
-  const double t = static_cast<double>(l.dims.tp), shards = static_cast<double>(l.shards()), e = p.activation;
-  const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab_size);
+namespace {
 
-  // Parameters on one tensor-parallel rank (a MoE block: its ep-th of the experts).
-  const double block = static_cast<double>(model.block_split_parameters()) / t +
-                       static_cast<double>(model.block_parameters() - model.block_split_parameters());
-  const double local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.dims.ep);
+// Parameters on one tensor-parallel rank, by part (a MoE block: its ep-th of the experts).
+struct RankParameters {
+  double block = 0, moe_block = 0, local_experts = 0, embedding = 0, head = 0;
+  double largest_tensor = 0;  // AdamW's temporaries scale with it
+};
+
+RankParameters rank_parameters(const model::GptConfig& model, const Layout& l) {
+  const double t = static_cast<double>(l.dims.tp), h = static_cast<double>(model.width);
+  const double vocab = static_cast<double>(model.vocab_size);
+  RankParameters r;
+  r.block = static_cast<double>(model.block_split_parameters()) / t +
+            static_cast<double>(model.block_parameters() - model.block_split_parameters());
+  r.local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.dims.ep);
   // A MoE block: the dense block less its MLP (split by tp, its output bias whole), plus the router and experts (whole on every tp rank).
   const double mlp_bias = static_cast<double>(model.bias ? model.width : 0);
   const double mlp_split = static_cast<double>(model.mlp_parameters(model.mlp_hidden())) - mlp_bias;
-  const double moe_block = block - mlp_split / t - mlp_bias + static_cast<double>(model.moe_experts * model.width) + local_experts;
-  const double embedding = vocab * h / t + (model.learned_positions() ? static_cast<double>(model.context) * h : 0);
+  r.moe_block = r.block - mlp_split / t - mlp_bias + static_cast<double>(model.moe_experts * model.width) + r.local_experts;
+  r.embedding = vocab * h / t + (model.learned_positions() ? static_cast<double>(model.context) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tie_embeddings ? 0 : vocab * h);
-  const double head = head_norm + ((!model.tie_embeddings || l.dims.pp > 1) ? vocab * h / t : 0);
-  const double largest_tensor = std::max({vocab * h / t, static_cast<double>(model.mlp_hidden()) * h / t,
-                                          h * (h + 2.0 * static_cast<double>(model.kv_width())) / t,
-                                          static_cast<double>(model.expert_hidden() * model.moe_experts / l.dims.ep) * h});
+  r.head = head_norm + ((!model.tie_embeddings || l.dims.pp > 1) ? vocab * h / t : 0);
+  r.largest_tensor = std::max({vocab * h / t, static_cast<double>(model.mlp_hidden()) * h / t,
+                               h * (h + 2.0 * static_cast<double>(model.kv_width())) / t,
+                               static_cast<double>(model.expert_hidden() * model.moe_experts / l.dims.ep) * h});
+  return r;
+}
 
-  ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
-  const double per_layer = layer_activation_bytes(model, options);
-  const double per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep);
+// What one micro-batch leaves behind: per layer (dense, MoE), a whole layer's
+// forward when recompute repeats it, the loss's side, one send between stages.
+struct StepActivations {
+  double per_layer = 0, per_moe_layer = 0, full_layer = 0, boundary = 0;
+  OutputBytes out{};
+};
+
+StepActivations step_activations(const model::GptConfig& model, const Workload& w, const Layout& l, const Sizes& z) {
+  const Precision& p = w.precision;
+  ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.activation_checkpoint,
+                            w.attention, w.dropout, p, w.moe_load};
+  StepActivations a;
+  a.per_layer = layer_activation_bytes(model, options);
+  a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep);
   options.recompute = parallel::CheckpointMode::kNone;
-  const double full_layer = std::max(layer_activation_bytes(model, options),
-                                     model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
-  const OutputBytes out = output_bytes(model, z, p);
-  const double boundary = e * z.region(z.u);  // one activation (or its gradient) sent between stages
+  a.full_layer = std::max(layer_activation_bytes(model, options),
+                          model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
+  a.out = output_bytes(model, z, p);
+  a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
+  return a;
+}
 
-  const int64_t chunks = l.dims.pp * l.dims.virtual_stages;
-  const std::vector<int64_t> blocks = l.dims.pp > 1 ? stage_blocks(model, chunks) : std::vector<int64_t>{model.layers};
-  std::vector<int64_t> moe_blocks(blocks.size(), 0);  // of each chunk's blocks, the MoE ones
-  for (int64_t c = 0, i = 0; c < chunks; ++c) {
-    for (int64_t end = i + blocks[c]; i < end; ++i) moe_blocks[c] += model.is_moe_block(i) ? 1 : 0;
+// Parameters, gradients and optimizer states of `psi` parameters on a rank,
+// sharded as the ZeRO stage shards them, and what offload moves to the host.
+MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi) {
+  const double shards = static_cast<double>(l.shards());
+  MemoryBreakdown states;
+  states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
+  states.gradients = p.grad * psi / (l.dims.zero_stage >= 2 ? shards : 1);
+  states.optimizer = p.optimizer * psi / (l.dims.zero_stage >= 1 ? shards : 1);
+  // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
+  // the host (in fp32 training the masters were the parameters, so the host
+  // holds a copy of this rank's shard); sharded gradients accumulate there;
+  // with "parameters" the stage-3 parameter shards too.
+  if (l.offloaded()) {
+    states.host += states.optimizer + (p.param == 4 && p.optimizer == 8 ? 4 * psi / shards : 0);
+    states.optimizer = 0;
+    if (l.dims.zero_stage >= 2) states.host += states.gradients, states.gradients = 0;
   }
-  const pipeline::Schedule& schedule = schedule_of(l, microbatches);
-  // ZeRO-3 units (one per block, the root holding embedding and head),
-  // gathered in full (their tensor-parallel shards) while they compute.
-  const double root_unit = embedding + head;
-  const bool gathers = l.dims.zero_stage == 3;
+  if (l.offload_params != offload::Tier::kDevice) states.host += states.parameters, states.parameters = 0;
+  return states;
+}
 
-  std::vector<RankMemory> ranks;
-  for (int64_t r = 0; r < l.dims.pp; ++r) {
-    RankMemory rank;
-    rank.pipeline_rank = static_cast<int>(r);
-    for (int64_t c = r; c < chunks; c += l.dims.pp) rank.layers += blocks[c], rank.moe_layers += moe_blocks[c];
-    const bool first = r == 0, last = r == l.dims.pp - 1;
-    const double dense_layers = static_cast<double>(rank.layers - rank.moe_layers);
-    const double psi = dense_layers * block + static_cast<double>(rank.moe_layers) * moe_block + (first ? embedding : 0) +
-                       (last ? head : 0);
-    rank.parameter_count = psi;
-    rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * local_experts;
-    const double largest_block = rank.moe_layers > 0 ? std::max(block, moe_block) : block;
-    const double dense_workspace = layer_backward_workspace(model, z, p, false, 1, 0);
-    const double moe_workspace = rank.moe_layers > 0 ? layer_backward_workspace(model, z, p, true, l.dims.ep, w.moe_load) : 0.0;
-    const double workspace = std::max(dense_workspace, moe_workspace);
+// The blocks of each pipeline chunk (stage), and of those the MoE ones.
+struct Chunks {
+  std::vector<int64_t> blocks, moe_blocks;
+};
 
-    MemoryBreakdown states;
-    states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
-    states.gradients = p.grad * psi / (l.dims.zero_stage >= 2 ? shards : 1);
-    states.optimizer = p.optimizer * psi / (l.dims.zero_stage >= 1 ? shards : 1);
-    // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
-    // the host (in fp32 training the masters were the parameters, so the host
-    // holds a copy of this rank's shard); sharded gradients accumulate there;
-    // with "parameters" the stage-3 parameter shards too.
-    if (l.offloaded()) {
-      states.host += states.optimizer + (p.param == 4 && p.optimizer == 8 ? 4 * psi / shards : 0);
-      states.optimizer = 0;
-      if (l.dims.zero_stage >= 2) states.host += states.gradients, states.gradients = 0;
-    }
-    if (l.offload_params != offload::Tier::kDevice) states.host += states.parameters, states.parameters = 0;
+Chunks chunks_of(const model::GptConfig& model, const Layout& l) {
+  const int64_t chunks = l.dims.pp * l.dims.virtual_stages;
+  Chunks c;
+  c.blocks = l.dims.pp > 1 ? stage_blocks(model, chunks) : std::vector<int64_t>{model.layers};
+  c.moe_blocks.assign(c.blocks.size(), 0);
+  for (int64_t k = 0, i = 0; k < chunks; ++k) {
+    for (int64_t end = i + c.blocks[k]; i < end; ++i) c.moe_blocks[k] += model.is_moe_block(i) ? 1 : 0;
+  }
+  return c;
+}
 
-    // Walk this rank's computations in order, keeping what each leaves
-    // behind (a stage's activations until its backward, the loss's saved
-    // tensors on the last stage, every send until the step ends) and taking
-    // the fullest moment.
-    MemoryBreakdown peak = states;
-    double peak_bytes = -1;
-    auto consider = [&](const char* moment, double activations, double outputs, double buffers, double work) {
-      const double bytes = activations + outputs + buffers + work;
-      if (bytes <= peak_bytes) return;
-      peak_bytes = bytes;
-      peak.moment = moment;
-      peak.activations = activations, peak.outputs = outputs, peak.buffers = buffers, peak.workspace = work;
-    };
-    double stash = 0, kept_outputs = 0, sends = 0;
-    int stashed = 0;
-    auto stage_bytes = [&](int stage) {
-      double bytes = static_cast<double>(blocks[stage] - moe_blocks[stage]) * per_layer +
-                     static_cast<double>(moe_blocks[stage]) * per_moe_layer;
-      if (stage == 0 && w.dropout > 0) bytes += p.mask * z.region(z.u);  // the embedding's dropout mask
-      return bytes;
-    };
-    for (const pipeline::Action& a : schedule.actions[r]) {
-      const bool loss_stage = a.stage == chunks - 1;
-      if (a.kind == pipeline::ActionKind::kForward) {
-        stash += stage_bytes(a.stage);
-        rank.in_flight = std::max<int64_t>(rank.in_flight, ++stashed);
-        if (loss_stage) {
-          kept_outputs += out.kept;
-          consider("forward end", stash, kept_outputs + out.forward, sends + (gathers ? p.param * root_unit : 0), 0);
-        } else {
-          sends += boundary;
-        }
-      } else if (a.kind == pipeline::ActionKind::kBackward) {
-        if (loss_stage) {
-          consider("loss backward", stash, kept_outputs + out.backward,
-                   sends + (gathers ? (p.param + p.grad) * root_unit : 0), 0);
-          kept_outputs -= out.kept;
-        }
-        // ZeRO-3: the gathered unit, and the gradients of a dense block's
-        // size beside the layer's saved tensors. A MoE block's backward
-        // starts with its experts, whose workspace is freed before any of
-        // the block's gradients exist; its expert gradients complete (then
-        // are reduced) once its saved tensors are freed.
-        const double recomputed = l.activation_checkpoint == parallel::CheckpointMode::kFull ? full_layer : 0;
-        if (gathers && rank.moe_layers > 0) {
-          const double gathered = sends + p.param * (root_unit + moe_block);
-          consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
-          const double dense = sends + p.param * (root_unit + block) + p.grad * block;
-          if (rank.layers > rank.moe_layers) consider("layer backward", stash, kept_outputs, dense, dense_workspace + recomputed);
-        } else {
-          const double gathered = sends + (gathers ? p.param * (root_unit + block) + p.grad * block : 0);
-          consider("layer backward", stash, kept_outputs, gathered, workspace + recomputed);
-        }
-        const double gathered = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
-        if (gathers && rank.moe_layers > 0) {
-          consider("unit gradients", std::max(0.0, stash - per_moe_layer), kept_outputs,
-                   gathered + p.grad * largest_block, 0);
-        }
-        stash -= stage_bytes(a.stage);
-        --stashed;
-        if (a.stage > 0) sends += boundary;
+// Everything of a layout that is the same on every pipeline rank.
+struct StepTerms {
+  const Layout& l;
+  const Workload& w;
+  Sizes z;
+  RankParameters r;
+  StepActivations a;
+  Chunks c;
+  double dense_workspace = 0, moe_workspace = 0;  // gradients alive inside a layer's backward
+};
+
+// Walks pipeline rank `rank`'s actions in order, keeping what each leaves
+// behind (a stage's activations until its backward, the loss's saved tensors
+// on the last stage, every send until the step ends), and returns `states`
+// with the fullest moment's terms filled in; counts the stages in flight.
+MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std::vector<pipeline::Action>& actions,
+                             const StepTerms& t) {
+  const Layout& l = t.l;
+  const Workload& w = t.w;
+  const Sizes& z = t.z;
+  const RankParameters& r = t.r;
+  const StepActivations& a = t.a;
+  const Chunks& c = t.c;
+  const Precision& p = w.precision;
+  const int64_t chunks = static_cast<int64_t>(c.blocks.size());
+  const double root_unit = r.embedding + r.head;  // ZeRO-3's root unit: embedding and head
+  const bool gathers = l.dims.zero_stage == 3;    // units gathered in full while they compute
+  const double largest_block = rank.moe_layers > 0 ? std::max(r.block, r.moe_block) : r.block;
+  const double dense_workspace = t.dense_workspace, moe_workspace = rank.moe_layers > 0 ? t.moe_workspace : 0.0;
+  MemoryBreakdown peak = states;
+  double peak_bytes = -1;
+  auto consider = [&](const char* moment, double activations, double outputs, double buffers, double work) {
+    const double bytes = activations + outputs + buffers + work;
+    if (bytes <= peak_bytes) return;
+    peak_bytes = bytes;
+    peak.moment = moment;
+    peak.activations = activations, peak.outputs = outputs, peak.buffers = buffers, peak.workspace = work;
+  };
+  auto stage_bytes = [&](int stage) {
+    double bytes = static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * a.per_layer +
+                   static_cast<double>(c.moe_blocks[stage]) * a.per_moe_layer;
+    if (stage == 0 && w.dropout > 0) bytes += p.mask * z.region(z.u);  // the embedding's dropout mask
+    return bytes;
+  };
+  double stash = 0, kept_outputs = 0, sends = 0;
+  int stashed = 0;
+  for (const pipeline::Action& act : actions) {
+    const bool loss_stage = act.stage == chunks - 1;
+    if (act.kind == pipeline::ActionKind::kForward) {
+      stash += stage_bytes(act.stage);
+      rank.in_flight = std::max<int64_t>(rank.in_flight, ++stashed);
+      if (loss_stage) {
+        kept_outputs += a.out.kept;
+        consider("forward end", stash, kept_outputs + a.out.forward, sends + (gathers ? p.param * root_unit : 0), 0);
+      } else {
+        sends += a.boundary;
       }
+    } else if (act.kind == pipeline::ActionKind::kBackward) {
+      if (loss_stage) {
+        consider("loss backward", stash, kept_outputs + a.out.backward,
+                 sends + (gathers ? (p.param + p.grad) * root_unit : 0), 0);
+        kept_outputs -= a.out.kept;
+      }
+      // ZeRO-3: the gathered unit, and the gradients of a dense block's
+      // size beside the layer's saved tensors. A MoE block's backward
+      // starts with its experts, whose workspace is freed before any of
+      // the block's gradients exist; its expert gradients complete (then
+      // are reduced) once its saved tensors are freed.
+      const double recomputed = l.activation_checkpoint == parallel::CheckpointMode::kFull ? a.full_layer : 0;
+      if (gathers && rank.moe_layers > 0) {
+        const double gathered = sends + p.param * (root_unit + r.moe_block);
+        consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
+        const double dense = sends + p.param * (root_unit + r.block) + p.grad * r.block;
+        if (rank.layers > rank.moe_layers) consider("layer backward", stash, kept_outputs, dense, dense_workspace + recomputed);
+      } else {
+        const double gathered = sends + (gathers ? p.param * (root_unit + r.block) + p.grad * r.block : 0);
+        consider("layer backward", stash, kept_outputs, gathered, std::max(dense_workspace, moe_workspace) + recomputed);
+      }
+      const double gathered = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
+      if (gathers && rank.moe_layers > 0) {
+        consider("unit gradients", std::max(0.0, stash - a.per_moe_layer), kept_outputs,
+                 gathered + p.grad * largest_block, 0);
+      }
+      stash -= stage_bytes(act.stage);
+      --stashed;
+      if (act.stage > 0) sends += a.boundary;
     }
-    // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
-    // a unit's updated shards into a full buffer (two units' worth in flight).
-    const double optimizer_work = l.dims.zero_stage == 0 ? 4 * 4 * largest_tensor : 2 * 4 * std::max(largest_block, root_unit);
-    consider("optimizer step", 0, 0, 0, optimizer_work);
-    rank.memory = peak;
+  }
+  // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
+  // a unit's updated shards into a full buffer (two units' worth in flight).
+  const double optimizer_work =
+      l.dims.zero_stage == 0 ? 4 * 4 * r.largest_tensor : 2 * 4 * std::max(largest_block, root_unit);
+  consider("optimizer step", 0, 0, 0, optimizer_work);
+  return peak;
+}
+
+}  // namespace
+
+std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Workload& w, const Layout& l,
+                                        int64_t microbatches) {
+  check_layout(model, l, microbatches);
+  const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel);
+  const StepTerms terms{l,
+                        w,
+                        z,
+                        rank_parameters(model, l),
+                        step_activations(model, w, l, z),
+                        chunks_of(model, l),
+                        layer_backward_workspace(model, z, w.precision, false, 1, 0),
+                        model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, w.moe_load) : 0.0};
+  const RankParameters& r = terms.r;
+  const Chunks& c = terms.c;
+  const int64_t chunks = static_cast<int64_t>(c.blocks.size());
+  const pipeline::Schedule& schedule = schedule_of(l, microbatches);
+  std::vector<RankMemory> ranks;
+  for (int64_t pr = 0; pr < l.dims.pp; ++pr) {
+    RankMemory rank;
+    rank.pipeline_rank = static_cast<int>(pr);
+    for (int64_t k = pr; k < chunks; k += l.dims.pp) rank.layers += c.blocks[k], rank.moe_layers += c.moe_blocks[k];
+    const bool first = pr == 0, last = pr == l.dims.pp - 1;
+    const double dense_layers = static_cast<double>(rank.layers - rank.moe_layers);
+    const double psi = dense_layers * r.block + static_cast<double>(rank.moe_layers) * r.moe_block +
+                       (first ? r.embedding : 0) + (last ? r.head : 0);
+    rank.parameter_count = psi;
+    rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * r.local_experts;
+    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi), schedule.actions[pr], terms);
     ranks.push_back(rank);
   }
   return ranks;

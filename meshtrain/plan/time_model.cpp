@@ -27,77 +27,98 @@ Link link(const Machine& machine, int64_t size, int64_t stride) {
   return {inside ? machine.intra_bandwidth : machine.inter_bandwidth, machine.latency};
 }
 
-}  // namespace
+// What every term of a step's time reads: the layout, the workload, the
+// machine, and what the ranks hold (from estimate_memory).
+struct StepInputs {
+  const model::GptConfig& model;
+  const Workload& w;
+  const Layout& l;
+  const Machine& machine;
+  double m = 1;   // micro-batches per data rank per step
+  double b = 1;   // sequences per micro-batch
+  double t = 1;   // tp
+  double rate = 0;  // FLOP/s a device achieves
+  double psi = 0, expert_psi = 0;  // the most parameters a rank reduces, and of those the experts
+  int64_t most_layers = 0, most_moe_layers = 0;
+  double activation = 0;  // bytes of one micro-batch's activation [b, s, h]
+};
 
-TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& w, const Layout& l, const Machine& machine,
-                            int64_t microbatches, const std::vector<RankMemory>& ranks) {
-  TimeBreakdown time;
-  const double m = static_cast<double>(microbatches), b = static_cast<double>(l.micro_batch);
-  const double t = static_cast<double>(l.dims.tp), rate = machine.peak_flops * machine.mfu;
-  const Precision& p = w.precision;
-
-  // The slowest pipeline rank (its blocks; embedding lookups are free, the
-  // head is not) and the most parameters any rank reduces.
+// The slowest pipeline rank's compute (its blocks; embedding lookups are
+// free, the head is not), what recompute adds, and the pipeline bubble.
+void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemory>& ranks) {
+  const model::GptConfig& model = in.model;
   const double dense_flops = model.block_training_flops(), moe_flops = model.moe() ? model.block_training_flops(true) : 0;
   // The forward work recompute repeats: selective, the attention core of
   // each layer (4·seq·width per token); full, every block's forward (a third
   // of forward + backward).
   auto recompute_flops = [&](double flops, double layers) {
     const double s = static_cast<double>(model.context), h = static_cast<double>(model.width);
-    switch (l.activation_checkpoint) {
+    switch (in.l.activation_checkpoint) {
       case parallel::CheckpointMode::kNone: return 0.0;
       case parallel::CheckpointMode::kSelective: return layers * s * 4 * s * h;
       case parallel::CheckpointMode::kFull: break;
     }
     return flops / 3;
   };
-  double slowest = 0, slowest_recompute = 0, psi = 0, expert_psi = 0;
-  int64_t most_layers = 0, most_moe_layers = 0;
+  double slowest = 0, slowest_recompute = 0;
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
     const double blocks = (layers - moe_layers) * dense_flops + moe_layers * moe_flops;
-    const double flops = blocks + (rank.pipeline_rank == l.dims.pp - 1 ? model.head_training_flops() : 0);
+    const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? model.head_training_flops() : 0);
     if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers);
-    most_layers = std::max(most_layers, rank.layers);
-    most_moe_layers = std::max(most_moe_layers, rank.moe_layers);
-    if (rank.parameter_count > psi) psi = rank.parameter_count, expert_psi = rank.expert_parameter_count;
+    in.most_layers = std::max(in.most_layers, rank.layers);
+    in.most_moe_layers = std::max(in.most_moe_layers, rank.moe_layers);
+    if (rank.parameter_count > in.psi) in.psi = rank.parameter_count, in.expert_psi = rank.expert_parameter_count;
   }
-  const double sequences = m * b;  // per data rank per step
-  time.recompute = sequences * slowest_recompute / t / rate;
-  time.compute = sequences * slowest / t / rate + time.recompute;
-  if (l.dims.pp > 1) {
-    const double bubble = parallel::pipeline::theoretical_bubble(static_cast<int>(l.dims.pp), static_cast<int>(l.dims.virtual_stages),
-                                                                 static_cast<int>(microbatches));
+  const double sequences = in.m * in.b;  // per data rank per step
+  time.recompute = sequences * slowest_recompute / in.t / in.rate;
+  time.compute = sequences * slowest / in.t / in.rate + time.recompute;
+  if (in.l.dims.pp > 1) {
+    const double bubble = parallel::pipeline::theoretical_bubble(
+        static_cast<int>(in.l.dims.pp), static_cast<int>(in.l.dims.virtual_stages), static_cast<int>(in.m));
     time.bubble = time.compute * bubble / (1 - bubble);
   }
+}
 
-  const double activation = p.activation * static_cast<double>(model.context) * b * static_cast<double>(model.width);
-  if (l.dims.tp > 1) {
-    const Link tp = link(machine, l.dims.tp, 1);
-    const double per_layer = 4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0);
-    const double collectives = m * (static_cast<double>(most_layers) * per_layer + 2);  // + embedding and head
-    const double seconds = collectives * tp.all_reduce(activation, t);
-    time.traffic.push_back({"tp", l.dims.sequence_parallel ? "all-gather + reduce-scatter activations" : "all-reduce activations",
-                            collectives * activation, seconds});
-    time.tensor_parallel = seconds;
-  }
+// Tensor parallel: four collectives per layer (six with full recompute) and
+// the embedding's and head's, exposed.
+void add_tensor_parallel(TimeBreakdown& time, const StepInputs& in) {
+  const Layout& l = in.l;
+  if (l.dims.tp == 1) return;
+  const Link tp = link(in.machine, l.dims.tp, 1);
+  const double per_layer = 4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0);
+  const double collectives = in.m * (static_cast<double>(in.most_layers) * per_layer + 2);  // + embedding and head
+  const double seconds = collectives * tp.all_reduce(in.activation, in.t);
+  time.traffic.push_back({"tp", l.dims.sequence_parallel ? "all-gather + reduce-scatter activations" : "all-reduce activations",
+                          collectives * in.activation, seconds});
+  time.tensor_parallel = seconds;
+}
 
-  if (l.dims.ep > 1 && most_moe_layers > 0) {
-    // Dispatch and combine: an all-to-all each way per MoE layer and
-    // micro-batch, forward and backward (and the recomputed forward), each
-    // sending (ep-1)/ep of the layer's assignments off the rank, plus the
-    // forward's exchange of token counts.
-    const Link ep_link = link(machine, l.dims.ep, l.dims.tp);
-    const double n = static_cast<double>(l.dims.ep), forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
-    const double exchange = assignments(model, static_cast<double>(model.context) * b, w.moe_load) / t *
-                            static_cast<double>(model.width) * p.activation * (n - 1) / n;  // a tp rank sends its share
-    const double per_layer = (2 * forwards + 2) * exchange;
-    const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
-    const double layers = m * static_cast<double>(most_moe_layers);
-    time.expert_parallel = layers * seconds_per_layer;
-    time.traffic.push_back({"ep", "all-to-all tokens to and from experts", layers * per_layer, time.expert_parallel});
-  }
+// Expert parallel, dispatch and combine: an all-to-all each way per MoE layer
+// and micro-batch, forward and backward (and the recomputed forward), each
+// sending (ep-1)/ep of the layer's assignments off the rank, plus the
+// forward's exchange of token counts.
+void add_expert_parallel(TimeBreakdown& time, const StepInputs& in) {
+  const Layout& l = in.l;
+  if (l.dims.ep == 1 || in.most_moe_layers == 0) return;
+  const Link ep_link = link(in.machine, l.dims.ep, l.dims.tp);
+  const double n = static_cast<double>(l.dims.ep), forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
+  const double exchange = assignments(in.model, static_cast<double>(in.model.context) * in.b, in.w.moe_load) / in.t *
+                          static_cast<double>(in.model.width) * in.w.precision.activation * (n - 1) / n;  // a tp rank sends its share
+  const double per_layer = (2 * forwards + 2) * exchange;
+  const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
+  const double layers = in.m * static_cast<double>(in.most_moe_layers);
+  time.expert_parallel = layers * seconds_per_layer;
+  time.traffic.push_back({"ep", "all-to-all tokens to and from experts", layers * per_layer, time.expert_parallel});
+}
 
+// Data parallel or ZeRO: gradient reductions (and ZeRO's parameter gathers),
+// the part not hidden behind backward (ZeRO-3: behind the whole compute).
+void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
+  const Layout& l = in.l;
+  const Machine& machine = in.machine;
+  const Precision& p = in.w.precision;
+  const double psi = in.psi, expert_psi = in.expert_psi, m = in.m;
   const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dims.dp);
   const Link shard_link = link(machine, l.dims.fsdp, l.dims.ep * l.dims.tp), replica_link = link(machine, l.data_ranks(), l.dims.tp);
   double hidden_behind = 2.0 / 3.0 * (time.compute - time.recompute);  // backward
@@ -135,25 +156,46 @@ TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& w, co
     }
   }
   time.data_parallel = std::max(0.0, dp_seconds - hidden_behind);
+}
 
+// The pipeline's sends between stages, and offload's traffic with the host.
+void add_pipeline_and_offload(TimeBreakdown& time, const StepInputs& in) {
+  const Layout& l = in.l;
+  const Precision& p = in.w.precision;
   if (l.dims.pp > 1) {
-    const double boundary = l.dims.sequence_parallel ? activation / t : activation;
-    const Link pp = link(machine, 2, l.data_ranks() * l.dims.tp);
-    const double messages = 2 * m * static_cast<double>(l.dims.virtual_stages);  // activation forward, gradient back
+    const double boundary = l.dims.sequence_parallel ? in.activation / in.t : in.activation;
+    const Link pp = link(in.machine, 2, l.data_ranks() * l.dims.tp);
+    const double messages = 2 * in.m * static_cast<double>(l.dims.virtual_stages);  // activation forward, gradient back
     time.pipeline = messages * pp.send(boundary);
     time.traffic.push_back({"pp", "send activations and gradients", messages * boundary, time.pipeline});
   }
-
   if (l.offloaded()) {
-    const double shard = psi / shards;
-    double bytes = (p.grad + p.param) * shard;                                  // gradients down, parameters up
-    bytes += (2 * p.optimizer + p.grad + p.param) * shard;                      // the host optimizer's pass
-    if (l.offload_params != offload::Tier::kDevice) bytes += 2 * m * p.param * psi / shards;     // parameters fetched per micro-batch
-    time.offload = bytes / machine.host_bandwidth;
+    const double shards = static_cast<double>(l.shards()), shard = in.psi / shards;
+    double bytes = (p.grad + p.param) * shard;              // gradients down, parameters up
+    bytes += (2 * p.optimizer + p.grad + p.param) * shard;  // the host optimizer's pass
+    if (l.offload_params != offload::Tier::kDevice) bytes += 2 * in.m * p.param * shard;  // parameters fetched per micro-batch
+    time.offload = bytes / in.machine.host_bandwidth;
     time.traffic.push_back({"host", "offload traffic", bytes, time.offload});
   }
+}
 
-  const double tokens = m * b * static_cast<double>(l.data_ranks()) * static_cast<double>(model.context);
+}  // namespace
+
+TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& w, const Layout& l, const Machine& machine,
+                            int64_t microbatches, const std::vector<RankMemory>& ranks) {
+  StepInputs in{model, w, l, machine};
+  in.m = static_cast<double>(microbatches);
+  in.b = static_cast<double>(l.micro_batch);
+  in.t = static_cast<double>(l.dims.tp);
+  in.rate = machine.peak_flops * machine.mfu;
+  in.activation = w.precision.activation * static_cast<double>(model.context) * in.b * static_cast<double>(model.width);
+  TimeBreakdown time;
+  add_compute(time, in, ranks);
+  add_tensor_parallel(time, in);
+  add_expert_parallel(time, in);
+  add_data_parallel(time, in);
+  add_pipeline_and_offload(time, in);
+  const double tokens = in.m * in.b * static_cast<double>(l.data_ranks()) * static_cast<double>(model.context);
   time.tokens_per_second = tokens / time.step();
   const double devices = static_cast<double>(l.world());
   time.mfu = tokens / static_cast<double>(model.context) * model.training_flops_per_sequence() /

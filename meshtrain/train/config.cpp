@@ -25,109 +25,129 @@ Field field(std::string section, std::string key, std::string help, Access acces
 
 const config::Names<at::ScalarType>& compute_dtype_names() { return parallel::state_dtype_names(); }
 
-// The schema: every key a config may hold. Model keys apply on top of the preset.
+std::string preset_list() {
+  std::string names;
+  for (const std::string& n : model::GptConfig::preset_names()) names += (names.empty() ? "" : ", ") + n;
+  return names;
+}
+
+// [model]: the shape. Model keys apply on top of the preset.
+void add_model_keys(std::vector<Field>& f) {
+  f.push_back({"model", "preset", Kind::kString, "named shape: " + preset_list(),
+               [](TrainConfig& c, const Value& v) {
+                 c.preset = v.s;
+                 c.model = model::GptConfig::preset(v.s);
+               },
+               [](const TrainConfig& c) { return "\"" + c.preset + "\""; }});
+  f.push_back(field("model", "layers", "transformer blocks", MESHTRAIN_CONFIG_MEMBER(model.layers)));
+  f.push_back(field("model", "heads", "attention heads (must divide width)", MESHTRAIN_CONFIG_MEMBER(model.heads)));
+  f.push_back(field("model", "width", "model dimension", MESHTRAIN_CONFIG_MEMBER(model.width)));
+  f.push_back(field("model", "kv_heads", "key/value heads for grouped-query attention (0: as many as heads)",
+                    MESHTRAIN_CONFIG_MEMBER(model.kv_heads)));
+  f.push_back(field("model", "ffn_hidden", "the MLP's hidden size (0: 4 x width for gelu, 8/3 x width for swiglu)",
+                    MESHTRAIN_CONFIG_MEMBER(model.ffn_hidden)));
+  f.push_back(field("model", "rope_theta", "rotary position base", MESHTRAIN_CONFIG_MEMBER(model.rope_theta)));
+  f.push_back(field("model", "norm_eps", "epsilon of the norms", MESHTRAIN_CONFIG_MEMBER(model.norm_eps)));
+  f.push_back(field("model", "fused", "fused CPU kernels for norms, GELU/SwiGLU, RoPE, cross-entropy (false: "
+                    "reference ATen operators)", MESHTRAIN_CONFIG_MEMBER(model.fused)));
+  f.push_back(field("model", "context", "sequence length in tokens", MESHTRAIN_CONFIG_MEMBER(model.context)));
+  f.push_back(field("model", "vocab_size", "vocabulary (the byte tokenizer needs 256)",
+                    MESHTRAIN_CONFIG_MEMBER(model.vocab_size)));
+  f.push_back(field("model", "dropout", "dropout probability", MESHTRAIN_CONFIG_MEMBER(model.dropout)));
+  f.push_back(field("model", "norm", "\"layernorm\" or \"rmsnorm\"", MESHTRAIN_CONFIG_MEMBER(model.norm)));
+  f.push_back(field("model", "position", "\"learned\" or \"rope\"", MESHTRAIN_CONFIG_MEMBER(model.position)));
+  f.push_back(field("model", "mlp", "\"gelu\" or \"swiglu\"", MESHTRAIN_CONFIG_MEMBER(model.mlp)));
+  f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
+                    MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
+  f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
+  f.push_back(field("model", "moe_experts", "experts per mixture-of-experts block (0: dense)",
+                    MESHTRAIN_CONFIG_MEMBER(model.moe_experts)));
+  f.push_back(field("model", "moe_every", "every k-th block is a mixture of experts (blocks k-1, 2k-1, ...)",
+                    MESHTRAIN_CONFIG_MEMBER(model.moe_every)));
+  f.push_back(field("model", "moe_top_k", "experts per token: 1 (Switch) or 2 (GShard)",
+                    MESHTRAIN_CONFIG_MEMBER(model.moe_top_k)));
+  f.push_back(field("model", "moe_capacity_factor", "capacity = ceil(tokens x top_k x factor / experts); 0: dropless",
+                    MESHTRAIN_CONFIG_MEMBER(model.moe_capacity_factor)));
+  f.push_back(field("model", "moe_second_expert", "top_k 2: \"random\" (kept with probability min(1, 2 x gate), "
+                    "GShard) or \"always\"", MESHTRAIN_CONFIG_MEMBER(model.moe_second_expert)));
+  f.push_back(field("model", "moe_aux_loss", "load-balancing loss weight (Switch's alpha)",
+                    MESHTRAIN_CONFIG_MEMBER(model.moe_aux_loss)));
+  f.push_back(field("model", "moe_z_loss", "router z-loss weight", MESHTRAIN_CONFIG_MEMBER(model.moe_z_loss)));
+  f.push_back(field("model", "moe_hidden", "an expert's hidden size (0: the dense MLP's)",
+                    MESHTRAIN_CONFIG_MEMBER(model.moe_hidden)));
+}
+
+// [data] and [training].
+void add_data_and_training_keys(std::vector<Field>& f) {
+  f.push_back(field("data", "tokenizer", "\"bytes\", a SentencePiece .model, a tokenizer.json, or a folder with "
+                    "vocab.json + merges.txt (GPT-2 BPE); model.vocab_size must hold its vocabulary",
+                    MESHTRAIN_CONFIG_MEMBER(tokenizer)));
+  f.push_back(field("data", "text", "text files or directories prepared when no token files are given",
+                    MESHTRAIN_CONFIG_MEMBER(text)));
+  f.push_back(field("data", "train_file", "training token file from `meshtrain prepare` (overrides text)",
+                    MESHTRAIN_CONFIG_MEMBER(train_file)));
+  f.push_back(field("data", "val_file", "validation token file", MESHTRAIN_CONFIG_MEMBER(val_file)));
+  f.push_back(field("data", "val_fraction", "share of prepared text held out for validation",
+                    MESHTRAIN_CONFIG_MEMBER(val_fraction)));
+  f.push_back(field("training", "steps", "optimizer steps", MESHTRAIN_CONFIG_MEMBER(steps)));
+  f.push_back(field("training", "batch", "global batch in sequences per step (= micro_batch x dp x accumulation)",
+                    MESHTRAIN_CONFIG_MEMBER(batch)));
+  f.push_back(field("training", "micro_batch", "sequences per forward/backward on one rank",
+                    MESHTRAIN_CONFIG_MEMBER(micro_batch)));
+  f.push_back(field("training", "lr", "peak learning rate (AdamW)", MESHTRAIN_CONFIG_MEMBER(lr)));
+  f.push_back(field("training", "min_lr", "learning rate at the end of the cosine decay", MESHTRAIN_CONFIG_MEMBER(min_lr)));
+  f.push_back(field("training", "warmup", "steps of linear warmup", MESHTRAIN_CONFIG_MEMBER(warmup)));
+  f.push_back(field("training", "weight_decay", "AdamW weight decay (matrices and embeddings only)",
+                    MESHTRAIN_CONFIG_MEMBER(weight_decay)));
+  f.push_back(field("training", "beta1", "AdamW beta1", MESHTRAIN_CONFIG_MEMBER(beta1)));
+  f.push_back(field("training", "beta2", "AdamW beta2", MESHTRAIN_CONFIG_MEMBER(beta2)));
+  f.push_back(field("training", "grad_clip", "clip gradients to this global norm (0: off)",
+                    MESHTRAIN_CONFIG_MEMBER(grad_clip)));
+  f.push_back(field("training", "seed", "seed of the model init and the data order", MESHTRAIN_CONFIG_MEMBER(seed)));
+  f.push_back(config::enum_key<TrainConfig>("training", "dtype", "\"float32\" or \"bfloat16\" (autocast of matmuls)",
+                                            compute_dtype_names(), MESHTRAIN_CONFIG_MEMBER(dtype)));
+  f.push_back(field("training", "eval_every", "steps between validation losses (0: at the end only)",
+                    MESHTRAIN_CONFIG_MEMBER(eval_every)));
+  f.push_back(field("training", "eval_batches", "validation micro-batches per rank", MESHTRAIN_CONFIG_MEMBER(eval_batches)));
+  f.push_back(field("training", "log_every", "steps between progress lines", MESHTRAIN_CONFIG_MEMBER(log_every)));
+  f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
+                    MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
+}
+
+// [memory], [checkpoint] and [run].
+void add_run_keys(std::vector<Field>& f) {
+  f.push_back(field("memory", "limit_mb", "per-rank limit on CPU tensor memory; beyond it a clear out-of-memory "
+                    "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
+  f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
+                    MESHTRAIN_CONFIG_MEMBER(checkpoint_dir)));
+  f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",
+                    MESHTRAIN_CONFIG_MEMBER(checkpoint_every)));
+  f.push_back(field("checkpoint", "async", "write checkpoints in the background from a host copy (the next step "
+                    "runs meanwhile; memory for one copy of this rank's state)", MESHTRAIN_CONFIG_MEMBER(checkpoint_async)));
+  f.push_back(field("checkpoint", "keep", "checkpoints kept (the newest; at least 1)",
+                    MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
+  f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",
+                    MESHTRAIN_CONFIG_MEMBER(resume)));
+  f.push_back(field("run", "device", "\"cpu\", \"cuda\" (cuda:local_rank % GPUs), \"cuda:N\" or \"auto\" (cuda when a GPU "
+                    "is visible); ranks sharing a GPU communicate through host memory", MESHTRAIN_CONFIG_MEMBER(device)));
+  f.push_back(field("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", MESHTRAIN_CONFIG_MEMBER(out)));
+  f.push_back(field("run", "sharding_report", "with parallel.tp_impl = \"annotations\": write the first step's operators "
+                    "(input and output placements) and the collectives completion inserted (bytes) to this file, as JSON lines",
+                    MESHTRAIN_CONFIG_MEMBER(sharding_report)));
+  f.push_back(field("run", "trace_step", "pp > 1: record this step's pipeline spans to <out>/trace.json (Perfetto) and "
+                    "draw <out>/timeline.svg (0: none)", MESHTRAIN_CONFIG_MEMBER(trace_step)));
+}
+
+// The schema: every key a config may hold, in the order --help lists them.
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> f;
-    f.push_back({"model", "preset", Kind::kString,
-                 "named shape: tiny, small, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b",
-                 [](TrainConfig& c, const Value& v) {
-                   c.preset = v.s;
-                   c.model = model::GptConfig::preset(v.s);
-                 },
-                 [](const TrainConfig& c) { return "\"" + c.preset + "\""; }});
-    f.push_back(field("model", "layers", "transformer blocks", MESHTRAIN_CONFIG_MEMBER(model.layers)));
-    f.push_back(field("model", "heads", "attention heads (must divide width)", MESHTRAIN_CONFIG_MEMBER(model.heads)));
-    f.push_back(field("model", "width", "model dimension", MESHTRAIN_CONFIG_MEMBER(model.width)));
-    f.push_back(field("model", "kv_heads", "key/value heads for grouped-query attention (0: as many as heads)",
-                      MESHTRAIN_CONFIG_MEMBER(model.kv_heads)));
-    f.push_back(field("model", "ffn_hidden", "the MLP's hidden size (0: 4 x width for gelu, 8/3 x width for swiglu)",
-                      MESHTRAIN_CONFIG_MEMBER(model.ffn_hidden)));
-    f.push_back(field("model", "rope_theta", "rotary position base", MESHTRAIN_CONFIG_MEMBER(model.rope_theta)));
-    f.push_back(field("model", "norm_eps", "epsilon of the norms", MESHTRAIN_CONFIG_MEMBER(model.norm_eps)));
-    f.push_back(field("model", "fused", "fused CPU kernels for norms, GELU/SwiGLU, RoPE, cross-entropy (false: "
-                      "reference ATen operators)", MESHTRAIN_CONFIG_MEMBER(model.fused)));
-    f.push_back(field("model", "context", "sequence length in tokens", MESHTRAIN_CONFIG_MEMBER(model.context)));
-    f.push_back(field("model", "vocab_size", "vocabulary (the byte tokenizer needs 256)",
-                      MESHTRAIN_CONFIG_MEMBER(model.vocab_size)));
-    f.push_back(field("model", "dropout", "dropout probability", MESHTRAIN_CONFIG_MEMBER(model.dropout)));
-    f.push_back(field("model", "norm", "\"layernorm\" or \"rmsnorm\"", MESHTRAIN_CONFIG_MEMBER(model.norm)));
-    f.push_back(field("model", "position", "\"learned\" or \"rope\"", MESHTRAIN_CONFIG_MEMBER(model.position)));
-    f.push_back(field("model", "mlp", "\"gelu\" or \"swiglu\"", MESHTRAIN_CONFIG_MEMBER(model.mlp)));
-    f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
-                      MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
-    f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
-    f.push_back(field("model", "moe_experts", "experts per mixture-of-experts block (0: dense)",
-                      MESHTRAIN_CONFIG_MEMBER(model.moe_experts)));
-    f.push_back(field("model", "moe_every", "every k-th block is a mixture of experts (blocks k-1, 2k-1, ...)",
-                      MESHTRAIN_CONFIG_MEMBER(model.moe_every)));
-    f.push_back(field("model", "moe_top_k", "experts per token: 1 (Switch) or 2 (GShard)",
-                      MESHTRAIN_CONFIG_MEMBER(model.moe_top_k)));
-    f.push_back(field("model", "moe_capacity_factor", "capacity = ceil(tokens x top_k x factor / experts); 0: dropless",
-                      MESHTRAIN_CONFIG_MEMBER(model.moe_capacity_factor)));
-    f.push_back(field("model", "moe_second_expert", "top_k 2: \"random\" (kept with probability min(1, 2 x gate), "
-                      "GShard) or \"always\"", MESHTRAIN_CONFIG_MEMBER(model.moe_second_expert)));
-    f.push_back(field("model", "moe_aux_loss", "load-balancing loss weight (Switch's alpha)",
-                      MESHTRAIN_CONFIG_MEMBER(model.moe_aux_loss)));
-    f.push_back(field("model", "moe_z_loss", "router z-loss weight", MESHTRAIN_CONFIG_MEMBER(model.moe_z_loss)));
-    f.push_back(field("model", "moe_hidden", "an expert's hidden size (0: the dense MLP's)",
-                      MESHTRAIN_CONFIG_MEMBER(model.moe_hidden)));
-    f.push_back(field("data", "tokenizer", "\"bytes\", a SentencePiece .model, a tokenizer.json, or a folder with "
-                      "vocab.json + merges.txt (GPT-2 BPE); model.vocab_size must hold its vocabulary",
-                      MESHTRAIN_CONFIG_MEMBER(tokenizer)));
-    f.push_back(field("data", "text", "text files or directories prepared when no token files are given",
-                      MESHTRAIN_CONFIG_MEMBER(text)));
-    f.push_back(field("data", "train_file", "training token file from `meshtrain prepare` (overrides text)",
-                      MESHTRAIN_CONFIG_MEMBER(train_file)));
-    f.push_back(field("data", "val_file", "validation token file", MESHTRAIN_CONFIG_MEMBER(val_file)));
-    f.push_back(field("data", "val_fraction", "share of prepared text held out for validation",
-                      MESHTRAIN_CONFIG_MEMBER(val_fraction)));
-    f.push_back(field("training", "steps", "optimizer steps", MESHTRAIN_CONFIG_MEMBER(steps)));
-    f.push_back(field("training", "batch", "global batch in sequences per step (= micro_batch x dp x accumulation)",
-                      MESHTRAIN_CONFIG_MEMBER(batch)));
-    f.push_back(field("training", "micro_batch", "sequences per forward/backward on one rank",
-                      MESHTRAIN_CONFIG_MEMBER(micro_batch)));
-    f.push_back(field("training", "lr", "peak learning rate (AdamW)", MESHTRAIN_CONFIG_MEMBER(lr)));
-    f.push_back(field("training", "min_lr", "learning rate at the end of the cosine decay", MESHTRAIN_CONFIG_MEMBER(min_lr)));
-    f.push_back(field("training", "warmup", "steps of linear warmup", MESHTRAIN_CONFIG_MEMBER(warmup)));
-    f.push_back(field("training", "weight_decay", "AdamW weight decay (matrices and embeddings only)",
-                      MESHTRAIN_CONFIG_MEMBER(weight_decay)));
-    f.push_back(field("training", "beta1", "AdamW beta1", MESHTRAIN_CONFIG_MEMBER(beta1)));
-    f.push_back(field("training", "beta2", "AdamW beta2", MESHTRAIN_CONFIG_MEMBER(beta2)));
-    f.push_back(field("training", "grad_clip", "clip gradients to this global norm (0: off)",
-                      MESHTRAIN_CONFIG_MEMBER(grad_clip)));
-    f.push_back(field("training", "seed", "seed of the model init and the data order", MESHTRAIN_CONFIG_MEMBER(seed)));
-    f.push_back(config::enum_key<TrainConfig>("training", "dtype", "\"float32\" or \"bfloat16\" (autocast of matmuls)",
-                                              compute_dtype_names(), MESHTRAIN_CONFIG_MEMBER(dtype)));
-    f.push_back(field("training", "eval_every", "steps between validation losses (0: at the end only)",
-                      MESHTRAIN_CONFIG_MEMBER(eval_every)));
-    f.push_back(field("training", "eval_batches", "validation micro-batches per rank", MESHTRAIN_CONFIG_MEMBER(eval_batches)));
-    f.push_back(field("training", "log_every", "steps between progress lines", MESHTRAIN_CONFIG_MEMBER(log_every)));
-    f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
-                      MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
+    add_model_keys(f);
+    add_data_and_training_keys(f);
     for (const config::Key<parallel::ParallelSpec>& key : parallel::ParallelSpec::keys()) {
       f.push_back(config::lift<TrainConfig>(key, MESHTRAIN_CONFIG_MEMBER(parallel)));
     }
-    f.push_back(field("memory", "limit_mb", "per-rank limit on CPU tensor memory; beyond it a clear out-of-memory "
-                      "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
-    f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
-                      MESHTRAIN_CONFIG_MEMBER(checkpoint_dir)));
-    f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",
-                      MESHTRAIN_CONFIG_MEMBER(checkpoint_every)));
-    f.push_back(field("checkpoint", "async", "write checkpoints in the background from a host copy (the next step "
-                      "runs meanwhile; memory for one copy of this rank's state)", MESHTRAIN_CONFIG_MEMBER(checkpoint_async)));
-    f.push_back(field("checkpoint", "keep", "checkpoints kept (the newest; at least 1)",
-                      MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
-    f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",
-                      MESHTRAIN_CONFIG_MEMBER(resume)));
-    f.push_back(field("run", "device", "\"cpu\", \"cuda\" (cuda:local_rank % GPUs), \"cuda:N\" or \"auto\" (cuda when a GPU "
-                      "is visible); ranks sharing a GPU communicate through host memory", MESHTRAIN_CONFIG_MEMBER(device)));
-    f.push_back(field("run", "out", "run directory: metrics.jsonl, prepared data, checkpoints", MESHTRAIN_CONFIG_MEMBER(out)));
-    f.push_back(field("run", "sharding_report", "with parallel.tp_impl = \"annotations\": write the first step's operators "
-                      "(input and output placements) and the collectives completion inserted (bytes) to this file, as JSON lines",
-                      MESHTRAIN_CONFIG_MEMBER(sharding_report)));
-    f.push_back(field("run", "trace_step", "pp > 1: record this step's pipeline spans to <out>/trace.json (Perfetto) and "
-                      "draw <out>/timeline.svg (0: none)", MESHTRAIN_CONFIG_MEMBER(trace_step)));
+    add_run_keys(f);
     return f;
   }();
   return table;

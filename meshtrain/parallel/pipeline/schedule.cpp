@@ -161,130 +161,175 @@ double theoretical_bubble(int ranks, int virtual_stages, int microbatches) {
   return double(ranks - 1) / (double(virtual_stages) * microbatches + ranks - 1);
 }
 
-ScheduleReport validate(const Schedule& s, double forward_cost, double backward_cost) {
+namespace {
+
+[[noreturn]] void fail_at(const Schedule& s, int rank, const Action* a, const std::string& what) {
+  throw ScheduleError("pipeline schedule '" + s.name + "': rank " + std::to_string(rank) +
+                      (a ? ", action " + a->str() : std::string()) + ": " + what);
+}
+
+// Each computation once, on its stage's rank, in range, every one present;
+// communication only towards a neighbouring stage.
+void check_actions(const Schedule& s) {
   const int p = s.ranks, stages = s.stages(), m = s.microbatches, last = stages - 1;
-  auto fail = [&](int rank, const Action* a, const std::string& what) {
-    throw ScheduleError("pipeline schedule '" + s.name + "': rank " + std::to_string(rank) +
-                        (a ? ", action " + a->str() : std::string()) + ": " + what);
-  };
   if (static_cast<int>(s.actions.size()) != p) {
     throw ScheduleError("pipeline schedule '" + s.name + "': has action lists for " + std::to_string(s.actions.size()) +
                         " ranks, not " + std::to_string(p));
   }
-  // Static checks: each computation once, on its stage's rank, in range.
   std::set<std::tuple<int, int, int>> seen;  // (kind, stage, mb)
   for (int r = 0; r < p; ++r) {
     for (const Action& a : s.actions[r]) {
-      if (a.stage < 0 || a.stage >= stages || a.microbatch < 0 || a.microbatch >= m) fail(r, &a, "stage or micro-batch out of range");
-      if (s.rank_of(a.stage) != r) fail(r, &a, "stage " + std::to_string(a.stage) + " runs on rank " + std::to_string(s.rank_of(a.stage)));
-      if (a.kind == ActionKind::kBackward && !s.backward) fail(r, &a, "a backward in a forward-only schedule");
+      if (a.stage < 0 || a.stage >= stages || a.microbatch < 0 || a.microbatch >= m) fail_at(s, r, &a, "stage or micro-batch out of range");
+      if (s.rank_of(a.stage) != r) fail_at(s, r, &a, "stage " + std::to_string(a.stage) + " runs on rank " + std::to_string(s.rank_of(a.stage)));
+      if (a.kind == ActionKind::kBackward && !s.backward) fail_at(s, r, &a, "a backward in a forward-only schedule");
       if ((a.kind == ActionKind::kSendActivation && a.stage == last) || (a.kind == ActionKind::kRecvActivation && a.stage == 0) ||
           (a.kind == ActionKind::kSendGradient && a.stage == 0) || (a.kind == ActionKind::kRecvGradient && a.stage == last)) {
-        fail(r, &a, "has no neighbouring stage to talk to");
+        fail_at(s, r, &a, "has no neighbouring stage to talk to");
       }
-      if (!seen.insert({static_cast<int>(a.kind), a.stage, a.microbatch}).second) fail(r, &a, "appears twice");
+      if (!seen.insert({static_cast<int>(a.kind), a.stage, a.microbatch}).second) fail_at(s, r, &a, "appears twice");
     }
   }
   for (int st = 0; st < stages; ++st) {
     for (int i = 0; i < m; ++i) {
-      if (!seen.count({static_cast<int>(ActionKind::kForward), st, i})) fail(s.rank_of(st), nullptr, "no forward of micro-batch " + std::to_string(i) + " through stage " + std::to_string(st));
-      if (s.backward && !seen.count({static_cast<int>(ActionKind::kBackward), st, i})) fail(s.rank_of(st), nullptr, "no backward of micro-batch " + std::to_string(i) + " through stage " + std::to_string(st));
+      if (!seen.count({static_cast<int>(ActionKind::kForward), st, i})) fail_at(s, s.rank_of(st), nullptr, "no forward of micro-batch " + std::to_string(i) + " through stage " + std::to_string(st));
+      if (s.backward && !seen.count({static_cast<int>(ActionKind::kBackward), st, i})) fail_at(s, s.rank_of(st), nullptr, "no backward of micro-batch " + std::to_string(i) + " through stage " + std::to_string(st));
+    }
+  }
+}
+
+// Every rank runs its actions in order; a receive waits for the matching
+// send, messages between two ranks of one kind arriving in send order.
+// Computations take their cost on the rank's clock, a receive waits for the
+// sender's clock at the send.
+class Simulation {
+ public:
+  Simulation(const Schedule& s, double forward_cost, double backward_cost)
+      : s_(s), forward_cost_(forward_cost), backward_cost_(backward_cost), pc_(s.ranks, 0), clock_(s.ranks, 0.0),
+        stashed_(s.ranks, 0), got_input_(s.ranks), got_grad_(s.ranks), forwarded_(s.ranks), backwarded_(s.ranks) {
+    report_.busy.assign(s.ranks, 0.0);
+    report_.peak_stashed.assign(s.ranks, 0);
+  }
+
+  ScheduleReport run() {
+    while (!done()) {
+      bool progressed = false;
+      for (int r = 0; r < s_.ranks; ++r) {
+        while (pc_[r] < s_.actions[r].size() && step(r, s_.actions[r][pc_[r]])) {
+          ++pc_[r];
+          progressed = true;
+        }
+      }
+      if (!progressed) deadlock();
+    }
+    check_drained();
+    report_.step_time = *std::max_element(clock_.begin(), clock_.end());
+    for (int r = 0; r < s_.ranks; ++r) {
+      report_.bubble.push_back(report_.step_time > 0 ? 1.0 - report_.busy[r] / report_.step_time : 0.0);
+    }
+    return report_;
+  }
+
+ private:
+  using Channel = std::tuple<int, int, bool>;     // (source rank, destination rank, gradient?)
+  using Message = std::tuple<int, int, double>;  // (stage it is for, micro-batch, time sent)
+
+  bool done() const {
+    for (int r = 0; r < s_.ranks; ++r) {
+      if (pc_[r] < s_.actions[r].size()) return false;
+    }
+    return true;
+  }
+
+  // Runs rank r's action `a`; false when it waits for a message not sent yet.
+  bool step(int r, const Action& a) {
+    const std::pair<int, int> key{a.stage, a.microbatch};
+    const int last = s_.stages() - 1;
+    switch (a.kind) {
+      case ActionKind::kForward:
+        if (a.stage > 0 && !got_input_[r].count(key)) fail_at(s_, r, &a, "its input was never received (no recvA before it)");
+        compute(r, forward_cost_);
+        forwarded_[r].insert(key);
+        if (s_.backward) report_.peak_stashed[r] = std::max(report_.peak_stashed[r], ++stashed_[r]);
+        return true;
+      case ActionKind::kBackward:
+        if (!forwarded_[r].count(key)) fail_at(s_, r, &a, "runs before its forward");
+        if (a.stage < last && !got_grad_[r].count(key)) fail_at(s_, r, &a, "its output gradient was never received (no recvG before it)");
+        compute(r, backward_cost_);
+        backwarded_[r].insert(key);
+        --stashed_[r];
+        return true;
+      case ActionKind::kSendActivation:
+      case ActionKind::kSendGradient: {
+        const bool grad = a.kind == ActionKind::kSendGradient;
+        if (!(grad ? backwarded_[r] : forwarded_[r]).count(key)) fail_at(s_, r, &a, "sends what was not computed yet");
+        const int to = grad ? a.stage - 1 : a.stage + 1;
+        channels_[{r, s_.rank_of(to), grad}].emplace_back(to, a.microbatch, clock_[r]);
+        return true;
+      }
+      case ActionKind::kRecvActivation:
+      case ActionKind::kRecvGradient:
+        break;
+    }
+    return receive(r, a);
+  }
+
+  void compute(int r, double cost) {
+    clock_[r] += cost;
+    report_.busy[r] += cost;
+  }
+
+  bool receive(int r, const Action& a) {
+    const bool grad = a.kind == ActionKind::kRecvGradient;
+    const int from = grad ? a.stage + 1 : a.stage - 1;
+    auto& channel = channels_[{s_.rank_of(from), r, grad}];
+    if (channel.empty()) return false;
+    const auto [stage, mb, sent] = channel.front();
+    if (stage != a.stage || mb != a.microbatch) {
+      fail_at(s_, r, &a, "would match rank " + std::to_string(s_.rank_of(from)) + "'s earlier message for micro-batch " +
+                             std::to_string(mb) + " of stage " + std::to_string(stage) + " (messages arrive in send order)");
+    }
+    channel.pop_front();
+    clock_[r] = std::max(clock_[r], sent);
+    (grad ? got_grad_[r] : got_input_[r]).insert({a.stage, a.microbatch});
+    return true;
+  }
+
+  [[noreturn]] void deadlock() const {
+    std::string waits;
+    for (int r = 0; r < s_.ranks; ++r) {
+      if (pc_[r] < s_.actions[r].size()) waits += (waits.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " at " + s_.actions[r][pc_[r]].str();
+    }
+    throw ScheduleError("pipeline schedule '" + s_.name + "': deadlock: every rank waits for a message no rank will send (" + waits + ")");
+  }
+
+  // Every message sent is received.
+  void check_drained() const {
+    for (const auto& [channel, messages] : channels_) {
+      if (messages.empty()) continue;
+      const auto& [stage, mb, sent] = messages.front();
+      (void)sent;
+      fail_at(s_, std::get<0>(channel), nullptr, "sends " + std::string(std::get<2>(channel) ? "a gradient" : "an activation") +
+                                                     " of micro-batch " + std::to_string(mb) + " for stage " + std::to_string(stage) +
+                                                     " that rank " + std::to_string(std::get<1>(channel)) + " never receives");
     }
   }
 
-  // Simulation. Channels: (source rank, destination rank, gradient?) -> messages
-  // in flight in send order, each (stage it is for, micro-batch, time sent).
-  std::map<std::tuple<int, int, bool>, std::deque<std::tuple<int, int, double>>> channels;
-  std::vector<size_t> pc(p, 0);
-  std::vector<double> clock(p, 0.0);
-  ScheduleReport report;
-  report.busy.assign(p, 0.0);
-  report.peak_stashed.assign(p, 0);
-  std::vector<int> stashed(p, 0);
+  const Schedule& s_;
+  const double forward_cost_, backward_cost_;
+  std::map<Channel, std::deque<Message>> channels_;  // messages in flight, in send order
+  std::vector<size_t> pc_;
+  std::vector<double> clock_;
+  std::vector<int> stashed_;
   // Per rank: what has been received / computed, by (stage, mb).
-  std::vector<std::set<std::pair<int, int>>> got_input(p), got_grad(p), forwarded(p), backwarded(p);
-  auto done = [&] {
-    for (int r = 0; r < p; ++r) if (pc[r] < s.actions[r].size()) return false;
-    return true;
-  };
-  while (!done()) {
-    bool progressed = false;
-    for (int r = 0; r < p; ++r) {
-      while (pc[r] < s.actions[r].size()) {
-        const Action& a = s.actions[r][pc[r]];
-        const std::pair<int, int> key{a.stage, a.microbatch};
-        bool blocked = false;
-        switch (a.kind) {
-          case ActionKind::kForward: {
-            if (a.stage > 0 && !got_input[r].count(key)) fail(r, &a, "its input was never received (no recvA before it)");
-            clock[r] += forward_cost;
-            report.busy[r] += forward_cost;
-            forwarded[r].insert(key);
-            if (s.backward) report.peak_stashed[r] = std::max(report.peak_stashed[r], ++stashed[r]);
-            break;
-          }
-          case ActionKind::kBackward: {
-            if (!forwarded[r].count(key)) fail(r, &a, "runs before its forward");
-            if (a.stage < last && !got_grad[r].count(key)) fail(r, &a, "its output gradient was never received (no recvG before it)");
-            clock[r] += backward_cost;
-            report.busy[r] += backward_cost;
-            backwarded[r].insert(key);
-            --stashed[r];
-            break;
-          }
-          case ActionKind::kSendActivation:
-          case ActionKind::kSendGradient: {
-            const bool grad = a.kind == ActionKind::kSendGradient;
-            if (!(grad ? backwarded[r] : forwarded[r]).count(key)) fail(r, &a, "sends what was not computed yet");
-            const int to = grad ? a.stage - 1 : a.stage + 1;
-            channels[{r, s.rank_of(to), grad}].emplace_back(to, a.microbatch, clock[r]);
-            break;
-          }
-          case ActionKind::kRecvActivation:
-          case ActionKind::kRecvGradient: {
-            const bool grad = a.kind == ActionKind::kRecvGradient;
-            const int from = grad ? a.stage + 1 : a.stage - 1;
-            auto& channel = channels[{s.rank_of(from), r, grad}];
-            if (channel.empty()) {
-              blocked = true;
-              break;
-            }
-            const auto [stage, mb, sent] = channel.front();
-            if (stage != a.stage || mb != a.microbatch) {
-              fail(r, &a, "would match rank " + std::to_string(s.rank_of(from)) + "'s earlier message for micro-batch " +
-                              std::to_string(mb) + " of stage " + std::to_string(stage) + " (messages arrive in send order)");
-            }
-            channel.pop_front();
-            clock[r] = std::max(clock[r], sent);
-            (grad ? got_grad[r] : got_input[r]).insert(key);
-            break;
-          }
-        }
-        if (blocked) break;
-        ++pc[r];
-        progressed = true;
-      }
-    }
-    if (!progressed) {
-      std::string waits;
-      for (int r = 0; r < p; ++r) {
-        if (pc[r] < s.actions[r].size()) waits += (waits.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " at " + s.actions[r][pc[r]].str();
-      }
-      throw ScheduleError("pipeline schedule '" + s.name + "': deadlock: every rank waits for a message no rank will send (" + waits + ")");
-    }
-  }
-  for (const auto& [channel, messages] : channels) {
-    if (!messages.empty()) {
-      const auto& [stage, mb, sent] = messages.front();
-      (void)sent;
-      fail(std::get<0>(channel), nullptr, "sends " + std::string(std::get<2>(channel) ? "a gradient" : "an activation") +
-                                              " of micro-batch " + std::to_string(mb) + " for stage " + std::to_string(stage) +
-                                              " that rank " + std::to_string(std::get<1>(channel)) + " never receives");
-    }
-  }
-  report.step_time = *std::max_element(clock.begin(), clock.end());
-  for (int r = 0; r < p; ++r) report.bubble.push_back(report.step_time > 0 ? 1.0 - report.busy[r] / report.step_time : 0.0);
-  return report;
+  std::vector<std::set<std::pair<int, int>>> got_input_, got_grad_, forwarded_, backwarded_;
+  ScheduleReport report_;
+};
+
+}  // namespace
+
+ScheduleReport validate(const Schedule& s, double forward_cost, double backward_cost) {
+  check_actions(s);
+  return Simulation(s, forward_cost, backward_cost).run();
 }
 
 }  // namespace meshtrain::parallel::pipeline
