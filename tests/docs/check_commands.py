@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Every meshtrain command the README and docs/ show still parses.
+
+usage: check_commands.py MESHTRAIN REPO_ROOT
+
+For each line of a ```sh block in README.md and docs/*.md that runs meshtrain
+(`meshtrain`, `build/bin/meshtrain` or `./build/bin/meshtrain`, after
+environment assignments; `run -n N` launches another meshtrain command):
+  - the subcommand path exists and its --help exits 0;
+  - every option is one the subcommand lists in its --help, or, for the
+    commands that take config overrides (train and the training benches), a
+    key of the training config (`train --help`), or, for `fl server` and
+    `fl simulate`, a key of the federated config (`fl server --help-config`).
+For each ```toml block: every [section] key of a training or federated config
+exists. Prints each problem with its file and line; exits 1 if there are any.
+"""
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+
+BINARIES = {"meshtrain", "build/bin/meshtrain", "./build/bin/meshtrain"}
+TRAIN_OVERRIDES = {("train",), ("bench", "train"), ("bench", "graph"), ("bench", "tp"), ("bench", "moe"),
+                   ("bench", "pp"), ("bench", "checkpoint")}
+FL_OVERRIDES = {("fl", "server"), ("fl", "simulate")}
+
+
+class Meshtrain:
+    def __init__(self, binary):
+        self.binary = binary
+        self.helps = {}
+
+    def help(self, path):
+        if path not in self.helps:
+            done = subprocess.run([self.binary, *path, "--help"], capture_output=True, text=True, timeout=60)
+            self.helps[path] = (done.returncode, done.stdout + done.stderr)
+        return self.helps[path]
+
+    def subcommands(self, path):
+        rc, text = self.help(path)
+        if rc != 0 or "Subcommands:" not in text:
+            return set()
+        block = text.split("Subcommands:", 1)[1]
+        return {m.group(1) for m in re.finditer(r"^  (\S+)\s", block, re.M)}
+
+    def options(self, path):
+        _, text = self.help(path)
+        return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w.-]*)", text.split("Subcommands:")[0]))
+
+    def train_keys(self):
+        _, text = self.help(("train",))
+        keys, section = set(), None
+        for line in text.split("Keys and defaults:", 1)[1].splitlines():
+            if m := re.match(r"^\[(\w+)\]$", line.strip()):
+                section = m.group(1)
+            elif section and (m := re.match(r"^  (\w+) = ", line)):
+                keys.add(f"{section}.{m.group(1)}")
+        return keys
+
+    def fl_keys(self):
+        done = subprocess.run([self.binary, "fl", "server", "--help-config"], capture_output=True, text=True, timeout=60)
+        return set(re.findall(r"^  (fl\.[\w.]+)", done.stdout, re.M))
+
+
+def sh_lines(path):
+    """(line number, command) of every command in the file's ```sh blocks, continuations joined."""
+    lines, fence, pending, start = [], None, "", 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = None if fence else stripped[3:].strip()
+            continue
+        if fence != "sh":
+            continue
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        command, pending = pending + stripped, ""
+        if command and not command.startswith("#"):
+            lines.append((start, command))
+    return lines
+
+
+def toml_blocks(path):
+    blocks, fence, text, start = [], None, [], 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip().startswith("```"):
+            if fence == "toml":
+                blocks.append((start, "\n".join(text)))
+            fence = None if fence else line.strip()[3:].strip()
+            text, start = [], number + 1
+            continue
+        if fence == "toml":
+            text.append(line)
+    return blocks
+
+
+def check_command(tool, words, train_keys, fl_keys):
+    """Problems of one meshtrain command line (its words after the binary)."""
+    path, i = (), 0
+    while i < len(words) and words[i] in tool.subcommands(path):
+        path += (words[i],)
+        i += 1
+        if path == ("run",):  # run -n N COMMAND...: the launched command is checked as one
+            while i < len(words) and words[i].startswith("-"):
+                i += 1 if "=" in words[i] else 2
+            return check_command(tool, words[i:], train_keys, fl_keys)
+    if not path and not all(w.split("=", 1)[0] in tool.options(()) for w in words):
+        return [f"no subcommand in `meshtrain {' '.join(words)}`"]
+    rc, _ = tool.help(path)
+    if rc != 0:
+        return [f"`meshtrain {' '.join(path)} --help` exits {rc}"]
+    problems, known = [], tool.options(path)
+    for word in words[i:]:
+        if not word.startswith("-") or word == "-" or word.startswith("--") and len(word) == 2:
+            continue
+        option = word.split("=", 1)[0]
+        name = option[2:]
+        if option in known:
+            continue
+        if "." in name and path in TRAIN_OVERRIDES and name in train_keys:
+            continue
+        if "." in name and path in FL_OVERRIDES and name in fl_keys:
+            continue
+        problems.append(f"`meshtrain {' '.join(path)}` has no option {option}")
+    return problems
+
+
+def check_script(root, words, helps):
+    """Problems of a `python bench/x.py ...` or `bash scripts/x.sh` line: the file exists, and a Python
+    script's --help lists every option used."""
+    script = next((w for w in words if re.match(r"^(bench|scripts|tests)/[\w./-]+\.(py|sh)$", w)), None)
+    if script is None:
+        return []
+    if not (root / script).is_file():
+        return [f"{script} does not exist"]
+    if not script.endswith(".py"):
+        return []
+    if script not in helps:
+        done = subprocess.run([sys.executable, str(root / script), "--help"], capture_output=True, text=True,
+                              timeout=120, cwd=root)
+        helps[script] = (done.returncode, done.stdout)
+    rc, text = helps[script]
+    if rc != 0:
+        return [f"`{script} --help` exits {rc}"]
+    used = [w.split("=", 1)[0] for w in words[words.index(script) + 1:] if w.startswith("--")]
+    return [f"{script} has no option {o}" for o in used if not re.search(re.escape(o) + r"\b", text)]
+
+
+def check_toml(text, train_keys, fl_keys):
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        return [f"not TOML: {e}"]
+    problems = []
+
+    def walk(prefix, node):
+        for key, value in node.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, dict):
+                walk(name, value)
+            elif name.startswith("fl."):
+                if name not in fl_keys:
+                    problems.append(f"unknown federated key {name}")
+            elif "." in name and name.split(".")[0] in {k.split(".")[0] for k in train_keys}:
+                if name not in train_keys and not name.startswith("model."):
+                    problems.append(f"unknown config key {name}")
+                elif name.startswith("model.") and name not in train_keys:
+                    problems.append(f"unknown model key {name}")
+    walk("", table)
+    return problems
+
+
+def main():
+    binary, root = sys.argv[1], pathlib.Path(sys.argv[2])
+    tool = Meshtrain(binary)
+    train_keys, fl_keys = tool.train_keys(), tool.fl_keys()
+    assert len(train_keys) > 50 and len(fl_keys) > 20, (len(train_keys), len(fl_keys))
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    problems, commands, blocks, helps = [], 0, 0, {}
+    for path in files:
+        for number, line in sh_lines(path):
+            words = shlex.split(line, comments=True)
+            while words and re.match(r"^\w+=", words[0]):  # VAR=value before the command
+                words = words[1:]
+            for problem in check_script(root, words, helps):
+                problems.append(f"{path.relative_to(root)}:{number}: {problem}")
+            if not words or words[0] not in BINARIES:
+                continue
+            commands += 1
+            for problem in check_command(tool, words[1:], train_keys, fl_keys):
+                problems.append(f"{path.relative_to(root)}:{number}: {problem}")
+        for number, text in toml_blocks(path):
+            blocks += 1
+            for problem in check_toml(text, train_keys, fl_keys):
+                problems.append(f"{path.relative_to(root)}:{number}: {problem}")
+    for problem in problems:
+        print(problem)
+    print(f"checked {commands} meshtrain commands and {blocks} TOML blocks in {len(files)} files: "
+          f"{len(problems)} problems")
+    if commands < 20:
+        print("too few commands found: the docs' ```sh blocks were not read")
+        return 1
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
