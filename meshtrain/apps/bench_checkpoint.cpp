@@ -143,17 +143,13 @@ int run_bench_checkpoint(comm::Runtime& runtime, const std::vector<std::string>&
 }
 
 CommandPtr add_bench_checkpoint(CLI::App& bench) {
-  auto steps = std::make_shared<TimedSteps>(TimedSteps{2, 5});
-  CLI::App* sub = add_timed_bench(
+  return timed_bench_command(
       bench, "checkpoint",
       "What saving a checkpoint costs the training loop, in one run: median times of a step alone, of a save written "
       "in the background (checkpoint.async, the default) + a step + waiting for the write, and of a save written in "
       "the loop + a step, taken in turn; the snapshot and write times; the write against a raw write of the same bytes "
       "on the same disk. Config overrides as for train.",
-      *steps);
-  return command(sub, [steps, sub](comm::Runtime& runtime) {
-    return run_bench_checkpoint(runtime, config_overrides(*sub), steps->warmup, steps->steps);
-  });
+      TimedSteps{2, 5}, run_bench_checkpoint);
 }
 
 }  // namespace meshtrain::apps

@@ -168,17 +168,13 @@ int run_bench_graph(comm::Runtime&, const std::vector<std::string>&, int, int) {
 #endif
 
 CommandPtr add_bench_graph(CLI::App& bench) {
-  auto steps = std::make_shared<TimedSteps>(TimedSteps{5, 20});
-  CLI::App* sub = add_timed_bench(
+  return timed_bench_command(
       bench, "graph",
       "On one GPU: a training step whose forward and backward are captured once as a CUDA graph and replayed, against "
       "the same step run kernel by kernel; tokens/s of each, and the losses of both from the same start (the untimed "
       "steps), as one JSON line. Config overrides as for train (micro_batch sequences per step; model.dropout must be "
       "0).",
-      *steps);
-  return command(sub, [steps, sub](comm::Runtime& runtime) {
-    return run_bench_graph(runtime, config_overrides(*sub), steps->warmup, steps->steps);
-  });
+      TimedSteps{5, 20}, run_bench_graph);
 }
 
 }  // namespace meshtrain::apps

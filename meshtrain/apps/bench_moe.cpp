@@ -227,18 +227,14 @@ int run_bench_moe(comm::Runtime& runtime, const std::vector<std::string>& overri
 }
 
 CommandPtr add_bench_moe(CLI::App& bench) {
-  auto steps = std::make_shared<TimedSteps>(TimedSteps{2, 8});
-  CLI::App* sub = add_timed_bench(
+  return timed_bench_command(
       bench, "moe",
       "Mixture of experts in one run: one MoE layer (top-1 and top-2, experts split over the ranks) with the bytes "
       "each rank sends per step against the formula and its forward split into router + dispatch + combine, "
       "all-to-all and expert compute; then training tokens/s of MoE models against the dense model with the same "
       "active parameters and global batch. Default: small, 8 experts in every block, dropless; config overrides as "
       "for train.",
-      *steps);
-  return command(sub, [steps, sub](comm::Runtime& runtime) {
-    return run_bench_moe(runtime, config_overrides(*sub), steps->warmup, steps->steps);
-  });
+      TimedSteps{2, 8}, run_bench_moe);
 }
 
 }  // namespace meshtrain::apps

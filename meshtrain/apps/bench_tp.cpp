@@ -200,17 +200,13 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
 }
 
 CommandPtr add_bench_tp(CLI::App& bench) {
-  auto steps = std::make_shared<TimedSteps>(TimedSteps{1, 5});
-  CLI::App* sub = add_timed_bench(
+  return timed_bench_command(
       bench, "tp",
       "Tensor parallel with and without sequence parallel for tp = 1, 2, 4, ... up to the rank count, in one run, and "
       "from sharding annotations (tp_impl = annotations): bytes each rank sends per layer (counted by the "
       "communicator) against the formula, tokens/s against tp = 1, and annotations against the plan. Default model: "
       "small with 8 heads; config overrides as for train.",
-      *steps);
-  return command(sub, [steps, sub](comm::Runtime& runtime) {
-    return run_bench_tp(runtime, config_overrides(*sub), steps->warmup, steps->steps);
-  });
+      TimedSteps{1, 5}, run_bench_tp);
 }
 
 }  // namespace meshtrain::apps

@@ -99,6 +99,15 @@ CLI::App* add_timed_bench(CLI::App& bench, const std::string& name, const std::s
   return sub;
 }
 
+CommandPtr timed_bench_command(CLI::App& bench, const std::string& name, const std::string& help, TimedSteps defaults,
+                               TimedBenchRun run) {
+  auto steps = std::make_shared<TimedSteps>(defaults);
+  CLI::App* sub = add_timed_bench(bench, name, help, *steps);
+  return command(sub, [steps, sub, run = std::move(run)](comm::Runtime& runtime) {
+    return run(runtime, config_overrides(*sub), steps->warmup, steps->steps);
+  });
+}
+
 int64_t parse_size(const std::string& text) { return static_cast<int64_t>(plan::parse_bytes(text)); }
 
 int run_chosen(const Commands& commands, int& argc, char**& argv) {

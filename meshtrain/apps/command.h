@@ -71,6 +71,11 @@ struct TimedSteps {
 // config overrides as for train after them.
 CLI::App* add_timed_bench(CLI::App& bench, const std::string& name, const std::string& help, TimedSteps& steps);
 
+// A bench that trains and takes nothing else: run(runtime, overrides, warmup, steps).
+using TimedBenchRun = std::function<int(comm::Runtime&, const std::vector<std::string>&, int, int)>;
+CommandPtr timed_bench_command(CLI::App& bench, const std::string& name, const std::string& help, TimedSteps defaults,
+                               TimedBenchRun run);
+
 // "16M" and the like (plan::parse_bytes) as a whole number of bytes.
 int64_t parse_size(const std::string& text);
 
