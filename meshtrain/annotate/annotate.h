@@ -36,8 +36,8 @@ namespace meshtrain::annotate {
 //                                           which dim); other axes replicate
 //   mesh_split(t, mesh, dims_mapping)       dim d cut over mesh axis
 //                                           dims_mapping[d] (-1: whole)
-// Axes not named replicate. Uneven splits are refused (Note [Distributed
-// tensors]).
+// Axes not named replicate. A split need not divide evenly: chunks are
+// balanced (Note [Distributed tensors]).
 using Mesh = std::shared_ptr<const mesh::DeviceMesh>;
 using Sharding = std::vector<placement::Placement>;  // one per mesh axis
 

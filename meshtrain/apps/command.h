@@ -17,7 +17,8 @@
 namespace meshtrain::apps {
 
 // Note [Commands]
-// Each subcommand lives in its own file under apps/ and is made by an add_*
+// Each subcommand (or a family: import, export and logits) lives in its own
+// file under apps/ and is made by an add_*
 // function there (commands.h lists them): it declares its options on the
 // CLI11 app and returns a Command that knows whether the command line chose
 // it, whether it runs on the ranks of an MPI job or as one plain process, and

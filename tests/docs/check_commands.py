@@ -11,6 +11,9 @@ environment assignments; `run -n N` launches another meshtrain command):
     commands that take config overrides (train and the training benches), a
     key of the training config (`train --help`), or, for `fl server` and
     `fl simulate`, a key of the federated config (`fl server --help-config`).
+A `train` command is also validated for the rank count it runs on (`run -n N`,
+`mpirun -np N`, `srun -n N`; else 1) as `meshtrain plan --layout config` does
+before any work (every rule of the config and the layout), except on a GPU.
 For each ```toml block: every [section] key of a training or federated config
 exists. Prints each problem with its file and line; exits 1 if there are any.
 """
@@ -19,9 +22,11 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
 
 BINARIES = {"meshtrain", "build/bin/meshtrain", "./build/bin/meshtrain"}
+LAUNCHERS = {"mpirun": "-np", "mpiexec": "-np", "srun": "-n"}
 TRAIN_OVERRIDES = {("train",), ("bench", "train"), ("bench", "graph"), ("bench", "tp"), ("bench", "moe"),
                    ("bench", "pp"), ("bench", "checkpoint")}
 FL_OVERRIDES = {("fl", "server"), ("fl", "simulate")}
@@ -99,16 +104,50 @@ def toml_blocks(path):
     return blocks
 
 
-def check_command(tool, words, train_keys, fl_keys):
-    """Problems of one meshtrain command line (its words after the binary)."""
+def toml_value(text):
+    if re.fullmatch(r"-?\d+", text) or re.fullmatch(r"-?\d*\.\d+(e-?\d+)?|-?\d+e-?\d+", text) or text in ("true", "false"):
+        return text
+    return '"' + text.replace('\\', '\\\\').replace('"', '\\"') + '"'
+
+
+def validate_train(tool, words, ranks):
+    """Problems `meshtrain train WORDS` has on `ranks` ranks, before any work: the config and layout rules."""
+    sections, config = {}, None
+    for word in words:
+        if word.startswith("--") and "=" in word:
+            key, value = word[2:].split("=", 1)
+            section, name = key.split(".", 1)
+            sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
+        elif not word.startswith("-"):
+            config = word
+    if config is not None or sections.get("run") and any(l.startswith("device =") and "cpu" not in l for l in sections["run"]):
+        return []  # a config file of the reader's own, or a GPU run
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        for section, lines in sections.items():
+            f.write(f"[{section}]\n" + "\n".join(lines) + "\n")
+    try:
+        done = subprocess.run([tool.binary, "plan", "--model", f.name, "--world", str(ranks), "--layout", "config"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        pathlib.Path(f.name).unlink()
+    if done.returncode != 0:
+        return [f"`meshtrain train {' '.join(words)}` on {ranks} rank(s) is refused: "
+                f"{(done.stderr or done.stdout).strip().splitlines()[-1]}"]
+    return []
+
+
+def check_command(tool, words, train_keys, fl_keys, ranks=1):
+    """Problems of one meshtrain command line (its words after the binary) run on `ranks` ranks."""
     path, i = (), 0
     while i < len(words) and words[i] in tool.subcommands(path):
         path += (words[i],)
         i += 1
         if path == ("run",):  # run -n N COMMAND...: the launched command is checked as one
             while i < len(words) and words[i].startswith("-"):
+                if words[i] in ("-n", "--ranks") and i + 1 < len(words):
+                    ranks = int(words[i + 1])
                 i += 1 if "=" in words[i] else 2
-            return check_command(tool, words[i:], train_keys, fl_keys)
+            return check_command(tool, words[i:], train_keys, fl_keys, ranks)
     if not path and not all(w.split("=", 1)[0] in tool.options(()) for w in words):
         return [f"no subcommand in `meshtrain {' '.join(words)}`"]
     rc, _ = tool.help(path)
@@ -127,6 +166,8 @@ def check_command(tool, words, train_keys, fl_keys):
         if "." in name and path in FL_OVERRIDES and name in fl_keys:
             continue
         problems.append(f"`meshtrain {' '.join(path)}` has no option {option}")
+    if path == ("train",) and not problems and "--help" not in words:
+        problems += validate_train(tool, words[i:], ranks)
     return problems
 
 
@@ -189,10 +230,15 @@ def main():
                 words = words[1:]
             for problem in check_script(root, words, helps):
                 problems.append(f"{path.relative_to(root)}:{number}: {problem}")
+            ranks = 1
+            if words and words[0] in LAUNCHERS:  # mpirun -np N / srun -n N before the binary
+                flag = LAUNCHERS[words[0]]
+                ranks = int(words[words.index(flag) + 1]) if flag in words else 1
+                words = words[next((k for k, w in enumerate(words) if w in BINARIES), len(words)):]
             if not words or words[0] not in BINARIES:
                 continue
             commands += 1
-            for problem in check_command(tool, words[1:], train_keys, fl_keys):
+            for problem in check_command(tool, words[1:], train_keys, fl_keys, ranks):
                 problems.append(f"{path.relative_to(root)}:{number}: {problem}")
         for number, text in toml_blocks(path):
             blocks += 1
