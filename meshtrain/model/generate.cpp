@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -32,25 +33,41 @@ class CacheScope {
 
 void SampleOptions::validate() const {
   if (tokens < 1) throw std::invalid_argument("max tokens must be at least 1 (got " + std::to_string(tokens) + ")");
-  if (!(temperature >= 0)) throw std::invalid_argument("temperature must be >= 0 (0: greedy); got " + std::to_string(temperature));
+  if (!(temperature >= 0 && std::isfinite(temperature))) {
+    throw std::invalid_argument("temperature must be a finite number >= 0 (0: greedy); got " + std::to_string(temperature));
+  }
   if (top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0: the whole vocabulary); got " + std::to_string(top_k));
   if (!(top_p > 0 && top_p <= 1)) throw std::invalid_argument("top_p must be in (0, 1]; got " + std::to_string(top_p));
 }
 
 at::Tensor pick_next(at::Tensor logits, const SampleOptions& options, at::Generator& generator) {
-  if (options.temperature == 0) return logits.argmax(-1, /*keepdim=*/true);
   constexpr float kNone = -std::numeric_limits<float>::infinity();
-  logits = logits.to(at::kFloat) / options.temperature;
+  logits = logits.to(at::kFloat);
+  if (!at::isfinite(logits).all().item<bool>()) {
+    throw std::runtime_error("the model's logits are not finite (NaN or infinity); nothing can be sampled from them");
+  }
+  if (options.sampleable.defined()) {
+    const int64_t v = std::min(logits.size(-1), options.sampleable.size(0));
+    at::Tensor allowed = at::zeros({logits.size(-1)}, at::kBool);
+    allowed.narrow(0, 0, v).copy_(options.sampleable.narrow(0, 0, v));
+    logits = logits.masked_fill(allowed.logical_not(), kNone);
+  }
+  if (options.temperature < kGreedyBelow) return logits.argmax(-1, /*keepdim=*/true);
+  // Shifted by the maximum first: the temperature then only scales values <= 0.
+  logits = (logits - std::get<0>(logits.max(-1, /*keepdim=*/true))) / options.temperature;
   if (options.top_k > 0 && options.top_k < logits.size(-1)) {
     const at::Tensor kth = std::get<0>(logits.topk(options.top_k, -1)).narrow(-1, options.top_k - 1, 1);
     logits = logits.masked_fill(logits < kth, kNone);
   }
   if (options.top_p < 1) {
     // Keep the likeliest tokens until their probabilities reach top_p (the
-    // token that crosses it included, so at least one).
+    // token that crosses it included); the likeliest always, however small
+    // top_p is (compared in double: a float rounds 1e-46 to 0).
     auto [sorted, order] = logits.sort(-1, /*descending=*/true);
-    const at::Tensor before = at::softmax(sorted, -1).cumsum(-1) - at::softmax(sorted, -1);
-    const at::Tensor drop = at::zeros_like(logits, at::kBool).scatter(-1, order, before >= options.top_p);
+    const at::Tensor p = at::softmax(sorted.to(at::kDouble), -1);
+    at::Tensor drop_sorted = (p.cumsum(-1) - p) >= options.top_p;
+    drop_sorted.select(-1, 0).fill_(false);
+    const at::Tensor drop = at::zeros_like(logits, at::kBool).scatter(-1, order, drop_sorted);
     logits = logits.masked_fill(drop, kNone);
   }
   return at::multinomial(at::softmax(logits, -1), 1, false, generator);

@@ -8,9 +8,20 @@
 
 namespace meshtrain::model {
 
+// Note [Safe sampling]
+// pick_next never fails for a setting validate() accepts and finite logits:
+// a temperature below kGreedyBelow is greedy (dividing by it would overflow
+// the logits; vLLM does the same below 1e-2); nucleus sampling always keeps
+// the likeliest token, however small top_p; logits are shifted by their
+// maximum before the temperature divides them. Ids outside `sampleable`
+// (a model's padded vocabulary rows, ids its tokenizer cannot decode) are
+// never picked, greedy or not. Non-finite logits are a model failure: the
+// row's generation throws, and a server fails that request alone.
+constexpr double kGreedyBelow = 1e-2;
+
 struct SampleOptions {
   int64_t tokens = 200;      // the most new tokens (max_tokens)
-  double temperature = 0.8;  // >= 0; 0: greedy (the likeliest token)
+  double temperature = 0.8;  // >= 0; 0 (or below kGreedyBelow): greedy (the likeliest token)
   int64_t top_k = 40;        // 0: the whole vocabulary
   double top_p = 1.0;        // (0, 1]: sample among the likeliest tokens whose probabilities sum to top_p (nucleus)
   uint64_t seed = 1;
@@ -23,13 +34,16 @@ struct SampleOptions {
   std::function<at::Tensor(const at::Tensor&)> full_vocabulary;
   // Where the KV cache keeps keys and values (KvCache::set_storage; unset: the device).
   std::function<at::Tensor(at::IntArrayRef, const at::TensorOptions&)> kv_storage;
+  // Which ids may be picked: bool [vocab] (undefined: all).
+  at::Tensor sampleable;
 
   // Throws std::invalid_argument naming the option that is out of range.
   void validate() const;
 };
 
 // The next token of each row from logits [B, vocab], by the options'
-// temperature, top-k and top-p, drawing from `generator`: [B, 1].
+// temperature, top-k and top-p, drawing from `generator`: [B, 1] (Note [Safe
+// sampling]). Throws std::runtime_error when a row's logits are not finite.
 at::Tensor pick_next(at::Tensor logits, const SampleOptions& options, at::Generator& generator);
 
 // Extends `prompt` (int64 token ids, 1-D) by up to options.tokens sampled

@@ -7,6 +7,16 @@
 
 namespace meshtrain::serve {
 
+namespace {
+
+// An error's message for a client: without libtorch's backtrace.
+std::string message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
+
 BatchEngine::BatchEngine(InferenceModel& model, int64_t max_batch)
     : model_(model), max_batch_(max_batch), cache_(std::make_shared<model::KvCache>(model.gpt())) {
   if (max_batch < 1) throw std::invalid_argument("the batch must hold at least one sequence");
@@ -32,10 +42,19 @@ void BatchEngine::check(const GenerationRequest& request) const {
   }
 }
 
-std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>& requests) {
-  if (requests.empty()) return {};
-  if (static_cast<int64_t>(requests.size()) > room()) throw std::logic_error("batch engine: more requests than room");
-  for (const GenerationRequest& r : requests) check(r);
+std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>& all) {
+  if (static_cast<int64_t>(all.size()) > room()) throw std::logic_error("batch engine: more requests than room");
+  std::vector<TokenEvent> refused;
+  std::vector<GenerationRequest> requests;
+  for (const GenerationRequest& r : all) {
+    try {
+      check(r);
+      requests.push_back(r);
+    } catch (const std::invalid_argument& e) {
+      refused.push_back(TokenEvent{r.id, 0, true, e.what()});
+    }
+  }
+  if (requests.empty()) return refused;
   torch::NoGradGuard no_grad;
   // Prefill in a cache of the new rows alone, then join the running batch.
   int64_t longest = 0;
@@ -71,6 +90,7 @@ std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>&
   }
   std::vector<TokenEvent> events = sample(logits, added);
   drop_finished();
+  events.insert(events.begin(), refused.begin(), refused.end());
   return events;
 }
 
@@ -93,9 +113,15 @@ std::vector<TokenEvent> BatchEngine::sample(const at::Tensor& logits, const std:
   std::vector<TokenEvent> events;
   for (size_t i = 0; i < rows.size(); ++i) {
     Row& row = rows_[rows[i]];
-    row.last_token = model::pick_next(whole.narrow(0, i, 1), row.options, row.generator).item<int64_t>();
+    try {
+      row.last_token = model::pick_next(whole.narrow(0, i, 1), row.options, row.generator).item<int64_t>();
+    } catch (const std::exception& e) {
+      row.made = row.options.tokens;  // leaves the batch at drop_finished()
+      events.push_back(TokenEvent{row.id, 0, true, "generation failed: " + message_of(e)});
+      continue;
+    }
     ++row.made;
-    events.push_back(TokenEvent{row.id, row.last_token, row.made >= row.options.tokens});
+    events.push_back(TokenEvent{row.id, row.last_token, row.made >= row.options.tokens, ""});
   }
   return events;
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace meshtrain::serve {
@@ -21,13 +22,20 @@ struct TokenEvent {
   uint64_t id = 0;
   int64_t token = 0;
   bool last = false;  // the request's max tokens reached: it has left the batch
+  // Not empty: this request failed (no token) and has left the batch; the
+  // others go on (Note [Continuous batching]).
+  std::string error;
 };
 
 // Each sequence samples with its own generator seeded from its options, so
 // its tokens are those model::generate() gives for the same prompt and
 // options alone (the batch changes which rows share a matmul, not what a
-// row computes). Collective under tensor parallel: every rank of the group
-// must make the same calls in the same order.
+// row computes). A request that fails (refused by check() when it is
+// admitted, or its sampling throws) leaves the batch alone, with an error
+// event; every rank of a tensor-parallel group fails it alike, since they
+// check the same requests and sample from the same logits. Collective under
+// tensor parallel: every rank of the group must make the same calls in the
+// same order.
 class BatchEngine {
  public:
   BatchEngine(InferenceModel& model, int64_t max_batch);
@@ -37,7 +45,7 @@ class BatchEngine {
   // prompt, beyond the context, sampling options out of range).
   void check(const GenerationRequest& request) const;
   // Prefills the requests together (left-padded) and adds them to the batch;
-  // returns each one's first token. At most room() requests.
+  // returns each one's first token (or its error). At most room() requests.
   std::vector<TokenEvent> admit(const std::vector<GenerationRequest>& requests);
   // One forward over the running sequences' last tokens: a token for each.
   std::vector<TokenEvent> step();

@@ -31,6 +31,7 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
   step_ = reader.metadata().step;
   tokenizer_ = text::tokenizer_from_json(reader.metadata().tokenizer);
   gpt_ = model::Gpt(model::config_from_json(reader.metadata().model_config), 0);
+  check_tokenizer();
   {
     torch::NoGradGuard no_grad;
     for (auto& item : gpt_->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
@@ -47,12 +48,25 @@ InferenceModel::InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::
       name_(std::move(name)),
       offload_(std::move(offload)) {
   offload_.validate();
+  check_tokenizer();
   {
     std::optional<memory::HostScope> host;
     if (offload_.weights != "none") host.emplace();
     split();
   }
   stream_weights();
+}
+
+void InferenceModel::check_tokenizer() {
+  const int64_t vocab = gpt_->config().vocab_size, tokens = tokenizer_->vocab_size();
+  if (tokens > vocab) {
+    throw std::invalid_argument("the model's tokenizer (" + tokenizer_->describe() + ") has more tokens than the model's " +
+                                "vocabulary of " + std::to_string(vocab) + "; its ids from " + std::to_string(vocab) +
+                                " on have no embedding: the checkpoint does not belong to this tokenizer");
+  }
+  sampleable_ = at::zeros({vocab}, at::kBool);
+  bool* allowed = sampleable_.data_ptr<bool>();
+  for (int64_t id = 0; id < vocab; ++id) allowed[id] = tokenizer_->can_decode(id);
 }
 
 void InferenceModel::stream_weights() {
@@ -104,6 +118,7 @@ model::SampleOptions InferenceModel::with_split(model::SampleOptions options) co
     };
   }
   if (!options.kv_storage) options.kv_storage = kv_storage();
+  if (!options.sampleable.defined()) options.sampleable = sampleable_;
   return options;
 }
 

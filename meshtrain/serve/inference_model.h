@@ -46,7 +46,9 @@ class InferenceModel {
 
   model::Gpt& gpt() { return gpt_; }
   const model::GptConfig& config() const { return gpt_->config(); }
-  // Options with full_vocabulary set for this model's split, and kv_storage for its offload.
+  // Options with full_vocabulary set for this model's split, kv_storage for
+  // its offload, and sampleable: the ids its tokenizer can decode (a padded
+  // vocabulary's extra rows are never sampled; Note [Safe sampling]).
   model::SampleOptions with_split(model::SampleOptions options) const;
   // The model's tokenizer (the one it was trained or imported with).
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -62,6 +64,8 @@ class InferenceModel {
 
  private:
   void split();
+  // Checks the tokenizer against the model's vocabulary and notes the ids it decodes.
+  void check_tokenizer();
   // With weights offloaded: the blocks to the tiered store, the rest to the device.
   void stream_weights();
 
@@ -69,6 +73,7 @@ class InferenceModel {
   std::unique_ptr<parallel::TensorParallel> tp_;
   parallel::CommPtr group_;
   std::unique_ptr<text::Tokenizer> tokenizer_;
+  at::Tensor sampleable_;  // bool [vocab]
   std::string name_;
   int64_t step_ = 0;
   InferenceOffload offload_;

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <random>
 
 namespace meshtrain::serve {
@@ -25,7 +26,7 @@ T number(const json& body, const char* name, T fallback, T lowest, T highest, co
     throw bad(name, std::string("'") + name + "' must be an integer " + range);
   }
   const double d = v.get<double>();
-  if (!(d >= static_cast<double>(lowest) && d <= static_cast<double>(highest))) {
+  if (!std::isfinite(d) || !(d >= static_cast<double>(lowest) && d <= static_cast<double>(highest))) {
     throw bad(name, std::string("'") + name + "' is " + v.dump() + "; it must be " + range);
   }
   return v.get<T>();
@@ -37,7 +38,7 @@ CompletionParams parse_completion_request(const std::string& text, const std::st
   json body;
   try {
     body = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number out of range (1e999)
     throw bad("", std::string("the body is not valid JSON (") + e.what() + "); send a JSON object");
   }
   if (!body.is_object()) throw bad("", "the body must be a JSON object");

@@ -76,7 +76,11 @@ model::SampleOptions sample_options(const CompletionParams& p) {
 }  // namespace
 
 void Scheduler::check(CompletionJob& job) const {
-  job.prompt_ids = model_.encode(job.params().prompt);
+  try {
+    job.prompt_ids = model_.encode(job.params().prompt);
+  } catch (const text::TokenizerError& e) {
+    throw std::invalid_argument(std::string("the prompt cannot be tokenized: ") + e.what());
+  }
   GenerationRequest request;
   request.prompt = job.prompt_ids;
   request.options = sample_options(job.params());
@@ -110,7 +114,10 @@ Scheduler::Turn Scheduler::next_turn() {
   Turn turn;
   for (auto it = live_.begin(); it != live_.end();) {
     Live& live = *it->second;
-    if (!live.ended && live.job->abandoned) live.ended = true;
+    if (!live.ended && live.job->abandoned) {
+      live.ended = true;
+      live.job->fail("the client went away");
+    }
     if (!live.ended) {
       ++it;
       continue;
@@ -122,7 +129,10 @@ Scheduler::Turn Scheduler::next_turn() {
   while (room > 0 && !queue_.empty()) {
     std::shared_ptr<CompletionJob> job = std::move(queue_.front());
     queue_.pop_front();
-    if (job->abandoned) continue;
+    if (job->abandoned) {
+      job->fail("the client went away");
+      continue;
+    }
     GenerationRequest request;
     request.id = next_id_++;
     request.prompt = job->prompt_ids;
@@ -155,17 +165,26 @@ void Scheduler::deliver(const std::vector<TokenEvent>& events) {
       if (e.last) live_.erase(it);
       continue;
     }
-    live.job->push(live.text.push(e.token));
-    ++live.made;
-    if (live.text.stopped()) {
-      live.job->finish("stop", live.made);
-      live.ended = true;
-      if (e.last) live_.erase(it);
-    } else if (e.last) {
-      live.job->push(live.text.finish());
-      live.job->finish("length", live.made);
+    if (!e.error.empty()) {  // this request alone failed; it has left the batch
+      live.job->fail(e.error);
       live_.erase(it);
+      continue;
     }
+    try {
+      live.job->push(live.text.push(e.token));
+      ++live.made;
+      if (live.text.stopped()) {
+        live.job->finish("stop", live.made);
+        live.ended = true;
+      } else if (e.last) {
+        live.job->push(live.text.finish());
+        live.job->finish("length", live.made);
+      }
+    } catch (const std::exception& error) {  // on rank 0 alone: cancelled on every rank next turn
+      live.job->fail(std::string("the generated text cannot be decoded: ") + error.what());
+      live.ended = true;
+    }
+    if (e.last && (live.ended || live.job->done())) live_.erase(it);
   }
 }
 

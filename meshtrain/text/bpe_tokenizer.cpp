@@ -134,6 +134,9 @@ class Gpt2Bpe : public Tokenizer {
   }
 
   int64_t vocab_size() const override { return static_cast<int64_t>(decoder_.size()); }
+  bool can_decode(int64_t id) const override {
+    return id >= 0 && id < static_cast<int64_t>(decoder_.size()) && !decoder_[id].empty();
+  }
   int64_t end_of_text() const override {
     auto it = encoder_.find("<|endoftext|>");
     return it == encoder_.end() ? -1 : it->second;

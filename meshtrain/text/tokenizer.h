@@ -25,6 +25,8 @@ class Tokenizer {
   // Throws TokenizerError for an id outside the vocabulary.
   virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
   virtual int64_t vocab_size() const = 0;
+  // Whether decode() takes `id` (ids of a padded vocabulary past vocab_size() do not).
+  virtual bool can_decode(int64_t id) const { return id >= 0 && id < vocab_size(); }
   // The token that ends a text (GPT-2's <|endoftext|>, SentencePiece's </s>), or -1.
   virtual int64_t end_of_text() const { return -1; }
   virtual std::string kind() const = 0;  // "bytes" | "gpt2-bpe" | "sentencepiece"

@@ -282,6 +282,8 @@ void Trainer::run() {
   model::SampleOptions options;
   options.tokens = config_.sample_tokens;
   options.seed = config_.seed;
+  options.sampleable = at::zeros({config_.model.vocab_size}, at::kBool);  // never an id the tokenizer cannot decode
+  for (int64_t id = 0; id < config_.model.vocab_size; ++id) options.sampleable.data_ptr<bool>()[id] = tokenizer_->can_decode(id);
   const at::Tensor prompt_tokens = at::tensor(tokenizer_->encode(prompt), at::kLong);
   const at::Tensor made = model::generate(sampler, prompt_tokens, options);
   const std::string text = tokenizer_->decode(std::vector<int64_t>(made.data_ptr<int64_t>(), made.data_ptr<int64_t>() + made.numel()));

@@ -6,6 +6,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 namespace meshtrain::model {
 namespace {
 
@@ -22,6 +25,37 @@ TEST(Sampling, TopPKeepsTheLikeliestTokensUpToTheMassAndTheOneThatCrossesIt) {
   options.top_p = 1e-6;  // only the likeliest: greedy
   for (int i = 0; i < 50; ++i) EXPECT_EQ(pick_next(logits, options, g).item<int64_t>(), 1);
   options.top_p = 1.5;
+  EXPECT_THROW(options.validate(), std::invalid_argument);
+}
+
+// Note [Safe sampling]: settings that overflowed or masked everything, and ids
+// that may not be sampled.
+TEST(Sampling, ExtremeSettingsAreSafeAndMaskedIdsAreNeverPicked) {
+  const at::Tensor logits = at::tensor({1.0f, 3.0f, 2.5f, -4.0f, 3.2f}).view({1, 5});
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);
+  SampleOptions options;
+  options.top_k = 0;
+  for (double t : {1e-38, 1e-5, 0.0099}) {  // below kGreedyBelow: greedy (dividing overflowed to NaN)
+    options.temperature = t;
+    EXPECT_EQ(pick_next(logits, options, g).item<int64_t>(), 4) << t;
+  }
+  options.temperature = 1.0;
+  options.top_p = 1e-46;  // rounds to 0 in float: the likeliest is kept all the same
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(pick_next(logits, options, g).item<int64_t>(), 4);
+  options.top_p = 1.0;
+  options.temperature = 2.0;
+  options.sampleable = at::tensor({1, 1, 0, 1, 0}).to(at::kBool);  // ids 2 and 4 cannot be decoded
+  std::vector<int> counts(5);
+  for (int i = 0; i < 2000; ++i) ++counts[pick_next(logits, options, g).item<int64_t>()];
+  EXPECT_EQ(counts[2] + counts[4], 0);
+  EXPECT_GT(counts[1], 0);
+  options.temperature = 0;
+  EXPECT_EQ(pick_next(logits, options, g).item<int64_t>(), 1) << "greedy picks the likeliest sampleable id";
+  options.sampleable = at::ones({3}, at::kBool);  // a tokenizer shorter than the vocabulary: ids 3, 4 padding
+  EXPECT_EQ(pick_next(logits, options, g).item<int64_t>(), 1);
+  const at::Tensor broken = at::tensor({1.0f, NAN, 0.0f}).view({1, 3});
+  EXPECT_THROW(pick_next(broken, options, g), std::runtime_error);
+  options.temperature = std::numeric_limits<double>::infinity();
   EXPECT_THROW(options.validate(), std::invalid_argument);
 }
 

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 
 namespace meshtrain::serve {
@@ -75,6 +76,39 @@ TEST(BatchEngine, ACancelledSequenceLeavesTheOthersUnchanged) {
     const GenerationRequest r = request(id, id == 1 ? 4 : 2, 10, 0.8, id);
     const at::Tensor alone = model::generate(inference.gpt(), at::tensor(r.prompt, at::kLong), r.options);
     EXPECT_EQ(got[id], std::vector<int64_t>(alone.data_ptr<int64_t>(), alone.data_ptr<int64_t>() + alone.numel()));
+  }
+}
+
+// A request that fails leaves the batch alone: refused when admitted, or its
+// sampling failing mid-way; the others give their tokens as if alone.
+TEST(BatchEngine, AFailingRequestFailsAloneAndTheOthersGoOn) {
+  InferenceModel inference(small_model(false), nullptr);
+  BatchEngine engine(inference, 3);
+  GenerationRequest bad = request(2, 5, 10, 0.8, 2);
+  bad.options.temperature = std::numeric_limits<double>::quiet_NaN();  // past the server's own checks
+  std::map<uint64_t, std::vector<int64_t>> got;
+  std::map<uint64_t, std::string> errors;
+  auto take = [&](const std::vector<TokenEvent>& events) {
+    for (const TokenEvent& e : events) {
+      if (!e.error.empty()) errors[e.id] = e.error;
+      else got[e.id].push_back(e.token);
+    }
+  };
+  take(engine.admit({request(1, 4, 10, 0.8, 1), bad, request(3, 2, 10, 0.8, 3)}));
+  EXPECT_NE(errors[2].find("temperature"), std::string::npos) << errors[2];
+  EXPECT_EQ(engine.running(), 2);
+  // A row whose sampling throws (a vocabulary mask that leaves nothing: NaN
+  // probabilities) fails at its step; the batch goes on.
+  GenerationRequest empty = request(4, 3, 10, 0.8, 4);
+  empty.options.sampleable = at::zeros({inference.config().vocab_size}, at::kBool);
+  take(engine.admit({empty}));
+  EXPECT_FALSE(errors[4].empty());
+  while (engine.running() > 0) take(engine.step());
+  EXPECT_EQ(got.count(2) + got.count(4), 0u);
+  for (uint64_t id : {1, 3}) {
+    const GenerationRequest r = request(id, id == 1 ? 4 : 2, 10, 0.8, id);
+    const at::Tensor alone = model::generate(inference.gpt(), at::tensor(r.prompt, at::kLong), inference.with_split(r.options));
+    EXPECT_EQ(got[id], std::vector<int64_t>(alone.data_ptr<int64_t>(), alone.data_ptr<int64_t>() + alone.numel())) << id;
   }
 }
 

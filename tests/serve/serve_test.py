@@ -6,7 +6,6 @@ usage: serve_test.py MESHTRAIN CHECKPOINT
 """
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,59 +17,24 @@ import urllib.request
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks  # noqa: E402
+import serving  # noqa: E402
 
 MESHTRAIN, CHECKPOINT = sys.argv[1], sys.argv[2]
 CHECKS = Checks(MESHTRAIN)
 check = CHECKS.check
 
 
-class Server:
-    def __init__(self, *extra, ranks=1):
-        prefix = [MESHTRAIN] if ranks == 1 else [MESHTRAIN, "run", "-n", str(ranks)]
-        tp = [] if ranks == 1 else [f"--parallel.tp={ranks}"]
-        self.proc = subprocess.Popen(prefix + ["serve", "--checkpoint", CHECKPOINT, "--port", "0", *tp, *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            found = re.search(r"http://127\.0\.0\.1:(\d+)", line or "")
-            if found:
-                self.url = f"http://127.0.0.1:{found.group(1)}"
-                return
-            if self.proc.poll() is not None:
-                break
-        raise RuntimeError("the server did not start: " + self.proc.stderr.read())
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=120)
-        if code != 0:
-            print(f"the server exited with status {code}:\n{self.proc.stderr.read()}", flush=True)
-        return code
+def Server(*extra, ranks=1):
+    return serving.Server(MESHTRAIN, CHECKPOINT, *extra, ranks=ranks)
 
 
 def offline(prompt, max_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop=()):
-    args = [MESHTRAIN, "generate", "--checkpoint", CHECKPOINT, "--prompt", prompt, "--tokens", str(max_tokens),
-            "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed)]
-    for s in stop:
-        args += ["--stop", s]
-    out = subprocess.run(args, check=True, capture_output=True).stdout.decode("utf-8", "replace")
-    assert out.startswith(prompt) and out.endswith("\n"), out
-    return out[len(prompt):-1]
+    return serving.offline(MESHTRAIN, CHECKPOINT, prompt, max_tokens, temperature, top_k, top_p, seed, stop)
 
 
-def post(url, body, raw=None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+post = serving.post
 
 
 CASES = [  # prompt, max_tokens, temperature, top_k, top_p, seed

@@ -1,0 +1,167 @@
+"""One bad request, client or connection never takes `meshtrain serve` down
+(Note [Safe sampling], Note [Admission]): each hostile case, then normal
+requests that must still get offline generation's tokens.
+
+usage: hostile_test.py MESHTRAIN CHECKPOINT
+CHECKPOINT: a model whose vocabulary (300) is larger than its byte tokenizer's
+(256), as published models pad theirs, with a long context.
+"""
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+import serving  # noqa: E402
+
+MESHTRAIN, CHECKPOINT = sys.argv[1], sys.argv[2]
+CHECKS = Checks(MESHTRAIN)
+check = CHECKS.check
+
+
+def offline(prompt, max_tokens, temperature=1.0, seed=0):
+    return serving.offline(MESHTRAIN, CHECKPOINT, prompt, max_tokens, temperature, 0, 1.0, seed)
+
+
+def alive_and_right(server, what):
+    """Normal requests still get offline generation's tokens."""
+    for prompt, n, t, seed in [("The ", 30, 0.0, 1), ("To be", 40, 0.9, 7)]:
+        code, body = serving.post(server.url, {"prompt": prompt, "max_tokens": n, "temperature": t, "seed": seed,
+                                               "top_k": 0})
+        ok = code == 200 and body["choices"][0]["text"] == offline(prompt, n, t, seed)
+        check(ok, f"after {what}: a normal request gets offline generation's text ({code})")
+
+
+def padded_vocabulary_and_extreme_sampling(server):
+    codes = [serving.post(server.url, {"prompt": "The ", "max_tokens": 200, "temperature": 2.0, "seed": s})[0]
+             for s in range(12)]
+    check(codes == [200] * 12, f"a padded vocabulary: 12 hot completions never sample an id the tokenizer lacks ({codes})")
+    greedy = serving.post(server.url, {"prompt": "The ", "max_tokens": 20, "temperature": 0})[1]["choices"][0]["text"]
+    for what, body in [("temperature 1e-38", {"temperature": 1e-38}), ("top_p 1e-46", {"top_p": 1e-46, "seed": 4})]:
+        code, reply = serving.post(server.url, {"prompt": "The ", "max_tokens": 20, **body})
+        check(code == 200 and reply["choices"][0]["text"] == greedy, f"{what} answers the greedy text ({code})")
+    for what, raw in [("temperature 1e999", b'{"prompt": "x", "temperature": 1e999}'),
+                      ("a temperature of infinity's spelling", b'{"prompt": "x", "temperature": "inf"}')]:
+        code, reply = serving.post(server.url, None, raw=raw)
+        message = reply.get("error", {}).get("message", "")
+        check(code == 400 and "temperature" in message or "JSON" in message, f"{what}: 400 ({code} {message!r})")
+        check("Exception raised from" not in json.dumps(reply) and "frame #" not in json.dumps(reply),
+              f"{what}: no C++ internals in the reply")
+    alive_and_right(server, "padded-vocabulary sampling and extreme settings")
+
+
+def send_chunked(port, total, chunk=1 << 20):
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n")
+    sent, piece = 0, b"%x\r\n" % chunk + b" " * chunk + b"\r\n"
+    try:
+        while sent < total:
+            s.sendall(piece)
+            sent += chunk
+        s.sendall(b"0\r\n\r\n")
+    except OSError:
+        pass  # the server stopped reading: what it should do past the limit
+    try:
+        reply = s.recv(4096).decode(errors="replace")
+    except OSError:
+        reply = ""
+    s.close()
+    return reply, sent
+
+
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0
+
+
+def bodies_are_held_to_the_limit(server):
+    before = rss_mib(server.proc.pid)
+    reply, sent = send_chunked(server.port, 100 << 20)
+    check(" 413 " in reply.split("\r\n")[0] if reply else True, f"a 100 MB chunked body is refused ({reply[:40]!r})")
+    grown = rss_mib(server.proc.pid) - before
+    check(grown < 64, f"the server's peak memory grew {grown:.0f} MiB for it (under 64)")
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n")
+    reply = s.recv(4096).decode(errors="replace")
+    s.close()
+    check(" 413 " in reply.split("\r\n")[0], f"a declared 100 MB body is refused before it is read ({reply[:40]!r})")
+    alive_and_right(server, "oversized bodies")
+
+
+def slow_clients_cannot_lock_others_out(server, clients=200):
+    stop = threading.Event()
+    sockets = []
+    for i in range(clients):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sockets.append(s)
+
+    def drip():
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        for k in range(len(head)):
+            if stop.is_set():
+                return
+            for i, s in enumerate(sockets):
+                if i % 2:  # the other half stay idle, sending nothing at all
+                    try:
+                        s.send(head[k:k + 1])
+                    except OSError:
+                        pass
+            stop.wait(1.0)
+
+    dripper = threading.Thread(target=drip)
+    dripper.start()
+    time.sleep(1.5)
+    latencies = []
+    for i in range(6):
+        start = time.time()
+        try:
+            code, _ = serving.post(server.url, {"prompt": "The ", "max_tokens": 8, "temperature": 0}, timeout=10)
+        except OSError as e:  # timed out: locked out
+            code = str(e)
+        latencies.append((code, time.time() - start))
+    stop.set()
+    dripper.join()
+    for s in sockets:
+        s.close()
+    worst = max(t for _, t in latencies)
+    check(all(c == 200 for c, _ in latencies) and worst < 2.0,
+          f"with {clients} slow or idle clients connected, a normal client gets answers (slowest {worst:.2f} s)")
+    alive_and_right(server, "slow clients")
+
+
+def a_client_that_leaves_is_cancelled(server):
+    """A non-streaming request whose client disconnects: the server notices and stops (499 in its log)."""
+    body = json.dumps({"prompt": "The ", "max_tokens": 2000, "temperature": 1.0, "seed": 1}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(0.3)
+    s.close()
+    alive_and_right(server, "a client that left")
+
+
+def main():
+    server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--max-batch", "2")
+    padded_vocabulary_and_extreme_sampling(server)
+    bodies_are_held_to_the_limit(server)
+    slow_clients_cannot_lock_others_out(server)
+    a_client_that_leaves_is_cancelled(server)
+    check(server.stop() == 0, "the server exits 0 after SIGTERM")
+    log = server.proc.stderr.read()
+    check(" 499" in log, "the request whose client left was cancelled (499 in the log)")
+    split = serving.Server(MESHTRAIN, CHECKPOINT, ranks=2)  # tensor parallel: every rank samples alike
+    padded_vocabulary_and_extreme_sampling(split)
+    check(split.stop() == 0, "the tensor-parallel server exits 0 after SIGTERM")
+    CHECKS.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""What the serving tests share: a `meshtrain serve` process, the text
+`meshtrain generate` gives offline, and raw HTTP posts."""
+import json
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+
+class Server:
+    def __init__(self, meshtrain, checkpoint, *extra, ranks=1):
+        prefix = [meshtrain] if ranks == 1 else [meshtrain, "run", "-n", str(ranks)]
+        tp = [] if ranks == 1 else [f"--parallel.tp={ranks}"]
+        self.proc = subprocess.Popen(prefix + ["serve", "--checkpoint", checkpoint, "--port", "0", *tp, *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            found = re.search(r"http://127\.0\.0\.1:(\d+)", line or "")
+            if found:
+                self.port = int(found.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
+                return
+            if self.proc.poll() is not None:
+                break
+        raise RuntimeError("the server did not start: " + self.proc.stderr.read())
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=120)
+        if code != 0:
+            print(f"the server exited with status {code}:\n{self.proc.stderr.read()}", flush=True)
+        return code
+
+
+def offline(meshtrain, checkpoint, prompt, max_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop=()):
+    args = [meshtrain, "generate", "--checkpoint", checkpoint, "--prompt", prompt, "--tokens", str(max_tokens),
+            "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed)]
+    for s in stop:
+        args += ["--stop", s]
+    out = subprocess.run(args, check=True, capture_output=True).stdout.decode("utf-8", "replace")
+    assert out.startswith(prompt) and out.endswith("\n"), out
+    return out[len(prompt):-1]
+
+
+def post(url, body, raw=None, path="/v1/completions", timeout=120):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
