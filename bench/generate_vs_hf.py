@@ -75,8 +75,8 @@ def main():
           f"transformers {transformers.__version__}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as work:
         model.save_pretrained(os.path.join(work, "hf"), safe_serialization=True)
-        subprocess.run([MESHTRAIN, "import", "hf", os.path.join(work, "hf"), "--out", os.path.join(work, "ckpt")],
-                       check=True, capture_output=True, env=env)
+        subprocess.run([MESHTRAIN, "import", "hf", os.path.join(work, "hf"), "--out", os.path.join(work, "ckpt"),
+                        "--tokenizer", "bytes"], check=True, capture_output=True, env=env)
         print(f"{'batch':>5} {'phase':>8} {'meshtrain tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
         for batch in args.batches:
             out = subprocess.run([MESHTRAIN, "bench", "generate", "--checkpoint", os.path.join(work, "ckpt"),

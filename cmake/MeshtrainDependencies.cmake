@@ -2,7 +2,7 @@
 #   Threads::Threads, MPI::MPI_CXX, TORCH_LIBRARIES (libtorch targets),
 #   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json, PkgConfig::HTTPLIB,
 #   MESHTRAIN_GRPC_LIBRARIES, MESHTRAIN_PROTOC, MESHTRAIN_GRPC_CPP_PLUGIN, OpenSSL::Crypto/SSL,
-#   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY, MESHTRAIN_URING_LIBRARY,
+#   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY, MESHTRAIN_UTF8PROC_LIBRARY, MESHTRAIN_URING_LIBRARY,
 #   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
 find_package(Threads REQUIRED)
@@ -24,12 +24,14 @@ find_package(nlohmann_json 3 CONFIG REQUIRED)
 # cpp-httplib (Debian's libcpp-httplib-dev), for meshtrain serve.
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
-# Tokenizers: SentencePiece (libsentencepiece-dev) and PCRE2 (GPT-2's pattern),
-# linked by file so the installed package needs no targets of theirs.
+# Tokenizers: SentencePiece (libsentencepiece-dev), PCRE2 (the patterns
+# tokenizer.json files carry) and utf8proc (Unicode normalization and
+# classes), linked by file so the installed package needs no targets of theirs.
 find_library(MESHTRAIN_SENTENCEPIECE_LIBRARY sentencepiece REQUIRED)
 find_library(MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train REQUIRED)
 set(MESHTRAIN_SENTENCEPIECE_LIBRARIES ${MESHTRAIN_SENTENCEPIECE_TRAIN_LIBRARY} ${MESHTRAIN_SENTENCEPIECE_LIBRARY})
 find_library(MESHTRAIN_PCRE2_LIBRARY pcre2-8 REQUIRED)
+find_library(MESHTRAIN_UTF8PROC_LIBRARY utf8proc REQUIRED)
 # Federated learning: gRPC and protobuf (libgrpc++-dev, protobuf-compiler-grpc),
 # OpenSSL (X25519, AES-GCM, TLS). Libraries by pkg-config, the code generators by path.
 # protobuf is linked statically with its symbols hidden (Note [Two protobufs]).

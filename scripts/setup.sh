@@ -15,7 +15,7 @@ torch_version=${MESHTRAIN_TORCH_VERSION:-2.11.0}
 debian_packages=(
   g++ cmake ninja-build make pkg-config git
   libopenmpi-dev openmpi-bin
-  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev liburing-dev fio
+  libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev libutf8proc-dev liburing-dev fio
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pip

@@ -65,7 +65,8 @@ int run_prepare(const std::vector<std::string>& inputs, const std::string& out_d
 // meshtrain tokenizer train / encode / decode (apps/tokenizer_command.cpp).
 int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, const std::string& type,
                         const std::string& prefix);
-int run_tokenizer_encode(const std::string& tokenizer, const std::string& text, const std::string& file);
+int run_tokenizer_encode(const std::string& tokenizer, const std::string& text, const std::vector<std::string>& files,
+                         bool special);
 int run_tokenizer_decode(const std::string& tokenizer, const std::vector<int64_t>& ids);
 
 // ZeRO-Inference for generate, serve and bench generate (--offload.*,
@@ -118,7 +119,8 @@ void block_stop_signals();
 // a meshtrain checkpoint (step 0). export hf: the reverse. logits: the
 // logits [1, T, V] of token ids, as a safetensors file (to compare with
 // another implementation).
-int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::string& out_dir);
+int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::string& out_dir,
+                  const std::string& tokenizer);
 int run_export_hf(const std::string& checkpoint, const std::string& out_dir, const std::string& dtype,
                   int64_t max_shard_bytes);
 int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out);

@@ -22,39 +22,39 @@ namespace meshtrain::apps {
 
 namespace {
 
-// The tokenizer files of a Hugging Face folder, if it has ones meshtrain reads.
-std::unique_ptr<text::Tokenizer> hf_tokenizer(const std::string& dir, int64_t vocab) {
-  namespace fs = std::filesystem;
-  const fs::path d(dir);
-  const bool any = (fs::exists(d / "vocab.json") && fs::exists(d / "merges.txt")) || fs::exists(d / "tokenizer.json") ||
-                   fs::exists(d / "tokenizer.model");
-  if (!any) {
-    std::fprintf(stderr, "meshtrain import: %s has no tokenizer files; generate and serve will use bytes\n", dir.c_str());
-    return nullptr;
-  }
+// The tokenizer an import keeps: `spec` "auto" reads the model folder's own
+// files and refuses a folder without ones it reads; otherwise as
+// text::load_tokenizer ("bytes" imports without one).
+std::unique_ptr<text::Tokenizer> import_tokenizer(const std::string& dir, const std::string& spec, int64_t vocab) {
+  std::unique_ptr<text::Tokenizer> tokenizer;
   try {
-    std::unique_ptr<text::Tokenizer> tokenizer = text::load_tokenizer(dir);
-    if (tokenizer->vocab_size() > vocab) {
-      throw text::TokenizerError("its " + std::to_string(tokenizer->vocab_size()) + " tokens exceed the model's " +
-                                 std::to_string(vocab));
-    }
-    return tokenizer;
+    tokenizer = text::load_tokenizer(spec == "auto" ? dir : spec);
   } catch (const text::TokenizerError& e) {
-    std::fprintf(stderr, "meshtrain import: the tokenizer was not imported (%s); generate and serve will use bytes\n",
-                 e.what());
-    return nullptr;
+    throw text::TokenizerError(std::string(e.what()) +
+                               "\n(name a tokenizer with --tokenizer PATH, or import without one with --tokenizer bytes)");
   }
+  if (tokenizer->vocab_size() > vocab) {
+    throw text::TokenizerError("the tokenizer's " + std::to_string(tokenizer->vocab_size()) +
+                               " tokens exceed the model's vocabulary of " + std::to_string(vocab));
+  }
+  return tokenizer;
 }
 
-// The tokenizer's files beside an exported model, with a tokenizer_config.json naming its class.
+// The tokenizer's files beside an exported model. A tokenizer_config.json
+// that came with it is written back as it was; otherwise a minimal one names
+// the class transformers should load.
 void write_tokenizer(const std::string& dir, const text::Tokenizer& tokenizer) {
   if (tokenizer.kind() == "bytes") return;
-  for (const auto& [name, content] : tokenizer.files()) {
+  const std::map<std::string, std::string> files = tokenizer.files();
+  for (const auto& [name, content] : files) {
     std::ofstream out(std::filesystem::path(dir) / name, std::ios::binary | std::ios::trunc);
     out << content;
   }
+  if (files.count("tokenizer_config.json")) return;
+  const std::string kind = tokenizer.kind();
+  const char* cls = kind == "gpt2-bpe" ? "GPT2Tokenizer" : kind == "hf" ? "PreTrainedTokenizerFast" : "LlamaTokenizer";
   std::ofstream config(std::filesystem::path(dir) / "tokenizer_config.json", std::ios::trunc);
-  config << "{\"tokenizer_class\": \"" << (tokenizer.kind() == "gpt2-bpe" ? "GPT2Tokenizer" : "LlamaTokenizer") << "\"}\n";
+  config << "{\"tokenizer_class\": \"" << cls << "\"}\n";
 }
 
 at::ScalarType parse_dtype(const std::string& name) {
@@ -66,7 +66,8 @@ at::ScalarType parse_dtype(const std::string& name) {
 
 }  // namespace
 
-int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::string& out_dir) {
+int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::string& out_dir,
+                  const std::string& tokenizer_spec) {
   if (runtime.size() != 1) throw std::invalid_argument("import runs on one rank");
   const interop::HfModel hf = interop::read_hf_model(dir);
   model::Gpt gpt(hf.config, 0);
@@ -88,14 +89,14 @@ int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::str
   meta.model_config = model::to_json(hf.config);
   meta.layout = "imported from Hugging Face " + hf.model_type;
   meta.world = 1;
-  const std::unique_ptr<text::Tokenizer> tokenizer = hf_tokenizer(dir, hf.config.vocab_size);
-  if (tokenizer) meta.tokenizer = text::tokenizer_to_json(*tokenizer);
+  const std::unique_ptr<text::Tokenizer> tokenizer = import_tokenizer(dir, tokenizer_spec, hf.config.vocab_size);
+  meta.tokenizer = text::tokenizer_to_json(*tokenizer);
   checkpoint::CheckpointWriter writer(checkpoint::CheckpointStore(out_dir, 1), runtime.world(), /*async=*/false);
   writer.save(meta, state, mesh::MeshLayout({{"dp", 1}}, 1));
   writer.wait();
   std::printf("meshtrain import: %s model from %s (%.1fM parameters, tokenizer %s) -> %s\n", hf.model_type.c_str(),
               dir.c_str(), hf.config.parameter_count() / 1e6,
-              tokenizer ? tokenizer->describe().c_str() : "bytes", checkpoint::CheckpointStore::resolve(out_dir).c_str());
+              tokenizer->describe().c_str(), checkpoint::CheckpointStore::resolve(out_dir).c_str());
   return 0;
 }
 
@@ -139,7 +140,7 @@ int run_logits(const std::string& checkpoint, const std::string& tokens, const s
 
 CommandPtr add_import(CLI::App& app) {
   struct Args {
-    std::string dir, out;
+    std::string dir, out, tokenizer = "auto";
   };
   auto a = std::make_shared<Args>();
   CLI::App* import = app.add_subcommand("import", "Bring a model trained elsewhere in as a meshtrain checkpoint");
@@ -153,7 +154,11 @@ CommandPtr add_import(CLI::App& app) {
       ->check(CLI::ExistingDirectory);
   hf->add_option("--out", a->out, "Checkpoint directory to write (step 0, with a latest pointer)")
       ->required();
-  return command(hf, [a](comm::Runtime& runtime) { return run_import_hf(runtime, a->dir, a->out); });
+  hf->add_option("--tokenizer", a->tokenizer,
+                 "auto: the folder's tokenizer.json (with tokenizer_config.json), vocab.json + merges.txt or "
+                 "tokenizer.model, refusing a folder without one; or a tokenizer path; or bytes for none")
+      ->capture_default_str();
+  return command(hf, [a](comm::Runtime& runtime) { return run_import_hf(runtime, a->dir, a->out, a->tokenizer); });
 }
 
 CommandPtr add_export(CLI::App& app) {

@@ -20,11 +20,18 @@ int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, c
   return 0;
 }
 
-int run_tokenizer_encode(const std::string& spec, const std::string& text, const std::string& file) {
+int run_tokenizer_encode(const std::string& spec, const std::string& text, const std::vector<std::string>& files,
+                         bool special) {
   const auto tokenizer = text::load_tokenizer(spec);
-  const std::vector<int64_t> ids = tokenizer->encode(file.empty() ? text : util::read_text_file(file));
-  for (size_t i = 0; i < ids.size(); ++i) std::printf(i ? " %lld" : "%lld", static_cast<long long>(ids[i]));
-  std::printf("\n");
+  std::vector<std::string> texts;
+  for (const std::string& file : files) texts.push_back(util::read_text_file(file));
+  if (files.empty()) texts.push_back(text);
+  for (const std::string& t : texts) {
+    std::vector<int64_t> ids = tokenizer->encode(t);
+    if (special) ids = tokenizer->with_special_tokens(std::move(ids));
+    for (size_t i = 0; i < ids.size(); ++i) std::printf(i ? " %lld" : "%lld", static_cast<long long>(ids[i]));
+    std::printf("\n");
+  }
   return 0;
 }
 
@@ -37,8 +44,10 @@ CommandPtr add_tokenizer(CLI::App& app) {
   struct Args {
     std::vector<std::string> inputs;
     int64_t vocab = 8000;
-    std::string type = "unigram", out, spec = "bytes", text, file;
+    std::string type = "unigram", out, spec = "bytes", text;
+    std::vector<std::string> files;
     std::vector<int64_t> ids;
+    bool special = false;
   };
   auto a = std::make_shared<Args>();
   CLI::App* tokenizer = app.add_subcommand("tokenizer", "Train and try tokenizers");
@@ -54,13 +63,17 @@ CommandPtr add_tokenizer(CLI::App& app) {
   CLI::App* encode = tokenizer->add_subcommand("encode", "Print the token ids of a text");
   encode->add_option("--tokenizer", a->spec, "As [data] tokenizer")->capture_default_str();
   encode->add_option("--text", a->text, "The text");
-  encode->add_option("--file", a->file, "Or a file's text")->check(CLI::ExistingFile);
+  encode->add_option("--file", a->files, "Or a file's text; repeated, one line of ids per file")
+      ->check(CLI::ExistingFile);
+  encode->add_flag("--special", a->special,
+                   "Add the special tokens the tokenizer's template puts around a text (Llama's <s>), as "
+                   "transformers' encode() does by default");
   CLI::App* decode = tokenizer->add_subcommand("decode", "Print the text of token ids");
   decode->add_option("--tokenizer", a->spec, "As [data] tokenizer")->capture_default_str();
   decode->add_option("ids", a->ids, "Token ids")->required();
   return plain_command(tokenizer, [a, train, encode] {
     if (train->parsed()) return run_tokenizer_train(a->inputs, a->vocab, a->type, a->out);
-    if (encode->parsed()) return run_tokenizer_encode(a->spec, a->text, a->file);
+    if (encode->parsed()) return run_tokenizer_encode(a->spec, a->text, a->files, a->special);
     return run_tokenizer_decode(a->spec, a->ids);
   });
 }

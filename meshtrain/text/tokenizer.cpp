@@ -2,9 +2,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include "meshtrain/text/hf_components.h"
 
 namespace meshtrain::text {
 
@@ -42,26 +46,32 @@ std::string read_file(const fs::path& path) {
   return s.str();
 }
 
-// tokenizer.json (Hugging Face tokenizers) of a byte-level BPE as vocab.json and merges.txt.
+// tokenizer.json with the tokenizer_config.json beside it, if there is one.
 std::unique_ptr<Tokenizer> from_tokenizer_json(const fs::path& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw TokenizerError(path.string() + ": not JSON (" + e.what() + ")");
+  std::map<std::string, std::string> files{{"tokenizer.json", read_file(path)}};
+  const fs::path config = path.parent_path() / "tokenizer_config.json";
+  if (fs::exists(config)) files["tokenizer_config.json"] = read_file(config);
+  return hf_tokenizer(std::move(files), path.string());
+}
+
+// A folder's tokenizer: tokenizer.json, else vocab.json + merges.txt, else
+// tokenizer.model; a tokenizer.json this reader cannot take falls back to a
+// tokenizer.model beside it.
+std::unique_ptr<Tokenizer> from_folder(const fs::path& path) {
+  const bool has_model = fs::exists(path / "tokenizer.model");
+  if (fs::exists(path / "tokenizer.json")) {
+    try {
+      return from_tokenizer_json(path / "tokenizer.json");
+    } catch (const hf::Unsupported& e) {
+      if (!has_model) throw;
+      std::fprintf(stderr, "meshtrain: %s; reading %s instead\n", e.what(), (path / "tokenizer.model").c_str());
+    }
   }
-  const nlohmann::json& model = j.value("model", nlohmann::json::object());
-  if (model.value("type", "") != "BPE") throw TokenizerError(path.string() + ": only BPE models are read");
-  const nlohmann::json& pre = j.value("pre_tokenizer", nlohmann::json());
-  if (!pre.is_object() || pre.value("type", "") != "ByteLevel" || !pre.value("use_regex", true)) {
-    throw TokenizerError(path.string() + ": its pre-tokenizer (" + pre.dump() +
-                         ") is not GPT-2's byte-level one; only that is supported");
+  if (fs::exists(path / "vocab.json") && fs::exists(path / "merges.txt")) {
+    return gpt2_bpe_tokenizer(read_file(path / "vocab.json"), read_file(path / "merges.txt"));
   }
-  std::string merges = "#version: 0.2\n";
-  for (const nlohmann::json& m : model.at("merges")) {
-    merges += (m.is_array() ? m[0].get<std::string>() + " " + m[1].get<std::string>() : m.get<std::string>()) + "\n";
-  }
-  return gpt2_bpe_tokenizer(model.at("vocab").dump(), merges);
+  if (has_model) return sentencepiece_tokenizer(read_file(path / "tokenizer.model"));
+  throw TokenizerError(path.string() + ": no tokenizer.json, vocab.json + merges.txt or tokenizer.model in this folder");
 }
 
 const std::string kBase64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -97,19 +107,12 @@ std::unique_ptr<Tokenizer> bytes_tokenizer() { return std::make_unique<Bytes>();
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
   if (spec.empty() || spec == "bytes") return bytes_tokenizer();
   const fs::path path(spec);
-  if (fs::is_directory(path)) {
-    if (fs::exists(path / "vocab.json") && fs::exists(path / "merges.txt")) {
-      return gpt2_bpe_tokenizer(read_file(path / "vocab.json"), read_file(path / "merges.txt"));
-    }
-    if (fs::exists(path / "tokenizer.json")) return from_tokenizer_json(path / "tokenizer.json");
-    if (fs::exists(path / "tokenizer.model")) return sentencepiece_tokenizer(read_file(path / "tokenizer.model"));
-    throw TokenizerError(spec + ": no vocab.json + merges.txt, tokenizer.json or tokenizer.model in this folder");
-  }
+  if (fs::is_directory(path)) return from_folder(path);
   if (!fs::exists(path)) {
     throw TokenizerError("tokenizer " + spec + ": no such file; use \"bytes\", a SentencePiece .model file, a "
                          "tokenizer.json, or a folder with vocab.json + merges.txt");
   }
-  if (path.filename() == "tokenizer.json") return from_tokenizer_json(path);
+  if (path.extension() == ".json") return from_tokenizer_json(path);
   return sentencepiece_tokenizer(read_file(path));
 }
 
@@ -125,6 +128,11 @@ std::unique_ptr<Tokenizer> tokenizer_from_json(const std::string& text) {
   const std::string kind = j.at("kind");
   auto file = [&](const char* name) { return unbase64(j.at("files").at(name).get<std::string>()); };
   if (kind == "bytes") return bytes_tokenizer();
+  if (kind == "hf") {
+    std::map<std::string, std::string> files;
+    for (auto it = j.at("files").begin(); it != j.at("files").end(); ++it) files[it.key()] = unbase64(it->get<std::string>());
+    return hf_tokenizer(std::move(files), "the checkpoint's tokenizer.json");
+  }
   if (kind == "gpt2-bpe") return gpt2_bpe_tokenizer(file("vocab.json"), file("merges.txt"));
   if (kind == "sentencepiece") return sentencepiece_tokenizer(file("tokenizer.model"));
   throw TokenizerError("unknown tokenizer kind \"" + kind + "\"");

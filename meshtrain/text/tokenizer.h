@@ -1,11 +1,14 @@
-// Text <-> token ids: bytes (the default), a GPT-2 style byte-level BPE, or a
-// SentencePiece model. A tokenizer travels inside checkpoints (its files'
-// bytes), so generate, serve and export use the one training used.
+// Text <-> token ids: bytes (the default), a Hugging Face tokenizer.json (BPE
+// or Unigram, as Llama 3, Mistral, Qwen2, Gemma and GPT-2 ship them), GPT-2's
+// vocab.json + merges.txt, or a SentencePiece model. A tokenizer travels
+// inside checkpoints (its files' bytes), so generate, serve and export use
+// the one training used.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -20,26 +23,39 @@ class TokenizerError : public std::runtime_error {
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
-  // Thread-safe. Throws TokenizerError for text it cannot take (BPE: invalid UTF-8).
+  // Thread-safe. Throws TokenizerError for text it cannot take (invalid UTF-8).
+  // Special tokens written in the text ("<|eot_id|>") become their ids; the
+  // ones a template adds around a whole sequence do not (with_special_tokens).
   virtual std::vector<int64_t> encode(const std::string& text) const = 0;
+  // One sequence's ids with the tokens the tokenizer's template adds (Llama's
+  // beginning-of-text); unchanged for tokenizers without one.
+  virtual std::vector<int64_t> with_special_tokens(std::vector<int64_t> ids) const { return ids; }
   // Throws TokenizerError for an id outside the vocabulary.
   virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
   virtual int64_t vocab_size() const = 0;
   // Whether decode() takes `id` (ids of a padded vocabulary past vocab_size() do not).
   virtual bool can_decode(int64_t id) const { return id >= 0 && id < vocab_size(); }
+  // Whether `id` is a special token (control, not text: <|eot_id|>, </s>).
+  virtual bool is_special(int64_t /*id*/) const { return false; }
+  // The vocabulary's string for `id` (byte-level and ▁ spellings as they are), or none.
+  virtual std::optional<std::string> token_string(int64_t /*id*/) const { return std::nullopt; }
+  // The id of a vocabulary string, or -1.
+  virtual int64_t token_id(const std::string& /*token*/) const { return -1; }
   // The token that ends a text (GPT-2's <|endoftext|>, SentencePiece's </s>), or -1.
   virtual int64_t end_of_text() const { return -1; }
-  virtual std::string kind() const = 0;  // "bytes" | "gpt2-bpe" | "sentencepiece"
-  // The files that make it, by their usual names (vocab.json and merges.txt;
-  // tokenizer.model); none for bytes.
+  virtual std::string kind() const = 0;  // "bytes" | "hf" | "gpt2-bpe" | "sentencepiece"
+  // The files that make it, by their usual names (tokenizer.json and
+  // tokenizer_config.json; vocab.json and merges.txt; tokenizer.model); none for bytes.
   virtual std::map<std::string, std::string> files() const = 0;
-  std::string describe() const { return kind() + " (" + std::to_string(vocab_size()) + " tokens)"; }
+  virtual std::string describe() const { return kind() + " (" + std::to_string(vocab_size()) + " tokens)"; }
 };
 
-// "bytes" (or ""); a SentencePiece model file (*.model); a tokenizer.json of
-// a byte-level BPE; or a folder holding vocab.json + merges.txt,
-// tokenizer.json or tokenizer.model. Throws TokenizerError saying what was
-// expected.
+// "bytes" (or ""); a SentencePiece model file (*.model); a tokenizer.json;
+// or a folder holding tokenizer.json (with tokenizer_config.json beside it),
+// vocab.json + merges.txt or tokenizer.model, read in that order. A
+// tokenizer.json with a component meshtrain does not read falls back to the
+// folder's tokenizer.model, saying so, or is refused naming the component.
+// Throws TokenizerError saying what was expected.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 
 // A tokenizer as one JSON string (its kind and its files, base64), for a
@@ -49,6 +65,9 @@ std::unique_ptr<Tokenizer> tokenizer_from_json(const std::string& json);
 
 // Built from their files' contents.
 std::unique_ptr<Tokenizer> bytes_tokenizer();
+// `files`: tokenizer.json, optionally tokenizer_config.json (its eos_token
+// ends texts); `name` starts error messages.
+std::unique_ptr<Tokenizer> hf_tokenizer(std::map<std::string, std::string> files, const std::string& name);
 std::unique_ptr<Tokenizer> gpt2_bpe_tokenizer(const std::string& vocab_json, const std::string& merges_txt);
 std::unique_ptr<Tokenizer> sentencepiece_tokenizer(const std::string& model_proto);
 

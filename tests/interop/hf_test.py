@@ -59,7 +59,11 @@ def round_trip(name, build, work):
     model.save_pretrained(hf_dir, safe_serialization=True, max_shard_size=shard)
     sharded = os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
     checkpoint = os.path.join(work, "checkpoints")
-    meshtrain("import", "hf", hf_dir, "--out", checkpoint)
+    if name == "gpt2":
+        refused = subprocess.run([MESHTRAIN, "import", "hf", hf_dir, "--out", checkpoint], capture_output=True, text=True)
+        check(refused.returncode == 1 and "--tokenizer bytes" in refused.stderr,
+              "a folder without tokenizer files is refused, saying how to go on: " + refused.stderr.strip()[-90:])
+    meshtrain("import", "hf", hf_dir, "--out", checkpoint, "--tokenizer", "bytes")
     tokens = [int(t) for t in torch.randint(0, 300, (40,))]
     want = hf_logits(model, tokens)
     got = meshtrain_logits(checkpoint, tokens, work)

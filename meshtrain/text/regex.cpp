@@ -1,0 +1,57 @@
+#include "meshtrain/text/regex.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include "meshtrain/text/tokenizer.h"
+#include "meshtrain/text/unicode.h"
+
+namespace meshtrain::text {
+
+Regex::Regex(const std::string& pattern) : pattern_(pattern) {
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error,
+                        &offset, nullptr);
+  if (!code_) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof message);
+    throw TokenizerError("the pattern " + pattern + " does not compile at offset " + std::to_string(offset) + ": " +
+                         reinterpret_cast<const char*>(message));
+  }
+  pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);
+}
+
+Regex::~Regex() { pcre2_code_free(code_); }
+
+std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view s) const {
+  std::vector<std::pair<size_t, size_t>> found;
+  pcre2_match_data* match = pcre2_match_data_create_from_pattern(code_, nullptr);
+  const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+  size_t start = 0;
+  while (start <= s.size()) {
+    const int rc = pcre2_match(code_, subject, s.size(), start, 0, match, nullptr);
+    if (rc < 0) break;
+    const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match);
+    found.emplace_back(span[0], span[1]);
+    if (span[1] > span[0]) {
+      start = span[1];
+    } else {  // an empty match: search again one character on
+      if (span[1] >= s.size()) break;
+      start = span[1] + unicode::char_length(static_cast<unsigned char>(s[span[1]]));
+    }
+  }
+  pcre2_match_data_free(match);
+  return found;
+}
+
+std::string Regex::escape(std::string_view literal) {
+  std::string out;
+  for (char c : literal) {
+    if (std::string_view("\\^$.|?*+()[]{}").find(c) != std::string_view::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace meshtrain::text
