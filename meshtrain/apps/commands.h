@@ -68,6 +68,8 @@ int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, c
 int run_tokenizer_encode(const std::string& tokenizer, const std::string& text, const std::vector<std::string>& files,
                          bool special);
 int run_tokenizer_decode(const std::string& tokenizer, const std::vector<int64_t>& ids);
+int run_tokenizer_chat(const std::string& tokenizer, const std::string& messages_file, const std::string& tools_file,
+                       bool generation_prompt, bool ids);
 
 // ZeRO-Inference for generate, serve and bench generate (--offload.*,
 // offload/weight_stream.h), and the device memory limit (--memory.limit_mb).

@@ -41,7 +41,7 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
                               static_cast<long long>(inference.config().context));
   }
   model::TextStream text([&](const std::vector<int64_t>& t) { return inference.decode(t); }, options.stop,
-                         inference.tokenizer().end_of_text());
+                         inference.tokenizer().stop_ids());
   if (speaker) std::fputs(options.prompt.c_str(), stdout);
   sample.on_token = [&](int64_t token) {
     const std::string piece = text.push(token);

@@ -45,7 +45,7 @@ std::unique_ptr<text::Tokenizer> import_tokenizer(const std::string& dir, const 
 // the class transformers should load.
 void write_tokenizer(const std::string& dir, const text::Tokenizer& tokenizer) {
   if (tokenizer.kind() == "bytes") return;
-  const std::map<std::string, std::string> files = tokenizer.files();
+  const std::map<std::string, std::string> files = tokenizer.all_files();
   for (const auto& [name, content] : files) {
     std::ofstream out(std::filesystem::path(dir) / name, std::ios::binary | std::ios::trunc);
     out << content;

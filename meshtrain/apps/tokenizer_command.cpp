@@ -2,6 +2,7 @@
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
+#include "meshtrain/text/chat_template.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/util/files.h"
 
@@ -40,6 +41,31 @@ int run_tokenizer_decode(const std::string& spec, const std::vector<int64_t>& id
   return 0;
 }
 
+int run_tokenizer_chat(const std::string& spec, const std::string& messages_file, const std::string& tools_file,
+                       bool generation_prompt, bool ids) {
+  const auto tokenizer = text::load_tokenizer(spec);
+  const auto chat = text::ChatTemplate::of(*tokenizer);
+  if (!chat) throw text::TokenizerError(spec + ": the tokenizer has no chat template (tokenizer_config.json's chat_template)");
+  auto read_json = [](const std::string& file) {
+    try {
+      return nlohmann::ordered_json::parse(util::read_text_file(file));
+    } catch (const nlohmann::json::exception& e) {
+      throw std::invalid_argument(file + ": not JSON (" + e.what() + ")");
+    }
+  };
+  const nlohmann::ordered_json messages = read_json(messages_file);
+  const nlohmann::ordered_json tools = tools_file.empty() ? nlohmann::ordered_json() : read_json(tools_file);
+  const std::string text = chat->render(messages, generation_prompt, tools);
+  if (!ids) {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    return 0;
+  }
+  const std::vector<int64_t> tokens = tokenizer->encode(text);
+  for (size_t i = 0; i < tokens.size(); ++i) std::printf(i ? " %lld" : "%lld", static_cast<long long>(tokens[i]));
+  std::printf("\n");
+  return 0;
+}
+
 CommandPtr add_tokenizer(CLI::App& app) {
   struct Args {
     std::vector<std::string> inputs;
@@ -47,7 +73,8 @@ CommandPtr add_tokenizer(CLI::App& app) {
     std::string type = "unigram", out, spec = "bytes", text;
     std::vector<std::string> files;
     std::vector<int64_t> ids;
-    bool special = false;
+    bool special = false, generation_prompt = false, print_ids = false;
+    std::string messages, tools;
   };
   auto a = std::make_shared<Args>();
   CLI::App* tokenizer = app.add_subcommand("tokenizer", "Train and try tokenizers");
@@ -71,9 +98,19 @@ CommandPtr add_tokenizer(CLI::App& app) {
   CLI::App* decode = tokenizer->add_subcommand("decode", "Print the text of token ids");
   decode->add_option("--tokenizer", a->spec, "As [data] tokenizer")->capture_default_str();
   decode->add_option("ids", a->ids, "Token ids")->required();
-  return plain_command(tokenizer, [a, train, encode] {
+  CLI::App* chat = tokenizer->add_subcommand(
+      "chat", "Print a conversation as the tokenizer's chat template writes it (transformers' apply_chat_template)");
+  chat->add_option("--tokenizer", a->spec, "A model or tokenizer folder with a chat template")->required();
+  chat->add_option("--messages", a->messages, "A JSON file: [{\"role\": \"user\", \"content\": \"...\"}, ...]")
+      ->required()
+      ->check(CLI::ExistingFile);
+  chat->add_option("--tools", a->tools, "A JSON file: a list of tool schemas")->check(CLI::ExistingFile);
+  chat->add_flag("--generation-prompt", a->generation_prompt, "End with the assistant's turn opening");
+  chat->add_flag("--ids", a->print_ids, "Print the token ids instead of the text");
+  return plain_command(tokenizer, [a, train, encode, chat] {
     if (train->parsed()) return run_tokenizer_train(a->inputs, a->vocab, a->type, a->out);
     if (encode->parsed()) return run_tokenizer_encode(a->spec, a->text, a->files, a->special);
+    if (chat->parsed()) return run_tokenizer_chat(a->spec, a->messages, a->tools, a->generation_prompt, a->print_ids);
     return run_tokenizer_decode(a->spec, a->ids);
   });
 }

@@ -4,8 +4,8 @@
 
 namespace meshtrain::model {
 
-TextStream::TextStream(Decode decode, std::vector<std::string> stop, int64_t end_token)
-    : decode_(std::move(decode)), end_token_(end_token) {
+TextStream::TextStream(Decode decode, std::vector<std::string> stop, std::vector<int64_t> end_tokens)
+    : decode_(std::move(decode)), end_tokens_(std::move(end_tokens)) {
   for (std::string& s : stop) {
     if (!s.empty()) stop_.push_back(std::move(s));
   }
@@ -25,7 +25,7 @@ size_t incomplete_utf8_tail(const std::string& text) {
 
 std::string TextStream::push(int64_t token) {
   if (stopped_) return {};
-  if (token == end_token_ && end_token_ >= 0) {
+  if (std::find(end_tokens_.begin(), end_tokens_.end(), token) != end_tokens_.end()) {
     stopped_ = true;
     return text_.substr(emitted_);  // what was held back for a stop string that never came
   }

@@ -20,8 +20,8 @@ namespace meshtrain::model {
 class TextStream {
  public:
   using Decode = std::function<std::string(const std::vector<int64_t>&)>;
-  // `end_token`: the tokenizer's end of text (stops the stream, emits nothing); -1: none.
-  TextStream(Decode decode, std::vector<std::string> stop, int64_t end_token = -1);
+  // `end_tokens`: the tokenizer's stop ids (each stops the stream and emits nothing).
+  TextStream(Decode decode, std::vector<std::string> stop, std::vector<int64_t> end_tokens = {});
 
   // Adds a token and returns the text that became final (often empty).
   std::string push(int64_t token);
@@ -33,7 +33,7 @@ class TextStream {
  private:
   Decode decode_;
   std::vector<std::string> stop_;
-  int64_t end_token_;
+  std::vector<int64_t> end_tokens_;
   std::vector<int64_t> tokens_;
   std::string text_;      // all tokens decoded
   size_t emitted_ = 0;    // bytes of text_ already returned

@@ -122,8 +122,9 @@ model::SampleOptions InferenceModel::with_split(model::SampleOptions options) co
   return options;
 }
 
-std::vector<int64_t> InferenceModel::encode(const std::string& text) const {
-  return tokenizer_->encode(text);
+std::vector<int64_t> InferenceModel::encode(const std::string& text, bool add_special_tokens) const {
+  std::vector<int64_t> ids = tokenizer_->encode(text);
+  return add_special_tokens ? tokenizer_->with_special_tokens(std::move(ids)) : ids;
 }
 
 std::string InferenceModel::decode(const std::vector<int64_t>& tokens) const {

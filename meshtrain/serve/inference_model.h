@@ -52,7 +52,8 @@ class InferenceModel {
   model::SampleOptions with_split(model::SampleOptions options) const;
   // The model's tokenizer (the one it was trained or imported with).
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
-  std::vector<int64_t> encode(const std::string& text) const;
+  // With the tokenizer's template tokens (Llama's <s>) unless told not to, as transformers' encode().
+  std::vector<int64_t> encode(const std::string& text, bool add_special_tokens = true) const;
   std::string decode(const std::vector<int64_t>& tokens) const;
   const std::string& name() const { return name_; }  // the checkpoint folder's name
   int64_t step() const { return step_; }

@@ -139,7 +139,7 @@ Scheduler::Turn Scheduler::next_turn() {
     request.options = sample_options(job->params());
     auto decode = [this](const std::vector<int64_t>& tokens) { return model_.decode(tokens); };
     live_[request.id] = std::make_unique<Live>(
-        Live{job, model::TextStream(decode, job->params().stop, model_.tokenizer().end_of_text())});
+        Live{job, model::TextStream(decode, job->params().stop, model_.tokenizer().stop_ids())});
     turn.admit.push_back(std::move(request));
     --room;
   }

@@ -117,8 +117,8 @@ class AddedMatcher {
 
 class HfTokenizer : public Tokenizer {
  public:
-  // `files`: what files() gives back (tokenizer.json and its companions, or
-  // the vocab.json + merges.txt that `tokenizer_json` was made from).
+  // `files`: what files() gives back (tokenizer.json, or the vocab.json +
+  // merges.txt that `tokenizer_json` was made from).
   HfTokenizer(std::string kind, std::map<std::string, std::string> files, const std::string& tokenizer_json,
               const std::string& name);
   std::vector<int64_t> encode(const std::string& text) const override;
@@ -218,17 +218,9 @@ void HfTokenizer::read_added_tokens(const json& list, const std::string& name) {
   }
 }
 
+// tokenizer.json does not say which token ends a text (tokenizer_config.json
+// does; see stop_ids()); these are the names the families use.
 int64_t HfTokenizer::find_end_of_text() const {
-  if (files_.count("tokenizer_config.json")) {
-    try {
-      const json config = json::parse(files_.at("tokenizer_config.json"));
-      const json eos = config.value("eos_token", json());
-      const std::string name = eos.is_string() ? eos.get<std::string>() : eos.is_object() ? eos.value("content", "") : "";
-      if (!name.empty()) return token_id(name);
-    } catch (const json::exception&) {
-      // A config that does not parse names no end token; the usual names below still apply.
-    }
-  }
   for (const char* name : {"<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>"}) {
     const int64_t id = token_id(name);
     if (id >= 0) return id;
@@ -316,11 +308,9 @@ std::string gpt2_tokenizer_json(const std::string& vocab_json, const std::string
 
 }  // namespace
 
-std::unique_ptr<Tokenizer> hf_tokenizer(std::map<std::string, std::string> files, const std::string& name) {
-  auto it = files.find("tokenizer.json");
-  if (it == files.end()) throw TokenizerError(name + ": no tokenizer.json");
-  const std::string tokenizer_json = it->second;
-  return std::make_unique<HfTokenizer>("hf", std::move(files), tokenizer_json, name);
+std::unique_ptr<Tokenizer> hf_tokenizer(const std::string& tokenizer_json, const std::string& name) {
+  return std::make_unique<HfTokenizer>("hf", std::map<std::string, std::string>{{"tokenizer.json", tokenizer_json}},
+                                       tokenizer_json, name);
 }
 
 std::unique_ptr<Tokenizer> gpt2_bpe_tokenizer(const std::string& vocab_json, const std::string& merges_txt) {

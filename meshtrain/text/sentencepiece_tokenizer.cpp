@@ -33,6 +33,17 @@ class SentencePiece : public Tokenizer {
   }
   int64_t vocab_size() const override { return processor_.GetPieceSize(); }
   int64_t end_of_text() const override { return processor_.eos_id(); }
+  bool is_special(int64_t id) const override {
+    return id >= 0 && id < vocab_size() && (processor_.IsControl(static_cast<int>(id)) || processor_.IsUnknown(static_cast<int>(id)));
+  }
+  std::optional<std::string> token_string(int64_t id) const override {
+    if (id < 0 || id >= vocab_size()) return std::nullopt;
+    return processor_.IdToPiece(static_cast<int>(id));
+  }
+  int64_t token_id(const std::string& token) const override {
+    const int id = processor_.PieceToId(token);
+    return id == processor_.unk_id() && token != processor_.IdToPiece(id) ? -1 : id;
+  }
   std::string kind() const override { return "sentencepiece"; }
   std::map<std::string, std::string> files() const override { return {{"tokenizer.model", proto_}}; }
 

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 
 #include <filesystem>
@@ -46,18 +47,12 @@ std::string read_file(const fs::path& path) {
   return s.str();
 }
 
-// tokenizer.json with the tokenizer_config.json beside it, if there is one.
-std::unique_ptr<Tokenizer> from_tokenizer_json(const fs::path& path) {
-  std::map<std::string, std::string> files{{"tokenizer.json", read_file(path)}};
-  const fs::path config = path.parent_path() / "tokenizer_config.json";
-  if (fs::exists(config)) files["tokenizer_config.json"] = read_file(config);
-  return hf_tokenizer(std::move(files), path.string());
-}
+std::unique_ptr<Tokenizer> from_tokenizer_json(const fs::path& path) { return hf_tokenizer(read_file(path), path.string()); }
 
 // A folder's tokenizer: tokenizer.json, else vocab.json + merges.txt, else
 // tokenizer.model; a tokenizer.json this reader cannot take falls back to a
 // tokenizer.model beside it.
-std::unique_ptr<Tokenizer> from_folder(const fs::path& path) {
+std::unique_ptr<Tokenizer> tokenizer_in_folder(const fs::path& path) {
   const bool has_model = fs::exists(path / "tokenizer.model");
   if (fs::exists(path / "tokenizer.json")) {
     try {
@@ -72,6 +67,30 @@ std::unique_ptr<Tokenizer> from_folder(const fs::path& path) {
   }
   if (has_model) return sentencepiece_tokenizer(read_file(path / "tokenizer.model"));
   throw TokenizerError(path.string() + ": no tokenizer.json, vocab.json + merges.txt or tokenizer.model in this folder");
+}
+
+std::unique_ptr<Tokenizer> from_folder(const fs::path& path) {
+  std::unique_ptr<Tokenizer> tokenizer = tokenizer_in_folder(path);
+  std::map<std::string, std::string> companions;
+  for (const std::string& name : companion_names()) {
+    if (fs::exists(path / name)) companions[name] = read_file(path / name);
+  }
+  tokenizer->set_companions(std::move(companions));
+  return tokenizer;
+}
+
+// A token's text in tokenizer_config.json: a string or an AddedToken object.
+std::string token_text(const nlohmann::json& j) {
+  if (j.is_string()) return j.get<std::string>();
+  if (j.is_object() && j.contains("content") && j["content"].is_string()) return j["content"].get<std::string>();
+  return "";
+}
+
+// A companion file as JSON, or null when it is absent or not JSON.
+nlohmann::json companion_json(const Tokenizer& tokenizer, const std::string& name) {
+  auto it = tokenizer.companions().find(name);
+  if (it == tokenizer.companions().end()) return nullptr;
+  return nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
 }
 
 const std::string kBase64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -104,6 +123,39 @@ std::string unbase64(const std::string& in) {
 
 std::unique_ptr<Tokenizer> bytes_tokenizer() { return std::make_unique<Bytes>(); }
 
+const std::vector<std::string>& companion_names() {
+  static const std::vector<std::string> names = {"tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                                                 "generation_config.json"};
+  return names;
+}
+
+std::map<std::string, std::string> Tokenizer::all_files() const {
+  std::map<std::string, std::string> all = files();
+  all.insert(companions_.begin(), companions_.end());
+  return all;
+}
+
+std::vector<int64_t> Tokenizer::stop_ids() const {
+  std::vector<int64_t> ids;
+  auto add = [&](int64_t id) {
+    if (id >= 0 && can_decode(id) && std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  };
+  add(end_of_text());
+  const nlohmann::json config = companion_json(*this, "tokenizer_config.json");
+  if (config.is_object() && config.contains("eos_token")) {
+    const std::string eos = token_text(config["eos_token"]);
+    if (!eos.empty()) add(token_id(eos));
+  }
+  const nlohmann::json generation = companion_json(*this, "generation_config.json");
+  if (generation.is_object() && generation.contains("eos_token_id")) {
+    const nlohmann::json& eos = generation["eos_token_id"];
+    for (const nlohmann::json& id : eos.is_array() ? eos : nlohmann::json::array({eos})) {
+      if (id.is_number_integer()) add(id.get<int64_t>());
+    }
+  }
+  return ids;
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
   if (spec.empty() || spec == "bytes") return bytes_tokenizer();
   const fs::path path(spec);
@@ -118,7 +170,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
 
 std::string tokenizer_to_json(const Tokenizer& tokenizer) {
   nlohmann::json j = {{"kind", tokenizer.kind()}, {"files", nlohmann::json::object()}};
-  for (const auto& [name, content] : tokenizer.files()) j["files"][name] = base64(content);
+  for (const auto& [name, content] : tokenizer.all_files()) j["files"][name] = base64(content);
   return j.dump();
 }
 
@@ -126,16 +178,30 @@ std::unique_ptr<Tokenizer> tokenizer_from_json(const std::string& text) {
   if (text.empty()) return bytes_tokenizer();
   const nlohmann::json j = nlohmann::json::parse(text);
   const std::string kind = j.at("kind");
-  auto file = [&](const char* name) { return unbase64(j.at("files").at(name).get<std::string>()); };
-  if (kind == "bytes") return bytes_tokenizer();
-  if (kind == "hf") {
-    std::map<std::string, std::string> files;
-    for (auto it = j.at("files").begin(); it != j.at("files").end(); ++it) files[it.key()] = unbase64(it->get<std::string>());
-    return hf_tokenizer(std::move(files), "the checkpoint's tokenizer.json");
+  std::map<std::string, std::string> files;
+  for (auto it = j.at("files").begin(); it != j.at("files").end(); ++it) files[it.key()] = unbase64(it->get<std::string>());
+  auto take = [&](const char* name) {
+    auto it = files.find(name);
+    if (it == files.end()) throw TokenizerError(std::string("the checkpoint's tokenizer has no ") + name);
+    std::string content = std::move(it->second);
+    files.erase(it);
+    return content;
+  };
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (kind == "bytes") {
+    tokenizer = bytes_tokenizer();
+  } else if (kind == "hf") {
+    tokenizer = hf_tokenizer(take("tokenizer.json"), "the checkpoint's tokenizer.json");
+  } else if (kind == "gpt2-bpe") {
+    const std::string vocab = take("vocab.json");
+    tokenizer = gpt2_bpe_tokenizer(vocab, take("merges.txt"));
+  } else if (kind == "sentencepiece") {
+    tokenizer = sentencepiece_tokenizer(take("tokenizer.model"));
+  } else {
+    throw TokenizerError("unknown tokenizer kind \"" + kind + "\"");
   }
-  if (kind == "gpt2-bpe") return gpt2_bpe_tokenizer(file("vocab.json"), file("merges.txt"));
-  if (kind == "sentencepiece") return sentencepiece_tokenizer(file("tokenizer.model"));
-  throw TokenizerError("unknown tokenizer kind \"" + kind + "\"");
+  tokenizer->set_companions(std::move(files));
+  return tokenizer;
 }
 
 }  // namespace meshtrain::text

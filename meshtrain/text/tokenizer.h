@@ -43,16 +43,33 @@ class Tokenizer {
   virtual int64_t token_id(const std::string& /*token*/) const { return -1; }
   // The token that ends a text (GPT-2's <|endoftext|>, SentencePiece's </s>), or -1.
   virtual int64_t end_of_text() const { return -1; }
+  // Every token that ends a generation: end_of_text(), tokenizer_config.json's
+  // eos_token and generation_config.json's eos_token_id (Llama 3 Instruct's
+  // <|eot_id|> and <|eom_id|>).
+  std::vector<int64_t> stop_ids() const;
   virtual std::string kind() const = 0;  // "bytes" | "hf" | "gpt2-bpe" | "sentencepiece"
   // The files that make it, by their usual names (tokenizer.json and
   // tokenizer_config.json; vocab.json and merges.txt; tokenizer.model); none for bytes.
   virtual std::map<std::string, std::string> files() const = 0;
+  // The files that travel with a tokenizer in a model folder and say how to
+  // use it: tokenizer_config.json (special tokens, chat_template),
+  // chat_template.jinja, special_tokens_map.json, generation_config.json.
+  const std::map<std::string, std::string>& companions() const { return companions_; }
+  void set_companions(std::map<std::string, std::string> companions) { companions_ = std::move(companions); }
+  // files() and companions(), as a checkpoint or an export keeps them.
+  std::map<std::string, std::string> all_files() const;
   virtual std::string describe() const { return kind() + " (" + std::to_string(vocab_size()) + " tokens)"; }
+
+ private:
+  std::map<std::string, std::string> companions_;
 };
 
+// The companion file names a folder's tokenizer brings along.
+const std::vector<std::string>& companion_names();
+
 // "bytes" (or ""); a SentencePiece model file (*.model); a tokenizer.json;
-// or a folder holding tokenizer.json (with tokenizer_config.json beside it),
-// vocab.json + merges.txt or tokenizer.model, read in that order. A
+// or a folder holding tokenizer.json, vocab.json + merges.txt or
+// tokenizer.model, read in that order, with its companion files. A
 // tokenizer.json with a component meshtrain does not read falls back to the
 // folder's tokenizer.model, saying so, or is refused naming the component.
 // Throws TokenizerError saying what was expected.
@@ -65,9 +82,8 @@ std::unique_ptr<Tokenizer> tokenizer_from_json(const std::string& json);
 
 // Built from their files' contents.
 std::unique_ptr<Tokenizer> bytes_tokenizer();
-// `files`: tokenizer.json, optionally tokenizer_config.json (its eos_token
-// ends texts); `name` starts error messages.
-std::unique_ptr<Tokenizer> hf_tokenizer(std::map<std::string, std::string> files, const std::string& name);
+// `tokenizer_json`: a tokenizer.json's text; `name` starts error messages.
+std::unique_ptr<Tokenizer> hf_tokenizer(const std::string& tokenizer_json, const std::string& name);
 std::unique_ptr<Tokenizer> gpt2_bpe_tokenizer(const std::string& vocab_json, const std::string& merges_txt);
 std::unique_ptr<Tokenizer> sentencepiece_tokenizer(const std::string& model_proto);
 

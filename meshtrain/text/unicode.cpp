@@ -77,6 +77,8 @@ std::string lowercase(std::string_view s) {
   return out;
 }
 
+uint32_t to_upper(uint32_t cp) { return static_cast<uint32_t>(utf8proc_toupper(static_cast<utf8proc_int32_t>(cp))); }
+
 std::string strip_marks(std::string_view s) {
   std::string out;
   for (const auto& [at, cp] : code_points(s)) {

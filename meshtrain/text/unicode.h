@@ -26,6 +26,7 @@ enum class Form { NFC, NFD, NFKC, NFKD };
 std::string normalize(std::string_view s, Form form);
 // Full lowercase mapping, as Rust's str::to_lowercase.
 std::string lowercase(std::string_view s);
+uint32_t to_upper(uint32_t cp);  // simple uppercase mapping
 // Drops combining marks (categories Mn, Mc, Me), as HF's StripAccents after NFD.
 std::string strip_marks(std::string_view s);
 
