@@ -6,6 +6,7 @@
 #include "meshtrain/util/memory.h"
 
 #include "meshtrain/serve/http_frontend.h"
+#include "meshtrain/text/chat_template.h"
 #include "meshtrain/serve/scheduler.h"
 
 #include <pthread.h>
@@ -78,16 +79,19 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
     return 0;
   }
   serve::FrontendCallbacks callbacks;
-  callbacks.check = [&](serve::CompletionJob& job) { scheduler.check(job); };
+  callbacks.check = [&](const serve::CompletionJob& job) { scheduler.check(job); };
   callbacks.submit = [&](std::shared_ptr<serve::CompletionJob> job) { return scheduler.submit(std::move(job)); };
   callbacks.draining = [&] { return scheduler.draining(); };
   const int threads = options.threads > 0 ? options.threads : static_cast<int>(options.max_batch + options.queue + 4);
-  serve::HttpFrontend frontend(callbacks, options.model_name, threads, options.log);
+  const std::unique_ptr<text::ChatTemplate> chat = text::ChatTemplate::of(inference.tokenizer());
+  serve::ServedModel served{options.model_name, &inference.tokenizer(), chat.get(), inference.config().context};
+  serve::HttpFrontend frontend(callbacks, served, threads, options.log);
   const int port = frontend.bind(options.host, options.port);
   std::thread http([&] { frontend.listen(); });
-  std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld\n",
+  std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld, %s\n",
               options.model_name.c_str(), static_cast<long long>(inference.step()), options.host.c_str(), port,
-              options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue));
+              options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue),
+              chat ? "chat template" : "no chat template (completions only)");
   std::fflush(stdout);
   try {
     StopSignals signals(scheduler);

@@ -3,6 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
 namespace meshtrain::serve {
@@ -27,7 +29,9 @@ BatchEngine::BatchEngine(InferenceModel& model, int64_t max_batch)
 BatchEngine::~BatchEngine() { model_.gpt()->remove_forward_hooks(cache_.get()); }
 
 void BatchEngine::check(const GenerationRequest& request) const {
-  request.options.validate();
+  model::SampleOptions options = request.options;
+  if (options.tokens == 0) options.tokens = 1;  // 0 scores the prompt; the rest must still be in range
+  options.validate();
   const int64_t context = model_.config().context;
   const int64_t prompt = static_cast<int64_t>(request.prompt.size());
   if (prompt == 0) throw std::invalid_argument("the prompt is empty; give at least one token of text");
@@ -40,7 +44,37 @@ void BatchEngine::check(const GenerationRequest& request) const {
   for (int64_t t : request.prompt) {
     if (t < 0 || t >= vocab) throw std::invalid_argument("token id " + std::to_string(t) + " is outside the vocabulary");
   }
+  const RequestExtras& x = request.extras;
+  if (x.logprobs > 20) throw std::invalid_argument("logprobs is at most 20");
+  for (const auto& [id, bias] : x.logit_bias) {
+    if (id < 0 || id >= vocab) throw std::invalid_argument("logit_bias names token " + std::to_string(id) + ", outside the vocabulary");
+    if (!(std::fabs(bias) <= 100)) throw std::invalid_argument("a logit_bias value is outside [-100, 100]");
+  }
+  for (double penalty : {x.presence_penalty, x.frequency_penalty}) {
+    if (!(std::fabs(penalty) <= 2)) throw std::invalid_argument("penalties must be in [-2, 2]");
+  }
 }
+
+namespace {
+
+// `token`'s entry in a row of log-probabilities [V], with the k likeliest
+// of the ids `allowed` (bool [V], or undefined for all).
+TokenLogprob logprob_of(const at::Tensor& log_probs, int64_t token, int64_t k, const at::Tensor& allowed) {
+  TokenLogprob t;
+  t.token = token;
+  t.logprob = log_probs[token].item<double>();
+  if (k <= 0) return t;
+  at::Tensor candidates = log_probs;
+  if (allowed.defined() && allowed.size(0) >= log_probs.size(0)) {
+    candidates = log_probs.masked_fill(allowed.narrow(0, 0, log_probs.size(0)).logical_not(),
+                                       -std::numeric_limits<float>::infinity());
+  }
+  auto [values, ids] = candidates.topk(std::min<int64_t>(k, candidates.size(0)));
+  for (int64_t j = 0; j < values.size(0); ++j) t.top.emplace_back(ids[j].item<int64_t>(), values[j].item<double>());
+  return t;
+}
+
+}  // namespace
 
 std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>& all) {
   if (static_cast<int64_t>(all.size()) > room()) throw std::logic_error("batch engine: more requests than room");
@@ -51,10 +85,18 @@ std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>&
       check(r);
       requests.push_back(r);
     } catch (const std::invalid_argument& e) {
-      refused.push_back(TokenEvent{r.id, 0, true, e.what()});
+      TokenEvent event;
+      event.id = r.id, event.last = true, event.error = e.what();
+      refused.push_back(std::move(event));
     }
   }
   if (requests.empty()) return refused;
+  std::vector<TokenEvent> events = prefill(requests);
+  events.insert(events.begin(), refused.begin(), refused.end());
+  return events;
+}
+
+std::vector<TokenEvent> BatchEngine::prefill(const std::vector<GenerationRequest>& requests) {
   torch::NoGradGuard no_grad;
   // Prefill in a cache of the new rows alone, then join the running batch.
   int64_t longest = 0;
@@ -72,9 +114,9 @@ std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>&
   model_.gpt()->remove_forward_hooks(cache_.get());
   model_.gpt()->add_forward_hooks(fresh);
   if (b > 1) fresh->set_padding(pads);
-  at::Tensor logits;
+  at::Tensor all_logits;
   try {
-    logits = model_.gpt()->forward(tokens).select(1, longest - 1);
+    all_logits = model_.gpt()->forward(tokens);
   } catch (...) {
     model_.gpt()->remove_forward_hooks(fresh.get());
     model_.gpt()->add_forward_hooks(cache_);
@@ -86,11 +128,32 @@ std::vector<TokenEvent> BatchEngine::admit(const std::vector<GenerationRequest>&
   std::vector<size_t> added;
   for (const GenerationRequest& r : requests) {
     added.push_back(rows_.size());
-    rows_.push_back(Row{r.id, model_.with_split(r.options), at::make_generator<at::CPUGeneratorImpl>(r.options.seed), 0, 0});
+    rows_.push_back(Row{r.id, model_.with_split(r.options), r.extras, at::make_generator<at::CPUGeneratorImpl>(r.options.seed),
+                        0, 0, {}});
   }
-  std::vector<TokenEvent> events = sample(logits, added);
+  // Each prompt token's logprob, from the logits of the position before it.
+  std::vector<std::vector<TokenLogprob>> prompt_logprobs(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const Row& row = rows_[added[i]];
+    const std::vector<int64_t>& p = requests[i].prompt;
+    if (!row.extras.prompt_logprobs) continue;
+    prompt_logprobs[i].push_back(TokenLogprob{p[0], std::nan(""), {}});
+    if (p.size() < 2) continue;
+    at::Tensor logits = all_logits[static_cast<int64_t>(i)].narrow(0, pads[i], static_cast<int64_t>(p.size()) - 1);
+    if (row.options.full_vocabulary) logits = row.options.full_vocabulary(logits);
+    const at::Tensor log_probs = at::log_softmax(logits.to(at::kFloat), -1);
+    for (size_t j = 1; j < p.size(); ++j) {
+      prompt_logprobs[i].push_back(
+          logprob_of(log_probs[static_cast<int64_t>(j) - 1], p[j], std::max<int64_t>(row.extras.logprobs, 0), row.options.sampleable));
+    }
+  }
+  std::vector<TokenEvent> events = sample(all_logits.select(1, longest - 1), added);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    for (TokenEvent& e : events) {
+      if (e.id == requests[i].id) e.prompt = std::move(prompt_logprobs[i]);
+    }
+  }
   drop_finished();
-  events.insert(events.begin(), refused.begin(), refused.end());
   return events;
 }
 
@@ -114,16 +177,52 @@ std::vector<TokenEvent> BatchEngine::sample(const at::Tensor& logits, const std:
   for (size_t i = 0; i < rows.size(); ++i) {
     Row& row = rows_[rows[i]];
     try {
-      row.last_token = model::pick_next(whole.narrow(0, i, 1), row.options, row.generator).item<int64_t>();
+      events.push_back(sample_row(row, whole.narrow(0, static_cast<int64_t>(i), 1)));
     } catch (const std::exception& e) {
       row.made = row.options.tokens;  // leaves the batch at drop_finished()
-      events.push_back(TokenEvent{row.id, 0, true, "generation failed: " + message_of(e)});
-      continue;
+      TokenEvent event;
+      event.id = row.id, event.last = true, event.error = "generation failed: " + message_of(e);
+      events.push_back(std::move(event));
     }
-    ++row.made;
-    events.push_back(TokenEvent{row.id, row.last_token, row.made >= row.options.tokens, ""});
   }
   return events;
+}
+
+// One row's next token: bias and penalties adjust the logits it is sampled
+// from; its logprob is read from the model's own distribution.
+TokenEvent BatchEngine::sample_row(Row& row, const at::Tensor& logits) {
+  TokenEvent event;
+  event.id = row.id;
+  if (row.options.tokens == 0) {  // scoring only: no token
+    event.token = -1;
+    event.last = true;
+    return event;
+  }
+  const at::Tensor raw = logits.to(at::kFloat);
+  at::Tensor adjusted = raw;
+  const RequestExtras& x = row.extras;
+  if (!x.logit_bias.empty() || ((x.presence_penalty != 0 || x.frequency_penalty != 0) && !row.generated.empty())) {
+    adjusted = raw.clone();
+    auto a = adjusted.accessor<float, 2>();
+    for (const auto& [id, bias] : x.logit_bias) a[0][id] += static_cast<float>(bias);
+    std::vector<int64_t> seen = row.generated;
+    std::sort(seen.begin(), seen.end());
+    for (size_t k = 0; k < seen.size();) {
+      size_t n = k;
+      while (n < seen.size() && seen[n] == seen[k]) ++n;
+      a[0][seen[k]] -= static_cast<float>(x.presence_penalty + x.frequency_penalty * static_cast<double>(n - k));
+      k = n;
+    }
+  }
+  row.last_token = model::pick_next(adjusted, row.options, row.generator).item<int64_t>();
+  if (x.presence_penalty != 0 || x.frequency_penalty != 0) row.generated.push_back(row.last_token);
+  ++row.made;
+  event.token = row.last_token;
+  event.last = row.made >= row.options.tokens;
+  if (x.logprobs >= 0) {
+    event.logprob = logprob_of(at::log_softmax(raw[0], -1), row.last_token, x.logprobs, row.options.sampleable);
+  }
+  return event;
 }
 
 void BatchEngine::cancel(uint64_t id) {

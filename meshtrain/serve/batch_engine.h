@@ -3,6 +3,7 @@
 #pragma once
 
 #include "meshtrain/model/kv_cache.h"
+#include "meshtrain/serve/completion.h"
 #include "meshtrain/serve/inference_model.h"
 
 #include <cstdint>
@@ -15,21 +16,24 @@ namespace meshtrain::serve {
 struct GenerationRequest {
   uint64_t id = 0;
   std::vector<int64_t> prompt;  // token ids; prompt + options.tokens must fit the context
-  model::SampleOptions options;  // tokens (max), temperature, top_k, top_p, seed; callbacks unused
+  model::SampleOptions options;  // tokens (max; 0: score the prompt only), temperature, top_k, top_p, seed
+  RequestExtras extras;          // logprobs, logit bias, penalties
 };
 
 struct TokenEvent {
   uint64_t id = 0;
-  int64_t token = 0;
+  int64_t token = 0;  // -1 for a request that only scores its prompt
   bool last = false;  // the request's max tokens reached: it has left the batch
+  TokenLogprob logprob;  // with extras.logprobs >= 0: the token's logprob and alternatives
+  std::vector<TokenLogprob> prompt;  // with extras.prompt_logprobs, on the first event
   // Not empty: this request failed (no token) and has left the batch; the
   // others go on (Note [Continuous batching]).
   std::string error;
 };
 
 // Each sequence samples with its own generator seeded from its options, so
-// its tokens are those model::generate() gives for the same prompt and
-// options alone (the batch changes which rows share a matmul, not what a
+// without bias or penalties its tokens are those model::generate() gives for
+// the same prompt and options alone (the batch changes which rows share a matmul, not what a
 // row computes). A request that fails (refused by check() when it is
 // admitted, or its sampling throws) leaves the batch alone, with an error
 // event; every rank of a tensor-parallel group fails it alike, since they
@@ -59,11 +63,15 @@ class BatchEngine {
   struct Row {
     uint64_t id;
     model::SampleOptions options;
+    RequestExtras extras;
     at::Generator generator;
     int64_t last_token;
     int64_t made;  // tokens generated so far
+    std::vector<int64_t> generated;  // for the penalties
   };
   std::vector<TokenEvent> sample(const at::Tensor& logits, const std::vector<size_t>& rows);
+  TokenEvent sample_row(Row& row, const at::Tensor& logits);
+  std::vector<TokenEvent> prefill(const std::vector<GenerationRequest>& requests);
   void drop_finished();
 
   InferenceModel& model_;

@@ -3,6 +3,8 @@
 #pragma once
 
 #include "meshtrain/serve/completion.h"
+#include "meshtrain/text/chat_template.h"
+#include "meshtrain/text/tokenizer.h"
 
 #include <functional>
 #include <memory>
@@ -11,26 +13,37 @@
 namespace meshtrain::serve {
 
 struct FrontendCallbacks {
-  std::function<void(CompletionJob&)> check;  // throws std::invalid_argument: a 400 with its message
+  std::function<void(const CompletionJob&)> check;  // throws std::invalid_argument: a 400 with its message
   std::function<Submitted(std::shared_ptr<CompletionJob>)> submit;
   std::function<bool()> draining;
 };
 
-// Routes: POST /v1/completions (stream: true as server-sent events),
-// GET /v1/models, GET /health. Errors in OpenAI's JSON shape: 400 for a bad
-// request, 404 for another model or path, 429 when the queue is full, 503
-// while draining. One line per request to stderr when `log` is set.
+// What the front end knows of the model it serves.
+struct ServedModel {
+  std::string name;
+  const text::Tokenizer* tokenizer = nullptr;
+  const text::ChatTemplate* chat = nullptr;  // null: no chat template
+  int64_t context = 0;
+};
+
+// Routes: POST /v1/completions and /v1/chat/completions (stream: true as
+// server-sent events), GET /v1/models and /v1/models/{name}, POST /tokenize
+// and /detokenize, GET /tokenizer_info (vLLM's), GET /health. Errors in
+// OpenAI's JSON shape: 400 for a bad request, 404 for another model or
+// path, 429 when the queue is full, 503 while draining. One line per
+// request to stderr when `log` is set.
 class HttpFrontend {
  public:
-  HttpFrontend(FrontendCallbacks callbacks, std::string model, int threads, bool log);
+  HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int threads, bool log);
   ~HttpFrontend();
   // Binds (port 0: any free port); throws std::runtime_error when it cannot.
   int bind(const std::string& host, int port);
   void listen();  // serves until stop(); call on a thread of its own
   void stop();    // stops accepting; returns when handlers in flight are done
 
- private:
   struct Impl;
+
+ private:
   std::unique_ptr<Impl> impl_;
 };
 

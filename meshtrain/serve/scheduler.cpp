@@ -23,7 +23,12 @@ struct Scheduler::Turn {
                             {"temperature", r.options.temperature},
                             {"top_k", r.options.top_k},
                             {"top_p", r.options.top_p},
-                            {"seed", r.options.seed}});
+                            {"seed", r.options.seed},
+                            {"logprobs", r.extras.logprobs},
+                            {"prompt_logprobs", r.extras.prompt_logprobs},
+                            {"logit_bias", r.extras.logit_bias},
+                            {"presence_penalty", r.extras.presence_penalty},
+                            {"frequency_penalty", r.extras.frequency_penalty}});
     }
     return j.dump();
   }
@@ -41,6 +46,11 @@ struct Scheduler::Turn {
       r.options.top_k = a.at("top_k");
       r.options.top_p = a.at("top_p");
       r.options.seed = a.at("seed");
+      r.extras.logprobs = a.at("logprobs");
+      r.extras.prompt_logprobs = a.at("prompt_logprobs");
+      r.extras.logit_bias = a.at("logit_bias").get<std::vector<std::pair<int64_t, double>>>();
+      r.extras.presence_penalty = a.at("presence_penalty");
+      r.extras.frequency_penalty = a.at("frequency_penalty");
       turn.admit.push_back(std::move(r));
     }
     return turn;
@@ -63,29 +73,21 @@ Scheduler::~Scheduler() = default;
 
 namespace {
 
-model::SampleOptions sample_options(const CompletionParams& p) {
-  model::SampleOptions o;
-  o.tokens = p.max_tokens;
-  o.temperature = p.temperature;
-  o.top_k = p.top_k;
-  o.top_p = p.top_p;
-  o.seed = p.seed;
-  return o;
+GenerationRequest request_of(const CompletionParams& p) {
+  GenerationRequest r;
+  r.prompt = p.prompt_ids;
+  r.options.tokens = p.max_tokens;
+  r.options.temperature = p.temperature;
+  r.options.top_k = p.top_k;
+  r.options.top_p = p.top_p;
+  r.options.seed = p.seed;
+  r.extras = p.extras;
+  return r;
 }
 
 }  // namespace
 
-void Scheduler::check(CompletionJob& job) const {
-  try {
-    job.prompt_ids = model_.encode(job.params().prompt);
-  } catch (const text::TokenizerError& e) {
-    throw std::invalid_argument(std::string("the prompt cannot be tokenized: ") + e.what());
-  }
-  GenerationRequest request;
-  request.prompt = job.prompt_ids;
-  request.options = sample_options(job.params());
-  engine_.check(request);
-}
+void Scheduler::check(const CompletionJob& job) const { engine_.check(request_of(job.params())); }
 
 Submitted Scheduler::submit(std::shared_ptr<CompletionJob> job) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -133,10 +135,8 @@ Scheduler::Turn Scheduler::next_turn() {
       job->fail("the client went away");
       continue;
     }
-    GenerationRequest request;
+    GenerationRequest request = request_of(job->params());
     request.id = next_id_++;
-    request.prompt = job->prompt_ids;
-    request.options = sample_options(job->params());
     auto decode = [this](const std::vector<int64_t>& tokens) { return model_.decode(tokens); };
     live_[request.id] = std::make_unique<Live>(
         Live{job, model::TextStream(decode, job->params().stop, model_.tokenizer().stop_ids())});
@@ -170,8 +170,18 @@ void Scheduler::deliver(const std::vector<TokenEvent>& events) {
       live_.erase(it);
       continue;
     }
+    if (live.made == 0 && live.job->params().extras.prompt_logprobs) live.job->set_prompt_logprobs(e.prompt);
+    if (e.token < 0) {  // the prompt scored, nothing generated
+      live.job->finish("length", 0);
+      live_.erase(it);
+      continue;
+    }
     try {
-      live.job->push(live.text.push(e.token));
+      const size_t before = live.text.tokens().size();
+      const std::string piece = live.text.push(e.token);
+      // An end token is not part of the text, nor of its logprobs.
+      const bool kept = live.text.tokens().size() > before && live.job->params().extras.logprobs >= 0;
+      live.job->push(piece, kept ? &e.logprob : nullptr);
       ++live.made;
       if (live.text.stopped()) {
         live.job->finish("stop", live.made);

@@ -35,9 +35,9 @@ class Scheduler {
   Scheduler(InferenceModel& model, parallel::CommPtr group, SchedulerOptions options);
   ~Scheduler();
 
-  // Rank 0, any thread. Tokenizes the prompt into job.prompt_ids and checks
-  // it against the model; throws std::invalid_argument saying what is wrong.
-  void check(CompletionJob& job) const;
+  // Rank 0, any thread. Checks a job against the model (prompt within the
+  // context, options in range); throws std::invalid_argument saying what is wrong.
+  void check(const CompletionJob& job) const;
   Submitted submit(std::shared_ptr<CompletionJob> job);
   void drain();
   bool draining() const;

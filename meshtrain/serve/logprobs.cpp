@@ -1,0 +1,80 @@
+#include "meshtrain/serve/logprobs.h"
+
+#include <cmath>
+
+namespace meshtrain::serve {
+
+namespace {
+
+constexpr size_t kContext = 6;  // tokens of context a token is spelled after
+
+ojson logprob_value(double v) { return std::isnan(v) ? ojson(nullptr) : ojson(std::isinf(v) ? -9999.0 : v); }
+
+ojson utf8_bytes(const std::string& s) {
+  ojson bytes = ojson::array();
+  for (unsigned char c : s) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+
+}  // namespace
+
+int64_t characters(const std::string& text) {
+  int64_t n = 0;
+  for (unsigned char c : text) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+std::string TokenSpeller::spell(const std::vector<int64_t>& before, int64_t id) const {
+  const size_t from = before.size() > kContext ? before.size() - kContext : 0;
+  std::vector<int64_t> context(before.begin() + static_cast<long>(from), before.end());
+  try {
+    const std::string head = tokenizer_.decode(context);
+    context.push_back(id);
+    const std::string whole = tokenizer_.decode(context);
+    if (whole.compare(0, head.size(), head) == 0) return whole.substr(head.size());
+    return tokenizer_.decode({id});
+  } catch (const text::TokenizerError&) {
+    return "";  // an id the tokenizer cannot decode (a padded vocabulary's)
+  }
+}
+
+ojson completion_logprobs(const TokenSpeller& speller, const std::vector<TokenLogprob>& tokens,
+                          std::vector<int64_t> before, int64_t offset) {
+  ojson spelled = ojson::array(), values = ojson::array(), tops = ojson::array(), offsets = ojson::array();
+  for (const TokenLogprob& t : tokens) {
+    const std::string text = speller.spell(before, t.token);
+    spelled.push_back(text);
+    values.push_back(logprob_value(t.logprob));
+    offsets.push_back(offset);
+    if (std::isnan(t.logprob)) {
+      tops.push_back(nullptr);
+    } else {
+      ojson top = ojson::object();
+      for (const auto& [id, lp] : t.top) {
+        const std::string alt = speller.spell(before, id);
+        if (!top.contains(alt)) top[alt] = logprob_value(lp);
+      }
+      tops.push_back(top);
+    }
+    offset += characters(text);
+    before.push_back(t.token);
+  }
+  return {{"tokens", spelled}, {"token_logprobs", values}, {"top_logprobs", tops}, {"text_offset", offsets}};
+}
+
+ojson chat_logprobs(const TokenSpeller& speller, const std::vector<TokenLogprob>& tokens, std::vector<int64_t> before) {
+  ojson content = ojson::array();
+  for (const TokenLogprob& t : tokens) {
+    const std::string text = speller.spell(before, t.token);
+    ojson top = ojson::array();
+    for (const auto& [id, lp] : t.top) {
+      const std::string alt = speller.spell(before, id);
+      top.push_back({{"token", alt}, {"logprob", logprob_value(lp)}, {"bytes", utf8_bytes(alt)}});
+    }
+    content.push_back({{"token", text}, {"logprob", logprob_value(t.logprob)}, {"bytes", utf8_bytes(text)}, {"top_logprobs", top}});
+    before.push_back(t.token);
+  }
+  return {{"content", content}, {"refusal", nullptr}};
+}
+
+}  // namespace meshtrain::serve
