@@ -8,7 +8,6 @@ included), and decoding gives the library's text back.
 
 usage: tokenizer_families_test.py MESHTRAIN
 """
-import glob
 import json
 import os
 import subprocess
@@ -20,41 +19,15 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from checks import Checks  # noqa: E402
+from hf_fixtures import MULTILINGUAL, corpus_text, llama3_tokenizer, trained_bpe  # noqa: E402
 
 MESHTRAIN = sys.argv[1]
 CHECKS = Checks(MESHTRAIN)
 check, meshtrain = CHECKS.check, CHECKS.meshtrain
 
-MULTILINGUAL = (
-    "Naïve café — déjà vu, Straße, İstanbul, ǅemal. 東京タワーは高い。北京欢迎你！ 서울 특별시. "
-    "Москва — столица. Ελληνικά κείμενα. مرحبا بالعالم. नमस्ते दुनिया. ไทย ภาษา.\n"
-    "emoji 😀👍🏽👨‍👩‍👧 flags 🇫🇷; combining e\u0301 vs é; ligature ﬁne; ½ ⅓ Ⅻ １２３ ٣.\n"
-    "\tTabs\tand  double  spaces,\r\nwindows lines\n\n\nit's they'll we'd I'M YOU'RE.   \n"
-    "def f(x):\n    return x ** 2  # code 12345678 3.14159\n"
-)
 EDGE_TEXTS = ["", " ", "   leading and trailing   ", "\n\n", "a", "ﬁ", "👍🏽", "x" * 300, "  \u3000 ideographic space",
               "e\u0301\u0301", "Hello world", "ÄÖÜ äöü"]
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
-
-
-def corpus_text():
-    licenses = [f for f in sorted(glob.glob("/usr/share/common-licenses/*")) if os.path.isfile(f)][:4]
-    text = "".join(open(p, encoding="utf-8", errors="replace").read() for p in licenses)
-    return text + MULTILINGUAL * 20
-
-
-def trained_bpe(corpus, pre_tokenizer, vocab_size, specials=(), byte_level=False, **model_args):
-    """(vocab, merges) of a BPE trained on the corpus with this pre-tokenizer."""
-    tok = Tokenizer(models.BPE(**model_args))
-    tok.pre_tokenizer = pre_tokenizer
-    kwargs = {k: v for k, v in model_args.items() if k in ("continuing_subword_prefix", "end_of_word_suffix")}
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [], **kwargs)
-    tok.train([corpus], trainer)
-    model = json.loads(tok.to_str())["model"]
-    return model["vocab"], [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
 
 
 def with_bytes_first(vocab, specials):
@@ -66,21 +39,7 @@ def with_bytes_first(vocab, specials):
 
 
 def llama3(corpus, out):
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
-                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    vocab, merges = trained_bpe(corpus, split, 900, byte_level=True)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    tok.pre_tokenizer = split
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                      special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
-                                                eos_token="<|eot_id|>")
-    fast.save_pretrained(out)
+    llama3_tokenizer(corpus, out, chat_template=False)
     return "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there!<|eot_id|>  <|eot_id|>x"
 
 

@@ -1,0 +1,90 @@
+"""Hugging Face model folders the tests build offline: a corpus, a
+tokenizer shaped like Llama 3's (byte-level BPE, its pre-tokenizer pattern,
+its special tokens, its template and chat template), and a tiny random
+Llama with it, saved as transformers saves them."""
+import glob
+import json
+import os
+
+import torch
+import transformers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHAT_TEMPLATES = os.path.join(HERE, "..", "text", "chat_templates")
+MULTILINGUAL = (
+    "Naïve café — déjà vu, Straße, İstanbul, ǅemal. 東京タワーは高い。北京欢迎你！ 서울 특별시. "
+    "Москва — столица. Ελληνικά κείμενα. مرحبا بالعالم. नमस्ते दुनिया. ไทย ภาษา.\n"
+    "emoji 😀👍🏽👨‍👩‍👧 flags 🇫🇷; combining e\u0301 vs é; ligature ﬁne; ½ ⅓ Ⅻ １２３ ٣.\n"
+    "\tTabs\tand  double  spaces,\r\nwindows lines\n\n\nit's they'll we'd I'M YOU'RE.   \n"
+    "def f(x):\n    return x ** 2  # code 12345678 3.14159\n"
+)
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def corpus_text():
+    licenses = [f for f in sorted(glob.glob("/usr/share/common-licenses/*")) if os.path.isfile(f)][:4]
+    text = "".join(open(p, encoding="utf-8", errors="replace").read() for p in licenses)
+    return text + MULTILINGUAL * 20
+
+
+def write_corpus(path):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(corpus_text())
+    return path
+
+
+def trained_bpe(corpus, pre_tokenizer, vocab_size, specials=(), byte_level=False, **model_args):
+    """(vocab, merges) of a BPE trained on the corpus file with this pre-tokenizer."""
+    tok = Tokenizer(models.BPE(**model_args))
+    tok.pre_tokenizer = pre_tokenizer
+    kwargs = {k: v for k, v in model_args.items() if k in ("continuing_subword_prefix", "end_of_word_suffix")}
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [], **kwargs)
+    tok.train([corpus], trainer)
+    model = json.loads(tok.to_str())["model"]
+    return model["vocab"], [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+
+
+def llama3_tokenizer(corpus, out, vocab_size=900, chat_template=True):
+    """A Llama 3 shaped tokenizer saved in `out`; returns transformers' tokenizer for it."""
+    split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    vocab, merges = trained_bpe(corpus, split, vocab_size, byte_level=True)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tok.pre_tokenizer = split
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in LLAMA3_SPECIALS])
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                      special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                                eos_token="<|eot_id|>")
+    if chat_template:
+        fast.chat_template = open(os.path.join(CHAT_TEMPLATES, "llama3.jinja"), encoding="utf-8").read()
+    fast.save_pretrained(out)
+    return fast
+
+
+def tiny_llama(out, tokenizer, context=256, hidden=64, layers=2, seed=0, vocab=None):
+    """A random Llama over the tokenizer's vocabulary (or `vocab` rows),
+    saved beside it, with a generation_config.json naming Llama 3
+    Instruct's end ids."""
+    torch.manual_seed(seed)
+    vocab = vocab or len(tokenizer)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=context,
+                                      bos_token_id=tokenizer.convert_tokens_to_ids("<|begin_of_text|>"),
+                                      eos_token_id=[tokenizer.convert_tokens_to_ids(t)
+                                                    for t in ("<|end_of_text|>", "<|eot_id|>")])
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    model.generation_config.save_pretrained(out)
+    return model
