@@ -3,7 +3,7 @@
 #   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL,
 #     GoogleTest, Google Benchmark, Python venv support),
 #   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
-#   - the Python packages the tests use (openai, transformers, sentencepiece) into the same .venv/,
+#   - the Python packages the tests use (openai, transformers, sentencepiece, lm-eval, accelerate) into the same .venv/,
 #   - with --bench, the benchmarks' peers (flwr).
 # Runs as root or through sudo. When everything is present it changes nothing.
 set -euo pipefail
@@ -75,13 +75,16 @@ install_torch() {
     "torch==$torch_version" numpy
 }
 
-# Python packages the tests check meshtrain against (the official OpenAI
-# client; Hugging Face transformers, which brings safetensors).
-test_packages=(openai transformers sentencepiece)
+# Python packages the tests check meshtrain against, as pip-name:module: the
+# official OpenAI client; Hugging Face transformers (which brings tokenizers
+# and safetensors); lm-evaluation-harness with its API models, and the
+# accelerate its hf backend needs.
+test_packages=(openai:openai transformers:transformers sentencepiece:sentencepiece "lm-eval[api]:lm_eval"
+               accelerate:accelerate)
 install_test_packages() {
-  local missing=() pkg
-  for pkg in "${test_packages[@]}"; do
-    "$venv_dir/bin/python" -c "import $pkg" 2>/dev/null || missing+=("$pkg")
+  local missing=() entry
+  for entry in "${test_packages[@]}"; do
+    "$venv_dir/bin/python" -c "import ${entry##*:}" 2>/dev/null || missing+=("${entry%:*}")
   done
   if [ ${#missing[@]} -eq 0 ]; then
     log "test packages: all present"
