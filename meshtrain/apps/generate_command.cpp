@@ -40,7 +40,7 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
     if (speaker) std::fprintf(stderr, "meshtrain: the prompt is longer than the context; its last %lld tokens are used\n",
                               static_cast<long long>(inference.config().context));
   }
-  model::TextStream text([&](const std::vector<int64_t>& t) { return inference.decode(t); }, options.stop,
+  model::TextStream text(inference.continuation(prompt), options.stop,
                          inference.tokenizer().stop_ids());
   if (speaker) std::fputs(options.prompt.c_str(), stdout);
   sample.on_token = [&](int64_t token) {

@@ -127,6 +127,30 @@ std::vector<int64_t> InferenceModel::encode(const std::string& text, bool add_sp
   return add_special_tokens ? tokenizer_->with_special_tokens(std::move(ids)) : ids;
 }
 
+std::function<std::string(const std::vector<int64_t>&)> InferenceModel::continuation(
+    const std::vector<int64_t>& prompt) const {
+  // The prompt's last few tokens are context enough; the text they decode to
+  // is cut from the front of each decoding (a character the prompt cuts in
+  // two is not part of it).
+  constexpr size_t kContext = 4;
+  std::vector<int64_t> context(prompt.size() > kContext ? prompt.end() - kContext : prompt.begin(), prompt.end());
+  std::string head;
+  try {
+    head = tokenizer_->decode(context);
+  } catch (const text::TokenizerError&) {
+    context.clear();
+  }
+  const text::Tokenizer* tokenizer = tokenizer_.get();
+  return [tokenizer, context, head](const std::vector<int64_t>& tokens) {
+    if (context.empty()) return tokenizer->decode(tokens);
+    std::vector<int64_t> all = context;
+    all.insert(all.end(), tokens.begin(), tokens.end());
+    const std::string whole = tokenizer->decode(all);
+    if (whole.compare(0, head.size(), head) == 0) return whole.substr(head.size());
+    return tokenizer->decode(tokens);
+  };
+}
+
 std::string InferenceModel::decode(const std::vector<int64_t>& tokens) const {
   return tokenizer_->decode(tokens);
 }

@@ -8,6 +8,7 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/text/tokenizer.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +56,9 @@ class InferenceModel {
   // With the tokenizer's template tokens (Llama's <s>) unless told not to, as transformers' encode().
   std::vector<int64_t> encode(const std::string& text, bool add_special_tokens = true) const;
   std::string decode(const std::vector<int64_t>& tokens) const;
+  // Decodes tokens that continue `prompt`: the text they add after it (a
+  // SentencePiece word's leading space kept, which decoding them alone drops).
+  std::function<std::string(const std::vector<int64_t>&)> continuation(const std::vector<int64_t>& prompt) const;
   const std::string& name() const { return name_; }  // the checkpoint folder's name
   int64_t step() const { return step_; }
   // Where KV caches for this model keep keys and values (unset: the device).

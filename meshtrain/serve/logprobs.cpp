@@ -1,5 +1,6 @@
 #include "meshtrain/serve/logprobs.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace meshtrain::serve {
@@ -16,6 +17,18 @@ ojson utf8_bytes(const std::string& s) {
   return bytes;
 }
 
+// `text` without a character its end cuts short.
+std::string complete(const std::string& text) {
+  const size_t n = text.size();
+  for (size_t back = 1; back <= std::min<size_t>(4, n); ++back) {
+    const auto c = static_cast<unsigned char>(text[n - back]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte
+    const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    return need > back ? text.substr(0, n - back) : text;
+  }
+  return text;
+}
+
 }  // namespace
 
 int64_t characters(const std::string& text) {
@@ -28,11 +41,11 @@ std::string TokenSpeller::spell(const std::vector<int64_t>& before, int64_t id) 
   const size_t from = before.size() > kContext ? before.size() - kContext : 0;
   std::vector<int64_t> context(before.begin() + static_cast<long>(from), before.end());
   try {
-    const std::string head = tokenizer_.decode(context);
+    const std::string head = complete(tokenizer_.decode(context));
     context.push_back(id);
-    const std::string whole = tokenizer_.decode(context);
+    const std::string whole = complete(tokenizer_.decode(context));
     if (whole.compare(0, head.size(), head) == 0) return whole.substr(head.size());
-    return tokenizer_.decode({id});
+    return complete(tokenizer_.decode({id}));
   } catch (const text::TokenizerError&) {
     return "";  // an id the tokenizer cannot decode (a padded vocabulary's)
   }

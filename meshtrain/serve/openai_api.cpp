@@ -71,9 +71,10 @@ std::vector<std::string> stop_strings(const ojson& body) {
   if (!body.contains("stop") || body["stop"].is_null()) return stop;
   const ojson& s = body["stop"];
   if (s.is_string()) return {s.get<std::string>()};
-  if (!s.is_array() || s.size() > 4) throw bad("stop", "'stop' must be a string or a list of up to 4 strings");
+  // OpenAI takes 4; evaluation tasks (lm-eval's until) often name more.
+  if (!s.is_array() || s.size() > 32) throw bad("stop", "'stop' must be a string or a list of up to 32 strings");
   for (const ojson& one : s) {
-    if (!one.is_string()) throw bad("stop", "'stop' must be a string or a list of up to 4 strings");
+    if (!one.is_string()) throw bad("stop", "'stop' must be a string or a list of up to 32 strings");
     stop.push_back(one.get<std::string>());
   }
   return stop;

@@ -137,7 +137,7 @@ Scheduler::Turn Scheduler::next_turn() {
     }
     GenerationRequest request = request_of(job->params());
     request.id = next_id_++;
-    auto decode = [this](const std::vector<int64_t>& tokens) { return model_.decode(tokens); };
+    auto decode = model_.continuation(job->params().prompt_ids);
     live_[request.id] = std::make_unique<Live>(
         Live{job, model::TextStream(decode, job->params().stop, model_.tokenizer().stop_ids())});
     turn.admit.push_back(std::move(request));
