@@ -219,10 +219,16 @@ HfModel read_hf_model(const std::string& dir) {
   out.model_type = get<std::string>(c, "model_type", config_path);
   if (out.model_type == "gpt2") {
     out.config = gpt2_config(c, config_path);
-  } else if (out.model_type == "llama") {
+  } else if (out.model_type == "llama" || out.model_type == "mistral") {
     out.config = llama_config(c, config_path);
+    // Mistral is Llama with a sliding attention window; without one (v0.2 on), or one the context fits in, it is Llama.
+    if (out.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null() &&
+        c["sliding_window"].get<int64_t>() < out.config.context) {
+      refuse(config_path, "sliding_window " + c["sliding_window"].dump() + " (shorter than the context)");
+    }
   } else {
-    throw FormatError(config_path + ": model_type \"" + out.model_type + "\" is not supported (gpt2 and llama are)");
+    throw FormatError(config_path + ": model_type \"" + out.model_type +
+                      "\" is not supported (gpt2, llama, and mistral without a sliding window are)");
   }
   try {
     out.config.validate();

@@ -57,21 +57,30 @@ void BatchEngine::check(const GenerationRequest& request) const {
 
 namespace {
 
-// `token`'s entry in a row of log-probabilities [V], with the k likeliest
-// of the ids `allowed` (bool [V], or undefined for all).
-TokenLogprob logprob_of(const at::Tensor& log_probs, int64_t token, int64_t k, const at::Tensor& allowed) {
-  TokenLogprob t;
-  t.token = token;
-  t.logprob = log_probs[token].item<double>();
-  if (k <= 0) return t;
+// Each row's entry for its token in log-probabilities [n, V], with the k
+// likeliest of the ids `allowed` (bool [V], or undefined for all): one
+// gather and one topk for all rows, read back through raw pointers.
+std::vector<TokenLogprob> logprobs_of(const at::Tensor& log_probs, const std::vector<int64_t>& tokens, int64_t k,
+                                      const at::Tensor& allowed) {
+  const int64_t n = log_probs.size(0), v = log_probs.size(1);
+  const at::Tensor chosen = log_probs.gather(1, at::tensor(tokens, at::kLong).view({n, 1})).view({n}).contiguous();
+  std::vector<TokenLogprob> out(static_cast<size_t>(n));
+  const float* c = chosen.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) out[i].token = tokens[i], out[i].logprob = c[i];
+  if (k <= 0) return out;
   at::Tensor candidates = log_probs;
-  if (allowed.defined() && allowed.size(0) >= log_probs.size(0)) {
-    candidates = log_probs.masked_fill(allowed.narrow(0, 0, log_probs.size(0)).logical_not(),
-                                       -std::numeric_limits<float>::infinity());
+  if (allowed.defined() && allowed.size(0) >= v) {
+    candidates = log_probs.masked_fill(allowed.narrow(0, 0, v).logical_not(), -std::numeric_limits<float>::infinity());
   }
-  auto [values, ids] = candidates.topk(std::min<int64_t>(k, candidates.size(0)));
-  for (int64_t j = 0; j < values.size(0); ++j) t.top.emplace_back(ids[j].item<int64_t>(), values[j].item<double>());
-  return t;
+  auto [values, ids] = candidates.topk(std::min<int64_t>(k, v), -1);
+  values = values.contiguous(), ids = ids.contiguous();
+  const float* tv = values.data_ptr<float>();
+  const int64_t* ti = ids.data_ptr<int64_t>();
+  const int64_t kk = values.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < kk; ++j) out[i].top.emplace_back(ti[i * kk + j], tv[i * kk + j]);
+  }
+  return out;
 }
 
 }  // namespace
@@ -141,11 +150,10 @@ std::vector<TokenEvent> BatchEngine::prefill(const std::vector<GenerationRequest
     if (p.size() < 2) continue;
     at::Tensor logits = all_logits[static_cast<int64_t>(i)].narrow(0, pads[i], static_cast<int64_t>(p.size()) - 1);
     if (row.options.full_vocabulary) logits = row.options.full_vocabulary(logits);
-    const at::Tensor log_probs = at::log_softmax(logits.to(at::kFloat), -1);
-    for (size_t j = 1; j < p.size(); ++j) {
-      prompt_logprobs[i].push_back(
-          logprob_of(log_probs[static_cast<int64_t>(j) - 1], p[j], std::max<int64_t>(row.extras.logprobs, 0), row.options.sampleable));
-    }
+    const std::vector<TokenLogprob> scored =
+        logprobs_of(at::log_softmax(logits.to(at::kFloat), -1), std::vector<int64_t>(p.begin() + 1, p.end()),
+                    std::max<int64_t>(row.extras.logprobs, 0), row.options.sampleable);
+    prompt_logprobs[i].insert(prompt_logprobs[i].end(), scored.begin(), scored.end());
   }
   std::vector<TokenEvent> events = sample(all_logits.select(1, longest - 1), added);
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -220,7 +228,7 @@ TokenEvent BatchEngine::sample_row(Row& row, const at::Tensor& logits) {
   event.token = row.last_token;
   event.last = row.made >= row.options.tokens;
   if (x.logprobs >= 0) {
-    event.logprob = logprob_of(at::log_softmax(raw[0], -1), row.last_token, x.logprobs, row.options.sampleable);
+    event.logprob = logprobs_of(at::log_softmax(raw, -1), {row.last_token}, x.logprobs, row.options.sampleable)[0];
   }
   return event;
 }

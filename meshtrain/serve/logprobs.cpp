@@ -37,25 +37,40 @@ int64_t characters(const std::string& text) {
   return n;
 }
 
-std::string TokenSpeller::spell(const std::vector<int64_t>& before, int64_t id) const {
+std::string TokenSpeller::spell(const std::vector<int64_t>& before, int64_t id) const { return spell(before, std::vector<int64_t>{id})[0]; }
+
+std::vector<std::string> TokenSpeller::spell(const std::vector<int64_t>& before, const std::vector<int64_t>& ids) const {
   const size_t from = before.size() > kContext ? before.size() - kContext : 0;
   std::vector<int64_t> context(before.begin() + static_cast<long>(from), before.end());
+  std::string head;
   try {
-    const std::string head = complete(tokenizer_.decode(context));
-    context.push_back(id);
-    const std::string whole = complete(tokenizer_.decode(context));
-    if (whole.compare(0, head.size(), head) == 0) return whole.substr(head.size());
-    return complete(tokenizer_.decode({id}));
+    head = complete(tokenizer_.decode(context));
   } catch (const text::TokenizerError&) {
-    return "";  // an id the tokenizer cannot decode (a padded vocabulary's)
+    context.clear();
   }
+  std::vector<std::string> out;
+  for (int64_t id : ids) {
+    try {
+      context.push_back(id);
+      const std::string whole = complete(tokenizer_.decode(context));
+      context.pop_back();
+      out.push_back(whole.compare(0, head.size(), head) == 0 ? whole.substr(head.size()) : complete(tokenizer_.decode({id})));
+    } catch (const text::TokenizerError&) {
+      context.pop_back();
+      out.emplace_back();  // an id the tokenizer cannot decode (a padded vocabulary's)
+    }
+  }
+  return out;
 }
 
 ojson completion_logprobs(const TokenSpeller& speller, const std::vector<TokenLogprob>& tokens,
                           std::vector<int64_t> before, int64_t offset) {
   ojson spelled = ojson::array(), values = ojson::array(), tops = ojson::array(), offsets = ojson::array();
   for (const TokenLogprob& t : tokens) {
-    const std::string text = speller.spell(before, t.token);
+    std::vector<int64_t> ids{t.token};
+    for (const auto& alternative : t.top) ids.push_back(alternative.first);
+    const std::vector<std::string> texts = speller.spell(before, ids);
+    const std::string& text = texts[0];
     spelled.push_back(text);
     values.push_back(logprob_value(t.logprob));
     offsets.push_back(offset);
@@ -63,9 +78,8 @@ ojson completion_logprobs(const TokenSpeller& speller, const std::vector<TokenLo
       tops.push_back(nullptr);
     } else {
       ojson top = ojson::object();
-      for (const auto& [id, lp] : t.top) {
-        const std::string alt = speller.spell(before, id);
-        if (!top.contains(alt)) top[alt] = logprob_value(lp);
+      for (size_t k = 0; k < t.top.size(); ++k) {
+        if (!top.contains(texts[k + 1])) top[texts[k + 1]] = logprob_value(t.top[k].second);
       }
       tops.push_back(top);
     }
@@ -78,11 +92,13 @@ ojson completion_logprobs(const TokenSpeller& speller, const std::vector<TokenLo
 ojson chat_logprobs(const TokenSpeller& speller, const std::vector<TokenLogprob>& tokens, std::vector<int64_t> before) {
   ojson content = ojson::array();
   for (const TokenLogprob& t : tokens) {
-    const std::string text = speller.spell(before, t.token);
+    std::vector<int64_t> ids{t.token};
+    for (const auto& alternative : t.top) ids.push_back(alternative.first);
+    const std::vector<std::string> texts = speller.spell(before, ids);
+    const std::string& text = texts[0];
     ojson top = ojson::array();
-    for (const auto& [id, lp] : t.top) {
-      const std::string alt = speller.spell(before, id);
-      top.push_back({{"token", alt}, {"logprob", logprob_value(lp)}, {"bytes", utf8_bytes(alt)}});
+    for (size_t k = 0; k < t.top.size(); ++k) {
+      top.push_back({{"token", texts[k + 1]}, {"logprob", logprob_value(t.top[k].second)}, {"bytes", utf8_bytes(texts[k + 1])}});
     }
     content.push_back({{"token", text}, {"logprob", logprob_value(t.logprob)}, {"bytes", utf8_bytes(text)}, {"top_logprobs", top}});
     before.push_back(t.token);

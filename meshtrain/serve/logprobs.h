@@ -23,6 +23,8 @@ class TokenSpeller {
   explicit TokenSpeller(const text::Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
   // The text `id` adds after `before`.
   std::string spell(const std::vector<int64_t>& before, int64_t id) const;
+  // The same for several ids after one `before` (a token and its alternatives).
+  std::vector<std::string> spell(const std::vector<int64_t>& before, const std::vector<int64_t>& ids) const;
 
  private:
   const text::Tokenizer& tokenizer_;

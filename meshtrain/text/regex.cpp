@@ -29,8 +29,11 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view s) const
   pcre2_match_data* match = pcre2_match_data_create_from_pattern(code_, nullptr);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
   size_t start = 0;
-  while (start <= s.size()) {
-    const int rc = pcre2_match(code_, subject, s.size(), start, 0, match, nullptr);
+  // PCRE2 checks the whole subject's UTF-8 on every call unless told not
+  // to: once here, or matching every token of a long text is quadratic.
+  const bool valid = unicode::valid_utf8(s);
+  while (valid && start <= s.size()) {
+    const int rc = pcre2_match(code_, subject, s.size(), start, PCRE2_NO_UTF_CHECK, match, nullptr);
     if (rc < 0) break;
     const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match);
     found.emplace_back(span[0], span[1]);

@@ -46,6 +46,9 @@ MODELS = {
     "llama GQA, rope_theta 500000, tied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0, tie_word_embeddings=True)),
+    "mistral, no sliding window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=None)),
 }
 
 
@@ -108,6 +111,14 @@ def main():
                              text=True)
         check(out.returncode == 1 and ("rope scaling" in out.stderr or "rope_scaling" in out.stderr),
               "rope scaling is refused by name: " + out.stderr.strip())
+    with tempfile.TemporaryDirectory() as work:
+        transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=64, sliding_window=16)).save_pretrained(work, safe_serialization=True)
+        out = subprocess.run([MESHTRAIN, "import", "hf", work, "--out", os.path.join(work, "c")], capture_output=True,
+                             text=True)
+        check(out.returncode == 1 and "sliding_window 16" in out.stderr,
+              "a sliding attention window is refused by name: " + out.stderr.strip())
     CHECKS.finish()
 
 
