@@ -66,7 +66,7 @@ int run_prepare(const std::vector<std::string>& inputs, const std::string& out_d
 int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, const std::string& type,
                         const std::string& prefix);
 int run_tokenizer_encode(const std::string& tokenizer, const std::string& text, const std::vector<std::string>& files,
-                         bool special);
+                         bool special, bool timing);
 int run_tokenizer_decode(const std::string& tokenizer, const std::vector<int64_t>& ids);
 int run_tokenizer_chat(const std::string& tokenizer, const std::string& messages_file, const std::string& tools_file,
                        bool generation_prompt, bool ids);

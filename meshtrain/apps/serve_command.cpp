@@ -80,7 +80,9 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   }
   serve::FrontendCallbacks callbacks;
   callbacks.check = [&](const serve::CompletionJob& job) { scheduler.check(job); };
-  callbacks.submit = [&](std::shared_ptr<serve::CompletionJob> job) { return scheduler.submit(std::move(job)); };
+  callbacks.submit = [&](std::vector<std::shared_ptr<serve::CompletionJob>> jobs) {
+    return scheduler.submit(std::move(jobs));
+  };
   callbacks.draining = [&] { return scheduler.draining(); };
   const int threads = options.threads > 0 ? options.threads : static_cast<int>(options.max_batch + options.queue + 4);
   const std::unique_ptr<text::ChatTemplate> chat = text::ChatTemplate::of(inference.tokenizer());

@@ -6,6 +6,7 @@
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/util/files.h"
 
+#include <chrono>
 #include <cstdio>
 
 namespace meshtrain::apps {
@@ -22,14 +23,20 @@ int run_tokenizer_train(const std::vector<std::string>& inputs, int64_t vocab, c
 }
 
 int run_tokenizer_encode(const std::string& spec, const std::string& text, const std::vector<std::string>& files,
-                         bool special) {
+                         bool special, bool timing) {
   const auto tokenizer = text::load_tokenizer(spec);
   std::vector<std::string> texts;
   for (const std::string& file : files) texts.push_back(util::read_text_file(file));
   if (files.empty()) texts.push_back(text);
   for (const std::string& t : texts) {
+    const auto start = std::chrono::steady_clock::now();
     std::vector<int64_t> ids = tokenizer->encode(t);
     if (special) ids = tokenizer->with_special_tokens(std::move(ids));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timing) {
+      std::fprintf(stderr, "meshtrain tokenizer: %zu bytes -> %zu tokens in %.4f s (%.2f MB/s)\n", t.size(), ids.size(),
+                   seconds, static_cast<double>(t.size()) / 1e6 / seconds);
+    }
     for (size_t i = 0; i < ids.size(); ++i) std::printf(i ? " %lld" : "%lld", static_cast<long long>(ids[i]));
     std::printf("\n");
   }
@@ -73,7 +80,7 @@ CommandPtr add_tokenizer(CLI::App& app) {
     std::string type = "unigram", out, spec = "bytes", text;
     std::vector<std::string> files;
     std::vector<int64_t> ids;
-    bool special = false, generation_prompt = false, print_ids = false;
+    bool special = false, generation_prompt = false, print_ids = false, timing = false;
     std::string messages, tools;
   };
   auto a = std::make_shared<Args>();
@@ -95,6 +102,7 @@ CommandPtr add_tokenizer(CLI::App& app) {
   encode->add_flag("--special", a->special,
                    "Add the special tokens the tokenizer's template puts around a text (Llama's <s>), as "
                    "transformers' encode() does by default");
+  encode->add_flag("--timing", a->timing, "Print each text's bytes, tokens and encoding speed to stderr");
   CLI::App* decode = tokenizer->add_subcommand("decode", "Print the text of token ids");
   decode->add_option("--tokenizer", a->spec, "As [data] tokenizer")->capture_default_str();
   decode->add_option("ids", a->ids, "Token ids")->required();
@@ -109,7 +117,7 @@ CommandPtr add_tokenizer(CLI::App& app) {
   chat->add_flag("--ids", a->print_ids, "Print the token ids instead of the text");
   return plain_command(tokenizer, [a, train, encode, chat] {
     if (train->parsed()) return run_tokenizer_train(a->inputs, a->vocab, a->type, a->out);
-    if (encode->parsed()) return run_tokenizer_encode(a->spec, a->text, a->files, a->special);
+    if (encode->parsed()) return run_tokenizer_encode(a->spec, a->text, a->files, a->special, a->timing);
     if (chat->parsed()) return run_tokenizer_chat(a->spec, a->messages, a->tools, a->generation_prompt, a->print_ids);
     return run_tokenizer_decode(a->spec, a->ids);
   });

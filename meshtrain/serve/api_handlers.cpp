@@ -118,21 +118,22 @@ bool HttpFrontend::Impl::start(Generation& g, httplib::Response& res) {
       return false;
     }
   }
+  std::vector<std::shared_ptr<CompletionJob>> jobs;
+  for (const Generation::One& one : g.ones) jobs.push_back(one.job);
   ++in_flight;
-  for (const Generation::One& one : g.ones) {
-    const Submitted submitted = callbacks.submit(one.job);
-    if (submitted == Submitted::kQueued) continue;
-    abandon(g);  // the ones already queued are dropped
-    --in_flight;
-    if (submitted == Submitted::kQueueFull) {
-      res.set_header("Retry-After", "1");
-      send_error(res, 429, "the server is busy: its queue is full; retry in a moment", "rate_limit_error");
-    } else {
-      send_error(res, 503, "the server is shutting down", "server_error");
-    }
-    return false;
+  const Submitted submitted = callbacks.submit(jobs);
+  if (submitted == Submitted::kQueued) return true;
+  --in_flight;
+  if (submitted == Submitted::kQueueFull) {
+    res.set_header("Retry-After", "1");
+    send_error(res, 429, "the server is busy: its queue is full; retry in a moment", "rate_limit_error");
+  } else if (submitted == Submitted::kTooLarge) {
+    send_error(res, 400, "this request asks for " + std::to_string(jobs.size()) +
+                             " generations (prompts x n), more than the server queues (--queue)", "invalid_request_error", "n");
+  } else {
+    send_error(res, 503, "the server is shutting down", "server_error");
   }
-  return true;
+  return false;
 }
 
 ojson HttpFrontend::Impl::logprobs_of(const Generation& g, const Generation::One& one,

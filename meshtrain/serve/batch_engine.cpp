@@ -133,36 +133,55 @@ std::vector<TokenEvent> BatchEngine::prefill(const std::vector<GenerationRequest
   }
   model_.gpt()->remove_forward_hooks(fresh.get());
   model_.gpt()->add_forward_hooks(cache_);
-  cache_->append_rows(*fresh);
+  // Only the requests that generate join the batch; one that scores its prompt is done here.
+  std::vector<int64_t> joining;
+  for (int64_t i = 0; i < b; ++i) {
+    if (requests[static_cast<size_t>(i)].options.tokens > 0) joining.push_back(i);
+  }
+  if (static_cast<int64_t>(joining.size()) < b) fresh->keep_rows(joining);
+  if (!joining.empty()) cache_->append_rows(*fresh);
   std::vector<size_t> added;
-  for (const GenerationRequest& r : requests) {
+  for (int64_t i : joining) {
+    const GenerationRequest& r = requests[static_cast<size_t>(i)];
     added.push_back(rows_.size());
     rows_.push_back(Row{r.id, model_.with_split(r.options), r.extras, at::make_generator<at::CPUGeneratorImpl>(r.options.seed),
                         0, 0, {}});
   }
-  // Each prompt token's logprob, from the logits of the position before it.
-  std::vector<std::vector<TokenLogprob>> prompt_logprobs(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const Row& row = rows_[added[i]];
-    const std::vector<int64_t>& p = requests[i].prompt;
-    if (!row.extras.prompt_logprobs) continue;
-    prompt_logprobs[i].push_back(TokenLogprob{p[0], std::nan(""), {}});
-    if (p.size() < 2) continue;
-    at::Tensor logits = all_logits[static_cast<int64_t>(i)].narrow(0, pads[i], static_cast<int64_t>(p.size()) - 1);
-    if (row.options.full_vocabulary) logits = row.options.full_vocabulary(logits);
-    const std::vector<TokenLogprob> scored =
-        logprobs_of(at::log_softmax(logits.to(at::kFloat), -1), std::vector<int64_t>(p.begin() + 1, p.end()),
-                    std::max<int64_t>(row.extras.logprobs, 0), row.options.sampleable);
-    prompt_logprobs[i].insert(prompt_logprobs[i].end(), scored.begin(), scored.end());
+  std::vector<TokenEvent> events;
+  if (!joining.empty()) {
+    events = sample(all_logits.select(1, longest - 1).index_select(0, at::tensor(joining, at::kLong)), added);
   }
-  std::vector<TokenEvent> events = sample(all_logits.select(1, longest - 1), added);
   for (size_t i = 0; i < requests.size(); ++i) {
+    std::vector<TokenLogprob> scored = prompt_logprobs(requests[i], all_logits[static_cast<int64_t>(i)], pads[i]);
+    if (requests[i].options.tokens == 0) {  // scored, nothing to generate
+      TokenEvent event;
+      event.id = requests[i].id, event.token = -1, event.last = true;
+      events.push_back(std::move(event));
+    }
     for (TokenEvent& e : events) {
-      if (e.id == requests[i].id) e.prompt = std::move(prompt_logprobs[i]);
+      if (e.id == requests[i].id) e.prompt = std::move(scored);
     }
   }
   drop_finished();
   return events;
+}
+
+// Each prompt token's logprob, from the logits of the position before it
+// (`logits`: the request's row of the prefill, `pad` positions of left padding).
+std::vector<TokenLogprob> BatchEngine::prompt_logprobs(const GenerationRequest& request, const at::Tensor& logits,
+                                                       int64_t pad) const {
+  const std::vector<int64_t>& p = request.prompt;
+  if (!request.extras.prompt_logprobs) return {};
+  std::vector<TokenLogprob> out{TokenLogprob{p[0], std::nan(""), {}}};
+  if (p.size() < 2) return out;
+  const model::SampleOptions options = model_.with_split(request.options);
+  at::Tensor rows = logits.narrow(0, pad, static_cast<int64_t>(p.size()) - 1);
+  if (options.full_vocabulary) rows = options.full_vocabulary(rows);
+  const std::vector<TokenLogprob> scored =
+      logprobs_of(at::log_softmax(rows.to(at::kFloat), -1), std::vector<int64_t>(p.begin() + 1, p.end()),
+                  std::max<int64_t>(request.extras.logprobs, 0), options.sampleable);
+  out.insert(out.end(), scored.begin(), scored.end());
+  return out;
 }
 
 std::vector<TokenEvent> BatchEngine::step() {

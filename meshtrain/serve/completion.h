@@ -46,7 +46,8 @@ struct CompletionParams {
   RequestExtras extras;
 };
 
-enum class Submitted { kQueued, kQueueFull, kDraining };
+// kTooLarge: one request asks for more generations than the queue holds.
+enum class Submitted { kQueued, kQueueFull, kDraining, kTooLarge };
 
 // Filled by the scheduler, read by the HTTP handler waiting on it.
 class CompletionJob {

@@ -14,7 +14,7 @@ namespace meshtrain::serve {
 
 struct FrontendCallbacks {
   std::function<void(const CompletionJob&)> check;  // throws std::invalid_argument: a 400 with its message
-  std::function<Submitted(std::shared_ptr<CompletionJob>)> submit;
+  std::function<Submitted(std::vector<std::shared_ptr<CompletionJob>>)> submit;  // all of a request's, or none
   std::function<bool()> draining;
 };
 

@@ -89,11 +89,13 @@ GenerationRequest request_of(const CompletionParams& p) {
 
 void Scheduler::check(const CompletionJob& job) const { engine_.check(request_of(job.params())); }
 
-Submitted Scheduler::submit(std::shared_ptr<CompletionJob> job) {
+Submitted Scheduler::submit(std::vector<std::shared_ptr<CompletionJob>> jobs) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (draining_) return Submitted::kDraining;
-  if (static_cast<int64_t>(queue_.size()) >= options_.queue) return Submitted::kQueueFull;
-  queue_.push_back(std::move(job));
+  // All or none, and together: one request's generations share a prefill.
+  if (static_cast<int64_t>(jobs.size()) > options_.queue) return Submitted::kTooLarge;
+  if (static_cast<int64_t>(queue_.size() + jobs.size()) > options_.queue) return Submitted::kQueueFull;
+  for (auto& job : jobs) queue_.push_back(std::move(job));
   wake_.notify_all();
   return Submitted::kQueued;
 }

@@ -38,7 +38,8 @@ class Scheduler {
   // Rank 0, any thread. Checks a job against the model (prompt within the
   // context, options in range); throws std::invalid_argument saying what is wrong.
   void check(const CompletionJob& job) const;
-  Submitted submit(std::shared_ptr<CompletionJob> job);
+  // Queues one request's jobs together (their prompts then share a prefill), or none of them.
+  Submitted submit(std::vector<std::shared_ptr<CompletionJob>> jobs);
   void drain();
   bool draining() const;
 
