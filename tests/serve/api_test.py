@@ -6,7 +6,8 @@ strings, lists and token ids with n choices; logit_bias and penalties give
 what greedy decoding over the adjusted logits gives; chat completions equal
 transformers' greedy generation of the templated conversation, stopping at
 <|eot_id|>; the tokenizer endpoints; stream usage; unknown fields refused;
-and the echoed logprobs once more under tensor parallel on 2 ranks.
+and the echoed logprobs once more with weights streamed from host memory
+and under tensor parallel on 2 ranks.
 
 usage: api_test.py MESHTRAIN
 """
@@ -178,6 +179,16 @@ def endpoints(server, tokenizer):
           "stream_options.include_usage ends the stream with the usage")
 
 
+def echo_logprobs_equal(server, model, tokenizer, what):
+    status, out = serving.post(server.url, {"prompt": TEXT, "max_tokens": 2, "echo": True, "logprobs": 2,
+                                            "temperature": 0})
+    ids = tokenizer(TEXT).input_ids
+    want = log_softmax_of(model, ids)
+    got = out["choices"][0]["logprobs"]["token_logprobs"] if status == 200 else [None]
+    worst = max(abs(got[i] - want[i - 1, ids[i]].item()) for i in range(1, len(ids))) if len(got) > 1 else 1.0
+    check(worst < 1e-4, f"{what}: echoed logprobs equal transformers' (max difference {worst:.1e})")
+
+
 def main(work):
     corpus = write_corpus(os.path.join(work, "corpus.txt"))
     hf_dir = os.path.join(work, "hf")
@@ -193,6 +204,12 @@ def main(work):
         endpoints(server, tokenizer)
     finally:
         check(server.stop() == 0, "the server exits 0")
+    # Weights streamed from host memory block by block (ZeRO-Inference) score alike.
+    server = serving.Server(MESHTRAIN, checkpoint, "--offload.weights=cpu")
+    try:
+        echo_logprobs_equal(server, model, tokenizer, "weights streamed from host memory")
+    finally:
+        check(server.stop() == 0, "the server streaming its weights exits 0")
     # Split by 2 ranks, the vocabulary is padded to an even size (as models ship them).
     tp_dir = os.path.join(work, "hf-padded")
     tokenizer.save_pretrained(tp_dir)
@@ -201,13 +218,7 @@ def main(work):
     meshtrain("import", "hf", tp_dir, "--out", checkpoint)
     server = serving.Server(MESHTRAIN, checkpoint, ranks=2)
     try:
-        status, out = serving.post(server.url, {"prompt": TEXT, "max_tokens": 2, "echo": True, "logprobs": 2,
-                                                "temperature": 0})
-        ids = tokenizer(TEXT).input_ids
-        want = log_softmax_of(model, ids)
-        got = out["choices"][0]["logprobs"]["token_logprobs"] if status == 200 else [None]
-        worst = max(abs(got[i] - want[i - 1, ids[i]].item()) for i in range(1, len(ids))) if len(got) > 1 else 1.0
-        check(worst < 1e-4, f"tensor parallel on 2 ranks: echoed logprobs equal transformers' (max difference {worst:.1e})")
+        echo_logprobs_equal(server, model, tokenizer, "tensor parallel on 2 ranks")
     finally:
         check(server.stop() == 0, "the tensor-parallel server exits 0")
 
