@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gathers what a GPU machine without a package registry lacks to build and run
 # meshtrain: the Debian packages of Open MPI, CLI11, toml++, nlohmann-json,
-# liburing, cpp-httplib, SentencePiece, PCRE2,
+# liburing, cpp-httplib, SentencePiece, PCRE2, utf8proc, gRPC, protobuf, OpenSSL,
 # GoogleTest and Google Benchmark with the runtime libraries they load, fetched
 # with `apt-get download` and unpacked into one folder (git-ignored). Carry that
 # folder to the machine; scripts/gpu-check.sh finds it there.
@@ -10,7 +10,9 @@
 #
 # The folder holds root/ (the packages unpacked as if into /), env.sh (sourced
 # by gpu-check.sh: PATH, LD_LIBRARY_PATH, OPAL_PREFIX, CMake hints) and
-# packages.txt (name and version of each package).
+# packages.txt (name and version of each package). The same folder packed as
+# FOLDER.tar.gz (a third of the size) is what travels where a carried path is
+# limited in size; gpu-check.sh unpacks it when the folder is absent.
 set -euo pipefail
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=${1:-"$root_dir/.gpu-bundle"}
@@ -24,7 +26,10 @@ packages=(
   libcli11-dev libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
   liburing-dev liburing2 libcpp-httplib-dev libcpp-httplib0.11 libbrotli1 libsentencepiece-dev libsentencepiece0
-  libpcre2-dev pkgconf pkgconf-bin libpkgconf3
+  libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2 libbrotli-dev zlib1g-dev pkgconf pkgconf-bin libpkgconf3
+  libgrpc++-dev libgrpc++1.51 libgrpc-dev libgrpc29 libabsl-dev libabsl20220623 libc-ares-dev libc-ares2
+  libre2-dev libre2-9 libprotobuf-dev libprotobuf32 libprotobuf-lite32 libprotoc32 protobuf-compiler
+  protobuf-compiler-grpc libssl-dev libssl3
   libhwloc15 libhwloc-dev libevent-core-2.1-7 libevent-pthreads-2.1-7 libevent-2.1-7 libevent-extra-2.1-7
   libevent-openssl-2.1-7 libevent-dev libfabric1 libibverbs1 ibverbs-providers librdmacm1 libmunge2
   libnl-3-200 libnl-route-3-200 libnuma1 libpsm-infinipath1 libpsm2-2 libucx0 libatomic1 libltdl7
@@ -58,8 +63,10 @@ done
 # Documentation, manuals and translations are not needed to build or run.
 rm -rf "$bundle/root/usr/share/doc" "$bundle/root/usr/share/man" "$bundle/root/usr/share/locale" \
        "$bundle/root/usr/share/lintian" "$bundle/root/usr/lib/x86_64-linux-gnu/fortran"
-# Static archives too, except the test and benchmark libraries meshtrain links.
-find "$bundle/root" -name '*.a' ! -name 'libgtest*' ! -name 'libgmock*' ! -name 'libbenchmark*' -delete
+# Static archives too, except the test and benchmark libraries and the protobuf
+# meshtrain links statically (Note [Two protobufs]).
+find "$bundle/root" -name '*.a' ! -name 'libgtest*' ! -name 'libgmock*' ! -name 'libbenchmark*' \
+  ! -name 'libprotobuf.a' -delete
 
 # Debian names the Open MPI programs *.openmpi and links the plain names through
 # update-alternatives, which unpacking does not run: make the plain names here.
@@ -90,4 +97,5 @@ export PKG_CONFIG_PATH="$multiarch/pkgconfig:$bundle_root/usr/share/pkgconfig:${
 # FindMPI: the unpacked wrapper compiler and mpiexec.
 export MESHTRAIN_BUNDLE_CMAKE_ARGS="-DMPI_CXX_COMPILER=$bundle_root/usr/bin/mpicxx -DMPIEXEC_EXECUTABLE=$bundle_root/usr/bin/mpirun"
 EOF
-log "$(wc -l < "$bundle/packages.txt") packages unpacked into $bundle/root ($(du -sh "$bundle/root" | cut -f1)); source $bundle/env.sh to use them"
+tar -C "$(dirname "$bundle")" -czf "$bundle.tar.gz" "$(basename "$bundle")"
+log "$(wc -l < "$bundle/packages.txt") packages unpacked into $bundle/root ($(du -sh "$bundle/root" | cut -f1)); source $bundle/env.sh to use them; packed as $bundle.tar.gz ($(du -sh "$bundle.tar.gz" | cut -f1))"

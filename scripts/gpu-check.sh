@@ -4,7 +4,7 @@
 # every core, runs the CUDA tests, a short training run on the GPU and the GPU
 # benchmarks, and writes logs and tables into OUT_DIR. Needs the folder
 # scripts/gpu-bundle.sh made (Open MPI, CLI11, toml++, ... unpacked) unless the
-# machine has those packages installed.
+# machine has those packages installed (the folder, or FOLDER.tar.gz beside it, unpacked when newer).
 #
 #   bash scripts/gpu-check.sh OUT_DIR [STAGES]
 #
@@ -27,6 +27,9 @@ out=$(cd "$out" && pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_hwloc_base_binding_policy=none
 bundle_cmake_args=()
+if [ -f "$bundle.tar.gz" ] && [ "$bundle.tar.gz" -nt "$bundle/packages.txt" ]; then
+  rm -rf "$bundle" && tar -C "$(dirname "$bundle")" -xzf "$bundle.tar.gz"
+fi
 if [ -f "$bundle/env.sh" ]; then
   # shellcheck disable=SC1091
   source "$bundle/env.sh"
