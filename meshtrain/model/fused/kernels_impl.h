@@ -395,7 +395,7 @@ void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, cons
 
 }  // namespace
 
-inline Table make_table() {
+constexpr Table make_table() {
   return {add_norm_forward,      add_norm_backward,      bias_gelu_forward, bias_gelu_backward, swiglu_forward,
           swiglu_backward,       cross_entropy_forward,  cross_entropy_backward, rope,
           attention_softmax_forward, attention_softmax_backward};
