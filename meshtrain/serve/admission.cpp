@@ -5,15 +5,37 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 namespace meshtrain::serve {
 
-Admission::Admission(Handle handle, std::chrono::milliseconds head_timeout, size_t max_head_bytes)
-    : handle_(std::move(handle)), head_timeout_(head_timeout), max_head_bytes_(max_head_bytes) {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Verdict = RequestFraming::Verdict;
+
+constexpr size_t kReadPerWake = 1 << 20;  // per connection and wake, so one fast sender cannot starve the rest
+
+// Best effort: the client may be gone, or not reading.
+void send_now(int socket, const std::string& bytes) {
+  (void)!send(socket, bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+std::string timeout_response(bool head_complete) {
+  const std::string message = head_complete ? "the request body did not arrive in full in time"
+                                            : "the request's headers did not arrive in full in time";
+  const std::string body = R"({"error":{"message":")" + message +
+                           R"(","type":"invalid_request_error","param":null,"code":null}})";
+  return "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+}  // namespace
+
+Admission::Admission(Handle handle, AdmissionLimits limits) : handle_(std::move(handle)), limits_(limits) {
   if (pipe(wake_) != 0) throw std::runtime_error(std::string("admission: cannot create a pipe: ") + std::strerror(errno));
   thread_ = std::thread([this] { loop(); });
 }
@@ -28,7 +50,7 @@ void Admission::add(int socket) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!stopped_) {
-      waiting_[socket] = Waiting{std::chrono::steady_clock::now() + head_timeout_, 0};
+      waiting_.emplace(socket, Waiting(Clock::now(), limits_));
       const char byte = 0;
       (void)!write(wake_[1], &byte, 1);
       return;
@@ -47,8 +69,9 @@ void Admission::stop() {
   }
   thread_.join();
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& [socket, waiting] : waiting_) close_socket(socket);
+  for (const auto& entry : waiting_) close_socket(entry.first);
   waiting_.clear();
+  buffered_ = 0;
 }
 
 size_t Admission::refused() const {
@@ -61,39 +84,65 @@ void Admission::close_socket(int socket) {
   close(socket);
 }
 
-int Admission::inspect(int socket, Waiting& waiting) {
-  std::string buffer(max_head_bytes_ + 1, '\0');
-  const ssize_t n = recv(socket, buffer.data(), buffer.size(), MSG_PEEK | MSG_DONTWAIT);
-  if (n == 0) return -1;  // closed before a request
-  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
-  buffer.resize(static_cast<size_t>(n));
-  if (buffer.find("\r\n\r\n") != std::string::npos) return 1;
-  if (buffer.size() > max_head_bytes_) return -1;
-  // Wake again only when more than these bytes have arrived (Linux honours SO_RCVLOWAT in poll()).
-  waiting.seen = buffer.size();
-  const int low = static_cast<int>(waiting.seen + 1);
-  setsockopt(socket, SOL_SOCKET, SO_RCVLOWAT, &low, sizeof low);
-  return 0;
+Verdict Admission::receive(int socket, Waiting& waiting) {
+  char chunk[64 << 10];
+  size_t taken = 0;
+  Verdict verdict = Verdict::kIncomplete;
+  while (taken < kReadPerWake) {
+    const size_t room = waiting.framing.byte_limit() + 1 - std::min(waiting.bytes.size(), waiting.framing.byte_limit());
+    const ssize_t n = recv(socket, chunk, std::min(sizeof chunk, room), MSG_DONTWAIT);
+    if (n == 0) return Verdict::kRefuse;  // closed before the request was whole
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK ? verdict : Verdict::kRefuse;
+    }
+    waiting.bytes.append(chunk, static_cast<size_t>(n));
+    buffered_ += static_cast<size_t>(n);
+    taken += static_cast<size_t>(n);
+    const bool had_head = waiting.framing.head_complete();
+    verdict = waiting.framing.inspect(waiting.bytes);
+    if (!had_head && waiting.framing.head_complete()) waiting.bytes.reserve(waiting.framing.expected_bytes());
+    if (verdict != Verdict::kIncomplete) return verdict;
+    if (waiting.framing.expects_continue() && !waiting.continued) {
+      send_now(socket, "HTTP/1.1 100 Continue\r\n\r\n");
+      waiting.continued = true;
+    }
+  }
+  return verdict;
+}
+
+Clock::time_point Admission::expire(Clock::time_point now) {
+  Clock::time_point next = now + std::chrono::seconds(60);
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Waiting& w = it->second;
+    const bool head = w.framing.head_complete();
+    if ((!head && w.head_deadline <= now) || w.request_deadline <= now) {  // not in time
+      send_now(it->first, timeout_response(head));
+      close_socket(it->first);
+      ++refused_;
+      buffered_ -= w.bytes.size();
+      it = waiting_.erase(it);
+      continue;
+    }
+    next = std::min(next, head ? w.request_deadline : w.head_deadline);
+    ++it;
+  }
+  return next;
 }
 
 void Admission::loop() {
   while (true) {
     std::vector<pollfd> fds{{wake_[0], POLLIN, 0}};
-    auto now = std::chrono::steady_clock::now();
-    auto next_deadline = now + std::chrono::seconds(60);
+    const auto now = Clock::now();
+    Clock::time_point next_deadline;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopped_) return;
-      for (auto it = waiting_.begin(); it != waiting_.end();) {
-        if (it->second.deadline <= now) {  // the head did not arrive in time
-          close_socket(it->first);
-          ++refused_;
-          it = waiting_.erase(it);
-          continue;
-        }
-        fds.push_back({it->first, POLLIN | POLLRDHUP, 0});
-        next_deadline = std::min(next_deadline, it->second.deadline);
-        ++it;
+      next_deadline = expire(now);
+      const bool over_budget = buffered_ >= limits_.buffered_bytes;
+      for (const auto& [socket, waiting] : waiting_) {
+        if (over_budget && waiting.framing.head_complete()) continue;  // its body waits for room
+        fds.push_back({socket, POLLIN | POLLRDHUP, 0});
       }
     }
     const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next_deadline - now).count() + 1;
@@ -102,28 +151,26 @@ void Admission::loop() {
       char drain[64];
       (void)!read(wake_[0], drain, sizeof drain);
     }
-    std::vector<int> ready;
+    std::vector<std::pair<int, std::string>> whole;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (size_t i = 1; i < fds.size(); ++i) {
         if (fds[i].revents == 0) continue;
         auto it = waiting_.find(fds[i].fd);
         if (it == waiting_.end()) continue;
-        int verdict = inspect(fds[i].fd, it->second);
-        if (verdict == 0 && (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR))) verdict = -1;  // gone half-way
-        if (verdict == 0) continue;
-        if (verdict < 0) {
+        const Verdict verdict = receive(fds[i].fd, it->second);
+        if (verdict == Verdict::kIncomplete) continue;
+        buffered_ -= it->second.bytes.size();
+        if (verdict == Verdict::kRefuse) {
           close_socket(fds[i].fd);
           ++refused_;
         } else {
-          const int low = 1;  // the server's own reads take whatever has arrived
-          setsockopt(fds[i].fd, SOL_SOCKET, SO_RCVLOWAT, &low, sizeof low);
-          ready.push_back(fds[i].fd);
+          whole.emplace_back(fds[i].fd, std::move(it->second.bytes));
         }
         waiting_.erase(it);
       }
     }
-    for (int socket : ready) handle_(socket);
+    for (auto& [socket, request] : whole) handle_(socket, std::move(request));
   }
 }
 

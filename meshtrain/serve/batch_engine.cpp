@@ -259,6 +259,17 @@ void BatchEngine::cancel(uint64_t id) {
   drop_finished();
 }
 
+std::vector<uint64_t> BatchEngine::reset() {
+  std::vector<uint64_t> ids;
+  for (const Row& row : rows_) ids.push_back(row.id);
+  rows_.clear();
+  model_.gpt()->remove_forward_hooks(cache_.get());
+  cache_ = std::make_shared<model::KvCache>(model_.gpt());
+  cache_->set_storage(model_.kv_storage());
+  model_.gpt()->add_forward_hooks(cache_);
+  return ids;
+}
+
 void BatchEngine::drop_finished() {
   std::vector<int64_t> keep;
   std::vector<Row> kept;

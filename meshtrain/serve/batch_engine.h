@@ -55,6 +55,9 @@ class BatchEngine {
   std::vector<TokenEvent> step();
   // Ends a running sequence (a stop string, a client gone). Unknown ids are ignored.
   void cancel(uint64_t id);
+  // Ends every running sequence with a fresh cache: after a step that threw,
+  // when what the cache holds is unknown. Their ids.
+  std::vector<uint64_t> reset();
 
   int64_t running() const { return static_cast<int64_t>(rows_.size()); }
   int64_t room() const { return max_batch_ - running(); }

@@ -29,9 +29,8 @@ void ip_and_port(const sockaddr_storage& addr, std::string& ip, int& port) {
 
 }  // namespace
 
-ClientStream::ClientStream(int socket, std::chrono::milliseconds io_timeout,
-                           std::chrono::steady_clock::time_point read_deadline)
-    : socket_(socket), io_timeout_(io_timeout), read_deadline_(read_deadline), buffer_(4096) {}
+ClientStream::ClientStream(int socket, std::chrono::milliseconds io_timeout, std::string request)
+    : socket_(socket), io_timeout_(io_timeout), request_(std::move(request)) {}
 
 int ClientStream::wait_for(short events, std::chrono::milliseconds timeout) const {
   pollfd fd{socket_, events, 0};
@@ -42,27 +41,14 @@ int ClientStream::wait_for(short events, std::chrono::milliseconds timeout) cons
   return n;
 }
 
-bool ClientStream::is_readable() const {
-  if (buffer_begin_ < buffer_end_) return true;
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(read_deadline_ - std::chrono::steady_clock::now());
-  return left.count() > 0 && wait_for(POLLIN, std::min(io_timeout_, left)) > 0;
-}
+bool ClientStream::is_readable() const { return read_ < request_.size(); }
 
 bool ClientStream::is_writable() const { return wait_for(POLLOUT, io_timeout_) > 0 && !client_gone(socket_); }
 
 ssize_t ClientStream::read(char* ptr, size_t size) {
-  if (buffer_begin_ == buffer_end_) {
-    if (!is_readable()) return -1;
-    ssize_t n;
-    do {
-      n = recv(socket_, buffer_.data(), buffer_.size(), 0);
-    } while (n < 0 && errno == EINTR);
-    if (n <= 0) return n;
-    buffer_begin_ = 0, buffer_end_ = static_cast<size_t>(n);
-  }
-  const size_t n = std::min(size, buffer_end_ - buffer_begin_);
-  std::memcpy(ptr, buffer_.data() + buffer_begin_, n);
-  buffer_begin_ += n;
+  const size_t n = std::min(size, request_.size() - read_);
+  std::memcpy(ptr, request_.data() + read_, n);
+  read_ += n;
   return static_cast<ssize_t>(n);
 }
 

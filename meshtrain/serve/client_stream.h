@@ -1,22 +1,22 @@
-// ClientStream: one client connection as cpp-httplib's Stream, with a read
-// deadline for the whole request; and whether that client is still there.
+// ClientStream: one client connection as cpp-httplib's Stream, its request
+// already received (Note [Admission]); and whether that client is still there.
 #pragma once
 
 #include <httplib.h>
 
 #include <chrono>
 #include <string>
-#include <vector>
 
 namespace meshtrain::serve {
 
-// Reads and writes a connected socket as httplib's own socket stream does
-// (each read or write waits at most `io_timeout`), and refuses to read past
-// `read_deadline`: a body sent a byte at a time cannot hold the handler
-// thread longer than that. Does not own the socket.
+// Reads come from `request`, the bytes admission received whole, and end
+// there (one request per connection): a handler never waits on a client to
+// read. Writes go to the socket as httplib's own socket stream sends them,
+// each waiting at most `io_timeout`, and fail once the client has gone.
+// Does not own the socket.
 class ClientStream : public httplib::Stream {
  public:
-  ClientStream(int socket, std::chrono::milliseconds io_timeout, std::chrono::steady_clock::time_point read_deadline);
+  ClientStream(int socket, std::chrono::milliseconds io_timeout, std::string request);
 
   bool is_readable() const override;
   bool is_writable() const override;
@@ -31,9 +31,8 @@ class ClientStream : public httplib::Stream {
 
   int socket_;
   std::chrono::milliseconds io_timeout_;
-  std::chrono::steady_clock::time_point read_deadline_;
-  std::vector<char> buffer_;  // read ahead, as httplib's SocketStream does
-  size_t buffer_begin_ = 0, buffer_end_ = 0;
+  std::string request_;
+  size_t read_ = 0;  // bytes of request_ read so far
 };
 
 // Whether the client of `socket` has closed its side (or the connection

@@ -5,6 +5,7 @@
 #include "meshtrain/serve/frontend_impl.h"
 
 #include <httplib.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,10 +19,8 @@ namespace meshtrain::serve {
 
 namespace {
 
-constexpr auto kHeadTimeout = std::chrono::seconds(10);    // for a request line and headers to arrive (Note [Admission])
-constexpr auto kBodyTimeout = std::chrono::seconds(30);    // for the whole request, head to body end
-constexpr auto kIoTimeout = std::chrono::seconds(5);       // for any one read or write
-constexpr size_t kHeadLimit = 16 << 10;
+constexpr auto kIoTimeout = std::chrono::seconds(5);  // for any one write to a client
+constexpr auto kLinger = std::chrono::seconds(2);     // reading what a refused client still sends
 
 // The connection this handler thread serves (the socket of GuardedServer::serve).
 thread_local int t_client = -1;
@@ -29,15 +28,17 @@ thread_local int t_client = -1;
 }  // namespace
 
 // cpp-httplib's server with Note [Admission] in front: a connection reaches
-// a handler thread only with its request head in full, and is served as
-// one request (Connection: close) through a ClientStream whose reads end at
-// kBodyTimeout after admission.
+// a handler thread only with its request in full, and is served as one
+// request (Connection: close) through a ClientStream that reads it from memory.
 class GuardedServer : public httplib::Server {
  public:
   explicit GuardedServer(int threads)
       : handlers_(static_cast<size_t>(threads)),
-        admission_([this](int socket) { handlers_.enqueue([this, socket] { serve(socket); }); },
-                   std::chrono::duration_cast<std::chrono::milliseconds>(kHeadTimeout), kHeadLimit) {
+        admission_(
+            [this](int socket, std::string request) {
+              handlers_.enqueue([this, socket, request = std::move(request)]() mutable { serve(socket, std::move(request)); });
+            },
+            AdmissionLimits{std::chrono::seconds(10), std::chrono::seconds(30), 16 << 10, kBodyLimit, 128 << 20}) {
     new_task_queue = [] { return new httplib::ThreadPool(1); };  // accepting only hands sockets to admission
   }
   ~GuardedServer() override { shut_down(); }
@@ -54,13 +55,34 @@ class GuardedServer : public httplib::Server {
     return true;
   }
 
-  void serve(int socket) {
-    ClientStream stream(socket, std::chrono::duration_cast<std::chrono::milliseconds>(kIoTimeout),
-                        std::chrono::steady_clock::now() + kBodyTimeout);
-    t_client = socket;
-    bool closed = false;
-    process_request(stream, /*close_connection=*/true, closed, nullptr);
-    t_client = -1;
+  void serve(int socket, std::string request) {
+    {  // the request's bytes are freed before any lingering
+      ClientStream stream(socket, std::chrono::duration_cast<std::chrono::milliseconds>(kIoTimeout), std::move(request));
+      t_client = socket;
+      bool closed = false;
+      process_request(stream, /*close_connection=*/true, closed, nullptr);
+      t_client = -1;
+    }
+    linger_and_close(socket);
+  }
+
+  // A client still sending (a body refused as too large) would get a reset
+  // instead of the answer if the socket closed with its bytes unread: its
+  // side is shut for writing, and what it sends is read and dropped until it
+  // closes, for at most kLinger.
+  static void linger_and_close(int socket) {
+    pollfd fd{socket, POLLIN, 0};
+    if (poll(&fd, 1, 0) > 0 && (fd.revents & POLLIN)) {
+      shutdown(socket, SHUT_WR);
+      const auto deadline = std::chrono::steady_clock::now() + kLinger;
+      char drop[64 << 10];
+      while (std::chrono::steady_clock::now() < deadline) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        fd.revents = 0;
+        if (poll(&fd, 1, static_cast<int>(left.count()) + 1) <= 0) break;
+        if (recv(socket, drop, sizeof drop, MSG_DONTWAIT) <= 0) break;
+      }
+    }
     shutdown(socket, SHUT_RDWR);
     close(socket);
   }
@@ -100,8 +122,8 @@ bool read_body(const httplib::Request& req, const httplib::ContentReader& conten
   if (ok) return true;
   if (too_large) {
     send_error(res, 413, "the request body is larger than 8 MiB", "invalid_request_error");
-  } else {
-    send_error(res, 408, "the request body did not arrive in full in time", "invalid_request_error");
+  } else {  // admission hands on only whole requests: what is missing never came
+    send_error(res, 400, "the request body ended before its declared length or last chunk", "invalid_request_error");
   }
   return false;
 }
@@ -148,7 +170,6 @@ HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int t
   Impl* impl = impl_.get();
   httplib::Server& s = *impl->server;
   s.set_payload_max_length(kBodyLimit);
-  s.set_read_timeout(kIoTimeout);
   s.set_write_timeout(kIoTimeout);
   routes(impl, s);
   s.Get("/health", [impl](const httplib::Request&, httplib::Response& res) {

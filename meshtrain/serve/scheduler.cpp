@@ -1,13 +1,32 @@
 #include "meshtrain/serve/scheduler.h"
 
+#include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/text_stream.h"
 
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 
 namespace meshtrain::serve {
+
+namespace {
+
+std::string c10_message(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+// What a client is told: the cause, without the advice for training runs that follows it.
+std::string first_sentence(const std::string& text) {
+  const std::string line = text.substr(0, text.find('\n'));
+  const size_t end = line.find(". ");
+  return end == std::string::npos ? line : line.substr(0, end);
+}
+
+}  // namespace
 
 struct Scheduler::Turn {
   bool stop = false;
@@ -149,12 +168,63 @@ Scheduler::Turn Scheduler::next_turn() {
   return turn;
 }
 
+namespace {
+
+// A forward that threw (out of memory, most likely) fails the requests it
+// served and no others (Note [Forward failures]); a communication failure
+// ends the loop, since the ranks no longer agree on what they run.
+template <typename Forward>
+std::vector<TokenEvent> contained(Forward forward, const std::function<std::vector<uint64_t>()>& failed,
+                                  const char* what, bool leader) {
+  try {
+    return forward();
+  } catch (const comm::CommError&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string message = c10_message(e);
+    if (leader) std::fprintf(stderr, "meshtrain serve: %s failed; its requests fail, the server goes on: %s\n", what,
+                             message.c_str());
+    std::vector<TokenEvent> events;
+    for (uint64_t id : failed()) {
+      TokenEvent event;
+      event.id = id, event.last = true;
+      event.error = std::string("the server could not run this request's ") + what + ": " + first_sentence(message);
+      events.push_back(std::move(event));
+    }
+    return events;
+  }
+}
+
+}  // namespace
+
+// Note [Forward failures]
+// A forward can throw for one batch's sake alone: a long prompt, scored with
+// logprobs over a large vocabulary, may need more memory than the limit
+// (memory.limit_mb) allows. A prefill that throws leaves the running batch as
+// it was (BatchEngine::prefill restores its cache; any of its requests that
+// had joined are cancelled): the requests it admitted fail. A decoding step that throws leaves the cache in an unknown state: the
+// running requests fail and the engine starts again empty. Either way the
+// others queued go on, and the loop too. Under tensor parallel every rank
+// does the same, which holds when the failure is the same on every rank (the
+// same shapes, the same limit); a failure on one rank alone leaves the others
+// in a collective, which the communicator's watchdog ends with the server.
 void Scheduler::apply(const Turn& turn) {
+  const bool leader = !group_ || group_->rank() == 0;
   for (uint64_t id : turn.cancel) engine_.cancel(id);
-  std::vector<TokenEvent> events = engine_.admit(turn.admit);
-  const std::vector<TokenEvent> stepped = engine_.step();
+  std::vector<TokenEvent> events = contained([&] { return engine_.admit(turn.admit); },
+                                             [&] {
+                                               std::vector<uint64_t> ids;
+                                               for (const GenerationRequest& r : turn.admit) {
+                                                 ids.push_back(r.id);
+                                                 engine_.cancel(r.id);  // in case it joined before the throw
+                                               }
+                                               return ids;
+                                             },
+                                             "prompt processing (prefill)", leader);
+  const std::vector<TokenEvent> stepped =
+      contained([&] { return engine_.step(); }, [&] { return engine_.reset(); }, "decoding step", leader);
   events.insert(events.end(), stepped.begin(), stepped.end());
-  if (!group_ || group_->rank() == 0) deliver(events);
+  if (leader) deliver(events);
 }
 
 void Scheduler::deliver(const std::vector<TokenEvent>& events) {

@@ -48,16 +48,18 @@ def padded_vocabulary_and_extreme_sampling(server):
                       ("a temperature of infinity's spelling", b'{"prompt": "x", "temperature": "inf"}')]:
         code, reply = serving.post(server.url, None, raw=raw)
         message = reply.get("error", {}).get("message", "")
-        check(code == 400 and "temperature" in message or "JSON" in message, f"{what}: 400 ({code} {message!r})")
+        check(code == 400 and ("temperature" in message or "1e999" in message),
+              f"{what}: 400 naming the field or the number ({code} {message!r})")
         check("Exception raised from" not in json.dumps(reply) and "frame #" not in json.dumps(reply),
               f"{what}: no C++ internals in the reply")
     alive_and_right(server, "padded-vocabulary sampling and extreme settings")
 
 
-def send_chunked(port, total, chunk=1 << 20):
+def send_chunked(port, total, path="/v1/completions", method="POST", chunk=1 << 20):
+    """Sends `total` bytes of chunked body; the server's status line ("" when it sent none)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Transfer-Encoding: chunked\r\n\r\n")
+    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              "Transfer-Encoding: chunked\r\n\r\n".encode())
     sent, piece = 0, b"%x\r\n" % chunk + b" " * chunk + b"\r\n"
     try:
         while sent < total:
@@ -71,23 +73,29 @@ def send_chunked(port, total, chunk=1 << 20):
     except OSError:
         reply = ""
     s.close()
-    return reply, sent
+    return reply.split("\r\n")[0]
 
 
-def rss_mib(pid):
+def rss_mib(pid, field="VmHWM"):
+    """The process's peak (VmHWM) or current (VmRSS) resident memory."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0
 
 
 def bodies_are_held_to_the_limit(server):
-    before = rss_mib(server.proc.pid)
-    reply, sent = send_chunked(server.port, 100 << 20)
-    check(" 413 " in reply.split("\r\n")[0] if reply else True, f"a 100 MB chunked body is refused ({reply[:40]!r})")
+    before, resident = rss_mib(server.proc.pid), rss_mib(server.proc.pid, "VmRSS")
+    for method, path, status in [("POST", "/v1/completions", " 413 "), ("POST", "/v1/chat/completions", " 413 "),
+                                 ("POST", "/v1/embeddings", " 40"), ("GET", "/v1/models", None)]:
+        line = send_chunked(server.port, 100 << 20, path, method)
+        if status:  # a GET's body is not read at all: only the memory counts
+            check(status in line, f"a 100 MB chunked body to {method} {path} is refused ({line!r})")
     grown = rss_mib(server.proc.pid) - before
-    check(grown < 64, f"the server's peak memory grew {grown:.0f} MiB for it (under 64)")
+    check(grown < 64, f"the server's peak memory grew {grown:.0f} MiB for four of them (under 64)")
+    kept = rss_mib(server.proc.pid, "VmRSS") - resident
+    check(kept < 16, f"... and it kept {kept:.0f} MiB of it (under 16: Note [Request memory])")
     s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n")
     reply = s.recv(4096).decode(errors="replace")
@@ -104,16 +112,23 @@ def slow_clients_cannot_lock_others_out(server, clients=200):
         sockets.append(s)
 
     def drip():
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        # A third send their headers a byte a second, a third their whole head at once and then their
+        # body a byte a second; the rest stay idle, sending nothing at all.
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+        for i, s in enumerate(sockets):
+            if i % 3 == 1:
+                s.sendall(head + b"\r\n")
         for k in range(len(head)):
             if stop.is_set():
                 return
             for i, s in enumerate(sockets):
-                if i % 2:  # the other half stay idle, sending nothing at all
-                    try:
+                try:
+                    if i % 3 == 0:
                         s.send(head[k:k + 1])
-                    except OSError:
-                        pass
+                    elif i % 3 == 1:
+                        s.send(b" ")
+                except OSError:
+                    pass
             stop.wait(1.0)
 
     dripper = threading.Thread(target=drip)
@@ -133,7 +148,8 @@ def slow_clients_cannot_lock_others_out(server, clients=200):
         s.close()
     worst = max(t for _, t in latencies)
     check(all(c == 200 for c, _ in latencies) and worst < 2.0,
-          f"with {clients} slow or idle clients connected, a normal client gets answers (slowest {worst:.2f} s)")
+          f"with {clients} slow (head or body) or idle clients connected, a normal client gets answers "
+          f"(slowest of 6 {worst:.2f} s, median {sorted(t for _, t in latencies)[3]:.2f} s)")
     alive_and_right(server, "slow clients")
 
 
@@ -148,6 +164,32 @@ def a_client_that_leaves_is_cancelled(server):
     alive_and_right(server, "a client that left")
 
 
+def a_forward_that_fails_fails_its_requests_alone(limit_mib):
+    """A scoring request too large for the memory limit fails alone (Note [Forward failures]): a generation
+    running beside it ends with offline generation's text, and the server goes on."""
+    server = serving.Server(MESHTRAIN, CHECKPOINT, "--memory.limit_mb", str(limit_mib))
+    result = {}
+
+    def generate():
+        result["reply"] = serving.post(server.url, {"prompt": "To be", "max_tokens": 300, "temperature": 0.9,
+                                                    "seed": 7, "top_k": 0})
+
+    running = threading.Thread(target=generate)
+    running.start()
+    time.sleep(0.5)
+    huge = {"prompt": ["Now is the winter of our discontent " * 50] * 12, "max_tokens": 0, "echo": True, "logprobs": 5}
+    code, reply = serving.post(server.url, huge)
+    message = reply.get("error", {}).get("message", "")
+    check(code == 500 and "out of memory" in message and "frame #" not in message,
+          f"a prefill past memory.limit_mb={limit_mib} fails that request: 500 ({code} {message[:160]!r})")
+    running.join()
+    code, body = result["reply"]
+    check(code == 200 and body["choices"][0]["text"] == offline("To be", 300, 0.9, 7),
+          f"the generation running beside it ends with offline generation's text ({code})")
+    alive_and_right(server, "a forward that ran out of memory")
+    check(server.stop() == 0, "the server with a memory limit exits 0 after SIGTERM")
+
+
 def main():
     server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--max-batch", "2")
     padded_vocabulary_and_extreme_sampling(server)
@@ -155,6 +197,7 @@ def main():
     slow_clients_cannot_lock_others_out(server)
     a_client_that_leaves_is_cancelled(server)
     check(server.stop() == 0, "the server exits 0 after SIGTERM")
+    a_forward_that_fails_fails_its_requests_alone(48)
     log = server.proc.stderr.read()
     check(" 499" in log, "the request whose client left was cancelled (499 in the log)")
     split = serving.Server(MESHTRAIN, CHECKPOINT, ranks=2)  # tensor parallel: every rank samples alike
