@@ -24,17 +24,53 @@ Regex::Regex(const std::string& pattern) : pattern_(pattern) {
 
 Regex::~Regex() { pcre2_code_free(code_); }
 
+namespace {
+
+// Matching with backtracking inside a repetition ((?:a|b)* over a long
+// text) needs more than the JIT's default 32 KiB of stack: each thread gets
+// up to kJitStack, made once. A match that needs more runs again in PCRE2's
+// interpreter (its frames on the heap, up to PCRE2's heap limit); one that
+// needs more still is an error, never a silent end of the matches.
+constexpr size_t kJitStack = size_t{8} << 20;
+
+struct MatchContext {
+  pcre2_jit_stack* stack = pcre2_jit_stack_create(32 << 10, kJitStack, nullptr);
+  pcre2_match_context* context = pcre2_match_context_create(nullptr);
+  MatchContext() { pcre2_jit_stack_assign(context, nullptr, stack); }
+  ~MatchContext() {
+    pcre2_match_context_free(context);
+    pcre2_jit_stack_free(stack);
+  }
+};
+
+pcre2_match_context* match_context() {
+  thread_local MatchContext mine;
+  return mine.context;
+}
+
+}  // namespace
+
 std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view s) const {
+  // PCRE2 checks the whole subject's UTF-8 on every call unless told not
+  // to: once here, or matching every token of a long text is quadratic.
+  if (!unicode::valid_utf8(s)) throw TokenizerError("the text is not valid UTF-8");
   std::vector<std::pair<size_t, size_t>> found;
   pcre2_match_data* match = pcre2_match_data_create_from_pattern(code_, nullptr);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
   size_t start = 0;
-  // PCRE2 checks the whole subject's UTF-8 on every call unless told not
-  // to: once here, or matching every token of a long text is quadratic.
-  const bool valid = unicode::valid_utf8(s);
-  while (valid && start <= s.size()) {
-    const int rc = pcre2_match(code_, subject, s.size(), start, PCRE2_NO_UTF_CHECK, match, nullptr);
-    if (rc < 0) break;
+  while (start <= s.size()) {
+    int rc = pcre2_match(code_, subject, s.size(), start, PCRE2_NO_UTF_CHECK, match, match_context());
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
+      rc = pcre2_match(code_, subject, s.size(), start, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, match, match_context());
+    }
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    if (rc < 0) {
+      pcre2_match_data_free(match);
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(rc, message, sizeof message);
+      throw TokenizerError("the pattern " + pattern_ + " cannot be matched on a text of " + std::to_string(s.size()) +
+                           " bytes at byte " + std::to_string(start) + ": " + reinterpret_cast<const char*>(message));
+    }
     const PCRE2_SIZE* span = pcre2_get_ovector_pointer(match);
     found.emplace_back(span[0], span[1]);
     if (span[1] > span[0]) {

@@ -1,6 +1,7 @@
 // SentencePiece models (libsentencepiece): encoding, decoding and training.
 #include "meshtrain/text/tokenizer.h"
 
+#include <nlohmann/json.hpp>
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
@@ -8,17 +9,44 @@ namespace meshtrain::text {
 
 namespace {
 
+// Note [SentencePiece special tokens]
+// SentencePiece itself reads "<s>" in a text as three characters. As
+// Hugging Face's tokenizers for these models do, the model's control pieces
+// (<s>, </s>) and the special tokens tokenizer_config.json lists written in
+// a text become their ids; the text between them is encoded by
+// SentencePiece, each stretch on its own. with_special_tokens() adds the BOS and EOS tokenizer_config.json
+// asks for (add_bos_token, add_eos_token; Llama 2 and Mistral ask for BOS);
+// without that file (a model meshtrain trained) it adds none.
 class SentencePiece : public Tokenizer {
  public:
   explicit SentencePiece(const std::string& model_proto) : proto_(model_proto) {
     const auto status = processor_.LoadFromSerializedProto(model_proto);
     if (!status.ok()) throw TokenizerError("not a SentencePiece model: " + std::string(status.message()));
+    companions_changed();
   }
   std::vector<int64_t> encode(const std::string& text) const override {
-    std::vector<int> ids;
-    const auto status = processor_.Encode(text, &ids);
-    if (!status.ok()) throw TokenizerError("SentencePiece cannot encode the text: " + std::string(status.message()));
-    return {ids.begin(), ids.end()};
+    std::vector<int64_t> out;
+    size_t at = 0;
+    while (at < text.size()) {
+      size_t found = std::string::npos, length = 0;
+      int64_t id = -1;
+      for (const auto& [piece, piece_id] : specials_) {  // the earliest, then the longest
+        const size_t where = text.find(piece, at);
+        if (where < found || (where == found && where != std::string::npos && piece.size() > length)) {
+          found = where, length = piece.size(), id = piece_id;
+        }
+      }
+      encode_plain(text.substr(at, found == std::string::npos ? std::string::npos : found - at), out);
+      if (found == std::string::npos) break;
+      out.push_back(id);
+      at = found + length;
+    }
+    return out;
+  }
+  std::vector<int64_t> with_special_tokens(std::vector<int64_t> ids) const override {
+    if (add_bos_ && processor_.bos_id() >= 0) ids.insert(ids.begin(), processor_.bos_id());
+    if (add_eos_ && processor_.eos_id() >= 0) ids.push_back(processor_.eos_id());
+    return ids;
   }
   std::string decode(const std::vector<int64_t>& ids) const override {
     std::vector<int> narrow;
@@ -47,9 +75,40 @@ class SentencePiece : public Tokenizer {
   std::string kind() const override { return "sentencepiece"; }
   std::map<std::string, std::string> files() const override { return {{"tokenizer.model", proto_}}; }
 
+ protected:
+  void companions_changed() override {
+    specials_.clear();
+    for (int id = 0; id < processor_.GetPieceSize(); ++id) {
+      if (processor_.IsControl(id)) specials_[processor_.IdToPiece(id)] = id;
+    }
+    add_bos_ = add_eos_ = false;
+    auto file = companions().find("tokenizer_config.json");
+    if (file == companions().end()) return;
+    const nlohmann::json config = nlohmann::json::parse(file->second, nullptr, false);
+    if (!config.is_object()) return;
+    add_bos_ = config.value("add_bos_token", true);  // transformers' default for these models
+    add_eos_ = config.value("add_eos_token", false);
+    if (!config.contains("added_tokens_decoder") || !config["added_tokens_decoder"].is_object()) return;
+    for (const auto& [key, token] : config["added_tokens_decoder"].items()) {
+      if (!token.is_object() || !token.value("special", false) || !token.contains("content")) continue;
+      const std::string content = token["content"].get<std::string>();
+      if (!content.empty() && token_id(content) == std::stoll(key)) specials_[content] = std::stoll(key);
+    }
+  }
+
  private:
+  void encode_plain(const std::string& text, std::vector<int64_t>& out) const {
+    if (text.empty()) return;
+    std::vector<int> ids;
+    const auto status = processor_.Encode(text, &ids);
+    if (!status.ok()) throw TokenizerError("SentencePiece cannot encode the text: " + std::string(status.message()));
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
+
   std::string proto_;
   sentencepiece::SentencePieceProcessor processor_;
+  std::map<std::string, int64_t> specials_;  // see Note [SentencePiece special tokens]
+  bool add_bos_ = false, add_eos_ = false;
 };
 
 }  // namespace

@@ -50,14 +50,15 @@ std::string read_file(const fs::path& path) {
 std::unique_ptr<Tokenizer> from_tokenizer_json(const fs::path& path) { return hf_tokenizer(read_file(path), path.string()); }
 
 // A folder's tokenizer: tokenizer.json, else vocab.json + merges.txt, else
-// tokenizer.model; a tokenizer.json this reader cannot take falls back to a
-// tokenizer.model beside it.
+// tokenizer.model; a tokenizer.json this reader cannot take (a component it
+// does not implement, or a file that is no tokenizer.json) falls back to a
+// tokenizer.model beside it, saying so.
 std::unique_ptr<Tokenizer> tokenizer_in_folder(const fs::path& path) {
   const bool has_model = fs::exists(path / "tokenizer.model");
   if (fs::exists(path / "tokenizer.json")) {
     try {
       return from_tokenizer_json(path / "tokenizer.json");
-    } catch (const hf::Unsupported& e) {
+    } catch (const TokenizerError& e) {
       if (!has_model) throw;
       std::fprintf(stderr, "meshtrain: %s; reading %s instead\n", e.what(), (path / "tokenizer.model").c_str());
     }

@@ -55,10 +55,18 @@ class Tokenizer {
   // use it: tokenizer_config.json (special tokens, chat_template),
   // chat_template.jinja, special_tokens_map.json, generation_config.json.
   const std::map<std::string, std::string>& companions() const { return companions_; }
-  void set_companions(std::map<std::string, std::string> companions) { companions_ = std::move(companions); }
+  // Not thread-safe: set before the tokenizer is shared.
+  void set_companions(std::map<std::string, std::string> companions) {
+    companions_ = std::move(companions);
+    companions_changed();
+  }
   // files() and companions(), as a checkpoint or an export keeps them.
   std::map<std::string, std::string> all_files() const;
   virtual std::string describe() const { return kind() + " (" + std::to_string(vocab_size()) + " tokens)"; }
+
+ protected:
+  // After set_companions(): a tokenizer that takes settings from them (SentencePiece's BOS) reads them here.
+  virtual void companions_changed() {}
 
  private:
   std::map<std::string, std::string> companions_;

@@ -40,6 +40,28 @@ def first_difference(a, b):
     return f"lengths {len(a)} vs {len(b)}"
 
 
+def sentencepiece_fallback(work, model_file, sp):
+    """A folder whose tokenizer.json cannot be read falls back to its tokenizer.model, with
+    tokenizer_config.json's BOS and special tokens written in the text as their ids."""
+    folder = os.path.join(work, "sp-folder")
+    os.makedirs(folder)
+    with open(model_file, "rb") as src, open(os.path.join(folder, "tokenizer.model"), "wb") as dst:
+        dst.write(src.read())
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write("{ truncated")
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        f.write('{"add_bos_token": true, "add_eos_token": false}')
+    text = "Hello there</s> world <s>again"
+    out = subprocess.run([MESHTRAIN, "tokenizer", "encode", "--tokenizer", folder, "--special", "--text", text],
+                         capture_output=True, text=True)
+    got = [int(t) for t in out.stdout.split()]
+    want = [sp.bos_id()] + sp.encode("Hello there") + [sp.eos_id()] + sp.encode(" world ") + [sp.bos_id()] + \
+        sp.encode("again")
+    check(out.returncode == 0 and "reading" in out.stderr and "tokenizer.model instead" in out.stderr and got == want,
+          f"a tokenizer.json that is not JSON falls back to tokenizer.model, saying so; BOS added and <s>, </s> "
+          f"in the text as their ids ({got[:6]}... vs {want[:6]}...)")
+
+
 def main(work):
     licenses = sorted(glob.glob("/usr/share/common-licenses/*"))
     licenses = [f for f in licenses if os.path.isfile(f)][:6]
@@ -63,6 +85,7 @@ def main(work):
               + ("" if got == want else f" ({first_difference(got, want)})"))
         back = meshtrain("tokenizer", "decode", "--tokenizer", prefix + ".model", *map(str, got[:300]))
         check(back[:-1] == sp.decode(got[:300]), f"SentencePiece {kind}: decoding equals the package's")
+    sentencepiece_fallback(work, prefix + ".model", sp)
 
     bpe_dir = os.path.join(work, "bpe")
     os.makedirs(bpe_dir)
