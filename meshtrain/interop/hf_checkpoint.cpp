@@ -199,6 +199,12 @@ std::map<std::string, at::Tensor> llama_weights(const Tensors& t, const model::G
     w[b + "attn.qkv.weight"] = fuse_qkv(t.read(h + "self_attn.q_proj.weight", {d, d}),
                                         t.read(h + "self_attn.k_proj.weight", {kv, d}),
                                         t.read(h + "self_attn.v_proj.weight", {kv, d}), c);
+    if (c.qkv_bias) {  // Qwen2: fused in the weights' row order
+      w[b + "attn.qkv.bias"] = fuse_qkv(t.read(h + "self_attn.q_proj.bias", {d}).view({-1, 1}),
+                                        t.read(h + "self_attn.k_proj.bias", {kv}).view({-1, 1}),
+                                        t.read(h + "self_attn.v_proj.bias", {kv}).view({-1, 1}), c)
+                                   .view({-1});
+    }
     w[b + "attn.proj.weight"] = t.read(h + "self_attn.o_proj.weight", {d, d});
     w[b + "norm2.weight"] = t.read(h + "post_attention_layernorm.weight", {d});
     w[b + "mlp.gate.weight"] = t.read(h + "mlp.gate_proj.weight", {f, d});
@@ -219,8 +225,13 @@ HfModel read_hf_model(const std::string& dir) {
   out.model_type = get<std::string>(c, "model_type", config_path);
   if (out.model_type == "gpt2") {
     out.config = gpt2_config(c, config_path);
-  } else if (out.model_type == "llama" || out.model_type == "mistral") {
+  } else if (out.model_type == "llama" || out.model_type == "mistral" || out.model_type == "qwen2") {
     out.config = llama_config(c, config_path);
+    // Qwen2 is Llama with biases on q, k and v (and an optional sliding window, off in its releases).
+    if (out.model_type == "qwen2") {
+      out.config.qkv_bias = true;
+      if (get_or<bool>(c, "use_sliding_window", false)) refuse(config_path, "use_sliding_window = true");
+    }
     // Mistral is Llama with a sliding attention window; without one (v0.2 on), or one the context fits in, it is Llama.
     if (out.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null() &&
         c["sliding_window"].get<int64_t>() < out.config.context) {
@@ -228,7 +239,7 @@ HfModel read_hf_model(const std::string& dir) {
     }
   } else {
     throw FormatError(config_path + ": model_type \"" + out.model_type +
-                      "\" is not supported (gpt2, llama, and mistral without a sliding window are)");
+                      "\" is not supported (gpt2, llama, qwen2, and mistral without a sliding window are)");
   }
   try {
     out.config.validate();
@@ -246,7 +257,7 @@ namespace {
 std::string architecture_of(const model::GptConfig& c) {
   if (c.moe()) throw FormatError("a mixture-of-experts model has no GPT-2 or Llama equivalent");
   if (c.norm == "layernorm" && c.position == "learned" && c.mlp == "gelu" && c.bias && !c.grouped_query()) return "gpt2";
-  if (c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias) return "llama";
+  if (c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias) return c.qkv_bias ? "qwen2" : "llama";
   throw FormatError("model " + c.norm + "/" + c.position + "/" + c.mlp + (c.bias ? "/bias" : "/no bias") +
                     " is neither GPT-2 style (layernorm/learned/gelu/bias) nor Llama style (rmsnorm/rope/swiglu/no "
                     "bias)");
@@ -261,7 +272,7 @@ json hf_config(const model::GptConfig& c, const std::string& arch, at::ScalarTyp
             {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"attn_pdrop", 0.0}, {"initializer_range", 0.02},
             {"tie_word_embeddings", c.tie_embeddings}, {"torch_dtype", torch_dtype}};
   }
-  return {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", c.vocab_size},
+  json llama = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", c.vocab_size},
           {"max_position_embeddings", c.context}, {"hidden_size", c.width}, {"intermediate_size", c.mlp_hidden()},
           {"num_hidden_layers", c.layers}, {"num_attention_heads", c.heads},
           {"num_key_value_heads", c.key_value_heads()}, {"head_dim", c.head_dim()}, {"hidden_act", "silu"},
@@ -269,6 +280,14 @@ json hf_config(const model::GptConfig& c, const std::string& arch, at::ScalarTyp
           {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
           {"attention_bias", false}, {"mlp_bias", false}, {"attention_dropout", 0.0},
           {"tie_word_embeddings", c.tie_embeddings}, {"initializer_range", 0.02}, {"torch_dtype", torch_dtype}};
+  if (arch == "qwen2") {
+    llama["architectures"] = {"Qwen2ForCausalLM"};
+    llama["model_type"] = "qwen2";
+    llama["use_sliding_window"] = false;
+    llama.erase("attention_bias");
+    llama.erase("mlp_bias");
+  }
+  return llama;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> hf_weights(const model::GptConfig& c, const std::string& arch,
@@ -308,6 +327,12 @@ std::vector<std::pair<std::string, at::Tensor>> hf_weights(const model::GptConfi
       out.emplace_back(h + "self_attn.q_proj.weight", qkv[0]);
       out.emplace_back(h + "self_attn.k_proj.weight", qkv[1]);
       out.emplace_back(h + "self_attn.v_proj.weight", qkv[2]);
+      if (c.qkv_bias) {
+        const std::vector<at::Tensor> biases = unfuse_qkv(at_name(b + "attn.qkv.bias").view({-1, 1}), c);
+        out.emplace_back(h + "self_attn.q_proj.bias", biases[0].view({-1}));
+        out.emplace_back(h + "self_attn.k_proj.bias", biases[1].view({-1}));
+        out.emplace_back(h + "self_attn.v_proj.bias", biases[2].view({-1}));
+      }
       out.emplace_back(h + "self_attn.o_proj.weight", at_name(b + "attn.proj.weight"));
       out.emplace_back(h + "post_attention_layernorm.weight", at_name(b + "norm2.weight"));
       out.emplace_back(h + "mlp.gate_proj.weight", at_name(b + "mlp.gate.weight"));

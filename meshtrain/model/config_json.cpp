@@ -8,7 +8,7 @@ std::string to_json(const GptConfig& c) {
   nlohmann::json j{{"vocab_size", c.vocab_size}, {"context", c.context}, {"layers", c.layers},
                    {"heads", c.heads},           {"width", c.width},     {"dropout", c.dropout},
                    {"norm", c.norm},             {"position", c.position}, {"mlp", c.mlp},
-                   {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias},
+                   {"tie_embeddings", c.tie_embeddings}, {"bias", c.bias}, {"qkv_bias", c.qkv_bias},
                    {"kv_heads", c.kv_heads},     {"ffn_hidden", c.ffn_hidden}, {"rope_theta", c.rope_theta},
                    {"norm_eps", c.norm_eps}};
   if (c.moe()) {
@@ -23,7 +23,7 @@ std::string fingerprint(const GptConfig& m) {
   return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
          std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
          " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
-         (m.bias ? "/bias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
+         (m.bias ? "/bias" : m.qkv_bias ? "/qkvbias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
          (m.ffn_hidden > 0 ? " ffn=" + std::to_string(m.ffn_hidden) : "");
 }
 
@@ -46,6 +46,7 @@ GptConfig config_from_json(const std::string& text) {
   c.ffn_hidden = j.value("ffn_hidden", int64_t{0});
   c.rope_theta = j.value("rope_theta", 10000.0);
   c.norm_eps = j.value("norm_eps", 1e-5);
+  c.qkv_bias = j.value("qkv_bias", false);
   if (j.contains("moe")) {
     const nlohmann::json& m = j.at("moe");
     c.moe_experts = m.at("experts");

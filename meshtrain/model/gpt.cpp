@@ -98,7 +98,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
       core_name_(name + ".core"),
       proj_name_(name + ".proj"),
       drop_name_(name + ".drop") {
-  qkv = register_module("qkv", linear(config.width, config.qkv_width(), config.bias));
+  qkv = register_module("qkv", linear(config.width, config.qkv_width(), config.bias || config.qkv_bias));
   proj = register_module("proj", linear(config.width, config.width, config.bias));
   if (rope_) {
     const int64_t half = config.head_dim() / 2;

@@ -162,7 +162,7 @@ int64_t GptConfig::mlp_parameters(int64_t hidden) const {
 
 int64_t GptConfig::block_split_parameters() const {
   const int64_t h = width, b = bias ? 1 : 0, qkv = qkv_width(), hidden = mlp_hidden();
-  const int64_t attention = h * qkv + b * qkv + h * h;  // qkv (column) + projection weight (row)
+  const int64_t attention = h * qkv + (bias || qkv_bias ? qkv : 0) + h * h;  // qkv (column) + projection weight (row)
   const int64_t mlp = (gated_mlp() ? 3 : 2) * h * hidden + b * (gated_mlp() ? 2 : 1) * hidden;  // column biases split too
   return attention + mlp;
 }

@@ -23,6 +23,7 @@ struct GptConfig {
   std::string mlp = "gelu";            // "gelu" (4·width hidden) | "swiglu" (hidden below)
   bool tie_embeddings = true;          // the LM head shares the token embedding
   bool bias = true;                    // biases in linear layers and norms (GPT-2 has them)
+  bool qkv_bias = false;               // biases on the q, k and v projections alone (Qwen2)
   // Grouped-query attention (Llama 2/3): key/value heads, each shared by
   // heads / kv_heads query heads; 0: as many as heads (multi-head attention).
   int64_t kv_heads = 0;

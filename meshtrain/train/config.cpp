@@ -60,6 +60,8 @@ void add_model_keys(std::vector<Field>& f) {
   f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
                     MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
   f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
+  f.push_back(field("model", "qkv_bias", "biases on the attention's q, k and v projections alone (Qwen2)",
+                    MESHTRAIN_CONFIG_MEMBER(model.qkv_bias)));
   f.push_back(field("model", "moe_experts", "experts per mixture-of-experts block (0: dense)",
                     MESHTRAIN_CONFIG_MEMBER(model.moe_experts)));
   f.push_back(field("model", "moe_every", "every k-th block is a mixture of experts (blocks k-1, 2k-1, ...)",

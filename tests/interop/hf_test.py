@@ -1,5 +1,6 @@
-"""Hugging Face interop against transformers itself: random-weight GPT-2 and
-Llama models (grouped-query attention, tied and untied heads, sharded files)
+"""Hugging Face interop against transformers itself: random-weight GPT-2,
+Llama, Mistral and Qwen2 models (grouped-query attention, tied and untied
+heads, q/k/v biases, sharded files)
 built and saved by transformers, imported into meshtrain, must give the same
 logits (<= 1e-4); exported back, transformers must load them and give the same
 logits again.
@@ -49,6 +50,9 @@ MODELS = {
     "mistral, no sliding window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=None)),
+    "qwen2 (q, k, v biases), untied": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=False)),
 }
 
 

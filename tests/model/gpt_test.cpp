@@ -1,5 +1,6 @@
 // The model alone: shapes, exact parameter counts, deterministic init, causality.
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/model/config_json.h"
 #include "tests/model/parameter_count.h"
 
 #include <gtest/gtest.h>
@@ -33,7 +34,11 @@ TEST(GptConfig, CountsByPartEqualTheModulesTheyDescribe) {
   GptConfig moe = GptConfig::preset("tiny");
   moe.moe_experts = 4, moe.moe_every = 2, moe.moe_hidden = 96, moe.mlp = "swiglu", moe.kv_heads = 2;
   configs.push_back(moe);
+  GptConfig qwen = GptConfig::preset("llama-tiny");  // Qwen2: biases on q, k and v alone
+  qwen.qkv_bias = true, qwen.kv_heads = 2;
+  configs.push_back(qwen);
   for (const GptConfig& c : configs) {
+    SCOPED_TRACE(fingerprint(c));
     Gpt model(c, 1);
     const int64_t wpe = model->wpe ? counted(*model->wpe) : 0;
     EXPECT_EQ(c.embedding_parameters(), counted(*model->wte) + wpe);

@@ -19,7 +19,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from checks import Checks  # noqa: E402
-from hf_fixtures import MULTILINGUAL, corpus_text, llama3_tokenizer, trained_bpe  # noqa: E402
+from hf_fixtures import (MULTILINGUAL, corpus_text, llama3_tokenizer, metaspace_vocab, mistral_tokenizer,  # noqa: E402
+                         qwen2_tokenizer, trained_bpe)
 
 MESHTRAIN = sys.argv[1]
 CHECKS = Checks(MESHTRAIN)
@@ -27,15 +28,6 @@ check, meshtrain = CHECKS.check, CHECKS.meshtrain
 
 EDGE_TEXTS = ["", " ", "   leading and trailing   ", "\n\n", "a", "ﬁ", "👍🏽", "x" * 300, "  \u3000 ideographic space",
               "e\u0301\u0301", "Hello world", "ÄÖÜ äöü"]
-BYTES = [f"<0x{b:02X}>" for b in range(256)]
-
-
-def with_bytes_first(vocab, specials):
-    """A SentencePiece-style vocabulary: specials, then <0x00>..<0xFF>, then the learned tokens."""
-    out = {t: i for i, t in enumerate(list(specials) + BYTES)}
-    for token in sorted(vocab, key=vocab.get):
-        out.setdefault(token, len(out))
-    return out
 
 
 def llama3(corpus, out):
@@ -44,27 +36,12 @@ def llama3(corpus, out):
 
 
 def qwen2(corpus, out):
-    pattern = transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX
-    split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
-                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    vocab, merges = trained_bpe(corpus, split, 900, specials=["<|endoftext|>"], byte_level=True)
-    tok = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.save_pretrained(out)
+    qwen2_tokenizer(corpus, out)
     return "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nＨｉ<|im_end|>\n<|endoftext|>"
 
 
-def metaspace_vocab(corpus, specials):
-    vocab, merges = trained_bpe(corpus, pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"), 900,
-                                specials=specials)
-    return with_bytes_first(vocab, specials), merges
-
-
 def llama2(corpus, out):
-    vocab, merges = metaspace_vocab(corpus, ["<unk>", "<s>", "</s>"])
-    tok = transformers.LlamaTokenizer(vocab=vocab, merges=merges)
-    tok.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"]})
-    tok.save_pretrained(out)
+    mistral_tokenizer(corpus, out)
     return "<s>[INST] Who are you? [/INST] I am</s><s>[INST]again[/INST]"
 
 
