@@ -9,12 +9,13 @@ one run:
 - lm-eval: a multiple-choice task through local-completions, against
   lm-eval's hf backend on the exported model;
 - chat: /v1/chat/completions under 1, 8 and 32 concurrent clients (tokens/s,
-  p50 and p99 latency).
+  p50 and p99 latency), beside /v1/completions on the same server with the
+  templated conversation as its prompt (what the chat path adds).
 
 Builds the model with tests/harness/hf_fixtures.py (random weights: speed
 does not depend on them). Run from the repository root:
 
-    .venv/bin/python bench/api_vs_hf.py [--hidden 256] [--layers 4] [--runs 3]
+    .venv/bin/python bench/api_vs_hf.py [--hidden 256] [--layers 4] [--runs 3] [--parts chat]
 """
 import argparse
 import json
@@ -122,16 +123,22 @@ def lm_eval_speed(url, exported, work, docs, batch):
     return timed, len(sentences)
 
 
-def chat_load(url, clients, requests, max_tokens):
+def chat_load(url, clients, requests, max_tokens, tokenizer=None):
+    """Chat requests, or (with the tokenizer) completions of the same conversations templated."""
     latencies, made = [], [0]
     lock = threading.Lock()
 
     def client(c):
         for r in range(requests):
-            body = {"messages": [{"role": "user", "content": f"Tell me about licence {c}.{r}"}], "max_tokens": max_tokens,
-                    "temperature": 0.8, "seed": 100 * c + r}
+            messages = [{"role": "user", "content": f"Tell me about licence {c}.{r}"}]
+            body = {"max_tokens": max_tokens, "temperature": 0.8, "seed": 100 * c + r}
+            if tokenizer:
+                body["prompt"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                body["add_special_tokens"] = False
+            else:
+                body["messages"] = messages
             start = time.perf_counter()
-            out = post(url, body, "/v1/chat/completions")
+            out = post(url, body, "/v1/completions" if tokenizer else "/v1/chat/completions")
             with lock:
                 latencies.append(time.perf_counter() - start)
                 made[0] += out["usage"]["completion_tokens"]
@@ -153,6 +160,9 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--docs", type=int, default=200)
+    parser.add_argument("--chat-requests", type=int, default=8, help="requests each chat client sends")
+    parser.add_argument("--parts", nargs="+", default=["tokenizer", "scoring", "lm-eval", "chat"],
+                        choices=["tokenizer", "scoring", "lm-eval", "chat"])
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     with tempfile.TemporaryDirectory() as work:
@@ -165,7 +175,7 @@ def main():
         subprocess.run([MESHTRAIN, "export", "hf", checkpoint, "--out", exported], check=True, capture_output=True)
         print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab {len(tokenizer)}, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; {os.cpu_count()} cores")
-        for run in range(args.runs):
+        for run in range(args.runs if "tokenizer" in args.parts else 0):
             ours, theirs, same = tokenizer_speed(hf_dir, work)
             print(f"[run {run + 1}] tokenizer: meshtrain {ours:.2f} MB/s, tokenizers {theirs:.2f} MB/s, "
                   f"ratio {ours / theirs:.2f}, ids equal: {same}")
@@ -173,18 +183,20 @@ def main():
         try:
             prompts = [s for s in corpus_text().split("\n\n") if len(s) > 200][:64]
             prompts = [p[:600] for p in prompts]
-            for run in range(args.runs):
+            for run in range(args.runs if "scoring" in args.parts else 0):
                 ours, theirs = scoring_speed(server.url, model, tokenizer, prompts, batch=8)
                 print(f"[run {run + 1}] scoring: meshtrain {ours:.0f} tok/s, transformers {theirs:.0f} tok/s, "
                       f"ratio {ours / theirs:.2f}")
-            for run in range(args.runs):
+            for run in range(args.runs if "lm-eval" in args.parts else 0):
                 timed, docs = lm_eval_speed(server.url, exported, work, args.docs, batch=8)
                 (ours, acc), (theirs, hf_acc) = timed["meshtrain"], timed["hf"]
                 print(f"[run {run + 1}] lm-eval ({docs} docs x 4 choices): local-completions {ours:.1f} s, "
                       f"hf {theirs:.1f} s, speed ratio {theirs / ours:.2f}, acc {acc:.3f} / {hf_acc:.3f}")
-            for clients in (1, 8, 32):
-                tps, p50, p99 = chat_load(server.url, clients, 2, 32)
-                print(f"chat: {clients} clients, {tps:.0f} tok/s, p50 {p50:.2f} s, p99 {p99:.2f} s")
+            for clients in (1, 8, 32) if "chat" in args.parts else ():
+                for name, through in (("chat", None), ("completions", tokenizer)):
+                    tps, p50, p99 = chat_load(server.url, clients, args.chat_requests, 32, through)
+                    print(f"{name}: {clients} clients x {args.chat_requests} requests, {tps:.0f} tok/s, "
+                          f"p50 {p50:.2f} s, p99 {p99:.2f} s", flush=True)
         finally:
             server.stop()
 

@@ -59,6 +59,11 @@ ChatRequest parse_chat_request(const std::string& text, const std::string& serve
     if (!c.is_string() || (c != "none" && c != "auto")) {
       throw bad("tool_choice", "tool_choice may be \"none\" or \"auto\"; forcing a tool call is not supported");
     }
+    if (c == "none") r.tools = nullptr;  // the model is not to call tools: the template does not offer them
+  }
+  if (body.contains("parallel_tool_calls") && !body["parallel_tool_calls"].is_null()) {
+    throw bad("parallel_tool_calls", "parallel_tool_calls is not supported: tools reach the chat template, but tool "
+                                     "calls are not parsed out of the answer");
   }
   if (body.contains("response_format") && !body["response_format"].is_null()) {
     const ojson& f = body["response_format"];

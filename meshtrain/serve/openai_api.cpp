@@ -134,6 +134,10 @@ void api_detail::read_sampling(const ojson& body, GenerationRequestBody& r, cons
       }
     }
     r.include_usage = flag(o, "include_usage", false);
+    if (flag(o, "continuous_usage_stats", false)) {
+      throw bad("stream_options", "stream_options.continuous_usage_stats is not supported; include_usage gives the "
+                                  "usage once, in the last chunk");
+    }
   }
 }
 
@@ -206,6 +210,7 @@ TokenizeRequest parse_tokenize_request(const std::string& text, const std::strin
     r.add_special_tokens = flag(body, "add_special_tokens", true);
   }
   r.add_generation_prompt = flag(body, "add_generation_prompt", true);
+  r.return_token_strs = flag(body, "return_token_strs", false);
   return r;
 }
 

@@ -71,6 +71,7 @@ struct TokenizeRequest {
   ojson messages;  // null unless a conversation is tokenized
   bool add_special_tokens = true;
   bool add_generation_prompt = true;
+  bool return_token_strs = false;  // each id's vocabulary string beside the ids
 };
 
 // Each throws ApiError: 400 naming the field (an unknown one included), 404

@@ -49,7 +49,15 @@ void HttpFrontend::Impl::tokenize(const httplib::Request& req, httplib::Response
   } catch (const text::TokenizerError& e) {
     return send_error(res, 400, std::string("the text cannot be tokenized: ") + e.what(), "invalid_request_error", "prompt");
   }
-  res.set_content(dump({{"count", ids.size()}, {"max_model_len", model.context}, {"tokens", ids}, {"token_strs", nullptr}}),
+  ojson strings = nullptr;
+  if (r.return_token_strs) {
+    strings = ojson::array();
+    for (int64_t id : ids) {
+      const std::optional<std::string> s = model.tokenizer->token_string(id);
+      strings.push_back(s ? ojson(*s) : ojson(nullptr));
+    }
+  }
+  res.set_content(dump({{"count", ids.size()}, {"max_model_len", model.context}, {"tokens", ids}, {"token_strs", strings}}),
                   "application/json");
 }
 

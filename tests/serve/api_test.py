@@ -156,6 +156,9 @@ def endpoints(server, tokenizer):
     status, out = serving.post(server.url, {"prompt": text}, path="/tokenize")
     check(status == 200 and out["tokens"] == tokenizer(text).input_ids and out["count"] == len(out["tokens"]),
           "/tokenize gives transformers' ids (the template's <|begin_of_text|> and the special token in the text)")
+    status, strs = serving.post(server.url, {"prompt": text, "return_token_strs": True}, path="/tokenize")
+    check(status == 200 and strs["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+          and out["token_strs"] is None, "/tokenize with return_token_strs spells each id as the vocabulary does")
     status, back = serving.post(server.url, {"tokens": out["tokens"]}, path="/detokenize")
     check(status == 200 and back["prompt"] == tokenizer.decode(out["tokens"]), "/detokenize gives the text back")
     status, info = get(server.url, "/tokenizer_info")
@@ -171,6 +174,11 @@ def endpoints(server, tokenizer):
     status, out = serving.post(server.url, {"prompt": "x", "max_tokens": 2, "logprob": 2})
     check(status == 400 and out["error"]["param"] == "logprob" and "unknown field 'logprob'" in out["error"]["message"],
           "an unknown field is refused, named: " + out.get("error", {}).get("message", "")[:60])
+    for field, body in [("stream_options", {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
+                        ("parallel_tool_calls", {"parallel_tool_calls": False})]:
+        status, out = serving.post(server.url, {"messages": messages, **body}, path="/v1/chat/completions")
+        check(status == 400 and out["error"]["param"] == field, f"{field} (not carried out) is refused, not ignored: "
+              + out.get("error", {}).get("message", "")[:70])
     status, out = serving.post(server.url, {"messages": [{"role": "user"}]}, path="/v1/chat/completions")
     check(status == 400 and "content" in out["error"]["message"], "a message without content is refused")
     chunks = list(server.client().completions.create(model="meshtrain", prompt="Licence", max_tokens=3, temperature=0,
