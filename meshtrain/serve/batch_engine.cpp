@@ -122,9 +122,9 @@ std::vector<TokenEvent> BatchEngine::prefill(const std::vector<GenerationRequest
   fresh->set_storage(model_.kv_storage());
   model_.gpt()->remove_forward_hooks(cache_.get());
   model_.gpt()->add_forward_hooks(fresh);
-  if (b > 1) fresh->set_padding(pads);
   at::Tensor all_logits;
   try {
+    if (b > 1) fresh->set_padding(pads);
     all_logits = model_.gpt()->forward(tokens);
   } catch (...) {
     model_.gpt()->remove_forward_hooks(fresh.get());
@@ -133,6 +133,25 @@ std::vector<TokenEvent> BatchEngine::prefill(const std::vector<GenerationRequest
   }
   model_.gpt()->remove_forward_hooks(fresh.get());
   model_.gpt()->add_forward_hooks(cache_);
+  // Joining changes the running batch's cache layer by layer: what it held
+  // (tensor handles: joining builds new tensors) comes back if anything
+  // after this point throws (Note [Forward failures]).
+  const model::KvCache saved_cache = *cache_;
+  const std::vector<Row> saved_rows = rows_;
+  try {
+    return join(requests, all_logits, pads, fresh);
+  } catch (...) {
+    *cache_ = saved_cache;
+    rows_ = saved_rows;
+    throw;
+  }
+}
+
+// The prefilled requests that generate join the batch (their first tokens
+// sampled); each one's prompt is scored where asked.
+std::vector<TokenEvent> BatchEngine::join(const std::vector<GenerationRequest>& requests, const at::Tensor& all_logits,
+                                          const std::vector<int64_t>& pads, const std::shared_ptr<model::KvCache>& fresh) {
+  const int64_t b = static_cast<int64_t>(requests.size()), longest = all_logits.size(1);
   // Only the requests that generate join the batch; one that scores its prompt is done here.
   std::vector<int64_t> joining;
   for (int64_t i = 0; i < b; ++i) {

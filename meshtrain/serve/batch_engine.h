@@ -75,6 +75,8 @@ class BatchEngine {
   std::vector<TokenEvent> sample(const at::Tensor& logits, const std::vector<size_t>& rows);
   TokenEvent sample_row(Row& row, const at::Tensor& logits);
   std::vector<TokenEvent> prefill(const std::vector<GenerationRequest>& requests);
+  std::vector<TokenEvent> join(const std::vector<GenerationRequest>& requests, const at::Tensor& all_logits,
+                               const std::vector<int64_t>& pads, const std::shared_ptr<model::KvCache>& fresh);
   std::vector<TokenLogprob> prompt_logprobs(const GenerationRequest& request, const at::Tensor& logits, int64_t pad) const;
   void drop_finished();
 

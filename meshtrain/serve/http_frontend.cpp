@@ -20,7 +20,6 @@ namespace meshtrain::serve {
 namespace {
 
 constexpr auto kIoTimeout = std::chrono::seconds(5);  // for any one write to a client
-constexpr auto kLinger = std::chrono::seconds(2);     // reading what a refused client still sends
 
 // The connection this handler thread serves (the socket of GuardedServer::serve).
 thread_local int t_client = -1;
@@ -35,10 +34,12 @@ class GuardedServer : public httplib::Server {
   explicit GuardedServer(int threads)
       : handlers_(static_cast<size_t>(threads)),
         admission_(
-            [this](int socket, std::string request) {
-              handlers_.enqueue([this, socket, request = std::move(request)]() mutable { serve(socket, std::move(request)); });
+            [this](int socket, std::string request, std::shared_ptr<Admission::Share> share) {
+              handlers_.enqueue([this, socket, request = std::move(request), share = std::move(share)]() mutable {
+                serve(socket, std::move(request), std::move(share));
+              });
             },
-            AdmissionLimits{std::chrono::seconds(10), std::chrono::seconds(30), 16 << 10, kBodyLimit, 128 << 20}) {
+            admission_limits()) {
     new_task_queue = [] { return new httplib::ThreadPool(1); };  // accepting only hands sockets to admission
   }
   ~GuardedServer() override { shut_down(); }
@@ -55,34 +56,26 @@ class GuardedServer : public httplib::Server {
     return true;
   }
 
-  void serve(int socket, std::string request) {
-    {  // the request's bytes are freed before any lingering
+  static AdmissionLimits admission_limits() {
+    AdmissionLimits limits;
+    limits.body_bytes = kBodyLimit;
+    return limits;
+  }
+
+  void serve(int socket, std::string request, std::shared_ptr<Admission::Share> share) {
+    {  // the request's bytes, and their share of the budget, are given back before the socket is
       ClientStream stream(socket, std::chrono::duration_cast<std::chrono::milliseconds>(kIoTimeout), std::move(request));
       t_client = socket;
       bool closed = false;
       process_request(stream, /*close_connection=*/true, closed, nullptr);
       t_client = -1;
     }
-    linger_and_close(socket);
-  }
-
-  // A client still sending (a body refused as too large) would get a reset
-  // instead of the answer if the socket closed with its bytes unread: its
-  // side is shut for writing, and what it sends is read and dropped until it
-  // closes, for at most kLinger.
-  static void linger_and_close(int socket) {
+    share.reset();
+    // A client still sending (a body refused as too large) would get a reset
+    // instead of the answer if the socket closed with its bytes unread: it
+    // lingers in admission's loop (Note [Admission]).
     pollfd fd{socket, POLLIN, 0};
-    if (poll(&fd, 1, 0) > 0 && (fd.revents & POLLIN)) {
-      shutdown(socket, SHUT_WR);
-      const auto deadline = std::chrono::steady_clock::now() + kLinger;
-      char drop[64 << 10];
-      while (std::chrono::steady_clock::now() < deadline) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-        fd.revents = 0;
-        if (poll(&fd, 1, static_cast<int>(left.count()) + 1) <= 0) break;
-        if (recv(socket, drop, sizeof drop, MSG_DONTWAIT) <= 0) break;
-      }
-    }
+    if (poll(&fd, 1, 0) > 0 && (fd.revents & POLLIN)) return admission_.linger(socket);
     shutdown(socket, SHUT_RDWR);
     close(socket);
   }
@@ -171,6 +164,16 @@ HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int t
   httplib::Server& s = *impl->server;
   s.set_payload_max_length(kBodyLimit);
   s.set_write_timeout(kIoTimeout);
+  // Admission sent the 100 already where the body may come; a body declared too large gets its 413, not a 100.
+  s.set_expect_100_continue_handler([](const httplib::Request& req, httplib::Response& res) {
+    const std::string declared = req.get_header_value("Content-Length");
+    if (!declared.empty() && declared.find_first_not_of("0123456789") == std::string::npos &&
+        (declared.size() > 18 || std::stoull(declared) > kBodyLimit)) {
+      send_error(res, 413, "the request body is larger than 8 MiB", "invalid_request_error");
+      return 413;
+    }
+    return 100;
+  });
   routes(impl, s);
   s.Get("/health", [impl](const httplib::Request&, httplib::Response& res) {
     const bool draining = impl->callbacks.draining();

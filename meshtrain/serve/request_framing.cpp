@@ -25,8 +25,9 @@ std::string trim(const std::string& s) {
 RequestFraming::RequestFraming(size_t head_limit, size_t body_limit) : head_limit_(head_limit), body_limit_(body_limit) {}
 
 size_t RequestFraming::byte_limit() const {
-  // Chunk framing: a size line and CRLF per chunk; a sender of 1-byte chunks
-  // pays ~6 bytes of framing per byte, so framing past a body's size is bounded separately.
+  // Chunk framing (a size line and CRLF per chunk) may take as much again as
+  // the body, and a little more; a body in chunks so small that their
+  // framing passes that is handed on cut short (the server answers 400).
   return head_limit_ + 2 * body_limit_ + 64 * 1024;
 }
 

@@ -35,6 +35,11 @@ class RequestFraming {
   // Once the head is complete: the request's size when its body's length is
   // declared (within the limit), else the head's.
   size_t expected_bytes() const { return head_end_ + (body_ == Body::kLength ? length_ : 0); }
+  // Once the head is complete: the most body bytes still to be read (the
+  // declared length; for chunks, up to byte_limit(); 0 without a body to wait for).
+  size_t body_bytes_to_come() const {
+    return body_ == Body::kLength ? length_ : body_ == Body::kChunked ? byte_limit() - head_end_ : 0;
+  }
 
  private:
   enum class Body { kNone, kLength, kChunked };

@@ -201,8 +201,8 @@ std::vector<TokenEvent> contained(Forward forward, const std::function<std::vect
 // A forward can throw for one batch's sake alone: a long prompt, scored with
 // logprobs over a large vocabulary, may need more memory than the limit
 // (memory.limit_mb) allows. A prefill that throws leaves the running batch as
-// it was (BatchEngine::prefill restores its cache; any of its requests that
-// had joined are cancelled): the requests it admitted fail. A decoding step that throws leaves the cache in an unknown state: the
+// it was (BatchEngine::prefill puts back its cache and rows, whichever step
+// threw): the requests it admitted fail. A decoding step that throws leaves the cache in an unknown state: the
 // running requests fail and the engine starts again empty. Either way the
 // others queued go on, and the loop too. Under tensor parallel every rank
 // does the same, which holds when the failure is the same on every rank (the
@@ -214,10 +214,7 @@ void Scheduler::apply(const Turn& turn) {
   std::vector<TokenEvent> events = contained([&] { return engine_.admit(turn.admit); },
                                              [&] {
                                                std::vector<uint64_t> ids;
-                                               for (const GenerationRequest& r : turn.admit) {
-                                                 ids.push_back(r.id);
-                                                 engine_.cancel(r.id);  // in case it joined before the throw
-                                               }
+                                               for (const GenerationRequest& r : turn.admit) ids.push_back(r.id);
                                                return ids;
                                              },
                                              "prompt processing (prefill)", leader);

@@ -29,14 +29,18 @@ namespace {
 // Matching with backtracking inside a repetition ((?:a|b)* over a long
 // text) needs more than the JIT's default 32 KiB of stack: each thread gets
 // up to kJitStack, made once. A match that needs more runs again in PCRE2's
-// interpreter (its frames on the heap, up to PCRE2's heap limit); one that
-// needs more still is an error, never a silent end of the matches.
+// interpreter, its frames on the heap up to kHeapLimit; one that needs more
+// still is an error, never a silent end of the matches.
 constexpr size_t kJitStack = size_t{8} << 20;
+constexpr uint32_t kHeapLimitKib = 256 << 10;
 
 struct MatchContext {
   pcre2_jit_stack* stack = pcre2_jit_stack_create(32 << 10, kJitStack, nullptr);
   pcre2_match_context* context = pcre2_match_context_create(nullptr);
-  MatchContext() { pcre2_jit_stack_assign(context, nullptr, stack); }
+  MatchContext() {
+    pcre2_jit_stack_assign(context, nullptr, stack);
+    pcre2_set_heap_limit(context, kHeapLimitKib);
+  }
   ~MatchContext() {
     pcre2_match_context_free(context);
     pcre2_jit_stack_free(stack);

@@ -26,12 +26,17 @@ class SentencePiece : public Tokenizer {
   }
   std::vector<int64_t> encode(const std::string& text) const override {
     std::vector<int64_t> out;
+    // Each special piece's next place at or after `at`, searched again only
+    // once `at` has passed it: every search moves forward, O(text x pieces).
+    std::vector<size_t> next;
+    for (const auto& special : specials_) next.push_back(text.find(special.first));
     size_t at = 0;
-    while (at < text.size()) {
-      size_t found = std::string::npos, length = 0;
+    while (true) {
+      size_t found = std::string::npos, length = 0, k = 0;
       int64_t id = -1;
       for (const auto& [piece, piece_id] : specials_) {  // the earliest, then the longest
-        const size_t where = text.find(piece, at);
+        size_t& where = next[k++];
+        if (where != std::string::npos && where < at) where = text.find(piece, at);
         if (where < found || (where == found && where != std::string::npos && piece.size() > length)) {
           found = where, length = piece.size(), id = piece_id;
         }

@@ -51,16 +51,18 @@ std::unique_ptr<Tokenizer> from_tokenizer_json(const fs::path& path) { return hf
 
 // A folder's tokenizer: tokenizer.json, else vocab.json + merges.txt, else
 // tokenizer.model; a tokenizer.json this reader cannot take (a component it
-// does not implement, or a file that is no tokenizer.json) falls back to a
-// tokenizer.model beside it, saying so.
+// does not implement, or a file that is no tokenizer.json) falls back to the
+// folder's other files in that order, saying so.
 std::unique_ptr<Tokenizer> tokenizer_in_folder(const fs::path& path) {
   const bool has_model = fs::exists(path / "tokenizer.model");
   if (fs::exists(path / "tokenizer.json")) {
     try {
       return from_tokenizer_json(path / "tokenizer.json");
     } catch (const TokenizerError& e) {
-      if (!has_model) throw;
-      std::fprintf(stderr, "meshtrain: %s; reading %s instead\n", e.what(), (path / "tokenizer.model").c_str());
+      const bool has_bpe = fs::exists(path / "vocab.json") && fs::exists(path / "merges.txt");
+      if (!has_model && !has_bpe) throw;
+      const fs::path other = has_bpe ? path / "vocab.json" : path / "tokenizer.model";
+      std::fprintf(stderr, "meshtrain: %s; reading %s instead\n", e.what(), other.c_str());
     }
   }
   if (fs::exists(path / "vocab.json") && fs::exists(path / "merges.txt")) {

@@ -101,7 +101,49 @@ def bodies_are_held_to_the_limit(server):
     reply = s.recv(4096).decode(errors="replace")
     s.close()
     check(" 413 " in reply.split("\r\n")[0], f"a declared 100 MB body is refused before it is read ({reply[:40]!r})")
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 104857600\r\n\r\n")
+    reply = s.recv(4096).decode(errors="replace")
+    s.close()
+    check(" 413 " in reply.split("\r\n")[0], f"... and with Expect: 100-continue, a 413 instead of a 100 ({reply[:40]!r})")
+    body = json.dumps({"prompt": "The ", "max_tokens": 30, "temperature": 0, "seed": 1, "top_k": 0}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n")
+    interim = s.recv(4096).decode(errors="replace")
+    s.sendall(body)
+    answer = b""
+    while not answer.endswith(b"}") and (piece := s.recv(65536)):
+        answer += piece
+    s.close()
+    text = answer.decode(errors="replace")
+    check(interim.startswith("HTTP/1.1 100 ") and "HTTP/1.1 200 " in text
+          and json.loads(text[text.index("{"):])["choices"][0]["text"] == offline("The ", 30, 0.0, 1),
+          f"a body within the limit sent after a 100 Continue gets its answer ({interim[:25]!r})")
     alive_and_right(server, "oversized bodies")
+
+
+def many_large_bodies_at_once(server, clients=24):
+    """More 7 MiB bodies at once than the budget for bodies being received holds (Note [Admission]): those
+    past it wait their turn, none is starved into a timeout, and each gets its answer."""
+    body = json.dumps({"prompt": "x" * (7 << 20), "max_tokens": 1}).encode()
+    codes = [None] * clients
+
+    def send(i):
+        try:
+            codes[i] = serving.post(server.url, None, raw=body, timeout=60)[0]
+        except OSError as e:
+            codes[i] = str(e)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(clients)]
+    start = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    check(codes == [400] * clients, f"{clients} bodies of 7 MiB at once ({clients * 7} MiB, budget 128 MiB) are "
+          f"all read and answered (400: past the context) in {time.time() - start:.1f} s ({sorted(set(map(str, codes)))})")
+    alive_and_right(server, "many large bodies")
 
 
 def slow_clients_cannot_lock_others_out(server, clients=200):
@@ -164,10 +206,11 @@ def a_client_that_leaves_is_cancelled(server):
     alive_and_right(server, "a client that left")
 
 
-def a_forward_that_fails_fails_its_requests_alone(limit_mib):
+def a_forward_that_fails_fails_its_requests_alone(limit_mib, ranks=1):
     """A scoring request too large for the memory limit fails alone (Note [Forward failures]): a generation
-    running beside it ends with offline generation's text, and the server goes on."""
-    server = serving.Server(MESHTRAIN, CHECKPOINT, "--memory.limit_mb", str(limit_mib))
+    running beside it ends with offline generation's text, and the server goes on; under tensor parallel
+    every rank fails the same forward and goes on alike."""
+    server = serving.Server(MESHTRAIN, CHECKPOINT, "--memory.limit_mb", str(limit_mib), ranks=ranks)
     result = {}
 
     def generate():
@@ -181,19 +224,21 @@ def a_forward_that_fails_fails_its_requests_alone(limit_mib):
     code, reply = serving.post(server.url, huge)
     message = reply.get("error", {}).get("message", "")
     check(code == 500 and "out of memory" in message and "frame #" not in message,
-          f"a prefill past memory.limit_mb={limit_mib} fails that request: 500 ({code} {message[:160]!r})")
+          f"{ranks} rank(s): a prefill past memory.limit_mb={limit_mib} fails that request: 500 "
+          f"({code} {message[:160]!r})")
     running.join()
     code, body = result["reply"]
     check(code == 200 and body["choices"][0]["text"] == offline("To be", 300, 0.9, 7),
           f"the generation running beside it ends with offline generation's text ({code})")
     alive_and_right(server, "a forward that ran out of memory")
-    check(server.stop() == 0, "the server with a memory limit exits 0 after SIGTERM")
+    check(server.stop() == 0, f"{ranks} rank(s): the server with a memory limit exits 0 after SIGTERM")
 
 
 def main():
     server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--max-batch", "2")
     padded_vocabulary_and_extreme_sampling(server)
     bodies_are_held_to_the_limit(server)
+    many_large_bodies_at_once(server)
     slow_clients_cannot_lock_others_out(server)
     a_client_that_leaves_is_cancelled(server)
     check(server.stop() == 0, "the server exits 0 after SIGTERM")
@@ -203,6 +248,7 @@ def main():
     split = serving.Server(MESHTRAIN, CHECKPOINT, ranks=2)  # tensor parallel: every rank samples alike
     padded_vocabulary_and_extreme_sampling(split)
     check(split.stop() == 0, "the tensor-parallel server exits 0 after SIGTERM")
+    a_forward_that_fails_fails_its_requests_alone(40, ranks=2)
     CHECKS.finish()
 
 

@@ -28,6 +28,16 @@ TEST(Regex, BacktrackingPastTheJitStackStillMatches) {
   }
 }
 
+TEST(Regex, AMatchPastEveryLimitIsAnError) {
+  const std::string text = repeated("ab", 2500000);
+  try {
+    Regex("(?:a|b)*").find_all(text);
+    FAIL() << "a match past the interpreter's heap limit gave matches";
+  } catch (const TokenizerError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be matched on a text of 5000000 bytes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Regex, InvalidUtf8IsRefused) { EXPECT_THROW(Regex("a").find_all("a\xff"), TokenizerError); }
 
 }  // namespace
