@@ -121,6 +121,24 @@ void forward_as_drain(int) {
   if (child_pid > 0) kill(child_pid, SIGUSR2);
 }
 
+// Note [Stopping ranks under mpirun]
+// For `train` likewise: the first Ctrl-C or SIGTERM reaches the ranks as
+// SIGUSR2, their request to finish the step and save (Note [Preemption]);
+// a second one is passed on as it is, and mpirun ends the ranks at once.
+volatile sig_atomic_t stops_forwarded = 0;
+
+void forward_as_preempt(int signal) {
+  if (child_pid <= 0) return;
+  if (stops_forwarded++ == 0) {
+    static const char said[] = "meshtrain: stopping: the ranks finish their step and save a checkpoint "
+                               "(Ctrl-C or SIGTERM again to stop at once)\n";
+    (void)!write(STDERR_FILENO, said, sizeof said - 1);
+    kill(child_pid, SIGUSR2);
+  } else {
+    kill(child_pid, signal);
+  }
+}
+
 }  // namespace
 
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args) {
@@ -156,10 +174,11 @@ void forward_as_drain(int) {
     _exit(127);
   }
   close(pipe_fds[1]);
-  // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains first).
-  const bool server = args.front() == "serve";
-  std::signal(SIGINT, server ? forward_as_drain : forward_signal);
-  std::signal(SIGTERM, server ? forward_as_drain : forward_signal);
+  // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
+  const bool server = args.front() == "serve", trainer = args.front() == "train";
+  void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
+  std::signal(SIGINT, on_stop);
+  std::signal(SIGTERM, on_stop);
   filter_stderr(pipe_fds[0]);
   int status = 0;
   while (waitpid(child_pid, &status, 0) < 0 && errno == EINTR) {

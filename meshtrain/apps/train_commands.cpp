@@ -9,15 +9,43 @@
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 
 namespace meshtrain::apps {
 
+namespace {
+
+// The stop request of Note [Preemption]: the number of the first signal.
+std::atomic<int> g_stop{0};
+
+void request_stop(int signal) {
+  int none = 0;
+  g_stop.compare_exchange_strong(none, signal);
+}
+
+// SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 ask the ranks to stop at the next step
+// boundary with a checkpoint; a second SIGINT or SIGTERM ends the process at
+// once (the handler is reset after its first signal).
+void install_stop_handlers() {
+  for (int signal : {SIGTERM, SIGINT, SIGUSR1, SIGUSR2}) {
+    struct sigaction action {};
+    action.sa_handler = request_stop;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | (signal == SIGTERM || signal == SIGINT ? SA_RESETHAND : 0);
+    sigaction(signal, &action, nullptr);
+  }
+}
+
+}  // namespace
+
 int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides) {
   train::TrainConfig config = train::TrainConfig::load(config_path, overrides);
   config.validate(runtime.size());
+  install_stop_handlers();
   train::Trainer trainer(std::move(config), runtime.world());
-  trainer.run();
+  trainer.run(&g_stop);
   return 0;
 }
 

@@ -25,6 +25,11 @@ Field field(std::string section, std::string key, std::string help, Access acces
 
 const config::Names<at::ScalarType>& compute_dtype_names() { return parallel::state_dtype_names(); }
 
+const config::Names<OnNonfinite>& on_nonfinite_names() {
+  static const config::Names<OnNonfinite> names = {{OnNonfinite::kStop, "stop"}, {OnNonfinite::kSkip, "skip"}};
+  return names;
+}
+
 std::string preset_list() {
   std::string names;
   for (const std::string& n : model::GptConfig::preset_names()) names += (names.empty() ? "" : ", ") + n;
@@ -114,6 +119,12 @@ void add_data_and_training_keys(std::vector<Field>& f) {
   f.push_back(field("training", "log_every", "steps between progress lines", MESHTRAIN_CONFIG_MEMBER(log_every)));
   f.push_back(field("training", "sample_tokens", "tokens generated from the model at the end (0: none)",
                     MESHTRAIN_CONFIG_MEMBER(sample_tokens)));
+  f.push_back(config::enum_key<TrainConfig>("training", "on_nonfinite",
+                                            "a step whose loss or gradient norm is not finite is never applied; "
+                                            "\"stop\": the run ends there, \"skip\": the step is passed over",
+                                            on_nonfinite_names(), MESHTRAIN_CONFIG_MEMBER(on_nonfinite)));
+  f.push_back(field("training", "max_nonfinite_skips", "on_nonfinite = \"skip\": steps passed over in a row before "
+                    "the run stops", MESHTRAIN_CONFIG_MEMBER(max_nonfinite_skips)));
 }
 
 // [memory], [checkpoint] and [run].
@@ -319,6 +330,7 @@ void check_training(const TrainConfig& c) {
   if (c.eval_batches < 1) refuse("training.eval_batches", n(c.eval_batches), "must be >= 1");
   if (c.log_every < 1) refuse("training.log_every", n(c.log_every), "must be >= 1");
   if (c.sample_tokens < 0) refuse("training.sample_tokens", n(c.sample_tokens), "must be >= 0");
+  if (c.max_nonfinite_skips < 1) refuse("training.max_nonfinite_skips", n(c.max_nonfinite_skips), "must be >= 1");
 }
 
 // [data], [memory], [checkpoint] and [run].

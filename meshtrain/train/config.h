@@ -19,6 +19,9 @@ namespace meshtrain::train {
 // A config error: names the key, the value and what is allowed.
 using ConfigError = config::ConfigError;
 
+// What a step whose loss or gradient norm is not finite does (Note [Non-finite steps]).
+enum class OnNonfinite { kStop, kSkip };
+
 struct TrainConfig {
   // [model]
   std::string preset = "small";
@@ -46,6 +49,8 @@ struct TrainConfig {
   int64_t eval_batches = 4;  // micro-batches of validation data per rank
   int64_t log_every = 1;
   int64_t sample_tokens = 300;  // generated at the end of training (0: none)
+  OnNonfinite on_nonfinite = OnNonfinite::kStop;  // a step with a non-finite loss or gradient norm
+  int64_t max_nonfinite_skips = 3;                // on_nonfinite = skip: in a row, then stop
   // [parallel] and [offload]: the degrees, their layout rules and every
   // technique's options (parallel/parallel_spec.h).
   parallel::ParallelSpec parallel;

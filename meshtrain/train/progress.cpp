@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 namespace meshtrain::train {
 
@@ -90,6 +91,7 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
                                          {"optimizer_peak", column(4)}}}};
   if (device.peak > 0) line["memory_mib"]["device_peak"] = column(5);
   if (val_loss) line["val_loss"] = *val_loss;
+  if (result.skipped) line["skipped"] = "non-finite loss or gradient norm: not applied";
   // Mixture of experts: per layer, and the means over layers for the progress line.
   double aux = 0, dropped = 0, load = 0;
   for (const model::MoeLayerMetrics& m : result.moe) {
@@ -106,6 +108,7 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
   if (!result.moe.empty()) {
     std::snprintf(experts, sizeof experts, " | aux %.4f | dropped %.1f%% | load %.2f", aux, 100 * dropped, load);
   }
+  if (result.skipped) std::snprintf(val + std::strlen(val), sizeof val - std::strlen(val), " | SKIPPED");
   std::printf("step %5lld/%lld | loss %.4f%s%s | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s | ETA %s\n",
               (long long)result.step, (long long)total_steps, result.loss, val, experts, result.lr, result.grad_norm,
               tokens_per_second, 100 * mfu,

@@ -29,6 +29,7 @@ struct StepResult {
   int64_t step = 0;        // steps completed after this one
   double loss = 0;         // mean training loss over the global batch
   double grad_norm = 0;    // global norm before clipping
+  bool skipped = false;    // not finite, so not applied (Note [Non-finite steps])
   double lr = 0;
   double seconds = 0;
   StepMemory memory;

@@ -2,6 +2,11 @@
 
 #include "meshtrain/annotate/report.h"
 
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <csignal>
+#include <cstdio>
 #include <optional>
 
 #include "meshtrain/comm/agree.h"
@@ -17,8 +22,6 @@
 #include <map>
 #include <mutex>
 #include <tuple>
-#include <cmath>
-#include <cstdio>
 
 namespace meshtrain::train {
 
@@ -179,19 +182,57 @@ StepResult Trainer::step() {
   const double loss_sum = engine_->forward_backward(inputs, targets);
   if (parts().pipeline && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
+  result.loss = engine_->mean_loss(loss_sum);
   {
     memory::PhaseScope phase(memory::Phase::kOptimizer);
     result.grad_norm = engine_->clip_grad_norm(config_.grad_clip);
-    engine_->step(result.lr);
+    result.skipped = !std::isfinite(result.loss) || !std::isfinite(result.grad_norm);
+    if (result.skipped) {
+      stop_or_skip_nonfinite(result);
+    } else {
+      engine_->step(result.lr);
+      nonfinite_in_a_row_ = 0;
+    }
   }
   if (report) write_sharding_report(report->report());
-  result.loss = engine_->mean_loss(loss_sum);
   result.moe = engine_->moe_metrics();
   result.step = ++step_;
   result.memory.model_states = memory::current_bytes();
   for (int p = 0; p < memory::kPhaseCount; ++p) result.memory.phase_peak[p] = memory::phase_peak_bytes(memory::Phase(p));
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return result;
+}
+
+// Note [Non-finite steps]
+// The loss and the gradient norm are agreed by every rank (all-reduced), so
+// every rank sees the same non-finite step. It is never applied: the
+// optimizer does not step, so the parameters, the optimizer states and every
+// checkpoint written later hold the last finite state (save_checkpoint also
+// refuses non-finite parameters, whatever made them). With on_nonfinite =
+// "stop" the run ends there, checkpoints in flight written first; with
+// "skip" the step's data is consumed, its gradients dropped, and the run
+// goes on, stopping after max_nonfinite_skips such steps in a row.
+void Trainer::stop_or_skip_nonfinite(const StepResult& result) {
+  ++nonfinite_in_a_row_;
+  char what[160];
+  std::snprintf(what, sizeof what, "step %lld: the loss is %g and the gradient norm %g", (long long)(step_ + 1),
+                result.loss, result.grad_norm);
+  const bool skip = config_.on_nonfinite == OnNonfinite::kSkip && nonfinite_in_a_row_ <= config_.max_nonfinite_skips;
+  if (skip) {
+    progress_->warn(std::string(what) + "; not applied, the step is passed over (training.on_nonfinite = \"skip\", " +
+                    std::to_string(nonfinite_in_a_row_) + " of at most " + std::to_string(config_.max_nonfinite_skips) +
+                    " in a row)");
+    return;
+  }
+  finish_checkpoints();
+  const std::string last = step_ > 0 ? "the parameters of step " + std::to_string(step_) : "the initial parameters";
+  throw comm::AgreedError(
+      std::string(what) + (nonfinite_in_a_row_ > 1 ? " (" + std::to_string(nonfinite_in_a_row_) + " such steps in a row)" : "") +
+      "; it was not applied, so " + last + " and the checkpoints in " + writer_->store().dir() +
+      " are finite. Lower training.lr, raise training.warmup or training.grad_clip" +
+      (config_.on_nonfinite == OnNonfinite::kSkip
+           ? ", or raise training.max_nonfinite_skips (" + std::to_string(config_.max_nonfinite_skips) + ")"
+           : ", or set training.on_nonfinite = \"skip\" to pass over such steps (training.max_nonfinite_skips in a row)"));
 }
 
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batches(Sampler& sampler, int64_t start,
@@ -237,7 +278,44 @@ void Trainer::write_trace() {
   std::fflush(stdout);
 }
 
-void Trainer::run() {
+// Note [Preemption]
+// Schedulers preempt a job by signalling it (Slurm: SIGTERM, or the signal
+// --signal names, some seconds before SIGKILL). The train command turns
+// SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 into a stop request (apps/
+// train_commands.cpp; `meshtrain run` passes Ctrl-C and SIGTERM on to the
+// ranks as SIGUSR2, Note [Stopping ranks under mpirun]). The ranks agree on
+// it after every step (one all-reduce of one number): a signal that reached
+// any rank stops them all at the same step boundary. The step in progress
+// finishes, a checkpoint of it is written synchronously (any background save
+// finished first), a "preempted" line goes to metrics.jsonl, and the run
+// returns normally, so the process exits 0. Resuming with the same command
+// continues bit-exactly in the same layout (Note [Resume]).
+int Trainer::agreed_stop(const std::atomic<int>* stop) {
+  at::Tensor signal = at::full({1}, stop ? double(stop->load()) : 0.0, at::TensorOptions(at::kDouble).device(world_->device()));
+  world_->all_reduce(signal, comm::ReduceOp::kMax).wait();
+  return static_cast<int>(signal.item<double>());
+}
+
+void Trainer::preempt(int signal) {
+  const auto start = Clock::now();
+  finish_checkpoints();
+  save_checkpoint();
+  finish_checkpoints();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const std::string what = signal == SIGTERM   ? "SIGTERM"
+                           : signal == SIGINT  ? "SIGINT"
+                           : signal == SIGUSR1 ? "SIGUSR1"
+                           : signal == SIGUSR2 ? "SIGUSR2"
+                                               : "signal " + std::to_string(signal);
+  progress_->event(nlohmann::json{{"event", "preempted"}, {"signal", what}, {"step", step_}, {"save_seconds", seconds}}.dump());
+  char line[256];
+  std::snprintf(line, sizeof line, "%s: stopped after step %lld of %lld, checkpoint written in %.1f s to %s; the same "
+                "command resumes from it", what.c_str(), (long long)step_, (long long)config_.steps, seconds,
+                writer_->store().dir().c_str());
+  progress_->say(line);
+}
+
+bool Trainer::run(const std::atomic<int>* stop) {
   const int64_t tokens_per_step = config_.batch * config_.model.context;
   char line[512];
   std::snprintf(line, sizeof line, "training %s (%s, %.2fM parameters) on %d rank(s), ", config_.preset.c_str(),
@@ -271,14 +349,18 @@ void Trainer::run() {
       const double eta = elapsed / (step_ - first_step) * (config_.steps - step_);
       progress_->step(result, val_loss, tokens_per_second, mfu(tokens_per_second), config_.steps, eta, true);
     }
+    if (const int signal = agreed_stop(stop); signal != 0 && !last) {
+      preempt(signal);
+      return true;
+    }
     if (!last && config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();
   }
   save_checkpoint();
   finish_checkpoints();
-  if (config_.sample_tokens <= 0) return;
+  if (config_.sample_tokens <= 0) return false;
   // The parameters gathered into a plain fp32 model on rank 0.
   const std::map<std::string, at::Tensor> full = full_parameters(0);
-  if (world_->rank() != 0) return;
+  if (world_->rank() != 0) return false;
   model::Gpt sampler(config_.model, config_.seed);
   {
     torch::NoGradGuard no_grad;
@@ -296,6 +378,7 @@ void Trainer::run() {
   std::printf("\nmeshtrain: sample after %lld steps (temperature %.1f, top-k %lld):\n%s%s\n", (long long)step_,
               options.temperature, (long long)options.top_k, prompt.c_str(), text.c_str());
   std::fflush(stdout);
+  return false;
 }
 
 }  // namespace meshtrain::train

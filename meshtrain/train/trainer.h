@@ -4,6 +4,8 @@
 // (trainer_checkpoint.cpp). Nothing here applies a parallelism.
 #pragma once
 
+#include <atomic>
+
 #include "meshtrain/checkpoint/writer.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
@@ -51,16 +53,22 @@ class Trainer {
   Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world);
   ~Trainer();
 
+  // One optimizer step; a step whose loss or gradient norm is not finite is
+  // not applied (StepResult::skipped), or stops the run with an AgreedError
+  // (Note [Non-finite steps]). Collective.
   StepResult step();
   double evaluate();  // validation loss, averaged over ranks
   // Collective: saves checkpoint `completed_steps()` (in the background with
   // checkpoint.async; a failure surfaces at the next save or finish_checkpoints()).
+  // Non-finite parameters or optimizer states are never saved: an AgreedError instead.
   void save_checkpoint();
   // Waits for a save in flight; throws its error. Collective.
   void finish_checkpoints();
   // Runs to config.steps with progress lines, metrics, validation and
   // periodic checkpoints; prints a generated sample at the end. Output only on rank 0.
-  void run();
+  // `stop` (set from a signal handler, say) asks for a preemption: see
+  // Note [Preemption]. Returns whether the run was preempted.
+  bool run(const std::atomic<int>* stop = nullptr);
 
   int64_t completed_steps() const { return step_; }
   bool resumed() const { return resumed_; }
@@ -100,6 +108,12 @@ class Trainer {
   void load_checkpoint(const std::string& folder);
   void log_resume_events();  // metrics lines for the checkpoints resume passed over
   void write_trace();
+  void stop_or_skip_nonfinite(const StepResult& result);  // throws unless the step may be passed over
+  // Collective: the stop asked on any rank (the largest signal number), or 0.
+  int agreed_stop(const std::atomic<int>* stop);
+  void preempt(int signal);  // saves synchronously and says so
+  // Collective: whether every rank's share of the training state is finite.
+  bool state_is_finite();
   void write_sharding_report(const annotate::ShardingReport& report);
 
   TrainConfig config_;
@@ -113,6 +127,7 @@ class Trainer {
   std::unique_ptr<Progress> progress_;
   int64_t previous_limit_ = 0;
   int64_t step_ = 0;
+  int64_t nonfinite_in_a_row_ = 0;  // steps not applied in a row (Note [Non-finite steps])
   int64_t cursor_ = 0;
   bool resumed_ = false;
   bool reported_ = false;  // the sharding report is written (once, of the first step run)

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+
 namespace meshtrain::train {
 
 // Note [Resume]
@@ -38,8 +40,30 @@ std::string layout_of(const TrainConfig& config) {
 
 }  // namespace
 
+bool Trainer::state_is_finite() {
+  bool finite = true;
+  for (const placement::StateTensor& t : parallel::training_state(parts())) {
+    const at::Tensor& tensor = t.local;
+    if (is_random_stream(t.name) || !tensor.defined() || !at::isFloatingType(tensor.scalar_type())) continue;
+    // max and min propagate NaN and show an infinity, without a tensor of flags as large as the state.
+    if (tensor.numel() > 0 && !(std::isfinite(tensor.max().item<double>()) && std::isfinite(tensor.min().item<double>()))) {
+      finite = false;
+      break;
+    }
+  }
+  at::Tensor flag = at::full({1}, finite ? 1.0 : 0.0, at::TensorOptions(at::kDouble).device(world_->device()));
+  world_->all_reduce(flag, comm::ReduceOp::kMin).wait();
+  return flag.item<double>() > 0;
+}
+
 void Trainer::save_checkpoint() {
   memory::PhaseScope phase(memory::Phase::kCheckpoint);
+  if (!state_is_finite()) {  // whatever made it so: a checkpoint never holds it (Note [Non-finite steps])
+    finish_checkpoints();
+    throw comm::AgreedError("step " + std::to_string(step_) + ": the parameters or optimizer states hold non-finite "
+                            "values; not saved, so the checkpoints in " + writer_->store().dir() +
+                            " keep the last finite state");
+  }
   checkpoint::Metadata meta;
   meta.step = step_;
   meta.cursor = cursor_;

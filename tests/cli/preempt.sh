@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Preemption (Note [Preemption]): SIGTERM to `meshtrain run -n 2 train` makes
+# both ranks finish their step, save a checkpoint and exit 0; the same
+# command resumes from it and continues bit-exactly (every later step's loss
+# equals an uninterrupted run's); SIGUSR1 (Slurm's --signal) to a single
+# process does the same.
+set -euo pipefail
+meshtrain=$1
+run=$(mktemp -d)
+trap 'kill $(jobs -p) 2> /dev/null || true; rm -rf "$run"' EXIT
+# A flat learning rate: the schedule does not depend on training.steps, so runs of different lengths agree.
+common=(--model.preset=tiny --model.layers=2 --training.batch=4 --training.micro_batch=2 --training.sample_tokens=0
+        --training.lr=1e-3 --training.min_lr=1e-3 --training.warmup=0 --training.eval_every=0
+        --checkpoint.every=1000)
+
+steps_logged() { grep -c '"step":' "$1/metrics.jsonl" 2> /dev/null || echo 0; }
+wait_for_steps() {  # folder, count
+  for _ in $(seq 600); do
+    [ "$(steps_logged "$1")" -ge "$2" ] && return 0
+    sleep 0.2
+  done
+  echo "no $2 steps in $1 within 120 s"; exit 1
+}
+preempted_step() { grep '"event":"preempted"' "$1/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/'; }
+
+# Two ranks under the launcher.
+"$meshtrain" run -n 2 train "${common[@]}" --training.steps=100000 --run.out="$run/a" > "$run/a.log" 2>&1 &
+launcher=$!
+wait_for_steps "$run/a" 3
+kill -TERM "$launcher"
+status=0
+wait "$launcher" || status=$?
+[ "$status" = 0 ] || { echo "exit status $status after SIGTERM"; cat "$run/a.log"; exit 1; }
+n=$(preempted_step "$run/a")
+grep -q "SIGUSR2: stopped after step $n of 100000, checkpoint written" "$run/a.log" || { cat "$run/a.log"; exit 1; }
+[ "$(cat "$run/a/checkpoints/latest")" = "$(printf 'step-%08d' "$n")" ]
+"$meshtrain" run -n 2 train "${common[@]}" --training.steps=$((n + 3)) --run.out="$run/a" > "$run/resumed.log" 2>&1
+grep -q "resumed from .*step-$(printf '%08d' "$n") at step $n" "$run/resumed.log" || { cat "$run/resumed.log"; exit 1; }
+"$meshtrain" run -n 2 train "${common[@]}" --training.steps=$((n + 3)) --run.out="$run/ref" > "$run/ref.log" 2>&1
+resumed=$(grep '"step":' "$run/a/metrics.jsonl" | grep -v event | tail -3 | sed -E 's/.*"loss":([^,]+),.*/\1/')
+reference=$(grep '"step":' "$run/ref/metrics.jsonl" | grep -v event | tail -3 | sed -E 's/.*"loss":([^,]+),.*/\1/')
+[ -n "$resumed" ] && [ "$resumed" = "$reference" ] || {
+  echo "after the resume: $resumed"; echo "uninterrupted: $reference"; exit 1; }
+
+# One process, Slurm's way: SIGUSR1.
+"$meshtrain" train "${common[@]}" --training.steps=100000 --run.out="$run/b" > "$run/b.log" 2>&1 &
+trainer=$!
+wait_for_steps "$run/b" 2
+kill -USR1 "$trainer"
+status=0
+wait "$trainer" || status=$?
+[ "$status" = 0 ] && grep -q "SIGUSR1: stopped after step" "$run/b.log" || { echo "status $status"; cat "$run/b.log"; exit 1; }
+[ -n "$(preempted_step "$run/b")" ]
+echo "ok: preempted at step $n on 2 ranks and resumed bit-exactly; SIGUSR1 saves a single process too"
