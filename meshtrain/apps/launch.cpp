@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -139,6 +140,16 @@ void forward_as_preempt(int signal) {
   }
 }
 
+// Note [Orphaned ranks]
+// A launcher killed with SIGKILL (a job scheduler's last word, an OOM kill)
+// cannot pass anything on, and mpirun and its ranks used to train on with no
+// parent, writing the run folder a requeued job then also wrote. So mpirun
+// starts with a parent-death signal: when the launcher dies, however, the
+// kernel sends mpirun what a first Ctrl-C would have (SIGUSR2 for train and
+// serve: the ranks save or drain and exit; SIGTERM otherwise). Ranks that
+// still run (mpirun itself killed with SIGKILL) hold the run folder's lock,
+// so a second run on it is refused by name (Note [Run lock]).
+
 }  // namespace
 
 [[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args) {
@@ -162,9 +173,14 @@ void forward_as_preempt(int signal) {
   argv.push_back(nullptr);
   int pipe_fds[2];
   if (pipe(pipe_fds) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  const bool server = args.front() == "serve", trainer = args.front() == "train";
+  const pid_t launcher = getpid();
   child_pid = fork();
   if (child_pid < 0) throw std::runtime_error(std::string("cannot fork: ") + std::strerror(errno));
   if (child_pid == 0) {
+    // Note [Orphaned ranks]: the launcher's death stops mpirun as a first Ctrl-C would.
+    prctl(PR_SET_PDEATHSIG, server || trainer ? SIGUSR2 : SIGTERM);
+    if (getppid() != launcher) _exit(128 + SIGTERM);  // it died before the line above
     dup2(pipe_fds[1], STDERR_FILENO);
     close(pipe_fds[0]);
     close(pipe_fds[1]);
@@ -175,7 +191,6 @@ void forward_as_preempt(int signal) {
   }
   close(pipe_fds[1]);
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
-  const bool server = args.front() == "serve", trainer = args.front() == "train";
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);

@@ -4,8 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -31,12 +35,48 @@ std::string human_duration(double seconds) {
   return text;
 }
 
+// Note [Metrics lines]
+// metrics.jsonl is read while it grows (tail -f, dashboards) and after a
+// crash, so each line goes out in one write(2) on a descriptor opened with
+// O_APPEND: a reader sees whole lines, and a process killed mid-run leaves
+// at most one torn last line. Reopening the file to append (a resumed run)
+// cuts such a tail off, with a warning, so the next line starts clean. A
+// line that cannot be written (a full disk) is taken back to the last whole
+// line and said once; training goes on (the checkpoints are what resume
+// needs). A resume writes a "resumed" line: the rows of later steps above it
+// came from the run that was interrupted, and the rows below replace them.
+
+namespace {
+
+// Cuts `fd`'s content after its last newline; returns the bytes cut.
+int64_t cut_torn_tail(int fd) {
+  struct stat info {};
+  if (fstat(fd, &info) != 0 || info.st_size == 0) return 0;
+  int64_t end = info.st_size;
+  char c = 0;
+  while (end > 0 && pread(fd, &c, 1, end - 1) == 1 && c != '\n') --end;
+  if (end == info.st_size || ftruncate(fd, end) != 0) return 0;
+  return info.st_size - end;
+}
+
+}  // namespace
+
 Progress::Progress(std::shared_ptr<comm::Communicator> world, const std::string& out_dir, bool append,
                    at::Device device)
     : world_(std::move(world)), device_(device) {
   if (!leader()) return;
   util::make_directories(out_dir);
-  metrics_.open(out_dir + "/metrics.jsonl", append ? std::ios::app : std::ios::trunc);
+  metrics_path_ = out_dir + "/metrics.jsonl";
+  metrics_fd_ = ::open(metrics_path_.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC | (append ? 0 : O_TRUNC), 0644);
+  if (metrics_fd_ < 0) throw std::runtime_error("cannot open " + metrics_path_ + ": " + std::strerror(errno));
+  if (const int64_t cut = append ? cut_torn_tail(metrics_fd_) : 0; cut > 0) {
+    warn(metrics_path_ + " ended in a torn line (" + std::to_string(cut) + " bytes, from a run stopped mid-write); "
+         "removed it");
+  }
+}
+
+Progress::~Progress() {
+  if (metrics_fd_ >= 0) ::close(metrics_fd_);
 }
 
 void Progress::say(const std::string& text) const {
@@ -52,9 +92,39 @@ void Progress::warn(const std::string& text) const {
 }
 
 void Progress::event(const std::string& json_object) {
+  if (!leader() || metrics_fd_ < 0) return;
+  const std::string line = json_object + "\n";
+  struct stat info {};
+  const off_t before = fstat(metrics_fd_, &info) == 0 ? info.st_size : -1;
+  ssize_t n;
+  do {
+    n = ::write(metrics_fd_, line.data(), line.size());
+  } while (n < 0 && errno == EINTR);
+  if (n == static_cast<ssize_t>(line.size())) return;
+  const std::string why = n < 0 ? std::strerror(errno) : "a short write";
+  if (n > 0 && before >= 0) (void)!ftruncate(metrics_fd_, before);  // no half line
+  if (!metrics_failed_) warn("cannot write " + metrics_path_ + " (" + why + "); metrics lines are lost until it can");
+  metrics_failed_ = true;
+}
+
+void Progress::resumed(int64_t step, const std::string& checkpoint) {
   if (!leader()) return;
-  metrics_ << json_object << "\n";
-  metrics_.flush();
+  int64_t superseded = 0;
+  try {
+    const std::string text = util::read_text_file(metrics_path_);
+    for (size_t start = 0, end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+      const nlohmann::json row = nlohmann::json::parse(text.begin() + start, text.begin() + end, nullptr, false);
+      if (row.is_object() && !row.contains("event") && row.value("step", int64_t{0}) > step) ++superseded;
+    }
+  } catch (const std::runtime_error&) {
+    // No metrics from the run before: nothing is superseded.
+  }
+  event(nlohmann::json{{"event", "resumed"}, {"step", step}, {"checkpoint", checkpoint}, {"superseded_rows", superseded}}
+            .dump());
+  if (superseded > 0) {
+    warn(metrics_path_ + ": " + std::to_string(superseded) + " rows after step " + std::to_string(step) +
+         " are from the run before this resume; the rows after its \"resumed\" line replace them");
+  }
 }
 
 void Progress::step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,8 +49,12 @@ class Progress {
   // Rank 0: "meshtrain: <text>" on stdout; "meshtrain: warning: <text>" on stderr.
   void say(const std::string& text) const;
   void warn(const std::string& text) const;
+  ~Progress();
   // Rank 0: one JSON object as a line of metrics.jsonl.
   void event(const std::string& json_object);
+  // Rank 0: the "resumed" line, counting the rows of steps after `step` that
+  // the run before wrote, which the rows below it now replace.
+  void resumed(int64_t step, const std::string& checkpoint);
   // Collective (every rank's memory and RSS): the step's metrics line, and the
   // progress line when `print`. `mfu` at `tokens_per_second`.
   void step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,
@@ -60,7 +63,9 @@ class Progress {
  private:
   std::shared_ptr<comm::Communicator> world_;
   at::Device device_;
-  std::ofstream metrics_;
+  int metrics_fd_ = -1;  // rank 0: <out>/metrics.jsonl, appended a whole line per write (Note [Metrics lines])
+  std::string metrics_path_;
+  bool metrics_failed_ = false;  // a write failed: said once
 };
 
 }  // namespace meshtrain::train

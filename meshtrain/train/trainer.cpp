@@ -89,6 +89,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
 
 Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     : config_(std::move(config)), world_(std::move(world)), device_(config_.torch_device(comm::node_local_rank())) {
+  lock_run_folders();
   open_data();
   memory::install();
   memory::set_rank(world_->rank());
@@ -105,6 +106,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   if (config_.resume) resume();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
+  if (resumed_) progress_->resumed(step_, resumed_from_);
 
   const bool bf16 = config_.bfloat16() || config_.parallel.param_dtype == at::kBFloat16;
   // MFU is against the peak of the dtype the matmuls run in.
@@ -120,6 +122,16 @@ Trainer::~Trainer() {
     std::fprintf(stderr, "meshtrain: rank %d: the last checkpoint was not saved: %s\n", world_->rank(), e.what());
   }
   memory::set_limit(previous_limit_);
+}
+
+void Trainer::lock_run_folders() {
+  comm::on_root_or_all_fail(*world_, 0, [&] {
+    locks_.push_back(std::make_unique<RunLock>(config_.out));
+    const std::string out = util::canonical_path(config_.out) + "/";
+    const std::string checkpoints = config_.checkpoint_path();
+    util::make_directories(checkpoints);
+    if (util::canonical_path(checkpoints).rfind(out, 0) != 0) locks_.push_back(std::make_unique<RunLock>(checkpoints));
+  });
 }
 
 void Trainer::open_data() {

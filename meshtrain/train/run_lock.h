@@ -1,0 +1,23 @@
+// The run folder's lock: one run at a time writes a run folder's metrics,
+// data and checkpoints (Note [Run lock]).
+#pragma once
+
+#include <string>
+
+namespace meshtrain::train {
+
+class RunLock {
+ public:
+  // Takes an exclusive lock on <folder>/LOCK (creating the folder), or throws
+  // ConfigError naming the process that holds it. Held until destruction or
+  // the process's end, however it ends.
+  explicit RunLock(const std::string& folder);
+  ~RunLock();
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace meshtrain::train
