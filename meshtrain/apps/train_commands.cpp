@@ -36,6 +36,9 @@ void install_stop_handlers() {
     action.sa_flags = SA_RESTART | (signal == SIGTERM || signal == SIGINT ? SA_RESETHAND : 0);
     sigaction(signal, &action, nullptr);
   }
+  // A file size limit (ulimit -f) makes a write fail with EFBIG, which a save
+  // reports and cleans up after (Note [Failed saves]), instead of killing the rank.
+  std::signal(SIGXFSZ, SIG_IGN);
 }
 
 }  // namespace

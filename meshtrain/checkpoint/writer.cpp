@@ -4,6 +4,7 @@
 #include "meshtrain/util/files.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,6 +16,8 @@ namespace meshtrain::checkpoint {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+constexpr char kSpaceAdvice[] = "Free space, keep fewer (checkpoint.keep), or set checkpoint.dir to a larger disk";
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -90,6 +93,8 @@ struct CheckpointWriter::Snapshot {
   };
   Metadata meta;
   std::vector<Tensor> tensors;
+  int64_t bytes = 0;        // this rank's file
+  int64_t total_bytes = 0;  // every rank's files
 };
 
 CheckpointWriter::CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async,
@@ -116,18 +121,21 @@ void CheckpointWriter::save(Metadata meta, const placement::TrainingState& state
       snapshot->tensors.push_back(std::move(copy));
     }
   }
+  check_space(*snapshot);
   if (!async_) {
     write(*snapshot);
     blocking_seconds_ = seconds_since(start);
     return;
   }
   blocking_seconds_ = seconds_since(start);
+  done_ = false;
   thread_ = std::thread([this, snapshot] {
     try {
       write(*snapshot);
     } catch (...) {
       error_ = std::current_exception();
     }
+    done_ = true;
   });
 }
 
@@ -140,10 +148,66 @@ void CheckpointWriter::wait() {
   }
 }
 
+// Note [Failed saves]
+// A save can fail part-way: a disk fills, a quota is reached, a file system
+// goes read-only. Before it writes, every rank checks that the free space
+// where the checkpoints go holds its file (rank 0: every rank's files, for a
+// shared file system), and a save that cannot fit is refused with the bytes
+// it needs, having written nothing. A save that fails anyway removes what it
+// wrote (each rank its file, rank 0 the staging folder), so the disk is left
+// as it was before the save began; `latest` and the older checkpoints are
+// untouched. The error says the bytes needed and what to do.
+
+void CheckpointWriter::check_space(Snapshot& snapshot) {
+  for (const Snapshot::Tensor& t : snapshot.tensors) snapshot.bytes += t.data.numel() * t.data.element_size();
+  const std::vector<std::string> all = comm::all_gather_strings(*comm_, std::to_string(snapshot.bytes));
+  snapshot.total_bytes = 0;
+  for (const std::string& bytes : all) snapshot.total_bytes += std::stoll(bytes);
+  comm::on_all_or_all_fail(*comm_, [&] {
+    struct statvfs fs {};
+    if (statvfs(store_.dir().c_str(), &fs) != 0) return;  // not there yet: the save says what fails
+    const int64_t free = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize);
+    const int64_t needed = comm_->rank() == 0 ? snapshot.total_bytes : snapshot.bytes;
+    if (needed <= free) return;
+    char text[128];
+    std::snprintf(text, sizeof text, "; %.1f MiB are free there: nothing was written",
+                  free / 1048576.0);
+    throw CheckpointError(space_advice(snapshot).insert(0, "cannot save") + text +
+                          ", the checkpoints before it are kept. " + kSpaceAdvice);
+  });
+}
+
+std::string CheckpointWriter::space_advice(const Snapshot& snapshot) const {
+  char text[256];
+  std::snprintf(text, sizeof text, " checkpoint step %lld: it needs %.1f MiB in %s (%.1f MiB of it this rank's file)",
+                (long long)snapshot.meta.step, snapshot.total_bytes / 1048576.0, store_.dir().c_str(),
+                snapshot.bytes / 1048576.0);
+  return text;
+}
+
 void CheckpointWriter::write(const Snapshot& snapshot) {
+  const std::string staging = store_.staging_path(snapshot.meta.step);
+  try {
+    write_files(snapshot, staging);
+  } catch (const std::exception& e) {
+    ::unlink(util::join_path(staging, rank_file_name(comm_->rank())).c_str());
+    if (comm_->rank() == 0) {
+      try {
+        util::remove_tree(staging);
+      } catch (const std::runtime_error&) {
+        // Said below as part of the failure; the next save clears stale staging folders.
+      }
+    }
+    const std::string what = std::string(e.what()) + ";" + space_advice(snapshot) +
+                             "; its partial files are removed, the checkpoints before it are kept. " + kSpaceAdvice;
+    if (dynamic_cast<const comm::AgreedError*>(&e)) throw comm::AgreedError(what);
+    throw CheckpointError(what);
+  }
+}
+
+void CheckpointWriter::write_files(const Snapshot& snapshot, const std::string& staging) {
   const auto start = Clock::now();
   const int64_t step = snapshot.meta.step;
-  const std::string staging = store_.staging_path(step);
   comm::on_root_or_all_fail(*comm_, 0, [&] { store_.prepare_staging(step); });
   // This rank's file: every chunk's bytes back to back, block checksums.
   Metadata mine = snapshot.meta;

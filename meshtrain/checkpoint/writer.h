@@ -9,6 +9,7 @@
 #include "meshtrain/mesh/mesh_layout.h"
 #include "meshtrain/placement/state_tensor.h"
 
+#include <atomic>
 #include <exception>
 #include <memory>
 #include <thread>
@@ -42,6 +43,8 @@ class CheckpointWriter {
   // Waits for the save in flight, if any, and throws its error. Collective then.
   void wait();
   bool in_flight() const { return thread_.joinable(); }
+  // A save was started and has ended (wait() then returns at once, or throws its error).
+  bool finished() const { return thread_.joinable() && done_.load(); }
 
   const CheckpointStore& store() const { return store_; }
   // Of the last save: seconds the caller was blocked (snapshot, or all of a
@@ -53,6 +56,10 @@ class CheckpointWriter {
  private:
   struct Snapshot;
   void write(const Snapshot& snapshot);
+  void write_files(const Snapshot& snapshot, const std::string& staging);
+  // Collective: this save's bytes on this rank and on all; refuses a save the disk cannot hold.
+  void check_space(Snapshot& snapshot);
+  std::string space_advice(const Snapshot& snapshot) const;
 
   CheckpointStore store_;
   std::shared_ptr<comm::Communicator> comm_;
@@ -60,6 +67,7 @@ class CheckpointWriter {
   int64_t block_bytes_;
   std::thread thread_;
   std::exception_ptr error_;
+  std::atomic<bool> done_{false};
   double blocking_seconds_ = 0, write_seconds_ = 0;
   int64_t bytes_ = 0;
 };

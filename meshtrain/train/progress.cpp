@@ -96,13 +96,16 @@ void Progress::event(const std::string& json_object) {
   const std::string line = json_object + "\n";
   struct stat info {};
   const off_t before = fstat(metrics_fd_, &info) == 0 ? info.st_size : -1;
-  ssize_t n;
-  do {
-    n = ::write(metrics_fd_, line.data(), line.size());
-  } while (n < 0 && errno == EINTR);
-  if (n == static_cast<ssize_t>(line.size())) return;
-  const std::string why = n < 0 ? std::strerror(errno) : "a short write";
-  if (n > 0 && before >= 0) (void)!ftruncate(metrics_fd_, before);  // no half line
+  size_t written = 0;
+  while (written < line.size()) {  // one write, unless the disk takes only part of it
+    const ssize_t n = ::write(metrics_fd_, line.data() + written, line.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    written += static_cast<size_t>(n);
+  }
+  if (written == line.size()) return;
+  const std::string why = std::strerror(errno);
+  if (written > 0 && before >= 0) (void)!ftruncate(metrics_fd_, before);  // no half line
   if (!metrics_failed_) warn("cannot write " + metrics_path_ + " (" + why + "); metrics lines are lost until it can");
   metrics_failed_ = true;
 }

@@ -302,10 +302,17 @@ void Trainer::write_trace() {
 // finished first), a "preempted" line goes to metrics.jsonl, and the run
 // returns normally, so the process exits 0. Resuming with the same command
 // continues bit-exactly in the same layout (Note [Resume]).
+// The same all-reduce tells whether a background save has ended on every
+// rank: its error (a full disk, say) is then raised at this step, not at the
+// next save (Note [Failed saves] in checkpoint/writer.cpp).
 int Trainer::agreed_stop(const std::atomic<int>* stop) {
-  at::Tensor signal = at::full({1}, stop ? double(stop->load()) : 0.0, at::TensorOptions(at::kDouble).device(world_->device()));
-  world_->all_reduce(signal, comm::ReduceOp::kMax).wait();
-  return static_cast<int>(signal.item<double>());
+  const double running = writer_->in_flight() && !writer_->finished() ? 1.0 : 0.0;
+  at::Tensor agreed = at::tensor({stop ? double(stop->load()) : 0.0, running, writer_->in_flight() ? 1.0 : 0.0},
+                                 at::kDouble).to(world_->device());
+  world_->all_reduce(agreed, comm::ReduceOp::kMax).wait();
+  agreed = agreed.cpu();
+  if (agreed[1].item<double>() == 0 && agreed[2].item<double>() > 0) finish_checkpoints();  // every rank: ended
+  return static_cast<int>(agreed[0].item<double>());
 }
 
 void Trainer::preempt(int signal) {

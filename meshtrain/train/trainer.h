@@ -111,7 +111,8 @@ class Trainer {
   void write_trace();
   void lock_run_folders();  // collective: rank 0 locks them, or every rank throws
   void stop_or_skip_nonfinite(const StepResult& result);  // throws unless the step may be passed over
-  // Collective: the stop asked on any rank (the largest signal number), or 0.
+  // Collective: the stop asked on any rank (the largest signal number), or 0;
+  // raises the error of a background save that has ended on every rank.
   int agreed_stop(const std::atomic<int>* stop);
   void preempt(int signal);  // saves synchronously and says so
   // Collective: whether every rank's share of the training state is finite.
