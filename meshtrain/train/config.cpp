@@ -139,6 +139,9 @@ void add_run_keys(std::vector<Field>& f) {
                     "runs meanwhile; memory for one copy of this rank's state)", MESHTRAIN_CONFIG_MEMBER(checkpoint_async)));
   f.push_back(field("checkpoint", "keep", "checkpoints kept (the newest; at least 1)",
                     MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
+  f.push_back(field("checkpoint", "preempt_grace_s", "seconds a scheduler leaves between its stop signal and SIGKILL "
+                    "(Slurm's KillWait, 30 by default): after a stop, a checkpoint that would not be written within "
+                    "what is left of it is not begun, and the latest one stands", MESHTRAIN_CONFIG_MEMBER(checkpoint_preempt_grace_s)));
   f.push_back(field("checkpoint", "resume", "continue from the latest checkpoint if there is one",
                     MESHTRAIN_CONFIG_MEMBER(resume)));
   f.push_back(field("run", "device", "\"cpu\", \"cuda\" (cuda:local_rank % GPUs), \"cuda:N\" or \"auto\" (cuda when a GPU "
@@ -350,6 +353,9 @@ void check_data_and_run(const TrainConfig& c) {
   if (c.memory_limit_mb < 0) refuse("memory.limit_mb", n(c.memory_limit_mb), "must be >= 0 (0: no limit)");
   if (c.checkpoint_every < 0) refuse("checkpoint.every", n(c.checkpoint_every), "must be >= 0");
   if (c.checkpoint_keep < 1) refuse("checkpoint.keep", n(c.checkpoint_keep), "must be >= 1");
+  if (!(c.checkpoint_preempt_grace_s > 0)) {
+    refuse("checkpoint.preempt_grace_s", n(c.checkpoint_preempt_grace_s), "must be > 0");
+  }
   const std::string& device = c.device;
   if (device != "cpu" && device != "cuda" && device != "auto" && device.rfind("cuda:", 0) != 0) {
     refuse("run.device", config::quoted(device), "use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"");

@@ -296,12 +296,17 @@ void Trainer::write_trace() {
 // SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 into a stop request (apps/
 // train_commands.cpp; `meshtrain run` passes Ctrl-C and SIGTERM on to the
 // ranks as SIGUSR2, Note [Stopping ranks under mpirun]). The ranks agree on
-// it after every step (one all-reduce of one number): a signal that reached
-// any rank stops them all at the same step boundary. The step in progress
+// it after every step (one small all-reduce): a signal that reached any
+// rank stops them all at the same step boundary. The step in progress
 // finishes, a checkpoint of it is written synchronously (any background save
 // finished first), a "preempted" line goes to metrics.jsonl, and the run
 // returns normally, so the process exits 0. Resuming with the same command
 // continues bit-exactly in the same layout (Note [Resume]).
+// The scheduler's SIGKILL follows after checkpoint.preempt_grace_s. A save
+// it would cut off is work lost and, worse, the time the job had to exit
+// cleanly: so when the last save's time (the slowest rank's) exceeds what is
+// left of the grace, counting the whole step just run as spent, and an
+// earlier checkpoint exists, none is begun and the run resumes from that one.
 // The same all-reduce tells whether a background save has ended on every
 // rank: its error (a full disk, say) is then raised at this step, not at the
 // next save (Note [Failed saves] in checkpoint/writer.cpp).
@@ -315,23 +320,49 @@ int Trainer::agreed_stop(const std::atomic<int>* stop) {
   return static_cast<int>(agreed[0].item<double>());
 }
 
-void Trainer::preempt(int signal) {
+void Trainer::preempt(int signal, double step_seconds) {
   const auto start = Clock::now();
-  finish_checkpoints();
-  save_checkpoint();
-  finish_checkpoints();
+  finish_checkpoints();  // a background save in flight is a checkpoint too
+  // What a synchronous save takes here: the last one's time on the slowest rank.
+  at::Tensor expected = at::full({1}, writer_->last_blocking_seconds() + writer_->last_write_seconds(),
+                                 at::TensorOptions(at::kDouble).device(world_->device()));
+  world_->all_reduce(expected, comm::ReduceOp::kMax).wait();
+  const double save_seconds = expected.item<double>();
+  // The signal came during the step just finished: at worst at its start.
+  const double left = config_.checkpoint_preempt_grace_s - step_seconds -
+                      std::chrono::duration<double>(Clock::now() - start).count();
+  const bool saved_already = saved_step_ == step_;
+  const bool save = !saved_already && !(saved_step_ >= 0 && save_seconds > left);
+  if (save) {
+    save_checkpoint();
+    finish_checkpoints();
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const std::string what = signal == SIGTERM   ? "SIGTERM"
                            : signal == SIGINT  ? "SIGINT"
                            : signal == SIGUSR1 ? "SIGUSR1"
                            : signal == SIGUSR2 ? "SIGUSR2"
                                                : "signal " + std::to_string(signal);
-  progress_->event(nlohmann::json{{"event", "preempted"}, {"signal", what}, {"step", step_}, {"save_seconds", seconds}}.dump());
-  char line[256];
-  std::snprintf(line, sizeof line, "%s: stopped after step %lld of %lld, checkpoint written in %.1f s to %s; the same "
-                "command resumes from it", what.c_str(), (long long)step_, (long long)config_.steps, seconds,
-                writer_->store().dir().c_str());
+  progress_->event(nlohmann::json{{"event", "preempted"}, {"signal", what}, {"step", step_}, {"saved", save},
+                                  {"resume_step", saved_step_}, {"save_seconds", seconds}}.dump());
+  char line[512];
+  const char* dir = writer_->store().dir().c_str();
+  if (save || saved_already) {
+    std::snprintf(line, sizeof line, "%s: stopped after step %lld of %lld, checkpoint written in %.1f s to %s; the same "
+                  "command resumes from it", what.c_str(), (long long)step_, (long long)config_.steps, seconds, dir);
+  } else {
+    std::snprintf(line, sizeof line, "%s: stopped after step %lld of %lld; a checkpoint takes about %.1f s here and %.1f s "
+                  "were left of checkpoint.preempt_grace_s = %g, so none was begun: the same command resumes from step "
+                  "%lld in %s", what.c_str(), (long long)step_, (long long)config_.steps, save_seconds, std::max(0.0, left),
+                  config_.checkpoint_preempt_grace_s, (long long)saved_step_, dir);
+  }
   progress_->say(line);
+  if (save && seconds > left) {
+    std::snprintf(line, sizeof line, "the checkpoint took %.1f s, more than the %.1f s left of "
+                  "checkpoint.preempt_grace_s = %g: a scheduler may have cut it off", seconds, std::max(0.0, left),
+                  config_.checkpoint_preempt_grace_s);
+    progress_->warn(line);
+  }
 }
 
 bool Trainer::run(const std::atomic<int>* stop) {
@@ -369,7 +400,7 @@ bool Trainer::run(const std::atomic<int>* stop) {
       progress_->step(result, val_loss, tokens_per_second, mfu(tokens_per_second), config_.steps, eta, true);
     }
     if (const int signal = agreed_stop(stop); signal != 0 && !last) {
-      preempt(signal);
+      preempt(signal, result.seconds);
       return true;
     }
     if (!last && config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();

@@ -114,7 +114,8 @@ class Trainer {
   // Collective: the stop asked on any rank (the largest signal number), or 0;
   // raises the error of a background save that has ended on every rank.
   int agreed_stop(const std::atomic<int>* stop);
-  void preempt(int signal);  // saves synchronously and says so
+  // Saves synchronously, unless that would outlast checkpoint.preempt_grace_s, and says so. Collective.
+  void preempt(int signal, double step_seconds);
   // Collective: whether every rank's share of the training state is finite.
   bool state_is_finite();
   void write_sharding_report(const annotate::ShardingReport& report);
@@ -131,6 +132,7 @@ class Trainer {
   std::unique_ptr<Progress> progress_;
   int64_t previous_limit_ = 0;
   int64_t step_ = 0;
+  int64_t saved_step_ = -1;  // the step of the last checkpoint saved or resumed from (-1: none)
   int64_t nonfinite_in_a_row_ = 0;  // steps not applied in a row (Note [Non-finite steps])
   int64_t cursor_ = 0;
   bool resumed_ = false;

@@ -73,6 +73,7 @@ void Trainer::save_checkpoint() {
   meta.world = world_->size();
   meta.tokenizer = text::tokenizer_to_json(*tokenizer_);
   writer_->save(std::move(meta), parallel::training_state(parts()), mesh().layout());
+  saved_step_ = step_;  // once it is written: a failure is raised before anything relies on it
 }
 
 void Trainer::finish_checkpoints() { writer_->wait(); }
@@ -130,6 +131,7 @@ void Trainer::resume() {
       continue;
     }
     resumed_ = true;
+    saved_step_ = step_;
     resumed_from_ = folder;
     return;
   }

@@ -51,4 +51,21 @@ status=0
 wait "$trainer" || status=$?
 [ "$status" = 0 ] && grep -q "SIGUSR1: stopped after step" "$run/b.log" || { echo "status $status"; cat "$run/b.log"; exit 1; }
 [ -n "$(preempted_step "$run/b")" ]
-echo "ok: preempted at step $n on 2 ranks and resumed bit-exactly; SIGUSR1 saves a single process too"
+
+# A grace too short for any save: none is begun, and the run resumes from the checkpoint before.
+"$meshtrain" train "${common[@]}" --training.steps=100000 --checkpoint.every=3 --checkpoint.async=false \
+  --checkpoint.preempt_grace_s=0.001 --run.out="$run/c" > "$run/c.log" 2>&1 &
+trainer=$!
+wait_for_steps "$run/c" 4
+kill -USR1 "$trainer"
+status=0
+wait "$trainer" || status=$?
+[ "$status" = 0 ] || { echo "status $status"; cat "$run/c.log"; exit 1; }
+n=$(preempted_step "$run/c")
+kept=$(printf 'step-%08d' $((n / 3 * 3)))
+[ "$(cat "$run/c/checkpoints/latest")" = "$kept" ] || { cat "$run/c.log"; ls "$run/c/checkpoints"; exit 1; }
+if [ $((n % 3)) != 0 ]; then
+  grep -q "SIGUSR1: stopped after step $n of 100000; a checkpoint takes about .* were left of checkpoint.preempt_grace_s = 0.001, so none was begun: the same command resumes from step $((n / 3 * 3))" "$run/c.log" || {
+    cat "$run/c.log"; exit 1; }
+fi
+echo "ok: preempted at step $n on 2 ranks and resumed bit-exactly; SIGUSR1 saves a single process too; no save past the grace"
