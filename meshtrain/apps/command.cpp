@@ -1,6 +1,7 @@
 #include "meshtrain/apps/command.h"
 
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/comm/job_environment.h"
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/util/config_keys.h"
 
@@ -54,6 +55,7 @@ int run_on_ranks(Command& command, int& argc, char**& argv) {
   std::optional<comm::Runtime> runtime;
   try {
     runtime.emplace(&argc, &argv);
+    comm::check_job_environment();  // Note [Job environment]
     set_threads_per_rank(*runtime);
     return command.run(&*runtime);
   } catch (const std::exception& e) {

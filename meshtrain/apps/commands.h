@@ -164,14 +164,23 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
 int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps,
                     int timed_steps);
 
-// Runs `mpirun -np ranks <this executable> args...` with OMP_NUM_THREADS =
-// cores / ranks unless already set, passes its output on (without Open MPI's
-// banners that repeat meshtrain's own errors, Note [Launcher output]) and
-// exits with its status. Returns only by throwing.
-[[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args);
+// Where `meshtrain run` places its ranks: this host (empty), or other hosts.
+struct Hosts {
+  std::string hostfile;  // mpirun --hostfile
+  std::string list;      // "a:2,b:2", mpirun --host
+  bool empty() const { return hostfile.empty() && list.empty(); }
+};
+
+// Runs `mpirun -np ranks <this executable> args...` on `hosts`, passing on
+// every MESHTRAIN_* variable set here (Note [Job environment]), passes its
+// output on (without Open MPI's banners that repeat meshtrain's own errors,
+// Note [Launcher output]) and exits with its status. Returns only by throwing.
+[[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const std::vector<std::string>& args);
 
 // The mpirun command line run_launcher uses (exposed for tests).
-std::vector<std::string> launch_command(int ranks, const std::vector<std::string>& args, bool open_mpi, bool root);
+// `variables`: the names passed on to every rank.
+std::vector<std::string> launch_command(int ranks, const Hosts& hosts, const std::vector<std::string>& args,
+                                        bool open_mpi, bool root, const std::vector<std::string>& variables);
 
 // bench pp: every pipeline schedule for pp = 2, 4 and m = 4, 8, 16 (see main.cpp).
 int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps,

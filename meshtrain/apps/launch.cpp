@@ -8,6 +8,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+extern char** environ;
+
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -42,12 +45,18 @@ std::string self_executable() {
 
 }  // namespace
 
-std::vector<std::string> launch_command(int ranks, const std::vector<std::string>& args, bool open_mpi, bool root) {
+std::vector<std::string> launch_command(int ranks, const Hosts& hosts, const std::vector<std::string>& args,
+                                        bool open_mpi, bool root, const std::vector<std::string>& variables) {
   std::vector<std::string> command{MESHTRAIN_MPIEXEC, "-np", std::to_string(ranks)};
+  if (!hosts.hostfile.empty()) command.insert(command.end(), {"--hostfile", hosts.hostfile});
+  if (!hosts.list.empty()) command.insert(command.end(), {"--host", hosts.list});
   if (open_mpi) {
-    // More ranks than cores is fine for development runs; binding each rank to
-    // one core would serialise a rank's progress thread with its compute.
-    command.insert(command.end(), {"--oversubscribe", "--bind-to", "none", "-x", "OMP_NUM_THREADS"});
+    // On this host alone, more ranks than cores is fine for development runs.
+    // On named hosts the slots are the user's: too few of them must fail.
+    if (hosts.empty()) command.push_back("--oversubscribe");
+    // Binding each rank to one core would serialise a rank's progress thread with its compute.
+    command.insert(command.end(), {"--bind-to", "none"});
+    for (const std::string& name : variables) command.insert(command.end(), {"-x", name});
     if (root) command.push_back("--allow-run-as-root");
   }
   command.push_back(self_executable());
@@ -152,19 +161,50 @@ void forward_as_preempt(int signal) {
 
 }  // namespace
 
-[[noreturn]] int run_launcher(int ranks, const std::vector<std::string>& args) {
+namespace {
+
+// The variables every rank must share (Note [Job environment]) and the thread
+// count, when set here; Open MPI passes OMPI_MCA_* on by itself.
+std::vector<std::string> passed_variables() {
+  std::vector<std::string> names;
+  for (char** entry = environ; entry && *entry; ++entry) {
+    const std::string text(*entry);
+    const std::string name = text.substr(0, text.find('='));
+    if (name.rfind("MESHTRAIN_", 0) == 0 || name == "OMP_NUM_THREADS") names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void check_hosts(const Hosts& hosts) {
+  if (!hosts.hostfile.empty() && !hosts.list.empty()) {
+    throw std::invalid_argument("run: give --hostfile or --hosts, not both");
+  }
+  if (!hosts.hostfile.empty() && access(hosts.hostfile.c_str(), R_OK) != 0) {
+    throw std::invalid_argument("run --hostfile " + hosts.hostfile + ": " + std::strerror(errno) +
+                                " (one host per line, e.g. `hostA slots=2`)");
+  }
+}
+
+}  // namespace
+
+[[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const std::vector<std::string>& args) {
   if (ranks < 1) throw std::invalid_argument("run -n needs at least 1 rank, got " + std::to_string(ranks));
   if (args.empty()) throw std::invalid_argument("run -n N needs a subcommand to run, e.g. `meshtrain run -n 2 selfcheck`");
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = std::max(1, cores / ranks);
-  setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), /*overwrite=*/0);
+  check_hosts(hosts);
   // The compute threads fill every core, so a rank waiting inside MPI must yield
   // its core rather than spin on it, or it slows the backward pass that its
   // all-reduce is meant to overlap (measured: docs/BENCHMARKS.md). Open MPI
   // forwards OMPI_MCA_* variables to every rank.
   setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
-  const std::vector<std::string> command = launch_command(ranks, args, is_open_mpi(), geteuid() == 0);
-  std::fprintf(stderr, "meshtrain: launching %d ranks, %s threads each:", ranks, std::getenv("OMP_NUM_THREADS"));
+  const std::vector<std::string> command =
+      launch_command(ranks, hosts, args, is_open_mpi(), geteuid() == 0, passed_variables());
+  // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", ranks,
+               hosts.empty() ? "" : (" on " + (hosts.list.empty() ? "the hosts of " + hosts.hostfile : hosts.list)).c_str(),
+               threads ? ("OMP_NUM_THREADS=" + std::string(threads) + " threads each").c_str()
+                       : "threads per rank = its host's cores / its host's ranks");
   for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());
   std::fprintf(stderr, "\n");
   std::fflush(stderr);
@@ -205,13 +245,18 @@ void forward_as_preempt(int signal) {
 
 CommandPtr add_run(CLI::App& app) {
   auto ranks = std::make_shared<int>(0);
+  auto hosts = std::make_shared<Hosts>();
   CLI::App* run = app.add_subcommand(
-      "run", "Launch N local ranks of meshtrain through mpirun, e.g. `meshtrain run -n 2 selfcheck` (handles root, "
-             "more ranks than cores, and OMP_NUM_THREADS = cores / N). Plain mpirun/srun work too.");
+      "run", "Launch N ranks of meshtrain through mpirun, on this host or on others (--hostfile, --hosts). Passes every "
+             "MESHTRAIN_* variable set here on to the ranks; each rank uses its host's cores / its host's ranks as "
+             "threads. Plain mpirun and srun --mpi=pmix work too.");
   run->add_option("-n,--ranks", *ranks, "Number of ranks")->required()->check(CLI::PositiveNumber);
+  run->add_option("--hostfile", hosts->hostfile, "Open MPI hostfile: a line per host, e.g. `hostA slots=2`");
+  run->add_option("--hosts", hosts->list, "Hosts and their slots, e.g. hostA:2,hostB:2");
   run->prefix_command();  // everything after the options is the command every rank runs
-  run->footer("Example: meshtrain run -n 4 bench comm --max-size 64M");
-  return plain_command(run, [ranks, run] { return run_launcher(*ranks, run->remaining()); });
+  run->footer("Examples:\n  meshtrain run -n 4 bench comm --max-size 64M\n"
+              "  meshtrain run -n 4 --hosts hostA:2,hostB:2 train --run.out=/shared/runs/a");
+  return plain_command(run, [ranks, hosts, run] { return run_launcher(*ranks, *hosts, run->remaining()); });
 }
 
 }  // namespace meshtrain::apps

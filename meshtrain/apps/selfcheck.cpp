@@ -165,7 +165,9 @@ CommandPtr add_selfcheck(CLI::App& app) {
                    "bandwidth table");
   sub->add_option("--bench-max-size", *max_size, "Largest message of the bandwidth table (e.g. 16M; 0 skips the table)")
       ->capture_default_str();
-  return command(sub, [max_size](comm::Runtime& runtime) { return run_selfcheck(runtime, parse_size(*max_size)); });
+  return command(sub, [max_size](comm::Runtime& runtime) {
+    return run_selfcheck(runtime, *max_size == "0" ? 0 : parse_size(*max_size));
+  });
 }
 
 }  // namespace meshtrain::apps

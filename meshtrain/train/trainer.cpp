@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/comm/job_environment.h"
 #include "meshtrain/model/config_json.h"
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/comm/watchdog.h"
@@ -368,8 +369,12 @@ void Trainer::preempt(int signal, double step_seconds) {
 bool Trainer::run(const std::atomic<int>* stop) {
   const int64_t tokens_per_step = config_.batch * config_.model.context;
   char line[512];
-  std::snprintf(line, sizeof line, "training %s (%s, %.2fM parameters) on %d rank(s), ", config_.preset.c_str(),
-                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, world_->size());
+  const comm::Placement& placement = comm::job_placement();
+  const std::string ranks = static_cast<int>(placement.host_of_rank.size()) == world_->size()
+                                ? placement.summary()
+                                : std::to_string(world_->size()) + " rank(s)";
+  std::snprintf(line, sizeof line, "training %s (%s, %.2fM parameters) on %s, ", config_.preset.c_str(),
+                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, ranks.c_str());
   progress_->say(line + parts().describe());
   if (config_.memory_limit_mb > 0) {
     progress_->say("per-rank memory limit " + std::to_string(config_.memory_limit_mb) + " MiB (counted CPU tensors)");
