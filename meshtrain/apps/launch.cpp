@@ -11,6 +11,8 @@
 extern char** environ;
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -47,7 +49,8 @@ std::string self_executable() {
 
 std::vector<std::string> launch_command(int ranks, const Hosts& hosts, const std::vector<std::string>& args,
                                         bool open_mpi, bool root, const std::vector<std::string>& variables) {
-  std::vector<std::string> command{MESHTRAIN_MPIEXEC, "-np", std::to_string(ranks)};
+  const char* mpirun = std::getenv("MESHTRAIN_MPIRUN");
+  std::vector<std::string> command{mpirun && *mpirun ? mpirun : MESHTRAIN_MPIEXEC, "-np", std::to_string(ranks)};
   if (!hosts.hostfile.empty()) command.insert(command.end(), {"--hostfile", hosts.hostfile});
   if (!hosts.list.empty()) command.insert(command.end(), {"--host", hosts.list});
   if (open_mpi) {
@@ -83,17 +86,52 @@ bool repeats_meshtrain(const std::string& block) {
 
 bool is_frame(const std::string& line) { return line.size() > 20 && line.find_first_not_of('-') == std::string::npos; }
 
-// Copies `fd` to stderr line by line without the repeating banners.
+pid_t child_pid = 0;
+
+// Note [Ending a stuck mpirun]
+// The watchdog's line comes first, then MPI_Abort; but an mpirun that cannot
+// reach a host (a network partition) never finishes aborting and waits in
+// "abort is already in progress" forever. So the launcher watches mpirun's
+// stderr for the first watchdog line; if mpirun has not ended
+// MESHTRAIN_LAUNCHER_ABORT_S seconds (default 30) later, it sends SIGTERM,
+// then SIGKILL 5 s on, and exits with the watchdog's status (70), repeating
+// the line as the cause. Remote daemons end when they lose mpirun.
+std::atomic<bool> child_reaped{false};
+
+void end_stuck_mpirun(std::string line) {
+  const char* text = std::getenv("MESHTRAIN_LAUNCHER_ABORT_S");
+  const double bound = text && *text ? std::max(0.0, std::atof(text)) : 30.0;
+  std::this_thread::sleep_for(std::chrono::duration<double>(bound));
+  if (child_reaped) return;
+  std::fprintf(stderr, "meshtrain: mpirun has not ended the job %.0f s after the watchdog's report (a host it cannot "
+               "reach?); ending it\n", bound);
+  std::fflush(stderr);
+  kill(child_pid, SIGTERM);
+  for (int i = 0; i < 50 && !child_reaped; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (child_reaped) return;
+  kill(child_pid, SIGKILL);
+  if (line.rfind("meshtrain: ", 0) == 0) line.erase(0, 11);
+  std::fprintf(stderr, "meshtrain: the job ended on a watchdog timeout: %s\n", line.c_str());
+  std::fflush(stderr);
+  std::_Exit(70);  // comm::kWatchdogExitCode
+}
+
+// Copies `fd` to stderr line by line without the repeating banners, and arms
+// Note [Ending a stuck mpirun] at the first watchdog line.
 void filter_stderr(int fd) {
   FILE* in = fdopen(fd, "r");
   if (!in) return;
   char* raw = nullptr;
   size_t capacity = 0;
   std::string block;
-  bool framed = false;
+  bool framed = false, armed = false;
   while (getline(&raw, &capacity, in) > 0) {
     std::string line(raw);
     while (!line.empty() && line.back() == '\n') line.pop_back();
+    if (!armed && line.rfind("meshtrain: rank ", 0) == 0 && line.find(": watchdog: ") != std::string::npos) {
+      armed = true;
+      std::thread(end_stuck_mpirun, line).detach();
+    }
     if (is_frame(line)) {
       if (framed && !repeats_meshtrain(block)) std::fprintf(stderr, "%s\n%s%s\n", line.c_str(), block.c_str(), line.c_str());
       framed = !framed;
@@ -104,7 +142,7 @@ void filter_stderr(int fd) {
       block += line + "\n";
       continue;
     }
-    if (line.find("more processes have sent help message") != std::string::npos ||
+    if (line.find("sent help message") != std::string::npos ||
         line.find("orte_base_help_aggregate") != std::string::npos) {
       continue;
     }
@@ -115,8 +153,6 @@ void filter_stderr(int fd) {
   free(raw);
   fclose(in);
 }
-
-pid_t child_pid = 0;
 
 void forward_signal(int signal) {
   if (child_pid > 0) kill(child_pid, signal);
@@ -238,6 +274,7 @@ void check_hosts(const Hosts& hosts) {
   int status = 0;
   while (waitpid(child_pid, &status, 0) < 0 && errno == EINTR) {
   }
+  child_reaped = true;
   std::fflush(stdout);
   if (WIFEXITED(status)) std::exit(WEXITSTATUS(status));
   std::exit(128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 1));

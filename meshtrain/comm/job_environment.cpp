@@ -132,6 +132,7 @@ std::string rank_ranges(const std::vector<int>& ranks) {
 Placement check_job_environment() {
   const std::vector<std::string> all = gather_world(encode(host_name(), meshtrain_variables()));
   Placement placement;
+  placement.checked = true;
   std::vector<std::map<std::string, std::string>> variables(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
     size_t start = 0, end = all[r].find('\0');

@@ -9,6 +9,7 @@ namespace meshtrain::comm {
 
 struct Placement {
   std::vector<std::string> host_of_rank;  // index: world rank
+  bool checked = false;                   // from check_job_environment(), not the default
   int hosts() const;
   // "4 ranks on 2 hosts (hostA: 0-1, hostB: 2-3)"
   std::string summary() const;

@@ -1,5 +1,9 @@
 #include "meshtrain/comm/watchdog.h"
 
+#include "meshtrain/comm/job_environment.h"
+
+#include <algorithm>
+
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -78,15 +82,57 @@ size_t Watchdog::watched() const {
   return entries_.size();
 }
 
+// Note [Naming the stuck peer]
+// A point-to-point op (and a broadcast's root) waits for one known peer;
+// a collective waits for every other rank of its communicator, and MPI
+// cannot tell which of them is late. So the line names the peer, or the
+// other ranks, as world ranks with their hosts (from the start-up exchange,
+// Note [Job environment]): "it runs on hostA; it waits for rank 3 on hostB".
+namespace {
+
+std::string whom_it_waits_for(const WatchedOp& op) {
+  const std::vector<int>& world = *op.world_ranks;
+  const Placement& placement = job_placement();
+  const auto host = [&](int rank) -> std::string {
+    return placement.checked && rank < static_cast<int>(placement.host_of_rank.size()) ? placement.host_of_rank[rank]
+                                                                                       : "";
+  };
+  const int me = world[op.rank];
+  std::string text = host(me).empty() ? "" : "it runs on " + host(me) + "; ";
+  const bool one_peer = op.op.peer >= 0 && op.op.peer < static_cast<int>(world.size()) &&
+                        (op.op.kind == OpKind::kSend || op.op.kind == OpKind::kRecv || op.op.peer != op.rank);
+  if (one_peer) {
+    const int peer = world[op.op.peer];
+    return text + "it waits for rank " + std::to_string(peer) + (host(peer).empty() ? "" : " on " + host(peer));
+  }
+  std::map<std::string, std::vector<int>> by_host;  // the other ranks, by host
+  for (int r : world) {
+    if (r != me) by_host[host(r)].push_back(r);
+  }
+  text += "it waits for ranks ";
+  bool first = true;
+  for (auto& [name, ranks] : by_host) {
+    std::sort(ranks.begin(), ranks.end());
+    text += (first ? "" : ", ") + rank_ranges(ranks) + (name.empty() ? "" : " on " + name);
+    first = false;
+  }
+  return text;
+}
+
+}  // namespace
+
 std::string Watchdog::timeout_line(const WatchedOp& op, std::chrono::duration<double> elapsed,
                                    std::chrono::milliseconds timeout) const {
   std::ostringstream line;
   line.setf(std::ios::fixed);
   line.precision(1);
-  line << "meshtrain: rank " << op.rank << ": watchdog: " << op.op.describe() << " on communicator '"
-       << op.communicator << "' (sequence #" << op.op.sequence << ") did not complete after "
+  const std::vector<int>* world = op.world_ranks.get();
+  const bool known = world && op.rank >= 0 && op.rank < static_cast<int>(world->size());
+  line << "meshtrain: rank " << (known ? (*world)[op.rank] : op.rank) << ": watchdog: " << op.op.describe()
+       << " on communicator '" << op.communicator << "' (sequence #" << op.op.sequence << ") did not complete after "
        << elapsed.count() << " s (timeout " << timeout.count() / 1000.0 << " s)";
   if (!context_.empty()) line << " during " << context_;
+  if (known) line << "; " << whom_it_waits_for(op);
   line << "; a peer rank died, hangs, or issued different collectives. Aborting the job.";
   return line.str();
 }

@@ -9,9 +9,11 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace meshtrain::comm {
 
@@ -36,6 +38,9 @@ struct WatchedOp {
   int rank = -1;
   std::string communicator;  // communicator name, e.g. "world" or "mesh:tp"
   Op op;                     // described only if it times out
+  // The world rank of each of the communicator's ranks, when the backend knows
+  // them: the line then names ranks as the job does, with their hosts.
+  std::shared_ptr<const std::vector<int>> world_ranks;
 };
 
 class Watchdog {

@@ -7,7 +7,7 @@
 set -euo pipefail
 meshtrain=$1
 run=$(mktemp -d)
-trap 'rm -rf "$run"' EXIT
+trap 'pkill -KILL -f -- "$run/" 2> /dev/null || true; rm -rf "$run"' EXIT
 host=$(hostname)
 root=(); [ "$(id -u)" = 0 ] && root=(--allow-run-as-root)
 
@@ -41,4 +41,36 @@ env -u MESHTRAIN_COMM_TIMEOUT mpirun "${root[@]}" --oversubscribe -np 1 env MESH
 grep -q "the ranks disagree on their settings: MESHTRAIN_COMM_TIMEOUT is unset on ranks 1-2 ($host); '5' on rank 0 ($host)" \
   "$run/env.log" || { cat "$run/env.log"; exit 1; }
 [ "$(grep -c "disagree" "$run/env.log")" = 1 ] || { echo "said more than once"; cat "$run/env.log"; exit 1; }
-echo "ok: hosts and hostfiles reach mpirun, slots are enforced, settings are passed on and checked"
+
+# A rank that hangs (SIGSTOP): the watchdog names this rank's host and the ranks it waits for; the job ends.
+MESHTRAIN_COMM_TIMEOUT=4 "$meshtrain" run -n 3 train --model.preset=tiny --model.layers=1 --training.steps=100000 \
+  --training.batch=6 --training.micro_batch=2 --training.sample_tokens=0 --run.out="$run/hang" > "$run/hang.log" 2>&1 &
+launcher=$!
+for _ in $(seq 600); do grep -q '"step":2' "$run/hang/metrics.jsonl" 2> /dev/null && break; sleep 0.2; done
+stopped=$(pgrep -f -- "--run.out=$run/hang" | tail -1)
+kill -STOP "$stopped"
+status=0
+wait "$launcher" || status=$?
+kill -CONT "$stopped" 2> /dev/null || true
+[ "$status" = 70 ] || { echo "status $status after a hang"; cat "$run/hang.log"; exit 1; }
+grep -q "watchdog: .* did not complete after .*; it runs on $host; it waits for ranks\? [0-9,-]* on $host" "$run/hang.log" || {
+  cat "$run/hang.log"; exit 1; }
+
+# An mpirun that never finishes aborting (what a partition leaves): ended a bounded time after the watchdog's line.
+cat > "$run/stuck-mpirun" <<'SH'
+#!/usr/bin/env bash
+echo "meshtrain: rank 2: watchdog: all_reduce(float32[4], sum) on communicator 'world' (sequence #9) did not complete after 3.0 s (timeout 3.0 s); it runs on hostB; it waits for ranks 0-1 on hostA; a peer rank died, hangs, or issued different collectives. Aborting the job." >&2
+trap '' TERM
+while :; do sleep 0.2; done
+SH
+chmod +x "$run/stuck-mpirun"
+status=0
+start=$(date +%s)
+MESHTRAIN_MPIRUN="$run/stuck-mpirun" MESHTRAIN_LAUNCHER_ABORT_S=2 timeout -k 5 60 "$meshtrain" run -n 2 selfcheck > "$run/stuck.log" 2>&1 ||
+  status=$?
+took=$(( $(date +%s) - start ))
+[ "$status" = 70 ] && [ "$took" -le 20 ] || { echo "status $status after $took s"; cat "$run/stuck.log"; exit 1; }
+grep -q "mpirun has not ended the job 2 s after the watchdog's report" "$run/stuck.log" &&
+  grep -q "the job ended on a watchdog timeout: rank 2: watchdog: all_reduce" "$run/stuck.log" || {
+  cat "$run/stuck.log"; exit 1; }
+echo "ok: hosts and hostfiles reach mpirun, slots are enforced, settings are passed on and checked, a hang names hosts and ends"

@@ -73,7 +73,18 @@ std::shared_ptr<MpiCommunicator> MpiCommunicator::adopt(MPI_Comm comm, const std
 }
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, int rank, int size, const std::string& name, CommOptions options)
-    : Communicator(rank, size, name, options), comm_(comm) {}
+    : Communicator(rank, size, name, options), comm_(comm) {
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  if (MPI_Comm_group(comm_, &group) == MPI_SUCCESS && MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+    std::vector<int> ranks(size), translated(size);
+    for (int r = 0; r < size; ++r) ranks[r] = r;
+    if (MPI_Group_translate_ranks(group, size, ranks.data(), world, translated.data()) == MPI_SUCCESS) {
+      world_ranks_ = std::make_shared<const std::vector<int>>(std::move(translated));
+    }
+  }
+  if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+  if (world != MPI_GROUP_NULL) MPI_Group_free(&world);
+}
 
 MpiCommunicator::~MpiCommunicator() {
   {
@@ -167,7 +178,7 @@ void MpiCommunicator::run(Task& task) {
     post_p2p(task);
     return;
   }
-  const uint64_t token = Watchdog::instance().start(WatchedOp{rank(), name(), task.op}, options().timeout);
+  const uint64_t token = Watchdog::instance().start(WatchedOp{rank(), name(), task.op, world_ranks_}, options().timeout);
   std::exception_ptr error;
   try {
     if (options().desync_check) check_desync(task.op);
@@ -312,7 +323,7 @@ void MpiCommunicator::post_p2p(Task& task) {
     task.work->finish(std::current_exception());
     return;
   }
-  const uint64_t token = Watchdog::instance().start(WatchedOp{rank(), name(), op}, options().timeout);
+  const uint64_t token = Watchdog::instance().start(WatchedOp{rank(), name(), op, world_ranks_}, options().timeout);
   pending_.push_back(PendingP2p{request, task.work, token, op});
 }
 

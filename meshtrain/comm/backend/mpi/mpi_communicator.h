@@ -69,6 +69,7 @@ class MpiCommunicator final : public Communicator {
   bool poll_p2p();  // true when some pending p2p op completed
 
   MPI_Comm comm_;
+  std::shared_ptr<const std::vector<int>> world_ranks_;  // of each rank of comm_ (Note [Naming the stuck peer])
 
   std::mutex mutex_;
   std::condition_variable wake_;
