@@ -11,6 +11,7 @@
 
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/comm/job_environment.h"
+#include "meshtrain/train/shared_folders.h"
 #include "meshtrain/model/config_json.h"
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/comm/watchdog.h"
@@ -91,6 +92,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
 Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     : config_(std::move(config)), world_(std::move(world)), device_(config_.torch_device(comm::node_local_rank())) {
   lock_run_folders();
+  check_shared_folders(*world_, {{"run.out", config_.out}, {"checkpoint.dir", config_.checkpoint_path()}});
   open_data();
   memory::install();
   memory::set_rank(world_->rank());

@@ -1,0 +1,89 @@
+#include "meshtrain/train/shared_folders.h"
+
+#include "meshtrain/comm/agree.h"
+#include "meshtrain/comm/job_environment.h"
+#include "meshtrain/util/files.h"
+
+#include <unistd.h>
+
+#include <map>
+#include <random>
+
+namespace meshtrain::train {
+
+// Note [Shared folders]
+// Rank 0 prepares the data in <run.out>/data, every rank writes its share of
+// a checkpoint into checkpoint.dir and reads its share back on resume. On
+// hosts that do not share those folders this used to fail late and
+// misleadingly: a remote rank's save failed one checkpoint.every later,
+// resume reported a missing MANIFEST.json and advised moving checkpoints
+// away, data prepared by rank 0 was missing elsewhere. So at start-up rank 0
+// writes a probe file holding a random token into each folder, and every
+// rank reads it back (one gather); a folder some ranks cannot see stops the
+// run at once, naming those ranks and their hosts. On one host the check
+// still runs: a folder on a rank-private mount (a container's tmpfs) fails
+// the same way.
+
+namespace {
+
+std::string random_token() {
+  std::random_device device;
+  return std::to_string(device()) + "-" + std::to_string(device()) + "-" + std::to_string(getpid());
+}
+
+}  // namespace
+
+void check_shared_folders(comm::Communicator& world, const std::vector<SharedFolder>& folders) {
+  if (world.size() == 1) return;
+  std::vector<std::string> probes;
+  std::string token;
+  comm::on_root_or_all_fail(world, 0, [&] {
+    token = random_token();
+    for (const SharedFolder& folder : folders) {
+      probes.push_back(util::join_path(folder.path, ".meshtrain-probe-" + token));
+      util::write_text_file(probes.back(), token);
+    }
+  });
+  token = comm::all_gather_strings(world, world.rank() == 0 ? token : "").front();
+  // What this rank sees: one character per folder, '1' when the probe is there with the token.
+  std::string seen;
+  for (const SharedFolder& folder : folders) {
+    const std::string probe = util::join_path(folder.path, ".meshtrain-probe-" + token);
+    bool ok = false;
+    try {
+      ok = util::read_text_file(probe) == token;
+    } catch (const std::runtime_error&) {
+      ok = false;
+    }
+    seen += ok ? '1' : '0';
+  }
+  const std::vector<std::string> all = comm::all_gather_strings(world, seen);
+  if (world.rank() == 0) {
+    for (const std::string& probe : probes) ::unlink(probe.c_str());
+  }
+  const comm::Placement& placement = comm::job_placement();
+  std::string problems;
+  for (size_t f = 0; f < folders.size(); ++f) {
+    std::map<std::string, std::vector<int>> missing;  // host -> ranks
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r][f] == '1') continue;
+      const bool named = placement.checked && r < placement.host_of_rank.size();
+      missing[named ? placement.host_of_rank[r] : "?"].push_back(static_cast<int>(r));
+    }
+    if (missing.empty()) continue;
+    std::string who;
+    for (const auto& [host, ranks] : missing) {
+      who += (who.empty() ? "" : ", ") + std::string(ranks.size() == 1 ? "rank " : "ranks ") +
+             comm::rank_ranges(ranks) + (host == "?" ? "" : " on " + host);
+    }
+    problems += (problems.empty() ? "" : "; ") + folders[f].key + " = " + folders[f].path + " is not shared: " + who +
+                " cannot see the file rank 0 wrote there";
+  }
+  if (!problems.empty()) {
+    throw comm::AgreedError(problems + ". Every rank writes and reads its share of the checkpoints and data there: "
+                            "put these folders on a file system every host mounts at the same path (NFS, Lustre, "
+                            "a cluster's shared scratch)");
+  }
+}
+
+}  // namespace meshtrain::train
