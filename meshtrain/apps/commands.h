@@ -175,7 +175,14 @@ struct Hosts {
 // every MESHTRAIN_* variable set here (Note [Job environment]), passes its
 // output on (without Open MPI's banners that repeat meshtrain's own errors,
 // Note [Launcher output]) and exits with its status. Returns only by throwing.
-[[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const std::vector<std::string>& args);
+// How `meshtrain run` supervises a training job (Note [Restarts]).
+struct Supervision {
+  int max_restarts = 0;          // relaunches after a rank's death
+  bool restart_on_hang = false;  // and after a watchdog timeout
+};
+
+[[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const Supervision& supervision,
+                              const std::vector<std::string>& args);
 
 // The mpirun command line run_launcher uses (exposed for tests).
 // `variables`: the names passed on to every rank.

@@ -4,6 +4,8 @@
 
 #include <mpi.h>
 
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -94,65 +96,60 @@ pid_t child_pid = 0;
 // "abort is already in progress" forever. So the launcher watches mpirun's
 // stderr for the first watchdog line; if mpirun has not ended
 // MESHTRAIN_LAUNCHER_ABORT_S seconds (default 30) later, it sends SIGTERM,
-// then SIGKILL 5 s on, and exits with the watchdog's status (70), repeating
-// the line as the cause. Remote daemons end when they lose mpirun.
-std::atomic<bool> child_reaped{false};
-
-void end_stuck_mpirun(std::string line) {
+// then SIGKILL 5 s on, and the job ends with the watchdog's status (70), the
+// line repeated as the cause. The launcher polls mpirun's stderr and its exit
+// together, so a pipe some process still holds cannot keep it waiting.
+// Remote daemons end when they lose mpirun.
+double abort_bound_seconds() {
   const char* text = std::getenv("MESHTRAIN_LAUNCHER_ABORT_S");
-  const double bound = text && *text ? std::max(0.0, std::atof(text)) : 30.0;
-  std::this_thread::sleep_for(std::chrono::duration<double>(bound));
-  if (child_reaped) return;
-  std::fprintf(stderr, "meshtrain: mpirun has not ended the job %.0f s after the watchdog's report (a host it cannot "
-               "reach?); ending it\n", bound);
-  std::fflush(stderr);
-  kill(child_pid, SIGTERM);
-  for (int i = 0; i < 50 && !child_reaped; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  if (child_reaped) return;
-  kill(child_pid, SIGKILL);
-  if (line.rfind("meshtrain: ", 0) == 0) line.erase(0, 11);
-  std::fprintf(stderr, "meshtrain: the job ended on a watchdog timeout: %s\n", line.c_str());
-  std::fflush(stderr);
-  std::_Exit(70);  // comm::kWatchdogExitCode
+  return text && *text ? std::max(0.0, std::atof(text)) : 30.0;
 }
 
-// Copies `fd` to stderr line by line without the repeating banners, and arms
-// Note [Ending a stuck mpirun] at the first watchdog line.
-void filter_stderr(int fd) {
-  FILE* in = fdopen(fd, "r");
-  if (!in) return;
-  char* raw = nullptr;
-  size_t capacity = 0;
-  std::string block;
-  bool framed = false, armed = false;
-  while (getline(&raw, &capacity, in) > 0) {
-    std::string line(raw);
-    while (!line.empty() && line.back() == '\n') line.pop_back();
-    if (!armed && line.rfind("meshtrain: rank ", 0) == 0 && line.find(": watchdog: ") != std::string::npos) {
-      armed = true;
-      std::thread(end_stuck_mpirun, line).detach();
+// Open MPI's stderr, a line at a time: passed on without the banners that
+// repeat meshtrain's own errors; what ended the job is kept.
+class StderrFilter {
+ public:
+  void feed(const char* data, size_t n) {
+    pending_.append(data, n);
+    for (size_t end; (end = pending_.find('\n')) != std::string::npos; pending_.erase(0, end + 1)) {
+      line(pending_.substr(0, end));
     }
-    if (is_frame(line)) {
-      if (framed && !repeats_meshtrain(block)) std::fprintf(stderr, "%s\n%s%s\n", line.c_str(), block.c_str(), line.c_str());
-      framed = !framed;
-      block.clear();
-      continue;
+  }
+  void finish() {
+    if (!pending_.empty()) line(pending_);
+    pending_.clear();
+    if (framed_) std::fprintf(stderr, "%s", block_.c_str());
+    framed_ = false;
+  }
+  const std::string& watchdog_line() const { return watchdog_; }
+  const std::string& rank_death() const { return death_; }
+
+ private:
+  void line(const std::string& text) {
+    if (watchdog_.empty() && text.rfind("meshtrain: rank ", 0) == 0 && text.find(": watchdog: ") != std::string::npos) {
+      watchdog_ = text.substr(11);
     }
-    if (framed) {
-      block += line + "\n";
-      continue;
+    if (death_.empty() && text.find("noticed that process rank") != std::string::npos) death_ = text;
+    if (is_frame(text)) {
+      if (framed_ && !repeats_meshtrain(block_)) std::fprintf(stderr, "%s\n%s%s\n", text.c_str(), block_.c_str(), text.c_str());
+      framed_ = !framed_;
+      block_.clear();
+      return;
     }
-    if (line.find("sent help message") != std::string::npos ||
-        line.find("orte_base_help_aggregate") != std::string::npos) {
-      continue;
+    if (framed_) {
+      block_ += text + "\n";
+      return;
     }
-    std::fprintf(stderr, "%s\n", line.c_str());
+    if (text.find("sent help message") != std::string::npos || text.find("orte_base_help_aggregate") != std::string::npos) {
+      return;
+    }
+    std::fprintf(stderr, "%s\n", text.c_str());
     std::fflush(stderr);
   }
-  if (framed) std::fprintf(stderr, "%s", block.c_str());
-  free(raw);
-  fclose(in);
-}
+
+  std::string pending_, block_, watchdog_, death_;
+  bool framed_ = false;
+};
 
 void forward_signal(int signal) {
   if (child_pid > 0) kill(child_pid, signal);
@@ -171,6 +168,9 @@ void forward_as_drain(int) {
 // For `train` likewise: the first Ctrl-C or SIGTERM reaches the ranks as
 // SIGUSR2, their request to finish the step and save (Note [Preemption]);
 // a second one is passed on as it is, and mpirun ends the ranks at once.
+// mpirun runs in a process group of its own, reading no terminal: a Ctrl-C
+// typed at the terminal goes to the launcher's group alone, which passes it
+// on as above, instead of reaching mpirun too, which would end the job.
 volatile sig_atomic_t stops_forwarded = 0;
 
 void forward_as_preempt(int signal) {
@@ -224,65 +224,169 @@ void check_hosts(const Hosts& hosts) {
 
 }  // namespace
 
-[[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const std::vector<std::string>& args) {
+namespace {
+
+struct Launch {
+  int status = 0;     // mpirun's exit status, 128 + signal, or 70 when ended stuck
+  std::string cause;  // what ended it, when it failed: a watchdog line, a rank's death, the status
+  bool hang = false;  // a watchdog timeout
+  bool rank_died = false;
+};
+
+pid_t start_mpirun(const std::vector<std::string>& command, int stderr_fd, bool server, bool trainer) {
+  std::vector<char*> argv;
+  for (const auto& word : command) argv.push_back(const_cast<char*>(word.c_str()));
+  argv.push_back(nullptr);
+  const pid_t launcher = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error(std::string("cannot fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    // Note [Orphaned ranks]: the launcher's death stops mpirun as a first Ctrl-C would.
+    prctl(PR_SET_PDEATHSIG, server || trainer ? SIGUSR2 : SIGTERM);
+    if (getppid() != launcher) _exit(128 + SIGTERM);  // it died before the line above
+    // Note [Stopping ranks under mpirun]: a terminal's Ctrl-C reaches the launcher only.
+    setpgid(0, 0);
+    const int null = open("/dev/null", O_RDONLY);
+    if (null >= 0) dup2(null, STDIN_FILENO);  // a background group must not read the terminal
+    std::signal(SIGPIPE, SIG_IGN);  // with the launcher gone, a write to its pipe fails instead of killing mpirun
+    dup2(stderr_fd, STDERR_FILENO);
+    execvp(argv[0], argv.data());
+    std::fprintf(stderr, "meshtrain: cannot start %s: %s (install Open MPI: scripts/setup.sh)\n", argv[0],
+                 std::strerror(errno));
+    _exit(127);
+  }
+  setpgid(pid, 0);  // also here, so that no Ctrl-C comes between fork and the child's own call
+  return pid;
+}
+
+// Runs mpirun once, passing its stderr on, until it exits (Note [Ending a stuck mpirun]).
+Launch launch_once(const std::vector<std::string>& command, bool server, bool trainer) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
+  child_pid = start_mpirun(command, pipe_fds[1], server, trainer);
+  close(pipe_fds[1]);
+  using Clock = std::chrono::steady_clock;
+  const double bound = abort_bound_seconds();
+  StderrFilter filter;
+  Clock::time_point watchdog_seen{}, term_sent{};
+  bool eof = false, exited = false, ended_stuck = false;
+  int status = 0;
+  char buffer[65536];
+  while (!exited || !eof) {
+    pollfd pfd{eof ? -1 : pipe_fds[0], POLLIN, 0};
+    const int ready = poll(&pfd, 1, exited ? 0 : 200);  // once mpirun is gone, only what is already there
+    if (ready > 0) {
+      const ssize_t n = read(pipe_fds[0], buffer, sizeof buffer);
+      if (n > 0) filter.feed(buffer, static_cast<size_t>(n));
+      if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) eof = true;
+    } else if (ready == 0 && exited) {
+      break;  // drained: a descendant may hold the pipe open, but mpirun has ended
+    }
+    if (!exited && waitpid(child_pid, &status, WNOHANG) == child_pid) exited = true;
+    if (exited || filter.watchdog_line().empty()) continue;
+    const auto now = Clock::now();
+    if (watchdog_seen == Clock::time_point{}) watchdog_seen = now;
+    if (!ended_stuck && now - watchdog_seen > std::chrono::duration<double>(bound)) {
+      std::fprintf(stderr, "meshtrain: mpirun has not ended the job %.0f s after the watchdog's report (a host it "
+                   "cannot reach?); ending it\n", bound);
+      std::fflush(stderr);
+      kill(child_pid, SIGTERM);
+      ended_stuck = true;
+      term_sent = now;
+    } else if (ended_stuck && now - term_sent > std::chrono::seconds(5)) {
+      kill(child_pid, SIGKILL);
+    }
+  }
+  filter.finish();
+  close(pipe_fds[0]);
+  child_pid = 0;
+  Launch result;
+  result.status = ended_stuck ? 70 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 1);
+  result.hang = !filter.watchdog_line().empty() || result.status == 70;
+  result.rank_died = !result.hang && (!filter.rank_death().empty() || result.status >= 128);
+  result.cause = !filter.watchdog_line().empty() ? filter.watchdog_line()
+                 : !filter.rank_death().empty()  ? filter.rank_death()
+                                                 : "mpirun exited with status " + std::to_string(result.status);
+  if (ended_stuck) std::fprintf(stderr, "meshtrain: the job ended on a watchdog timeout: %s\n", result.cause.c_str());
+  return result;
+}
+
+// Note [Restarts]
+// `meshtrain run --max-restarts K train ...` supervises the job: when a rank
+// dies (mpirun reports a process that exited on a signal, or exits on one
+// itself), or, with --restart-on-hang, when the watchdog ended the job, the
+// same command is launched again, up to K times; train resumes from the
+// newest intact checkpoint (Note [Resume]) and writes a "restart" line to
+// metrics.jsonl with the attempt, the cause, the step it resumed at and the
+// logged steps it will redo. An error every rank agreed on (a bad config, a
+// refused save) exits 1 and would only repeat, so it is not restarted, nor
+// is a run stopped on purpose (Ctrl-C, SIGTERM). The ranks and the layout
+// stay as they were: relaunching on fewer ranks when a host is lost is not
+// done here.
+bool worth_restarting(const Launch& launch, const Supervision& supervision) {
+  if (launch.status == 0 || stops_forwarded > 0) return false;
+  return launch.hang ? supervision.restart_on_hang : launch.rank_died;
+}
+
+}  // namespace
+
+[[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const Supervision& supervision,
+                              const std::vector<std::string>& args) {
   if (ranks < 1) throw std::invalid_argument("run -n needs at least 1 rank, got " + std::to_string(ranks));
   if (args.empty()) throw std::invalid_argument("run -n N needs a subcommand to run, e.g. `meshtrain run -n 2 selfcheck`");
+  const bool server = args.front() == "serve", trainer = args.front() == "train";
+  if ((supervision.max_restarts > 0 || supervision.restart_on_hang) && !trainer) {
+    throw std::invalid_argument("run --max-restarts and --restart-on-hang supervise `train` only");
+  }
   check_hosts(hosts);
   // The compute threads fill every core, so a rank waiting inside MPI must yield
   // its core rather than spin on it, or it slows the backward pass that its
   // all-reduce is meant to overlap (measured: docs/BENCHMARKS.md). Open MPI
   // forwards OMPI_MCA_* variables to every rank.
   setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
-  const std::vector<std::string> command =
-      launch_command(ranks, hosts, args, is_open_mpi(), geteuid() == 0, passed_variables());
-  // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
-  const char* threads = std::getenv("OMP_NUM_THREADS");
-  std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", ranks,
-               hosts.empty() ? "" : (" on " + (hosts.list.empty() ? "the hosts of " + hosts.hostfile : hosts.list)).c_str(),
-               threads ? ("OMP_NUM_THREADS=" + std::string(threads) + " threads each").c_str()
-                       : "threads per rank = its host's cores / its host's ranks");
-  for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());
-  std::fprintf(stderr, "\n");
-  std::fflush(stderr);
-  std::vector<char*> argv;
-  for (const auto& word : command) argv.push_back(const_cast<char*>(word.c_str()));
-  argv.push_back(nullptr);
-  int pipe_fds[2];
-  if (pipe(pipe_fds) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
-  const bool server = args.front() == "serve", trainer = args.front() == "train";
-  const pid_t launcher = getpid();
-  child_pid = fork();
-  if (child_pid < 0) throw std::runtime_error(std::string("cannot fork: ") + std::strerror(errno));
-  if (child_pid == 0) {
-    // Note [Orphaned ranks]: the launcher's death stops mpirun as a first Ctrl-C would.
-    prctl(PR_SET_PDEATHSIG, server || trainer ? SIGUSR2 : SIGTERM);
-    if (getppid() != launcher) _exit(128 + SIGTERM);  // it died before the line above
-    dup2(pipe_fds[1], STDERR_FILENO);
-    close(pipe_fds[0]);
-    close(pipe_fds[1]);
-    execvp(argv[0], argv.data());
-    std::fprintf(stderr, "meshtrain: cannot start %s: %s (install Open MPI: scripts/setup.sh)\n", argv[0],
-                 std::strerror(errno));
-    _exit(127);
-  }
-  close(pipe_fds[1]);
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);
-  filter_stderr(pipe_fds[0]);
-  int status = 0;
-  while (waitpid(child_pid, &status, 0) < 0 && errno == EINTR) {
+  for (int attempt = 0;; ++attempt) {
+    const std::vector<std::string> command =
+        launch_command(ranks, hosts, args, is_open_mpi(), geteuid() == 0, passed_variables());
+    // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
+    const char* threads = std::getenv("OMP_NUM_THREADS");
+    std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", ranks,
+                 hosts.empty() ? "" : (" on " + (hosts.list.empty() ? "the hosts of " + hosts.hostfile : hosts.list)).c_str(),
+                 threads ? ("OMP_NUM_THREADS=" + std::string(threads) + " threads each").c_str()
+                         : "threads per rank = its host's cores / its host's ranks");
+    for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());
+    std::fprintf(stderr, "\n");
+    std::fflush(stderr);
+    const Launch launch = launch_once(command, server, trainer);
+    std::fflush(stdout);
+    const bool again = worth_restarting(launch, supervision);
+    if (!again || attempt >= supervision.max_restarts) {
+      if (again) {
+        std::fprintf(stderr, "meshtrain: not restarting: all %d restart(s) of --max-restarts are used\n",
+                     supervision.max_restarts);
+      } else if (launch.status != 0 && supervision.max_restarts > 0 && stops_forwarded == 0) {
+        std::fprintf(stderr, "meshtrain: not restarting: %s\n",
+                     launch.hang ? "a watchdog timeout (--restart-on-hang restarts those)"
+                                 : "the job failed with an error, not a lost rank, and would fail again");
+      }
+      std::exit(launch.status);
+    }
+    std::fprintf(stderr, "meshtrain: restart %d of %d after: %s\n", attempt + 1, supervision.max_restarts,
+                 launch.cause.c_str());
+    std::fflush(stderr);
+    setenv("MESHTRAIN_RESTART", std::to_string(attempt + 1).c_str(), 1);
+    setenv("MESHTRAIN_RESTART_CAUSE", launch.cause.c_str(), 1);
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // the dead job's ports and locks go
   }
-  child_reaped = true;
-  std::fflush(stdout);
-  if (WIFEXITED(status)) std::exit(WEXITSTATUS(status));
-  std::exit(128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 1));
 }
 
 CommandPtr add_run(CLI::App& app) {
   auto ranks = std::make_shared<int>(0);
   auto hosts = std::make_shared<Hosts>();
+  auto supervision = std::make_shared<Supervision>();
   CLI::App* run = app.add_subcommand(
       "run", "Launch N ranks of meshtrain through mpirun, on this host or on others (--hostfile, --hosts). Passes every "
              "MESHTRAIN_* variable set here on to the ranks; each rank uses its host's cores / its host's ranks as "
@@ -290,10 +394,17 @@ CommandPtr add_run(CLI::App& app) {
   run->add_option("-n,--ranks", *ranks, "Number of ranks")->required()->check(CLI::PositiveNumber);
   run->add_option("--hostfile", hosts->hostfile, "Open MPI hostfile: a line per host, e.g. `hostA slots=2`");
   run->add_option("--hosts", hosts->list, "Hosts and their slots, e.g. hostA:2,hostB:2");
+  run->add_option("--max-restarts", supervision->max_restarts,
+                  "train: relaunch up to K times when a rank dies; it resumes from the latest checkpoint")
+      ->check(CLI::NonNegativeNumber);
+  run->add_flag("--restart-on-hang", supervision->restart_on_hang,
+                "train: restart after a watchdog timeout too (counts against --max-restarts)");
   run->prefix_command();  // everything after the options is the command every rank runs
   run->footer("Examples:\n  meshtrain run -n 4 bench comm --max-size 64M\n"
               "  meshtrain run -n 4 --hosts hostA:2,hostB:2 train --run.out=/shared/runs/a");
-  return plain_command(run, [ranks, hosts, run] { return run_launcher(*ranks, *hosts, run->remaining()); });
+  return plain_command(run, [ranks, hosts, supervision, run] {
+    return run_launcher(*ranks, *hosts, *supervision, run->remaining());
+  });
 }
 
 }  // namespace meshtrain::apps

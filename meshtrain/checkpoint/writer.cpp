@@ -198,8 +198,11 @@ void CheckpointWriter::write(const Snapshot& snapshot) {
         // Said below as part of the failure; the next save clears stale staging folders.
       }
     }
-    const std::string what = std::string(e.what()) + ";" + space_advice(snapshot) +
-                             "; its partial files are removed, the checkpoints before it are kept. " + kSpaceAdvice;
+    const std::string cause = e.what();
+    const bool space = cause.find("No space left") != std::string::npos || cause.find("quota") != std::string::npos ||
+                       cause.find("File too large") != std::string::npos;
+    const std::string what = cause + ";" + space_advice(snapshot) + "; its partial files are removed" +
+                             (space ? std::string(", the checkpoints before it are kept. ") + kSpaceAdvice : "");
     if (dynamic_cast<const comm::AgreedError*>(&e)) throw comm::AgreedError(what);
     throw CheckpointError(what);
   }

@@ -51,6 +51,8 @@ class CheckpointWriter {
   // synchronous save) and seconds writing took; bytes this rank wrote.
   double last_blocking_seconds() const { return blocking_seconds_; }
   double last_write_seconds() const { return write_seconds_; }
+  // All of the last save, as a synchronous save would take it (0 before any).
+  double last_save_seconds() const { return async_ ? blocking_seconds_ + write_seconds_ : blocking_seconds_; }
   int64_t last_bytes() const { return bytes_; }
 
  private:

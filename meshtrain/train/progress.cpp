@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace meshtrain::train {
@@ -97,6 +98,7 @@ void Progress::event(const std::string& json_object) {
   struct stat info {};
   const off_t before = fstat(metrics_fd_, &info) == 0 ? info.st_size : -1;
   size_t written = 0;
+  errno = 0;
   while (written < line.size()) {  // one write, unless the disk takes only part of it
     const ssize_t n = ::write(metrics_fd_, line.data() + written, line.size() - written);
     if (n < 0 && errno == EINTR) continue;
@@ -104,14 +106,14 @@ void Progress::event(const std::string& json_object) {
     written += static_cast<size_t>(n);
   }
   if (written == line.size()) return;
-  const std::string why = std::strerror(errno);
+  const std::string why = written < line.size() && errno != 0 ? std::strerror(errno) : "nothing was written";
   if (written > 0 && before >= 0) (void)!ftruncate(metrics_fd_, before);  // no half line
   if (!metrics_failed_) warn("cannot write " + metrics_path_ + " (" + why + "); metrics lines are lost until it can");
   metrics_failed_ = true;
 }
 
-void Progress::resumed(int64_t step, const std::string& checkpoint) {
-  if (!leader()) return;
+int64_t Progress::resumed(int64_t step, const std::string& checkpoint) {
+  if (!leader()) return 0;
   int64_t superseded = 0;
   try {
     const std::string text = util::read_text_file(metrics_path_);
@@ -128,6 +130,17 @@ void Progress::resumed(int64_t step, const std::string& checkpoint) {
     warn(metrics_path_ + ": " + std::to_string(superseded) + " rows after step " + std::to_string(step) +
          " are from the run before this resume; the rows after its \"resumed\" line replace them");
   }
+  return superseded;
+}
+
+void Progress::restarted(int64_t step, int64_t steps_redone, int ranks) {
+  const char* attempt = std::getenv("MESHTRAIN_RESTART");
+  if (!leader() || !attempt) return;
+  const char* cause = std::getenv("MESHTRAIN_RESTART_CAUSE");
+  event(nlohmann::json{{"event", "restart"}, {"attempt", std::atoi(attempt)}, {"cause", cause ? cause : ""},
+                       {"step", step}, {"steps_redone", steps_redone}, {"ranks", ranks}}.dump());
+  say("restart " + std::string(attempt) + ": resumed at step " + std::to_string(step) + ", " +
+      std::to_string(steps_redone) + " logged step(s) to redo");
 }
 
 void Progress::step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,

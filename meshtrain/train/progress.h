@@ -50,11 +50,16 @@ class Progress {
   void say(const std::string& text) const;
   void warn(const std::string& text) const;
   ~Progress();
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
   // Rank 0: one JSON object as a line of metrics.jsonl.
   void event(const std::string& json_object);
   // Rank 0: the "resumed" line, counting the rows of steps after `step` that
-  // the run before wrote, which the rows below it now replace.
-  void resumed(int64_t step, const std::string& checkpoint);
+  // the run before wrote, which the rows below it now replace; returns that count.
+  int64_t resumed(int64_t step, const std::string& checkpoint);
+  // Rank 0: the "restart" line and its progress line, when `meshtrain run`
+  // relaunched the job (MESHTRAIN_RESTART, MESHTRAIN_RESTART_CAUSE: Note [Restarts]).
+  void restarted(int64_t step, int64_t steps_redone, int ranks);
   // Collective (every rank's memory and RSS): the step's metrics line, and the
   // progress line when `print`. `mfu` at `tokens_per_second`.
   void step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,

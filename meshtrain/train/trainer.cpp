@@ -109,7 +109,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   if (config_.resume) resume();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
-  if (resumed_) progress_->resumed(step_, resumed_from_);
+  const int64_t redone = resumed_ ? progress_->resumed(step_, resumed_from_) : 0;
+  progress_->restarted(step_, redone, world_->size());
 
   const bool bf16 = config_.bfloat16() || config_.parallel.param_dtype == at::kBFloat16;
   // MFU is against the peak of the dtype the matmuls run in.
@@ -133,7 +134,9 @@ void Trainer::lock_run_folders() {
     const std::string out = util::canonical_path(config_.out) + "/";
     const std::string checkpoints = config_.checkpoint_path();
     util::make_directories(checkpoints);
-    if (util::canonical_path(checkpoints).rfind(out, 0) != 0) locks_.push_back(std::make_unique<RunLock>(checkpoints));
+    if ((util::canonical_path(checkpoints) + "/").rfind(out, 0) != 0) {
+      locks_.push_back(std::make_unique<RunLock>(checkpoints));
+    }
   });
 }
 
@@ -326,14 +329,16 @@ int Trainer::agreed_stop(const std::atomic<int>* stop) {
 void Trainer::preempt(int signal, double step_seconds) {
   const auto start = Clock::now();
   finish_checkpoints();  // a background save in flight is a checkpoint too
-  // What a synchronous save takes here: the last one's time on the slowest rank.
-  at::Tensor expected = at::full({1}, writer_->last_blocking_seconds() + writer_->last_write_seconds(),
-                                 at::TensorOptions(at::kDouble).device(world_->device()));
-  world_->all_reduce(expected, comm::ReduceOp::kMax).wait();
-  const double save_seconds = expected.item<double>();
-  // The signal came during the step just finished: at worst at its start.
-  const double left = config_.checkpoint_preempt_grace_s - step_seconds -
-                      std::chrono::duration<double>(Clock::now() - start).count();
+  // What a synchronous save takes here (the last one's time), and what is left
+  // of the grace, counting the step just run as spent (the signal came during
+  // it, at worst at its start): the slowest rank's and the least, agreed, so
+  // that every rank takes the same decision.
+  const double own_left = config_.checkpoint_preempt_grace_s - step_seconds -
+                          std::chrono::duration<double>(Clock::now() - start).count();
+  at::Tensor agreed = at::tensor({writer_->last_save_seconds(), -own_left}, at::kDouble).to(world_->device());
+  world_->all_reduce(agreed, comm::ReduceOp::kMax).wait();
+  agreed = agreed.cpu();
+  const double save_seconds = agreed[0].item<double>(), left = -agreed[1].item<double>();
   const bool saved_already = saved_step_ == step_;
   const bool save = !saved_already && !(saved_step_ >= 0 && save_seconds > left);
   if (save) {
@@ -406,11 +411,11 @@ bool Trainer::run(const std::atomic<int>* stop) {
       const double eta = elapsed / (step_ - first_step) * (config_.steps - step_);
       progress_->step(result, val_loss, tokens_per_second, mfu(tokens_per_second), config_.steps, eta, true);
     }
+    if (!last && config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();
     if (const int signal = agreed_stop(stop); signal != 0 && !last) {
       preempt(signal, result.seconds);
       return true;
     }
-    if (!last && config_.checkpoint_every > 0 && step_ % config_.checkpoint_every == 0) save_checkpoint();
   }
   save_checkpoint();
   finish_checkpoints();

@@ -55,7 +55,10 @@ void make_directories(const std::string& path) {
 
 void remove_tree(const std::string& path) {
   if (!path_exists(path)) return;
-  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); };
+  // A file another process removed meanwhile (a rank cleaning up its own) is removed.
+  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
+    return ::remove(p) == 0 || errno == ENOENT ? 0 : -1;
+  };
   if (nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) fail("cannot remove", path);
 }
 
