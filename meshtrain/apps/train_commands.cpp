@@ -6,6 +6,7 @@
 #include "meshtrain/checkpoint/store.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
+#include "meshtrain/train/run_lock.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 
@@ -47,6 +48,7 @@ int run_train(comm::Runtime& runtime, const std::string& config_path, const std:
   train::TrainConfig config = train::TrainConfig::load(config_path, overrides);
   config.validate(runtime.size());
   install_stop_handlers();
+  const auto locks = train::lock_run_folders(*runtime.world(), config);  // Note [Run lock]
   train::Trainer trainer(std::move(config), runtime.world());
   trainer.run(&g_stop);
   return 0;

@@ -1,5 +1,6 @@
 #include "meshtrain/train/run_lock.h"
 
+#include "meshtrain/comm/agree.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/files.h"
 
@@ -17,7 +18,8 @@ namespace meshtrain::train {
 
 // Note [Run lock]
 // Two runs on one folder interleave their metrics lines and overwrite each
-// other's checkpoints, and neither notices. That happens when a job is
+// other's checkpoints, and neither notices. (A run is what the train command
+// starts; a program using Trainer directly locks with lock_run_folders.) That happens when a job is
 // requeued while its earlier ranks still run (a launcher killed with
 // SIGKILL leaves them: Note [Stopping ranks under mpirun]), or when the same
 // command is started twice. So rank 0 holds flock(2) on <run.out>/LOCK, and
@@ -100,6 +102,20 @@ RunLock::~RunLock() {
   if (it == held.end() || --it->second.users > 0) return;
   ::close(it->second.fd);
   held.erase(it);
+}
+
+std::vector<std::unique_ptr<RunLock>> lock_run_folders(comm::Communicator& world, const TrainConfig& config) {
+  std::vector<std::unique_ptr<RunLock>> locks;
+  comm::on_root_or_all_fail(world, 0, [&] {
+    locks.push_back(std::make_unique<RunLock>(config.out));
+    const std::string out = util::canonical_path(config.out) + "/";
+    const std::string checkpoints = config.checkpoint_path();
+    util::make_directories(checkpoints);
+    if ((util::canonical_path(checkpoints) + "/").rfind(out, 0) != 0) {
+      locks.push_back(std::make_unique<RunLock>(checkpoints));
+    }
+  });
+  return locks;
 }
 
 }  // namespace meshtrain::train

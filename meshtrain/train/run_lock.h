@@ -2,7 +2,11 @@
 // data and checkpoints (Note [Run lock]).
 #pragma once
 
+#include "meshtrain/comm/communicator.h"
+
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace meshtrain::train {
 
@@ -20,5 +24,12 @@ class RunLock {
  private:
   std::string folder_;  // canonical
 };
+
+struct TrainConfig;
+
+// Collective over `world` (a run's ranks): rank 0 locks run.out, and
+// checkpoint.dir when it is outside it; or every rank throws. Hold the
+// result for the run.
+std::vector<std::unique_ptr<RunLock>> lock_run_folders(comm::Communicator& world, const TrainConfig& config);
 
 }  // namespace meshtrain::train

@@ -40,6 +40,7 @@ void check_shared_folders(comm::Communicator& world, const std::vector<SharedFol
   comm::on_root_or_all_fail(world, 0, [&] {
     token = random_token();
     for (const SharedFolder& folder : folders) {
+      util::make_directories(folder.path);
       probes.push_back(util::join_path(folder.path, ".meshtrain-probe-" + token));
       util::write_text_file(probes.back(), token);
     }

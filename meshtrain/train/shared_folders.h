@@ -11,7 +11,7 @@ namespace meshtrain::train {
 
 struct SharedFolder {
   std::string key;   // the config key that names it, e.g. "run.out"
-  std::string path;  // an existing folder
+  std::string path;  // a folder (rank 0 creates it)
 };
 
 // Collective: rank 0 writes a probe file with a random token into each

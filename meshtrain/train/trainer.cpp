@@ -91,7 +91,6 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
 
 Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     : config_(std::move(config)), world_(std::move(world)), device_(config_.torch_device(comm::node_local_rank())) {
-  lock_run_folders();
   check_shared_folders(*world_, {{"run.out", config_.out}, {"checkpoint.dir", config_.checkpoint_path()}});
   open_data();
   memory::install();
@@ -126,18 +125,6 @@ Trainer::~Trainer() {
     std::fprintf(stderr, "meshtrain: rank %d: the last checkpoint was not saved: %s\n", world_->rank(), e.what());
   }
   memory::set_limit(previous_limit_);
-}
-
-void Trainer::lock_run_folders() {
-  comm::on_root_or_all_fail(*world_, 0, [&] {
-    locks_.push_back(std::make_unique<RunLock>(config_.out));
-    const std::string out = util::canonical_path(config_.out) + "/";
-    const std::string checkpoints = config_.checkpoint_path();
-    util::make_directories(checkpoints);
-    if ((util::canonical_path(checkpoints) + "/").rfind(out, 0) != 0) {
-      locks_.push_back(std::make_unique<RunLock>(checkpoints));
-    }
-  });
 }
 
 void Trainer::open_data() {

@@ -9,7 +9,6 @@
 #include "meshtrain/checkpoint/writer.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/model/gpt.h"
-#include "meshtrain/train/run_lock.h"
 #include "meshtrain/parallel/step_engine.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/train/config.h"
@@ -109,7 +108,6 @@ class Trainer {
   void load_checkpoint(const std::string& folder);
   void log_resume_events();  // metrics lines for the checkpoints resume passed over
   void write_trace();
-  void lock_run_folders();  // collective: rank 0 locks them, or every rank throws
   void stop_or_skip_nonfinite(const StepResult& result);  // throws unless the step may be passed over
   // Collective: the stop asked on any rank (the largest signal number), or 0;
   // raises the error of a background save that has ended on every rank.
@@ -121,7 +119,6 @@ class Trainer {
   void write_sharding_report(const annotate::ShardingReport& report);
 
   TrainConfig config_;
-  std::vector<std::unique_ptr<RunLock>> locks_;  // rank 0: the run folders (Note [Run lock])
   std::shared_ptr<comm::Communicator> world_;
   at::Device device_ = at::kCPU;  // config_.device for this rank
   std::unique_ptr<text::Tokenizer> tokenizer_;  // [data] tokenizer: prepares text, decodes samples, saved in checkpoints

@@ -68,4 +68,19 @@ if [ $((n % 3)) != 0 ]; then
   grep -q "SIGUSR1: stopped after step $n of 100000; a checkpoint takes about .* were left of checkpoint.preempt_grace_s = 0.001, so none was begun: the same command resumes from step $((n / 3 * 3))" "$run/c.log" || {
     cat "$run/c.log"; exit 1; }
 fi
+# Ctrl-C typed at a terminal (script(1) gives the launcher one): it reaches the launcher only, and the ranks save.
+if command -v script > /dev/null; then
+  mkfifo "$run/keys"
+  script -qfec "'$meshtrain' run -n 2 train ${common[*]} --training.steps=100000 --run.out='$run/e'" /dev/null \
+    < "$run/keys" > "$run/e.log" 2>&1 &
+  terminal=$!
+  exec 3> "$run/keys"
+  wait_for_steps "$run/e" 3
+  printf '\003' >&3
+  status=0
+  wait "$terminal" || status=$?
+  exec 3>&-
+  [ "$status" = 0 ] && grep -q "SIGUSR2: stopped after step" "$run/e.log" || {
+    echo "Ctrl-C at a terminal: status $status"; cat "$run/e.log"; exit 1; }
+fi
 echo "ok: preempted at step $n on 2 ranks and resumed bit-exactly; SIGUSR1 saves a single process too; no save past the grace"
