@@ -13,14 +13,8 @@ common=(--model.preset=tiny --model.layers=2 --training.batch=4 --training.micro
         --training.lr=1e-3 --training.min_lr=1e-3 --training.warmup=0 --training.eval_every=0
         --checkpoint.every=1000)
 
-steps_logged() { grep -c '"step":' "$1/metrics.jsonl" 2> /dev/null || echo 0; }
-wait_for_steps() {  # folder, count
-  for _ in $(seq 600); do
-    [ "$(steps_logged "$1")" -ge "$2" ] && return 0
-    sleep 0.2
-  done
-  echo "no $2 steps in $1 within 120 s"; exit 1
-}
+# shellcheck source=steps.sh
+source "$(dirname "$0")/steps.sh"
 preempted_step() { grep '"event":"preempted"' "$1/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/'; }
 
 # Two ranks under the launcher.

@@ -10,14 +10,8 @@ run=$(mktemp -d)
 trap 'kill $(jobs -p) 2> /dev/null || true; pkill -KILL -f -- "--run.out=$run/" || true; rm -rf "$run"' EXIT
 common=(--model.preset=tiny --model.layers=2 --training.batch=4 --training.micro_batch=2 --training.sample_tokens=0
         --training.eval_every=0)
-steps_logged() { grep -c '"loss":' "$1/metrics.jsonl" 2> /dev/null || echo 0; }
-wait_for_steps() {  # folder, count
-  for _ in $(seq 600); do
-    [ "$(steps_logged "$1")" -ge "$2" ] && return 0
-    sleep 0.2
-  done
-  echo "no $2 steps in $1 within 120 s"; exit 1
-}
+# shellcheck source=steps.sh
+source "$(dirname "$0")/steps.sh"
 
 # A second run on a folder in use is refused, naming the holder; the first is untouched.
 "$meshtrain" run -n 2 train "${common[@]}" --training.steps=100000 --checkpoint.every=1000 --run.out="$run/a" \

@@ -1,0 +1,13 @@
+# Sourced by the tests/cli scripts that watch a training run's metrics.jsonl.
+
+# The step rows a run has logged (rows with a loss; event rows have none).
+steps_logged() { grep -c '"loss":' "$1/metrics.jsonl" 2> /dev/null || echo 0; }
+
+# Waits until the run in folder $1 has logged $2 steps; fails the test after 120 s.
+wait_for_steps() {
+  for _ in $(seq 600); do
+    [ "$(steps_logged "$1")" -ge "$2" ] && return 0
+    sleep 0.2
+  done
+  echo "no $2 steps in $1 within 120 s"; exit 1
+}
