@@ -10,9 +10,11 @@ set -euo pipefail
 meshtrain=$1
 python=$2
 if [ -z "${MESHTRAIN_IN_MOUNT_NS:-}" ]; then
-  if ! unshare -m --propagation private true 2> /dev/null; then
-    echo "skipped: needs a mount namespace (unshare -m: run as root)"; exit 77
+  probe=$(mktemp -d)
+  if ! unshare -m --propagation private mount -t tmpfs -o size=1m tmpfs "$probe" 2> /dev/null; then
+    rmdir "$probe"; echo "skipped: needs a mount namespace with tmpfs mounts (unshare -m: run as root)"; exit 77
   fi
+  rmdir "$probe"
   exec unshare -m --propagation private env MESHTRAIN_IN_MOUNT_NS=1 "$0" "$@"
 fi
 run=$(mktemp -d)

@@ -63,7 +63,7 @@ if [ $((n % 3)) != 0 ]; then
     cat "$run/c.log"; exit 1; }
 fi
 # Ctrl-C typed at a terminal (script(1) gives the launcher one): it reaches the launcher only, and the ranks save.
-if command -v script > /dev/null; then
+if script -qec true /dev/null > /dev/null 2>&1 < /dev/null; then
   mkfifo "$run/keys"
   script -qfec "'$meshtrain' run -n 2 train ${common[*]} --training.steps=100000 --run.out='$run/e'" /dev/null \
     < "$run/keys" > "$run/e.log" 2>&1 &
@@ -76,5 +76,7 @@ if command -v script > /dev/null; then
   exec 3>&-
   [ "$status" = 0 ] && grep -q "SIGUSR2: stopped after step" "$run/e.log" || {
     echo "Ctrl-C at a terminal: status $status"; cat "$run/e.log"; exit 1; }
+else
+  echo "no pseudo-terminal here (script(1) failed): the Ctrl-C case is not run"
 fi
 echo "ok: preempted at step $n on 2 ranks and resumed bit-exactly; SIGUSR1 saves a single process too; no save past the grace"

@@ -6,9 +6,11 @@
 # trains. Skipped (77) where mount namespaces cannot be made.
 set -euo pipefail
 meshtrain=$1
-if ! unshare -m --propagation private true 2> /dev/null; then
-  echo "skipped: needs a mount namespace (unshare -m: run as root)"; exit 77
+probe=$(mktemp -d)
+if ! unshare -m --propagation private mount -t tmpfs -o size=1m tmpfs "$probe" 2> /dev/null; then
+  rmdir "$probe"; echo "skipped: needs a mount namespace with tmpfs mounts (unshare -m: run as root)"; exit 77
 fi
+rmdir "$probe"
 run=$(mktemp -d)
 trap 'rm -rf "$run"' EXIT
 root=(); [ "$(id -u)" = 0 ] && root=(--allow-run-as-root)
