@@ -46,6 +46,13 @@ void on_all_or_all_fail(Communicator& comm, const std::function<void()>& work) {
   throw AgreedError(message);
 }
 
+std::vector<double> agree_values(Communicator& comm, const std::vector<double>& values, ReduceOp op) {
+  at::Tensor agreed = at::tensor(values, at::kDouble).to(comm.device());
+  comm.all_reduce(agreed, op).wait();
+  agreed = agreed.cpu();
+  return std::vector<double>(agreed.data_ptr<double>(), agreed.data_ptr<double>() + agreed.numel());
+}
+
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
   at::Tensor lengths = at::empty({comm.size()}, at::kLong);
   comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), at::kLong)).wait();

@@ -28,6 +28,10 @@ void on_root_or_all_fail(Communicator& comm, int root, const std::function<void(
 // of the ranks that failed ("rank 2: ...; rank 3: ...").
 void on_all_or_all_fail(Communicator& comm, const std::function<void()>& work);
 
+// `values` reduced element-wise over every rank (kMax, kMin, kSum, kAvg), on
+// every rank: a few numbers the ranks must decide on alike.
+std::vector<double> agree_values(Communicator& comm, const std::vector<double>& values, ReduceOp op);
+
 // Every rank's `text`, in rank order, on every rank.
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text);
 

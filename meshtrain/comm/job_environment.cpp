@@ -98,10 +98,20 @@ std::string who_sees(const std::string& name, const std::vector<std::map<std::st
 
 }  // namespace
 
-int Placement::hosts() const {
-  std::vector<std::string> distinct = host_of_rank;
-  std::sort(distinct.begin(), distinct.end());
-  return static_cast<int>(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+std::string Placement::host_of(int rank) const {
+  return checked && rank >= 0 && rank < static_cast<int>(host_of_rank.size()) ? host_of_rank[rank] : "";
+}
+
+std::string Placement::describe(std::vector<int> ranks) const {
+  std::map<std::string, std::vector<int>> by_host;  // "" when the host is not known
+  for (int r : ranks) by_host[host_of(r)].push_back(r);
+  std::string text;
+  for (auto& [host, mine] : by_host) {
+    std::sort(mine.begin(), mine.end());
+    text += (text.empty() ? "" : ", ") + std::string(mine.size() == 1 ? "rank " : "ranks ") + rank_ranges(mine) +
+            (host.empty() ? "" : " on " + host);
+  }
+  return text;
 }
 
 std::string Placement::summary() const {

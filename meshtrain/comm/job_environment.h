@@ -10,9 +10,12 @@ namespace meshtrain::comm {
 struct Placement {
   std::vector<std::string> host_of_rank;  // index: world rank
   bool checked = false;                   // from check_job_environment(), not the default
-  int hosts() const;
   // "4 ranks on 2 hosts (hostA: 0-1, hostB: 2-3)"
   std::string summary() const;
+  // The host of a world rank, or "" when not known (not checked).
+  std::string host_of(int rank) const;
+  // Some world ranks with their hosts, when checked: "rank 0 on hostA, ranks 2-3 on hostB".
+  std::string describe(std::vector<int> ranks) const;
 };
 
 // Collective over MPI_COMM_WORLD in plain MPI (MPI must be initialised):

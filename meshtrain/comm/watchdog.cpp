@@ -2,8 +2,6 @@
 
 #include "meshtrain/comm/job_environment.h"
 
-#include <algorithm>
-
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -93,30 +91,15 @@ namespace {
 std::string whom_it_waits_for(const WatchedOp& op) {
   const std::vector<int>& world = *op.world_ranks;
   const Placement& placement = job_placement();
-  const auto host = [&](int rank) -> std::string {
-    return placement.checked && rank < static_cast<int>(placement.host_of_rank.size()) ? placement.host_of_rank[rank]
-                                                                                       : "";
-  };
   const int me = world[op.rank];
-  std::string text = host(me).empty() ? "" : "it runs on " + host(me) + "; ";
+  const std::string text = placement.host_of(me).empty() ? "" : "it runs on " + placement.host_of(me) + "; ";
   const bool one_peer = op.op.peer >= 0 && op.op.peer < static_cast<int>(world.size()) &&
                         (op.op.kind == OpKind::kSend || op.op.kind == OpKind::kRecv || op.op.peer != op.rank);
-  if (one_peer) {
-    const int peer = world[op.op.peer];
-    return text + "it waits for rank " + std::to_string(peer) + (host(peer).empty() ? "" : " on " + host(peer));
-  }
-  std::map<std::string, std::vector<int>> by_host;  // the other ranks, by host
+  std::vector<int> others;
   for (int r : world) {
-    if (r != me) by_host[host(r)].push_back(r);
+    if (r != me) others.push_back(r);
   }
-  text += "it waits for ranks ";
-  bool first = true;
-  for (auto& [name, ranks] : by_host) {
-    std::sort(ranks.begin(), ranks.end());
-    text += (first ? "" : ", ") + rank_ranges(ranks) + (name.empty() ? "" : " on " + name);
-    first = false;
-  }
-  return text;
+  return text + "it waits for " + placement.describe(one_peer ? std::vector<int>{world[op.op.peer]} : others);
 }
 
 }  // namespace

@@ -11,8 +11,6 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
-#include <map>
-#include <mutex>
 
 namespace meshtrain::train {
 
@@ -28,19 +26,9 @@ namespace meshtrain::train {
 // stale lock cannot outlive its holder. The file says who holds it (pid,
 // host, start time), and a run refused names them. flock is advisory and,
 // on some network file systems, local to a host: it guards against the
-// usual mistakes, not a hostile process. flock belongs to an open file
-// description, so within one process the locks are shared by path: a test
-// or benchmark holding several trainers on one folder is one run.
+// usual mistakes, not a hostile process.
 
 namespace {
-
-struct Held {
-  int fd = -1;
-  int users = 0;
-};
-
-std::mutex held_mutex;
-std::map<std::string, Held> held;  // by canonical folder
 
 std::string holder_line() {
   char host[256] = "?";
@@ -68,40 +56,26 @@ RunLock::RunLock(const std::string& folder) {
   } catch (const std::runtime_error& e) {
     throw ConfigError(std::string("cannot create the run folder: ") + e.what());
   }
-  std::lock_guard<std::mutex> guard(held_mutex);
-  folder_ = util::canonical_path(folder);
-  if (Held& mine = held[folder_]; mine.users > 0) {
-    ++mine.users;
-    return;
-  }
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    held.erase(folder_);
-    throw ConfigError("cannot open " + path + ": " + std::strerror(errno));
-  }
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw ConfigError("cannot open " + path + ": " + std::strerror(errno));
+  if (flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
-    const std::string holder = read_holder(fd);
-    ::close(fd);
-    held.erase(folder_);
+    const std::string holder = read_holder(fd_);
+    ::close(fd_);
+    fd_ = -1;
     if (error != EWOULDBLOCK) throw ConfigError("cannot lock " + path + ": " + std::strerror(error));
     throw ConfigError(folder + " is in use by another run (" + holder + "; " + path + "). Two runs on one folder " +
                       "would overwrite each other's checkpoints and metrics: wait for it, stop it (SIGTERM saves a " +
                       "checkpoint first), or set run.out (and checkpoint.dir) to another folder");
   }
   const std::string line = holder_line() + "\n";
-  if (ftruncate(fd, 0) != 0 || pwrite(fd, line.data(), line.size(), 0) != static_cast<ssize_t>(line.size())) {
+  if (ftruncate(fd_, 0) != 0 || pwrite(fd_, line.data(), line.size(), 0) != static_cast<ssize_t>(line.size())) {
     // The lock holds without the note; a refused run then cannot say who holds it.
   }
-  held[folder_] = Held{fd, 1};
 }
 
 RunLock::~RunLock() {
-  std::lock_guard<std::mutex> guard(held_mutex);
-  const auto it = held.find(folder_);
-  if (it == held.end() || --it->second.users > 0) return;
-  ::close(it->second.fd);
-  held.erase(it);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 std::vector<std::unique_ptr<RunLock>> lock_run_folders(comm::Communicator& world, const TrainConfig& config) {

@@ -13,16 +13,15 @@ namespace meshtrain::train {
 class RunLock {
  public:
   // Takes an exclusive lock on <folder>/LOCK (creating the folder), or throws
-  // ConfigError naming the process that holds it. Held until the last RunLock
-  // of this process on the folder is destroyed, or the process ends, however
-  // it ends.
+  // ConfigError naming the process that holds it. Held until destruction or
+  // the process's end, however it ends.
   explicit RunLock(const std::string& folder);
   ~RunLock();
   RunLock(const RunLock&) = delete;
   RunLock& operator=(const RunLock&) = delete;
 
  private:
-  std::string folder_;  // canonical
+  int fd_ = -1;
 };
 
 struct TrainConfig;

@@ -6,7 +6,6 @@
 
 #include <unistd.h>
 
-#include <map>
 #include <random>
 
 namespace meshtrain::train {
@@ -35,24 +34,22 @@ std::string random_token() {
 
 void check_shared_folders(comm::Communicator& world, const std::vector<SharedFolder>& folders) {
   if (world.size() == 1) return;
-  std::vector<std::string> probes;
   std::string token;
+  const auto probe = [&](const SharedFolder& folder) { return util::join_path(folder.path, ".meshtrain-probe-" + token); };
   comm::on_root_or_all_fail(world, 0, [&] {
     token = random_token();
     for (const SharedFolder& folder : folders) {
       util::make_directories(folder.path);
-      probes.push_back(util::join_path(folder.path, ".meshtrain-probe-" + token));
-      util::write_text_file(probes.back(), token);
+      util::write_text_file(probe(folder), token);
     }
   });
   token = comm::all_gather_strings(world, world.rank() == 0 ? token : "").front();
   // What this rank sees: one character per folder, '1' when the probe is there with the token.
   std::string seen;
   for (const SharedFolder& folder : folders) {
-    const std::string probe = util::join_path(folder.path, ".meshtrain-probe-" + token);
     bool ok = false;
     try {
-      ok = util::read_text_file(probe) == token;
+      ok = util::read_text_file(probe(folder)) == token;
     } catch (const std::runtime_error&) {
       ok = false;
     }
@@ -60,25 +57,17 @@ void check_shared_folders(comm::Communicator& world, const std::vector<SharedFol
   }
   const std::vector<std::string> all = comm::all_gather_strings(world, seen);
   if (world.rank() == 0) {
-    for (const std::string& probe : probes) ::unlink(probe.c_str());
+    for (const SharedFolder& folder : folders) ::unlink(probe(folder).c_str());
   }
-  const comm::Placement& placement = comm::job_placement();
   std::string problems;
   for (size_t f = 0; f < folders.size(); ++f) {
-    std::map<std::string, std::vector<int>> missing;  // host -> ranks
+    std::vector<int> missing;
     for (size_t r = 0; r < all.size(); ++r) {
-      if (all[r][f] == '1') continue;
-      const bool named = placement.checked && r < placement.host_of_rank.size();
-      missing[named ? placement.host_of_rank[r] : "?"].push_back(static_cast<int>(r));
+      if (all[r][f] != '1') missing.push_back(static_cast<int>(r));
     }
     if (missing.empty()) continue;
-    std::string who;
-    for (const auto& [host, ranks] : missing) {
-      who += (who.empty() ? "" : ", ") + std::string(ranks.size() == 1 ? "rank " : "ranks ") +
-             comm::rank_ranges(ranks) + (host == "?" ? "" : " on " + host);
-    }
-    problems += (problems.empty() ? "" : "; ") + folders[f].key + " = " + folders[f].path + " is not shared: " + who +
-                " cannot see the file rank 0 wrote there";
+    problems += (problems.empty() ? "" : "; ") + folders[f].key + " = " + folders[f].path + " is not shared: " +
+                comm::job_placement().describe(missing) + " cannot see the file rank 0 wrote there";
   }
   if (!problems.empty()) {
     throw comm::AgreedError(problems + ". Every rank writes and reads its share of the checkpoints and data there: "

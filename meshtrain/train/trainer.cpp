@@ -113,9 +113,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
 
   const bool bf16 = config_.bfloat16() || config_.parallel.param_dtype == at::kBFloat16;
   // MFU is against the peak of the dtype the matmuls run in.
-  at::Tensor peak = at::full({1}, measure_matmul_peak(device_, bf16 ? at::kBFloat16 : at::kFloat), at::kDouble);
-  world_->all_reduce(peak, comm::ReduceOp::kAvg).wait();
-  peak_flops_ = peak.item<double>();
+  peak_flops_ =
+      comm::agree_values(*world_, {measure_matmul_peak(device_, bf16 ? at::kBFloat16 : at::kFloat)}, comm::ReduceOp::kAvg)[0];
 }
 
 Trainer::~Trainer() {
@@ -305,12 +304,10 @@ void Trainer::write_trace() {
 // next save (Note [Failed saves] in checkpoint/writer.cpp).
 int Trainer::agreed_stop(const std::atomic<int>* stop) {
   const double running = writer_->in_flight() && !writer_->finished() ? 1.0 : 0.0;
-  at::Tensor agreed = at::tensor({stop ? double(stop->load()) : 0.0, running, writer_->in_flight() ? 1.0 : 0.0},
-                                 at::kDouble).to(world_->device());
-  world_->all_reduce(agreed, comm::ReduceOp::kMax).wait();
-  agreed = agreed.cpu();
-  if (agreed[1].item<double>() == 0 && agreed[2].item<double>() > 0) finish_checkpoints();  // every rank: ended
-  return static_cast<int>(agreed[0].item<double>());
+  const std::vector<double> agreed = comm::agree_values(
+      *world_, {stop ? double(stop->load()) : 0.0, running, writer_->in_flight() ? 1.0 : 0.0}, comm::ReduceOp::kMax);
+  if (agreed[1] == 0 && agreed[2] > 0) finish_checkpoints();  // every rank: ended
+  return static_cast<int>(agreed[0]);
 }
 
 void Trainer::preempt(int signal, double step_seconds) {
@@ -322,10 +319,9 @@ void Trainer::preempt(int signal, double step_seconds) {
   // that every rank takes the same decision.
   const double own_left = config_.checkpoint_preempt_grace_s - step_seconds -
                           std::chrono::duration<double>(Clock::now() - start).count();
-  at::Tensor agreed = at::tensor({writer_->last_save_seconds(), -own_left}, at::kDouble).to(world_->device());
-  world_->all_reduce(agreed, comm::ReduceOp::kMax).wait();
-  agreed = agreed.cpu();
-  const double save_seconds = agreed[0].item<double>(), left = -agreed[1].item<double>();
+  const std::vector<double> agreed =
+      comm::agree_values(*world_, {writer_->last_save_seconds(), -own_left}, comm::ReduceOp::kMax);
+  const double save_seconds = agreed[0], left = -agreed[1];
   const bool saved_already = saved_step_ == step_;
   const bool save = !saved_already && !(saved_step_ >= 0 && save_seconds > left);
   if (save) {

@@ -51,9 +51,7 @@ bool Trainer::state_is_finite() {
       break;
     }
   }
-  at::Tensor flag = at::full({1}, finite ? 1.0 : 0.0, at::TensorOptions(at::kDouble).device(world_->device()));
-  world_->all_reduce(flag, comm::ReduceOp::kMin).wait();
-  return flag.item<double>() > 0;
+  return comm::agree_values(*world_, {finite ? 1.0 : 0.0}, comm::ReduceOp::kMin)[0] > 0;
 }
 
 void Trainer::save_checkpoint() {
