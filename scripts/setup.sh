@@ -14,7 +14,7 @@ torch_version=${MESHTRAIN_TORCH_VERSION:-2.11.0}
 
 debian_packages=(
   g++ cmake ninja-build make pkg-config git
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin iproute2
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev libutf8proc-dev liburing-dev fio
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -179,6 +179,7 @@ struct Hosts {
 struct Supervision {
   int max_restarts = 0;          // relaunches after a rank's death
   bool restart_on_hang = false;  // and after a watchdog timeout
+  int min_ranks = 0;             // > 0: relaunch on the hosts that answer, if they hold this many ranks
 };
 
 [[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const Supervision& supervision,

@@ -1,6 +1,7 @@
 // meshtrain run -n N <subcommand ...>: start N local ranks of this executable through mpirun.
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/launch_hosts.h"
 
 #include <mpi.h>
 
@@ -49,10 +50,14 @@ std::string self_executable() {
 
 }  // namespace
 
+std::string mpirun_path() {
+  const char* mpirun = std::getenv("MESHTRAIN_MPIRUN");
+  return mpirun && *mpirun ? mpirun : MESHTRAIN_MPIEXEC;
+}
+
 std::vector<std::string> launch_command(int ranks, const Hosts& hosts, const std::vector<std::string>& args,
                                         bool open_mpi, bool root, const std::vector<std::string>& variables) {
-  const char* mpirun = std::getenv("MESHTRAIN_MPIRUN");
-  std::vector<std::string> command{mpirun && *mpirun ? mpirun : MESHTRAIN_MPIEXEC, "-np", std::to_string(ranks)};
+  std::vector<std::string> command{mpirun_path(), "-np", std::to_string(ranks)};
   if (!hosts.hostfile.empty()) command.insert(command.end(), {"--hostfile", hosts.hostfile});
   if (!hosts.list.empty()) command.insert(command.end(), {"--host", hosts.list});
   if (open_mpi) {
@@ -123,6 +128,7 @@ class StderrFilter {
   }
   const std::string& watchdog_line() const { return watchdog_; }
   const std::string& rank_death() const { return death_; }
+  const std::string& lost_daemon() const { return lost_daemon_; }  // "on node NAME", or empty
 
  private:
   void line(const std::string& text) {
@@ -130,6 +136,14 @@ class StderrFilter {
       watchdog_ = text.substr(11);
     }
     if (death_.empty() && text.find("noticed that process rank") != std::string::npos) death_ = text;
+    // A host lost: mpirun's daemon there stopped answering, or the process that
+    // started it (ssh, the rsh agent) ended; the banner may name the node a few lines on.
+    for (const char* lost : {"lost communication with a remote daemon", "unable to reliably start one or more daemons"}) {
+      if (death_.empty() && text.find(lost) != std::string::npos) death_ = "mpirun lost a host's daemon: " + text;
+    }
+    if (lost_daemon_.empty() && text.find("Remote daemon:") != std::string::npos) {
+      lost_daemon_ = text.substr(text.find("on node") == std::string::npos ? text.size() : text.find("on node"));
+    }
     if (is_frame(text)) {
       if (framed_ && !repeats_meshtrain(block_)) std::fprintf(stderr, "%s\n%s%s\n", text.c_str(), block_.c_str(), text.c_str());
       framed_ = !framed_;
@@ -147,7 +161,7 @@ class StderrFilter {
     std::fflush(stderr);
   }
 
-  std::string pending_, block_, watchdog_, death_;
+  std::string pending_, block_, watchdog_, death_, lost_daemon_;
   bool framed_ = false;
 };
 
@@ -307,6 +321,9 @@ Launch launch_once(const std::vector<std::string>& command, bool server, bool tr
   result.cause = !filter.watchdog_line().empty() ? filter.watchdog_line()
                  : !filter.rank_death().empty()  ? filter.rank_death()
                                                  : "mpirun exited with status " + std::to_string(result.status);
+  if (!filter.lost_daemon().empty() && result.cause.find("remote daemon") != std::string::npos) {
+    result.cause += " (" + filter.lost_daemon() + ")";
+  }
   if (ended_stuck) std::fprintf(stderr, "meshtrain: the job ended on a watchdog timeout: %s\n", result.cause.c_str());
   return result;
 }
@@ -320,12 +337,92 @@ Launch launch_once(const std::vector<std::string>& command, bool server, bool tr
 // metrics.jsonl with the attempt, the cause, the step it resumed at and the
 // logged steps it will redo. An error every rank agreed on (a bad config, a
 // refused save) exits 1 and would only repeat, so it is not restarted, nor
-// is a run stopped on purpose (Ctrl-C, SIGTERM). The ranks and the layout
-// stay as they were: relaunching on fewer ranks when a host is lost is not
-// done here.
+// is a run stopped on purpose (Ctrl-C, SIGTERM). A daemon mpirun lost (its
+// host down or cut off) counts as a rank's death.
 bool worth_restarting(const Launch& launch, const Supervision& supervision) {
   if (launch.status == 0 || stops_forwarded > 0) return false;
   return launch.hang ? supervision.restart_on_hang : launch.rank_died;
+}
+
+// Note [Elastic restarts]
+// With hosts named (--hosts, --hostfile), a restart first asks every host of
+// the job to start a process (`mpirun -np 1 --host H:1 true`, all at once,
+// for at most MESHTRAIN_HOST_PROBE_S seconds, default 30): relaunching on a
+// host that is down would leave mpirun waiting for a daemon that never calls
+// back. Hosts that do not answer are dropped. With --min-ranks M the job goes
+// on with as many ranks as the answering hosts' slots hold (at most -n), if
+// that is M or more; without it a lost host ends the supervision, saying so.
+// train derives its layout from the world size where the config leaves dp
+// and fsdp at 0, keeps training.batch (the accumulation grows), and its
+// checkpoints reshard on load (Note [Resume]), so the run goes on from its
+// last checkpoint on fewer ranks along the same loss curve; its "restart"
+// row in metrics.jsonl gives the ranks before and after. A host that comes
+// back is not taken in again.
+struct Job {
+  int ranks = 0;
+  Hosts hosts;
+  std::vector<HostSlots> named;  // the hosts of `hosts`, with their slots
+};
+
+double probe_seconds() {
+  const char* text = std::getenv("MESHTRAIN_HOST_PROBE_S");
+  return text && *text ? std::max(1.0, std::atof(text)) : 30.0;
+}
+
+// Drops the hosts that no longer start a process; false (said why) when the job cannot go on.
+bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ranks) {
+  if (job.named.empty()) return true;
+  const double seconds = probe_seconds();
+  const std::vector<bool> answered = probe_hosts(job.named, mpirun_path(), geteuid() == 0, seconds);
+  std::vector<HostSlots> kept;
+  std::string lost;
+  int slots = 0;
+  for (size_t i = 0; i < job.named.size(); ++i) {
+    if (answered[i]) {
+      kept.push_back(job.named[i]);
+      slots += job.named[i].slots;
+    } else {
+      lost += (lost.empty() ? "" : ", ") + job.named[i].name;
+    }
+  }
+  if (lost.empty()) return true;
+  std::fprintf(stderr, "meshtrain: lost host(s) %s: no process started there within %.0f s (mpirun -np 1 --host HOST:1 "
+               "true)\n", lost.c_str(), seconds);
+  const int ranks = std::min(requested_ranks, slots);
+  if (supervision.min_ranks == 0) {
+    std::fprintf(stderr, "meshtrain: not restarting: a host is lost (--min-ranks M relaunches on the hosts that answer)\n");
+    return false;
+  }
+  if (ranks < supervision.min_ranks) {
+    std::fprintf(stderr, "meshtrain: not restarting: the hosts that answer (%s) hold %d rank(s), fewer than --min-ranks %d\n",
+                 kept.empty() ? "none" : host_list(kept).c_str(), ranks, supervision.min_ranks);
+    return false;
+  }
+  std::fprintf(stderr, "meshtrain: relaunching on %d rank(s) (%d before) on %s; train derives its layout for them and "
+               "keeps training.batch\n", ranks, job.ranks, host_list(kept).c_str());
+  job = Job{ranks, Hosts{"", host_list(kept)}, kept};
+  return true;
+}
+
+Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
+  Job job{ranks, hosts, hosts.empty() ? std::vector<HostSlots>{} : parse_hosts(hosts.hostfile, hosts.list)};
+  if (supervision.min_ranks == 0) return job;
+  if (job.named.empty()) {
+    throw std::invalid_argument("run --min-ranks needs --hosts or --hostfile: it relaunches on the hosts that still "
+                                "answer, and this host alone cannot be lost while the launcher runs");
+  }
+  if (supervision.max_restarts == 0) throw std::invalid_argument("run --min-ranks needs --max-restarts K (K >= 1)");
+  if (supervision.min_ranks > ranks) {
+    throw std::invalid_argument("run --min-ranks " + std::to_string(supervision.min_ranks) + " is more than -n " +
+                                std::to_string(ranks));
+  }
+  for (const HostSlots& host : job.named) {
+    if (host.slots == 0) {
+      throw std::invalid_argument("run --min-ranks: " + hosts.hostfile + " gives host " + host.name +
+                                  " no slots=N; the ranks a relaunch can place are counted by slots");
+    }
+  }
+  return job;
 }
 
 }  // namespace
@@ -348,13 +445,15 @@ bool worth_restarting(const Launch& launch, const Supervision& supervision) {
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);
+  Job job = plan_job(ranks, hosts, supervision);
   for (int attempt = 0;; ++attempt) {
     const std::vector<std::string> command =
-        launch_command(ranks, hosts, args, is_open_mpi(), geteuid() == 0, passed_variables());
+        launch_command(job.ranks, job.hosts, args, is_open_mpi(), geteuid() == 0, passed_variables());
     // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
     const char* threads = std::getenv("OMP_NUM_THREADS");
-    std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", ranks,
-                 hosts.empty() ? "" : (" on " + (hosts.list.empty() ? "the hosts of " + hosts.hostfile : hosts.list)).c_str(),
+    std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", job.ranks,
+                 job.hosts.empty() ? ""
+                                   : (" on " + (job.hosts.list.empty() ? "the hosts of " + job.hosts.hostfile : job.hosts.list)).c_str(),
                  threads ? ("OMP_NUM_THREADS=" + std::string(threads) + " threads each").c_str()
                          : "threads per rank = its host's cores / its host's ranks");
     for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());
@@ -377,6 +476,8 @@ bool worth_restarting(const Launch& launch, const Supervision& supervision) {
     std::fprintf(stderr, "meshtrain: restart %d of %d after: %s\n", attempt + 1, supervision.max_restarts,
                  launch.cause.c_str());
     std::fflush(stderr);
+    setenv("MESHTRAIN_RESTART_RANKS_BEFORE", std::to_string(job.ranks).c_str(), 1);
+    if (!drop_lost_hosts(job, supervision, ranks)) std::exit(launch.status);
     setenv("MESHTRAIN_RESTART", std::to_string(attempt + 1).c_str(), 1);
     setenv("MESHTRAIN_RESTART_CAUSE", launch.cause.c_str(), 1);
     std::this_thread::sleep_for(std::chrono::seconds(1));  // the dead job's ports and locks go
@@ -399,9 +500,14 @@ CommandPtr add_run(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   run->add_flag("--restart-on-hang", supervision->restart_on_hang,
                 "train: restart after a watchdog timeout too (counts against --max-restarts)");
+  run->add_option("--min-ranks", supervision->min_ranks,
+                  "train with --hosts/--hostfile: when a host is lost, relaunch on the hosts that still answer if their "
+                  "slots hold at least M ranks (the layout is derived again, training.batch kept)")
+      ->check(CLI::PositiveNumber);
   run->prefix_command();  // everything after the options is the command every rank runs
   run->footer("Examples:\n  meshtrain run -n 4 bench comm --max-size 64M\n"
-              "  meshtrain run -n 4 --hosts hostA:2,hostB:2 train --run.out=/shared/runs/a");
+              "  meshtrain run -n 4 --hosts hostA:2,hostB:2 train --run.out=/shared/runs/a\n"
+              "  meshtrain run -n 4 --hostfile hosts --max-restarts 3 --min-ranks 2 train --run.out=/shared/runs/a");
   return plain_command(run, [ranks, hosts, supervision, run] {
     return run_launcher(*ranks, *hosts, *supervision, run->remaining());
   });

@@ -137,10 +137,15 @@ void Progress::restarted(int64_t step, int64_t steps_redone, int ranks) {
   const char* attempt = std::getenv("MESHTRAIN_RESTART");
   if (!leader() || !attempt) return;
   const char* cause = std::getenv("MESHTRAIN_RESTART_CAUSE");
+  const char* before = std::getenv("MESHTRAIN_RESTART_RANKS_BEFORE");
+  const int ranks_before = before && std::atoi(before) > 0 ? std::atoi(before) : ranks;
   event(nlohmann::json{{"event", "restart"}, {"attempt", std::atoi(attempt)}, {"cause", cause ? cause : ""},
-                       {"step", step}, {"steps_redone", steps_redone}, {"ranks", ranks}}.dump());
+                       {"step", step}, {"steps_redone", steps_redone}, {"ranks", ranks},
+                       {"ranks_before", ranks_before}}.dump());
   say("restart " + std::string(attempt) + ": resumed at step " + std::to_string(step) + ", " +
-      std::to_string(steps_redone) + " logged step(s) to redo");
+      std::to_string(steps_redone) + " logged step(s) to redo" +
+      (ranks_before != ranks ? ", on " + std::to_string(ranks) + " ranks (" + std::to_string(ranks_before) + " before)"
+                             : ""));
 }
 
 void Progress::step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,

@@ -33,6 +33,21 @@ status=0
 [ "$status" != 0 ] && grep -q "run --hostfile $run/missing: No such file" "$run/missing.log" || {
   cat "$run/missing.log"; exit 1; }
 
+# --min-ranks (Note [Elastic restarts]) needs hosts that can be lost, restarts, and the slots of every host.
+min_ranks_refused() {  # expected message, then run's options
+  local expected=$1 status=0
+  shift
+  "$meshtrain" run "$@" train --run.out="$run/never" > "$run/min.log" 2>&1 || status=$?
+  [ "$status" != 0 ] && grep -qF -- "$expected" "$run/min.log" && [ ! -e "$run/never" ] || {
+    echo "status $status"; cat "$run/min.log"; exit 1; }
+}
+min_ranks_refused "run --min-ranks needs --hosts or --hostfile" -n 2 --max-restarts 1 --min-ranks 1
+min_ranks_refused "run --min-ranks needs --max-restarts K" -n 2 --hosts "$host:2" --min-ranks 1
+min_ranks_refused "run --min-ranks 3 is more than -n 2" -n 2 --hosts "$host:2" --max-restarts 1 --min-ranks 3
+printf '%s\n' "$host" > "$run/noslots"
+min_ranks_refused "gives host $host no slots=N" -n 2 --hostfile "$run/noslots" --max-restarts 1 --min-ranks 1
+min_ranks_refused "run --hosts $host:x: slots must be a positive count" -n 2 --hosts "$host:x"
+
 # Plain mpirun with a variable on one rank only.
 status=0
 env -u MESHTRAIN_COMM_TIMEOUT mpirun "${root[@]}" --oversubscribe -np 1 env MESHTRAIN_COMM_TIMEOUT=5 "$meshtrain" selfcheck --bench-max-size 0 : \

@@ -1,7 +1,11 @@
 # Sourced by the tests/cli scripts that watch a training run's metrics.jsonl.
 
 # The step rows a run has logged (rows with a loss; event rows have none).
-steps_logged() { grep -c '"loss":' "$1/metrics.jsonl" 2> /dev/null || echo 0; }
+steps_logged() {
+  local n
+  n=$(grep -c '"loss":' "$1/metrics.jsonl" 2> /dev/null) || true
+  echo "${n:-0}"
+}
 
 # Waits until the run in folder $1 has logged $2 steps; fails the test after 120 s.
 wait_for_steps() {

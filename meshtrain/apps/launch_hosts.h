@@ -1,0 +1,29 @@
+// The hosts `meshtrain run` places its ranks on, and a probe of which of them
+// still start processes (Note [Elastic restarts] in launch.cpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace meshtrain::apps {
+
+struct HostSlots {
+  std::string name;
+  int slots = 0;  // 0: not given (a hostfile line without slots=; mpirun then counts the host's cores)
+};
+
+// The hosts of `--hosts a:2,b` (a host without a count has 1 slot, as for
+// mpirun --host) or of an Open MPI hostfile (a line per host, "name slots=N",
+// # comments); a host named twice adds up its slots. Throws on a malformed entry.
+std::vector<HostSlots> parse_hosts(const std::string& hostfile, const std::string& list);
+
+// "a:2,b:2", for mpirun --host.
+std::string host_list(const std::vector<HostSlots>& hosts);
+
+// Whether each host starts a process within `seconds`: `mpirun -np 1 --host
+// NAME:1 true` for every host at once; one that fails or does not finish in
+// time (a host down, a link cut) does not answer.
+std::vector<bool> probe_hosts(const std::vector<HostSlots>& hosts, const std::string& mpirun, bool root,
+                              double seconds);
+
+}  // namespace meshtrain::apps

@@ -1,0 +1,95 @@
+# Sourced by tests that need several hosts on one machine. Each host is a
+# network namespace with one address on a bridge (the bridge lives in a
+# namespace of its own: the switch); every process started on a host also
+# gets a UTS namespace with the host's name, so it reports that name as
+# MPI and gethostname do on a real cluster. Open MPI reaches the other
+# hosts over TCP and starts its daemons there through an rsh agent that
+# enters the host's namespaces instead of logging in with ssh.
+#
+#   hosts_up N DIR      hosts node1..nodeN at 10.213.0.1..N; writes DIR/agent
+#   on_host I CMD...    runs CMD on host I (mpirun then starts remote ranks from there)
+#   hostfile FILE I:SLOTS...   an Open MPI hostfile naming hosts by address
+#   cut_link I          takes host I off the network (its port on the switch down)
+#   kill_host I         SIGKILL to every process on host I and its link cut: a host lost
+#   hosts_down          ends every process on the hosts and removes the namespaces
+#
+# hosts_can_run says why not (and returns 1) where namespaces cannot be made.
+
+hosts_prefix="mt$$"
+hosts_count=0
+
+hosts_can_run() {
+  command -v ip > /dev/null && command -v nsenter > /dev/null && command -v unshare > /dev/null || {
+    echo "needs ip (iproute2), nsenter and unshare (util-linux)"; return 1; }
+  ip netns add "${hosts_prefix}probe" 2> /dev/null || { echo "needs network namespaces (ip netns add: run as root)"; return 1; }
+  ip netns del "${hosts_prefix}probe"
+  unshare --uts true 2> /dev/null || { echo "needs UTS namespaces (unshare --uts: run as root)"; return 1; }
+}
+
+host_address() { echo "10.213.0.$1"; }
+host_netns() { echo "${hosts_prefix}h$1"; }
+
+hosts_up() {
+  local count=$1 dir=$2 switch="${hosts_prefix}sw" i
+  ip netns add "$switch"
+  hosts_count=$count
+  ip -n "$switch" link add br0 type bridge
+  ip -n "$switch" link set br0 up
+  for i in $(seq "$count"); do
+    ip netns add "$(host_netns "$i")"
+    ip -n "$switch" link add "h$i" type veth peer name eth0 netns "$(host_netns "$i")"
+    ip -n "$switch" link set "h$i" master br0 up
+    ip -n "$(host_netns "$i")" addr add "$(host_address "$i")/24" dev eth0
+    ip -n "$(host_netns "$i")" link set eth0 up
+    ip -n "$(host_netns "$i")" link set lo up
+  done
+  {
+    echo '#!/usr/bin/env bash'
+    echo '# rsh agent: runs a command on a host, i.e. in its network namespace under its name.'
+    echo 'while [ "${1#-}" != "$1" ]; do shift; done'
+    echo 'case $1 in'
+    for i in $(seq "$count"); do echo "  $(host_address "$i")|node$i) ns=$(host_netns "$i") name=node$i;;"; done
+    echo '  *) echo "agent: no host $1" >&2; exit 255;;'
+    echo 'esac'
+    echo 'shift'
+    echo 'exec nsenter --net="/run/netns/$ns" -- unshare --uts -- sh -c '"'"'hostname "$0" && eval "$1"'"'"' "$name" "$*"'
+  } > "$dir/agent"
+  chmod +x "$dir/agent"
+  # Open MPI: daemons started through the agent, ranks and daemons talking over the hosts' network.
+  export OMPI_MCA_plm_rsh_agent="$dir/agent" OMPI_MCA_btl=self,vader,tcp
+  export OMPI_MCA_btl_tcp_if_include=10.213.0.0/24 OMPI_MCA_oob_tcp_if_include=10.213.0.0/24
+}
+
+on_host() {
+  local i=$1
+  shift
+  nsenter --net="/run/netns/$(host_netns "$i")" -- unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "node$i" "$@"
+}
+
+hostfile() {
+  local file=$1 entry
+  shift
+  : > "$file"
+  for entry in "$@"; do echo "$(host_address "${entry%%:*}") slots=${entry#*:}" >> "$file"; done
+}
+
+cut_link() { ip -n "${hosts_prefix}sw" link set "h$1" down; }
+
+host_pids() { ip netns pids "$(host_netns "$1")" 2> /dev/null; }
+
+kill_host() {
+  cut_link "$1"
+  # shellcheck disable=SC2046
+  kill -KILL $(host_pids "$1") 2> /dev/null || true
+}
+
+hosts_down() {
+  local i
+  for i in $(seq "$hosts_count"); do
+    # shellcheck disable=SC2046
+    kill -KILL $(host_pids "$i") 2> /dev/null || true
+  done
+  for i in $(seq "$hosts_count"); do ip netns del "$(host_netns "$i")" 2> /dev/null || true; done
+  ip netns del "${hosts_prefix}sw" 2> /dev/null || true
+  hosts_count=0
+}
