@@ -1,4 +1,4 @@
-// meshtrain checkpoint inspect DIR: what a checkpoint holds.
+// meshtrain checkpoint inspect DIR: what a checkpoint holds; gather (checkpoint_gather.cpp).
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <functional>
 
 namespace meshtrain::apps {
 
@@ -72,13 +73,36 @@ int run_checkpoint_inspect(const std::string& path, bool json) {
   return 0;
 }
 
+namespace {
+
+// inspect runs as one process; gather on the ranks of a job, one on each host that holds part of a checkpoint.
+class CheckpointCommand : public Command {
+ public:
+  CheckpointCommand(CLI::App* checkpoint, CLI::App* gather, std::function<int()> run_inspect,
+                    std::function<int(comm::Runtime&)> run_gather)
+      : checkpoint_(checkpoint), gather_(gather), run_inspect_(std::move(run_inspect)),
+        run_gather_(std::move(run_gather)) {}
+  bool chosen() const override { return checkpoint_->parsed(); }
+  bool on_ranks() const override { return gather_->parsed(); }
+  int run(comm::Runtime* runtime) override { return runtime ? run_gather_(*runtime) : run_inspect_(); }
+
+ private:
+  CLI::App *checkpoint_, *gather_;
+  std::function<int()> run_inspect_;
+  std::function<int(comm::Runtime&)> run_gather_;
+};
+
+}  // namespace
+
 CommandPtr add_checkpoint(CLI::App& app) {
   struct Args {
     std::string path;
     bool json = false;
+    std::vector<std::string> sources;
+    std::string out;
   };
   auto a = std::make_shared<Args>();
-  CLI::App* checkpoint = app.add_subcommand("checkpoint", "Look into distributed checkpoints");
+  CLI::App* checkpoint = app.add_subcommand("checkpoint", "Look into distributed checkpoints, gather local ones");
   checkpoint->require_subcommand(1);
   CLI::App* inspect = checkpoint->add_subcommand(
       "inspect", "What a checkpoint holds: its step, the layout and rank count it was saved with, its files, and every "
@@ -86,7 +110,20 @@ CommandPtr add_checkpoint(CLI::App& app) {
   inspect->add_option("checkpoint", a->path, "Checkpoint folder, or a checkpoint directory (its latest is used)")
       ->required();
   inspect->add_flag("--json", a->json, "Print JSON instead of a table");
-  return plain_command(inspect, [a] { return run_checkpoint_inspect(a->path, a->json); });
+  CLI::App* gather = checkpoint->add_subcommand(
+      "gather", "Copy a local checkpoint (checkpoint.local = true: each host's files on its own disk) into one folder "
+                "any layout can resume from. Run a rank on every host that holds part of it, e.g. `meshtrain run -n 2 "
+                "--hosts hostA:1,hostB:1 checkpoint gather /local/ckpt --out /shared/ckpt`, or give one process "
+                "every host's copy.");
+  gather->add_option("checkpoint", a->sources,
+                     "The checkpoint folder, or its checkpoint directory (rank 0's latest is used), as each host sees "
+                     "it; several: copies of hosts' folders")
+      ->required();
+  gather->add_option("--out", a->out, "Checkpoint directory to write step-N and `latest` into (on rank 0's host)")
+      ->required();
+  return std::make_unique<CheckpointCommand>(
+      checkpoint, gather, [a] { return run_checkpoint_inspect(a->path, a->json); },
+      [a](comm::Runtime& runtime) { return run_checkpoint_gather(runtime, a->sources, a->out); });
 }
 
 }  // namespace meshtrain::apps

@@ -143,6 +143,9 @@ int run_bench_generate(const GenerateBenchOptions& options);
 
 // meshtrain checkpoint inspect DIR: step, layout, files and every tensor (no MPI).
 int run_checkpoint_inspect(const std::string& path, bool json);
+// meshtrain checkpoint gather DIR... --out OUT: a local checkpoint's files from
+// every rank's host into OUT (Note [Gathering a checkpoint]).
+int run_checkpoint_gather(comm::Runtime& runtime, const std::vector<std::string>& paths, const std::string& out_dir);
 
 // bench tp: tensor parallel for tp = 1, 2, 4, ... up to the world size (the
 // first tp ranks train, the rest wait): bytes per layer against the formula,

@@ -31,8 +31,11 @@ class CheckpointError : public std::runtime_error {
 // them, or an FSDP rank's share); it lives at bytes [offset, offset + bytes)
 // of `file`, with a 64-bit checksum of every 1 MiB block (block_bytes) of it.
 // Chunks of one tensor never overlap: what several ranks hold alike was
-// written once. Names: "model/PARAM" (fp32 parameters), "optim/PARAM/exp_avg"
-// and ".../exp_avg_sq" (AdamW; its step count is the checkpoint's step),
+// written once; except in a local checkpoint (Note [Local checkpoints]),
+// where each rank writes all it holds, so a chunk may be there several
+// times, alike, in files on different hosts; a reader uses one of them.
+// Names: "model/PARAM" (fp32 parameters), "optim/PARAM/exp_avg" and
+// ".../exp_avg_sq" (AdamW; its step count is the checkpoint's step),
 // "rng/cpu" and "rng/tensor_parallel" (one row per rank).
 // Loading plans from the metadata alone: each rank reads the blocks of the
 // chunks that overlap what it holds in its own layout, and verifies their
@@ -68,6 +71,8 @@ struct Metadata {
   int64_t world = 1;           // its world size
   std::string tokenizer;       // text::tokenizer_to_json of the training's tokenizer ("": bytes)
   std::map<std::string, TensorEntry> tensors;
+  // A local checkpoint's files and the hosts that hold them (empty: every file is in the folder).
+  std::map<std::string, std::string> hosts;
 
   std::string to_json() const;
   // Throws CheckpointError naming `where` for anything missing or malformed.

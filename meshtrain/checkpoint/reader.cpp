@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -59,6 +60,10 @@ at::Tensor positions(const Region& region, const std::vector<int64_t>& offsets, 
 
 bool same_box(const ChunkEntry& s, const placement::Chunk& t) { return s.offsets == t.box.offsets && s.sizes == t.box.sizes; }
 
+bool same_chunk(const ChunkEntry& a, const ChunkEntry& b) {
+  return a.offsets == b.offsets && a.sizes == b.sizes && a.begin == b.begin && a.end == b.end;
+}
+
 constexpr int64_t kSlabElements = int64_t{1} << 21;  // bounds the index tensors of one overlap
 
 }  // namespace
@@ -68,6 +73,13 @@ CheckpointReader::CheckpointReader(std::string folder)
 
 CheckpointReader::~CheckpointReader() {
   for (const auto& [name, fd] : files_) ::close(fd);
+}
+
+bool CheckpointReader::here(const std::string& file) {
+  if (metadata_.hosts.count(file) == 0) return true;  // not a local checkpoint's file: it must be here
+  auto it = present_.find(file);
+  if (it == present_.end()) it = present_.emplace(file, util::is_regular_file(util::join_path(folder_, file))).first;
+  return it->second;
 }
 
 const TensorEntry& CheckpointReader::entry(const std::string& name) const {
@@ -129,9 +141,19 @@ void CheckpointReader::load(const placement::TrainingState& state, const mesh::M
     if (!t.local.is_contiguous()) throw std::logic_error("checkpoint load: the local tensor of " + t.name + " is not contiguous");
     at::Tensor local = t.local.view({-1});
     int64_t base = 0, filled = 0, wanted_elements = 0;
+    std::string elsewhere;  // files of a local checkpoint this host does not hold, that the chunks below needed
     for (const placement::Chunk& target : placement::local_chunks(t.spec, layout, rank)) {
       wanted_elements += target.numel();
+      std::vector<const ChunkEntry*> used;  // a local checkpoint holds a chunk once per host that held it
       for (const ChunkEntry& source : saved.chunks) {
+        if (std::any_of(used.begin(), used.end(), [&](const ChunkEntry* u) { return same_chunk(*u, source); })) continue;
+        if (!here(source.file)) {
+          if (elsewhere.find(source.file) == std::string::npos) {
+            elsewhere += (elsewhere.empty() ? "" : ", ") + source.file + " on " + metadata_.hosts.at(source.file);
+          }
+          continue;
+        }
+        used.push_back(&source);
         if (same_box(source, target)) {
           const int64_t lo = std::max(source.begin, target.begin), hi = std::min(source.end, target.end);
           if (lo >= hi) continue;
@@ -168,9 +190,13 @@ void CheckpointReader::load(const placement::TrainingState& state, const mesh::M
       base += target.numel();
     }
     if (filled != wanted_elements) {
-      throw CheckpointError("checkpoint " + folder_ + ": tensor " + t.name + ": " +
-                            std::to_string(wanted_elements - filled) + " of the " + std::to_string(wanted_elements) +
-                            " elements rank " + std::to_string(rank) + " needs are in no chunk");
+      const std::string missing = "checkpoint " + folder_ + ": tensor " + t.name + ": " +
+                                  std::to_string(wanted_elements - filled) + " of the " +
+                                  std::to_string(wanted_elements) + " elements rank " + std::to_string(rank) + " needs";
+      if (elsewhere.empty()) throw CheckpointError(missing + " are in no chunk");
+      throw CheckpointError(missing + " are in files on other hosts (" + elsewhere +
+                            "): a local checkpoint (checkpoint.local = true) resumes on the hosts that wrote it, in "
+                            "its layout; `meshtrain checkpoint gather` copies it into one folder any layout can read");
     }
   }
 }

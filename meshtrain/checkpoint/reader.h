@@ -26,7 +26,8 @@ class CheckpointReader {
 
   // Fills every entry of `state` (laid out on `layout`, this process being
   // `rank`) whose name `wanted` accepts from the chunks that overlap it,
-  // converting dtypes; checks the checksum of every block it reads. Throws
+  // converting dtypes; checks the checksum of every block it reads; of the
+  // copies a local checkpoint holds of a chunk, reads one on this host. Throws
   // CheckpointError naming the tensor or file: a tensor missing, of another
   // shape, elements no chunk holds, a block whose checksum differs.
   void load(const placement::TrainingState& state, const mesh::MeshLayout& layout, int rank,
@@ -41,10 +42,13 @@ class CheckpointReader {
   // (blocks read whole and verified).
   at::Tensor read_elements(const TensorEntry& tensor, const ChunkEntry& chunk, int64_t first, int64_t last);
   const TensorEntry& entry(const std::string& name) const;
+  // Whether this host holds `file` (a local checkpoint holds each host's files on that host only).
+  bool here(const std::string& file);
 
   std::string folder_;
   Metadata metadata_;
   std::map<std::string, int> files_;  // open descriptors by file name
+  std::map<std::string, bool> present_;  // here(), by file name
   int64_t bytes_read_ = 0;
 };
 

@@ -7,9 +7,11 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <functional>
 
 namespace meshtrain::checkpoint {
 
@@ -97,10 +99,40 @@ struct CheckpointWriter::Snapshot {
   int64_t total_bytes = 0;  // every rank's files
 };
 
+// Note [Local checkpoints]
+// With checkpoint.local = true, checkpoint.dir is a disk of each host's own
+// (a node-local NVMe), not a shared file system. The first rank of each host
+// stages, publishes and prunes the folder on its disk, as rank 0 does for a
+// shared one (Note [Checkpoint atomicity]); every rank writes its file there.
+// Each rank writes all it holds, replicas included, so that a resume on the
+// same hosts in the same layout reads only its own host's files; the cost is
+// a replica's bytes once per host. Every host's metadata.json is the whole
+// one, with a "hosts" map naming the host that holds each file; its
+// MANIFEST.json lists the files on that host. A reader reads, of a chunk's
+// copies, one on its own host and names the files on other hosts when what
+// it needs is only there. On resume the ranks agree on the newest step every
+// host holds complete (a crash between two hosts' publications leaves them a
+// step apart). `meshtrain checkpoint gather` copies a local checkpoint's
+// files from every host into one folder, which any layout can read.
+
+namespace {
+
+std::string this_host() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return "unknown";
+  return name;
+}
+
+}  // namespace
+
 CheckpointWriter::CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async,
-                                   int64_t block_bytes)
-    : store_(std::move(store)), comm_(world->split(0, world->rank(), "checkpoint")), async_(async), block_bytes_(block_bytes) {
+                                   int64_t block_bytes, bool local)
+    : store_(std::move(store)), comm_(world->split(0, world->rank(), "checkpoint")), async_(async), local_(local),
+      block_bytes_(block_bytes) {
   if (block_bytes_ < 1) throw std::invalid_argument("checkpoint writer: block_bytes must be positive");
+  if (!local_) return;
+  hosts_ = comm::all_gather_strings(*comm_, this_host());
+  host_leader_ = std::find(hosts_.begin(), hosts_.end(), hosts_[comm_->rank()]) - hosts_.begin() == comm_->rank();
 }
 
 CheckpointWriter::~CheckpointWriter() {
@@ -115,7 +147,7 @@ void CheckpointWriter::save(Metadata meta, const placement::TrainingState& state
   {
     torch::NoGradGuard no_grad;
     for (const placement::StateTensor& t : state) {
-      if (!t.write) continue;
+      if (!t.write && !local_) continue;  // a replica another rank writes (local: each host writes its own)
       Snapshot::Tensor copy{t.name, t.spec.shape, placement::local_chunks(t.spec, layout, comm_->rank()), {}};
       copy.data = t.local.detach().reshape({-1}).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
       snapshot->tensors.push_back(std::move(copy));
@@ -162,12 +194,16 @@ void CheckpointWriter::check_space(Snapshot& snapshot) {
   for (const Snapshot::Tensor& t : snapshot.tensors) snapshot.bytes += t.data.numel() * t.data.element_size();
   const std::vector<std::string> all = comm::all_gather_strings(*comm_, std::to_string(snapshot.bytes));
   snapshot.total_bytes = 0;
-  for (const std::string& bytes : all) snapshot.total_bytes += std::stoll(bytes);
+  int64_t host_bytes = 0;  // local: what this rank's host writes
+  for (size_t r = 0; r < all.size(); ++r) {
+    snapshot.total_bytes += std::stoll(all[r]);
+    if (local_ && hosts_[r] == hosts_[comm_->rank()]) host_bytes += std::stoll(all[r]);
+  }
   comm::on_all_or_all_fail(*comm_, [&] {
     struct statvfs fs {};
     if (statvfs(store_.dir().c_str(), &fs) != 0) return;  // not there yet: the save says what fails
     const int64_t free = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize);
-    const int64_t needed = comm_->rank() == 0 ? snapshot.total_bytes : snapshot.bytes;
+    const int64_t needed = !publishes() ? snapshot.bytes : local_ ? host_bytes : snapshot.total_bytes;
     if (needed <= free) return;
     char text[128];
     std::snprintf(text, sizeof text, "; %.1f MiB are free there: nothing was written",
@@ -191,7 +227,7 @@ void CheckpointWriter::write(const Snapshot& snapshot) {
     write_files(snapshot, staging);
   } catch (const std::exception& e) {
     ::unlink(util::join_path(staging, rank_file_name(comm_->rank())).c_str());
-    if (comm_->rank() == 0) {
+    if (publishes()) {
       try {
         util::remove_tree(staging);
       } catch (const std::runtime_error&) {
@@ -211,7 +247,17 @@ void CheckpointWriter::write(const Snapshot& snapshot) {
 void CheckpointWriter::write_files(const Snapshot& snapshot, const std::string& staging) {
   const auto start = Clock::now();
   const int64_t step = snapshot.meta.step;
-  comm::on_root_or_all_fail(*comm_, 0, [&] { store_.prepare_staging(step); });
+  // Rank 0 prepares the staging folder (local: each host's first rank); a failure fails the save on every rank.
+  const auto on_publishers = [&](const std::function<void()>& work) {
+    if (local_) {
+      comm::on_all_or_all_fail(*comm_, [&] {
+        if (publishes()) work();
+      });
+    } else {
+      comm::on_root_or_all_fail(*comm_, 0, work);
+    }
+  };
+  on_publishers([&] { store_.prepare_staging(step); });
   // This rank's file: every chunk's bytes back to back, block checksums.
   Metadata mine = snapshot.meta;
   int64_t written = 0;
@@ -249,9 +295,9 @@ void CheckpointWriter::write_files(const Snapshot& snapshot, const std::string& 
     written = out.size();
     maybe_fail_after(file);
   });
-  // Rank 0 merges every rank's chunks into the metadata and publishes.
+  // Rank 0 (local: each host's first rank) merges every rank's chunks into the metadata and publishes.
   const std::vector<std::string> all = comm::all_gather_strings(*comm_, mine.tensors.empty() ? "" : mine.to_json());
-  comm::on_root_or_all_fail(*comm_, 0, [&] {
+  on_publishers([&] {
     Metadata merged = snapshot.meta;
     for (size_t r = 0; r < all.size(); ++r) {
       if (all[r].empty()) continue;
@@ -262,6 +308,7 @@ void CheckpointWriter::write_files(const Snapshot& snapshot, const std::string& 
         target.dtype = entry.dtype;
         target.chunks.insert(target.chunks.end(), entry.chunks.begin(), entry.chunks.end());
       }
+      if (local_) merged.hosts[rank_file_name(static_cast<int>(r))] = hosts_[r];
     }
     try {
       util::write_text_file(util::join_path(staging, "metadata.json"), merged.to_json());

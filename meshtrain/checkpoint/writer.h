@@ -12,7 +12,9 @@
 #include <atomic>
 #include <exception>
 #include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace meshtrain::checkpoint {
 
@@ -31,8 +33,9 @@ class CheckpointWriter {
  public:
   // Collective over `world`. Checksums cover `block_bytes` each (the unit a
   // reader verifies, so the least it reads of a chunk).
+  // `local`: a local checkpoint (Note [Local checkpoints]).
   CheckpointWriter(CheckpointStore store, const std::shared_ptr<comm::Communicator>& world, bool async,
-                   int64_t block_bytes = kBlockBytes);
+                   int64_t block_bytes = kBlockBytes, bool local = false);
   ~CheckpointWriter();  // waits for a save in flight (its error is lost: call wait() first)
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -63,9 +66,16 @@ class CheckpointWriter {
   void check_space(Snapshot& snapshot);
   std::string space_advice(const Snapshot& snapshot) const;
 
+  // Whether this rank prepares and publishes the folder: rank 0, or in a local
+  // checkpoint the first rank of each host.
+  bool publishes() const { return local_ ? host_leader_ : comm_->rank() == 0; }
+
   CheckpointStore store_;
   std::shared_ptr<comm::Communicator> comm_;
   bool async_;
+  bool local_ = false;
+  std::vector<std::string> hosts_;  // local: each rank's host name
+  bool host_leader_ = false;
   int64_t block_bytes_;
   std::thread thread_;
   std::exception_ptr error_;

@@ -139,6 +139,9 @@ void add_run_keys(std::vector<Field>& f) {
                     "runs meanwhile; memory for one copy of this rank's state)", MESHTRAIN_CONFIG_MEMBER(checkpoint_async)));
   f.push_back(field("checkpoint", "keep", "checkpoints kept (the newest; at least 1)",
                     MESHTRAIN_CONFIG_MEMBER(checkpoint_keep)));
+  f.push_back(field("checkpoint", "local", "checkpoint.dir is a disk of each host's own, not shared: each host writes "
+                    "its ranks' files there (every rank all it holds), resume works on the same hosts and layout, and "
+                    "`meshtrain checkpoint gather` copies one into a single folder", MESHTRAIN_CONFIG_MEMBER(checkpoint_local)));
   f.push_back(field("checkpoint", "preempt_grace_s", "seconds a scheduler leaves between its stop signal and SIGKILL "
                     "(Slurm's KillWait, 30 by default): after a stop, a checkpoint that would not be written within "
                     "what is left of it is not begun, and the latest one stands", MESHTRAIN_CONFIG_MEMBER(checkpoint_preempt_grace_s)));

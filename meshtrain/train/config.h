@@ -61,6 +61,7 @@ struct TrainConfig {
   int64_t checkpoint_every = 50;  // steps between checkpoints; 0: only at the end
   bool checkpoint_async = true;   // write in the background from a host snapshot
   int64_t checkpoint_keep = 2;
+  bool checkpoint_local = false;  // each host writes its ranks' files to its own disk (Note [Local checkpoints])
   double checkpoint_preempt_grace_s = 30;  // after a stop signal, until the scheduler's SIGKILL (Note [Preemption])
   bool resume = true;          // continue from the latest checkpoint when there is one
   // [run]

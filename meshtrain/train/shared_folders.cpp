@@ -32,24 +32,28 @@ std::string random_token() {
 
 }  // namespace
 
-void check_shared_folders(comm::Communicator& world, const std::vector<SharedFolder>& folders) {
-  if (world.size() == 1) return;
+namespace {
+
+// Collective: rank 0 writes a probe with a random token into each folder, every
+// rank reads them back; each rank's answer, one character per folder ('1': seen).
+std::vector<std::string> probe(comm::Communicator& world, const std::vector<SharedFolder>& folders) {
   std::string token;
-  const auto probe = [&](const SharedFolder& folder) { return util::join_path(folder.path, ".meshtrain-probe-" + token); };
+  const auto probe_path = [&](const SharedFolder& folder) {
+    return util::join_path(folder.path, ".meshtrain-probe-" + token);
+  };
   comm::on_root_or_all_fail(world, 0, [&] {
     token = random_token();
     for (const SharedFolder& folder : folders) {
       util::make_directories(folder.path);
-      util::write_text_file(probe(folder), token);
+      util::write_text_file(probe_path(folder), token);
     }
   });
   token = comm::all_gather_strings(world, world.rank() == 0 ? token : "").front();
-  // What this rank sees: one character per folder, '1' when the probe is there with the token.
   std::string seen;
   for (const SharedFolder& folder : folders) {
     bool ok = false;
     try {
-      ok = util::read_text_file(probe(folder)) == token;
+      ok = util::read_text_file(probe_path(folder)) == token;
     } catch (const std::runtime_error&) {
       ok = false;
     }
@@ -57,8 +61,32 @@ void check_shared_folders(comm::Communicator& world, const std::vector<SharedFol
   }
   const std::vector<std::string> all = comm::all_gather_strings(world, seen);
   if (world.rank() == 0) {
-    for (const SharedFolder& folder : folders) ::unlink(probe(folder).c_str());
+    for (const SharedFolder& folder : folders) ::unlink(probe_path(folder).c_str());
   }
+  return all;
+}
+
+}  // namespace
+
+void check_local_folder(comm::Communicator& world, const SharedFolder& folder) {
+  if (world.size() == 1) return;
+  const comm::Placement& placement = comm::job_placement();
+  const std::vector<std::string> all = probe(world, {folder});
+  std::vector<int> elsewhere;  // ranks on other hosts than rank 0 that see rank 0's probe
+  for (size_t r = 0; r < all.size(); ++r) {
+    const std::string host = placement.host_of(static_cast<int>(r));
+    if (all[r][0] == '1' && !host.empty() && host != placement.host_of(0)) elsewhere.push_back(static_cast<int>(r));
+  }
+  if (elsewhere.empty()) return;
+  throw comm::AgreedError(folder.key + " = " + folder.path + " is shared between hosts (" +
+                          placement.describe(elsewhere) + " see the file rank 0 on " + placement.host_of(0) +
+                          " wrote there), but checkpoint.local = true has the first rank of each host write its "
+                          "checkpoint folder there: set checkpoint.local = false for a shared file system");
+}
+
+void check_shared_folders(comm::Communicator& world, const std::vector<SharedFolder>& folders) {
+  if (world.size() == 1) return;
+  const std::vector<std::string> all = probe(world, folders);
   std::string problems;
   for (size_t f = 0; f < folders.size(); ++f) {
     std::vector<int> missing;
@@ -72,7 +100,10 @@ void check_shared_folders(comm::Communicator& world, const std::vector<SharedFol
   if (!problems.empty()) {
     throw comm::AgreedError(problems + ". Every rank writes and reads its share of the checkpoints and data there: "
                             "put these folders on a file system every host mounts at the same path (NFS, Lustre, "
-                            "a cluster's shared scratch)");
+                            "a cluster's shared scratch)" +
+                            std::string(problems.find("checkpoint.dir") != std::string::npos
+                                            ? ", or set checkpoint.local = true to keep checkpoints on each host's disk"
+                                            : ""));
   }
 }
 

@@ -20,4 +20,9 @@ struct SharedFolder {
 // and what to do. Removes the probes.
 void check_shared_folders(comm::Communicator& world, const std::vector<SharedFolder>& folders);
 
+// Collective, for checkpoint.local (Note [Local checkpoints]): a folder each
+// host must have for itself. Throws AgreedError when ranks on another host
+// than rank 0's see the probe rank 0 wrote there.
+void check_local_folder(comm::Communicator& world, const SharedFolder& folder);
+
 }  // namespace meshtrain::train

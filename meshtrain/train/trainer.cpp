@@ -91,7 +91,10 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
 
 Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
     : config_(std::move(config)), world_(std::move(world)), device_(config_.torch_device(comm::node_local_rank())) {
-  check_shared_folders(*world_, {{"run.out", config_.out}, {"checkpoint.dir", config_.checkpoint_path()}});
+  std::vector<SharedFolder> shared{{"run.out", config_.out}};
+  if (!config_.checkpoint_local) shared.push_back({"checkpoint.dir", config_.checkpoint_path()});
+  check_shared_folders(*world_, shared);
+  if (config_.checkpoint_local) check_local_folder(*world_, {"checkpoint.dir", config_.checkpoint_path()});
   open_data();
   memory::install();
   memory::set_rank(world_->rank());
@@ -101,7 +104,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   engine_ = std::make_unique<parallel::StepEngine>(
       parallel::parallelize(model::Gpt(config_.model, config_.seed), world_, parallelize_options(config_, device_)));
   writer_ = std::make_unique<checkpoint::CheckpointWriter>(
-      checkpoint::CheckpointStore(config_.checkpoint_path(), config_.checkpoint_keep), world_, config_.checkpoint_async);
+      checkpoint::CheckpointStore(config_.checkpoint_path(), config_.checkpoint_keep), world_, config_.checkpoint_async,
+      checkpoint::kBlockBytes, config_.checkpoint_local);
   // The random streams (dropout, the random second expert) start from the seed, whatever
   // ran before in this process; a resume in the same layout then restores them.
   parts().random.reseed(config_.seed, 0);

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 namespace meshtrain::train {
@@ -112,10 +113,28 @@ void Trainer::resume() {
       if (f != latest) listing += f + "\n";
     }
   });
-  listing = comm::all_gather_strings(*world_, world_->rank() == 0 ? listing : "").front();
-  std::vector<std::string> candidates;
-  for (size_t start = 0, end; (end = listing.find('\n', start)) != std::string::npos; start = end + 1) {
-    candidates.push_back(listing.substr(start, end - start));
+  const auto lines = [](const std::string& text) {
+    std::vector<std::string> out;
+    for (size_t start = 0, end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+      out.push_back(text.substr(start, end - start));
+    }
+    return out;
+  };
+  std::vector<std::string> candidates = lines(comm::all_gather_strings(*world_, world_->rank() == 0 ? listing : "").front());
+  if (config_.checkpoint_local) {
+    // Note [Local checkpoints]: only the steps every host holds complete.
+    std::string mine;
+    for (const std::string& f : writer_->store().complete()) mine += f + "\n";
+    const std::vector<std::string> everyone = comm::all_gather_strings(*world_, mine);
+    std::vector<std::string> common;
+    for (const std::string& folder : candidates) {
+      const bool everywhere = std::all_of(everyone.begin(), everyone.end(), [&](const std::string& held) {
+        const std::vector<std::string> folders = lines(held);
+        return std::find(folders.begin(), folders.end(), folder) != folders.end();
+      });
+      if (everywhere) common.push_back(folder);
+    }
+    candidates = common;
   }
   for (const std::string& folder : candidates) {
     try {

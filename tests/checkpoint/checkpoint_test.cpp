@@ -11,6 +11,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
@@ -125,6 +126,60 @@ TEST_F(CheckpointTest, EveryPlacementLoadsIntoEveryOther) {
       }
       // A whole tensor for a program without a mesh (generate, export).
       EXPECT_TRUE(at::equal(reader.read("model/w"), globals.at("model/w")));
+    }
+  }
+}
+
+// Note [Local checkpoints]: every rank writes all it holds, replicas too, and
+// the metadata names each file's host; a reader takes one copy of each chunk
+// (into any layout), and names the host of a file it needs that is not there.
+TEST_F(CheckpointTest, LocalCheckpointsHoldReplicasAndNameTheHostsOfMissingFiles) {
+  const int n = world()->size();
+  const std::map<std::string, at::Tensor> globals = {{"model/w", fixed({90, 70}, 5)}};
+  int64_t case_ = 0;
+  for (const Layout& saved : layouts(n)) {
+    const std::string folder_dir = util::join_path(dir_, "local-" + std::to_string(case_++));
+    {
+      CheckpointWriter writer(CheckpointStore(folder_dir, 1), world(), /*async=*/false, 256, /*local=*/true);
+      Metadata meta;
+      meta.step = 3;
+      writer.save(meta, saved.state(globals, world()->rank(), true), saved.mesh);
+    }
+    const std::string folder = CheckpointStore(folder_dir, 1).latest();
+    CheckpointReader reader(folder);
+    ASSERT_EQ(reader.metadata().hosts.size(), static_cast<size_t>(n)) << saved.name;
+    if (saved.name == "replicated") {
+      EXPECT_EQ(reader.metadata().tensors.at("model/w").chunks.size(), static_cast<size_t>(n));  // one copy per rank
+    }
+    for (const Layout& loaded : layouts(n)) {
+      const placement::TrainingState state = loaded.state(globals, world()->rank(), false);
+      reader.load(state, loaded.mesh, world()->rank());
+      const at::Tensor want = placement::local_of(globals.at("model/w"), state[0].spec, loaded.mesh, world()->rank());
+      EXPECT_TRUE(at::equal(state[0].local, want.reshape({-1}))) << saved.name << " -> " << loaded.name;
+    }
+    world()->barrier().wait();
+    if (saved.name != "rows" || n < 2) continue;
+    // The last rank's file gone, as on a host that is not there: its rows are missing, named with their host.
+    const std::string last = rank_file_name(n - 1);
+    if (world()->rank() == 0) {
+      std::remove(util::join_path(folder, last).c_str());
+      const std::string manifest_path = util::join_path(folder, "MANIFEST.json");
+      nlohmann::json manifest = nlohmann::json::parse(util::read_text_file(manifest_path));
+      manifest["files"].erase(last);
+      util::write_text_file(manifest_path, manifest.dump());
+    }
+    world()->barrier().wait();
+    CheckpointReader partial(folder);
+    const placement::TrainingState state = saved.state(globals, world()->rank(), false);
+    const std::string error = meshtrain::testing::error_of<CheckpointError>(
+        [&] { partial.load(state, saved.mesh, world()->rank()); });
+    if (world()->rank() == n - 1) {
+      EXPECT_NE(error.find("are in files on other hosts (" + last + " on " + partial.metadata().hosts.at(last) +
+                           "): a local checkpoint"),
+                std::string::npos)
+          << error;
+    } else {
+      EXPECT_EQ(error, "no error");
     }
   }
 }

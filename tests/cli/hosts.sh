@@ -6,7 +6,9 @@
 # hosts over TCP and starts its daemons there through an rsh agent that
 # enters the host's namespaces instead of logging in with ssh.
 #
-#   hosts_up N DIR      hosts node1..nodeN at 10.213.0.1..N; writes DIR/agent
+#   hosts_up N DIR [DISK]  hosts node1..nodeN at 10.213.0.1..N; writes DIR/agent; with DISK,
+#                       a folder each host has for itself (a local disk): every process on
+#                       host I sees DIR/disk-nodeI there, bind-mounted in a mount namespace
 #   on_host I CMD...    runs CMD on host I (mpirun then starts remote ranks from there)
 #   hostfile FILE I:SLOTS...   an Open MPI hostfile naming hosts by address
 #   cut_link I          takes host I off the network (its port on the switch down)
@@ -17,6 +19,8 @@
 
 hosts_prefix="mt$$"
 hosts_count=0
+hosts_disk=""
+hosts_dir=""
 
 hosts_can_run() {
   command -v ip > /dev/null && command -v nsenter > /dev/null && command -v unshare > /dev/null || {
@@ -30,7 +34,8 @@ host_address() { echo "10.213.0.$1"; }
 host_netns() { echo "${hosts_prefix}h$1"; }
 
 hosts_up() {
-  local count=$1 dir=$2 switch="${hosts_prefix}sw" i
+  local count=$1 dir=$2 disk=${3:-} switch="${hosts_prefix}sw" i
+  hosts_disk=$disk hosts_dir=$dir
   ip netns add "$switch"
   hosts_count=$count
   ip -n "$switch" link add br0 type bridge
@@ -52,8 +57,17 @@ hosts_up() {
     echo '  *) echo "agent: no host $1" >&2; exit 255;;'
     echo 'esac'
     echo 'shift'
-    echo 'exec nsenter --net="/run/netns/$ns" -- unshare --uts -- sh -c '"'"'hostname "$0" && eval "$1"'"'"' "$name" "$*"'
+    if [ -n "$disk" ]; then
+      echo "exec nsenter --net=\"/run/netns/\$ns\" -- unshare --uts --mount --propagation private -- \\"
+      echo "  sh -c 'hostname \"\$0\" && mount --bind \"\$2\" \"\$3\" && eval \"\$1\"' \"\$name\" \"\$*\" \"$dir/disk-\$name\" \"$disk\""
+    else
+      echo 'exec nsenter --net="/run/netns/$ns" -- unshare --uts -- sh -c '"'"'hostname "$0" && eval "$1"'"'"' "$name" "$*"'
+    fi
   } > "$dir/agent"
+  if [ -n "$disk" ]; then
+    mkdir -p "$disk"
+    for i in $(seq "$count"); do mkdir -p "$dir/disk-node$i"; done
+  fi
   chmod +x "$dir/agent"
   # Open MPI: daemons started through the agent, ranks and daemons talking over the hosts' network.
   export OMPI_MCA_plm_rsh_agent="$dir/agent" OMPI_MCA_btl=self,vader,tcp
@@ -63,7 +77,12 @@ hosts_up() {
 on_host() {
   local i=$1
   shift
-  nsenter --net="/run/netns/$(host_netns "$i")" -- unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "node$i" "$@"
+  if [ -n "$hosts_disk" ]; then
+    nsenter --net="/run/netns/$(host_netns "$i")" -- unshare --uts --mount --propagation private -- \
+      sh -c 'hostname "$0" && mount --bind "$1" "$2" && shift 2 && exec "$@"' "node$i" "$hosts_dir/disk-node$i" "$hosts_disk" "$@"
+  else
+    nsenter --net="/run/netns/$(host_netns "$i")" -- unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "node$i" "$@"
+  fi
 }
 
 hostfile() {
@@ -91,5 +110,5 @@ hosts_down() {
   done
   for i in $(seq "$hosts_count"); do ip netns del "$(host_netns "$i")" 2> /dev/null || true; done
   ip netns del "${hosts_prefix}sw" 2> /dev/null || true
-  hosts_count=0
+  hosts_count=0 hosts_disk=""
 }

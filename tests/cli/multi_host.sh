@@ -136,4 +136,44 @@ grep -q "lost host(s) 10.213.0.2: no process started there" "$run/lost.log" &&
   grep -q "restart 1: resumed at step [36], .* on 2 ranks (4 before)" "$run/lost.log" || { cat "$run/lost.log"; exit 1; }
 grep -q '"event":"restart","ranks":2,"ranks_before":4' "$run/lost/metrics.jsonl" || { cat "$run/lost/metrics.jsonl"; exit 1; }
 same_as ref lost
-echo "ok: layouts across 2 and 3 hosts equal one process; a cut link ends the job; a lost host is left behind"
+hosts_down
+
+# Local checkpoints (Note [Local checkpoints]): $run/local is each host's own disk.
+hosts_up 2 "$run" "$run/local"
+hostfile "$run/local.hosts" 1:2 2:2
+local_run() {  # name, steps, more of run's or train's options
+  local name=$1 steps=$2
+  shift 2
+  on_host 1 "$meshtrain" run -n 4 --hostfile "$run/local.hosts" train "${common[@]}" --parallel.zero_stage=3 \
+    --checkpoint.local=true --checkpoint.dir="$run/local/ckpt" --training.steps="$steps" "$@" --run.out="$run/$name"
+}
+local_run zero3local 6 > "$run/local6.log" 2>&1 || { cat "$run/local6.log"; exit 1; }
+[ "$(ls "$run/disk-node1/ckpt/step-00000006")" = "$(printf 'MANIFEST.json\nmetadata.json\nrank-00000.bin\nrank-00001.bin')" ] &&
+  [ "$(ls "$run/disk-node2/ckpt/step-00000006")" = "$(printf 'MANIFEST.json\nmetadata.json\nrank-00002.bin\nrank-00003.bin')" ] || {
+  ls -R "$run"/disk-node*; exit 1; }
+local_run zero3local 9 > "$run/local9.log" 2>&1 || { cat "$run/local9.log"; exit 1; }
+grep -q "resumed from $run/local/ckpt/step-00000006 at step 6" "$run/local9.log" || { cat "$run/local9.log"; exit 1; }
+# On node1 alone the shards node2 wrote are missing: refused by name, with what to do.
+status=0
+on_host 1 "$meshtrain" run -n 2 train "${common[@]}" --parallel.zero_stage=3 --checkpoint.local=true \
+  --checkpoint.dir="$run/local/ckpt" --run.out="$run/alone" > "$run/alone.log" 2>&1 || status=$?
+[ "$status" = 1 ] && grep -q "are in files on other hosts (rank-0000[23].bin on node2.*meshtrain checkpoint gather" \
+  "$run/alone.log" || { echo "status $status"; cat "$run/alone.log"; exit 1; }
+# Gathered into one folder by a rank on each host: the parameters of the uninterrupted run.
+on_host 1 "$meshtrain" run -n 2 --hosts 10.213.0.1:1,10.213.0.2:1 checkpoint gather "$run/local/ckpt" \
+  --out "$run/gathered/checkpoints" > "$run/gather.log" 2>&1 || { cat "$run/gather.log"; exit 1; }
+grep -q "gathered step-00000009 (step 9): 4 files" "$run/gather.log" || { cat "$run/gather.log"; exit 1; }
+cp "$run/zero3local/metrics.jsonl" "$run/gathered/"
+same_as ref gathered
+# checkpoint.local on a folder the hosts share, and a shared checkpoint.dir on local disks: refused at start.
+status=0
+local_run sharedlocal 1 --checkpoint.dir="$run/sharedckpt" > "$run/sharedlocal.log" 2>&1 || status=$?
+[ "$status" = 1 ] && grep -q "checkpoint.dir = $run/sharedckpt is shared between hosts (ranks 2-3 on node2 see" \
+  "$run/sharedlocal.log" || { echo "status $status"; cat "$run/sharedlocal.log"; exit 1; }
+status=0
+on_host 1 "$meshtrain" run -n 4 --hostfile "$run/local.hosts" train "${common[@]}" --checkpoint.dir="$run/local/x" \
+  --run.out="$run/notshared" > "$run/notshared.log" 2>&1 || status=$?
+[ "$status" = 1 ] && grep -q "checkpoint.dir = $run/local/x is not shared: ranks 2-3 on node2 .*or set checkpoint.local = true" \
+  "$run/notshared.log" || { echo "status $status"; cat "$run/notshared.log"; exit 1; }
+echo "ok: layouts across 2 and 3 hosts equal one process; a cut link ends the job; a lost host is left behind;" \
+  "local checkpoints resume on their hosts and gather into one folder"
