@@ -18,6 +18,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <tuple>
 
 namespace meshtrain::apps {
 
@@ -31,10 +32,13 @@ constexpr int64_t kPieceBytes = int64_t{8} << 20;
 // Run with a rank on each host that holds part of the checkpoint (or as one
 // process given every copy's folder): rank 0 picks the step (its latest, or
 // the folder given), every rank offers the files its folders of that step
-// hold (verified against their host's manifest), and each file the metadata
-// names comes from the first rank that has it, in 8 MiB pieces, to rank 0,
-// which writes the files, metadata.json without its hosts map, and
-// publishes OUT/step-N atomically (Note [Checkpoint atomicity]). A file no
+// hold (verified against their host's manifest), and each file needed comes
+// from the first rank that has it, in 8 MiB pieces, to rank 0. A local
+// checkpoint holds replicas once per host: only files holding a chunk no
+// earlier file holds are copied, and the metadata keeps one copy of each
+// chunk, so the result is a checkpoint like a shared one. Rank 0 writes the
+// files, metadata.json without the hosts map, and publishes OUT/step-N
+// atomically (Note [Checkpoint atomicity]). A file no
 // rank holds stops it before anything is published, naming the file and
 // the host the metadata says holds it.
 
@@ -85,16 +89,16 @@ void write_all(int fd, const std::string& path, const char* data, int64_t bytes)
 void copy_file(comm::Communicator& world, int owner, const std::string& source, const std::string& target, int64_t bytes) {
   const int me = world.rank();
   int in = -1, out = -1;
-  comm::on_all_or_all_fail(world, [&] {
-    if (me == owner && (in = ::open(source.c_str(), O_RDONLY)) < 0) {
-      throw CheckpointError("cannot read " + source + ": " + std::strerror(errno));
-    }
-    if (me == 0 && (out = ::open(target.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644)) < 0) {
-      throw CheckpointError("cannot create " + target + ": " + std::strerror(errno));
-    }
-  });
-  at::Tensor piece = at::empty({std::min(bytes, kPieceBytes)}, at::kByte);
+  at::Tensor piece = at::empty({std::max<int64_t>(1, std::min(bytes, kPieceBytes))}, at::kByte);
   try {
+    comm::on_all_or_all_fail(world, [&] {
+      if (me == owner && (in = ::open(source.c_str(), O_RDONLY)) < 0) {
+        throw CheckpointError("cannot read " + source + ": " + std::strerror(errno));
+      }
+      if (me == 0 && (out = ::open(target.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644)) < 0) {
+        throw CheckpointError("cannot create " + target + ": " + std::strerror(errno));
+      }
+    });
     for (int64_t offset = 0; offset < bytes; offset += kPieceBytes) {
       const int64_t n = std::min(kPieceBytes, bytes - offset);
       at::Tensor part = piece.narrow(0, 0, n);
@@ -118,6 +122,33 @@ void copy_file(comm::Communicator& world, int owner, const std::string& source, 
   }
   if (in >= 0) ::close(in);
   if (out >= 0) ::close(out);
+}
+
+// The files to copy: in name order, each that holds a chunk no file before it
+// holds. `meta` keeps one copy of each chunk, so the gathered checkpoint's
+// chunks never overlap, as in a shared checkpoint.
+std::set<std::string> keep_one_copy(checkpoint::Metadata& meta) {
+  using Key = std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t>;
+  std::map<std::string, std::vector<Key>> keys_of_file;
+  for (const auto& [name, entry] : meta.tensors) {
+    for (const auto& c : entry.chunks) keys_of_file[c.file].emplace_back(name, c.offsets, c.sizes, c.begin, c.end);
+  }
+  std::set<Key> covered;
+  std::set<std::string> files;
+  for (const auto& [file, keys] : keys_of_file) {
+    if (std::all_of(keys.begin(), keys.end(), [&](const Key& k) { return covered.count(k) > 0; })) continue;
+    files.insert(file);
+    covered.insert(keys.begin(), keys.end());
+  }
+  std::set<Key> kept;
+  for (auto& [name, entry] : meta.tensors) {
+    std::vector<checkpoint::ChunkEntry> chunks;
+    for (auto& c : entry.chunks) {
+      if (files.count(c.file) && kept.emplace(name, c.offsets, c.sizes, c.begin, c.end).second) chunks.push_back(c);
+    }
+    entry.chunks = std::move(chunks);
+  }
+  return files;
 }
 
 }  // namespace
@@ -147,10 +178,7 @@ int run_checkpoint_gather(comm::Runtime& runtime, const std::vector<std::string>
       files.insert(text.substr(start, end - start));
     }
   }
-  std::set<std::string> needed;
-  for (const auto& [tensor, entry] : meta.tensors) {
-    for (const auto& chunk : entry.chunks) needed.insert(chunk.file);
-  }
+  const std::set<std::string> needed = keep_one_copy(meta);
   std::map<std::string, int> owner;
   std::string missing;
   for (const std::string& file : needed) {

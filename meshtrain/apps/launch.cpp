@@ -188,7 +188,10 @@ void forward_as_drain(int) {
 volatile sig_atomic_t stops_forwarded = 0;
 
 void forward_as_preempt(int signal) {
-  if (child_pid <= 0) return;
+  if (child_pid <= 0) {  // between two launches (a restart): none is begun
+    ++stops_forwarded;
+    return;
+  }
   if (stops_forwarded++ == 0) {
     static const char said[] = "meshtrain: stopping: the ranks finish their step and save a checkpoint "
                                "(Ctrl-C or SIGTERM again to stop at once)\n";
@@ -373,7 +376,7 @@ double probe_seconds() {
 bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ranks) {
   if (job.named.empty()) return true;
   const double seconds = probe_seconds();
-  const std::vector<bool> answered = probe_hosts(job.named, mpirun_path(), geteuid() == 0, seconds);
+  const std::vector<bool> answered = probe_hosts(job.named, mpirun_path(), is_open_mpi() && geteuid() == 0, seconds);
   std::vector<HostSlots> kept;
   std::string lost;
   int slots = 0;
@@ -481,6 +484,11 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
     setenv("MESHTRAIN_RESTART", std::to_string(attempt + 1).c_str(), 1);
     setenv("MESHTRAIN_RESTART_CAUSE", launch.cause.c_str(), 1);
     std::this_thread::sleep_for(std::chrono::seconds(1));  // the dead job's ports and locks go
+    if (stops_forwarded > 0) {  // Ctrl-C or SIGTERM while the job was down
+      std::fprintf(stderr, "meshtrain: stopped before restart %d; the same command resumes from the latest checkpoint\n",
+                   attempt + 1);
+      std::exit(launch.status);
+    }
   }
 }
 

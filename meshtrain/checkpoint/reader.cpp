@@ -189,6 +189,10 @@ void CheckpointReader::load(const placement::TrainingState& state, const mesh::M
       }
       base += target.numel();
     }
+    if (filled > wanted_elements) {
+      throw CheckpointError("checkpoint " + folder_ + ": tensor " + t.name + " has chunks that overlap without being "
+                            "alike; the checkpoint is malformed");
+    }
     if (filled != wanted_elements) {
       const std::string missing = "checkpoint " + folder_ + ": tensor " + t.name + ": " +
                                   std::to_string(wanted_elements - filled) + " of the " +

@@ -53,7 +53,7 @@ std::string CheckpointStore::prepare_staging(int64_t step) const {
   }
 }
 
-void CheckpointStore::publish(int64_t step, const std::string& staging) const {
+void CheckpointStore::publish(int64_t step, const std::string& staging, bool prune_after) const {
   const std::string name = step_folder_name(step);
   const std::string final_dir = util::join_path(dir_, name);
   json files = json::object();
@@ -76,7 +76,11 @@ void CheckpointStore::publish(int64_t step, const std::string& staging) const {
   util::fsync_path(dir_);
   write_text(util::join_path(dir_, "latest"), name + "\n");
   util::fsync_path(dir_);
-  // Prune: keep the newest `keep` complete checkpoints; drop stale staging folders.
+  if (prune_after) prune(step);
+}
+
+void CheckpointStore::prune(int64_t step) const {
+  const std::string name = step_folder_name(step);
   std::vector<std::string> folders = complete();
   for (size_t i = static_cast<size_t>(keep_); i < folders.size(); ++i) {
     if (util::base_name(folders[i]) != name) util::remove_tree(folders[i]);

@@ -28,8 +28,10 @@ class CheckpointStore {
   std::string staging_path(int64_t step) const;     // DIR/.incomplete-step-N
   std::string prepare_staging(int64_t step) const;  // that folder, fresh and empty
   // Writes the manifest of every file in `staging`, renames it to step-N,
-  // points `latest` at it and prunes. Throws CheckpointError.
-  void publish(int64_t step, const std::string& staging) const;
+  // points `latest` at it and (unless `prune_after` is false) prunes. Throws CheckpointError.
+  void publish(int64_t step, const std::string& staging, bool prune_after = true) const;
+  // Keeps the newest `keep` complete checkpoints and step `step`'s; drops stale staging folders.
+  void prune(int64_t step) const;
   // The folder `latest` names, or "" when there is none. Throws when the
   // pointer is malformed or names a missing folder.
   std::string latest() const;

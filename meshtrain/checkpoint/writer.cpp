@@ -97,6 +97,7 @@ struct CheckpointWriter::Snapshot {
   std::vector<Tensor> tensors;
   int64_t bytes = 0;        // this rank's file
   int64_t total_bytes = 0;  // every rank's files
+  int64_t host_bytes = 0;   // local: the files of this rank's host
 };
 
 // Note [Local checkpoints]
@@ -112,8 +113,11 @@ struct CheckpointWriter::Snapshot {
 // copies, one on its own host and names the files on other hosts when what
 // it needs is only there. On resume the ranks agree on the newest step every
 // host holds complete (a crash between two hosts' publications leaves them a
-// step apart). `meshtrain checkpoint gather` copies a local checkpoint's
-// files from every host into one folder, which any layout can read.
+// step apart); older steps are pruned only once every host has published
+// (so a save that fails on one host leaves a step all of them hold), and a
+// step rank 0's host has that the others lack is an error, never a fresh
+// start. `meshtrain checkpoint gather` copies a local checkpoint's files
+// from every host into one folder, which any layout can read.
 
 namespace {
 
@@ -194,16 +198,16 @@ void CheckpointWriter::check_space(Snapshot& snapshot) {
   for (const Snapshot::Tensor& t : snapshot.tensors) snapshot.bytes += t.data.numel() * t.data.element_size();
   const std::vector<std::string> all = comm::all_gather_strings(*comm_, std::to_string(snapshot.bytes));
   snapshot.total_bytes = 0;
-  int64_t host_bytes = 0;  // local: what this rank's host writes
+  snapshot.host_bytes = 0;
   for (size_t r = 0; r < all.size(); ++r) {
     snapshot.total_bytes += std::stoll(all[r]);
-    if (local_ && hosts_[r] == hosts_[comm_->rank()]) host_bytes += std::stoll(all[r]);
+    if (local_ && hosts_[r] == hosts_[comm_->rank()]) snapshot.host_bytes += std::stoll(all[r]);
   }
   comm::on_all_or_all_fail(*comm_, [&] {
     struct statvfs fs {};
     if (statvfs(store_.dir().c_str(), &fs) != 0) return;  // not there yet: the save says what fails
     const int64_t free = static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize);
-    const int64_t needed = !publishes() ? snapshot.bytes : local_ ? host_bytes : snapshot.total_bytes;
+    const int64_t needed = !publishes() ? snapshot.bytes : local_ ? snapshot.host_bytes : snapshot.total_bytes;
     if (needed <= free) return;
     char text[128];
     std::snprintf(text, sizeof text, "; %.1f MiB are free there: nothing was written",
@@ -215,9 +219,9 @@ void CheckpointWriter::check_space(Snapshot& snapshot) {
 
 std::string CheckpointWriter::space_advice(const Snapshot& snapshot) const {
   char text[256];
-  std::snprintf(text, sizeof text, " checkpoint step %lld: it needs %.1f MiB in %s (%.1f MiB of it this rank's file)",
-                (long long)snapshot.meta.step, snapshot.total_bytes / 1048576.0, store_.dir().c_str(),
-                snapshot.bytes / 1048576.0);
+  std::snprintf(text, sizeof text, " checkpoint step %lld: it needs %.1f MiB in %s%s (%.1f MiB of it this rank's file)",
+                (long long)snapshot.meta.step, (local_ ? snapshot.host_bytes : snapshot.total_bytes) / 1048576.0,
+                store_.dir().c_str(), local_ ? " on this host" : "", snapshot.bytes / 1048576.0);
   return text;
 }
 
@@ -316,8 +320,11 @@ void CheckpointWriter::write_files(const Snapshot& snapshot, const std::string& 
       throw CheckpointError(e.what());
     }
     maybe_fail_after("metadata.json");
-    store_.publish(step, staging);
+    store_.publish(step, staging, /*prune_after=*/!local_);
   });
+  // Local: older checkpoints go only once every host holds this one, so a host
+  // that failed to publish leaves a step that all of them still hold.
+  if (local_) on_publishers([&] { store_.prune(step); });
   bytes_ = written;
   write_seconds_ = seconds_since(start);
 }

@@ -71,17 +71,32 @@ std::vector<std::string> probe(comm::Communicator& world, const std::vector<Shar
 void check_local_folder(comm::Communicator& world, const SharedFolder& folder) {
   if (world.size() == 1) return;
   const comm::Placement& placement = comm::job_placement();
-  const std::vector<std::string> all = probe(world, {folder});
-  std::vector<int> elsewhere;  // ranks on other hosts than rank 0 that see rank 0's probe
-  for (size_t r = 0; r < all.size(); ++r) {
-    const std::string host = placement.host_of(static_cast<int>(r));
-    if (all[r][0] == '1' && !host.empty() && host != placement.host_of(0)) elsewhere.push_back(static_cast<int>(r));
+  // Every rank leaves a probe of its own; a rank that sees one of a rank on another host shares the folder with it.
+  std::string token;
+  comm::on_root_or_all_fail(world, 0, [&] { token = random_token(); });
+  token = comm::all_gather_strings(world, world.rank() == 0 ? token : "").front();
+  const auto probe_of = [&](int rank) {
+    return util::join_path(folder.path, ".meshtrain-probe-" + token + "-" + std::to_string(rank));
+  };
+  comm::on_all_or_all_fail(world, [&] {
+    util::make_directories(folder.path);
+    util::write_text_file(probe_of(world.rank()), token);
+  });
+  int seen = -1;  // a rank on another host whose probe this rank sees
+  for (int r = 0; r < world.size() && seen < 0; ++r) {
+    if (placement.host_of(r) != placement.host_of(world.rank()) && util::path_exists(probe_of(r))) seen = r;
   }
-  if (elsewhere.empty()) return;
-  throw comm::AgreedError(folder.key + " = " + folder.path + " is shared between hosts (" +
-                          placement.describe(elsewhere) + " see the file rank 0 on " + placement.host_of(0) +
-                          " wrote there), but checkpoint.local = true has the first rank of each host write its "
-                          "checkpoint folder there: set checkpoint.local = false for a shared file system");
+  const std::vector<std::string> all = comm::all_gather_strings(world, std::to_string(seen));
+  ::unlink(probe_of(world.rank()).c_str());
+  for (size_t r = 0; r < all.size(); ++r) {
+    const int other = std::stoi(all[r]);
+    if (other < 0) continue;
+    throw comm::AgreedError(folder.key + " = " + folder.path + " is shared between hosts (" +
+                            placement.describe({static_cast<int>(r)}) + " sees the file " +
+                            placement.describe({other}) + " wrote there), but checkpoint.local = true has the first "
+                            "rank of each host write its checkpoint folder there: set checkpoint.local = false for a "
+                            "shared file system");
+  }
 }
 
 void check_shared_folders(comm::Communicator& world, const std::vector<SharedFolder>& folders) {

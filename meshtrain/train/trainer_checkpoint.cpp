@@ -4,8 +4,10 @@
 
 #include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/comm/job_environment.h"
 #include "meshtrain/model/config_json.h"
 #include "meshtrain/parallel/parallel_state.h"
+#include "meshtrain/util/files.h"
 
 #include <nlohmann/json.hpp>
 
@@ -133,6 +135,18 @@ void Trainer::resume() {
         return std::find(folders.begin(), folders.end(), folder) != folders.end();
       });
       if (everywhere) common.push_back(folder);
+    }
+    if (common.empty() && !candidates.empty()) {
+      std::vector<int> lacking;
+      for (size_t r = 0; r < everyone.size(); ++r) {
+        if (lines(everyone[r]).empty()) lacking.push_back(static_cast<int>(r));
+      }
+      throw comm::AgreedError(
+          "checkpoint.local: no step in " + writer_->store().dir() + " is complete on every host (rank 0's host holds " +
+          util::base_name(candidates.front()) + "; " +
+          (lacking.empty() ? std::string("the others hold other steps") : comm::job_placement().describe(lacking) + " hold none") +
+          "): a local checkpoint resumes on the hosts that wrote it. Run there, gather one with `meshtrain checkpoint "
+          "gather`, or set checkpoint.resume = false to start afresh");
     }
     candidates = common;
   }

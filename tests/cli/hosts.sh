@@ -23,11 +23,24 @@ hosts_disk=""
 hosts_dir=""
 
 hosts_can_run() {
+  local probe="${hosts_prefix}probe" dir
   command -v ip > /dev/null && command -v nsenter > /dev/null && command -v unshare > /dev/null || {
     echo "needs ip (iproute2), nsenter and unshare (util-linux)"; return 1; }
-  ip netns add "${hosts_prefix}probe" 2> /dev/null || { echo "needs network namespaces (ip netns add: run as root)"; return 1; }
-  ip netns del "${hosts_prefix}probe"
-  unshare --uts true 2> /dev/null || { echo "needs UTS namespaces (unshare --uts: run as root)"; return 1; }
+  ip netns add "$probe" 2> /dev/null || { echo "needs network namespaces (ip netns add: run as root)"; return 1; }
+  if ! ip -n "$probe" link add br0 type bridge 2> /dev/null ||
+     ! ip -n "$probe" link add v0 type veth peer name v1 2> /dev/null; then
+    ip netns del "$probe"
+    echo "needs bridges and veth pairs in a network namespace"
+    return 1
+  fi
+  ip netns del "$probe"
+  dir=$(mktemp -d)
+  if ! unshare --uts --mount --propagation private sh -c 'hostname probe && mount --bind "$0" "$0"' "$dir" 2> /dev/null; then
+    rmdir "$dir"
+    echo "needs UTS and mount namespaces with bind mounts (unshare: run as root)"
+    return 1
+  fi
+  rmdir "$dir"
 }
 
 host_address() { echo "10.213.0.$1"; }
@@ -59,7 +72,7 @@ hosts_up() {
     echo 'shift'
     if [ -n "$disk" ]; then
       echo "exec nsenter --net=\"/run/netns/\$ns\" -- unshare --uts --mount --propagation private -- \\"
-      echo "  sh -c 'hostname \"\$0\" && mount --bind \"\$2\" \"\$3\" && eval \"\$1\"' \"\$name\" \"\$*\" \"$dir/disk-\$name\" \"$disk\""
+      printf '%s\n' "  sh -c 'hostname \"\$0\" && mount --bind \"\$2\" \"\$3\" && eval \"\$1\"' \"\$name\" \"\$*\" $(printf %q "$dir")/disk-\"\$name\" $(printf %q "$disk")"
     else
       echo 'exec nsenter --net="/run/netns/$ns" -- unshare --uts -- sh -c '"'"'hostname "$0" && eval "$1"'"'"' "$name" "$*"'
     fi
