@@ -128,6 +128,9 @@ on_host 1 env MESHTRAIN_HOST_PROBE_S=8 "$meshtrain" run -n 4 --hostfile "$run/lo
 launcher=$!
 wait_for_steps "$run/lost" 4
 kill_host 2
+lost=$(date +%s%N)
+for _ in $(seq 1200); do grep -q '"event":"restart"' "$run/lost/metrics.jsonl" && break; sleep 0.1; done
+echo "a lost host: training resumed on the other $(( ($(date +%s%N) - lost) / 1000000 )) ms after the kill (probe limit 8 s)"
 status=0
 wait "$launcher" || status=$?
 [ "$status" = 0 ] || { echo "status $status after a host was lost"; cat "$run/lost.log"; exit 1; }
