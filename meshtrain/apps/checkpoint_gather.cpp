@@ -52,17 +52,59 @@ std::vector<std::string> folders_of(const std::vector<std::string>& paths, const
   return out;
 }
 
-// The data files the manifests of `folders` list (verified), with the folder that holds each.
-std::map<std::string, std::string> offered_files(const std::vector<std::string>& folders) {
-  std::map<std::string, std::string> files;
+struct Offered {
+  std::string folder;  // where this rank has it
+  int64_t bytes = 0;
+};
+
+// The data files the manifests of `folders` list (verified), with the folder that holds each and its size.
+std::map<std::string, Offered> offered_files(const std::vector<std::string>& folders) {
+  std::map<std::string, Offered> files;
   for (const std::string& folder : folders) {
     checkpoint::CheckpointStore::verify(folder);
     const nlohmann::json manifest = nlohmann::json::parse(util::read_text_file(util::join_path(folder, "MANIFEST.json")));
     for (const auto& [file, entry] : manifest.at("files").items()) {
-      if (file != "metadata.json") files.emplace(file, folder);
+      if (file != "metadata.json") files.emplace(file, Offered{folder, entry.at("bytes").get<int64_t>()});
     }
   }
   return files;
+}
+
+struct Source {
+  int rank = 0;  // the first rank that holds the file
+  int64_t bytes = 0;
+};
+
+// Collective: where each needed file comes from. Throws AgreedError naming the files no rank holds.
+std::map<std::string, Source> sources(comm::Communicator& world, const std::map<std::string, Offered>& mine,
+                                      const std::set<std::string>& needed, const checkpoint::Metadata& meta,
+                                      const std::string& name) {
+  std::string offer;
+  for (const auto& [file, offered] : mine) offer += file + " " + std::to_string(offered.bytes) + "\n";
+  const std::vector<std::string> offers = comm::all_gather_strings(world, offer);
+  std::map<std::string, Source> found;
+  for (int r = static_cast<int>(offers.size()) - 1; r >= 0; --r) {  // the lowest rank last, so it wins
+    for (size_t start = 0, end; (end = offers[r].find('\n', start)) != std::string::npos; start = end + 1) {
+      const std::string line = offers[r].substr(start, end - start);
+      const size_t space = line.rfind(' ');
+      found[line.substr(0, space)] = Source{r, std::stoll(line.substr(space + 1))};
+    }
+  }
+  std::map<std::string, Source> out;
+  std::string missing;
+  for (const std::string& file : needed) {
+    if (found.count(file)) {
+      out[file] = found.at(file);
+      continue;
+    }
+    missing += (missing.empty() ? "" : ", ") + file + (meta.hosts.count(file) ? " (written on " + meta.hosts.at(file) + ")" : "");
+  }
+  if (!missing.empty()) {
+    throw comm::AgreedError("checkpoint " + name + ": no rank holds " + missing + ". Run a rank on every host that "
+                            "holds part of it (meshtrain run -n H --hosts hostA:1,hostB:1 checkpoint gather DIR --out "
+                            "SHARED), or give every copy's folder");
+  }
+  return out;
 }
 
 void read_piece(int fd, const std::string& path, char* data, int64_t offset, int64_t bytes) {
@@ -166,58 +208,19 @@ int run_checkpoint_gather(comm::Runtime& runtime, const std::vector<std::string>
   const std::string name = comm::all_gather_strings(world, me == 0 ? util::base_name(chosen) : "").front();
   metadata_text = comm::all_gather_strings(world, me == 0 ? metadata_text : "").front();
   checkpoint::Metadata meta = checkpoint::Metadata::from_json(metadata_text, "metadata.json of " + name);
-  // What every rank holds of it.
-  std::map<std::string, std::string> mine;
+  // What every rank holds of it, and where each file comes from.
+  std::map<std::string, Offered> mine;
   comm::on_all_or_all_fail(world, [&] { mine = offered_files(folders_of(paths, name)); });
-  std::string offer;
-  for (const auto& [file, folder] : mine) offer += file + "\n";
-  std::vector<std::set<std::string>> offers;
-  for (const std::string& text : comm::all_gather_strings(world, offer)) {
-    std::set<std::string>& files = offers.emplace_back();
-    for (size_t start = 0, end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
-      files.insert(text.substr(start, end - start));
-    }
-  }
   const std::set<std::string> needed = keep_one_copy(meta);
-  std::map<std::string, int> owner;
-  std::string missing;
-  for (const std::string& file : needed) {
-    for (int r = 0; r < static_cast<int>(offers.size()) && owner.count(file) == 0; ++r) {
-      if (offers[r].count(file)) owner[file] = r;
-    }
-    if (owner.count(file) == 0) {
-      missing += (missing.empty() ? "" : ", ") + file +
-                 (meta.hosts.count(file) ? " (written on " + meta.hosts.at(file) + ")" : "");
-    }
-  }
-  if (!missing.empty()) {
-    throw comm::AgreedError("checkpoint " + name + ": no rank holds " + missing + ". Run a rank on every host that "
-                            "holds part of it (meshtrain run -n H --hosts hostA:1,hostB:1 checkpoint gather DIR --out "
-                            "SHARED), or give every copy's folder");
-  }
-  // Sizes from the owners' manifests, for every rank.
-  std::string sizes;
-  for (const auto& [file, folder] : mine) {
-    if (needed.count(file) && owner.at(file) == me) {
-      sizes += file + " " + std::to_string(util::file_size(util::join_path(folder, file))) + "\n";
-    }
-  }
-  std::map<std::string, int64_t> bytes_of;
-  for (const std::string& part : comm::all_gather_strings(world, sizes)) {
-    for (size_t start = 0, end; (end = part.find('\n', start)) != std::string::npos; start = end + 1) {
-      const std::string line = part.substr(start, end - start);
-      bytes_of[line.substr(0, line.rfind(' '))] = std::stoll(line.substr(line.rfind(' ') + 1));
-    }
-  }
+  const std::map<std::string, Source> from = sources(world, mine, needed, meta, name);
   const checkpoint::CheckpointStore store(out_dir, 1 << 30);
   std::string staging;
   comm::on_root_or_all_fail(world, 0, [&] { staging = store.prepare_staging(meta.step); });
   int64_t total = 0;
-  for (const std::string& file : needed) {
-    const int from = owner.at(file);
-    copy_file(world, from, me == from ? util::join_path(mine.at(file), file) : "", util::join_path(staging, file),
-              bytes_of.at(file));
-    total += bytes_of.at(file);
+  for (const auto& [file, source] : from) {
+    copy_file(world, source.rank, me == source.rank ? util::join_path(mine.at(file).folder, file) : "",
+              util::join_path(staging, file), source.bytes);
+    total += source.bytes;
   }
   comm::on_root_or_all_fail(world, 0, [&] {
     meta.hosts.clear();

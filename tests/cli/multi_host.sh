@@ -168,6 +168,15 @@ on_host 1 "$meshtrain" run -n 2 --hosts 10.213.0.1:1,10.213.0.2:1 checkpoint gat
 grep -q "gathered step-00000009 (step 9): [0-9]* files" "$run/gather.log" || { cat "$run/gather.log"; exit 1; }
 cp "$run/zero3local/metrics.jsonl" "$run/gathered/"
 same_as ref gathered
+# The same in one process, from copies of both hosts' folders.
+"$meshtrain" checkpoint gather "$run/disk-node1/ckpt/step-00000009" "$run/disk-node2/ckpt/step-00000009" \
+  --out "$run/copies/checkpoints" > "$run/copies.log" 2>&1 || { cat "$run/copies.log"; exit 1; }
+cp "$run/zero3local/metrics.jsonl" "$run/copies/"
+same_as ref copies
+status=0  # node1's copy alone: node2's files are named, nothing is written
+"$meshtrain" checkpoint gather "$run/disk-node1/ckpt" --out "$run/half" > "$run/half.log" 2>&1 || status=$?
+[ "$status" = 1 ] && grep -q "no rank holds rank-00002.bin (written on node2), rank-00003.bin (written on node2)" \
+  "$run/half.log" && [ ! -e "$run/half/latest" ] || { echo "status $status"; cat "$run/half.log"; exit 1; }
 # checkpoint.local on a folder the hosts share, and a shared checkpoint.dir on local disks: refused at start.
 status=0
 local_run sharedlocal 1 --checkpoint.dir="$run/sharedckpt" > "$run/sharedlocal.log" 2>&1 || status=$?
