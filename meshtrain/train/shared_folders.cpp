@@ -30,25 +30,26 @@ std::string random_token() {
   return std::to_string(device()) + "-" + std::to_string(device()) + "-" + std::to_string(getpid());
 }
 
-}  // namespace
-
-namespace {
+// Collective: rank 0's random token, on every rank.
+std::string agreed_token(comm::Communicator& world) {
+  std::string token;
+  comm::on_root_or_all_fail(world, 0, [&] { token = random_token(); });
+  return comm::all_gather_strings(world, token).front();
+}
 
 // Collective: rank 0 writes a probe with a random token into each folder, every
 // rank reads them back; each rank's answer, one character per folder ('1': seen).
 std::vector<std::string> probe(comm::Communicator& world, const std::vector<SharedFolder>& folders) {
-  std::string token;
+  const std::string token = agreed_token(world);
   const auto probe_path = [&](const SharedFolder& folder) {
     return util::join_path(folder.path, ".meshtrain-probe-" + token);
   };
   comm::on_root_or_all_fail(world, 0, [&] {
-    token = random_token();
     for (const SharedFolder& folder : folders) {
       util::make_directories(folder.path);
       util::write_text_file(probe_path(folder), token);
     }
   });
-  token = comm::all_gather_strings(world, world.rank() == 0 ? token : "").front();
   std::string seen;
   for (const SharedFolder& folder : folders) {
     bool ok = false;
@@ -72,9 +73,7 @@ void check_local_folder(comm::Communicator& world, const SharedFolder& folder) {
   if (world.size() == 1) return;
   const comm::Placement& placement = comm::job_placement();
   // Every rank leaves a probe of its own; a rank that sees one of a rank on another host shares the folder with it.
-  std::string token;
-  comm::on_root_or_all_fail(world, 0, [&] { token = random_token(); });
-  token = comm::all_gather_strings(world, world.rank() == 0 ? token : "").front();
+  const std::string token = agreed_token(world);
   const auto probe_of = [&](int rank) {
     return util::join_path(folder.path, ".meshtrain-probe-" + token + "-" + std::to_string(rank));
   };

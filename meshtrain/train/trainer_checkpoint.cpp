@@ -127,19 +127,19 @@ void Trainer::resume() {
     // Note [Local checkpoints]: only the steps every host holds complete.
     std::string mine;
     for (const std::string& f : writer_->store().complete()) mine += f + "\n";
-    const std::vector<std::string> everyone = comm::all_gather_strings(*world_, mine);
+    std::vector<std::vector<std::string>> held;  // each rank's complete steps
+    for (const std::string& text : comm::all_gather_strings(*world_, mine)) held.push_back(lines(text));
     std::vector<std::string> common;
     for (const std::string& folder : candidates) {
-      const bool everywhere = std::all_of(everyone.begin(), everyone.end(), [&](const std::string& held) {
-        const std::vector<std::string> folders = lines(held);
+      const bool everywhere = std::all_of(held.begin(), held.end(), [&](const std::vector<std::string>& folders) {
         return std::find(folders.begin(), folders.end(), folder) != folders.end();
       });
       if (everywhere) common.push_back(folder);
     }
     if (common.empty() && !candidates.empty()) {
       std::vector<int> lacking;
-      for (size_t r = 0; r < everyone.size(); ++r) {
-        if (lines(everyone[r]).empty()) lacking.push_back(static_cast<int>(r));
+      for (size_t r = 0; r < held.size(); ++r) {
+        if (held[r].empty()) lacking.push_back(static_cast<int>(r));
       }
       throw comm::AgreedError(
           "checkpoint.local: no step in " + writer_->store().dir() + " is complete on every host (rank 0's host holds " +
