@@ -93,6 +93,7 @@ struct GenerateOptions {
   int tp = 1;                     // ranks splitting the model (all ranks of the job)
   bool no_kv_cache = false;
   bool timing = false;
+  std::string prompt_ids;  // token ids "1,2,3" in place of the prompt's text; the output is ids too
   InferenceOffloadFlags offload;
 };
 // meshtrain generate: prints the prompt and the text sampled after it, as it comes.

@@ -8,11 +8,58 @@
 #include "meshtrain/model/text_stream.h"
 #include "meshtrain/serve/inference_model.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace meshtrain::apps {
+
+namespace {
+
+// "1,2,3" -> {1, 2, 3}, each a token of the vocabulary.
+std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
+  std::vector<int64_t> ids;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    size_t used = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || id < 0 || id >= vocab) {
+      throw std::invalid_argument("generate: --prompt-ids: \"" + item + "\" is not a token id in [0, " +
+                                  std::to_string(vocab) + ")");
+    }
+    ids.push_back(id);
+    at = comma + 1;
+  }
+  return ids;
+}
+
+// Greedy or sampled ids after the ids of --prompt-ids, printed as ids.
+int generate_ids(serve::InferenceModel& inference, const GenerateOptions& options, model::SampleOptions sample,
+                 bool speaker) {
+  const std::vector<int64_t> prompt = parse_ids(options.prompt_ids, inference.config().vocab_size);
+  std::vector<int64_t> made;
+  sample.on_token = [&](int64_t token) {
+    made.push_back(token);
+    return true;
+  };
+  model::generate(inference.gpt(), at::tensor(prompt, at::kLong), inference.with_split(sample));
+  std::string line;
+  for (const int64_t id : made) line += (line.empty() ? "" : ",") + std::to_string(id);
+  if (speaker) std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+}  // namespace
 
 int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   if (options.tp != runtime.size()) {
@@ -34,6 +81,7 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   sample.seed = options.seed;
   sample.kv_cache = !options.no_kv_cache;
   sample.validate();
+  if (!options.prompt_ids.empty()) return generate_ids(inference, options, sample, speaker);
   const std::vector<int64_t> prompt = inference.encode(options.prompt);
   if (static_cast<int64_t>(prompt.size()) > inference.config().context && sample.kv_cache) {
     // The sliding window keeps the last `context` tokens; say so once.
@@ -75,6 +123,9 @@ CommandPtr add_generate(CLI::App& app) {
                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
       ->required();
   sub->add_option("--prompt", o->prompt, "Text to continue")->capture_default_str();
+  sub->add_option("--prompt-ids", o->prompt_ids,
+                  "Token ids to continue, separated by commas (in place of --prompt); the ids generated are "
+                  "printed, separated by commas");
   sub->add_option("--tokens,--max-tokens", o->tokens, "The most tokens to generate")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

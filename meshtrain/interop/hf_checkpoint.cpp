@@ -1,9 +1,11 @@
 #include "meshtrain/interop/hf_checkpoint.h"
 
+#include "meshtrain/interop/hf_families.h"
 #include "meshtrain/interop/safetensors.h"
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -64,38 +66,6 @@ model::GptConfig gpt2_config(const json& c, const std::string& where) {
   return m;
 }
 
-model::GptConfig llama_config(const json& c, const std::string& where) {
-  model::GptConfig m = model::GptConfig::preset("llama-tiny");
-  m.vocab_size = get<int64_t>(c, "vocab_size", where);
-  m.context = get<int64_t>(c, "max_position_embeddings", where);
-  m.width = get<int64_t>(c, "hidden_size", where);
-  m.layers = get<int64_t>(c, "num_hidden_layers", where);
-  m.heads = get<int64_t>(c, "num_attention_heads", where);
-  m.kv_heads = get_or<int64_t>(c, "num_key_value_heads", m.heads);
-  if (m.kv_heads == m.heads) m.kv_heads = 0;
-  m.ffn_hidden = get<int64_t>(c, "intermediate_size", where);
-  m.norm_eps = get_or<double>(c, "rms_norm_eps", 1e-6);
-  // transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters {rope_type, rope_theta, ...}.
-  m.rope_theta = get_or<double>(c, "rope_theta", 10000.0);
-  if (c.contains("rope_parameters") && c["rope_parameters"].is_object()) {
-    const json& rope = c["rope_parameters"];
-    m.rope_theta = get_or<double>(rope, "rope_theta", m.rope_theta);
-    const std::string type = get_or<std::string>(rope, "rope_type", "default");
-    if (type != "default") refuse(where, "rope_parameters " + rope.dump() + " (rope scaling)");
-  }
-  m.tie_embeddings = get_or<bool>(c, "tie_word_embeddings", false);
-  m.dropout = 0;
-  if (c.contains("rope_scaling") && !c["rope_scaling"].is_null()) refuse(where, "rope_scaling " + c["rope_scaling"].dump());
-  if (get_or<bool>(c, "attention_bias", false)) refuse(where, "attention_bias = true");
-  if (get_or<bool>(c, "mlp_bias", false)) refuse(where, "mlp_bias = true");
-  const std::string act = get_or<std::string>(c, "hidden_act", "silu");
-  if (act != "silu") refuse(where, "hidden_act \"" + act + "\"");
-  if (c.contains("head_dim") && !c["head_dim"].is_null() && c["head_dim"].get<int64_t>() * m.heads != m.width) {
-    refuse(where, "head_dim " + c["head_dim"].dump() + " (not hidden_size / num_attention_heads)");
-  }
-  return m;
-}
-
 // The checkpoint's tensors by name, over one file or the shards of an index.
 class Tensors {
  public:
@@ -144,23 +114,6 @@ class Tensors {
   std::map<std::string, std::string> where_;
 };
 
-// Grouped-query q, k, v [H*hd, C], [G*hd, C], [G*hd, C] -> the fused qkv rows
-// (Note [Grouped-query layout]), and back.
-at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const model::GptConfig& c) {
-  if (!c.grouped_query()) return at::cat({q, k, v});
-  const int64_t g = c.key_value_heads(), hd = c.head_dim(), rep = c.heads / g, in = q.size(1);
-  return at::cat({q.view({g, rep, hd, in}), k.view({g, 1, hd, in}), v.view({g, 1, hd, in})}, 1).reshape({-1, in});
-}
-
-std::vector<at::Tensor> unfuse_qkv(const at::Tensor& qkv, const model::GptConfig& c) {
-  const int64_t in = qkv.size(1);
-  if (!c.grouped_query()) return qkv.split(c.width);
-  const int64_t g = c.key_value_heads(), hd = c.head_dim(), rep = c.heads / g;
-  const at::Tensor grouped = qkv.view({g, rep + 2, hd, in});
-  return {grouped.narrow(1, 0, rep).reshape({-1, in}).contiguous(), grouped.select(1, rep).reshape({-1, in}).contiguous(),
-          grouped.select(1, rep + 1).reshape({-1, in}).contiguous()};
-}
-
 std::map<std::string, at::Tensor> gpt2_weights(const Tensors& t, const model::GptConfig& c) {
   const std::string prefix = t.has("transformer.wte.weight") ? "transformer." : "";
   auto read = [&](const std::string& name, std::vector<int64_t> shape) { return t.read(prefix + name, shape); };
@@ -189,33 +142,6 @@ std::map<std::string, at::Tensor> gpt2_weights(const Tensors& t, const model::Gp
   return w;
 }
 
-std::map<std::string, at::Tensor> llama_weights(const Tensors& t, const model::GptConfig& c) {
-  const int64_t d = c.width, f = c.mlp_hidden(), kv = c.key_value_heads() * c.head_dim();
-  std::map<std::string, at::Tensor> w;
-  w["wte.weight"] = t.read("model.embed_tokens.weight", {c.vocab_size, d});
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string h = "model.layers." + std::to_string(i) + ".", b = "blocks." + std::to_string(i) + ".";
-    w[b + "norm1.weight"] = t.read(h + "input_layernorm.weight", {d});
-    w[b + "attn.qkv.weight"] = fuse_qkv(t.read(h + "self_attn.q_proj.weight", {d, d}),
-                                        t.read(h + "self_attn.k_proj.weight", {kv, d}),
-                                        t.read(h + "self_attn.v_proj.weight", {kv, d}), c);
-    if (c.qkv_bias) {  // Qwen2: fused in the weights' row order
-      w[b + "attn.qkv.bias"] = fuse_qkv(t.read(h + "self_attn.q_proj.bias", {d}).view({-1, 1}),
-                                        t.read(h + "self_attn.k_proj.bias", {kv}).view({-1, 1}),
-                                        t.read(h + "self_attn.v_proj.bias", {kv}).view({-1, 1}), c)
-                                   .view({-1});
-    }
-    w[b + "attn.proj.weight"] = t.read(h + "self_attn.o_proj.weight", {d, d});
-    w[b + "norm2.weight"] = t.read(h + "post_attention_layernorm.weight", {d});
-    w[b + "mlp.gate.weight"] = t.read(h + "mlp.gate_proj.weight", {f, d});
-    w[b + "mlp.up.weight"] = t.read(h + "mlp.up_proj.weight", {f, d});
-    w[b + "mlp.down.weight"] = t.read(h + "mlp.down_proj.weight", {d, f});
-  }
-  w["norm_f.weight"] = t.read("model.norm.weight", {d});
-  if (!c.tie_embeddings) w["head.weight"] = t.read("lm_head.weight", {c.vocab_size, d});
-  return w;
-}
-
 }  // namespace
 
 HfModel read_hf_model(const std::string& dir) {
@@ -223,23 +149,16 @@ HfModel read_hf_model(const std::string& dir) {
   const json c = read_json(config_path);
   HfModel out;
   out.model_type = get<std::string>(c, "model_type", config_path);
+  const std::vector<std::string>& families = family_types();
+  const bool family = std::find(families.begin(), families.end(), out.model_type) != families.end();
   if (out.model_type == "gpt2") {
     out.config = gpt2_config(c, config_path);
-  } else if (out.model_type == "llama" || out.model_type == "mistral" || out.model_type == "qwen2") {
-    out.config = llama_config(c, config_path);
-    // Qwen2 is Llama with biases on q, k and v (and an optional sliding window, off in its releases).
-    if (out.model_type == "qwen2") {
-      out.config.qkv_bias = true;
-      if (get_or<bool>(c, "use_sliding_window", false)) refuse(config_path, "use_sliding_window = true");
-    }
-    // Mistral is Llama with a sliding attention window; without one (v0.2 on), or one the context fits in, it is Llama.
-    if (out.model_type == "mistral" && c.contains("sliding_window") && !c["sliding_window"].is_null() &&
-        c["sliding_window"].get<int64_t>() < out.config.context) {
-      refuse(config_path, "sliding_window " + c["sliding_window"].dump() + " (shorter than the context)");
-    }
+  } else if (family) {
+    out.config = config_from_family(c, out.model_type, config_path);
   } else {
-    throw FormatError(config_path + ": model_type \"" + out.model_type +
-                      "\" is not supported (gpt2, llama, qwen2, and mistral without a sliding window are)");
+    std::string names = "gpt2";
+    for (const std::string& f : families) names += ", " + f;
+    throw FormatError(config_path + ": model_type \"" + out.model_type + "\" is not supported (" + names + " are)");
   }
   try {
     out.config.validate();
@@ -247,7 +166,15 @@ HfModel read_hf_model(const std::string& dir) {
     throw FormatError(config_path + ": " + e.what());
   }
   const Tensors tensors(dir);
-  out.weights = out.model_type == "gpt2" ? gpt2_weights(tensors, out.config) : llama_weights(tensors, out.config);
+  if (out.model_type == "gpt2") {
+    out.weights = gpt2_weights(tensors, out.config);
+  } else {
+    const TensorSource source{[&](const std::string& name) { return tensors.has(name); },
+                              [&](const std::string& name, const std::vector<int64_t>& shape) {
+                                return tensors.read(name, shape);
+                              }};
+    out.weights = read_family_weights(source, out.config, out.model_type);
+  }
   return out;
 }
 
@@ -255,12 +182,12 @@ namespace {
 
 // The architecture a meshtrain model can be written as, or a FormatError naming what stops it.
 std::string architecture_of(const model::GptConfig& c) {
-  if (c.moe()) throw FormatError("a mixture-of-experts model has no GPT-2 or Llama equivalent");
-  if (c.norm == "layernorm" && c.position == "learned" && c.mlp == "gelu" && c.bias && !c.grouped_query()) return "gpt2";
-  if (c.norm == "rmsnorm" && c.position == "rope" && c.mlp == "swiglu" && !c.bias) return c.qkv_bias ? "qwen2" : "llama";
-  throw FormatError("model " + c.norm + "/" + c.position + "/" + c.mlp + (c.bias ? "/bias" : "/no bias") +
-                    " is neither GPT-2 style (layernorm/learned/gelu/bias) nor Llama style (rmsnorm/rope/swiglu/no "
-                    "bias)");
+  if (c.norm == "layernorm" && c.position == "learned" && c.mlp == "gelu" && c.bias && !c.grouped_query() &&
+      !c.moe() && c.head_size == 0 && c.qk_norm == "none" && c.norm_placement == "pre" && c.sliding_window == 0 &&
+      c.attn_softcap == 0 && c.logit_softcap == 0 && c.query_scale == 0 && !c.embed_scale) {
+    return "gpt2";
+  }
+  return family_of(c);
 }
 
 json hf_config(const model::GptConfig& c, const std::string& arch, at::ScalarType dtype) {
@@ -272,22 +199,7 @@ json hf_config(const model::GptConfig& c, const std::string& arch, at::ScalarTyp
             {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"attn_pdrop", 0.0}, {"initializer_range", 0.02},
             {"tie_word_embeddings", c.tie_embeddings}, {"torch_dtype", torch_dtype}};
   }
-  json llama = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"vocab_size", c.vocab_size},
-          {"max_position_embeddings", c.context}, {"hidden_size", c.width}, {"intermediate_size", c.mlp_hidden()},
-          {"num_hidden_layers", c.layers}, {"num_attention_heads", c.heads},
-          {"num_key_value_heads", c.key_value_heads()}, {"head_dim", c.head_dim()}, {"hidden_act", "silu"},
-          {"rms_norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}, {"rope_scaling", nullptr},
-          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
-          {"attention_bias", false}, {"mlp_bias", false}, {"attention_dropout", 0.0},
-          {"tie_word_embeddings", c.tie_embeddings}, {"initializer_range", 0.02}, {"torch_dtype", torch_dtype}};
-  if (arch == "qwen2") {
-    llama["architectures"] = {"Qwen2ForCausalLM"};
-    llama["model_type"] = "qwen2";
-    llama["use_sliding_window"] = false;
-    llama.erase("attention_bias");
-    llama.erase("mlp_bias");
-  }
-  return llama;
+  return family_config(c, arch, torch_dtype);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> hf_weights(const model::GptConfig& c, const std::string& arch,
@@ -318,31 +230,10 @@ std::vector<std::pair<std::string, at::Tensor>> hf_weights(const model::GptConfi
     }
     out.emplace_back("transformer.ln_f.weight", at_name("norm_f.weight"));
     out.emplace_back("transformer.ln_f.bias", at_name("norm_f.bias"));
-  } else {
-    out.emplace_back("model.embed_tokens.weight", at_name("wte.weight"));
-    for (int64_t i = 0; i < c.layers; ++i) {
-      const std::string h = "model.layers." + std::to_string(i) + ".", b = "blocks." + std::to_string(i) + ".";
-      const std::vector<at::Tensor> qkv = unfuse_qkv(at_name(b + "attn.qkv.weight"), c);
-      out.emplace_back(h + "input_layernorm.weight", at_name(b + "norm1.weight"));
-      out.emplace_back(h + "self_attn.q_proj.weight", qkv[0]);
-      out.emplace_back(h + "self_attn.k_proj.weight", qkv[1]);
-      out.emplace_back(h + "self_attn.v_proj.weight", qkv[2]);
-      if (c.qkv_bias) {
-        const std::vector<at::Tensor> biases = unfuse_qkv(at_name(b + "attn.qkv.bias").view({-1, 1}), c);
-        out.emplace_back(h + "self_attn.q_proj.bias", biases[0].view({-1}));
-        out.emplace_back(h + "self_attn.k_proj.bias", biases[1].view({-1}));
-        out.emplace_back(h + "self_attn.v_proj.bias", biases[2].view({-1}));
-      }
-      out.emplace_back(h + "self_attn.o_proj.weight", at_name(b + "attn.proj.weight"));
-      out.emplace_back(h + "post_attention_layernorm.weight", at_name(b + "norm2.weight"));
-      out.emplace_back(h + "mlp.gate_proj.weight", at_name(b + "mlp.gate.weight"));
-      out.emplace_back(h + "mlp.up_proj.weight", at_name(b + "mlp.up.weight"));
-      out.emplace_back(h + "mlp.down_proj.weight", at_name(b + "mlp.down.weight"));
-    }
-    out.emplace_back("model.norm.weight", at_name("norm_f.weight"));
+    if (!c.tie_embeddings) out.emplace_back("lm_head.weight", at_name("head.weight"));
+    return out;
   }
-  if (!c.tie_embeddings) out.emplace_back("lm_head.weight", at_name("head.weight"));
-  return out;
+  return family_weights(c, arch, w);
 }
 
 void write_json(const std::string& path, const json& j) {

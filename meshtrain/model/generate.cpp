@@ -84,6 +84,7 @@ at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& o
   const int64_t start = prompt.numel() ? sequence.size(1) : 1;
   std::optional<CacheScope> scope;
   if (options.kv_cache) scope.emplace(model, options);
+  if (scope) scope->cache().set_rolling(true);  // one sequence: windowed blocks keep only their window
   // The logits after the last `context` tokens: from the cache while the
   // sequence fits, else (a sliding window) a forward over the window.
   auto last_logits = [&](bool fresh) {

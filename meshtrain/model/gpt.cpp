@@ -1,5 +1,6 @@
 #include "meshtrain/model/gpt.h"
 
+#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/model/fused/ops.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -27,12 +28,13 @@ at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x) {
 }  // namespace
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset) {
-  const int64_t half = x.size(-1) / 2;
+  const int64_t half = cos.size(-1), d = x.size(-1);
   const int64_t t = x.size(-2);
   // Tables in the activations' dtype (bfloat16 parameters give bfloat16 activations).
   const at::Tensor c = cos.narrow(0, offset, t).to(x.scalar_type()), s = sin.narrow(0, offset, t).to(x.scalar_type());
   const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+  if (2 * half == d) return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, d - 2 * half)}, -1);  // partial rotary
 }
 
 QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config) {
@@ -57,21 +59,22 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t times) {
   return x.repeat_interleave(times, /*dim=*/1);
 }
 
-NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias, double eps, bool fused)
-    : rms_(kind == "rmsnorm"), fused_(fused), eps_(eps) {
-  weight_ = register_parameter("weight", torch::ones({width}));
+NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias, double eps, bool fused, bool plus_one)
+    : rms_(kind == "rmsnorm"), fused_(fused), plus_one_(plus_one), eps_(eps) {
+  weight_ = register_parameter("weight", plus_one ? torch::zeros({width}) : torch::ones({width}));
   if (!rms_ && bias) bias_ = register_parameter("bias", torch::zeros({width}));
 }
 
 at::Tensor NormImpl::forward(const at::Tensor& x) {
-  if (fused_ && fused::eligible(x) && fused::eligible(weight_)) return fused::add_norm(x, {}, weight_, bias_, rms_, eps_).second;
-  if (rms_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight_;
-  return at::layer_norm(x, {x.size(-1)}, weight_, bias_, eps_);
+  const at::Tensor scale = plus_one_ ? weight_ + 1 : weight_;
+  if (fused_ && fused::eligible(x) && fused::eligible(weight_)) return fused::add_norm(x, {}, scale, bias_, rms_, eps_).second;
+  if (rms_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * scale;
+  return at::layer_norm(x, {x.size(-1)}, scale, bias_, eps_);
 }
 
 std::pair<at::Tensor, at::Tensor> NormImpl::forward_add(const at::Tensor& x, const at::Tensor& residual) {
   if (fused_ && fused::eligible(x) && fused::eligible(residual) && fused::eligible(weight_)) {
-    return fused::add_norm(x, residual, weight_, bias_, rms_, eps_);
+    return fused::add_norm(x, residual, plus_one_ ? weight_ + 1 : weight_, bias_, rms_, eps_);
   }
   const at::Tensor h = x + residual;
   return {h, forward(h)};
@@ -87,26 +90,42 @@ at::Tensor HookChain::call(const std::string& module, const at::Tensor& input, F
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain,
-                                                 const std::string& name)
+                                                 const std::string& name, int64_t block)
     : config_(config),
       head_dim_(config.head_dim()),
       dropout_(config.dropout),
       rope_(config.position == "rope"),
       fused_(config.fused),
+      window_(config.window_of(block)),
       chain_(std::move(chain)),
       qkv_name_(name + ".qkv"),
       core_name_(name + ".core"),
       proj_name_(name + ".proj"),
       drop_name_(name + ".drop") {
-  qkv = register_module("qkv", linear(config.width, config.qkv_width(), config.bias || config.qkv_bias));
-  proj = register_module("proj", linear(config.width, config.width, config.bias));
-  if (rope_) {
-    const int64_t half = config.head_dim() / 2;
-    const at::Tensor inv_freq = at::pow(config.rope_theta, -at::arange(half, at::kDouble) / half);
-    const at::Tensor angles = at::outer(at::arange(config.context, at::kDouble), inv_freq).to(at::kFloat);
-    cos_ = register_buffer("rope_cos", angles.cos());
-    sin_ = register_buffer("rope_sin", angles.sin());
+  qkv = register_module("qkv", linear(config.width, config.qkv_width(), config.qkv_has_bias()));
+  proj = register_module("proj", linear(config.q_width(), config.width, config.proj_has_bias()));
+  if (config.qk_norm != "none") {
+    const bool per_head = config.qk_norm == "head";
+    const int64_t q_size = per_head ? head_dim_ : config.q_width(), k_size = per_head ? head_dim_ : config.kv_width();
+    q_norm = register_module("q_norm", Norm("rmsnorm", q_size, false, config.norm_eps, false, config.norm_plus_one));
+    k_norm = register_module("k_norm", Norm("rmsnorm", k_size, false, config.norm_eps, false, config.norm_plus_one));
   }
+  if (rope_) {
+    RopeTables tables = rope_tables(config);
+    cos_ = register_buffer("rope_cos", tables.cos);
+    sin_ = register_buffer("rope_sin", tables.sin);
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> CausalSelfAttentionImpl::normalize_qk(const at::Tensor& q, const at::Tensor& k) const {
+  if (!q_norm) return {q, k};
+  auto normalize = [&](const Norm& norm, const at::Tensor& x) {
+    if (config_.qk_norm == "head") return norm.ptr()->forward(x);  // [B, H, T, hd] over hd
+    // Over every head of a position at once (OLMo 2), in the heads' order.
+    const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+    return norm.ptr()->forward(x.transpose(1, 2).reshape({b, t, h * d})).view({b, t, h, d}).transpose(1, 2);
+  };
+  return {normalize(q_norm, q), normalize(k_norm, k)};
 }
 
 at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
@@ -114,11 +133,19 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
   auto [q, k, v] = split_qkv(qkv_out, config_);
   const int64_t w = q.size(1) * head_dim_;
   const bool fused = fused_ && fused::eligible(q);
+  std::tie(q, k) = normalize_qk(q, k);
   if (rope_) {
-    q = fused ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);
-    k = fused ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
+    const bool whole = 2 * cos_.size(1) == head_dim_;  // the fused kernel rotates whole heads
+    q = fused && whole ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);
+    k = fused && whole ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
   }
   const double p = is_training() ? dropout_ : 0.0;
+  const AttentionVariant variant = attention_variant(config_, 0);
+  if (window_ > 0 || !variant.plain()) {
+    AttentionVariant here = variant;
+    here.window = window_;
+    return variant_attention(q, k, v, here, dropout_, is_training()).transpose(1, 2).reshape({b, t, w});
+  }
   const int64_t times = q.size(1) / k.size(1);
   k = repeat_kv(k, times);
   v = repeat_kv(v, times);
@@ -138,6 +165,7 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
 MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
     : dropout_(config.dropout),
       fused_(config.fused),
+      gelu_gate_(config.mlp == "geglu"),
       chain_(std::move(chain)),
       fc_name_(name + ".fc"),
       proj_name_(name + ".proj"),
@@ -146,13 +174,14 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
       down_name_(name + ".down"),
       drop_name_(name + ".drop") {
   const int64_t d = config.width, h = config.mlp_hidden();
+  const bool bias = config.mlp_has_bias();
   if (config.mlp == "gelu") {
-    fc = register_module("fc", linear(d, h, config.bias));
-    proj = register_module("proj", linear(h, d, config.bias));
+    fc = register_module("fc", linear(d, h, bias));
+    proj = register_module("proj", linear(h, d, bias));
   } else {
-    gate = register_module("gate", linear(d, h, config.bias));
-    up = register_module("up", linear(d, h, config.bias));
-    down = register_module("down", linear(h, d, config.bias));
+    gate = register_module("gate", linear(d, h, bias));
+    up = register_module("up", linear(d, h, bias));
+    down = register_module("down", linear(h, d, bias));
   }
 }
 
@@ -170,6 +199,7 @@ at::Tensor MlpImpl::activation(const at::Tensor& x) {
   }
   if (fc) return at::gelu(call(fc_name_, fc, x), "tanh");
   const at::Tensor g = call(gate_name_, gate, x), u = call(up_name_, up, x);
+  if (gelu_gate_) return at::gelu(g, "tanh") * u;  // GeGLU (Gemma)
   if (fused_ && fused::eligible(g) && fused::eligible(u)) return fused::swiglu(g, u);
   return at::silu(g) * u;
 }
@@ -184,17 +214,26 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
-BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts)
+BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts,
+                     int64_t index)
     : fused_(config.fused),
+      placement_(config.norm_placement),
       chain_(std::move(chain)),
       norm1_name_(name + ".norm1"),
       attn_name_(name + ".attn"),
       norm2_name_(name + ".norm2"),
       mlp_name_(name + ".mlp"),
-      moe_name_(name + ".moe") {
-  norm1 = register_module("norm1", Norm(config.norm, config.width, config.bias, config.norm_eps, config.fused));
-  attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_));
-  norm2 = register_module("norm2", Norm(config.norm, config.width, config.bias, config.norm_eps, config.fused));
+      moe_name_(name + ".moe"),
+      post1_name_(name + ".post1"),
+      post2_name_(name + ".post2") {
+  auto norm = [&] { return Norm(config.norm, config.width, config.bias, config.norm_eps, config.fused, config.norm_plus_one); };
+  norm1 = register_module("norm1", norm());
+  attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_, index));
+  norm2 = register_module("norm2", norm());
+  if (placement_ == "sandwich") {
+    post1 = register_module("post1", norm());
+    post2 = register_module("post2", norm());
+  }
   if (experts) {
     moe = register_module("moe", Moe(config));
   } else {
@@ -208,7 +247,27 @@ at::Tensor BlockImpl::feed_forward(const at::Tensor& m) {
   return c.call(mlp_name_, m, [this](const at::Tensor& in) { return mlp->forward(in); });
 }
 
+// Note [Norm placement]
+// "pre" (GPT-2, Llama): h = x + attn(norm1(x)), y = h + ff(norm2(h)).
+// "post" (OLMo 2): h = x + norm1(attn(x)), y = h + norm2(ff(h)): the norm
+// of each sublayer's output, inside the residual branch.
+// "sandwich" (Gemma 2): h = x + post1(attn(norm1(x))), y = h + post2(ff(norm2(h))).
+at::Tensor BlockImpl::forward_post(const at::Tensor& x) {
+  const HookChain& c = *chain_;
+  const bool sandwich = placement_ == "sandwich";
+  auto through = [&](const std::string& name, Norm& norm, const at::Tensor& in) {
+    return c.call(name, in, [&norm](const at::Tensor& y) { return norm->forward(y); });
+  };
+  const at::Tensor a = sandwich ? through(norm1_name_, norm1, x) : x;
+  const at::Tensor attended = c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
+  const at::Tensor h = x + (sandwich ? through(post1_name_, post1, attended) : through(norm1_name_, norm1, attended));
+  const at::Tensor m = sandwich ? through(norm2_name_, norm2, h) : h;
+  const at::Tensor fed = feed_forward(m);
+  return h + (sandwich ? through(post2_name_, post2, fed) : through(norm2_name_, norm2, fed));
+}
+
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  if (placement_ != "pre") return forward_post(x);
   const HookChain& c = *chain_;
   const at::Tensor a = c.call(norm1_name_, x, [this](const at::Tensor& in) { return norm1->forward(in); });
   const at::Tensor attended = c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
@@ -234,9 +293,10 @@ GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.layers; ++i) {
     block_names_.push_back("blocks." + std::to_string(i));
-    blocks->push_back(Block(config_, chain_, block_names_.back(), config_.is_moe_block(i)));
+    blocks->push_back(Block(config_, chain_, block_names_.back(), config_.is_moe_block(i), i));
   }
-  norm_f = register_module("norm_f", Norm(config_.norm, config_.width, config_.bias, config_.norm_eps, config_.fused));
+  norm_f = register_module(
+      "norm_f", Norm(config_.norm, config_.width, config_.bias, config_.norm_eps, config_.fused, config_.norm_plus_one));
   if (!config_.tie_embeddings) head = register_module("head", linear(config_.width, config_.vocab_size, false));
   initialise(seed);
 }
@@ -265,7 +325,7 @@ void GptImpl::initialise(uint64_t seed) {
     const bool is_norm = name.find("norm") != std::string::npos;
     const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
     if (is_norm) {
-      p.fill_(is_bias ? 0.0 : 1.0);
+      p.fill_(is_bias || config_.norm_plus_one ? 0.0 : 1.0);  // (1 + w) norms start at w = 0
     } else if (is_bias) {
       p.zero_();
     } else {
@@ -286,6 +346,8 @@ at::Tensor GptImpl::embed(const at::Tensor& tokens) {
   TORCH_CHECK(t <= config_.context, "sequence of ", t, " tokens is longer than the model's context ", config_.context);
   const HookChain& c = *chain_;
   at::Tensor x = c.call("wte", tokens, [this](const at::Tensor& in) { return wte->forward(in); });
+  // Gemma: times sqrt(width), rounded to the activations' dtype as Hugging Face does.
+  if (config_.embed_scale) x = x * at::scalar_tensor(std::sqrt(static_cast<double>(config_.width)), x.options());
   if (wpe) {
     x = x + c.call("wpe", at::arange(t, tokens.options()), [this](const at::Tensor& in) { return wpe->forward(in); });
   }
@@ -300,7 +362,10 @@ at::Tensor GptImpl::block(int64_t i, const at::Tensor& x) {
 at::Tensor GptImpl::project(const at::Tensor& x) {
   const HookChain& c = *chain_;
   const at::Tensor y = c.call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
-  return c.call("head", y, [this](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
+  const at::Tensor logits =
+      c.call("head", y, [this](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
+  const double cap = config_.logit_softcap;
+  return cap > 0 ? at::tanh(logits / cap) * cap : logits;  // Gemma 2
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {

@@ -24,11 +24,12 @@ namespace meshtrain::model {
 //   wte, wpe, drop        token embedding, position embedding (input: the
 //                         positions 0..T-1), embedding dropout
 //   blocks.N              a transformer block, and inside it
-//     .norm1 .attn .norm2 .mlp
+//     .norm1 .attn .norm2 .mlp (.post1 .post2: norm_placement "sandwich")
 //     .attn.qkv .attn.core .attn.proj .attn.drop
 //                         core is attention proper: qkv's output [B, T, 3w]
 //                         -> [B, T, w] before proj (w: the width qkv produced)
-//     .mlp.fc .mlp.proj (gelu) | .mlp.gate .mlp.up .mlp.down (swiglu), .mlp.drop
+//     .mlp.fc .mlp.proj (gelu) | .mlp.gate .mlp.up .mlp.down (swiglu,
+//                         geglu), .mlp.drop
 //     .moe                in a mixture-of-experts block, instead of .mlp
 //   norm_f, head          final norm; the LM head (tied to wte or not)
 // A hook may change a call's input, its output, or compute it another way.
@@ -59,9 +60,10 @@ class ForwardHooks {
   }
 };
 
-// Rotary position embedding: pairs (x[i], x[i + d/2]) of the last dim of x
-// [..., t, d] rotated by the angles of positions offset .. offset + t - 1
-// (tables cos / sin [context, d/2]).
+// Rotary position embedding: pairs (x[i], x[i + r/2]) of the first r dims of
+// the last dim of x [..., t, d] rotated by the angles of positions offset ..
+// offset + t - 1 (tables cos / sin [context, r/2]; r = d unless the model
+// rotates a fraction of each head).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
 
 // Note [Grouped-query layout]
@@ -89,14 +91,16 @@ class HookChain {
 // LayerNorm (weight, optional bias) or RMSNorm (weight), over the last dim.
 class NormImpl : public torch::nn::Module {
  public:
-  // `fused`: through model/fused/ops.h where the tensors allow.
-  NormImpl(const std::string& kind, int64_t width, bool bias, double eps = 1e-5, bool fused = false);
+  // `fused`: through model/fused/ops.h where the tensors allow; `plus_one`:
+  // RMSNorm scales by (1 + weight), its weight starting at 0 (Gemma).
+  NormImpl(const std::string& kind, int64_t width, bool bias, double eps = 1e-5, bool fused = false,
+           bool plus_one = false);
   at::Tensor forward(const at::Tensor& x);
   // (h, norm(h)) for h = x + residual, in one pass when fused.
   std::pair<at::Tensor, at::Tensor> forward_add(const at::Tensor& x, const at::Tensor& residual);
 
  private:
-  bool rms_, fused_;
+  bool rms_, fused_, plus_one_;
   double eps_;
   at::Tensor weight_, bias_;
 };
@@ -104,11 +108,18 @@ TORCH_MODULE(Norm);
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  // `name` is the module's dotted name in the model, for the hooks.
-  CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name);
+  // `name` is the module's dotted name in the model, for the hooks; `block`
+  // its block's index (sliding windows go by block).
+  CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name,
+                          int64_t block = 0);
   at::Tensor forward(const at::Tensor& x);  // [B, T, width] -> [B, T, width]
 
+  // q, k [B, H, T, hd] through model.qk_norm (as they are without it); the KV cache calls it too.
+  std::pair<at::Tensor, at::Tensor> normalize_qk(const at::Tensor& q, const at::Tensor& k) const;
+  int64_t window() const { return window_; }  // this block's sliding window (0: none)
+
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  Norm q_norm{nullptr}, k_norm{nullptr};  // model.qk_norm
 
  private:
   at::Tensor attend(const at::Tensor& qkv_out);  // the "core" call
@@ -117,7 +128,8 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   int64_t head_dim_;
   double dropout_;
   bool rope_, fused_;
-  at::Tensor cos_, sin_;  // rope tables [context, head_dim / 2]
+  int64_t window_;        // this block's sliding window (0: none)
+  at::Tensor cos_, sin_;  // rope tables [context, rotary dims / 2]
   std::shared_ptr<HookChain> chain_;
   std::string qkv_name_, core_name_, proj_name_, drop_name_;
 };
@@ -135,7 +147,7 @@ class MlpImpl : public torch::nn::Module {
   at::Tensor activation(const at::Tensor& x);  // the hidden layer before proj / down
 
   double dropout_;
-  bool fused_;
+  bool fused_, gelu_gate_;  // gelu_gate_: geglu
   std::shared_ptr<HookChain> chain_;
   std::string fc_name_, proj_name_, gate_name_, up_name_, down_name_, drop_name_;
 };
@@ -143,11 +155,15 @@ TORCH_MODULE(Mlp);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  // `experts`: the feed-forward is a mixture of experts (moe) instead of the MLP.
-  BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts = false);
+  // `experts`: the feed-forward is a mixture of experts (moe) instead of the
+  // MLP; `index`: the block's place in the model.
+  BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts = false,
+            int64_t index = 0);
   at::Tensor forward(const at::Tensor& x);
 
-  Norm norm1{nullptr}, norm2{nullptr};
+  // norm_placement "pre": norm1 and norm2 before attention and the MLP;
+  // "post": after them; "sandwich": before, and post1 / post2 after.
+  Norm norm1{nullptr}, norm2{nullptr}, post1{nullptr}, post2{nullptr};
   CausalSelfAttention attn{nullptr};
   Mlp mlp{nullptr};
   Moe moe{nullptr};
@@ -155,9 +171,12 @@ class BlockImpl : public torch::nn::Module {
  private:
   at::Tensor feed_forward(const at::Tensor& m);
 
+  at::Tensor forward_post(const at::Tensor& x);  // norm_placement "post" and "sandwich"
+
   bool fused_;
+  std::string placement_;
   std::shared_ptr<HookChain> chain_;
-  std::string norm1_name_, attn_name_, norm2_name_, mlp_name_, moe_name_;
+  std::string norm1_name_, attn_name_, norm2_name_, mlp_name_, moe_name_, post1_name_, post2_name_;
 };
 TORCH_MODULE(Block);
 

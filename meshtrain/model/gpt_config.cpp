@@ -33,6 +33,47 @@ GptConfig llama(int64_t vocab, int64_t context, int64_t layers, int64_t heads, i
   return c;
 }
 
+// Llama 3.1's RoPE scaling: `factor` over an original context of 8192.
+GptConfig llama31(int64_t layers, int64_t heads, int64_t width, int64_t ffn, double factor, bool tied) {
+  GptConfig c = llama(128256, 131072, layers, heads, 8, width, ffn, 500000);
+  c.tie_embeddings = tied;
+  c.rope_scaling = "llama3";
+  c.rope_factor = factor;
+  c.rope_original_context = 8192;
+  c.rope_low_freq_factor = 1;
+  c.rope_high_freq_factor = 4;
+  return c;
+}
+
+// Qwen3: QK-norm, head size 128 whatever the width, theta 1e6.
+GptConfig qwen3(int64_t layers, int64_t heads, int64_t kv_heads, int64_t width, int64_t ffn, bool tied) {
+  GptConfig c = llama(151936, 40960, layers, heads, kv_heads, width, ffn, 1e6);
+  c.head_size = 128;
+  c.qk_norm = "head";
+  c.norm_eps = 1e-6;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+// Gemma 2: (1 + w) RMSNorm before and after each sublayer, GeGLU, embeddings
+// times sqrt(width), soft-capped scores and logits, a 4096 window in every other block.
+GptConfig gemma2(int64_t layers, int64_t heads, int64_t kv_heads, int64_t width, int64_t ffn) {
+  GptConfig c = llama(256000, 8192, layers, heads, kv_heads, width, ffn, 10000);
+  c.mlp = "geglu";
+  c.head_size = 256;
+  c.tie_embeddings = true;
+  c.norm_eps = 1e-6;
+  c.norm_placement = "sandwich";
+  c.norm_plus_one = true;
+  c.embed_scale = true;
+  c.attn_softcap = 50;
+  c.logit_softcap = 30;
+  c.query_scale = 256;
+  c.sliding_window = 4096;
+  c.sliding_every = 2;
+  return c;
+}
+
 // A GPT-2/3-style shape with the MLP of 4·width: LayerNorm with biases, learned positions, tied head.
 GptConfig gpt(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t width) {
   return shape(vocab, context, layers, heads, width);
@@ -65,6 +106,38 @@ const std::map<std::string, GptConfig>& presets() {
     mixtral.moe_capacity_factor = 0;
     mixtral.moe_second_expert = "always";
     t["mixtral-8x7b"] = mixtral;
+    // The open families as their config.json files on the Hugging Face Hub give them.
+    t["llama3.2-1b"] = llama31(16, 32, 2048, 8192, 32, true);
+    t["llama3.2-3b"] = llama31(28, 24, 3072, 8192, 32, true);
+    t["llama3.1-8b"] = llama31(32, 32, 4096, 14336, 8, false);
+    t["llama3.1-70b"] = llama31(80, 64, 8192, 28672, 8, false);
+    t["llama3.1-405b"] = llama31(126, 128, 16384, 53248, 8, false);
+    GptConfig mistral = llama(32000, 32768, 32, 32, 8, 4096, 14336, 10000);  // Mistral-7B-v0.1
+    mistral.sliding_window = 4096;
+    t["mistral-7b"] = mistral;
+    GptConfig qwen25 = llama(152064, 32768, 28, 28, 4, 3584, 18944, 1e6);  // Qwen2.5-7B
+    qwen25.qkv_bias = true;
+    qwen25.norm_eps = 1e-6;
+    t["qwen2.5-7b"] = qwen25;
+    t["qwen3-0.6b"] = qwen3(28, 16, 8, 1024, 3072, true);
+    t["qwen3-8b"] = qwen3(36, 32, 8, 4096, 12288, false);
+    GptConfig qwen3_moe = qwen3(48, 32, 4, 2048, 6144, false);  // Qwen3-30B-A3B: 128 experts of 768, top 8
+    qwen3_moe.moe_experts = 128;
+    qwen3_moe.moe_every = 1;
+    qwen3_moe.moe_top_k = 8;
+    qwen3_moe.moe_hidden = 768;
+    qwen3_moe.moe_capacity_factor = 0;
+    qwen3_moe.moe_second_expert = "always";
+    qwen3_moe.moe_aux_loss = 0.001;
+    t["qwen3-30b-a3b"] = qwen3_moe;
+    t["gemma2-2b"] = gemma2(26, 8, 4, 2304, 9216);
+    t["gemma2-9b"] = gemma2(42, 16, 8, 3584, 14336);
+    t["phi3-mini"] = llama(32064, 4096, 32, 32, 32, 3072, 8192, 10000);  // Phi-3-mini-4k-instruct
+    GptConfig olmo2 = llama(100352, 4096, 32, 32, 32, 4096, 11008, 500000);  // OLMo-2-1124-7B
+    olmo2.norm_placement = "post";
+    olmo2.qk_norm = "width";
+    olmo2.norm_eps = 1e-6;
+    t["olmo2-7b"] = olmo2;
     return t;
   }();
   return table;
@@ -87,9 +160,11 @@ GptConfig GptConfig::preset(const std::string& name) {
 }
 
 std::vector<std::string> GptConfig::preset_names() {
-  return {"tiny",      "small",      "llama-tiny", "gpt2-124m",  "gpt2-350m", "gpt2-774m", "gpt2-1.5b",
-          "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b",  "llama3-70b", "gpt3-175b", "gpt-1t",
-          "mixtral-8x7b"};
+  return {"tiny",         "small",        "llama-tiny",  "gpt2-124m",     "gpt2-350m",  "gpt2-774m",
+          "gpt2-1.5b",    "llama2-7b",    "llama2-13b",  "llama2-70b",    "llama3-8b",  "llama3-70b",
+          "llama3.2-1b",  "llama3.2-3b",  "llama3.1-8b", "llama3.1-70b",  "llama3.1-405b",
+          "mistral-7b",   "mixtral-8x7b", "qwen2.5-7b",  "qwen3-0.6b",    "qwen3-8b",   "qwen3-30b-a3b",
+          "gemma2-2b",    "gemma2-9b",    "phi3-mini",   "olmo2-7b",      "gpt3-175b",  "gpt-1t"};
 }
 
 void GptConfig::validate() const {
@@ -100,8 +175,13 @@ void GptConfig::validate() const {
   if (width < 1 || width % heads != 0) {
     reject("width", std::to_string(width), "must be a positive multiple of model.heads (" + std::to_string(heads) + ")");
   }
-  if (position == "rope" && head_dim() % 2 != 0) {
-    reject("width", std::to_string(width), "rope needs an even head size (width / heads)");
+  if (head_size < 0) reject("head_size", std::to_string(head_size), "must be >= 0 (0: width / heads)");
+  if (!(rotary_fraction > 0 && rotary_fraction <= 1)) {
+    reject("rotary_fraction", std::to_string(rotary_fraction), "must be in (0, 1]");
+  }
+  if (position == "rope" && (head_dim() % 2 != 0 || rotary_dims() < 2)) {
+    reject(head_size > 0 ? "head_size" : "width", std::to_string(head_size > 0 ? head_size : width),
+           "rope needs an even head size and at least 2 rotated dims per head");
   }
   if (kv_heads < 0 || (kv_heads > 0 && heads % kv_heads != 0)) {
     reject("kv_heads", std::to_string(kv_heads),
@@ -115,16 +195,19 @@ void GptConfig::validate() const {
   if (position != "learned" && position != "rope") {
     reject("position", "\"" + position + "\"", "use \"learned\" or \"rope\"");
   }
-  if (mlp != "gelu" && mlp != "swiglu") reject("mlp", "\"" + mlp + "\"", "use \"gelu\" or \"swiglu\"");
+  if (mlp != "gelu" && mlp != "swiglu" && mlp != "geglu") {
+    reject("mlp", "\"" + mlp + "\"", "use \"gelu\", \"swiglu\" or \"geglu\"");
+  }
+  validate_families();
   if (moe_experts < 0) reject("moe_experts", std::to_string(moe_experts), "must be >= 0 (0: dense)");
   if (!moe()) return;
   if (moe_every < 1 || moe_every > layers) {
     reject("moe_every", std::to_string(moe_every), "must be in [1, model.layers (" + std::to_string(layers) + ")]");
   }
-  if (moe_top_k < 1 || moe_top_k > 2 || moe_top_k > moe_experts) {
-    reject("moe_top_k", std::to_string(moe_top_k),
-           "must be 1 (Switch) or 2 (GShard) and at most model.moe_experts (" + std::to_string(moe_experts) + ")");
+  if (moe_top_k < 1 || moe_top_k > moe_experts) {
+    reject("moe_top_k", std::to_string(moe_top_k), "must be in [1, model.moe_experts (" + std::to_string(moe_experts) + ")]");
   }
+  if (moe_shared_hidden < 0) reject("moe_shared_hidden", std::to_string(moe_shared_hidden), "must be >= 0 (0: none)");
   if (!(moe_capacity_factor >= 0)) {
     reject("moe_capacity_factor", std::to_string(moe_capacity_factor), "must be >= 0 (0: dropless)");
   }
@@ -134,6 +217,39 @@ void GptConfig::validate() const {
   if (!(moe_aux_loss >= 0)) reject("moe_aux_loss", std::to_string(moe_aux_loss), "must be >= 0");
   if (!(moe_z_loss >= 0)) reject("moe_z_loss", std::to_string(moe_z_loss), "must be >= 0");
   if (moe_hidden < 0) reject("moe_hidden", std::to_string(moe_hidden), "must be >= 0 (0: the dense MLP's)");
+}
+
+void GptConfig::validate_families() const {
+  if (qk_norm != "none" && qk_norm != "head" && qk_norm != "width") {
+    reject("qk_norm", "\"" + qk_norm + "\"", "use \"none\", \"head\" (Qwen3) or \"width\" (OLMo 2)");
+  }
+  if (norm_placement != "pre" && norm_placement != "post" && norm_placement != "sandwich") {
+    reject("norm_placement", "\"" + norm_placement + "\"", "use \"pre\", \"post\" (OLMo 2) or \"sandwich\" (Gemma 2)");
+  }
+  if (norm_plus_one && !rms_norm()) reject("norm_plus_one", "true", "needs model.norm = \"rmsnorm\"");
+  if (!(attn_softcap >= 0)) reject("attn_softcap", std::to_string(attn_softcap), "must be >= 0 (0: none)");
+  if (!(logit_softcap >= 0)) reject("logit_softcap", std::to_string(logit_softcap), "must be >= 0 (0: none)");
+  if (!(query_scale >= 0)) reject("query_scale", std::to_string(query_scale), "must be >= 0 (0: the head size)");
+  if (sliding_window < 0) reject("sliding_window", std::to_string(sliding_window), "must be >= 0 (0: none)");
+  if (sliding_every < 1) reject("sliding_every", std::to_string(sliding_every), "must be >= 1");
+  const std::string& s = rope_scaling;
+  if (s != "none" && s != "linear" && s != "llama3" && s != "yarn") {
+    reject("rope_scaling", "\"" + s + "\"", "use \"none\", \"linear\", \"llama3\" or \"yarn\"");
+  }
+  if (s != "none" && position != "rope") reject("rope_scaling", "\"" + s + "\"", "needs model.position = \"rope\"");
+  if (s != "none" && !(rope_factor > 0)) reject("rope_factor", std::to_string(rope_factor), "must be > 0");
+  if ((s == "llama3" || s == "yarn") && rope_original_context < 1) {
+    reject("rope_original_context", std::to_string(rope_original_context), "rope_scaling \"" + s + "\" needs it (> 0)");
+  }
+  if (s == "llama3" && !(rope_low_freq_factor > 0 && rope_high_freq_factor > rope_low_freq_factor)) {
+    reject("rope_high_freq_factor", std::to_string(rope_high_freq_factor), "must be above rope_low_freq_factor (> 0)");
+  }
+  if (s == "yarn" && !(rope_beta_fast > rope_beta_slow && rope_beta_slow > 0)) {
+    reject("rope_beta_fast", std::to_string(rope_beta_fast), "must be above rope_beta_slow (> 0)");
+  }
+  if (!(rope_attention_factor >= 0)) {
+    reject("rope_attention_factor", std::to_string(rope_attention_factor), "must be >= 0 (0: yarn's default)");
+  }
 }
 
 int64_t GptConfig::mlp_hidden() const {
@@ -156,27 +272,34 @@ int64_t GptConfig::mlp_hidden() const {
 // compare them with the parameters a built model holds.
 
 int64_t GptConfig::mlp_parameters(int64_t hidden) const {
-  const int64_t b = bias ? 1 : 0, matrices = gated_mlp() ? 3 : 2;
+  const int64_t b = mlp_has_bias() ? 1 : 0, matrices = gated_mlp() ? 3 : 2;
   return matrices * width * hidden + b * ((matrices - 1) * hidden + width);
 }
 
+int64_t GptConfig::qk_norm_parameters() const {
+  if (qk_norm == "head") return 2 * head_dim();
+  if (qk_norm == "width") return q_width() + kv_width();
+  return 0;
+}
+
 int64_t GptConfig::block_split_parameters() const {
-  const int64_t h = width, b = bias ? 1 : 0, qkv = qkv_width(), hidden = mlp_hidden();
-  const int64_t attention = h * qkv + (bias || qkv_bias ? qkv : 0) + h * h;  // qkv (column) + projection weight (row)
-  const int64_t mlp = (gated_mlp() ? 3 : 2) * h * hidden + b * (gated_mlp() ? 2 : 1) * hidden;  // column biases split too
-  return attention + mlp;
+  const int64_t h = width, qkv = qkv_width(), hidden = mlp_hidden();
+  const int64_t attention = h * qkv + (qkv_has_bias() ? qkv : 0) + q_width() * h;  // qkv (column) + projection weight (row)
+  const int64_t mlp = (gated_mlp() ? 3 : 2) * h * hidden + (mlp_has_bias() ? (gated_mlp() ? 2 : 1) * hidden : 0);
+  return attention + mlp;  // column biases split too
 }
 
 int64_t GptConfig::block_parameters() const {
   const int64_t norm_params = (!rms_norm() && bias) ? 2 * width : width;
-  const int64_t row_biases = bias ? 2 * width : 0;  // attention and MLP output biases: replicated
-  return block_split_parameters() + row_biases + 2 * norm_params;
+  const int64_t row_biases = (proj_has_bias() ? width : 0) + (mlp_has_bias() ? width : 0);  // output biases: replicated
+  return block_split_parameters() + row_biases + norms_per_block() * norm_params + qk_norm_parameters();
 }
 
 int64_t GptConfig::expert_parameters() const { return moe_experts * mlp_parameters(expert_hidden()); }
 
 int64_t GptConfig::moe_block_parameters() const {
-  return block_parameters() - mlp_parameters(mlp_hidden()) + moe_experts * width + expert_parameters();
+  const int64_t shared = moe_shared_hidden > 0 ? 3 * width * moe_shared_hidden + width : 0;
+  return block_parameters() - mlp_parameters(mlp_hidden()) + moe_experts * width + expert_parameters() + shared;
 }
 
 int64_t GptConfig::embedding_parameters() const {
@@ -200,13 +323,14 @@ int64_t GptConfig::active_parameter_count() const {
 double GptConfig::block_training_flops(bool moe) const {
   const double s = static_cast<double>(context), h = static_cast<double>(width);
   const double mlp_matrices = gated_mlp() ? 3.0 : 2.0;
-  const double attention = h * static_cast<double>(qkv_width()) + h * h;
+  const double attention = h * static_cast<double>(qkv_width()) + h * static_cast<double>(q_width());
   double weights = attention + mlp_matrices * h * static_cast<double>(mlp_hidden());
   if (moe) {
     weights = attention + static_cast<double>(moe_experts) * h +
-              mlp_matrices * h * static_cast<double>(expert_hidden()) * static_cast<double>(moe_top_k);
+              mlp_matrices * h * static_cast<double>(expert_hidden()) * static_cast<double>(moe_top_k) +
+              (moe_shared_hidden > 0 ? 3.0 * h * static_cast<double>(moe_shared_hidden) + h : 0.0);
   }
-  return s * (6 * weights + 12 * s * h);
+  return s * (6 * weights + 12 * s * static_cast<double>(q_width()));
 }
 
 double GptConfig::head_training_flops() const {

@@ -20,7 +20,7 @@ struct GptConfig {
   // GPT-2 style by default; Llama style is rmsnorm + rope + swiglu + untied head.
   std::string norm = "layernorm";      // "layernorm" | "rmsnorm"
   std::string position = "learned";    // "learned" | "rope"
-  std::string mlp = "gelu";            // "gelu" (4·width hidden) | "swiglu" (hidden below)
+  std::string mlp = "gelu";            // "gelu" (4·width hidden) | "swiglu" | "geglu" (gated, tanh GELU: Gemma)
   bool tie_embeddings = true;          // the LM head shares the token embedding
   bool bias = true;                    // biases in linear layers and norms (GPT-2 has them)
   bool qkv_bias = false;               // biases on the q, k and v projections alone (Qwen2)
@@ -30,6 +30,37 @@ struct GptConfig {
   int64_t ffn_hidden = 0;              // the MLP's hidden size; 0: the default for mlp (below)
   double rope_theta = 10000.0;         // rotary base (Llama 3: 500000)
   double norm_eps = 1e-5;              // epsilon of layernorm / rmsnorm
+
+  // The families' variations (Note [Model families] in gpt_config.cpp).
+  int64_t head_size = 0;               // q/k/v size per head; 0: width / heads (Qwen3, Gemma 2 set it)
+  bool attention_bias = false;         // biases on q, k, v and the attention's output projection
+  bool mlp_bias = false;               // biases on the MLP's projections
+  std::string qk_norm = "none";        // "none" | "head": RMSNorm over each head's q and k before RoPE
+                                       // (Qwen3) | "width": over all of q and all of k (OLMo 2)
+  std::string norm_placement = "pre";  // "pre": x + f(norm(x)) | "post": x + norm(f(x)) (OLMo 2)
+                                       // | "sandwich": x + norm(f(norm(x))) (Gemma 2)
+  bool norm_plus_one = false;          // RMSNorm scales by (1 + weight) (Gemma)
+  bool embed_scale = false;            // token embeddings times sqrt(width) (Gemma)
+  double attn_softcap = 0;             // attention scores c·tanh(s / c); 0: none (Gemma 2)
+  double logit_softcap = 0;            // final logits c·tanh(z / c); 0: none (Gemma 2)
+  double query_scale = 0;              // scores scaled by 1/sqrt(query_scale); 0: 1/sqrt(head size)
+  // Sliding-window attention: a token sees itself and the window - 1 before
+  // it, in the blocks i with i % sliding_every == 0 (Mistral: 1; Gemma 2: 2);
+  // 0: every block sees the whole context.
+  int64_t sliding_window = 0;
+  int64_t sliding_every = 1;
+  // RoPE scaling (Note [RoPE scaling] in gpt.cpp): "none" | "linear"
+  // (positions / factor) | "llama3" (Llama 3.1: long wavelengths / factor,
+  // smoothed between low and high frequency factors) | "yarn".
+  std::string rope_scaling = "none";
+  double rope_factor = 1.0;
+  int64_t rope_original_context = 0;   // the context before scaling (llama3, yarn)
+  double rope_low_freq_factor = 1.0;   // llama3
+  double rope_high_freq_factor = 4.0;  // llama3
+  double rope_beta_fast = 32.0;        // yarn
+  double rope_beta_slow = 1.0;         // yarn
+  double rope_attention_factor = 0;    // yarn: cos and sin scaled by it; 0: 0.1·ln(factor) + 1
+  double rotary_fraction = 1.0;        // the share of each head's dims RoPE rotates (the first ones)
   // The fused CPU operators (model/fused/ops.h) where the tensors allow;
   // false: the reference composition of ATen operators everywhere.
   bool fused = true;
@@ -45,28 +76,44 @@ struct GptConfig {
   double moe_aux_loss = 0.01;          // Switch load balancing: α·E·Σ fᵢ·Pᵢ
   double moe_z_loss = 0.001;           // router z-loss: β·mean(logsumexp(logits)²)
   int64_t moe_hidden = 0;              // an expert's hidden size; 0: the dense MLP's
+  // top_k >= 2: the chosen gates renormalised to sum 1 (Mixtral, Qwen3-MoE's
+  // norm_topk_prob) or kept as softmax probabilities (Qwen2-MoE).
+  bool moe_norm_topk = true;
+  // A shared expert every token passes through besides the routed ones, its
+  // output times sigmoid(x·w) (Qwen2-MoE); 0: none.
+  int64_t moe_shared_hidden = 0;
 
-  // Named shapes: tiny, small, llama-tiny, gpt2-124m, gpt2-350m, gpt2-774m,
-  // gpt2-1.5b, and the published shapes llama2-7b/13b/70b, llama3-8b/70b,
-  // gpt3-175b, gpt-1t, mixtral-8x7b. Throws std::invalid_argument listing them.
+  // Named shapes: tiny, small, llama-tiny, gpt2-124m ... gpt2-1.5b, and the
+  // published shapes of the open families (preset_names()). Throws
+  // std::invalid_argument listing them.
   static GptConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
 
   // Throws std::invalid_argument naming the field, the value and what is allowed.
   void validate() const;
+  void validate_families() const;  // the keys of Note [Model families]
 
-  int64_t head_dim() const { return width / heads; }
+  int64_t head_dim() const { return head_size > 0 ? head_size : width / heads; }
   int64_t key_value_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   bool grouped_query() const { return key_value_heads() != heads; }
+  int64_t q_width() const { return heads * head_dim(); }               // the outputs of q; proj's inputs
   int64_t kv_width() const { return key_value_heads() * head_dim(); }  // the outputs of k (and of v)
-  int64_t qkv_width() const { return width + 2 * kv_width(); }       // the fused qkv's outputs
+  int64_t qkv_width() const { return q_width() + 2 * kv_width(); }     // the fused qkv's outputs
+  bool qkv_has_bias() const { return bias || qkv_bias || attention_bias; }
+  bool proj_has_bias() const { return bias || attention_bias; }
+  bool mlp_has_bias() const { return bias || mlp_bias; }
+  // The attention window of block i (0: the whole context).
+  int64_t window_of(int64_t block) const { return sliding_window > 0 && block % sliding_every == 0 ? sliding_window : 0; }
+  int64_t rotary_dims() const { return static_cast<int64_t>(rotary_fraction * static_cast<double>(head_dim()) + 1e-9) / 2 * 2; }
   // ffn_hidden, else gelu: 4·width; swiglu: 8/3·width rounded up to a multiple of 64.
   int64_t mlp_hidden() const;
   bool moe() const { return moe_experts > 0; }
   bool is_moe_block(int64_t i) const { return moe() && i % moe_every == moe_every - 1; }
   int64_t moe_blocks() const { return moe() ? layers / moe_every : 0; }
   int64_t expert_hidden() const { return moe_hidden > 0 ? moe_hidden : mlp_hidden(); }
-  bool gated_mlp() const { return mlp == "swiglu"; }  // three matrices instead of two
+  bool gated_mlp() const { return mlp == "swiglu" || mlp == "geglu"; }  // three matrices instead of two
+  int64_t norms_per_block() const { return norm_placement == "sandwich" ? 4 : 2; }
+  int64_t qk_norm_parameters() const;  // per block
   bool rms_norm() const { return norm == "rmsnorm"; }
   bool learned_positions() const { return position == "learned"; }  // a position table (GPT) instead of RoPE
 

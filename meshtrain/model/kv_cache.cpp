@@ -1,5 +1,7 @@
 #include "meshtrain/model/kv_cache.h"
 
+#include "meshtrain/model/attention_variants.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -11,18 +13,41 @@ KvCache::KvCache(const Gpt& model) : config_(model->config()) {
     const std::string prefix = "blocks." + std::to_string(i) + ".attn.";
     Layer layer;
     if (const at::Tensor* cos = buffers.find(prefix + "rope_cos")) layer.cos = *cos, layer.sin = buffers[prefix + "rope_sin"];
+    layer.attention = model->blocks->ptr(i)->as<BlockImpl>()->attn.ptr().get();
+    layer.variant = attention_variant(config_, i);
     layers_[prefix + "core"] = layer;
   }
 }
 
 void KvCache::clear() {
-  for (auto& [name, layer] : layers_) layer.set({}, {});
+  for (auto& [name, layer] : layers_) layer.set({}, {}), layer.dropped = 0;
   pads_ = at::Tensor();
   length_ = 0;
   blocks_done_ = 0;
 }
 
+void KvCache::check_not_rolled() const {
+  for (const auto& [name, layer] : layers_) {
+    if (layer.dropped > 0) throw std::logic_error("kv cache: " + name + " rolled its window; its rows cannot be rearranged");
+  }
+}
+
+void KvCache::roll(Layer& layer) {
+  const int64_t keep = layer.variant.window - 1, have = layer.k.size(2);
+  if (have <= keep) return;
+  auto shift = [&](at::Tensor& cached, at::Tensor& room) {
+    const at::Tensor tail = cached.narrow(2, have - keep, keep).clone();
+    if (!room.defined()) room = at::empty_like(cached);
+    room.narrow(2, 0, keep).copy_(tail);
+    cached = room.narrow(2, 0, keep);
+  };
+  shift(layer.k, layer.k_room);
+  shift(layer.v, layer.v_room);
+  layer.dropped += have - keep;
+}
+
 void KvCache::set_padding(const std::vector<int64_t>& pads) {
+  if (rolling_) throw std::logic_error("kv cache: a rolling cache holds one unpadded sequence");
   if (length_ != 0) throw std::logic_error("kv cache: set_padding after tokens were cached; clear() first");
   pads_ = at::tensor(pads, at::kLong);
 }
@@ -49,6 +74,8 @@ void KvCache::pad_left(int64_t slots) {
 }
 
 void KvCache::append_rows(const KvCache& other) {
+  check_not_rolled();
+  other.check_not_rolled();
   if (blocks_done_ != 0 || other.blocks_done_ != 0) throw std::logic_error("kv cache: append_rows inside a forward");
   if (other.rows() == 0) return;
   if (rows() == 0) {
@@ -68,6 +95,7 @@ void KvCache::append_rows(const KvCache& other) {
 }
 
 void KvCache::keep_rows(const std::vector<int64_t>& rows) {
+  check_not_rolled();
   if (blocks_done_ != 0) throw std::logic_error("kv cache: keep_rows inside a forward");
   if (rows.empty()) return clear();
   const at::Tensor index = at::tensor(rows, at::kLong);
@@ -85,11 +113,12 @@ namespace {
 
 // Rotary embedding of x [B, H, t, d] at per-row positions [B, t].
 at::Tensor rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
-  const int64_t half = x.size(-1) / 2, b = positions.size(0), t = positions.size(1);
+  const int64_t half = cos.size(-1), b = positions.size(0), t = positions.size(1);
   const at::Tensor c = cos.index_select(0, positions.reshape({-1})).view({b, 1, t, half}).to(x.scalar_type());
   const at::Tensor s = sin.index_select(0, positions.reshape({-1})).view({b, 1, t, half}).to(x.scalar_type());
   const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+  if (2 * half == x.size(-1)) return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, x.size(-1) - 2 * half)}, -1);
 }
 
 }  // namespace
@@ -114,7 +143,7 @@ at::Tensor KvCache::around(const std::string& module, const at::Tensor& input, c
   if (it == layers_.end()) return forward(input);
   const at::Tensor out = attend(it->second, input);
   if (++blocks_done_ == config_.layers) {
-    length_ = it->second.k.size(2);
+    length_ = it->second.dropped + it->second.k.size(2);
     blocks_done_ = 0;
   }
   return out;
@@ -139,6 +168,7 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   check_room(t);
   auto [q, k, v] = split_qkv(qkv_out, config_);
   const int64_t w = q.size(1) * config_.head_dim();
+  std::tie(q, k) = layer.attention->normalize_qk(q, k);
   if (layer.cos.defined() && pads_.defined()) {
     const at::Tensor at_positions = positions(t);
     q = rope_at(q, layer.cos, layer.sin, at_positions);
@@ -156,7 +186,16 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   const at::Tensor keys = layer.k.device() == q.device() ? layer.k : layer.k.to(q.device());
   const at::Tensor values = layer.v.device() == q.device() ? layer.v : layer.v.to(q.device());
   at::Tensor y;
-  if (length_ == 0 && !pads_.defined()) {
+  if (!layer.variant.plain()) {
+    at::Tensor allowed;  // each row's padding hidden (a padding query sees itself)
+    if (pads_.defined()) {
+      const int64_t total = length_ + t;
+      const at::Tensor rows = at::arange(t, at::kLong).view({1, t, 1}) + length_;
+      const at::Tensor cols = at::arange(total, at::kLong).view({1, 1, total});
+      allowed = (cols >= pads_.view({-1, 1, 1})).logical_or(cols == rows).unsqueeze(1).to(q.device());
+    }
+    y = variant_attention(q, keys, values, layer.variant, 0.0, false, allowed);
+  } else if (length_ == 0 && !pads_.defined()) {
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true, std::nullopt, grouped);
   } else {
     // New query i (slot length_ + i) sees every cached key and the new ones up
@@ -171,6 +210,7 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/mask, 0.0, /*is_causal=*/false, std::nullopt,
                                          grouped);
   }
+  if (rolling_ && layer.variant.window > 0 && !pads_.defined()) roll(layer);
   return y.transpose(1, 2).reshape({b, t, w});
 }
 

@@ -2,6 +2,7 @@
 // See Note [KV cache].
 #pragma once
 
+#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/model/gpt.h"
 
 #include <functional>
@@ -61,13 +62,22 @@ class KvCache : public ForwardHooks {
   // layer and step).
   void set_storage(KvCacheStorage storage) { storage_ = std::move(storage); }
 
+  // Note [Rolling window]: blocks with a sliding window keep only the keys
+  // and values the next token can see (window - 1), so a long generation
+  // holds window-sized caches there. For one unpadded sequence; the rows
+  // cannot then be joined or kept (append_rows, keep_rows, set_padding throw).
+  void set_rolling(bool rolling) { rolling_ = rolling; }
+
  private:
   struct Layer {
     // [B, Hkv, T, head_dim]: views of the first T slots of k_room / v_room
     // when those are defined (room to append without copying what is cached).
     at::Tensor k, v;
     at::Tensor k_room, v_room;
+    int64_t dropped = 0;  // slots before the first one k holds, left behind by the rolling window
     at::Tensor cos, sin;  // the block's rope tables (undefined: learned positions)
+    const CausalSelfAttentionImpl* attention = nullptr;  // its q/k norms
+    AttentionVariant variant;                            // its window, scale, soft-cap
     void set(at::Tensor keys, at::Tensor values) {  // new contents, without room
       k = std::move(keys), v = std::move(values);
       k_room = v_room = at::Tensor();
@@ -81,6 +91,8 @@ class KvCache : public ForwardHooks {
   at::Tensor positions(int64_t t) const;  // [B, t] positions of the next t slots, with padding
   void pad_left(int64_t slots);           // `slots` empty slots before every row's tokens
   at::Tensor pads_or_zeros() const;
+  void roll(Layer& layer);        // keeps the last window - 1 slots (Note [Rolling window])
+  void check_not_rolled() const;  // throws once a layer has rolled
 
   GptConfig config_;
   KvCacheStorage storage_;
@@ -88,6 +100,7 @@ class KvCache : public ForwardHooks {
   at::Tensor pads_;  // [B] int64, or undefined: no padding
   int64_t length_ = 0;
   int64_t blocks_done_ = 0;  // blocks that appended in the current forward
+  bool rolling_ = false;
 };
 
 }  // namespace meshtrain::model

@@ -48,7 +48,9 @@ at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::
 
 bool is_expert_tensor(const std::string& name) {
   const size_t at = name.find(".moe.");
-  return at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0;
+  // The router and the shared expert are replicated like the dense layers.
+  return at != std::string::npos && name.compare(at + 5, std::string::npos, "router") != 0 &&
+         name.compare(at + 5, 6, "shared") != 0;
 }
 
 at::Tensor ExpertExchange::run(const at::Tensor& tokens, const std::vector<int64_t>& counts,
@@ -59,19 +61,31 @@ at::Tensor ExpertExchange::run(const at::Tensor& tokens, const std::vector<int64
 MoeImpl::MoeImpl(const GptConfig& config) : config_(config) {
   const int64_t e = config.moe_experts, d = config.width, h = config.expert_hidden();
   router = register_parameter("router", torch::zeros({e, d}));
+  const bool bias = config.mlp_has_bias();
   if (config.mlp == "gelu") {
     fc_weight = expert_parameter(*this, "fc_weight", {e, h, d});
-    if (config.bias) fc_bias = expert_parameter(*this, "fc_bias", {e, h});
+    if (bias) fc_bias = expert_parameter(*this, "fc_bias", {e, h});
     proj_weight = expert_parameter(*this, "proj_weight", {e, d, h});
-    if (config.bias) proj_bias = expert_parameter(*this, "proj_bias", {e, d});
+    if (bias) proj_bias = expert_parameter(*this, "proj_bias", {e, d});
   } else {
     gate_weight = expert_parameter(*this, "gate_weight", {e, h, d});
-    if (config.bias) gate_bias = expert_parameter(*this, "gate_bias", {e, h});
+    if (bias) gate_bias = expert_parameter(*this, "gate_bias", {e, h});
     up_weight = expert_parameter(*this, "up_weight", {e, h, d});
-    if (config.bias) up_bias = expert_parameter(*this, "up_bias", {e, h});
+    if (bias) up_bias = expert_parameter(*this, "up_bias", {e, h});
     down_weight = expert_parameter(*this, "down_weight", {e, d, h});
-    if (config.bias) down_bias = expert_parameter(*this, "down_bias", {e, d});
+    if (bias) down_bias = expert_parameter(*this, "down_bias", {e, d});
   }
+  if (const int64_t s = config.moe_shared_hidden; s > 0) {  // Qwen2-MoE: SwiGLU, no biases
+    shared_gate = register_parameter("shared_gate", torch::zeros({s, d}));
+    shared_up = register_parameter("shared_up", torch::zeros({s, d}));
+    shared_down = register_parameter("shared_down", torch::zeros({d, s}));
+    shared_expert_gate = register_parameter("shared_expert_gate", torch::zeros({1, d}));
+  }
+}
+
+at::Tensor MoeImpl::shared_expert(const at::Tensor& flat) {
+  const at::Tensor hidden = at::silu(at::linear(flat, shared_gate)) * at::linear(flat, shared_up);
+  return at::sigmoid(at::linear(flat, shared_expert_gate)) * at::linear(hidden, shared_down);
 }
 
 std::vector<at::Tensor> MoeImpl::expert_weights() const {
@@ -99,14 +113,16 @@ at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>
   const std::vector<at::Tensor> in = split(gelu ? fc_weight : gate_weight), in_bias = split(gelu ? fc_bias : gate_bias);
   const std::vector<at::Tensor> up = split(up_weight), up_b = split(up_bias);
   const std::vector<at::Tensor> out = split(gelu ? proj_weight : down_weight), out_bias = split(gelu ? proj_bias : down_bias);
+  const bool geglu = config_.mlp == "geglu";
   std::vector<at::Tensor> outputs;
   int64_t offset = 0;
   for (size_t c = 0; c < counts.size(); ++c) {
     const int64_t i = first + static_cast<int64_t>(c) - first_expert_;  // this rank's index of the expert
     const at::Tensor x = tokens.narrow(0, offset, counts[c]);
     offset += counts[c];
-    const at::Tensor hidden = gelu ? at::gelu(at::linear(x, in[i], bias(in_bias, i)), "tanh")
-                                   : at::silu(at::linear(x, in[i], bias(in_bias, i))) * at::linear(x, up[i], bias(up_b, i));
+    const at::Tensor g = at::linear(x, in[i], bias(in_bias, i));
+    const at::Tensor hidden = gelu ? at::gelu(g, "tanh")
+                                   : (geglu ? at::gelu(g, "tanh") : at::silu(g)) * at::linear(x, up[i], bias(up_b, i));
     outputs.push_back(at::linear(hidden, out[i], bias(out_bias, i)));
   }
   return outputs.empty() ? tokens.new_zeros({0, tokens.size(1)}) : at::cat(outputs);
@@ -144,8 +160,8 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   auto [top, choice] = probs.topk(k, -1);  // [n, k]
   at::Tensor gates = top;
   at::Tensor wanted = at::ones({n, k}, choice.options().dtype(at::kBool));
+  if (k >= 2 && config_.moe_norm_topk) gates = top / top.sum(-1, true);
   if (k == 2) {
-    gates = top / top.sum(-1, true);
     if (config_.moe_second_expert == "random" && is_training()) {
       const at::Tensor draw = at::rand({n}, probs.options());
       wanted.select(1, 1).copy_(draw < (2 * gates.select(1, 1)).clamp_max(1.0).detach());
@@ -177,6 +193,16 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
                                                                      int64_t first) { return experts(t, c, first); });
   const at::Tensor weighted = computed * token_gates.unsqueeze(1).to(computed.scalar_type());
   at::Tensor out = at::zeros({n, d}, weighted.options()).index_add(0, tokens, weighted);
+  if (shared_gate.defined()) {
+    // Every token through the shared expert; under tensor parallel each
+    // replica takes its share of the tokens, as it does of the routed ones.
+    at::Tensor shared = shared_expert(flat).to(out.scalar_type());
+    if (replicas_ > 1) {
+      const at::Tensor mine = at::arange(n, choice.options()).remainder(replicas_) == replica_;
+      shared = shared * mine.unsqueeze(1).to(shared.scalar_type());
+    }
+    out = out + shared;
+  }
 
   const at::Tensor first_share = at::one_hot(choice.select(1, 0), e).to(at::kFloat).mean(0);  // fᵢ
   const at::Tensor aux = config_.moe_aux_loss * e * (first_share * probs.mean(0)).sum();

@@ -1,4 +1,5 @@
-// A mixture-of-experts feed-forward (Switch top-1, GShard top-2): a router,
+// A mixture-of-experts feed-forward (Switch top-1, GShard top-2, Mixtral and
+// Qwen-MoE top-k, dropless or not): a router,
 // capacity-limited dispatch, experts of the model's MLP style and a gated
 // combine. No parallelism here: expert parallel replaces the ExpertExchange.
 #pragma once
@@ -57,9 +58,12 @@ struct MoeLayerMetrics {
 // Note [Mixture of experts]
 // For tokens x [N, width]: router logits = x·Wrᵀ in fp32 (autocast off),
 // probabilities p = softmax. Top-1 (Switch): each token goes to its argmax
-// expert with gate p. Top-2 (GShard): the two best, gates normalised to sum 1;
-// with moe_second_expert = "random" the second is kept with probability
-// min(1, 2·g₂) (a token whose second gate is small rarely pays for it).
+// expert with gate p. Top-k, k >= 2 (GShard's 2, Mixtral's 2, Qwen3-MoE's
+// 8): the k best, gates renormalised to sum 1 with moe_norm_topk (else the
+// probabilities themselves, Qwen2-MoE); with k = 2 and moe_second_expert =
+// "random" the second is kept with probability min(1, 2·g₂) (a token whose
+// second gate is small rarely pays for it). A shared expert
+// (moe_shared_hidden, Qwen2-MoE) adds sigmoid(x·w)·SwiGLU(x) for every token.
 // Capacity C = ceil(N·k·cf / E) per expert (cf = 0: none, dropless): first
 // choices of all tokens take places before second choices, tokens in order;
 // assignments beyond C are dropped, and a token with none left outputs 0, so
@@ -101,10 +105,14 @@ class MoeImpl : public torch::nn::Module {
 
   at::Tensor router;  // [experts, width]
   at::Tensor fc_weight, fc_bias, proj_weight, proj_bias;                        // gelu
-  at::Tensor gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias;  // swiglu
+  at::Tensor gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias;  // swiglu, geglu
+  // model.moe_shared_hidden: the shared expert (gate, up, down [hidden, width]
+  // ... [width, hidden]) and its gate [1, width]; replicated like the router.
+  at::Tensor shared_gate, shared_up, shared_down, shared_expert_gate;
 
  private:
   at::Tensor experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first);
+  at::Tensor shared_expert(const at::Tensor& flat);  // [n, width] -> [n, width], gated
 
   GptConfig config_;
   int64_t first_expert_ = 0;

@@ -62,6 +62,12 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
     plan.push_back({"blocks.*.mlp.up", Style::kColwise});
     plan.push_back({"blocks.*.mlp.down", Style::kRowwise});
   }
+  if (config.qk_norm == "head") {
+    // Each rank normalises its own heads with the shared weights: their
+    // gradients are partial sums, all-reduced like sequence-parallel norms'.
+    plan.push_back({"blocks.*.attn.q_norm", Style::kSequenceParallel});
+    plan.push_back({"blocks.*.attn.k_norm", Style::kSequenceParallel});
+  }
   if (!sequence_parallel) {
     plan.push_back({"blocks.*.attn", Style::kPrepareInput});
     if (dense_blocks) plan.push_back({"blocks.*.mlp", Style::kPrepareInput});
@@ -82,6 +88,11 @@ void check_tensor_parallel(const model::GptConfig& config, int t, bool sequence_
   dims.sequence_parallel = sequence_parallel && t > 1;
   dims.check();
   dims.check_model(model_dims(config));
+  if (t > 1 && config.qk_norm == "width") {
+    throw std::invalid_argument("tensor parallel: model.qk_norm = \"width\" (OLMo 2) normalises q and k over every "
+                                "head, which tp = " + std::to_string(t) + " splits across ranks; use tp = 1 "
+                                "(data, fully sharded, pipeline parallel take it)");
+  }
 }
 
 struct TensorParallel::Hooks : model::ForwardHooks {

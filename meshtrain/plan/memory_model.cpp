@@ -126,19 +126,20 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   const double e = o.precision.activation, mask = o.precision.mask;
   if (o.recompute == parallel::CheckpointMode::kFull) return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
   const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
+  const double qw = static_cast<double>(model.q_width());  // width, unless the head size is set apart
   const double s = static_cast<double>(model.context), heads = static_cast<double>(model.heads);
   double bytes = 2 * (e * z.region(z.u) + z.region(norm_saved(model, z, e)));  // both norms
   bytes += e * z.region(z.u);                                // qkv projection's input
-  bytes += e * z.split(z.u);                                 // attention output = output projection's input
+  bytes += e * z.split(z.u * qw / h);                        // attention output = output projection's input
   const double scores = heads * s * z.tokens;                // a·s²·b
   if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective) {
     // Contiguous q, k, v over every head (k, v repeated), and the causal
     // softmax's blocks; the qkv projection's output is not kept (Note [CPU attention]).
     const double kept = static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true)) / (s * s);
-    return bytes + 3 * e * z.split(z.u) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
+    return bytes + 3 * e * z.split(z.u * qw / h) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
   }
-  bytes += e * z.split(z.u * (h + 2 * kv) / h);              // q, k, v
-  if (!model.learned_positions()) bytes += e * z.split(z.u * (h + kv) / h);  // rotated q and k
+  bytes += e * z.split(z.u * (qw + 2 * kv) / h);             // q, k, v
+  if (!model.learned_positions()) bytes += e * z.split(z.u * (qw + kv) / h);  // rotated q and k
   if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core
     if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
@@ -192,14 +193,14 @@ RankParameters rank_parameters(const model::GptConfig& model, const Layout& l) {
             static_cast<double>(model.block_parameters() - model.block_split_parameters());
   r.local_experts = static_cast<double>(model.expert_parameters()) / static_cast<double>(l.dims.ep);
   // A MoE block: the dense block less its MLP (split by tp, its output bias whole), plus the router and experts (whole on every tp rank).
-  const double mlp_bias = static_cast<double>(model.bias ? model.width : 0);
+  const double mlp_bias = static_cast<double>(model.mlp_has_bias() ? model.width : 0);
   const double mlp_split = static_cast<double>(model.mlp_parameters(model.mlp_hidden())) - mlp_bias;
   r.moe_block = r.block - mlp_split / t - mlp_bias + static_cast<double>(model.moe_experts * model.width) + r.local_experts;
   r.embedding = vocab * h / t + (model.learned_positions() ? static_cast<double>(model.context) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tie_embeddings ? 0 : vocab * h);
   r.head = head_norm + ((!model.tie_embeddings || l.dims.pp > 1) ? vocab * h / t : 0);
   r.largest_tensor = std::max({vocab * h / t, static_cast<double>(model.mlp_hidden()) * h / t,
-                               h * (h + 2.0 * static_cast<double>(model.kv_width())) / t,
+                               h * static_cast<double>(model.qkv_width()) / t,
                                static_cast<double>(model.expert_hidden() * model.moe_experts / l.dims.ep) * h});
   return r;
 }

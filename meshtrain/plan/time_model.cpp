@@ -52,7 +52,7 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   // each layer (4·seq·width per token); full, every block's forward (a third
   // of forward + backward).
   auto recompute_flops = [&](double flops, double layers) {
-    const double s = static_cast<double>(model.context), h = static_cast<double>(model.width);
+    const double s = static_cast<double>(model.context), h = static_cast<double>(model.q_width());
     switch (in.l.activation_checkpoint) {
       case parallel::CheckpointMode::kNone: return 0.0;
       case parallel::CheckpointMode::kSelective: return layers * s * 4 * s * h;

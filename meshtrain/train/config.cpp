@@ -61,7 +61,7 @@ void add_model_keys(std::vector<Field>& f) {
   f.push_back(field("model", "dropout", "dropout probability", MESHTRAIN_CONFIG_MEMBER(model.dropout)));
   f.push_back(field("model", "norm", "\"layernorm\" or \"rmsnorm\"", MESHTRAIN_CONFIG_MEMBER(model.norm)));
   f.push_back(field("model", "position", "\"learned\" or \"rope\"", MESHTRAIN_CONFIG_MEMBER(model.position)));
-  f.push_back(field("model", "mlp", "\"gelu\" or \"swiglu\"", MESHTRAIN_CONFIG_MEMBER(model.mlp)));
+  f.push_back(field("model", "mlp", "\"gelu\", \"swiglu\" or \"geglu\"", MESHTRAIN_CONFIG_MEMBER(model.mlp)));
   f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
                     MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
   f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
@@ -71,7 +71,7 @@ void add_model_keys(std::vector<Field>& f) {
                     MESHTRAIN_CONFIG_MEMBER(model.moe_experts)));
   f.push_back(field("model", "moe_every", "every k-th block is a mixture of experts (blocks k-1, 2k-1, ...)",
                     MESHTRAIN_CONFIG_MEMBER(model.moe_every)));
-  f.push_back(field("model", "moe_top_k", "experts per token: 1 (Switch) or 2 (GShard)",
+  f.push_back(field("model", "moe_top_k", "experts per token (1: Switch, 2: GShard, 8: Qwen3-MoE)",
                     MESHTRAIN_CONFIG_MEMBER(model.moe_top_k)));
   f.push_back(field("model", "moe_capacity_factor", "capacity = ceil(tokens x top_k x factor / experts); 0: dropless",
                     MESHTRAIN_CONFIG_MEMBER(model.moe_capacity_factor)));
@@ -82,6 +82,53 @@ void add_model_keys(std::vector<Field>& f) {
   f.push_back(field("model", "moe_z_loss", "router z-loss weight", MESHTRAIN_CONFIG_MEMBER(model.moe_z_loss)));
   f.push_back(field("model", "moe_hidden", "an expert's hidden size (0: the dense MLP's)",
                     MESHTRAIN_CONFIG_MEMBER(model.moe_hidden)));
+  f.push_back(field("model", "moe_norm_topk", "top_k >= 2: the chosen gates renormalised to sum 1 (false: softmax "
+                    "probabilities, Qwen2-MoE)", MESHTRAIN_CONFIG_MEMBER(model.moe_norm_topk)));
+  f.push_back(field("model", "moe_shared_hidden", "hidden size of a shared expert with a sigmoid gate (Qwen2-MoE; "
+                    "0: none)", MESHTRAIN_CONFIG_MEMBER(model.moe_shared_hidden)));
+}
+
+// The keys of the open families' variations (Note [Model families]).
+void add_family_keys(std::vector<Field>& f) {
+  f.push_back(field("model", "head_size", "q/k/v size per head (0: width / heads)",
+                    MESHTRAIN_CONFIG_MEMBER(model.head_size)));
+  f.push_back(field("model", "attention_bias", "biases on q, k, v and the attention's output projection",
+                    MESHTRAIN_CONFIG_MEMBER(model.attention_bias)));
+  f.push_back(field("model", "mlp_bias", "biases on the MLP's projections", MESHTRAIN_CONFIG_MEMBER(model.mlp_bias)));
+  f.push_back(field("model", "qk_norm", "\"none\", \"head\" (RMSNorm over each head's q and k, Qwen3) or \"width\" "
+                    "(over all of q and of k, OLMo 2)", MESHTRAIN_CONFIG_MEMBER(model.qk_norm)));
+  f.push_back(field("model", "norm_placement", "\"pre\", \"post\" (norm of each sublayer's output, OLMo 2) or "
+                    "\"sandwich\" (both, Gemma 2)", MESHTRAIN_CONFIG_MEMBER(model.norm_placement)));
+  f.push_back(field("model", "norm_plus_one", "RMSNorm scales by (1 + weight) (Gemma)",
+                    MESHTRAIN_CONFIG_MEMBER(model.norm_plus_one)));
+  f.push_back(field("model", "embed_scale", "token embeddings times sqrt(width) (Gemma)",
+                    MESHTRAIN_CONFIG_MEMBER(model.embed_scale)));
+  f.push_back(field("model", "attn_softcap", "attention scores c x tanh(s / c) (0: none)",
+                    MESHTRAIN_CONFIG_MEMBER(model.attn_softcap)));
+  f.push_back(field("model", "logit_softcap", "final logits c x tanh(z / c) (0: none)",
+                    MESHTRAIN_CONFIG_MEMBER(model.logit_softcap)));
+  f.push_back(field("model", "query_scale", "scores scaled by 1/sqrt(query_scale) (0: the head size)",
+                    MESHTRAIN_CONFIG_MEMBER(model.query_scale)));
+  f.push_back(field("model", "sliding_window", "a token attends to itself and the window - 1 before it (0: all)",
+                    MESHTRAIN_CONFIG_MEMBER(model.sliding_window)));
+  f.push_back(field("model", "sliding_every", "the window applies to blocks i with i % sliding_every == 0",
+                    MESHTRAIN_CONFIG_MEMBER(model.sliding_every)));
+  f.push_back(field("model", "rope_scaling", "\"none\", \"linear\", \"llama3\" or \"yarn\"",
+                    MESHTRAIN_CONFIG_MEMBER(model.rope_scaling)));
+  f.push_back(field("model", "rope_factor", "how many times the original context RoPE scaling stretches to",
+                    MESHTRAIN_CONFIG_MEMBER(model.rope_factor)));
+  f.push_back(field("model", "rope_original_context", "the context before scaling (llama3, yarn)",
+                    MESHTRAIN_CONFIG_MEMBER(model.rope_original_context)));
+  f.push_back(field("model", "rope_low_freq_factor", "llama3 scaling's low frequency factor",
+                    MESHTRAIN_CONFIG_MEMBER(model.rope_low_freq_factor)));
+  f.push_back(field("model", "rope_high_freq_factor", "llama3 scaling's high frequency factor",
+                    MESHTRAIN_CONFIG_MEMBER(model.rope_high_freq_factor)));
+  f.push_back(field("model", "rope_beta_fast", "yarn's beta_fast", MESHTRAIN_CONFIG_MEMBER(model.rope_beta_fast)));
+  f.push_back(field("model", "rope_beta_slow", "yarn's beta_slow", MESHTRAIN_CONFIG_MEMBER(model.rope_beta_slow)));
+  f.push_back(field("model", "rope_attention_factor", "yarn: cos and sin times this (0: 0.1 ln(factor) + 1)",
+                    MESHTRAIN_CONFIG_MEMBER(model.rope_attention_factor)));
+  f.push_back(field("model", "rotary_fraction", "share of each head's dims RoPE rotates",
+                    MESHTRAIN_CONFIG_MEMBER(model.rotary_fraction)));
 }
 
 // [data] and [training].
@@ -162,6 +209,7 @@ const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> f;
     add_model_keys(f);
+    add_family_keys(f);
     add_data_and_training_keys(f);
     for (const config::Key<parallel::ParallelSpec>& key : parallel::ParallelSpec::keys()) {
       f.push_back(config::lift<TrainConfig>(key, MESHTRAIN_CONFIG_MEMBER(parallel)));

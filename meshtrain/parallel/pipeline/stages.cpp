@@ -21,12 +21,11 @@ std::string StageSpec::str() const {
 std::vector<double> parameter_costs(const model::GptConfig& c) {
   const double w = double(c.width);
   const double norm = c.bias && c.norm == "layernorm" ? 2 * w : w;
-  double block = 2 * norm + 4 * w * w + (c.mlp == "gelu" ? 2.0 : 3.0) * w * c.mlp_hidden();
-  if (c.bias) block += 3 * w + w + c.mlp_hidden() + w;
-  if (c.qkv_bias && !c.bias) block += double(c.qkv_width());
   std::vector<double> costs;
   costs.push_back(double(c.vocab_size) * w + (c.position == "learned" ? double(c.context) * w : 0.0));
-  for (int64_t i = 0; i < c.layers; ++i) costs.push_back(block);
+  for (int64_t i = 0; i < c.layers; ++i) {
+    costs.push_back(double(c.is_moe_block(i) ? c.moe_block_parameters() : c.block_parameters()));
+  }
   costs.push_back(norm + double(c.vocab_size) * w);
   return costs;
 }

@@ -1,0 +1,45 @@
+// What the open families change in attention, beside plain causal
+// multi-head attention: RoPE tables with scaling (Note [RoPE scaling]),
+// sliding windows, a query scale other than 1/sqrt(head size) and soft-capped
+// scores (Note [Attention variants]). Used by the model's attention core and
+// by the KV cache, which replaces that core during generation.
+#pragma once
+
+#include "meshtrain/model/gpt_config.h"
+
+#include <ATen/ATen.h>
+
+namespace meshtrain::model {
+
+// The rotary tables of a model: cos and sin [context, rotary_dims / 2] in
+// fp32, the attention factor of yarn scaling folded in.
+struct RopeTables {
+  at::Tensor cos, sin;
+};
+RopeTables rope_tables(const GptConfig& config);
+// The rotary frequencies (radians per position) of pairs 0 .. rotary_dims/2 - 1, in double.
+at::Tensor rope_frequencies(const GptConfig& config);
+
+// How block `block`'s attention differs from causal softmax(q·kᵀ/sqrt(d))·v.
+struct AttentionVariant {
+  int64_t window = 0;   // a query sees itself and the window - 1 keys before it; 0: all before it
+  double scale = 0;     // the scores' scale; 0: 1/sqrt(head size)
+  double softcap = 0;   // scores c·tanh(s/c) before the mask; 0: none
+  bool plain() const { return window == 0 && scale == 0 && softcap == 0; }
+};
+AttentionVariant attention_variant(const GptConfig& config, int64_t block);
+
+// Attention of q [B, H, t, d] over k, v [B, H or H/g, S, d] (g query heads
+// per key/value head), query i at position S - t + i, key j at position j:
+// causal, within the variant's window, and where `allowed` (bool,
+// broadcastable to [B, 1, t, S]) is true if it is defined. A query row with
+// no key allowed (never in a causal one) outputs zeros.
+at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionVariant& variant, double dropout, bool training,
+                             const at::Tensor& allowed = {});
+
+// The causal (and windowed) mask of t queries at positions S - t .. S - 1
+// over S keys: [t, S] bool, true where attention is allowed.
+at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device);
+
+}  // namespace meshtrain::model
