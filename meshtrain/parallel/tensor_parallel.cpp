@@ -74,6 +74,9 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
     return plan;
   }
   for (const char* norm : {"blocks.*.norm1", "blocks.*.norm2", "norm_f"}) plan.push_back({norm, Style::kSequenceParallel});
+  if (config.norm_placement == "sandwich") {  // Gemma 2's norms after each sublayer see a chunk too
+    for (const char* norm : {"blocks.*.post1", "blocks.*.post2"}) plan.push_back({norm, Style::kSequenceParallel});
+  }
   if (config.position == "learned") plan.push_back({"wpe", Style::kSequencePositions});
   plan.push_back({"drop", Style::kLocalRandom});
   plan.push_back({"blocks.*.attn.drop", Style::kLocalRandom});
