@@ -3,7 +3,7 @@ running the transformers implementation of the same config, in one run.
 
 For each family (Llama 3.1, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
 Gemma 2, Phi-3, OLMo 2) a tiny-scaled config (width 256, 4 blocks, 4 heads,
-2 key/value heads, context 256, vocabulary 2048; the family's features on)
+2 key/value heads, context 256, vocabulary 256 (bytes); the family's features on)
 is trained alternately by `meshtrain bench train` and by a loop over
 transformers' model of that config (AutoModelForCausalLM, fp32 weights,
 AdamW, gradient clipping; bf16 autocast for --dtype bfloat16), with the same
@@ -29,7 +29,7 @@ import transformers as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHTRAIN = os.path.join(ROOT, "build", "bin", "meshtrain")
-BASE = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+BASE = dict(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -299,9 +299,9 @@ PlanCommand::PlanCommand(CLI::App& app) {
               "--device-memory and ranks the rest; --layout explains one. Runs in one process; `meshtrain run -n 2 "
               "plan --calibrate` measures this machine instead.");
   CLI::App* p = sub_;
-  p->add_option("--model", o_.model,
-                "A preset (tiny, small, llama-tiny, gpt2-124m/350m/774m/1.5b, llama2-7b/13b/70b, llama3-8b/70b, "
-                "gpt3-175b, gpt-1t, mixtral-8x7b) or a meshtrain config file (.toml)")
+  std::string presets;
+  for (const std::string& name : model::GptConfig::preset_names()) presets += (presets.empty() ? "" : ", ") + name;
+  p->add_option("--model", o_.model, "A preset (" + presets + ") or a meshtrain config file (.toml)")
       ->capture_default_str();
   p->add_option("--world", o_.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
   p->add_option("--device-memory", o_.device_memory, "Memory per device, e.g. 80GiB (default: the machine's)");

@@ -219,6 +219,26 @@ void GptConfig::validate() const {
   if (moe_hidden < 0) reject("moe_hidden", std::to_string(moe_hidden), "must be >= 0 (0: the dense MLP's)");
 }
 
+// Note [Model families]
+// The open families differ from Llama in a few places, each a key whose
+// default leaves GPT-2 and Llama as they were (docs/models.md lists which
+// family uses which):
+//   attention   head_size apart from width / heads; biases on q, k, v (and
+//               o); QK-norm per head or over every head; a sliding window in
+//               some blocks; scores scaled by 1/sqrt(query_scale) and
+//               soft-capped (model/attention_variants.h).
+//   positions   RoPE scaled (linear, llama3, yarn) or over a fraction of
+//               each head (Note [RoPE scaling]).
+//   norms       before the sublayer, after it, or both (Note [Norm
+//               placement]); RMSNorm by (1 + w).
+//   MLP         GeGLU; biases.
+//   MoE         top-k of many experts with or without renormalised gates;
+//               a shared expert with a sigmoid gate.
+//   ends        embeddings times sqrt(width); final logits soft-capped.
+// None of these is parallel code: tensor parallel learns of QK-norm weights
+// and post-norms from its plan (parallel/tensor_parallel.cpp); everything
+// else is inside modules it already splits. Counts (Note [Model counts])
+// follow each key, and the tests compare them with the built model.
 void GptConfig::validate_families() const {
   if (qk_norm != "none" && qk_norm != "head" && qk_norm != "width") {
     reject("qk_norm", "\"" + qk_norm + "\"", "use \"none\", \"head\" (Qwen3) or \"width\" (OLMo 2)");
