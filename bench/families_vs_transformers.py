@@ -118,8 +118,10 @@ def main():
     rows = []
     for family in args.families:
         config = FAMILIES[family]()
-        config._attn_implementation = "sdpa"
-        model = T.AutoModelForCausalLM.from_config(config)
+        try:  # PyTorch's fused attention where transformers has it for the family (Gemma 2: eager)
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         with tempfile.TemporaryDirectory() as work:
             model.save_pretrained(os.path.join(work, "hf"), safe_serialization=True)
             subprocess.run([MESHTRAIN, "import", "hf", os.path.join(work, "hf"), "--out", os.path.join(work, "c"),

@@ -106,9 +106,17 @@ class Reader {
 // rope_parameters (transformers 5), else rope_scaling and rope_theta (4).
 void read_rope(Reader& r, model::GptConfig& m, bool partial_rotary) {
   json rope = json::object();
+  const bool scaling = r.has("rope_scaling");  // transformers 4's, and written beside rope_parameters for it
   if (r.has("rope_parameters")) {
     rope = r.raw("rope_parameters");
-  } else if (r.has("rope_scaling")) {
+    if (scaling && rope.is_object()) {
+      const json& old = r.raw("rope_scaling");
+      auto type = [](const json& j) { return j.value("rope_type", j.value("type", std::string("default"))); };
+      if (!old.is_object() || type(old) != type(rope)) {
+        refuse(r.where(), "rope_scaling " + old.dump() + " beside rope_parameters " + rope.dump());
+      }
+    }
+  } else if (scaling) {
     rope = r.raw("rope_scaling");
   }
   if (!rope.is_object()) refuse(r.where(), "rope parameters " + rope.dump());
@@ -154,11 +162,19 @@ void read_window(Reader& r, model::GptConfig& m, const std::string& type) {
     const bool sliding = r.get_or<bool>("use_sliding_window", false);
     r.has("sliding_window"), r.has("max_window_layers");
     if (sliding) refuse(r.where(), "use_sliding_window = true (Qwen's windows from layer max_window_layers on)");
+  } else if (type == "llama" || type == "olmo2") {
+    r.has("sliding_window");  // transformers' llama and olmo2 ignore one
   } else if (r.has("sliding_window")) {
     m.sliding_window = r.get<int64_t>("sliding_window");
     if (m.sliding_window >= m.context) m.sliding_window = 0;  // the context fits in the window: none
   }
-  if (type == "gemma2") m.sliding_every = 2;
+  if (type == "gemma2") {
+    m.sliding_every = 2;
+    // Older Gemma 2 configs repeat the window under another name.
+    if (r.has("sliding_window_size") && r.get<int64_t>("sliding_window_size") != r.get_or<int64_t>("sliding_window", 0)) {
+      refuse(r.where(), "sliding_window_size " + std::to_string(r.get<int64_t>("sliding_window_size")));
+    }
+  }
   if (r.has("layer_types")) {
     const json types = r.raw("layer_types");
     if (!types.is_array() || static_cast<int64_t>(types.size()) != m.layers) refuse(r.where(), "layer_types " + types.dump());
@@ -242,7 +258,11 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
   read_rope(r, m, type == "phi3");
   if (type == "phi3") r.has("original_max_position_embeddings");  // longrope's; refused above if used
   read_window(r, m, type);
-  if (type == "qwen2") m.qkv_bias = true;
+  if (type == "qwen2") {
+    m.qkv_bias = true;
+    r.expect<bool>("use_mrope", false);  // Qwen2-VL's multimodal rotary
+  }
+  if (type == "phi3" || type == "mistral" || type == "mixtral" || type == "qwen2") r.expect<bool>("attention_bias", false);
   if (type == "llama" || type == "qwen3" || type == "qwen3_moe" || type == "gemma2" || type == "olmo2") {
     m.attention_bias = r.get_or<bool>("attention_bias", false);
   }
@@ -274,7 +294,8 @@ std::string first_difference(const model::GptConfig& a, const model::GptConfig& 
 #define MESHTRAIN_FIELD(f) field(#f, [](const model::GptConfig& c) { return c.f; })
   MESHTRAIN_FIELD(vocab_size), MESHTRAIN_FIELD(context), MESHTRAIN_FIELD(layers), MESHTRAIN_FIELD(heads);
   MESHTRAIN_FIELD(width), MESHTRAIN_FIELD(norm), MESHTRAIN_FIELD(position), MESHTRAIN_FIELD(mlp);
-  MESHTRAIN_FIELD(tie_embeddings), MESHTRAIN_FIELD(bias), MESHTRAIN_FIELD(qkv_bias), MESHTRAIN_FIELD(rope_theta);
+  MESHTRAIN_FIELD(tie_embeddings), MESHTRAIN_FIELD(bias), MESHTRAIN_FIELD(rope_theta);
+  field("qkv_bias", [](const model::GptConfig& c) { return c.qkv_has_bias(); });
   MESHTRAIN_FIELD(norm_eps), MESHTRAIN_FIELD(attention_bias), MESHTRAIN_FIELD(mlp_bias), MESHTRAIN_FIELD(qk_norm);
   MESHTRAIN_FIELD(norm_placement), MESHTRAIN_FIELD(norm_plus_one), MESHTRAIN_FIELD(embed_scale);
   MESHTRAIN_FIELD(attn_softcap), MESHTRAIN_FIELD(logit_softcap), MESHTRAIN_FIELD(rope_scaling);
@@ -284,7 +305,7 @@ std::string first_difference(const model::GptConfig& a, const model::GptConfig& 
   field("head_size", [](const model::GptConfig& c) { return c.head_dim(); });
   field("query_scale", [](const model::GptConfig& c) { return c.query_scale > 0 ? c.query_scale : double(c.head_dim()); });
   for (int64_t i = 0; i < a.layers; ++i) {
-    field("sliding_window", [i](const model::GptConfig& c) { return c.window_of(i); });
+    field("sliding_window", [i](const model::GptConfig& c) { return c.window_of(i) < c.context ? c.window_of(i) : 0; });
   }
   if (a.rope_scaling != "none") {
     MESHTRAIN_FIELD(rope_factor), MESHTRAIN_FIELD(rope_original_context), MESHTRAIN_FIELD(rope_low_freq_factor);
@@ -322,6 +343,15 @@ json rope_json(const model::GptConfig& c) {
   return rope;
 }
 
+// rope_parameters as transformers 4 wrote it: rope_scaling without the theta, or null.
+json scaling_json(const model::GptConfig& c) {
+  if (c.rope_scaling == "none") return nullptr;
+  json scaling = rope_json(c);
+  scaling.erase("rope_theta");
+  scaling.erase("partial_rotary_factor");
+  return scaling;
+}
+
 }  // namespace
 
 std::string family_of(const model::GptConfig& c) {
@@ -350,9 +380,12 @@ json family_config(const model::GptConfig& c, const std::string& type, const std
             {"num_hidden_layers", c.layers}, {"num_attention_heads", c.heads},
             {"num_key_value_heads", c.key_value_heads()}, {"head_dim", c.head_dim()}, {"rms_norm_eps", c.norm_eps},
             {"rope_parameters", rope_json(c)}, {"tie_word_embeddings", c.tie_embeddings},
+            // transformers 4 reads these instead of rope_parameters.
+            {"rope_theta", c.rope_theta}, {"rope_scaling", scaling_json(c)},
             {"initializer_range", 0.02}, {"torch_dtype", torch_dtype}, {"attention_dropout", 0.0},
             // Token ids are the tokenizer's business; a family's default one may lie outside a small vocabulary.
             {"pad_token_id", nullptr}};
+  if (c.rotary_fraction != 1.0) j["partial_rotary_factor"] = c.rotary_fraction;  // transformers 4
   if (type == "gemma2") {
     j["hidden_activation"] = "gelu_pytorch_tanh";
     const double scalar = c.query_scale > 0 ? c.query_scale : static_cast<double>(c.head_dim());
@@ -383,7 +416,7 @@ json family_config(const model::GptConfig& c, const std::string& type, const std
     j["output_router_logits"] = false;
     if (type == "qwen3_moe") {
       j["moe_intermediate_size"] = c.expert_hidden();
-      j["norm_topk_prob"] = c.moe_norm_topk;
+      j["norm_topk_prob"] = c.moe_norm_topk && c.moe_top_k > 1;  // top-1 keeps its probability
       j["decoder_sparse_step"] = c.moe_every;
       j["mlp_only_layers"] = json::array();
     }

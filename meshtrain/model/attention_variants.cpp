@@ -99,6 +99,10 @@ at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t times = q.size(1) / k.size(1);
   const double p = training ? dropout : 0.0;
   const double scale = variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  if (variant.softcap == 0 && variant.window == 0 && !allowed.defined() && t == keys) {
+    // Only the scale differs: the causal kernel, with its flash path.
+    return at::scaled_dot_product_attention(q, k, v, {}, p, /*is_causal=*/true, scale, /*enable_gqa=*/times > 1);
+  }
   if (variant.softcap == 0) {
     return at::scaled_dot_product_attention(q, k, v, mask, p, /*is_causal=*/false, scale, /*enable_gqa=*/times > 1);
   }

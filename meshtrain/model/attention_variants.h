@@ -32,8 +32,8 @@ AttentionVariant attention_variant(const GptConfig& config, int64_t block);
 // Attention of q [B, H, t, d] over k, v [B, H or H/g, S, d] (g query heads
 // per key/value head), query i at position S - t + i, key j at position j:
 // causal, within the variant's window, and where `allowed` (bool,
-// broadcastable to [B, 1, t, S]) is true if it is defined. A query row with
-// no key allowed (never in a causal one) outputs zeros.
+// broadcastable to [B, 1, t, S]) is true if it is defined. Every query must
+// be allowed at least one key (causal attention always allows itself).
 at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionVariant& variant, double dropout, bool training,
                              const at::Tensor& allowed = {});

@@ -322,7 +322,8 @@ void GptImpl::initialise(uint64_t seed) {
   for (auto& item : named_parameters()) {
     const std::string& name = item.key();
     at::Tensor& p = item.value();
-    const bool is_norm = name.find("norm") != std::string::npos;
+    const bool is_norm = name.find("norm") != std::string::npos || name.find(".post1.") != std::string::npos ||
+                         name.find(".post2.") != std::string::npos;
     const bool is_bias = name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0;
     if (is_norm) {
       p.fill_(is_bias || config_.norm_plus_one ? 0.0 : 1.0);  // (1 + w) norms start at w = 0

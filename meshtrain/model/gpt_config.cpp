@@ -381,7 +381,7 @@ std::string GptConfig::describe(const std::string& name) const {
                      std::to_string(layers) + " layers, h " + std::to_string(width) + ", " + std::to_string(heads) +
                      " heads";
   if (grouped_query()) text += " (" + std::to_string(key_value_heads()) + " kv)";
-  text += ", ffn " + std::to_string(mlp_hidden()) + (gated_mlp() ? " swiglu" : " gelu") + ", vocab " +
+  text += ", ffn " + std::to_string(mlp_hidden()) + " " + mlp + ", vocab " +
           std::to_string(vocab_size) + ", seq " + std::to_string(context);
   if (moe()) {
     text += ", " + std::to_string(moe_experts) + " experts top-" + std::to_string(moe_top_k) +

@@ -33,8 +33,10 @@ void KvCache::check_not_rolled() const {
 }
 
 void KvCache::roll(Layer& layer) {
+  // Compacted once twice the window is held, so the copy is amortised over
+  // `keep` tokens; the attention mask hides the older keys meanwhile.
   const int64_t keep = layer.variant.window - 1, have = layer.k.size(2);
-  if (have <= keep) return;
+  if (have <= std::max<int64_t>(2 * keep, 1)) return;
   auto shift = [&](at::Tensor& cached, at::Tensor& room) {
     const at::Tensor tail = cached.narrow(2, have - keep, keep).clone();
     if (!room.defined()) room = at::empty_like(cached);

@@ -63,8 +63,8 @@ class KvCache : public ForwardHooks {
   void set_storage(KvCacheStorage storage) { storage_ = std::move(storage); }
 
   // Note [Rolling window]: blocks with a sliding window keep only the keys
-  // and values the next token can see (window - 1), so a long generation
-  // holds window-sized caches there. For one unpadded sequence; the rows
+  // and values the next token can see (window - 1; compacted when twice
+  // that is held), so a long generation holds window-sized caches there. For one unpadded sequence; the rows
   // cannot then be joined or kept (append_rows, keep_rows, set_padding throw).
   void set_rolling(bool rolling) { rolling_ = rolling; }
 

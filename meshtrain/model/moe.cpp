@@ -196,12 +196,12 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   if (shared_gate.defined()) {
     // Every token through the shared expert; under tensor parallel each
     // replica takes its share of the tokens, as it does of the routed ones.
-    at::Tensor shared = shared_expert(flat).to(out.scalar_type());
     if (replicas_ > 1) {
-      const at::Tensor mine = at::arange(n, choice.options()).remainder(replicas_) == replica_;
-      shared = shared * mine.unsqueeze(1).to(shared.scalar_type());
+      const at::Tensor mine = at::arange(replica_, n, replicas_, choice.options());
+      out = out.index_add(0, mine, shared_expert(flat.index_select(0, mine)).to(out.scalar_type()));
+    } else {
+      out = out + shared_expert(flat).to(out.scalar_type());
     }
-    out = out + shared;
   }
 
   const at::Tensor first_share = at::one_hot(choice.select(1, 0), e).to(at::kFloat).mean(0);  // fᵢ

@@ -195,7 +195,9 @@ RankParameters rank_parameters(const model::GptConfig& model, const Layout& l) {
   // A MoE block: the dense block less its MLP (split by tp, its output bias whole), plus the router and experts (whole on every tp rank).
   const double mlp_bias = static_cast<double>(model.mlp_has_bias() ? model.width : 0);
   const double mlp_split = static_cast<double>(model.mlp_parameters(model.mlp_hidden())) - mlp_bias;
-  r.moe_block = r.block - mlp_split / t - mlp_bias + static_cast<double>(model.moe_experts * model.width) + r.local_experts;
+  const double shared = model.moe_shared_hidden > 0 ? 3.0 * h * static_cast<double>(model.moe_shared_hidden) + h : 0.0;
+  r.moe_block = r.block - mlp_split / t - mlp_bias + static_cast<double>(model.moe_experts * model.width) + r.local_experts +
+                shared;  // a shared expert: replicated like the router
   r.embedding = vocab * h / t + (model.learned_positions() ? static_cast<double>(model.context) * h : 0);
   const double head_norm = static_cast<double>(model.head_parameters()) - (model.tie_embeddings ? 0 : vocab * h);
   r.head = head_norm + ((!model.tie_embeddings || l.dims.pp > 1) ? vocab * h / t : 0);

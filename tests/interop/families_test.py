@@ -89,6 +89,26 @@ def same_greedy(model, prompt, ours, theirs):
     return len(ours) == len(theirs), len(ours)
 
 
+# Families whose features change what tensor parallel splits or what streaming reads.
+SPLIT_GENERATION = ["qwen3 (QK-norm, head size 24, tied)", "gemma 2 (soft-caps, window 8 every other block)",
+                    "qwen3-moe (8 experts, top 3, not renormalised)", "llama 3.1 (llama3 rope scaling, attention and MLP biases)"]
+
+
+def split_generation(name, checkpoint, prompt, want):
+    """Greedy tokens split over 2 tensor-parallel ranks, and with weights streamed from host memory
+    (ZeRO-Inference), equal one rank's."""
+    ids = ",".join(map(str, prompt))
+    for what, command in [
+        ("tp 2", [MESHTRAIN, "run", "-n", "2", "generate", "--parallel.tp=2"]),
+        ("weights streamed from host memory", [MESHTRAIN, "generate", "--offload.weights=cpu"]),
+    ]:
+        out = subprocess.run(command + ["--checkpoint", checkpoint, "--prompt-ids", ids, "--tokens", "40",
+                                        "--temperature", "0"], capture_output=True, text=True)
+        got = [int(t) for t in out.stdout.strip().split(",")] if out.returncode == 0 and out.stdout.strip() else []
+        check(got == want, f"{name}: greedy tokens with {what} equal one rank's" +
+              ("" if got == want else ": " + out.stderr.strip()[-300:]))
+
+
 def round_trip(name, build, work):
     model = build().eval()
     with torch.no_grad():  # random norms and biases too, so a swapped or missing one shows
@@ -113,7 +133,11 @@ def round_trip(name, build, work):
     ours = [int(t) for t in out.stdout.strip().split(",")] if out.returncode == 0 and out.stdout.strip() else []
     same, at = same_greedy(model, prompt, ours, theirs)
     check(same, f"{name}: 40 greedy tokens with the KV cache equal transformers' generate "
-          f"({'all equal' if at == len(theirs) else f'first {at} equal, then a tie'}){out.stderr.strip()[-200:]}")
+          f"({'all equal' if at == len(theirs) else f'first {at} equal, then a tie'})" +
+          ("" if same else ": " + out.stderr.strip()[-200:]))
+
+    if name in SPLIT_GENERATION:
+        split_generation(name, checkpoint, prompt, ours)
 
     out_dir = os.path.join(work, "exported")
     meshtrain("export", "hf", checkpoint, "--out", out_dir, "--max-shard-size", "20K" if sharded else "5G")
@@ -121,6 +145,46 @@ def round_trip(name, build, work):
     diff = (hf_logits(again, tokens) - want).abs().max().item()
     check(diff <= 1e-4, f"{name}: exported as {again.config.model_type}, transformers loads it with the same "
           f"logits (max difference {diff:.2e})")
+
+
+def to_v4(j):
+    """config.json as transformers 4 wrote it: rope_theta and rope_scaling instead of rope_parameters."""
+    rope = j.pop("rope_parameters")
+    j["rope_theta"] = rope.pop("rope_theta")
+    j["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+
+
+# Keys real Hub configs carry that transformers 5 no longer writes, each with its family.
+HUB_QUIRKS = {
+    "llama 3.1 as transformers 4 saved it": (lambda: T.LlamaForCausalLM(config(T.LlamaConfig, rope_parameters=LLAMA3)),
+                                             to_v4),
+    "qwen2.5 with use_mrope and a window it does not use": (
+        lambda: T.Qwen2ForCausalLM(config(T.Qwen2Config, use_sliding_window=False)),
+        lambda j: j.update({"use_mrope": False, "sliding_window": 131072, "max_window_layers": 28})),
+    "gemma 2 with sliding_window_size": (
+        lambda: T.Gemma2ForCausalLM(config(T.Gemma2Config, head_dim=16, sliding_window=8)),
+        lambda j: j.update({"sliding_window_size": 8, "cache_implementation": "hybrid"})),
+    "phi-3 with attention_bias and rope_scaling null": (
+        lambda: T.Phi3ForCausalLM(config(T.Phi3Config)),
+        lambda j: (to_v4(j), j.update({"attention_bias": False}))),
+}
+
+
+def hub_quirks():
+    for name, (build, edit) in HUB_QUIRKS.items():
+        with tempfile.TemporaryDirectory() as work:
+            model = build().eval()
+            folder = os.path.join(work, "hf")
+            model.save_pretrained(folder, safe_serialization=True)
+            path = os.path.join(folder, "config.json")
+            j = json.load(open(path))
+            edit(j)
+            json.dump(j, open(path, "w"))
+            checkpoint = os.path.join(work, "c")
+            meshtrain("import", "hf", folder, "--out", checkpoint, "--tokenizer", "bytes")
+            tokens = [int(t) for t in torch.randint(0, 256, (40,))]
+            diff = (meshtrain_logits(checkpoint, tokens, work) - hf_logits(model, tokens)).abs().max().item()
+            check(diff <= 1e-4, f"{name}: imported with transformers' logits (max difference {diff:.2e})")
 
 
 def refused(work, cls, cfg_kwargs, expect, what, edit=None):
@@ -213,6 +277,7 @@ def main():
     for name, build in FAMILIES.items():
         with tempfile.TemporaryDirectory() as work:
             round_trip(name, build, work)
+    hub_quirks()
     refusals()
     presets()
     CHECKS.finish()

@@ -90,6 +90,22 @@ TEST(Families, GreedyGenerationWithTheCacheEqualsFullRecompute) {
   }
 }
 
+// The serving path's batches: prompts of different lengths, left-padded in
+// one cache (the padding hidden beside the window and the soft-cap).
+TEST(Families, ABatchOfPromptsGivesEachPromptsOwnTokens) {
+  for (const auto& [name, config] : variants()) {
+    Gpt gpt(config, 6);
+    SampleOptions options;
+    options.tokens = 12;
+    options.temperature = 0;
+    const std::vector<at::Tensor> prompts = {at::arange(3, 12, at::kLong), at::arange(20, 23, at::kLong)};
+    const std::vector<at::Tensor> batch = generate_batch(gpt, prompts, options);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_TRUE(at::equal(batch[i], generate(gpt, prompts[i], options))) << name << ", prompt " << i;
+    }
+  }
+}
+
 // Bytes a generation of `tokens` tokens adds at its peak over what was held before.
 int64_t generation_peak(Gpt& gpt, int64_t tokens) {
   SampleOptions options;

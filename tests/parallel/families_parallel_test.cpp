@@ -83,6 +83,40 @@ TEST_F(FamiliesParallelTest, EveryFeatureInEveryLayoutEqualsOneProcess) {
   }
 }
 
+// A checkpoint of each family's new parameters (QK-norm, post-norms, shared
+// expert) saved in one layout and resumed in another continues one process's
+// losses.
+TEST_F(FamiliesParallelTest, CheckpointsReshardBetweenLayouts) {
+  const int n = world()->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "run at 2 and 4 ranks";
+  const std::vector<Family> all = families(n);
+  for (size_t f = 0; f < all.size(); ++f) {
+    const Family& family = all[f];
+    if (!family.tensor_parallel) continue;
+    const bool moe = family.name.rfind("qwen-moe", 0) == 0;
+    const std::vector<Overrides> layouts = {{"parallel.tp=2"}, {moe ? "parallel.ep=2" : "parallel.zero_stage=3"}};
+    const int64_t micro = 2, steps = 2;
+    std::vector<double> want;
+    {
+      Trainer single(config(1, micro, "", family.model), alone());
+      for (int64_t s = 0; s < steps * 2; ++s) want.push_back(single.step().loss);
+    }
+    const std::string checkpoints = util::join_path(dir_, "reshard-" + std::to_string(f));
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      Trainer trainer(config(n, micro, checkpoints, with(family.model, layouts[i])), world());
+      if (i > 0) ASSERT_TRUE(trainer.resumed()) << family.name;
+      for (int64_t s = i * steps; s < static_cast<int64_t>(i + 1) * steps; ++s) {
+        EXPECT_NEAR(trainer.step().loss, want[s], 1e-5 * want[s])
+            << family.name << ", " << describe(layouts[i]) << ", step " << s + 1;
+      }
+      if (i == 0) {
+        trainer.save_checkpoint();
+        trainer.finish_checkpoints();
+      }
+    }
+  }
+}
+
 TEST_F(FamiliesParallelTest, OlmoTwoNormOverEveryHeadIsRefusedUnderTensorParallel) {
   if (world()->size() != 2) GTEST_SKIP() << "run at 2 ranks";
   const Overrides olmo = with(kLlamaStyle, {"model.norm_placement=post", "model.qk_norm=width", "parallel.tp=2"});
