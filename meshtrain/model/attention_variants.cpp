@@ -84,10 +84,12 @@ at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at:
 // Sliding windows (Mistral, Gemma 2's local blocks): query i sees keys
 // i − W + 1 .. i. Gemma 2 scales the scores by 1/sqrt(query_pre_attn_scalar)
 // instead of 1/sqrt(head size) and soft-caps them, c·tanh(s/c), before the
-// mask and the softmax (in fp32). Without a soft-cap the variant goes
-// through ATen's scaled-dot-product attention with a boolean mask; with
-// one, scores are formed explicitly (the cap sits between the product and
-// the softmax). Either way the softmax sees -inf where a key is hidden, so
+// mask and the softmax (in fp32). In training, windows and scales go
+// through the fused CPU attention (its softmax skips the keys before the
+// window) or ATen's with a mask; the KV cache and a soft-cap come here:
+// without a soft-cap ATen's scaled-dot-product attention with a boolean
+// mask, with one, scores formed explicitly (the cap sits between the
+// product and the softmax). Either way the softmax sees -inf where a key is hidden, so
 // these paths equal the plain causal one where the window covers the
 // sequence. Memory: the explicit path keeps the [B, H, t, S] scores for
 // backward, as ATen's math attention does.

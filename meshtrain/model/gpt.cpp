@@ -140,16 +140,15 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
     k = fused && whole ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
   }
   const double p = is_training() ? dropout_ : 0.0;
-  const AttentionVariant variant = attention_variant(config_, 0);
-  if (window_ > 0 || !variant.plain()) {
-    AttentionVariant here = variant;
-    here.window = window_;
-    return variant_attention(q, k, v, here, dropout_, is_training()).transpose(1, 2).reshape({b, t, w});
+  AttentionVariant variant = attention_variant(config_, 0);
+  variant.window = window_;
+  if (variant.softcap > 0 || (!fused && !variant.plain())) {  // a soft-cap sits inside the softmax: ATen's ops
+    return variant_attention(q, k, v, variant, dropout_, is_training()).transpose(1, 2).reshape({b, t, w});
   }
   const int64_t times = q.size(1) / k.size(1);
   k = repeat_kv(k, times);
   v = repeat_kv(v, times);
-  const at::Tensor y = fused ? fused::attention(q, k, v, p, /*causal=*/true)
+  const at::Tensor y = fused ? fused::attention(q, k, v, p, /*causal=*/true, variant.window, variant.scale)
                              : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
   return y.transpose(1, 2).reshape({b, t, w});
 }

@@ -1,6 +1,5 @@
 #include "meshtrain/plan/from_config.h"
 
-#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/model/fused/ops.h"
 
 #include <stdexcept>
@@ -31,13 +30,13 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   // On CUDA the memory-efficient kernel takes dropout, and dropout keeps byte masks.
   // The fused operators' batched attention keeps contiguous q, k, v and its softmax (Note [CPU attention]).
   const bool bf16 = config.bfloat16() || config.parallel.param_dtype == at::kBFloat16;
-  // Attention variants (Note [Attention variants]) go through ATen; a soft-cap keeps its scores.
-  bool plain = true;
-  for (int64_t i = 0; i < config.model.layers; ++i) plain = plain && model::attention_variant(config.model, i).plain();
-  const bool batched = plain && config.model.fused && !config.parallel.annotated() &&
+  // A soft-capped attention (Note [Attention variants]) goes through ATen's ops and keeps its scores;
+  // windows and scales take the fused path.
+  const bool capped = config.model.attn_softcap > 0;
+  const bool batched = !capped && config.model.fused && !config.parallel.annotated() &&
                        model::fused::batched_attention_applies(!gpu, bf16, config.model.context,
                                                                config.model.head_dim(), config.model.dropout);
-  const bool math = (config.model.dropout > 0 && !gpu) || config.model.attn_softcap > 0;
+  const bool math = (config.model.dropout > 0 && !gpu) || capped;
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
   if (gpu) run.workload.precision.mask = 1;
   return run;

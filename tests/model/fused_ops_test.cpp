@@ -171,6 +171,29 @@ TEST(FusedOps, AttentionMatchesTheReference) {
   }
 }
 
+// Sliding windows and a score scale through the batched path (both causal
+// blocks) and ATen's fallback, against ATen's attention with the mask.
+TEST(FusedOps, WindowedAttentionMatchesTheMaskedReference) {
+  for (auto [t, window] : std::vector<std::pair<int64_t, int64_t>>{{40, 5}, {41, 16}, {40, 2}, {17, 64}}) {
+    SCOPED_TRACE("t " + std::to_string(t) + " window " + std::to_string(window));
+    const std::vector<at::Tensor> in = {randn({2, 3, t, 16}, 13), randn({2, 3, t, 16}, 14), randn({2, 3, t, 16}, 15)};
+    const at::Tensor pos = at::arange(t, at::kLong);
+    const at::Tensor mask = (pos.view({1, t}) <= pos.view({t, 1})).logical_and(pos.view({t, 1}) - pos.view({1, t}) < window);
+    const Op reference = [mask](auto& x) { return at::scaled_dot_product_attention(x[0], x[1], x[2], mask, 0.0, false, 0.2); };
+    const Op ours = [window](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, true, window, 0.2); };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "windowed attention");
+    }
+    // Beyond the batched path's reach (keys > 4 x head size): ATen with the mask.
+    const std::vector<at::Tensor> wide = {randn({1, 2, 80, 8}, 16), randn({1, 2, 80, 8}, 17), randn({1, 2, 80, 8}, 18)};
+    const at::Tensor p80 = at::arange(80, at::kLong);
+    const at::Tensor mask80 = (p80.view({1, 80}) <= p80.view({80, 1})).logical_and(p80.view({80, 1}) - p80.view({1, 80}) < window);
+    const Op wide_reference = [mask80](auto& x) { return at::scaled_dot_product_attention(x[0], x[1], x[2], mask80); };
+    const Op wide_ours = [window](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, true, window); };
+    expect_same(wide_ours, wide_reference, wide, at::kFloat, kFp32, "windowed attention, ATen's path");
+  }
+}
+
 // The softmax passes of the batched attention against ATen's softmax and its
 // gradient, in fp32 and in place, with rows that are not a whole number of
 // vectors, and with queries that start past the first key (the causal split's
@@ -190,12 +213,12 @@ TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
     const fused::kernel::Table& kernels = fused::kernel::table();
     constexpr fused::kernel::Dt f32 = fused::kernel::Dt::kFloat;
     const at::Tensor p = s.clone();
-    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, causal, key_offset, p.data_ptr(),
-                                      f32);
+    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, causal, key_offset, 0,
+                                      p.data_ptr(), f32);
     EXPECT_LT(relative_error(p, expected.detach()), 1e-6);
     const at::Tensor ds = dp.clone();
     kernels.attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), f32, ds.data_ptr(), f32, scale, causal,
-                                       key_offset, ds.data_ptr(), f32);
+                                       key_offset, 0, ds.data_ptr(), f32);
     EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
   }
 }

@@ -9,6 +9,7 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <optional>
 
 namespace meshtrain::model::fused {
 
@@ -31,7 +32,8 @@ namespace meshtrain::model::fused {
 // masked quarter (fwd + bwd alone: fp32 14.4 ms against 17.4 whole, bf16 the
 // same; in the `small` step 7% more tokens/s in either). Entries past a causal
 // query's position inside a block are written as zeros and skipped by the
-// softmax passes. p is kept for backward, in the compute dtype: [B·H, 3T²/4]
+// softmax passes, and so are those before a sliding window (Mistral, Gemma
+// 2's local blocks: the products still cover every key up to the query). p is kept for backward, in the compute dtype: [B·H, 3T²/4]
 // causal, no more than q, k, v and y together while T ≤ 4·d, the longest key
 // range taken here (longer ones take ATen's kernel: p would grow as T²). Under
 // bf16 the scores are rounded to bf16 before the softmax (fp32 accumulation
@@ -61,11 +63,12 @@ at::Tensor batched(const at::Tensor& x, at::ScalarType type) {
 
 // One block of rows: p = softmax(scale · q·kᵀ), queries at key positions
 // key_offset + i.
-at::Tensor block_softmax(const at::Tensor& q, const at::Tensor& k, float scale, bool causal, int64_t key_offset) {
+at::Tensor block_softmax(const at::Tensor& q, const at::Tensor& k, float scale, bool causal, int64_t key_offset,
+                         int64_t window) {
   const at::Tensor p = at::bmm(q, k.transpose(1, 2));
   const int64_t q_len = q.size(1), k_len = k.size(1);
   kernel::table().attention_softmax_forward(p.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p), scale, causal,
-                                            key_offset, p.mutable_data_ptr(), dt(p));
+                                            key_offset, window, p.mutable_data_ptr(), dt(p));
   return p;
 }
 
@@ -76,13 +79,13 @@ struct BlockGrads {
 // The gradients one block of rows (p from block_softmax) sends to its q rows,
 // and to the k and v rows it saw.
 BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& dy, float scale, bool causal, int64_t key_offset) {
+                          const at::Tensor& dy, float scale, bool causal, int64_t key_offset, int64_t window) {
   BlockGrads g;
   g.dv = at::bmm(p.transpose(1, 2), dy);
   const at::Tensor ds = at::bmm(dy, v.transpose(1, 2));  // dp, then ds in place
   const int64_t q_len = q.size(1), k_len = k.size(1);
   kernel::table().attention_softmax_backward(ds.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
-                                             ds.const_data_ptr(), dt(ds), scale, causal, key_offset,
+                                             ds.const_data_ptr(), dt(ds), scale, causal, key_offset, window,
                                              ds.mutable_data_ptr(), dt(ds));
   g.dq = at::bmm(ds, k);
   g.dk = at::bmm(ds.transpose(1, 2), q);
@@ -91,25 +94,27 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
 
 struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal) {
+                            bool causal, int64_t window, double score_scale) {
     RECORD_FUNCTION("meshtrain::fused_attention", std::vector<c10::IValue>());
     const at::ScalarType type = compute_dtype(q.scalar_type());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const at::Tensor qb = batched(q, type), kb = batched(k, type), vb = batched(v, type);
     const int64_t q_len = q.size(2), k_len = k.size(2), h = causal_split(q_len, k_len, causal);
-    const float scale = scale_for(q.size(3));
+    const float scale = score_scale > 0 ? static_cast<float>(score_scale) : scale_for(q.size(3));
     at::Tensor y;
     if (h == 0) {
-      const at::Tensor p = block_softmax(qb, kb, scale, causal, 0);
+      const at::Tensor p = block_softmax(qb, kb, scale, causal, 0, window);
       y = at::bmm(p, vb);
       ctx->save_for_backward({qb, kb, vb, p});
     } else {
-      const at::Tensor first = block_softmax(qb.narrow(1, 0, h), kb.narrow(1, 0, h), scale, true, 0);
-      const at::Tensor rest = block_softmax(qb.narrow(1, h, q_len - h), kb, scale, true, h);
+      const at::Tensor first = block_softmax(qb.narrow(1, 0, h), kb.narrow(1, 0, h), scale, true, 0, window);
+      const at::Tensor rest = block_softmax(qb.narrow(1, h, q_len - h), kb, scale, true, h, window);
       y = at::cat({at::bmm(first, vb.narrow(1, 0, h)), at::bmm(rest, vb)}, 1);
       ctx->save_for_backward({qb, kb, vb, first, rest});
     }
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["scale"] = static_cast<double>(scale);
     ctx->saved_data["types"] = std::vector<int64_t>{int64_t(q.scalar_type()), int64_t(k.scalar_type()),
                                                     int64_t(v.scalar_type())};
     return y.view({q.size(0), q.size(1), q_len, v.size(3)});
@@ -122,17 +127,19 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::Tensor &qb = saved[0], &kb = saved[1], &vb = saved[2];
     const std::vector<int64_t> types = ctx->saved_data["types"].toIntVector();
     const bool causal = ctx->saved_data["causal"].toBool();
+    const int64_t window = ctx->saved_data["window"].toInt();
     const int64_t q_len = qb.size(1), h = causal_split(q_len, kb.size(1), causal);
-    const float scale = scale_for(qb.size(2));
+    const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
     const at::Tensor& dy4 = grads[0];
     const at::Tensor dy = batched(dy4, saved[3].scalar_type());
     BlockGrads g;
     if (h == 0) {
-      g = block_backward(saved[3], qb, kb, vb, dy, scale, causal, 0);
+      g = block_backward(saved[3], qb, kb, vb, dy, scale, causal, 0, window);
     } else {
-      g = block_backward(saved[4], qb.narrow(1, h, q_len - h), kb, vb, dy.narrow(1, h, q_len - h), scale, true, h);
+      g = block_backward(saved[4], qb.narrow(1, h, q_len - h), kb, vb, dy.narrow(1, h, q_len - h), scale, true, h,
+                         window);
       const BlockGrads first = block_backward(saved[3], qb.narrow(1, 0, h), kb.narrow(1, 0, h), vb.narrow(1, 0, h),
-                                              dy.narrow(1, 0, h), scale, true, 0);
+                                              dy.narrow(1, 0, h), scale, true, 0, window);
       g.dq = at::cat({first.dq, g.dq}, 1);
       g.dk.narrow(1, 0, h).add_(first.dk);
       g.dv.narrow(1, 0, h).add_(first.dv);
@@ -140,7 +147,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     auto shaped = [&](const at::Tensor& t, int64_t type) {
       return t.view({dy4.size(0), dy4.size(1), t.size(1), t.size(2)}).to(static_cast<at::ScalarType>(type));
     };
-    return {shaped(g.dq, types[0]), shaped(g.dk, types[1]), shaped(g.dv, types[2]), {}};
+    return {shaped(g.dq, types[0]), shaped(g.dk, types[1]), shaped(g.dv, types[2]), {}, {}, {}};
   }
 };
 
@@ -155,19 +162,31 @@ int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal) {
   return h == 0 ? q_len * k_len : h * h + (q_len - h) * k_len;
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
+                     int64_t window, double scale) {
   const bool bf16 = compute_dtype(q.scalar_type()) == at::kBFloat16;
   if (eligible(q) && eligible(k) && eligible(v) &&
       batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
-    return BatchedAttention::apply(q, k, v, causal);
+    return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale);
   }
+  // ATen's: a sliding window as a boolean mask (queries at the last positions of the keys).
+  at::Tensor mask;
+  if (causal && window > 0) {
+    const int64_t t = q.size(2), keys = k.size(2);
+    const auto options = at::TensorOptions().dtype(at::kLong).device(q.device());
+    const at::Tensor query = at::arange(keys - t, keys, options).view({t, 1}), key = at::arange(keys, options).view({1, keys});
+    mask = (key <= query).logical_and(query - key < window);
+  }
+  const bool is_causal = causal && !mask.defined();
+  const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+  const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
   if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
-    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout, causal);
+    return at::scaled_dot_product_attention(q, k, v, attn_mask, dropout, is_causal, score_scale);
   }
   // Without AMX, ATen's bf16 kernel is slower than its fp32 one: compute in fp32, out of autocast's reach.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
   const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
-                                                        /*attn_mask=*/{}, dropout, causal);
+                                                        attn_mask, dropout, is_causal, score_scale);
   return y.to(compute_dtype(q.scalar_type()));
 }
 

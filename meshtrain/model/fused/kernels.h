@@ -48,12 +48,14 @@ struct Table {
                int64_t offset, float sign, void* y, Dt t);
   // Softmax of scale · s over each row of attention scores [rows, k_len] (row r
   // is query i = r % q_len, at key position i + key_offset; causal: it sees
-  // keys 0..i + key_offset, the rest of its row is 0). Backward:
+  // keys 0..i + key_offset, and with window > 0 only the last `window` of
+  // those; the rest of its row is 0). Backward:
   // ds = scale · p · (dp - rowsum(p · dp)). p may be s, ds may be dp.
   void (*attention_softmax_forward)(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                                    bool causal, int64_t key_offset, void* p, Dt pt);
+                                    bool causal, int64_t key_offset, int64_t window, void* p, Dt pt);
   void (*attention_softmax_backward)(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                     Dt dpt, float scale, bool causal, int64_t key_offset, void* ds, Dt dst);
+                                     Dt dpt, float scale, bool causal, int64_t key_offset, int64_t window, void* ds,
+                                     Dt dst);
 };
 
 extern const Table avx512_table;   // built on x86-64

@@ -344,25 +344,31 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
 inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal, int64_t key_offset) {
   return causal ? std::min(k_len, row % q_len + key_offset + 1) : k_len;
 }
+// The first key a causal row with a sliding window sees (0 without one).
+inline int64_t first_visible_key(int64_t row, int64_t q_len, bool causal, int64_t key_offset, int64_t window) {
+  return causal && window > 0 ? std::max<int64_t>(0, row % q_len + key_offset - window + 1) : 0;
+}
 
 void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                               bool causal, int64_t key_offset, void* p, Dt pt) {
+                               bool causal, int64_t key_offset, int64_t window, void* p, Dt pt) {
   at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
-      const float* x = read_row(s, st, offset, n, scratch.data());
+      const int64_t lo = first_visible_key(row, q_len, causal, key_offset, window), m = n - lo;
+      const float* x = read_row(s, st, offset + lo, m, scratch.data());
       float* e = work_row(p, pt, offset, scratch.data() + k_len);
-      const Vec vmax(row_max(x, n) * scale);  // scale > 0
+      const Vec vmax(row_max(x, m) * scale);  // scale > 0
       Vec acc(0);
-      each_vec(n, [&](int64_t i, int64_t c) {
+      each_vec(m, [&](int64_t i, int64_t c) {
         const Vec v = (Vec::loadu(x + i, c) * vscale - vmax).exp_u20();
-        v.store(e + i, c);
+        v.store(e + lo + i, c);
         acc += Vec::set(Vec(0), v, c);
       });
       const Vec inverse(1.0f / horizontal_sum(acc));
-      each_vec(n, [&](int64_t i, int64_t c) { (Vec::loadu(e + i, c) * inverse).store(e + i, c); });
+      each_vec(m, [&](int64_t i, int64_t c) { (Vec::loadu(e + lo + i, c) * inverse).store(e + lo + i, c); });
+      std::fill(e, e + lo, 0.0f);
       std::fill(e + n, e + k_len, 0.0f);
       write_row(e, p, pt, offset, k_len);
     }
@@ -370,23 +376,26 @@ void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const
 }
 
 void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                Dt dpt, float scale, bool causal, int64_t key_offset, void* ds, Dt dst) {
+                                Dt dpt, float scale, bool causal, int64_t key_offset, int64_t window, void* ds,
+                                Dt dst) {
   at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(3 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
-      const float* pr = read_row(p, pt, offset, n, scratch.data());
-      const float* gr = read_row(dp, dpt, offset, n, scratch.data() + k_len);
+      const int64_t lo = first_visible_key(row, q_len, causal, key_offset, window), m = n - lo;
+      const float* pr = read_row(p, pt, offset + lo, m, scratch.data());
+      const float* gr = read_row(dp, dpt, offset + lo, m, scratch.data() + k_len);
       Vec acc(0);
-      each_vec(n, [&](int64_t i, int64_t c) {
+      each_vec(m, [&](int64_t i, int64_t c) {
         acc += Vec::set(Vec(0), Vec::loadu(pr + i, c) * Vec::loadu(gr + i, c), c);
       });
       const Vec dot(horizontal_sum(acc));
       float* out = work_row(ds, dst, offset, scratch.data() + 2 * k_len);
-      each_vec(n, [&](int64_t i, int64_t c) {
-        (Vec::loadu(pr + i, c) * (Vec::loadu(gr + i, c) - dot) * vscale).store(out + i, c);
+      each_vec(m, [&](int64_t i, int64_t c) {
+        (Vec::loadu(pr + i, c) * (Vec::loadu(gr + i, c) - dot) * vscale).store(out + lo + i, c);
       });
+      std::fill(out, out + lo, 0.0f);
       std::fill(out + n, out + k_len, 0.0f);
       write_row(out, ds, dst, offset, k_len);
     }

@@ -50,8 +50,11 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, in
 // Rotary embedding of x [B, H, T, d] with tables cos / sin [context, d/2] (fp32)
 // at positions offset..offset+T-1; the result is contiguous.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
-// Causal or full scaled-dot-product attention of q, k, v [B, H, T, d].
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal);
+// Causal or full scaled-dot-product attention of q, k, v [B, H, T, d];
+// causal with window > 0: each query sees itself and the window - 1 keys
+// before it; scale > 0 replaces 1/sqrt(d).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
+                     int64_t window = 0, double scale = 0);
 // Whether attention() takes its batched path (Note [CPU attention]), which
 // keeps the softmax for backward: on the CPU (bf16 only without AMX), without
 // dropout, keys <= 4 * head_dim.
