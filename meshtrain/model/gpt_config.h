@@ -49,7 +49,7 @@ struct GptConfig {
   // 0: every block sees the whole context.
   int64_t sliding_window = 0;
   int64_t sliding_every = 1;
-  // RoPE scaling (Note [RoPE scaling] in gpt.cpp): "none" | "linear"
+  // RoPE scaling (Note [RoPE scaling] in attention_variants.cpp): "none" | "linear"
   // (positions / factor) | "llama3" (Llama 3.1: long wavelengths / factor,
   // smoothed between low and high frequency factors) | "yarn".
   std::string rope_scaling = "none";
