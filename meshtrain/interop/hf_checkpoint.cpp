@@ -204,11 +204,7 @@ json hf_config(const model::GptConfig& c, const std::string& arch, at::ScalarTyp
 
 std::vector<std::pair<std::string, at::Tensor>> hf_weights(const model::GptConfig& c, const std::string& arch,
                                                            const std::map<std::string, at::Tensor>& w) {
-  auto at_name = [&](const std::string& name) {
-    auto it = w.find(name);
-    if (it == w.end()) throw FormatError("the model has no parameter \"" + name + "\"");
-    return it->second;
-  };
+  auto at_name = [&](const std::string& name) { return parameter_named(w, name); };
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (arch == "gpt2") {
     out.emplace_back("transformer.wte.weight", at_name("wte.weight"));

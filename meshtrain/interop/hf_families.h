@@ -43,6 +43,8 @@ std::map<std::string, at::Tensor> read_family_weights(const TensorSource& source
 std::vector<std::pair<std::string, at::Tensor>> family_weights(const model::GptConfig& config,
                                                                const std::string& model_type,
                                                                const std::map<std::string, at::Tensor>& weights);
+// weights[name], or a FormatError naming the parameter the model lacks.
+at::Tensor parameter_named(const std::map<std::string, at::Tensor>& weights, const std::string& name);
 // Grouped-query q, k, v -> the fused qkv rows (Note [Grouped-query layout]), and back.
 at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const model::GptConfig& c);
 std::vector<at::Tensor> unfuse_qkv(const at::Tensor& qkv, const model::GptConfig& c);

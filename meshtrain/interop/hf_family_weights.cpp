@@ -105,6 +105,12 @@ void read_mlp(const TensorSource& t, const model::GptConfig& c, const std::strin
 
 }  // namespace
 
+at::Tensor parameter_named(const std::map<std::string, at::Tensor>& weights, const std::string& name) {
+  auto it = weights.find(name);
+  if (it == weights.end()) throw FormatError("the model has no parameter \"" + name + "\"");
+  return it->second;
+}
+
 at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const model::GptConfig& c) {
   if (!c.grouped_query()) return at::cat({q, k, v});
   const int64_t g = c.key_value_heads(), hd = c.head_dim(), rep = c.heads / g, in = q.size(1);
@@ -142,11 +148,7 @@ std::map<std::string, at::Tensor> read_family_weights(const TensorSource& t, con
 
 std::vector<std::pair<std::string, at::Tensor>> family_weights(const model::GptConfig& c, const std::string& type,
                                                                const std::map<std::string, at::Tensor>& w) {
-  auto at_name = [&](const std::string& name) {
-    auto it = w.find(name);
-    if (it == w.end()) throw FormatError("the model has no parameter \"" + name + "\"");
-    return it->second;
-  };
+  auto at_name = [&](const std::string& name) { return parameter_named(w, name); };
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.emplace_back("model.embed_tokens.weight", at_name("wte.weight"));
   for (int64_t i = 0; i < c.layers; ++i) {

@@ -1,5 +1,7 @@
 #include "meshtrain/model/attention_variants.h"
 
+#include "meshtrain/model/fused/ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -72,14 +74,6 @@ AttentionVariant attention_variant(const GptConfig& c, int64_t block) {
   return v;
 }
 
-at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device) {
-  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  const at::Tensor query = at::arange(keys - t, keys, options).view({t, 1}), key = at::arange(keys, options).view({1, keys});
-  at::Tensor allowed = key <= query;
-  if (window > 0) allowed = allowed.logical_and(query - key < window);
-  return allowed;
-}
-
 // Note [Attention variants]
 // Sliding windows (Mistral, Gemma 2's local blocks): query i sees keys
 // i − W + 1 .. i. Gemma 2 scales the scores by 1/sqrt(query_pre_attn_scalar)
@@ -96,7 +90,7 @@ at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at:
 at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionVariant& variant, double dropout, bool training, const at::Tensor& allowed) {
   const int64_t t = q.size(2), keys = k.size(2);
-  at::Tensor mask = causal_window_mask(t, keys, variant.window, q.device());
+  at::Tensor mask = fused::causal_window_mask(t, keys, variant.window, q.device());
   if (allowed.defined()) mask = mask.logical_and(allowed);
   const int64_t times = q.size(1) / k.size(1);
   const double p = training ? dropout : 0.0;

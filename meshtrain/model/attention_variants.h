@@ -38,8 +38,4 @@ at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              const AttentionVariant& variant, double dropout, bool training,
                              const at::Tensor& allowed = {});
 
-// The causal (and windowed) mask of t queries at positions S - t .. S - 1
-// over S keys: [t, S] bool, true where attention is allowed.
-at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device);
-
 }  // namespace meshtrain::model

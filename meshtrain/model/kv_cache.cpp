@@ -1,6 +1,7 @@
 #include "meshtrain/model/kv_cache.h"
 
 #include "meshtrain/model/attention_variants.h"
+#include "meshtrain/model/fused/ops.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -123,6 +124,16 @@ at::Tensor rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
   return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, x.size(-1) - 2 * half)}, -1);
 }
 
+// Of t new queries (slots length .. length + t - 1) over every slot so far:
+// [B, 1, t, length + t], false on each row's padding, except that a padding
+// query sees itself (its softmax needs a key).
+at::Tensor padding_allowed(const at::Tensor& pads, int64_t length, int64_t t) {
+  const int64_t total = length + t;
+  const at::Tensor rows = at::arange(t, at::kLong).view({1, t, 1}) + length;
+  const at::Tensor cols = at::arange(total, at::kLong).view({1, 1, total});
+  return (cols >= pads.view({-1, 1, 1})).logical_or(cols == rows).unsqueeze(1);
+}
+
 }  // namespace
 
 at::Tensor KvCache::positions(int64_t t) const {  // [B, t]: cache slots length_ .. length_ + t - 1, per row
@@ -189,26 +200,15 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   const at::Tensor values = layer.v.device() == q.device() ? layer.v : layer.v.to(q.device());
   at::Tensor y;
   if (!layer.variant.plain()) {
-    at::Tensor allowed;  // each row's padding hidden (a padding query sees itself)
-    if (pads_.defined()) {
-      const int64_t total = length_ + t;
-      const at::Tensor rows = at::arange(t, at::kLong).view({1, t, 1}) + length_;
-      const at::Tensor cols = at::arange(total, at::kLong).view({1, 1, total});
-      allowed = (cols >= pads_.view({-1, 1, 1})).logical_or(cols == rows).unsqueeze(1).to(q.device());
-    }
+    const at::Tensor allowed = pads_.defined() ? padding_allowed(pads_, length_, t).to(q.device()) : at::Tensor();
     y = variant_attention(q, keys, values, layer.variant, 0.0, false, allowed);
   } else if (length_ == 0 && !pads_.defined()) {
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true, std::nullopt, grouped);
   } else {
     // New query i (slot length_ + i) sees every cached key and the new ones up
     // to itself, a row's padding never (a padding query sees itself alone).
-    const int64_t total = length_ + t;
-    const at::Tensor rows = at::arange(t, at::kLong).view({t, 1}) + length_, cols = at::arange(total, at::kLong).view({1, total});
-    at::Tensor mask = cols <= rows;
-    if (pads_.defined()) {
-      const at::Tensor real = cols.view({1, 1, total}) >= pads_.view({-1, 1, 1});
-      mask = (mask.view({1, t, total}).logical_and(real)).logical_or(cols.view({1, 1, total}) == rows.view({1, t, 1})).unsqueeze(1);
-    }
+    at::Tensor mask = fused::causal_window_mask(t, length_ + t, 0, at::kCPU);
+    if (pads_.defined()) mask = mask.logical_and(padding_allowed(pads_, length_, t));
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/mask, 0.0, /*is_causal=*/false, std::nullopt,
                                          grouped);
   }

@@ -20,10 +20,13 @@ import tempfile
 
 import torch
 import transformers as T
-from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from checks import Checks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import logits  # noqa: E402
+from logits import hf_logits  # noqa: E402
 
 MESHTRAIN = sys.argv[1]
 CHECKS = Checks(MESHTRAIN)
@@ -69,15 +72,8 @@ FAMILIES = {
 }
 
 
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits.float()
-
-
 def meshtrain_logits(checkpoint, tokens, work):
-    out = os.path.join(work, "logits.safetensors")
-    meshtrain("logits", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, tokens)), "--out", out)
-    return load_file(out)["logits"]
+    return logits.meshtrain_logits(meshtrain, checkpoint, tokens, work)
 
 
 def same_greedy(model, prompt, ours, theirs):
@@ -138,6 +134,13 @@ def round_trip(name, build, work):
 
     if name in SPLIT_GENERATION:
         split_generation(name, checkpoint, prompt, ours)
+    if name.startswith("mistral"):
+        for bad, expect in [("1,abc", '"abc" is not a token id'), ("5,99999", '"99999" is not a token id'),
+                            ("3,,4", '"" is not a token id')]:
+            out = subprocess.run([MESHTRAIN, "generate", "--checkpoint", checkpoint, "--prompt-ids", bad, "--tokens",
+                                  "4"], capture_output=True, text=True)
+            check(out.returncode == 1 and out.stderr.count(expect) == 1,
+                  f"--prompt-ids {bad} is refused once, naming it: {out.stderr.strip()[-120:]}")
 
     out_dir = os.path.join(work, "exported")
     meshtrain("export", "hf", checkpoint, "--out", out_dir, "--max-shard-size", "20K" if sharded else "5G")

@@ -14,10 +14,13 @@ import tempfile
 
 import torch
 import transformers
-from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from checks import Checks  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import logits  # noqa: E402
+from logits import hf_logits  # noqa: E402
 
 MESHTRAIN = sys.argv[1]
 CHECKS = Checks(MESHTRAIN)
@@ -25,15 +28,8 @@ check, meshtrain = CHECKS.check, CHECKS.meshtrain
 torch.manual_seed(0)
 
 
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits.float()
-
-
 def meshtrain_logits(checkpoint, tokens, work):
-    out = os.path.join(work, "logits.safetensors")
-    meshtrain("logits", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, tokens)), "--out", out)
-    return load_file(out)["logits"]
+    return logits.meshtrain_logits(meshtrain, checkpoint, tokens, work)
 
 
 MODELS = {

@@ -77,12 +77,17 @@ TEST(Families, KvCacheGivesTheFullForwardsLogits) {
   }
 }
 
+SampleOptions greedy(int64_t tokens) {
+  SampleOptions options;
+  options.tokens = tokens;
+  options.temperature = 0;
+  return options;
+}
+
 TEST(Families, GreedyGenerationWithTheCacheEqualsFullRecompute) {
   for (const auto& [name, config] : variants()) {
     Gpt gpt(config, 4);
-    SampleOptions options;
-    options.tokens = 24;
-    options.temperature = 0;
+    SampleOptions options = greedy(24);
     const at::Tensor prompt = at::arange(5, 11, at::kLong);
     const at::Tensor cached = generate(gpt, prompt, options);
     options.kv_cache = false;
@@ -95,9 +100,7 @@ TEST(Families, GreedyGenerationWithTheCacheEqualsFullRecompute) {
 TEST(Families, ABatchOfPromptsGivesEachPromptsOwnTokens) {
   for (const auto& [name, config] : variants()) {
     Gpt gpt(config, 6);
-    SampleOptions options;
-    options.tokens = 12;
-    options.temperature = 0;
+    const SampleOptions options = greedy(12);
     const std::vector<at::Tensor> prompts = {at::arange(3, 12, at::kLong), at::arange(20, 23, at::kLong)};
     const std::vector<at::Tensor> batch = generate_batch(gpt, prompts, options);
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -108,9 +111,7 @@ TEST(Families, ABatchOfPromptsGivesEachPromptsOwnTokens) {
 
 // Bytes a generation of `tokens` tokens adds at its peak over what was held before.
 int64_t generation_peak(Gpt& gpt, int64_t tokens) {
-  SampleOptions options;
-  options.tokens = tokens;
-  options.temperature = 0;
+  const SampleOptions options = greedy(tokens);
   const at::Tensor prompt = at::arange(1, 5, at::kLong);
   const int64_t before = memory::current_bytes();
   memory::reset_peaks();

@@ -153,6 +153,14 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
 
 }  // namespace
 
+at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor query = at::arange(keys - t, keys, options).view({t, 1}), key = at::arange(keys, options).view({1, keys});
+  at::Tensor allowed = key <= query;
+  if (window > 0) allowed = allowed.logical_and(query - key < window);
+  return allowed;
+}
+
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout) {
   return cpu && dropout == 0.0 && keys <= 4 * head_dim && !(bf16 && util::cpu_has_amx());
 }
@@ -169,14 +177,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
     return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale);
   }
-  // ATen's: a sliding window as a boolean mask (queries at the last positions of the keys).
-  at::Tensor mask;
-  if (causal && window > 0) {
-    const int64_t t = q.size(2), keys = k.size(2);
-    const auto options = at::TensorOptions().dtype(at::kLong).device(q.device());
-    const at::Tensor query = at::arange(keys - t, keys, options).view({t, 1}), key = at::arange(keys, options).view({1, keys});
-    mask = (key <= query).logical_and(query - key < window);
-  }
+  // ATen's: a sliding window as a boolean mask.
+  const at::Tensor mask = causal && window > 0 ? causal_window_mask(q.size(2), k.size(2), window, q.device()) : at::Tensor();
   const bool is_causal = causal && !mask.defined();
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;

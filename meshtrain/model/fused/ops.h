@@ -55,6 +55,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // before it; scale > 0 replaces 1/sqrt(d).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
                      int64_t window = 0, double scale = 0);
+// The causal mask of t queries at positions S - t .. S - 1 over S keys
+// [t, S] bool (true: attended), each query seeing the window - 1 keys
+// before it and itself with window > 0.
+at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device);
 // Whether attention() takes its batched path (Note [CPU attention]), which
 // keeps the softmax for backward: on the CPU (bf16 only without AMX), without
 // dropout, keys <= 4 * head_dim.
