@@ -62,6 +62,22 @@ if(NOT EXISTS ${MESHTRAIN_PROTOBUF_INCLUDE}/google)
 endif()
 # The NVMe tier: io_uring (liburing-dev).
 find_library(MESHTRAIN_URING_LIBRARY uring REQUIRED)
+# Data sources: gzip (zlib1g-dev) and zstd (libzstd-dev) JSON Lines, and Parquet
+# read with Apache Arrow's C++ library from the pyarrow wheel beside torch
+# (Debian 12 packages no Arrow), linked by file with its own soname.
+find_library(MESHTRAIN_ZLIB_LIBRARY z REQUIRED)
+find_library(MESHTRAIN_ZSTD_LIBRARY zstd REQUIRED)
+get_filename_component(_meshtrain_site_packages "${Torch_DIR}/../../../.." ABSOLUTE)
+set(MESHTRAIN_ARROW_DIR "${_meshtrain_site_packages}/pyarrow" CACHE PATH "pyarrow's package folder (Arrow C++ headers and libraries)")
+file(GLOB MESHTRAIN_ARROW_LIBRARY "${MESHTRAIN_ARROW_DIR}/libarrow.so.[0-9]*")
+file(GLOB MESHTRAIN_PARQUET_LIBRARY "${MESHTRAIN_ARROW_DIR}/libparquet.so.[0-9]*")
+if(NOT MESHTRAIN_ARROW_LIBRARY OR NOT MESHTRAIN_PARQUET_LIBRARY OR NOT EXISTS "${MESHTRAIN_ARROW_DIR}/include/parquet")
+  message(FATAL_ERROR "meshtrain reads Parquet with the Arrow C++ library in the pyarrow wheel, not found in "
+                      "${MESHTRAIN_ARROW_DIR}; run scripts/setup.sh (it installs pyarrow into .venv)")
+endif()
+list(GET MESHTRAIN_ARROW_LIBRARY 0 MESHTRAIN_ARROW_LIBRARY)
+list(GET MESHTRAIN_PARQUET_LIBRARY 0 MESHTRAIN_PARQUET_LIBRARY)
+message(STATUS "meshtrain: Parquet via ${MESHTRAIN_PARQUET_LIBRARY}")
 
 # NCCL: only meaningful when libtorch itself was built with CUDA. Prefer the NCCL
 # that ships beside the torch wheel (the one libtorch_cuda loads), then the CUDA

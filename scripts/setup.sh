@@ -2,7 +2,8 @@
 # Installs everything meshtrain needs on Debian 12, idempotently:
 #   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL,
 #     GoogleTest, Google Benchmark, Python venv support),
-#   - the pinned torch wheel (which carries libtorch) into .venv/ of this project,
+#   - the pinned torch wheel (which carries libtorch) and pyarrow wheel (which carries Arrow C++, for
+#     Parquet) into .venv/ of this project,
 #   - the Python packages the tests use (openai, transformers, sentencepiece, lm-eval, accelerate) into the same .venv/,
 #   - with --bench, the benchmarks' peers (flwr).
 # Runs as root or through sudo. When everything is present it changes nothing.
@@ -11,11 +12,14 @@ set -euo pipefail
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv_dir=${MESHTRAIN_VENV:-"$root_dir/.venv"}
 torch_version=${MESHTRAIN_TORCH_VERSION:-2.11.0}
+# The Arrow C++ library inside this wheel reads Parquet (the build links it).
+pyarrow_version=${MESHTRAIN_PYARROW_VERSION:-26.0.1}
 
 debian_packages=(
   g++ cmake ninja-build make pkg-config git
   libopenmpi-dev openmpi-bin iproute2
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev libutf8proc-dev liburing-dev fio
+  zlib1g-dev libzstd-dev zstd
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pip
@@ -61,9 +65,14 @@ venv_torch_version() {
   "$venv_dir/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true
 }
 
+venv_pyarrow_version() {
+  "$venv_dir/bin/python" -c 'import pyarrow; print(pyarrow.__version__)' 2>/dev/null || true
+}
+
 install_torch() {
-  if [ -x "$venv_dir/bin/python" ] && [ "$(venv_torch_version)" = "$torch_version" ]; then
-    log "torch $torch_version: present in $venv_dir"
+  if [ -x "$venv_dir/bin/python" ] && [ "$(venv_torch_version)" = "$torch_version" ] &&
+     [ "$(venv_pyarrow_version)" = "$pyarrow_version" ]; then
+    log "torch $torch_version and pyarrow $pyarrow_version: present in $venv_dir"
     return
   fi
   if [ ! -x "$venv_dir/bin/python" ]; then
@@ -72,7 +81,7 @@ install_torch() {
   fi
   log "installing torch==$torch_version into $venv_dir (a few GB the first time)"
   "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "torch==$torch_version" numpy
+    "torch==$torch_version" numpy "pyarrow==$pyarrow_version"
 }
 
 # Python packages the tests check meshtrain against, as pip-name:module: the

@@ -10,6 +10,7 @@
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/trace.h"
+#include "meshtrain/train/prepare.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 

@@ -6,12 +6,14 @@
 #include "meshtrain/checkpoint/store.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
+#include "meshtrain/train/prepare.h"
 #include "meshtrain/train/run_lock.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 
 #include <atomic>
 #include <csignal>
+#include <algorithm>
 #include <cstdio>
 
 namespace meshtrain::apps {
@@ -54,12 +56,30 @@ int run_train(comm::Runtime& runtime, const std::string& config_path, const std:
   return 0;
 }
 
-int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,
-                const std::string& tokenizer) {
-  const train::PrepareResult result = train::prepare(inputs, out_dir, val_fraction, tokenizer);
-  std::printf("meshtrain prepare: %zu file(s) -> %s (%lld tokens), %s (%lld tokens)\n", result.sources.size(),
-              result.train_path.c_str(), static_cast<long long>(result.train_tokens), result.val_path.c_str(),
-              static_cast<long long>(result.val_tokens));
+int run_prepare(comm::Runtime& runtime, const train::PrepareOptions& options) {
+  comm::Communicator& world = *runtime.world();
+  const train::PrepareResult r = train::prepare(options, &world);
+  if (world.rank() != 0) return 0;
+  if (r.reused) {
+    std::printf("meshtrain prepare: %s already holds this preparation (%lld + %lld tokens); nothing to do\n",
+                options.out_dir.c_str(), static_cast<long long>(r.train_tokens), static_cast<long long>(r.val_tokens));
+    return 0;
+  }
+  const double tokens = static_cast<double>(r.train_tokens + r.val_tokens);
+  std::printf("meshtrain prepare: %zu file(s), %lld unit(s)%s on %d rank(s) -> %s (%lld tokens, %lld documents), "
+              "%s (%lld tokens, %lld documents); %d byte(s) per token\n",
+              r.sources.size(), static_cast<long long>(r.units),
+              r.resumed_units ? (", " + std::to_string(r.resumed_units) + " finished before").c_str() : "",
+              world.size(), r.train_path.c_str(), static_cast<long long>(r.train_tokens),
+              static_cast<long long>(r.train_documents), r.val_path.c_str(), static_cast<long long>(r.val_tokens),
+              static_cast<long long>(r.val_documents), r.token_bytes);
+  if (r.train_counted != r.train_tokens) {
+    std::printf("meshtrain prepare: %lld of the training tokens count toward the loss (a mask beside each file)\n",
+                static_cast<long long>(r.train_counted));
+  }
+  std::printf("meshtrain prepare: %.2f s (tokenizing %.2f s: %.0f tokens/s, %.0f per rank); peak memory %.0f MiB per rank\n",
+              r.seconds, r.tokenize_seconds, tokens / std::max(r.tokenize_seconds, 1e-9),
+              tokens / std::max(r.tokenize_seconds, 1e-9) / world.size(), r.peak_rss_mb);
   return 0;
 }
 
@@ -77,21 +97,41 @@ CommandPtr add_train(CLI::App& app) {
 
 CommandPtr add_prepare(CLI::App& app) {
   struct Args {
-    std::vector<std::string> inputs;
-    std::string out = "data", tokenizer = "bytes";
-    double val_fraction = 0.1;
+    train::PrepareOptions o;
+    std::string format = "text", loss_on = "assistant";
   };
   auto a = std::make_shared<Args>();
-  CLI::App* sub = app.add_subcommand("prepare", "Turn text files or directories into token files (train.bin, val.bin)");
-  sub->add_option("inputs", a->inputs, "Text files or directories")->required();
-  sub->add_option("--out", a->out, "Output directory")->capture_default_str();
-  sub->add_option("--tokenizer", a->tokenizer,
-                  "bytes, a SentencePiece .model, a tokenizer.json, or a folder with vocab.json + merges.txt")
+  a->o.out_dir = "data";
+  CLI::App* sub = app.add_subcommand(
+      "prepare", "Tokenize text files, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet files and folders of them "
+                 "into token files (train.bin, val.bin, with a document index and, for chat data, a loss mask). "
+                 "Under `meshtrain run -n N` the ranks share the work; the output is the same for any N, and an "
+                 "interrupted run resumes where it stopped.");
+  sub->add_option("inputs", a->o.inputs, "Files or folders (a folder with JSONL or Parquet files reads only those)")
+      ->required();
+  sub->add_option("--out", a->o.out_dir, "Output directory")->capture_default_str();
+  sub->add_option("--tokenizer", a->o.tokenizer,
+                  "bytes, a SentencePiece .model, a tokenizer.json, or a model folder (its chat template too)")
       ->capture_default_str();
-  sub->add_option("--val-fraction", a->val_fraction, "Share of tokens held out for validation")
+  sub->add_option("--val-fraction", a->o.val_fraction, "Share of tokens held out for validation (cut at a document start)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  return plain_command(sub, [a] { return run_prepare(a->inputs, a->out, a->val_fraction, a->tokenizer); });
+  sub->add_option("--format", a->format, "text: documents of text; chat: records of \"messages\" or \"prompt\" + "
+                                         "\"completion\", rendered with the tokenizer's chat template")
+      ->check(CLI::IsMember({"text", "chat"}))
+      ->capture_default_str();
+  sub->add_option("--field", a->o.field, "The JSONL / Parquet field holding a text record's text")->capture_default_str();
+  sub->add_option("--loss-on", a->loss_on, "chat: assistant (only replies count toward the loss) or all")
+      ->check(CLI::IsMember({"assistant", "all"}))
+      ->capture_default_str();
+  sub->add_option("--split-mb", a->o.split_mb, "Files are cut into units of this many MiB, the work one rank takes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  return command(sub, [a](comm::Runtime& runtime) {
+    a->o.format = a->format == "chat" ? train::DataFormat::kChat : train::DataFormat::kText;
+    a->o.loss_on = a->loss_on == "all" ? train::LossOn::kAll : train::LossOn::kAssistant;
+    return run_prepare(runtime, a->o);
+  });
 }
 
 }  // namespace meshtrain::apps

@@ -385,6 +385,14 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   // In fp32 whatever the logits' dtype: the log-softmax over the vocabulary
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
   if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets);
+  // Targets of -100 count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
+  // (Plain tensors only: annotations' distributed tensors, PrivateUse1, keep ATen's mean.)
+  const bool plain = !flat.key_set().has(c10::DispatchKey::PrivateUse1) &&
+                     !flat_targets.key_set().has(c10::DispatchKey::PrivateUse1);
+  if (plain && (flat_targets == -100).any().item<bool>()) {
+    const at::Tensor counted = (flat_targets != -100).sum().clamp_min(1);
+    return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum) / counted;
+  }
   return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets);
 }
 

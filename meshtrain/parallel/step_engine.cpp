@@ -42,19 +42,22 @@ void StepEngine::set_aux_loss_scale(double scale) {
   for (model::Moe& layer : parts_.model->moe_layers()) layer->set_aux_loss_scale(scale);
 }
 
-double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                                    std::vector<double> weights) {
   const int64_t count = static_cast<int64_t>(inputs.size());
-  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, 1.0 / count);
+  if (weights.empty()) weights.assign(count, 1.0 / static_cast<double>(count));
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == count, "a weight per micro-batch");
+  set_aux_loss_scale(1.0 / static_cast<double>(count));
+  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, weights);
   const ParallelizeOptions& o = parts_.options;
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
-  set_aux_loss_scale(1.0 / static_cast<double>(count));
   for (int64_t a = 0; a < count; ++a) {
     parts_.data_parallelism->set_sync(a == count - 1);
     at::Tensor loss;
     {
       memory::PhaseScope phase(memory::Phase::kForward);
       Autocast autocast(o.bfloat16_autocast, o.device);
-      loss = parts_.model->loss(inputs[a], targets[a]) / static_cast<double>(count);
+      loss = parts_.model->loss(inputs[a], targets[a]) * weights[a];
     }
     {
       memory::PhaseScope phase(memory::Phase::kBackward);
@@ -67,18 +70,20 @@ double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const
   return loss_sum.item<double>();  // once per step: on a GPU each item() waits for the queue
 }
 
-double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
+double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                            std::vector<double> weights) {
+  if (weights.empty()) weights.assign(inputs.size(), 1.0);
   memory::PhaseScope phase(memory::Phase::kEval);
   torch::NoGradGuard no_grad;
   const ParallelizeOptions& o = parts_.options;
   parts_.model->eval();
   at::Tensor total = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
   if (parts_.pipeline) {
-    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, 1.0);
+    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, weights);
   } else {
     for (size_t i = 0; i < inputs.size(); ++i) {
       Autocast autocast(o.bfloat16_autocast, o.device);
-      total += plain(parts_.model->loss(inputs[i], targets[i]).detach());
+      total += plain(parts_.model->loss(inputs[i], targets[i]).detach()) * weights[i];
     }
   }
   parts_.model->train();
@@ -86,19 +91,18 @@ double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::ve
 }
 
 double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
-                                const std::vector<at::Tensor>& targets, double scale) {
+                                const std::vector<at::Tensor>& targets, const std::vector<double>& weights) {
   const ParallelizeOptions& o = parts_.options;
   model::Gpt& model = parts_.model;
   pipeline::StagedModel& staged = *parts_.pipeline;
   std::optional<memory::PhaseScope> backward_phase;
-  set_aux_loss_scale(scale);
   pipeline::StageCallbacks callbacks;
   callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
     Autocast autocast(o.bfloat16_autocast, o.device);
     const pipeline::StageSpec& spec = staged.stages()[stage];
     const at::Tensor out = pipeline::run_stage(model, spec, spec.embed ? inputs[mb] : input);
-    return spec.head ? model->cross_entropy(out, targets[mb]) * scale : out;
+    return spec.head ? model->cross_entropy(out, targets[mb]) * weights[mb] : out;
   };
   callbacks.before_backward = [&](bool last) {
     backward_phase.emplace(memory::Phase::kBackward);

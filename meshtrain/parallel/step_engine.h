@@ -21,12 +21,16 @@ class StepEngine {
   explicit StepEngine(Parallelized parts);
 
   // One step's forward and backward over this rank's micro-batches (tokens
-  // and targets [micro_batch, context]), each micro-batch's loss divided by
-  // their count. Returns the summed loss where it is computed (the last
-  // pipeline stage; 0 elsewhere). Gradients are then reduced.
-  double forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
-  // The summed loss of evaluation micro-batches (no gradients).
-  double evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  // and targets [micro_batch, context]), each micro-batch's loss multiplied by
+  // its weight (none given: 1 / their count; with targets that count toward no
+  // loss, the trainer's weights make the step's loss the mean over the global
+  // batch's counted targets). Returns the summed weighted loss where it is
+  // computed (the last pipeline stage; 0 elsewhere). Gradients are then reduced.
+  double forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                          std::vector<double> weights = {});
+  // The summed loss of evaluation micro-batches (no gradients), each times its weight (none: 1).
+  double evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                  std::vector<double> weights = {});
   // The mean over data ranks of a per-rank loss sum `local` (taken from the
   // last pipeline stage; tensor-parallel ranks hold the same).
   double mean_loss(double local);
@@ -46,7 +50,7 @@ class StepEngine {
   // The auxiliary losses' share of the loss gradient (the main loss is divided by the micro-batches).
   void set_aux_loss_scale(double scale);
   double run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
-                      const std::vector<at::Tensor>& targets, double scale);
+                      const std::vector<at::Tensor>& targets, const std::vector<double>& weights);
 
   Parallelized parts_;
 };

@@ -192,18 +192,21 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     sums[0] = exp.sum(-1);
     sums[1] = (logits.gather(1, index.unsqueeze(1)).squeeze(1) - max) * mine;
     comm->all_reduce(sums).wait();
-    const at::Tensor loss = (sums[0].log() - sums[1]).mean();
+    // Targets of -100 count toward no loss (the mean is over those that count; 0 when none does).
+    const at::Tensor counted = targets != -100;
+    const at::Tensor count = counted.sum().clamp_min(1).to(at::kFloat);
+    const at::Tensor loss = ((sums[0].log() - sums[1]) * counted).sum() / count;
     exp.div_(sums[0].unsqueeze(1));  // now the softmax
-    ctx->save_for_backward({exp, index, mine});
+    ctx->save_for_backward({exp, index, mine, counted, count});
     return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &softmax = saved[0], &index = saved[1], &mine = saved[2];
+    const at::Tensor &softmax = saved[0], &index = saved[1], &mine = saved[2], &counted = saved[3], &count = saved[4];
     at::Tensor grad = softmax.clone();
     grad.scatter_add_(1, index.unsqueeze(1), -mine.to(grad.scalar_type()).unsqueeze(1));
-    grad.mul_(grads[0] / softmax.size(0));
+    grad.mul_(counted.to(grad.scalar_type()).unsqueeze(1) * (grads[0] / count));
     return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -34,11 +34,15 @@ struct AddedToken {
 // Finds added tokens in text: leftmost match first, the longest there.
 class AddedMatcher {
  public:
+  // Add every token, then sort() once (longest first within a first byte).
   void add(const std::string& pattern, const AddedToken* token) {
     if (pattern.empty()) return;
-    auto& list = by_first_byte_[static_cast<unsigned char>(pattern[0])];
-    list.emplace_back(pattern, token);
-    std::stable_sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+    by_first_byte_[static_cast<unsigned char>(pattern[0])].emplace_back(pattern, token);
+  }
+  void sort() {
+    for (auto& list : by_first_byte_) {
+      std::stable_sort(list.begin(), list.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+    }
   }
   bool empty() const {
     return std::all_of(std::begin(by_first_byte_), std::end(by_first_byte_), [](const auto& l) { return l.empty(); });
@@ -216,6 +220,8 @@ void HfTokenizer::read_added_tokens(const json& list, const std::string& name) {
       normalized_matcher_.add(normalizer_ ? normalizer_->apply(a.content) : a.content, &a);
     }
   }
+  raw_matcher_.sort();
+  normalized_matcher_.sort();
 }
 
 // tokenizer.json does not say which token ends a text (tokenizer_config.json

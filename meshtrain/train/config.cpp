@@ -25,6 +25,21 @@ Field field(std::string section, std::string key, std::string help, Access acces
 
 const config::Names<at::ScalarType>& compute_dtype_names() { return parallel::state_dtype_names(); }
 
+const config::Names<DataFormat>& data_format_names() {
+  static const config::Names<DataFormat> names = {{DataFormat::kText, "text"}, {DataFormat::kChat, "chat"}};
+  return names;
+}
+
+const config::Names<LossOn>& loss_on_names() {
+  static const config::Names<LossOn> names = {{LossOn::kAssistant, "assistant"}, {LossOn::kAll, "all"}};
+  return names;
+}
+
+const config::Names<Packing>& packing_names() {
+  static const config::Names<Packing> names = {{Packing::kConcat, "concat"}, {Packing::kPadded, "padded"}};
+  return names;
+}
+
 const config::Names<OnNonfinite>& on_nonfinite_names() {
   static const config::Names<OnNonfinite> names = {{OnNonfinite::kStop, "stop"}, {OnNonfinite::kSkip, "skip"}};
   return names;
@@ -143,6 +158,17 @@ void add_data_and_training_keys(std::vector<Field>& f) {
   f.push_back(field("data", "val_file", "validation token file", MESHTRAIN_CONFIG_MEMBER(val_file)));
   f.push_back(field("data", "val_fraction", "share of prepared text held out for validation",
                     MESHTRAIN_CONFIG_MEMBER(val_fraction)));
+  f.push_back(config::enum_key<TrainConfig>("data", "format", "\"text\" (text files; JSONL/Parquet records' data.field) "
+                                            "or \"chat\" (records of messages, or prompt and completion)",
+                                            data_format_names(), MESHTRAIN_CONFIG_MEMBER(data_format)));
+  f.push_back(field("data", "field", "the field of a JSONL / Parquet record that holds its text", MESHTRAIN_CONFIG_MEMBER(field)));
+  f.push_back(config::enum_key<TrainConfig>("data", "loss_on", "chat: \"assistant\" (only replies count toward the "
+                                            "loss) or \"all\"", loss_on_names(), MESHTRAIN_CONFIG_MEMBER(loss_on)));
+  f.push_back(config::enum_key<TrainConfig>("data", "packing", "\"concat\" (windows across documents) or \"padded\" "
+                                            "(one document per row, padding counts toward no loss)",
+                                            packing_names(), MESHTRAIN_CONFIG_MEMBER(packing)));
+  f.push_back(field("data", "split_mb", "prepare's unit of work: files are cut every this many MiB",
+                    MESHTRAIN_CONFIG_MEMBER(split_mb)));
   f.push_back(field("training", "steps", "optimizer steps", MESHTRAIN_CONFIG_MEMBER(steps)));
   f.push_back(field("training", "batch", "global batch in sequences per step (= micro_batch x dp x accumulation)",
                     MESHTRAIN_CONFIG_MEMBER(batch)));
@@ -180,6 +206,16 @@ void add_run_keys(std::vector<Field>& f) {
                     "error (0: none)", MESHTRAIN_CONFIG_MEMBER(memory_limit_mb)));
   f.push_back(field("checkpoint", "dir", "where checkpoints go (default: <run.out>/checkpoints)",
                     MESHTRAIN_CONFIG_MEMBER(checkpoint_dir)));
+  f.push_back({"checkpoint", "init_from", Kind::kString,
+               "fine-tuning: start from this checkpoint folder's model and weights (an `import hf` output) at step 0 "
+               "with a fresh optimizer, when checkpoint.dir has nothing to resume; [model] keys apply on top",
+               [](TrainConfig& c, const Value& v) {
+                 c.init_from = v.s;
+                 if (v.s.empty()) return;
+                 c.model = init_model(v.s);
+                 c.preset = "init_from";
+               },
+               [](const TrainConfig& c) { return config::quoted(c.init_from); }});
   f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",
                     MESHTRAIN_CONFIG_MEMBER(checkpoint_every)));
   f.push_back(field("checkpoint", "async", "write checkpoints in the background from a host copy (the next step "
@@ -299,6 +335,38 @@ void apply(TrainConfig& config, const Field& field, const toml::node& node, cons
   }
 }
 
+// [[data.sources]]: tables of path (a string or a list) and weight.
+std::vector<TrainConfig::Source> read_sources(const toml::node& node, const std::string& where) {
+  const toml::array* tables = node.as_array();
+  if (!tables) throw ConfigError(where + ": data.sources must be [[data.sources]] tables of path and weight");
+  std::vector<TrainConfig::Source> sources;
+  for (const toml::node& item : *tables) {
+    const toml::table* table = item.as_table();
+    if (!table) throw ConfigError(where + ": data.sources must be [[data.sources]] tables of path and weight");
+    TrainConfig::Source source;
+    for (const auto& [key, value] : *table) {
+      const std::string name(key.str());
+      if (name == "path" && value.is_string()) {
+        source.path = {value.value<std::string>().value()};
+      } else if (name == "path" && value.is_array()) {
+        for (const auto& p : *value.as_array()) {
+          if (!p.is_string()) throw ConfigError(where + ": data.sources path must be strings");
+          source.path.push_back(p.value<std::string>().value());
+        }
+      } else if (name == "weight" && value.is_number()) {
+        source.weight = value.value<double>().value();
+      } else {
+        throw ConfigError(where + ": data.sources " + name + " = " + node_text(value) +
+                          ": a source has path (a string or a list of them) and weight (a number)");
+      }
+    }
+    if (source.path.empty()) throw ConfigError(where + ": a data.sources table needs a path");
+    if (!(source.weight > 0)) throw ConfigError(where + ": data.sources weight = " + std::to_string(source.weight) + ": must be > 0");
+    sources.push_back(std::move(source));
+  }
+  return sources;
+}
+
 using config::refuse;
 
 }  // namespace
@@ -314,9 +382,14 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
       where << path << ":" << e.source().begin.line << ":" << e.source().begin.column;
       throw ConfigError("config " + where.str() + ": " + std::string(e.description()));
     }
-    // The preset first, so that model keys in the same file override it.
+    // The preset (or the model of checkpoint.init_from) first, so that model keys in the same file override it.
     if (auto* model = table["model"].as_table()) {
       if (auto* preset = model->get("preset")) apply(config, *find_field("model", "preset"), *preset, "config " + path);
+    }
+    if (auto* checkpoint = table["checkpoint"].as_table()) {
+      if (auto* from = checkpoint->get("init_from")) {
+        apply(config, *find_field("checkpoint", "init_from"), *from, "config " + path);
+      }
     }
     for (const auto& [section, node] : table) {
       const std::string section_name(section.str());
@@ -325,6 +398,11 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
       for (const auto& [key, value] : *keys) {
         const std::string key_name(key.str());
         if (section_name == "model" && key_name == "preset") continue;
+        if (section_name == "checkpoint" && key_name == "init_from") continue;
+        if (section_name == "data" && key_name == "sources") {
+          config.sources = read_sources(value, "config " + path);
+          continue;
+        }
         const Field* field = find_field(section_name, key_name);
         if (!field) unknown_key(section_name, key_name, "config " + path);
         apply(config, *field, value, "config " + path);
@@ -333,8 +411,9 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
   }
   // Overrides: presets first, for the same reason.
   std::vector<std::string> ordered;
-  for (const auto& o : overrides) if (o.rfind("model.preset=", 0) == 0) ordered.push_back(o);
-  for (const auto& o : overrides) if (o.rfind("model.preset=", 0) != 0) ordered.push_back(o);
+  auto first = [](const std::string& o) { return o.rfind("model.preset=", 0) == 0 || o.rfind("checkpoint.init_from=", 0) == 0; };
+  for (const auto& o : overrides) if (first(o)) ordered.push_back(o);
+  for (const auto& o : overrides) if (!first(o)) ordered.push_back(o);
   for (const std::string& override_text : ordered) {
     const std::string where = "override --" + override_text;
     const size_t eq = override_text.find('=');
@@ -400,7 +479,14 @@ void check_data_and_run(const TrainConfig& c) {
            config::quoted(c.train_file.empty() ? c.val_file : c.train_file),
            "give both data.train_file and data.val_file, or neither (then data.text is prepared)");
   }
-  if (c.train_file.empty() && c.text.empty()) refuse("data.text", "[]", "name text to train on, or data.train_file");
+  if (c.train_file.empty() && c.text.empty() && c.sources.empty()) {
+    refuse("data.text", "[]", "name text to train on, data.sources, or data.train_file");
+  }
+  if (!c.train_file.empty() && !c.sources.empty()) {
+    refuse("data.sources", "[...]", "give sources to prepare or token files (data.train_file), not both");
+  }
+  if (c.split_mb < 1) refuse("data.split_mb", n(c.split_mb), "must be >= 1");
+
   if (c.memory_limit_mb < 0) refuse("memory.limit_mb", n(c.memory_limit_mb), "must be >= 0 (0: no limit)");
   if (c.checkpoint_every < 0) refuse("checkpoint.every", n(c.checkpoint_every), "must be >= 0");
   if (c.checkpoint_keep < 1) refuse("checkpoint.keep", n(c.checkpoint_keep), "must be >= 1");
@@ -461,6 +547,10 @@ std::string TrainConfig::describe_keys() {
     std::string line = "  " + f.name + " = " + f.show(defaults);
     if (line.size() < 36) line.resize(36, ' ');
     out << line << "  " << f.help << "\n";
+    if (f.section == "data" && f.name == "split_mb") {
+      out << "  [[data.sources]] path, weight     a mixture (TOML only): each source's files, sampled in proportion to "
+             "its weight\n";
+    }
   }
   return out.str();
 }

@@ -5,6 +5,7 @@
 
 #include "meshtrain/model/gpt_config.h"
 #include "meshtrain/parallel/parallel_spec.h"
+#include "meshtrain/train/data_options.h"
 #include "meshtrain/util/config_keys.h"
 
 #include <c10/core/Device.h>
@@ -22,6 +23,10 @@ using ConfigError = config::ConfigError;
 // What a step whose loss or gradient norm is not finite does (Note [Non-finite steps]).
 enum class OnNonfinite { kStop, kSkip };
 
+// The model a checkpoint folder (its latest step, or a step folder) holds;
+// throws ConfigError naming the folder (trainer_checkpoint.cpp).
+model::GptConfig init_model(const std::string& checkpoint_dir);
+
 struct TrainConfig {
   // [model]
   std::string preset = "small";
@@ -32,6 +37,17 @@ struct TrainConfig {
   std::string val_file;
   double val_fraction = 0.1;
   std::string tokenizer = "bytes";  // text::load_tokenizer's spec
+  DataFormat data_format = DataFormat::kText;
+  std::string field = "text";  // JSONL / Parquet: the field holding the text
+  LossOn loss_on = LossOn::kAssistant;
+  Packing packing = Packing::kConcat;
+  int64_t split_mb = 64;  // prepare's unit of work (Note [Data units])
+  // [[data.sources]]: a mixture, each source's files sampled in proportion to its weight.
+  struct Source {
+    std::vector<std::string> path;
+    double weight = 1;
+  };
+  std::vector<Source> sources;
   // [training]
   int64_t steps = 100;
   int64_t batch = 16;        // global batch, sequences per optimizer step
@@ -58,6 +74,7 @@ struct TrainConfig {
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]
   std::string checkpoint_dir;  // default: out/checkpoints
+  std::string init_from;       // fine-tuning: a checkpoint whose model and weights start the run
   int64_t checkpoint_every = 50;  // steps between checkpoints; 0: only at the end
   bool checkpoint_async = true;   // write in the background from a host snapshot
   int64_t checkpoint_keep = 2;

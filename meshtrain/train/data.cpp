@@ -1,10 +1,6 @@
 #include "meshtrain/train/data.h"
 
-#include "meshtrain/text/tokenizer.h"
-
 #include "meshtrain/util/files.h"
-
-#include <ATen/CPUGeneratorImpl.h>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,11 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
-#include <fstream>
-#include <set>
-#include <sstream>
 
 namespace meshtrain::train {
 
@@ -40,14 +32,6 @@ static_assert(sizeof(Header) == kHeaderBytes, "token file header must be 32 byte
   throw DataError("data file " + path + ": " + what);
 }
 
-std::string read_text(const std::string& path) {
-  try {
-    return util::read_text_file(path);
-  } catch (const std::runtime_error& e) {
-    throw DataError(std::string("input ") + e.what());
-  }
-}
-
 }  // namespace
 
 std::vector<uint16_t> ByteTokenizer::encode(const std::string& text) {
@@ -64,27 +48,79 @@ std::string ByteTokenizer::decode(const at::Tensor& tokens) {
   return text;
 }
 
-void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens, int64_t vocab_size) {
+int token_bytes_for(int64_t vocab_size) {
+  if (vocab_size <= (int64_t{1} << 8)) return 1;
+  if (vocab_size <= (int64_t{1} << 16)) return 2;
+  if (vocab_size <= (int64_t{1} << 32)) return 4;
+  return 8;
+}
+
+std::string companion_path(const std::string& token_path, const std::string& suffix) {
+  const size_t n = token_path.size();
+  if (n > 4 && token_path.compare(n - 4, 4, ".bin") == 0) return token_path.substr(0, n - 3) + suffix;
+  return token_path + "." + suffix;
+}
+
+TokenWriter::TokenWriter(std::string path, int64_t vocab_size)
+    : path_(std::move(path)), tmp_(path_ + ".tmp"), vocab_size_(vocab_size), bytes_(token_bytes_for(vocab_size)) {
+  file_ = std::fopen(tmp_.c_str(), "wb");
+  if (!file_) throw DataError("cannot write " + tmp_ + " (" + std::strerror(errno) + ")");
+  const Header placeholder{};
+  if (std::fwrite(&placeholder, sizeof placeholder, 1, file_) != 1) throw DataError("writing " + tmp_ + " failed");
+  buffer_.reserve(1 << 20);
+}
+
+TokenWriter::~TokenWriter() {
+  if (!file_) return;
+  std::fclose(file_);
+  std::remove(tmp_.c_str());
+}
+
+void TokenWriter::append(const int64_t* ids, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab_size_) {
+      throw DataError("writing " + path_ + ": value " + std::to_string(ids[i]) + " is outside [0, " +
+                      std::to_string(vocab_size_) + ")");
+    }
+    const uint64_t v = static_cast<uint64_t>(ids[i]);
+    for (int b = 0; b < bytes_; ++b) buffer_.push_back(static_cast<unsigned char>(v >> (8 * b)));  // little-endian
+    if (buffer_.size() >= (1u << 20)) flush();
+  }
+  count_ += count;
+}
+
+void TokenWriter::flush() {
+  if (!buffer_.empty() && std::fwrite(buffer_.data(), 1, buffer_.size(), file_) != buffer_.size()) {
+    throw DataError("writing " + tmp_ + " failed (" + std::strerror(errno) + "; disk full?)");
+  }
+  buffer_.clear();
+}
+
+void TokenWriter::finish() {
+  flush();
   Header header{};
   std::memcpy(header.magic, kMagic, sizeof kMagic);
   header.version = kVersion;
-  header.token_bytes = vocab_size <= 256 ? 1 : 2;
-  header.count = tokens.size();
-  header.vocab_size = static_cast<uint64_t>(vocab_size);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw DataError("cannot write " + tmp + " (" + std::strerror(errno) + ")");
-    out.write(reinterpret_cast<const char*>(&header), sizeof header);
-    if (header.token_bytes == 1) {
-      std::vector<uint8_t> bytes(tokens.begin(), tokens.end());
-      out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    } else {
-      out.write(reinterpret_cast<const char*>(tokens.data()), static_cast<std::streamsize>(tokens.size() * 2));
-    }
-    if (!out) throw DataError("writing " + tmp + " failed (disk full?)");
+  header.token_bytes = static_cast<uint32_t>(bytes_);
+  header.count = static_cast<uint64_t>(count_);
+  header.vocab_size = static_cast<uint64_t>(vocab_size_);
+  if (std::fseek(file_, 0, SEEK_SET) != 0 || std::fwrite(&header, sizeof header, 1, file_) != 1 ||
+      std::fflush(file_) != 0 || fsync(fileno(file_)) != 0) {
+    throw DataError("writing " + tmp_ + " failed (" + std::strerror(errno) + "; disk full?)");
   }
-  util::rename_path(tmp, path);
+  std::fclose(file_);
+  file_ = nullptr;
+  util::rename_path(tmp_, path_);
+}
+
+void write_token_file(const std::string& path, const std::vector<int64_t>& tokens, int64_t vocab_size) {
+  TokenWriter writer(path, vocab_size);
+  writer.append(tokens);
+  writer.finish();
+}
+
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens, int64_t vocab_size) {
+  write_token_file(path, std::vector<int64_t>(tokens.begin(), tokens.end()), vocab_size);
 }
 
 TokenFile::TokenFile(std::string path) : path_(std::move(path)) {
@@ -116,8 +152,8 @@ TokenFile::TokenFile(std::string path) : path_(std::move(path)) {
     data_error(path_, "has token file version " + std::to_string(header.version) + "; this meshtrain reads version " +
                           std::to_string(kVersion));
   }
-  if (header.token_bytes != 1 && header.token_bytes != 2 && header.token_bytes != 4) {
-    data_error(path_, "declares " + std::to_string(header.token_bytes) + " bytes per token (1, 2 or 4 allowed)");
+  if (header.token_bytes != 1 && header.token_bytes != 2 && header.token_bytes != 4 && header.token_bytes != 8) {
+    data_error(path_, "declares " + std::to_string(header.token_bytes) + " bytes per token (1, 2, 4 or 8 allowed)");
   }
   const uint64_t expected = kHeaderBytes + header.count * header.token_bytes;
   if (expected != map_bytes_) {
@@ -138,97 +174,45 @@ TokenFile::~TokenFile() {
 
 at::Tensor TokenFile::slice(int64_t offset, int64_t length) const {
   TORCH_CHECK(offset >= 0 && length >= 0 && offset + length <= count_, "token slice out of range");
-  const auto dtype = token_bytes_ == 1 ? at::kByte : token_bytes_ == 2 ? at::kShort : at::kInt;
+  const auto dtype = token_bytes_ == 1 ? at::kByte : token_bytes_ == 2 ? at::kShort : token_bytes_ == 4 ? at::kInt : at::kLong;
   // Read-only view of the mapping, converted (copied) to int64.
   at::Tensor view = at::from_blob(const_cast<unsigned char*>(tokens_ + offset * token_bytes_), {length},
                                   at::TensorOptions().dtype(dtype));
   at::Tensor result = view.to(at::kLong);
   if (token_bytes_ == 2) result = result.bitwise_and(0xffff);  // stored unsigned
+  if (token_bytes_ == 4) result = result.bitwise_and(0xffffffffLL);
   return result;
 }
 
-PrepareResult prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,
-                      const std::string& tokenizer_spec) {
-  if (inputs.empty()) throw DataError("prepare: name at least one text file or directory");
-  if (!(val_fraction > 0.0 && val_fraction < 1.0)) {
-    throw DataError("prepare: the validation fraction must be in (0, 1), got " + std::to_string(val_fraction));
-  }
-  PrepareResult result;
-  std::set<std::string> seen;
-  auto add = [&](const std::string& file) {
-    if (seen.insert(util::canonical_path(file)).second) result.sources.push_back(file);
-  };
-  for (const std::string& input : inputs) {
-    if (!util::path_exists(input)) throw DataError("input " + input + ": does not exist");
-    if (util::is_directory(input)) {
-      std::vector<std::string> files;
-      for (const std::string& name : util::list_directory(input)) {
-        if (util::is_regular_file(util::join_path(input, name))) files.push_back(util::join_path(input, name));
-      }
-      if (files.empty()) throw DataError("input " + input + ": the directory holds no files");
-      for (const auto& f : files) add(f);
-    } else {
-      add(input);
+int64_t TokenFile::at(int64_t index) const {
+  TORCH_CHECK_INDEX(index >= 0 && index < count_, "token index out of range");
+  uint64_t v = 0;
+  std::memcpy(&v, tokens_ + index * token_bytes_, token_bytes_);  // little-endian host
+  return static_cast<int64_t>(v);
+}
+
+TokenDataset::TokenDataset(const std::string& token_path) : tokens_(token_path) {
+  const std::string index = companion_path(token_path, "idx"), mask = companion_path(token_path, "mask");
+  if (util::path_exists(index)) {
+    index_ = std::make_unique<TokenFile>(index);
+    if (index_->size() < 2 || index_->at(index_->size() - 1) != tokens_.size() || index_->at(0) != 0) {
+      data_error(index, "is not the document index of " + token_path + " (prepare it again)");
     }
   }
-  std::string text;
-  for (const std::string& source : result.sources) text += read_text(source);
-  if (text.empty()) throw DataError("input " + inputs.front() + (inputs.size() > 1 ? " and the others" : "") + ": empty, no text to train on");
-  std::unique_ptr<text::Tokenizer> tokenizer;
-  std::vector<int64_t> ids;
-  try {
-    tokenizer = text::load_tokenizer(tokenizer_spec);
-    ids = tokenizer->encode(text);
-  } catch (const text::TokenizerError& e) {
-    throw DataError(std::string("tokenizer: ") + e.what());
-  }
-  if (tokenizer->vocab_size() > 65536) {
-    throw DataError("tokenizer " + tokenizer->describe() + ": token files hold at most 65536 distinct tokens");
-  }
-  const std::vector<uint16_t> tokens(ids.begin(), ids.end());
-  const int64_t vocab = tokenizer->vocab_size();
-  const auto val_tokens = static_cast<int64_t>(std::ceil(tokens.size() * val_fraction));
-  const int64_t train_tokens = static_cast<int64_t>(tokens.size()) - val_tokens;
-  if (train_tokens < 2 || val_tokens < 2) {
-    throw DataError("input: " + std::to_string(tokens.size()) + " tokens are too few to split into training and validation data");
-  }
-  util::make_directories(out_dir);
-  result.train_path = util::join_path(out_dir, "train.bin");
-  result.val_path = util::join_path(out_dir, "val.bin");
-  write_token_file(result.train_path, std::vector<uint16_t>(tokens.begin(), tokens.begin() + train_tokens), vocab);
-  write_token_file(result.val_path, std::vector<uint16_t>(tokens.begin() + train_tokens, tokens.end()), vocab);
-  result.train_tokens = train_tokens;
-  result.val_tokens = val_tokens;
-  return result;
-}
-
-Sampler::Sampler(const TokenFile& file, int64_t context, uint64_t seed, bool shuffle)
-    : file_(file), context_(context), seed_(seed), shuffle_(shuffle), windows_((file.size() - 1) / context) {
-  if (file.size() < context + 1) {
-    throw DataError("data file " + file.path() + ": has " + std::to_string(file.size()) +
-                    " tokens, fewer than one sequence needs (model.context + 1 = " + std::to_string(context + 1) +
-                    "); use more text or a shorter context");
+  if (util::path_exists(mask)) {
+    mask_ = std::make_unique<TokenFile>(mask);
+    if (mask_->size() != tokens_.size()) {
+      data_error(mask, "holds " + std::to_string(mask_->size()) + " flags for " + std::to_string(tokens_.size()) +
+                           " tokens of " + token_path + " (prepare it again)");
+    }
   }
 }
 
-int64_t Sampler::window_at(int64_t position) {
-  const int64_t epoch = position / windows_;
-  const int64_t index = position % windows_;
-  if (!shuffle_) return index;
-  if (epoch != cached_epoch_) {
-    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003ULL + epoch);
-    order_ = at::randperm(windows_, generator, at::kLong);
-    cached_epoch_ = epoch;
-  }
-  return order_.data_ptr<int64_t>()[index];
-}
+int64_t TokenDataset::documents() const { return index_ ? index_->size() - 1 : 1; }
 
-std::pair<at::Tensor, at::Tensor> Sampler::rows(int64_t cursor, int64_t rows) {
-  std::vector<at::Tensor> windows;
-  windows.reserve(rows);
-  for (int64_t i = 0; i < rows; ++i) windows.push_back(file_.slice(window_at(cursor + i) * context_, context_ + 1));
-  const at::Tensor batch = at::stack(windows);
-  return {batch.narrow(1, 0, context_).contiguous(), batch.narrow(1, 1, context_).contiguous()};
+std::pair<int64_t, int64_t> TokenDataset::document(int64_t i) const {
+  if (!index_) return {0, tokens_.size()};
+  return {index_->at(i), index_->at(i + 1)};
 }
 
 }  // namespace meshtrain::train

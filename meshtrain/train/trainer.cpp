@@ -110,6 +110,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   // ran before in this process; a resume in the same layout then restores them.
   parts().random.reseed(config_.seed, 0);
   if (config_.resume) resume();
+  if (!resumed_ && !config_.init_from.empty()) init_from_checkpoint();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
   const int64_t redone = resumed_ ? progress_->resumed(step_, resumed_from_) : 0;
@@ -130,43 +131,6 @@ Trainer::~Trainer() {
   memory::set_limit(previous_limit_);
 }
 
-void Trainer::open_data() {
-  try {
-    tokenizer_ = text::load_tokenizer(config_.tokenizer);
-  } catch (const text::TokenizerError& e) {
-    throw ConfigError(std::string("data.tokenizer: ") + e.what());
-  }
-  if (tokenizer_->vocab_size() > config_.model.vocab_size) {
-    throw ConfigError("model.vocab_size = " + std::to_string(config_.model.vocab_size) + " is smaller than the " +
-                      "tokenizer's vocabulary (" + tokenizer_->describe() + "); set model.vocab_size = " +
-                      std::to_string(tokenizer_->vocab_size()));
-  }
-  // Token files as given, or the configured text prepared once by rank 0.
-  if (config_.train_file.empty()) {
-    const std::string data_dir = config_.out + "/data";
-    comm::on_root_or_all_fail(*world_, 0, [&] {
-      const PrepareResult prepared = prepare(config_.text, data_dir, config_.val_fraction, config_.tokenizer);
-      std::printf("meshtrain: prepared %zu text file(s) into %s: %lld training and %lld validation tokens\n",
-                  prepared.sources.size(), data_dir.c_str(), static_cast<long long>(prepared.train_tokens),
-                  static_cast<long long>(prepared.val_tokens));
-    });
-    config_.train_file = data_dir + "/train.bin";
-    config_.val_file = data_dir + "/val.bin";
-  }
-  comm::on_all_or_all_fail(*world_, [&] {
-    train_file_ = std::make_unique<TokenFile>(config_.train_file);
-    val_file_ = std::make_unique<TokenFile>(config_.val_file);
-    for (const TokenFile* file : {train_file_.get(), val_file_.get()}) {
-      if (file->vocab_size() > config_.model.vocab_size) {
-        throw DataError("data file " + file->path() + ": its vocabulary of " + std::to_string(file->vocab_size()) +
-                        " tokens is larger than model.vocab_size = " + std::to_string(config_.model.vocab_size));
-      }
-    }
-    train_sampler_ = std::make_unique<Sampler>(*train_file_, config_.model.context, config_.seed, /*shuffle=*/true);
-    val_sampler_ = std::make_unique<Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
-  });
-}
-
 double Trainer::mfu(double tokens_per_second) const {
   return config_.model.flops_per_token() * tokens_per_second / (peak_flops_ * world_->size());
 }
@@ -184,10 +148,10 @@ StepResult Trainer::step() {
   result.lr = learning_rate(config_, step_);
 
   engine_->zero_grad();
-  const auto [inputs, targets] = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
+  const MicroBatches batches = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
   std::optional<annotate::ReportScope> report;
   if (!config_.sharding_report.empty() && !reported_) report.emplace();
-  const double loss_sum = engine_->forward_backward(inputs, targets);
+  const double loss_sum = engine_->forward_backward(batches.inputs, batches.targets, batches.weights);
   if (parts().pipeline && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
   result.loss = engine_->mean_loss(loss_sum);
@@ -243,23 +207,12 @@ void Trainer::stop_or_skip_nonfinite(const StepResult& result) {
            : ", or set training.on_nonfinite = \"skip\" to pass over such steps (training.max_nonfinite_skips in a row)"));
 }
 
-std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Trainer::micro_batches(Sampler& sampler, int64_t start,
-                                                                                  int64_t count) const {
-  // Data rank r reads micro-batches r, r + ranks, ... of the stream from `start`.
-  const auto& data = parts().data;
-  const int64_t micro = config_.micro_batch, ranks = data->size();
-  std::vector<at::Tensor> inputs, targets;
-  for (int64_t i = 0; i < count; ++i) {
-    auto [x, y] = sampler.rows(start + (i * ranks + data->rank()) * micro, micro);
-    inputs.push_back(x.to(device_));
-    targets.push_back(y.to(device_));
-  }
-  return {inputs, targets};
-}
-
 double Trainer::evaluate() {
-  const auto [inputs, targets] = micro_batches(*val_sampler_, 0, config_.eval_batches);
-  return engine_->mean_loss(engine_->evaluate(inputs, targets) / config_.eval_batches);
+  const MicroBatches batches = micro_batches(*val_sampler_, 0, config_.eval_batches);
+  if (batches.weights.empty()) {
+    return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets) / config_.eval_batches);
+  }
+  return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets, batches.weights));
 }
 
 void Trainer::write_sharding_report(const annotate::ShardingReport& report) {
@@ -375,15 +328,16 @@ bool Trainer::run(const std::atomic<int>* stop) {
   }
   std::snprintf(line, sizeof line,
                 "%lld steps x %lld sequences x %lld tokens = %lld tokens per step (micro-batch %lld, accumulation "
-                "%lld); data %s (%lld tokens)",
+                "%lld); data %s",
                 (long long)config_.steps, (long long)config_.batch, (long long)config_.model.context,
                 (long long)tokens_per_step, (long long)config_.micro_batch, (long long)config_.grad_accum,
-                config_.train_file.c_str(), (long long)train_file_->size());
+                data_summary_.c_str());
   progress_->say(line);
   progress_->say("metrics to " + config_.out + "/metrics.jsonl, checkpoints to " + writer_->store().dir() +
                  (config_.checkpoint_every > 0 ? " every " + std::to_string(config_.checkpoint_every) + " steps" : "") +
                  (config_.checkpoint_async ? " (written in the background)" : ""));
   if (resumed_) progress_->say("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
+  if (!initialized_from_.empty()) progress_->say("fine-tuning from the weights of " + initialized_from_);
 
   const auto run_start = Clock::now();
   const int64_t first_step = step_;

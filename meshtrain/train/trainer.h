@@ -100,10 +100,19 @@ class Trainer {
 
  private:
   void open_data();
-  // This data rank's `count` micro-batches (tokens, targets) of `sampler`'s stream from `start`.
-  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> micro_batches(Sampler& sampler, int64_t start,
-                                                                            int64_t count) const;
+  // This data rank's `count` micro-batches of `sampler`'s stream from
+  // `start`, and each one's loss weight (none when every target counts;
+  // else its counted targets' share of the global batch's, Note [Packing]).
+  struct MicroBatches {
+    std::vector<at::Tensor> inputs, targets;
+    std::vector<double> weights;
+  };
+  MicroBatches micro_batches(Sampler& sampler, int64_t start, int64_t count) const;
+  // The prepared data of [data] (text or sources): the token files of each source.
+  std::vector<std::string> prepare_sources();
   void resume();
+  // checkpoint.init_from's parameters, when there was nothing to resume (Note [Fine-tuning start]).
+  void init_from_checkpoint();
   // Loads `folder` into this layout; throws CheckpointError when it is unusable.
   void load_checkpoint(const std::string& folder);
   void log_resume_events();  // metrics lines for the checkpoints resume passed over
@@ -122,7 +131,8 @@ class Trainer {
   std::shared_ptr<comm::Communicator> world_;
   at::Device device_ = at::kCPU;  // config_.device for this rank
   std::unique_ptr<text::Tokenizer> tokenizer_;  // [data] tokenizer: prepares text, decodes samples, saved in checkpoints
-  std::unique_ptr<TokenFile> train_file_, val_file_;
+  std::vector<std::unique_ptr<TokenDataset>> train_data_, val_data_;  // a source each
+  std::string data_summary_;  // for the start-up lines: files, tokens, documents, what counts
   std::unique_ptr<Sampler> train_sampler_, val_sampler_;
   std::unique_ptr<parallel::StepEngine> engine_;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;
@@ -135,6 +145,7 @@ class Trainer {
   bool resumed_ = false;
   bool reported_ = false;  // the sharding report is written (once, of the first step run)
   std::string resumed_from_;
+  std::string initialized_from_;  // the checkpoint init_from loaded, or ""
   std::vector<Skipped> skipped_;  // unusable checkpoints passed over on resume, newest first
   double peak_flops_ = 0;
 };

@@ -185,3 +185,43 @@ void Trainer::log_resume_events() {
 }
 
 }  // namespace meshtrain::train
+
+namespace meshtrain::train {
+
+// Note [Fine-tuning start]
+// checkpoint.init_from names a checkpoint (typically `import hf`'s output)
+// whose model config replaces the preset as the config is read, [model] keys
+// applying on top, and whose parameters, only, are loaded at the start when
+// checkpoint.dir holds nothing to resume: the optimizer starts fresh at step 0
+// and the data at the start of its stream. A run that has saved resumes from
+// checkpoint.dir as any run does. The model must be the checkpoint's but for
+// the context (a learned position table then refuses to load by shape).
+model::GptConfig init_model(const std::string& checkpoint_dir) {
+  try {
+    const checkpoint::Metadata meta =
+        checkpoint::CheckpointStore::read_metadata(checkpoint::CheckpointStore::resolve(checkpoint_dir));
+    return model::config_from_json(meta.model_config);
+  } catch (const std::exception& e) {
+    throw ConfigError("checkpoint.init_from = \"" + checkpoint_dir + "\": " + e.what());
+  }
+}
+
+void Trainer::init_from_checkpoint() {
+  const std::string folder = checkpoint::CheckpointStore::resolve(config_.init_from);
+  std::unique_ptr<checkpoint::CheckpointReader> reader;
+  comm::on_all_or_all_fail(*world_, [&] { reader = std::make_unique<checkpoint::CheckpointReader>(folder); });
+  model::GptConfig saved = model::config_from_json(reader->metadata().model_config);
+  saved.context = config_.model.context;
+  if (model::fingerprint(saved) != model_fingerprint()) {
+    throw ConfigError("checkpoint.init_from = \"" + config_.init_from + "\" holds " + reader->metadata().model +
+                      ", not the configured " + model_fingerprint() + "; leave [model] as the checkpoint has it");
+  }
+  comm::on_all_or_all_fail(*world_, [&] {
+    reader->load(parallel::training_state(parts()), mesh().layout(), world_->rank(),
+                 [](const std::string& name) { return name.rfind("model/", 0) == 0; });
+  });
+  parallel::after_load(parts(), 0, false);
+  initialized_from_ = folder;
+}
+
+}  // namespace meshtrain::train

@@ -13,7 +13,8 @@ environment assignments; `run -n N` launches another meshtrain command):
     `fl simulate`, a key of the federated config (`fl server --help-config`).
 A `train` command is also validated for the rank count it runs on (`run -n N`,
 `mpirun -np N`, `srun -n N`; else 1) as `meshtrain plan --layout config` does
-before any work (every rule of the config and the layout), except on a GPU.
+before any work (every rule of the config and the layout), except on a GPU
+or from a checkpoint of the reader's (checkpoint.init_from).
 For each ```toml block: every [section] key of a training or federated config
 exists. Prints each problem with its file and line; exits 1 if there are any.
 """
@@ -122,6 +123,8 @@ def validate_train(tool, words, ranks):
             config = word
     if config is not None or sections.get("run") and any(l.startswith("device =") and "cpu" not in l for l in sections["run"]):
         return []  # a config file of the reader's own, or a GPU run
+    if any(l.startswith("init_from =") for l in sections.get("checkpoint", [])):
+        return []  # the model is the reader's checkpoint's: its options are checked, not its layout
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         for section, lines in sections.items():
             f.write(f"[{section}]\n" + "\n".join(lines) + "\n")

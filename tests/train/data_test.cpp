@@ -1,5 +1,6 @@
 // Token files, prepare, and the sampler; every bad file gets a message naming it.
 #include "meshtrain/train/data.h"
+#include "meshtrain/train/prepare.h"
 
 #include "tests/harness/error_of.h"
 

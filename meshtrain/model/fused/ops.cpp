@@ -142,14 +142,15 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     ctx->save_for_backward({lc, tc, lse});
     ctx->saved_data["count"] = count;
     ctx->saved_data["ignore"] = ignore;
-    return loss.sum(at::kDouble).div(static_cast<double>(count)).to(at::kFloat);
+    // No target counting (a fully masked row block) is a loss of 0, not 0 / 0.
+    return loss.sum(at::kDouble).div(static_cast<double>(std::max<int64_t>(count, 1))).to(at::kFloat);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_FUNCTION("meshtrain::fused_cross_entropy_backward", std::vector<c10::IValue>());
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &logits = saved[0], &targets = saved[1], &lse = saved[2];
-    const double count = static_cast<double>(ctx->saved_data["count"].toInt());
+    const double count = static_cast<double>(std::max<int64_t>(ctx->saved_data["count"].toInt(), 1));
     const float scale = static_cast<float>(grads[0].item<double>() / count);
     const at::Tensor dlogits = at::empty_like(logits);
     kernel::table().cross_entropy_backward(logits.size(0), logits.size(1), ptr(logits), dt(logits),

@@ -1,0 +1,130 @@
+// The Sampler of data.h: windows, packing, loss masks and mixtures.
+#include "meshtrain/train/data.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+
+namespace meshtrain::train {
+
+// Note [Packing]
+// packing = "concat": a source's tokens are one stream cut into windows of
+// context + 1 at stride context, crossing document ends (the end-of-text token
+// prepare puts between documents marks them). packing = "padded": a window is
+// one document from its start, cut at context + 1 tokens; a shorter one is
+// padded, and the padding's targets count toward no loss. Either way a target
+// whose token's mask flag is 0 counts toward no loss, and the loss of a step
+// is the mean over the targets that count in the whole global batch
+// (Trainer::micro_batches weights each micro-batch by its share).
+
+Sampler::Sampler(const TokenFile& file, int64_t context, uint64_t seed, bool shuffle)
+    : Sampler({SamplerSource{&file, nullptr, nullptr, 1.0}}, context, seed, shuffle, Packing::kConcat) {}
+
+Sampler::Sampler(std::vector<SamplerSource> sources, int64_t context, uint64_t seed, bool shuffle, Packing packing,
+                 int64_t pad_id)
+    : context_(context), seed_(seed), shuffle_(shuffle), packing_(packing), pad_id_(pad_id) {
+  TORCH_CHECK(!sources.empty(), "a sampler needs a source");
+  for (const SamplerSource& source : sources) {
+    const TokenFile& file = *source.tokens;
+    if (!(source.weight > 0)) throw DataError("data file " + file.path() + ": a mixture weight must be > 0");
+    Stream stream;
+    stream.source = source;
+    if (packing == Packing::kPadded) {
+      TORCH_CHECK(source.dataset, "padded packing reads documents");
+      stream.windows = source.dataset->documents();
+    } else {
+      if (file.size() < context + 1) {
+        throw DataError("data file " + file.path() + ": has " + std::to_string(file.size()) +
+                        " tokens, fewer than one sequence needs (model.context + 1 = " + std::to_string(context + 1) +
+                        "); use more text or a shorter context");
+      }
+      stream.windows = (file.size() - 1) / context;
+    }
+    streams_.push_back(std::move(stream));
+  }
+  taken_.assign(streams_.size(), 0);
+}
+
+int64_t Sampler::windows() const { return streams_.front().windows; }
+
+bool Sampler::ignores_targets() const {
+  if (packing_ == Packing::kPadded) return true;
+  return std::any_of(streams_.begin(), streams_.end(), [](const Stream& s) { return s.source.mask != nullptr; });
+}
+
+std::pair<int, int64_t> Sampler::locate(int64_t position) {
+  if (streams_.size() == 1) return {0, position};
+  if (position < blended_) {  // the state is kept for the next position; going back starts over
+    blended_ = 0;
+    std::fill(taken_.begin(), taken_.end(), 0);
+  }
+  double total = 0;
+  for (const Stream& s : streams_) total += s.source.weight;
+  for (;;) {
+    int best = 0;
+    double best_gap = -1e300;
+    for (size_t s = 0; s < streams_.size(); ++s) {
+      const double gap = streams_[s].source.weight / total * static_cast<double>(blended_ + 1) - taken_[s];
+      if (gap > best_gap) best_gap = gap, best = static_cast<int>(s);
+    }
+    if (blended_ == position) return {best, taken_[best]};
+    ++taken_[best];
+    ++blended_;
+  }
+}
+
+int64_t Sampler::window_at(Stream& stream, int s, int64_t position) {
+  const int64_t epoch = position / stream.windows;
+  const int64_t index = position % stream.windows;
+  if (!shuffle_) return index;
+  if (epoch != stream.cached_epoch) {
+    // Source 0 keeps the seeds of a single-source run; the others get their own.
+    const uint64_t seed = (seed_ + 7919ULL * static_cast<uint64_t>(s)) * 1000003ULL + epoch;
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+    stream.order = at::randperm(stream.windows, generator, at::kLong);
+    stream.cached_epoch = epoch;
+  }
+  return stream.order.data_ptr<int64_t>()[index];
+}
+
+void Sampler::window(const Stream& stream, int64_t w, int64_t* input, int64_t* target) const {
+  const SamplerSource& source = stream.source;
+  int64_t begin = w * context_, length = context_ + 1;
+  if (packing_ == Packing::kPadded) {
+    const auto [start, end] = source.dataset->document(w);
+    begin = start;
+    length = std::min(end - start, context_ + 1);
+  }
+  const at::Tensor tokens = source.tokens->slice(begin, length);
+  const at::Tensor flags = source.mask ? source.mask->slice(begin, length) : at::Tensor();
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  const int64_t* f = flags.defined() ? flags.data_ptr<int64_t>() : nullptr;
+  for (int64_t j = 0; j < context_; ++j) {
+    const bool real = j + 1 < length;
+    input[j] = j < length ? t[j] : pad_id_;
+    target[j] = real && (!f || f[j + 1]) ? t[j + 1] : kIgnoredTarget;
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> Sampler::rows(int64_t cursor, int64_t rows) {
+  at::Tensor inputs = at::empty({rows, context_}, at::kLong), targets = at::empty({rows, context_}, at::kLong);
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto [s, k] = locate(cursor + i);
+    Stream& stream = streams_[s];
+    window(stream, window_at(stream, s, k), inputs[i].data_ptr<int64_t>(), targets[i].data_ptr<int64_t>());
+  }
+  return {inputs, targets};
+}
+
+int64_t Sampler::counted_targets(int64_t cursor, int64_t rows) {
+  if (!ignores_targets()) return rows * context_;
+  return (this->rows(cursor, rows).second != kIgnoredTarget).sum().item<int64_t>();
+}
+
+std::vector<int> Sampler::sources_of(int64_t cursor, int64_t rows) {
+  std::vector<int> out;
+  for (int64_t i = 0; i < rows; ++i) out.push_back(locate(cursor + i).first);
+  return out;
+}
+
+}  // namespace meshtrain::train
