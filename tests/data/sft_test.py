@@ -5,7 +5,7 @@ imported; examples/sft/shakespeare_chat.jsonl is prepared as chat records;
 (checkpoint.init_from) with padded documents and the loss on the assistant's
 tokens only; the result is exported to Hugging Face and served.
 
-Checked against transformers: at learning rate 0 the validation loss the
+Checked against transformers: at learning rate 1e-12 the validation loss the
 4 ranks report equals transformers' cross-entropy of the imported model over
 the same documents, the same targets masked; with a learning rate the loss
 falls; the export loads in transformers and its logits equal the checkpoint's
@@ -84,8 +84,8 @@ def main():
         model = hf_fixtures.tiny_llama(hf, fast, context=256)
         CHECKS.meshtrain("import", "hf", hf, "--out", os.path.join(work, "base"))
 
-        # Learning rate 0: the 4 ranks' validation loss is the imported model's, masked as transformers computes it.
-        out, rows = train(work, "frozen", "--training.steps=1", "--training.lr=0", "--training.min_lr=0")
+        # Learning rate 1e-12 (no visible change): the 4 ranks' validation loss is the imported model's, masked as transformers computes it.
+        out, rows = train(work, "frozen", "--training.steps=1", "--training.lr=1e-12", "--training.min_lr=0")
         val = [r["val_loss"] for r in rows if "val_loss" in r][-1]
         want = reference_loss(model, os.path.join(work, "frozen", "data"), rows=2 * 2 * 4)
         check(abs(val - want) < 1e-4 * want, f"ZeRO-3 on 4 ranks from the imported weights: validation loss {val:.6f} "
@@ -102,7 +102,7 @@ def main():
 
         # Export: transformers loads it; greedy tokens agree with meshtrain generate.
         exported = os.path.join(work, "exported")
-        CHECKS.meshtrain("export", "hf", "--checkpoint", checkpoint, "--out", exported)
+        CHECKS.meshtrain("export", "hf", checkpoint, "--out", exported)
         tuned = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
         tok = transformers.AutoTokenizer.from_pretrained(exported)
         prompt = tok.apply_chat_template([{"role": "user", "content": 'Who says "Friends, Romans"?'}],

@@ -1,6 +1,6 @@
 // Loss masks and padded documents in every layout under mpirun: the loss of a
 // step is the mean over the counted targets of the whole global batch
-// (Note [Packing]), so data parallel, ZeRO-3, tensor parallel (its
+// (Note [Packing]), whatever the micro-batches, so data parallel, ZeRO-3, tensor parallel (its
 // vocabulary-parallel cross-entropy ignores the masked targets), sequence
 // parallel and the pipeline equal one process, loss and gradient norm every
 // step and the parameters after, though ranks count different numbers of
@@ -59,7 +59,9 @@ TEST_F(MaskedDataTest, MaskedAndPaddedTargetsInEveryLayoutEqualOneProcess) {
       layout.insert(layout.end(), model.begin(), model.end());
       const TrainConfig split = config(n, micro, "", layout);
       Trainer parallel(split, world());
-      Trainer single(config(1, split.micro_batch, "", model), alone());
+      // One process reads, per micro-batch, what every data rank reads at that accumulation step together:
+      // a mean per micro-batch (not over the global batch) would differ.
+      Trainer single(config(1, split.micro_batch * split.data_ranks(), "", model), alone());
       expect_same_training(parallel, single, 3,
                            std::string(packing) + " with " + describe(layout) + " on " + std::to_string(n) + " ranks");
       EXPECT_NEAR(parallel.evaluate(), single.evaluate(), 1e-5 * single.evaluate()) << packing << " " << describe(layout);
