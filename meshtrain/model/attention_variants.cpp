@@ -112,4 +112,21 @@ at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return at::matmul(weights, values_all);
 }
 
+namespace {
+thread_local at::Tensor t_positions;
+}
+
+DocumentScope::DocumentScope(at::Tensor positions) : previous_(std::move(t_positions)) {
+  t_positions = std::move(positions);
+}
+
+DocumentScope::~DocumentScope() { t_positions = std::move(previous_); }
+
+const at::Tensor& document_positions() { return t_positions; }
+
+at::Tensor document_mask(const at::Tensor& positions) {
+  const at::Tensor document = (positions == 0).cumsum(1);  // which document of its row each token is in
+  return (document.unsqueeze(2) == document.unsqueeze(1)).unsqueeze(1);
+}
+
 }  // namespace meshtrain::model

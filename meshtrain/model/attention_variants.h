@@ -38,4 +38,28 @@ at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              const AttentionVariant& variant, double dropout, bool training,
                              const at::Tensor& allowed = {});
 
+// Note [Packed documents]
+// Rows that hold several documents (data.packing = "packed") come with each
+// token's position inside its document, [B, T] int64, 0 where one starts.
+// Training sets them for the forward of a micro-batch with a DocumentScope
+// (one per thread; activation checkpointing keeps the scope of the forward
+// for its recompute); attention then lets a query see only the keys of its
+// own document, and RoPE rotates by those positions, so each document is
+// computed as if it were alone in its row. Outside a scope, rows are one
+// sequence from position 0.
+class DocumentScope {
+ public:
+  explicit DocumentScope(at::Tensor positions);  // undefined: no documents (a no-op scope)
+  ~DocumentScope();
+  DocumentScope(const DocumentScope&) = delete;
+  DocumentScope& operator=(const DocumentScope&) = delete;
+
+ private:
+  at::Tensor previous_;
+};
+// The positions of the innermost scope on this thread, or an undefined tensor.
+const at::Tensor& document_positions();
+// Which keys each query may see: [B, 1, T, T] bool, true within a document.
+at::Tensor document_mask(const at::Tensor& positions);
+
 }  // namespace meshtrain::model

@@ -25,16 +25,29 @@ at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x) {
   return fused::plain(x) ? at::linear(x, layer->weight, layer->bias) : layer->forward(x);
 }
 
+// x's first 2 * half dims rotated by the angles whose cos and sin are c, s
+// (broadcast over x); the rest, under partial rotary, as they are.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
+  const int64_t half = c.size(-1), d = x.size(-1);
+  const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  if (2 * half == d) return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, d - 2 * half)}, -1);
+}
+
+// RoPE at each token's own position ([B, T]): Note [Packed documents].
+at::Tensor rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  const int64_t b = x.size(0), t = x.size(2), half = cos.size(-1);
+  const at::Tensor index = positions.to(cos.device()).reshape({-1});
+  return rotate(x, cos.index_select(0, index).view({b, 1, t, half}).to(x.scalar_type()),
+                sin.index_select(0, index).view({b, 1, t, half}).to(x.scalar_type()));
+}
+
 }  // namespace
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset) {
-  const int64_t half = cos.size(-1), d = x.size(-1);
   const int64_t t = x.size(-2);
   // Tables in the activations' dtype (bfloat16 parameters give bfloat16 activations).
-  const at::Tensor c = cos.narrow(0, offset, t).to(x.scalar_type()), s = sin.narrow(0, offset, t).to(x.scalar_type());
-  const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  if (2 * half == d) return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
-  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, d - 2 * half)}, -1);  // partial rotary
+  return rotate(x, cos.narrow(0, offset, t).to(x.scalar_type()), sin.narrow(0, offset, t).to(x.scalar_type()));
 }
 
 QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config) {
@@ -133,8 +146,12 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
   auto [q, k, v] = split_qkv(qkv_out, config_);
   const int64_t w = q.size(1) * head_dim_;
   const bool fused = fused_ && fused::eligible(q);
+  const at::Tensor& positions = document_positions();  // Note [Packed documents]
   std::tie(q, k) = normalize_qk(q, k);
-  if (rope_) {
+  if (rope_ && positions.defined()) {
+    q = rope_at(q, cos_, sin_, positions);
+    k = rope_at(k, cos_, sin_, positions);
+  } else if (rope_) {
     const bool whole = 2 * cos_.size(1) == head_dim_;  // the fused kernel rotates whole heads
     q = fused && whole ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);
     k = fused && whole ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
@@ -142,6 +159,11 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
   const double p = is_training() ? dropout_ : 0.0;
   AttentionVariant variant = attention_variant(config_, 0);
   variant.window = window_;
+  if (positions.defined()) {  // documents side by side: a block-diagonal mask, ATen's kernels
+    return variant_attention(q, k, v, variant, dropout_, is_training(), document_mask(positions.to(q.device())))
+        .transpose(1, 2)
+        .reshape({b, t, w});
+  }
   if (variant.softcap > 0 || (!fused && !variant.plain())) {  // a soft-cap sits inside the softmax: ATen's ops
     return variant_attention(q, k, v, variant, dropout_, is_training()).transpose(1, 2).reshape({b, t, w});
   }
@@ -349,7 +371,10 @@ at::Tensor GptImpl::embed(const at::Tensor& tokens) {
   // Gemma: times sqrt(width), rounded to the activations' dtype as Hugging Face does.
   if (config_.embed_scale) x = x * at::scalar_tensor(std::sqrt(static_cast<double>(config_.width)), x.options());
   if (wpe) {
-    x = x + c.call("wpe", at::arange(t, tokens.options()), [this](const at::Tensor& in) { return wpe->forward(in); });
+    // Packed rows restart positions at each document (Note [Packed documents]).
+    const at::Tensor positions = document_positions().defined() ? document_positions().to(tokens.device())
+                                                                : at::arange(t, tokens.options());
+    x = x + c.call("wpe", positions, [this](const at::Tensor& in) { return wpe->forward(in); });
   }
   return c.call("drop", x, [this](const at::Tensor& in) { return at::dropout(in, config_.dropout, is_training()); });
 }
@@ -386,14 +411,12 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
   if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets);
   // Targets of -100 count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
-  // (Plain tensors only: annotations' distributed tensors, PrivateUse1, keep ATen's mean.)
-  const bool plain = !flat.key_set().has(c10::DispatchKey::PrivateUse1) &&
-                     !flat_targets.key_set().has(c10::DispatchKey::PrivateUse1);
-  if (plain && (flat_targets == -100).any().item<bool>()) {
-    const at::Tensor counted = (flat_targets != -100).sum().clamp_min(1);
-    return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum) / counted;
+  // Annotations' distributed tensors (PrivateUse1) keep ATen's mean, which their rules cover.
+  if (flat.key_set().has(c10::DispatchKey::PrivateUse1) || flat_targets.key_set().has(c10::DispatchKey::PrivateUse1)) {
+    return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets);
   }
-  return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets);
+  const at::Tensor counted = (flat_targets != -100).sum().clamp_min(1);
+  return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum) / counted;
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {

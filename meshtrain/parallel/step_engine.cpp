@@ -1,6 +1,7 @@
 #include "meshtrain/parallel/step_engine.h"
 
 #include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/util/memory.h"
 
@@ -43,12 +44,12 @@ void StepEngine::set_aux_loss_scale(double scale) {
 }
 
 double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                                    std::vector<double> weights) {
+                                    std::vector<double> weights, const std::vector<at::Tensor>& documents) {
   const int64_t count = static_cast<int64_t>(inputs.size());
   if (weights.empty()) weights.assign(count, 1.0 / static_cast<double>(count));
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == count, "a weight per micro-batch");
   set_aux_loss_scale(1.0 / static_cast<double>(count));
-  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, weights);
+  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, weights, documents);
   const ParallelizeOptions& o = parts_.options;
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
   for (int64_t a = 0; a < count; ++a) {
@@ -57,6 +58,7 @@ double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const
     {
       memory::PhaseScope phase(memory::Phase::kForward);
       Autocast autocast(o.bfloat16_autocast, o.device);
+      model::DocumentScope scope(documents.empty() ? at::Tensor() : documents[a]);
       loss = parts_.model->loss(inputs[a], targets[a]) * weights[a];
     }
     {
@@ -71,7 +73,7 @@ double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const
 }
 
 double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                            std::vector<double> weights) {
+                            std::vector<double> weights, const std::vector<at::Tensor>& documents) {
   if (weights.empty()) weights.assign(inputs.size(), 1.0);
   memory::PhaseScope phase(memory::Phase::kEval);
   torch::NoGradGuard no_grad;
@@ -79,10 +81,12 @@ double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::ve
   parts_.model->eval();
   at::Tensor total = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
   if (parts_.pipeline) {
-    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, weights);
+    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, weights,
+                          documents);
   } else {
     for (size_t i = 0; i < inputs.size(); ++i) {
       Autocast autocast(o.bfloat16_autocast, o.device);
+      model::DocumentScope scope(documents.empty() ? at::Tensor() : documents[i]);
       total += plain(parts_.model->loss(inputs[i], targets[i]).detach()) * weights[i];
     }
   }
@@ -91,7 +95,8 @@ double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::ve
 }
 
 double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
-                                const std::vector<at::Tensor>& targets, const std::vector<double>& weights) {
+                                const std::vector<at::Tensor>& targets, const std::vector<double>& weights,
+                                const std::vector<at::Tensor>& documents) {
   const ParallelizeOptions& o = parts_.options;
   model::Gpt& model = parts_.model;
   pipeline::StagedModel& staged = *parts_.pipeline;
@@ -101,6 +106,7 @@ double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::v
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
     Autocast autocast(o.bfloat16_autocast, o.device);
     const pipeline::StageSpec& spec = staged.stages()[stage];
+    model::DocumentScope scope(documents.empty() ? at::Tensor() : documents[mb]);
     const at::Tensor out = pipeline::run_stage(model, spec, spec.embed ? inputs[mb] : input);
     return spec.head ? model->cross_entropy(out, targets[mb]) * weights[mb] : out;
   };

@@ -26,11 +26,12 @@ class StepEngine {
   // loss, the trainer's weights make the step's loss the mean over the global
   // batch's counted targets). Returns the summed weighted loss where it is
   // computed (the last pipeline stage; 0 elsewhere). Gradients are then reduced.
+  // `documents`: each micro-batch's packed-document positions (Note [Packed documents]), or none.
   double forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                          std::vector<double> weights = {});
+                          std::vector<double> weights = {}, const std::vector<at::Tensor>& documents = {});
   // The summed loss of evaluation micro-batches (no gradients), each times its weight (none: 1).
   double evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                  std::vector<double> weights = {});
+                  std::vector<double> weights = {}, const std::vector<at::Tensor>& documents = {});
   // The mean over data ranks of a per-rank loss sum `local` (taken from the
   // last pipeline stage; tensor-parallel ranks hold the same).
   double mean_loss(double local);
@@ -50,7 +51,8 @@ class StepEngine {
   // The auxiliary losses' share of the loss gradient (the main loss is divided by the micro-batches).
   void set_aux_loss_scale(double scale);
   double run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
-                      const std::vector<at::Tensor>& targets, const std::vector<double>& weights);
+                      const std::vector<at::Tensor>& targets, const std::vector<double>& weights,
+                      const std::vector<at::Tensor>& documents);
 
   Parallelized parts_;
 };

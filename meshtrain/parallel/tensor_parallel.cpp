@@ -154,9 +154,9 @@ struct TensorParallel::Hooks : model::ForwardHooks {
       case Style::kSequenceParallel:
         return forward(input);
       case Style::kSequencePositions: {
-        const at::Tensor y = forward(input);  // [T, width]
-        const int64_t chunk = y.size(0) / comm->size();
-        return y.narrow(0, comm->rank() * chunk, chunk);
+        const at::Tensor y = forward(input);  // [T, width], or [B, T, width] for packed rows' own positions
+        const int64_t dim = y.dim() - 2, chunk = y.size(dim) / comm->size();
+        return y.narrow(dim, comm->rank() * chunk, chunk);
       }
       case Style::kMixtureOfExperts: {
         // Every rank routes the whole micro-batch; the partial outputs add up.

@@ -50,7 +50,8 @@ ChatRenderer::ChatRenderer(const text::Tokenizer& tokenizer, LossOn loss_on) : t
 }
 
 MaskedTokens ChatRenderer::render(const nlohmann::ordered_json& record, const std::string& where) const {
-  if (record.contains("messages")) {
+  // Absent and null are alike (a Parquet table of both shapes has nulls in the other's columns).
+  if (record.contains("messages") && !record["messages"].is_null()) {
     const auto& messages = record["messages"];
     if (!messages.is_array() || messages.empty()) bad(where, "\"messages\" must be a non-empty list of messages");
     for (const auto& m : messages) {

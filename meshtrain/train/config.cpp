@@ -36,7 +36,8 @@ const config::Names<LossOn>& loss_on_names() {
 }
 
 const config::Names<Packing>& packing_names() {
-  static const config::Names<Packing> names = {{Packing::kConcat, "concat"}, {Packing::kPadded, "padded"}};
+  static const config::Names<Packing> names = {
+      {Packing::kConcat, "concat"}, {Packing::kPadded, "padded"}, {Packing::kPacked, "packed"}};
   return names;
 }
 
@@ -164,8 +165,9 @@ void add_data_and_training_keys(std::vector<Field>& f) {
   f.push_back(field("data", "field", "the field of a JSONL / Parquet record that holds its text", MESHTRAIN_CONFIG_MEMBER(field)));
   f.push_back(config::enum_key<TrainConfig>("data", "loss_on", "chat: \"assistant\" (only replies count toward the "
                                             "loss) or \"all\"", loss_on_names(), MESHTRAIN_CONFIG_MEMBER(loss_on)));
-  f.push_back(config::enum_key<TrainConfig>("data", "packing", "\"concat\" (windows across documents) or \"padded\" "
-                                            "(one document per row, padding counts toward no loss)",
+  f.push_back(config::enum_key<TrainConfig>("data", "packing", "\"concat\" (windows across documents), \"padded\" "
+                                            "(one document per row, padding counts toward no loss) or \"packed\" "
+                                            "(windows across documents, attention and positions kept inside each)",
                                             packing_names(), MESHTRAIN_CONFIG_MEMBER(packing)));
   f.push_back(field("data", "split_mb", "prepare's unit of work: files are cut every this many MiB",
                     MESHTRAIN_CONFIG_MEMBER(split_mb)));
@@ -506,6 +508,10 @@ void check_data_and_run(const TrainConfig& c) {
   }
   if (c.trace_step < 0) refuse("run.trace_step", n(c.trace_step), "must be >= 0 (0: none)");
   if (c.out.empty()) refuse("run.out", "\"\"", "must name a directory");
+  if (c.packing == Packing::kPacked && c.parallel.annotated()) {
+    refuse("data.packing", "\"packed\"", "its block-diagonal attention is not ruled for parallel.tp_impl = "
+                                         "\"annotations\"; use \"concat\" or \"padded\", or tp_impl \"plan\"");
+  }
 }
 
 }  // namespace

@@ -66,7 +66,12 @@ TokenWriter::TokenWriter(std::string path, int64_t vocab_size)
   file_ = std::fopen(tmp_.c_str(), "wb");
   if (!file_) throw DataError("cannot write " + tmp_ + " (" + std::strerror(errno) + ")");
   const Header placeholder{};
-  if (std::fwrite(&placeholder, sizeof placeholder, 1, file_) != 1) throw DataError("writing " + tmp_ + " failed");
+  if (std::fwrite(&placeholder, sizeof placeholder, 1, file_) != 1) {
+    std::fclose(file_);
+    std::remove(tmp_.c_str());
+    file_ = nullptr;
+    throw DataError("writing " + tmp_ + " failed (" + std::strerror(errno) + ")");
+  }
   buffer_.reserve(1 << 20);
 }
 
@@ -142,30 +147,36 @@ TokenFile::TokenFile(std::string path) : path_(std::move(path)) {
     map_ = nullptr;
     data_error(path_, std::string("cannot be mapped (") + std::strerror(errno) + ")");
   }
-  Header header;
-  std::memcpy(&header, map_, sizeof header);
-  if (std::memcmp(header.magic, kMagic, sizeof kMagic) != 0) {
-    data_error(path_, "is not a meshtrain token file (no MTTOKENS header); turn text into one with "
-                      "`meshtrain prepare " + path_ + " --out DIR`");
+  try {  // a file refused is unmapped
+    Header header;
+    std::memcpy(&header, map_, sizeof header);
+    if (std::memcmp(header.magic, kMagic, sizeof kMagic) != 0) {
+      data_error(path_, "is not a meshtrain token file (no MTTOKENS header); turn text into one with "
+                        "`meshtrain prepare " + path_ + " --out DIR`");
+    }
+    if (header.version != kVersion) {
+      data_error(path_, "has token file version " + std::to_string(header.version) + "; this meshtrain reads version " +
+                            std::to_string(kVersion));
+    }
+    if (header.token_bytes != 1 && header.token_bytes != 2 && header.token_bytes != 4 && header.token_bytes != 8) {
+      data_error(path_, "declares " + std::to_string(header.token_bytes) + " bytes per token (1, 2, 4 or 8 allowed)");
+    }
+    const uint64_t expected = kHeaderBytes + header.count * header.token_bytes;
+    if (expected != map_bytes_) {
+      data_error(path_, "is truncated or padded: the header promises " + std::to_string(header.count) + " tokens (" +
+                            std::to_string(expected) + " bytes) but the file has " + std::to_string(map_bytes_) +
+                            " bytes; prepare it again");
+    }
+    count_ = static_cast<int64_t>(header.count);
+    vocab_size_ = static_cast<int64_t>(header.vocab_size);
+    token_bytes_ = static_cast<int>(header.token_bytes);
+    tokens_ = static_cast<const unsigned char*>(map_) + kHeaderBytes;
+    if (count_ == 0) data_error(path_, "holds no tokens");
+  } catch (...) {
+    munmap(map_, map_bytes_);
+    map_ = nullptr;
+    throw;
   }
-  if (header.version != kVersion) {
-    data_error(path_, "has token file version " + std::to_string(header.version) + "; this meshtrain reads version " +
-                          std::to_string(kVersion));
-  }
-  if (header.token_bytes != 1 && header.token_bytes != 2 && header.token_bytes != 4 && header.token_bytes != 8) {
-    data_error(path_, "declares " + std::to_string(header.token_bytes) + " bytes per token (1, 2, 4 or 8 allowed)");
-  }
-  const uint64_t expected = kHeaderBytes + header.count * header.token_bytes;
-  if (expected != map_bytes_) {
-    data_error(path_, "is truncated or padded: the header promises " + std::to_string(header.count) + " tokens (" +
-                          std::to_string(expected) + " bytes) but the file has " + std::to_string(map_bytes_) +
-                          " bytes; prepare it again");
-  }
-  count_ = static_cast<int64_t>(header.count);
-  vocab_size_ = static_cast<int64_t>(header.vocab_size);
-  token_bytes_ = static_cast<int>(header.token_bytes);
-  tokens_ = static_cast<const unsigned char*>(map_) + kHeaderBytes;
-  if (count_ == 0) data_error(path_, "holds no tokens");
 }
 
 TokenFile::~TokenFile() {
@@ -209,6 +220,17 @@ TokenDataset::TokenDataset(const std::string& token_path) : tokens_(token_path) 
 }
 
 int64_t TokenDataset::documents() const { return index_ ? index_->size() - 1 : 1; }
+
+int64_t TokenDataset::document_of(int64_t token) const {
+  if (!index_) return 0;
+  int64_t lo = 0, hi = documents() - 1;  // the last document whose start is <= token
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (index_->at(mid) <= token) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
 
 std::pair<int64_t, int64_t> TokenDataset::document(int64_t i) const {
   if (!index_) return {0, tokens_.size()};

@@ -95,8 +95,10 @@ class TokenDataset {
   explicit TokenDataset(const std::string& token_path);
   const TokenFile& tokens() const { return tokens_; }
   const TokenFile* mask() const { return mask_.get(); }
+  bool has_index() const { return index_ != nullptr; }
   int64_t documents() const;  // 1 without an index
   std::pair<int64_t, int64_t> document(int64_t i) const;  // tokens [begin, end)
+  int64_t document_of(int64_t token) const;  // the document holding token `token`
 
  private:
   TokenFile tokens_;
@@ -140,6 +142,9 @@ class Sampler {
   bool ignores_targets() const;
   // The targets of those rows that count toward the loss.
   int64_t counted_targets(int64_t cursor, int64_t rows);
+  // Packing::kPacked: each input token's position inside its document
+  // [rows, context] (Note [Packed documents]); undefined otherwise.
+  at::Tensor positions(int64_t cursor, int64_t rows);
   // The source of each of the stream positions [cursor, cursor + rows).
   std::vector<int> sources_of(int64_t cursor, int64_t rows);
 
@@ -153,6 +158,8 @@ class Sampler {
   std::pair<int, int64_t> locate(int64_t position);  // (source, its stream position)
   int64_t window_at(Stream& stream, int s, int64_t position);
   void window(const Stream& stream, int64_t w, int64_t* input, int64_t* target) const;
+  // Which of window w's context + 1 tokens start a document (packed rows).
+  std::vector<bool> document_starts(const Stream& stream, int64_t w) const;
 
   std::vector<Stream> streams_;
   int64_t context_;
@@ -160,9 +167,11 @@ class Sampler {
   bool shuffle_;
   Packing packing_;
   int64_t pad_id_;
-  // The mixture's state after blended_ positions: how many each source had.
-  int64_t blended_ = 0;
-  std::vector<int64_t> taken_;
+  // The mixture's state after blended_ positions: how many each source had;
+  // and the state at the first position of the last call, to go back to.
+  int64_t blended_ = 0, anchor_ = 0;
+  std::vector<int64_t> taken_, anchor_taken_;
+  void set_anchor(int64_t position);
 };
 
 }  // namespace meshtrain::train

@@ -12,6 +12,6 @@ enum class DataFormat { kText, kChat };
 enum class LossOn { kAssistant, kAll };
 
 // How windows of context + 1 tokens are cut (Note [Packing]).
-enum class Packing { kConcat, kPadded };
+enum class Packing { kConcat, kPadded, kPacked };
 
 }  // namespace meshtrain::train

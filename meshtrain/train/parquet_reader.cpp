@@ -5,6 +5,7 @@
 #include <arrow/api.h>
 #include <arrow/io/file.h>
 #include <parquet/arrow/reader.h>
+#include <parquet/arrow/schema.h>
 #include <parquet/exception.h>
 
 namespace meshtrain::train {
@@ -72,6 +73,12 @@ nlohmann::ordered_json cell(const arrow::Array& array, int64_t row) {
   }
 }
 
+// The leaf (Parquet) columns under a top-level field: what ReadRowGroup takes.
+void leaves(const parquet::arrow::SchemaField& field, std::vector<int>& out) {
+  if (field.is_leaf()) out.push_back(field.column_index);
+  for (const auto& child : field.children) leaves(child, out);
+}
+
 }  // namespace
 
 int64_t parquet_row_groups(const std::string& path) { return open(path)->num_row_groups(); }
@@ -85,19 +92,29 @@ void read_parquet_rows(const std::string& path, int64_t group, const std::vector
   std::vector<std::string> names;
   for (const std::string& name : columns) {
     const int field = schema->GetFieldIndex(name);
-    if (field >= 0) indices.push_back(field), names.push_back(name);
+    if (field < 0) continue;
+    leaves(reader->manifest().schema_fields[field], indices);
+    names.push_back(name);
   }
-  if (indices.empty()) return;
+  if (names.empty()) {
+    std::string have;
+    for (const auto& f : schema->fields()) have += (have.empty() ? "" : ", ") + f->name();
+    std::string want;
+    for (const auto& c : columns) want += (want.empty() ? "" : " or ") + c;
+    fail(path, "has no column " + want + " (its columns: " + have + "); name the text column with data.field or --field");
+  }
   auto table = reader->ReadRowGroup(static_cast<int>(group), indices);
   if (!table.ok()) fail(path, "row group " + std::to_string(group) + " cannot be read (" + table.status().message() + ")");
   auto combined = (*table)->CombineChunksToBatch();
   if (!combined.ok()) fail(path, "row group " + std::to_string(group) + ": " + combined.status().message());
   const arrow::RecordBatch& batch = **combined;
+  std::vector<std::shared_ptr<arrow::Array>> arrays;
+  for (const std::string& name : names) arrays.push_back(batch.GetColumnByName(name));
   for (int64_t row = 0; row < batch.num_rows(); ++row) {
     nlohmann::ordered_json record = nlohmann::ordered_json::object();
     for (size_t c = 0; c < names.size(); ++c) {
       try {
-        record[names[c]] = cell(*batch.column(static_cast<int>(c)), row);
+        record[names[c]] = cell(*arrays[c], row);
       } catch (const std::invalid_argument& type) {
         fail(path, "column " + names[c] + " has type " + type.what() + ", which meshtrain does not read");
       }

@@ -19,7 +19,8 @@ int64_t parquet_row_groups(const std::string& path);
 
 // Calls `each` with every row of row group `group` as a JSON object holding the
 // `columns` the file has (strings, numbers, booleans, lists and structs as JSON;
-// nulls as null). Throws DataError naming the file, group and column.
+// nulls as null). Throws DataError naming the file, group and column, and for
+// a file with none of `columns`, the columns it has.
 void read_parquet_rows(const std::string& path, int64_t group, const std::vector<std::string>& columns,
                        const std::function<void(nlohmann::ordered_json&&)>& each);
 

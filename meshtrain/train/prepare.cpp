@@ -64,11 +64,11 @@ uint64_t fnv1a(const std::string& text) {
 
 const char* format_name(DataFormat f) { return f == DataFormat::kChat ? "chat" : "text"; }
 
-// What decides the output: every input file as found, the tokenizer, the settings.
+// What decides the parts: every input file as found, the tokenizer, the settings.
 std::string plan_of(const PrepareOptions& o, const std::vector<Shard>& shards, const text::Tokenizer& tokenizer) {
   json plan = {{"version", 2}, {"format", format_name(o.format)}, {"field", o.field},
                {"loss_on", o.loss_on == LossOn::kAll ? "all" : "assistant"}, {"split_mb", o.split_mb},
-               {"val_fraction", o.val_fraction}, {"tokenizer", hex64(fnv1a(text::tokenizer_to_json(tokenizer)))}};
+               {"tokenizer", hex64(fnv1a(text::tokenizer_to_json(tokenizer)))}};
   for (const Shard& s : shards) {
     struct stat info {};
     stat(s.path.c_str(), &info);
@@ -186,6 +186,9 @@ void join_parts(const std::string& parts, const std::vector<Part>& units, const 
     train.mask = std::make_unique<TokenWriter>(companion_path(r.train_path, "mask"), 2);
     val.mask = std::make_unique<TokenWriter>(companion_path(r.val_path, "mask"), 2);
   }
+  // Validation data starts a document (a split inside one starts with the rest of it).
+  const int64_t zero = 0;
+  val.index.append(&zero, 1);
   int64_t offset = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     if (units[u].tokens == 0) continue;
@@ -196,9 +199,9 @@ void join_parts(const std::string& parts, const std::vector<Part>& units, const 
     for (int64_t d = 0; d < units[u].documents; ++d) {
       const int64_t start = offset + index.at(d);
       if (start < split) train.index.append(&start, 1);
-      else {
+      else if (start > split) {
         const int64_t local = start - split;
-        if (local > 0 || val.index.count() == 0) val.index.append(&local, 1);
+        val.index.append(&local, 1);
       }
     }
     for (int64_t begin = 0; begin < units[u].tokens; begin += 1 << 20) {
@@ -219,10 +222,6 @@ void join_parts(const std::string& parts, const std::vector<Part>& units, const 
     }
     offset += units[u].tokens;
   }
-  if (val.index.count() == 0) {
-    const int64_t zero = 0;
-    val.index.append(&zero, 1);
-  }
   const int64_t train_end = split, val_end = total - split;
   r.train_documents = train.index.count();
   r.val_documents = val.index.count();
@@ -236,6 +235,37 @@ void join_parts(const std::string& parts, const std::vector<Part>& units, const 
   r.train_tokens = split;
   r.val_tokens = total - split;
   if (!masked) r.train_counted = split;
+}
+
+// Whether `manifest` records a preparation of `plan`; its counts into `r`.
+bool read_manifest(const std::string& manifest, const std::string& plan, PrepareResult& r) {
+  if (!util::path_exists(manifest) || !util::path_exists(r.train_path)) return false;
+  const json done = json::parse(util::read_text_file(manifest), nullptr, false);
+  if (!done.is_object() || done.value("plan", "") != plan) return false;
+  r.train_tokens = done.value("train_tokens", int64_t{0});
+  r.val_tokens = done.value("val_tokens", int64_t{0});
+  r.train_documents = done.value("train_documents", int64_t{0});
+  r.val_documents = done.value("val_documents", int64_t{0});
+  r.train_counted = done.value("train_counted", int64_t{0});
+  return true;
+}
+
+// Rank 0's counts (and whether it found the folder prepared) on every rank,
+// with the units every rank found finished summed.
+void share_counts(comm::Communicator* world, PrepareResult& r, int64_t resumed) {
+  std::vector<double> v = {double(r.reused), double(r.train_tokens), double(r.val_tokens), double(r.train_documents),
+                           double(r.val_documents), double(r.train_counted), double(resumed)};
+  if (world) {
+    if (world->rank() != 0) std::fill(v.begin(), v.end() - 1, 0.0);
+    v = comm::agree_values(*world, v, comm::ReduceOp::kSum);
+  }
+  r.reused = v[0] > 0;
+  r.train_tokens = static_cast<int64_t>(v[1]);
+  r.val_tokens = static_cast<int64_t>(v[2]);
+  r.train_documents = static_cast<int64_t>(v[3]);
+  r.val_documents = static_cast<int64_t>(v[4]);
+  r.train_counted = static_cast<int64_t>(v[5]);
+  r.resumed_units = static_cast<int64_t>(v[6]);
 }
 
 }  // namespace
@@ -272,24 +302,11 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
   for (const Shard& s : shards) r.sources.push_back(s.path);
   r.units = static_cast<int64_t>(units.size());
   r.token_bytes = token_bytes_for(tokenizer->vocab_size());
-  // Already prepared with this plan: nothing to do.
-  bool reused = false;
-  everywhere([&] {
-    if (!util::path_exists(manifest) || !util::path_exists(r.train_path)) return;
-    const json done = json::parse(util::read_text_file(manifest), nullptr, false);
-    if (done.is_object() && done.value("plan", "") == plan) {
-      reused = true;
-      r.train_tokens = done.value("train_tokens", int64_t{0});
-      r.val_tokens = done.value("val_tokens", int64_t{0});
-      r.train_documents = done.value("train_documents", int64_t{0});
-      r.val_documents = done.value("val_documents", int64_t{0});
-      r.train_counted = done.value("train_counted", int64_t{0});
-    }
-  });
-  if (reused) {
-    r.reused = true;
-    return r;
-  }
+  // The output depends on the parts and on the validation share; the parts on the rest.
+  const std::string output_plan = hex64(fnv1a(plan + " " + std::to_string(o.val_fraction)));
+  on_root([&] { r.reused = read_manifest(manifest, output_plan, r); });  // rank 0 decides for everyone
+  share_counts(world, r, 0);
+  if (r.reused) return r;
   // Parts of another plan are stale; a part of this one is kept (resume).
   on_root([&] {
     const std::string plan_file = util::join_path(parts, "plan");
@@ -313,7 +330,7 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
     std::vector<Part> done;
     for (int64_t u = 0; u < r.units; ++u) done.push_back(read_part(parts, u));
     join_parts(parts, done, o, tokenizer->vocab_size(), chat != nullptr, r);
-    const json m = {{"plan", plan}, {"format", format_name(o.format)}, {"tokenizer", tokenizer->describe()},
+    const json m = {{"plan", output_plan}, {"format", format_name(o.format)}, {"tokenizer", tokenizer->describe()},
                     {"token_bytes", r.token_bytes}, {"sources", r.sources}, {"units", r.units},
                     {"train_tokens", r.train_tokens}, {"val_tokens", r.val_tokens},
                     {"train_documents", r.train_documents}, {"val_documents", r.val_documents},
@@ -321,21 +338,9 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
     util::write_text_file(manifest, m.dump(2) + "\n");
     util::remove_tree(parts);
   });
-  // Every rank returns the same numbers.
-  std::vector<double> numbers = {double(r.train_tokens), double(r.val_tokens), double(r.train_documents),
-                                 double(r.val_documents), double(r.train_counted), double(resumed)};
+  share_counts(world, r, resumed);
   std::vector<double> most = {tokenize_seconds, peak_rss_mb()};
-  if (world) {
-    if (rank != 0) std::fill(numbers.begin(), numbers.end() - 1, 0.0);  // rank 0's counts; everyone's resumed units
-    numbers = comm::agree_values(*world, numbers, comm::ReduceOp::kSum);
-    most = comm::agree_values(*world, most, comm::ReduceOp::kMax);
-  }
-  r.train_tokens = static_cast<int64_t>(numbers[0]);
-  r.val_tokens = static_cast<int64_t>(numbers[1]);
-  r.train_documents = static_cast<int64_t>(numbers[2]);
-  r.val_documents = static_cast<int64_t>(numbers[3]);
-  r.train_counted = static_cast<int64_t>(numbers[4]);
-  r.resumed_units = static_cast<int64_t>(numbers[5]);
+  if (world) most = comm::agree_values(*world, most, comm::ReduceOp::kMax);
   r.tokenize_seconds = most[0];
   r.peak_rss_mb = most[1];
   r.seconds = seconds_since(start);

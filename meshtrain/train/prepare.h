@@ -40,7 +40,8 @@ struct PrepareResult {
 };
 
 // Prepares on every rank of `world` (null: this process alone). Collective;
-// an error on any rank ends every rank with it. Throws DataError.
+// an error on any rank ends every rank with it. Throws DataError (with a
+// communicator, comm::AgreedError with the same message on every rank).
 PrepareResult prepare(const PrepareOptions& options, comm::Communicator* world = nullptr);
 
 // Text files or folders with defaults otherwise.

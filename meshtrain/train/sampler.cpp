@@ -29,8 +29,12 @@ Sampler::Sampler(std::vector<SamplerSource> sources, int64_t context, uint64_t s
     if (!(source.weight > 0)) throw DataError("data file " + file.path() + ": a mixture weight must be > 0");
     Stream stream;
     stream.source = source;
+    if (packing != Packing::kConcat && (!source.dataset || !source.dataset->has_index())) {
+      throw DataError("data file " + file.path() + ": data.packing = \"" + (packing == Packing::kPadded ? "padded" : "packed") +
+                      "\" needs its document index (" + companion_path(file.path(), "idx") +
+                      "); prepare the data again, or use packing \"concat\"");
+    }
     if (packing == Packing::kPadded) {
-      TORCH_CHECK(source.dataset, "padded packing reads documents");
       stream.windows = source.dataset->documents();
     } else {
       if (file.size() < context + 1) {
@@ -43,20 +47,26 @@ Sampler::Sampler(std::vector<SamplerSource> sources, int64_t context, uint64_t s
     streams_.push_back(std::move(stream));
   }
   taken_.assign(streams_.size(), 0);
+  anchor_taken_ = taken_;
 }
 
 int64_t Sampler::windows() const { return streams_.front().windows; }
 
 bool Sampler::ignores_targets() const {
-  if (packing_ == Packing::kPadded) return true;
+  if (packing_ != Packing::kConcat) return true;
   return std::any_of(streams_.begin(), streams_.end(), [](const Stream& s) { return s.source.mask != nullptr; });
 }
 
 std::pair<int, int64_t> Sampler::locate(int64_t position) {
   if (streams_.size() == 1) return {0, position};
-  if (position < blended_) {  // the state is kept for the next position; going back starts over
-    blended_ = 0;
-    std::fill(taken_.begin(), taken_.end(), 0);
+  if (position < blended_) {  // going back: to the anchor when that is not past it, else to the start
+    if (position >= anchor_) {
+      blended_ = anchor_;
+      taken_ = anchor_taken_;
+    } else {
+      blended_ = 0;
+      std::fill(taken_.begin(), taken_.end(), 0);
+    }
   }
   double total = 0;
   for (const Stream& s : streams_) total += s.source.weight;
@@ -99,14 +109,52 @@ void Sampler::window(const Stream& stream, int64_t w, int64_t* input, int64_t* t
   const at::Tensor flags = source.mask ? source.mask->slice(begin, length) : at::Tensor();
   const int64_t* t = tokens.data_ptr<int64_t>();
   const int64_t* f = flags.defined() ? flags.data_ptr<int64_t>() : nullptr;
+  // Packed rows: no target predicts the first token of the next document from the last one's end.
+  const std::vector<bool> starts = packing_ == Packing::kPacked ? document_starts(stream, w) : std::vector<bool>();
   for (int64_t j = 0; j < context_; ++j) {
-    const bool real = j + 1 < length;
+    const bool real = j + 1 < length && (starts.empty() || !starts[j + 1]);
     input[j] = j < length ? t[j] : pad_id_;
     target[j] = real && (!f || f[j + 1]) ? t[j + 1] : kIgnoredTarget;
   }
 }
 
+std::vector<bool> Sampler::document_starts(const Stream& stream, int64_t w) const {
+  const TokenDataset& data = *stream.source.dataset;
+  const int64_t begin = w * context_, end = begin + context_ + 1;
+  std::vector<bool> starts(context_ + 1, false);
+  for (int64_t d = data.document_of(begin); d < data.documents(); ++d) {
+    const int64_t start = data.document(d).first;
+    if (start >= end) break;
+    if (start >= begin) starts[start - begin] = true;
+  }
+  return starts;
+}
+
+at::Tensor Sampler::positions(int64_t cursor, int64_t rows) {
+  if (packing_ != Packing::kPacked) return {};
+  at::Tensor out = at::empty({rows, context_}, at::kLong);
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto [s, k] = locate(cursor + i);
+    Stream& stream = streams_[s];
+    const std::vector<bool> starts = document_starts(stream, window_at(stream, s, k));
+    int64_t* p = out[i].data_ptr<int64_t>();
+    for (int64_t j = 0, since = 0; j < context_; ++j, ++since) {
+      if (starts[j]) since = 0;
+      p[j] = since;  // a document begun before the window counts from the window's start
+    }
+  }
+  return out;
+}
+
+void Sampler::set_anchor(int64_t position) {
+  if (streams_.size() == 1) return;
+  locate(position);
+  anchor_ = blended_;
+  anchor_taken_ = taken_;
+}
+
 std::pair<at::Tensor, at::Tensor> Sampler::rows(int64_t cursor, int64_t rows) {
+  if (cursor < anchor_ || cursor >= blended_) set_anchor(cursor);  // a step reads its batch's rows, then the ranks'
   at::Tensor inputs = at::empty({rows, context_}, at::kLong), targets = at::empty({rows, context_}, at::kLong);
   for (int64_t i = 0; i < rows; ++i) {
     const auto [s, k] = locate(cursor + i);

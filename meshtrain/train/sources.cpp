@@ -113,20 +113,26 @@ class ZstdStream : public Stream {
     input_.resize(ZSTD_DStreamInSize());
   }
   ~ZstdStream() override { ZSTD_freeDCtx(context_); }
+  // A frame decoded but not yet all written out asks for more calls with no
+  // input. At the end of the file the stream is whole when the last call that
+  // made progress finished its frame (returned 0).
   size_t read(char* buffer, size_t bytes) override {
-    ZSTD_outBuffer out{buffer, bytes, 0};
-    while (out.pos == 0) {
-      if (in_.pos == in_.size) {
+    for (;;) {
+      if (in_.pos == in_.size && !end_) {
         in_ = {input_.data(), raw_.read(input_.data(), input_.size()), 0};
-        if (in_.size == 0) {
-          if (pending_ != 0) fail(path_, "is a truncated zstd stream");
-          return 0;
-        }
+        end_ = in_.size == 0;
       }
-      pending_ = ZSTD_decompressStream(context_, &out, &in_);
-      if (ZSTD_isError(pending_)) fail(path_, std::string("is not valid zstd (") + ZSTD_getErrorName(pending_) + ")");
+      ZSTD_outBuffer out{buffer, bytes, 0};
+      const size_t consumed = in_.pos;
+      const size_t left = ZSTD_decompressStream(context_, &out, &in_);
+      if (ZSTD_isError(left)) fail(path_, std::string("is not valid zstd (") + ZSTD_getErrorName(left) + ")");
+      if (out.pos > 0 || in_.pos > consumed) frame_left_ = left;
+      if (out.pos > 0) return out.pos;
+      if (end_ && in_.pos == in_.size) {
+        if (frame_left_ != 0) fail(path_, "is a truncated zstd stream");
+        return 0;
+      }
     }
-    return out.pos;
   }
 
  private:
@@ -135,14 +141,18 @@ class ZstdStream : public Stream {
   ZSTD_DCtx* context_;
   std::vector<char> input_;
   ZSTD_inBuffer in_{nullptr, 0, 0};
-  size_t pending_ = 0;
+  bool end_ = false;  // the file is read to its end
+  size_t frame_left_ = 0;  // what the last call that made progress returned
 };
 
-// Lines of a stream, each with its '\n' when it has one, and where it starts.
+// Lines of a stream, each with its '\n' when it has one, and where it
+// starts. A line longer than `longest` bytes is refused (a file without line
+// ends, a decompression bomb); skip() passes over one without keeping it.
 class LineReader {
  public:
-  LineReader(std::unique_ptr<Stream> stream, int64_t offset) : stream_(std::move(stream)), offset_(offset) {}
-  bool next(std::string& line, int64_t& start) {
+  LineReader(std::unique_ptr<Stream> stream, int64_t offset, const std::string& path, int64_t longest)
+      : stream_(std::move(stream)), offset_(offset), path_(path), longest_(longest) {}
+  bool next(std::string& line, int64_t& start, bool keep = true) {
     line.clear();
     start = offset_;
     for (;;) {
@@ -155,10 +165,14 @@ class LineReader {
       const char* begin = buffer_.data() + pos_;
       const void* newline = std::memchr(begin, '\n', buffer_.size() - pos_);
       const size_t take = newline ? static_cast<const char*>(newline) - begin + 1 : buffer_.size() - pos_;
-      line.append(begin, take);
+      if (keep) line.append(begin, take);
       pos_ += take;
       offset_ += static_cast<int64_t>(take);
       if (newline) return true;
+      if (offset_ - start > longest_) {
+        fail(path_, "the line at byte " + std::to_string(start) + " is longer than " + std::to_string(longest_ >> 20) +
+                        " MiB; records and lines must be shorter (raise data.split_mb, which sets this at 4x)");
+      }
     }
   }
 
@@ -167,6 +181,8 @@ class LineReader {
   std::vector<char> buffer_;
   size_t pos_ = 0;
   int64_t offset_;
+  std::string path_;
+  int64_t longest_;
 };
 
 std::unique_ptr<Stream> open_stream(const Shard& shard, int64_t offset) {
@@ -180,14 +196,14 @@ std::unique_ptr<Stream> open_stream(const Shard& shard, int64_t offset) {
 
 // The lines starting inside the unit, with where each starts and its number
 // (counted from the unit's first line; the file's when the unit starts it).
-void each_line(const Shard& shard, const Unit& unit,
+void each_line(const Shard& shard, const Unit& unit, int64_t split_bytes,
                const std::function<void(const std::string&, int64_t start, int64_t number)>& each) {
   const bool ranged = shard.compression == Compression::kNone;
   const int64_t from = ranged && unit.begin > 0 ? unit.begin - 1 : 0;
-  LineReader reader(open_stream(shard, from), from);
+  LineReader reader(open_stream(shard, from), from, shard.path, std::max<int64_t>(4 * split_bytes, 64 << 20));
   std::string line;
   int64_t start = 0, number = 0;
-  if (from > 0) reader.next(line, start);  // the line that started before the unit
+  if (from > 0) reader.next(line, start, /*keep=*/false);  // the line that started before the unit
   while (reader.next(line, start)) {
     if (ranged && start >= unit.end) break;
     each(line, start, ++number);
@@ -199,8 +215,8 @@ std::string line_place(const Shard& shard, const Unit& unit, int64_t start, int6
   return shard.path + " (the line at byte " + std::to_string(start) + ")";
 }
 
-void read_jsonl(const Shard& shard, const Unit& unit, const RecordSink& sink) {
-  each_line(shard, unit, [&](const std::string& line, int64_t start, int64_t number) {
+void read_jsonl(const Shard& shard, const Unit& unit, int64_t split_bytes, const RecordSink& sink) {
+  each_line(shard, unit, split_bytes, [&](const std::string& line, int64_t start, int64_t number) {
     if (line.find_first_not_of(" \t\r\n") == std::string::npos) return;
     const std::string where = line_place(shard, unit, start, number);
     nlohmann::ordered_json record = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
@@ -222,7 +238,7 @@ void read_text(const Shard& shard, const Unit& unit, int64_t split_bytes, const 
     first = last + 1;
   };
   int64_t last = 0;
-  each_line(shard, unit, [&](const std::string& line, int64_t, int64_t number) {
+  each_line(shard, unit, split_bytes, [&](const std::string& line, int64_t, int64_t number) {
     document += line;
     last = number;
     // A compressed file is one unit: cut it into documents of about split_bytes.
@@ -279,7 +295,7 @@ void read_unit(const Shard& shard, const Unit& unit, int64_t split_bytes, const 
                const RecordSink& each) {
   switch (shard.format) {
     case SourceFormat::kText: return read_text(shard, unit, split_bytes, each);
-    case SourceFormat::kJsonl: return read_jsonl(shard, unit, each);
+    case SourceFormat::kJsonl: return read_jsonl(shard, unit, split_bytes, each);
     case SourceFormat::kParquet:
       return read_parquet_rows(shard.path, unit.begin, fields, [&](nlohmann::ordered_json&& row) {
         each(std::move(row), shard.path + " row group " + std::to_string(unit.begin));

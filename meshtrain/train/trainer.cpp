@@ -151,7 +151,7 @@ StepResult Trainer::step() {
   const MicroBatches batches = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
   std::optional<annotate::ReportScope> report;
   if (!config_.sharding_report.empty() && !reported_) report.emplace();
-  const double loss_sum = engine_->forward_backward(batches.inputs, batches.targets, batches.weights);
+  const double loss_sum = engine_->forward_backward(batches.inputs, batches.targets, batches.weights, batches.documents);
   if (parts().pipeline && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
   result.loss = engine_->mean_loss(loss_sum);
@@ -212,7 +212,7 @@ double Trainer::evaluate() {
   if (batches.weights.empty()) {
     return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets) / config_.eval_batches);
   }
-  return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets, batches.weights));
+  return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets, batches.weights, batches.documents));
 }
 
 void Trainer::write_sharding_report(const annotate::ShardingReport& report) {

@@ -106,6 +106,7 @@ class Trainer {
   struct MicroBatches {
     std::vector<at::Tensor> inputs, targets;
     std::vector<double> weights;
+    std::vector<at::Tensor> documents;  // packed rows: positions inside documents (Note [Packed documents])
   };
   MicroBatches micro_batches(Sampler& sampler, int64_t start, int64_t count) const;
   // The prepared data of [data] (text or sources): the token files of each source.

@@ -102,6 +102,8 @@ Trainer::MicroBatches Trainer::micro_batches(Sampler& sampler, int64_t start, in
     }
     out.inputs.push_back(x.to(device_));
     out.targets.push_back(y.to(device_));
+    const at::Tensor positions = sampler.positions(start + (i * ranks + data->rank()) * micro, micro);
+    if (positions.defined()) out.documents.push_back(positions.to(device_));
   }
   return out;
 }

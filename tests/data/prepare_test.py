@@ -92,10 +92,14 @@ def check_formats(work, folder, tok):
         f.write(jsonl)
     shutil.copy(os.path.join(src, "plain.jsonl"), os.path.join(src, "z.jsonl"))
     subprocess.run(["zstd", "-q", "-f", "--rm", os.path.join(src, "z.jsonl")], check=True)
-    pq.write_table(pa.table({"id": [r["id"] for r in records], "text": [r["text"] for r in records]}),
+    shutil.copy(os.path.join(src, "plain.jsonl"), os.path.join(src, "nocheck.jsonl"))
+    subprocess.run(["zstd", "-q", "-f", "--rm", "--no-check", os.path.join(src, "nocheck.jsonl")], check=True)
+    # A struct column before the text one: columns are found by name, not position.
+    meta = pa.array([{"a": i, "b": str(i)} for i in range(len(records))])
+    pq.write_table(pa.table({"meta": meta, "id": [r["id"] for r in records], "text": [r["text"] for r in records]}),
                    os.path.join(src, "docs.parquet"), row_group_size=7)
     want = expected_stream(tok, DOCUMENTS)
-    for name in ["plain.jsonl", "docs.jsonl.gz", "z.jsonl.zst", "docs.parquet"]:
+    for name in ["plain.jsonl", "docs.jsonl.gz", "z.jsonl.zst", "nocheck.jsonl.zst", "docs.parquet"]:
         out = os.path.join(work, "fmt-" + name)
         r = prepare(os.path.join(src, name), "--out", out, "--tokenizer", folder, "--split-mb", "1")
         if r.returncode != 0:
@@ -111,7 +115,7 @@ def check_formats(work, folder, tok):
     # A folder of shards with a README: the data files only, in order.
     open(os.path.join(src, "README.md"), "w").write("# not data\n")
     r = prepare(src, "--out", os.path.join(work, "folder"), "--tokenizer", folder)
-    check(r.returncode == 0 and "4 file(s)" in r.stdout, f"a folder reads its 4 data files, not its README: {r.stdout}")
+    check(r.returncode == 0 and "5 file(s)" in r.stdout, f"a folder reads its 5 data files, not its README: {r.stdout}")
 
 
 def check_large_vocabulary(work):
@@ -200,12 +204,22 @@ def check_chat(work, folder, fast):
         for c in conversations:
             f.write(json.dumps({"messages": c}) + "\n")
         f.write(json.dumps({"prompt": "Say hi.", "completion": "Hi."}) + "\n")
+    # The same records as Parquet: a list<struct<role, content>> column and two string columns.
+    parquet = os.path.join(work, "chat.parquet")
+    pq.write_table(pa.table({"messages": conversations + [None], "prompt": [None] * len(conversations) + ["Say hi."],
+                             "completion": [None] * len(conversations) + ["Hi."]}), parquet, row_group_size=9)
     out = os.path.join(work, "chat")
     r = prepare(path, "--out", out, "--tokenizer", folder, "--format", "chat", "--val-fraction", "0.05")
     if r.returncode != 0:
         return check(False, f"chat prepare: {r.stderr}")
     ids = np.concatenate([tokens(os.path.join(out, n + ".bin"))[1] for n in ("train", "val")])
     mask = np.concatenate([tokens(os.path.join(out, n + ".mask"))[1] for n in ("train", "val")])
+    r = prepare(parquet, "--out", os.path.join(work, "chat-parquet"), "--tokenizer", folder, "--format", "chat",
+                "--val-fraction", "0.05")
+    same = r.returncode == 0 and all(open(os.path.join(out, n), "rb").read() ==
+                                     open(os.path.join(work, "chat-parquet", n), "rb").read()
+                                     for n in ("train.bin", "train.mask", "val.bin", "val.mask"))
+    check(same, "the same conversations from Parquet give the same tokens and mask" + ("" if same else r.stderr))
     records = conversations + [[{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]]
     want = []
     for c in records:
@@ -245,6 +259,16 @@ def check_hostile(work, folder):
         open(path, "w").write(content)
         r = prepare(path, "--out", os.path.join(work, "hostile"), "--tokenizer", folder)
         check(r.returncode != 0 and r.stderr.count(message) == 1, f"{name}: refused once with \"{message}\"")
+    pq.write_table(pa.table({"body": ["x"]}), os.path.join(work, "nocolumn.parquet"))
+    r = prepare(os.path.join(work, "nocolumn.parquet"), "--out", os.path.join(work, "hostile"), "--tokenizer", folder)
+    check(r.returncode != 0 and "nocolumn.parquet: has no column text (its columns: body)" in r.stderr,
+          "a Parquet file without the text column is refused, naming its columns")
+    with open(os.path.join(work, "oneline.txt"), "w") as f:
+        f.write("x" * (70 << 20))
+    r = prepare(os.path.join(work, "oneline.txt"), "--out", os.path.join(work, "hostile"), "--split-mb", "1")
+    check(r.returncode != 0 and "oneline.txt: the line at byte 0 is longer than 64 MiB" in r.stderr,
+          "a 70 MiB line is refused rather than held in memory")
+    os.remove(os.path.join(work, "oneline.txt"))
     messages = os.path.join(work, "noassistant.jsonl")
     open(messages, "w").write(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
     r = prepare(messages, "--out", os.path.join(work, "hostile"), "--tokenizer", folder, "--format", "chat")
@@ -252,6 +276,40 @@ def check_hostile(work, folder):
           "a conversation without an assistant turn is refused by line")
     r = prepare(os.path.join(work, "src", "plain.jsonl"), "--out", os.path.join(work, "after"), "--tokenizer", folder)
     check(r.returncode == 0, "and good data still prepares after")
+
+
+def check_mixture_training(work):
+    """[[data.sources]] with weights: each source prepared apart, training reads both."""
+    a, b = os.path.join(work, "mix-a.jsonl"), os.path.join(work, "mix-b.txt")
+    open(a, "w").write("".join(json.dumps({"text": d}) + "\n" for d in DOCUMENTS))
+    open(b, "w").write(EXCERPT)
+    config = os.path.join(work, "mix.toml")
+    open(config, "w").write(f"""[model]
+preset = "tiny"
+context = 32
+
+[training]
+steps = 2
+batch = 4
+micro_batch = 2
+sample_tokens = 0
+
+[[data.sources]]
+path = "{a}"
+weight = 3
+
+[[data.sources]]
+path = ["{b}"]
+weight = 1
+
+[run]
+out = "{os.path.join(work, 'mix-run')}"
+""")
+    r = subprocess.run([MESHTRAIN, "train", config], capture_output=True, text=True)
+    prepared = [os.path.exists(os.path.join(work, "mix-run", "data", f"source-{i}", "train.bin")) for i in (0, 1)]
+    check(r.returncode == 0 and all(prepared) and "and 1 more" in r.stdout,
+          "a mixture of two [[data.sources]] is prepared source by source and trained on" +
+          ("" if r.returncode == 0 else ": " + r.stderr[-300:]))
 
 
 def main():
@@ -263,6 +321,7 @@ def main():
         check_memory(work)
         check_chat(work, folder, fast)
         check_hostile(work, folder)
+        check_mixture_training(work)
     CHECKS.finish()
 
 

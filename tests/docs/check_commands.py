@@ -63,6 +63,8 @@ class Meshtrain:
                 section = m.group(1)
             elif section and (m := re.match(r"^  (\w+) = ", line)):
                 keys.add(f"{section}.{m.group(1)}")
+            elif m := re.match(r"^  \[\[(\w+)\.(\w+)\]\] ([\w, ]+?)  ", line):  # an array of tables and its keys
+                keys.update(f"{m.group(1)}.{m.group(2)}.{k.strip()}" for k in m.group(3).split(","))
         return keys
 
     def fl_keys(self):
@@ -207,6 +209,9 @@ def check_toml(text, train_keys, fl_keys):
             name = f"{prefix}.{key}" if prefix else key
             if isinstance(value, dict):
                 walk(name, value)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                for item in value:  # [[section.name]] tables
+                    walk(name, item)
             elif name.startswith("fl."):
                 if name not in fl_keys:
                     problems.append(f"unknown federated key {name}")

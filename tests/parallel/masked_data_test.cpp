@@ -1,4 +1,5 @@
-// Loss masks and padded documents in every layout under mpirun: the loss of a
+// Loss masks, padded rows and packed rows (documents side by side, attention
+// and positions inside each) in every layout under mpirun: the loss of a
 // step is the mean over the counted targets of the whole global batch
 // (Note [Packing]), whatever the micro-batches, so data parallel, ZeRO-3, tensor parallel (its
 // vocabulary-parallel cross-entropy ignores the masked targets), sequence
@@ -45,17 +46,27 @@ std::vector<Overrides> layouts(int ranks) {
   return out;
 }
 
-TEST_F(MaskedDataTest, MaskedAndPaddedTargetsInEveryLayoutEqualOneProcess) {
+TEST_F(MaskedDataTest, MaskedPaddedAndPackedTargetsInEveryLayoutEqualOneProcess) {
   const int n = world()->size();
   if (n < 2 || n > 4) GTEST_SKIP() << "run at 2, 3 and 4 ranks";
   write_companions();
   const Overrides llama = {"model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.bias=false",
                            "model.tie_embeddings=false"};
-  for (const char* packing : {"concat", "padded"}) {
+  // Packed rows also with GPT-2's learned positions, there with activation checkpointing in the layout
+  // (not in the one process): its recompute must keep the documents.
+  struct Case {
+    std::string packing;
+    Overrides style, layout;
+  };
+  const std::vector<Case> cases = {{"concat", llama, {}}, {"padded", llama, {}}, {"packed", llama, {}},
+                                   {"packed", {}, {"parallel.activation_checkpoint=full"}}};
+  for (const Case& c : cases) {
+    const std::string& packing = c.packing;
     for (Overrides layout : layouts(n)) {
       const int64_t micro = !layout.empty() && layout.front().rfind("parallel.pp", 0) == 0 ? 1 : 2;
-      Overrides model = llama;
-      model.push_back(std::string("data.packing=") + packing);
+      Overrides model = c.style;
+      model.push_back("data.packing=" + packing);
+      layout.insert(layout.end(), c.layout.begin(), c.layout.end());
       layout.insert(layout.end(), model.begin(), model.end());
       const TrainConfig split = config(n, micro, "", layout);
       Trainer parallel(split, world());

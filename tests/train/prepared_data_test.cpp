@@ -99,6 +99,19 @@ TEST_F(PreparedDataTest, MaskedTargetsAndPaddedDocumentsCountTowardNoLoss) {
   EXPECT_EQ(values(py[1]), (std::vector<int64_t>(8, I)));                       // no mask inside: nothing counts
   EXPECT_EQ(values(px[2]), (std::vector<int64_t>{30, 31, 32, 33, 34, 35, 36, 37}));
   EXPECT_EQ(padded.counted_targets(0, 3), 3);
+  // packed: windows as concat, positions restart at each document, no target crosses into the next one.
+  Sampler packed({{&data.tokens(), nullptr, &data, 1.0}}, 8, 1, false, Packing::kPacked);
+  auto [kx, ky] = packed.rows(3, 1);  // tokens 24..32: document 1 ends at 30
+  EXPECT_EQ(values(kx[0]), (std::vector<int64_t>{24, 25, 26, 27, 28, 29, 30, 31}));
+  EXPECT_EQ(values(ky[0]), (std::vector<int64_t>{25, 26, 27, 28, 29, I, 31, 32}));
+  EXPECT_EQ(values(packed.positions(3, 1)[0]), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 0, 1}));
+  EXPECT_FALSE(Sampler(data.tokens(), 8, 1).positions(0, 1).defined());
+  // Padded rows need the document index.
+  write_token_file(path("plain.bin"), counting(40), 256);
+  TokenDataset plain(path("plain.bin"));
+  EXPECT_EQ(error_of([&] { Sampler s({{&plain.tokens(), nullptr, &plain, 1.0}}, 8, 1, false, Packing::kPadded); }),
+            "data file " + path("plain.bin") + ": data.packing = \"padded\" needs its document index (" +
+                path("plain.idx") + "); prepare the data again, or use packing \"concat\"");
 }
 
 TEST_F(PreparedDataTest, MixturesKeepTheirProportionsInEveryPrefix) {
@@ -117,6 +130,8 @@ TEST_F(PreparedDataTest, MixturesKeepTheirProportionsInEveryPrefix) {
   Sampler again({{&a, nullptr, nullptr, 3.0}, {&b, nullptr, nullptr, 1.0}}, 8, 5, true, Packing::kConcat);
   auto [x, y] = mix.rows(37, 6);
   EXPECT_TRUE(at::equal(x, again.rows(37, 6).first));
+  mix.rows(300, 4);  // forward, then back again
+  EXPECT_TRUE(at::equal(mix.rows(37, 6).first, x));
   for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(x[i][0].item<int64_t>() == 255, sources[37 + i] == 1) << i;
 }
 
@@ -187,6 +202,22 @@ TEST_F(PreparedDataTest, PrepareWritesDocumentsIndexAndMask) {
   EXPECT_EQ(train.document(1), (std::pair<int64_t, int64_t>{3, 8}));
   EXPECT_EQ(train.mask(), nullptr);
   EXPECT_TRUE(prepare(o).reused);  // the same plan again: nothing to do
+  // Documents of 500, 470 and 30 tokens: the start nearest the last tenth (970) is too far from 900, so
+  // validation starts inside the second document; its index starts at 0.
+  std::ofstream(path("long.jsonl")) << "{\"text\": \"" << std::string(500, 'a') << "\"}\n{\"text\": \""
+                                    << std::string(470, 'b') << "\"}\n{\"text\": \"" << std::string(30, 'c') << "\"}\n";
+  o.inputs = {path("long.jsonl")};
+  o.out_dir = path("long");
+  o.val_fraction = 0.1;
+  const PrepareResult cut = prepare(o);
+  EXPECT_EQ(cut.train_tokens, 900);
+  EXPECT_EQ(cut.val_documents, 2);
+  TokenDataset val(cut.val_path);
+  EXPECT_EQ(val.document(0), (std::pair<int64_t, int64_t>{0, 70}));
+  EXPECT_EQ(val.document(1), (std::pair<int64_t, int64_t>{70, 100}));
+  TokenDataset cut_train(cut.train_path);
+  EXPECT_EQ(cut_train.documents(), 2);
+  EXPECT_EQ(cut_train.document(1), (std::pair<int64_t, int64_t>{500, 900}));
 }
 
 }  // namespace
