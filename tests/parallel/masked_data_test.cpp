@@ -36,10 +36,12 @@ class MaskedDataTest : public TrainingTest {
   }
 };
 
-std::vector<Overrides> layouts(int ranks) {
+// `annotated`: also tensor parallel by sharding annotations (packed rows are refused there).
+std::vector<Overrides> layouts(int ranks, bool annotated) {
   std::vector<Overrides> out = {{}, {"parallel.zero_stage=3"}};
   if (ranks % 2 == 0) {
     out.push_back({"parallel.tp=2"});
+    if (annotated) out.push_back({"parallel.tp=2", "parallel.tp_impl=annotations"});
     out.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
     out.push_back({"parallel.pp=2", "parallel.microbatches=4"});
   }
@@ -62,7 +64,7 @@ TEST_F(MaskedDataTest, MaskedPaddedAndPackedTargetsInEveryLayoutEqualOneProcess)
                                    {"packed", {}, {"parallel.activation_checkpoint=full"}}};
   for (const Case& c : cases) {
     const std::string& packing = c.packing;
-    for (Overrides layout : layouts(n)) {
+    for (Overrides layout : layouts(n, packing != "packed")) {
       const int64_t micro = !layout.empty() && layout.front().rfind("parallel.pp", 0) == 0 ? 1 : 2;
       Overrides model = c.style;
       model.push_back("data.packing=" + packing);
