@@ -22,10 +22,6 @@ namespace meshtrain::train {
 
 namespace {
 
-[[noreturn]] void bad(const std::string& where, const std::string& what) {
-  throw DataError("data file " + where + ": " + what);
-}
-
 size_t common_prefix(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
   const size_t n = std::min(a.size(), b.size());
   size_t i = 0;
@@ -35,7 +31,7 @@ size_t common_prefix(const std::vector<int64_t>& a, const std::vector<int64_t>& 
 
 std::string text_of(const nlohmann::ordered_json& record, const char* key, const std::string& where) {
   const auto it = record.find(key);
-  if (it == record.end() || !it->is_string()) bad(where, std::string("\"") + key + "\" must be a string");
+  if (it == record.end() || !it->is_string()) data_error(where, std::string("\"") + key + "\" must be a string");
   return it->get<std::string>();
 }
 
@@ -53,17 +49,17 @@ MaskedTokens ChatRenderer::render(const nlohmann::ordered_json& record, const st
   // Absent and null are alike (a Parquet table of both shapes has nulls in the other's columns).
   if (record.contains("messages") && !record["messages"].is_null()) {
     const auto& messages = record["messages"];
-    if (!messages.is_array() || messages.empty()) bad(where, "\"messages\" must be a non-empty list of messages");
+    if (!messages.is_array() || messages.empty()) data_error(where, "\"messages\" must be a non-empty list of messages");
     for (const auto& m : messages) {
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
-        bad(where, "every message needs a \"role\" string (system, user, assistant, tool)");
+        data_error(where, "every message needs a \"role\" string (system, user, assistant, tool)");
       }
       if (m.contains("content") && !m["content"].is_string() && !m["content"].is_null() && !m["content"].is_array()) {
-        bad(where, "a message's \"content\" must be a string, a list of parts, or null");
+        data_error(where, "a message's \"content\" must be a string, a list of parts, or null");
       }
     }
     if (!template_) {
-      bad(where, "a \"messages\" record needs a chat template, and tokenizer " + tokenizer_.describe() +
+      data_error(where, "a \"messages\" record needs a chat template, and tokenizer " + tokenizer_.describe() +
                      " has none (name a model folder whose tokenizer_config.json carries chat_template)");
     }
     return render_conversation(messages, where);
@@ -75,7 +71,7 @@ MaskedTokens ChatRenderer::render(const nlohmann::ordered_json& record, const st
                                              {{"role", "assistant"}, {"content", completion}}};
     return render_conversation(messages, where);
   }
-  bad(where, "a chat record needs \"messages\" or \"prompt\" and \"completion\"");
+  data_error(where, "a chat record needs \"messages\" or \"prompt\" and \"completion\"");
 }
 
 MaskedTokens ChatRenderer::render_conversation(const nlohmann::ordered_json& messages, const std::string& where) const {
@@ -85,7 +81,7 @@ MaskedTokens ChatRenderer::render_conversation(const nlohmann::ordered_json& mes
     try {
       return template_->render(part, generation_prompt);
     } catch (const std::exception& e) {
-      bad(where, std::string("the chat template failed: ") + e.what());
+      data_error(where, std::string("the chat template failed: ") + e.what());
     }
   };
   const std::string whole = render(messages.size(), false);
@@ -93,13 +89,13 @@ MaskedTokens ChatRenderer::render_conversation(const nlohmann::ordered_json& mes
   try {
     out.ids = tokenizer_.encode(whole);
   } catch (const text::TokenizerError& e) {
-    bad(where, e.what());
+    data_error(where, e.what());
   }
   out.mask.assign(out.ids.size(), loss_on_ == LossOn::kAll ? 1 : 0);
   if (loss_on_ == LossOn::kAll) return out;
   auto tokens_before = [&](const std::string& prefix) {
     if (whole.compare(0, prefix.size(), prefix) != 0) {
-      bad(where, "the chat template renders earlier turns differently once later ones follow, so the assistant's "
+      data_error(where, "the chat template renders earlier turns differently once later ones follow, so the assistant's "
                  "tokens cannot be found; use data.loss_on = \"all\"");
     }
     return common_prefix(tokenizer_.encode(prefix), out.ids);
@@ -111,7 +107,7 @@ MaskedTokens ChatRenderer::render_conversation(const nlohmann::ordered_json& mes
     std::fill(out.mask.begin() + begin, out.mask.begin() + std::max(begin, end), 1);
     any = true;
   }
-  if (!any) bad(where, "the conversation has no assistant message, so nothing would count toward the loss");
+  if (!any) data_error(where, "the conversation has no assistant message, so nothing would count toward the loss");
   return out;
 }
 

@@ -28,10 +28,6 @@ struct Header {
 };
 static_assert(sizeof(Header) == kHeaderBytes, "token file header must be 32 bytes");
 
-[[noreturn]] void data_error(const std::string& path, const std::string& what) {
-  throw DataError("data file " + path + ": " + what);
-}
-
 }  // namespace
 
 std::vector<uint16_t> ByteTokenizer::encode(const std::string& text) {

@@ -12,19 +12,15 @@ namespace meshtrain::train {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw DataError("data file " + path + ": " + what);
-}
-
 std::unique_ptr<parquet::arrow::FileReader> open(const std::string& path) {
   auto file = arrow::io::ReadableFile::Open(path);
-  if (!file.ok()) fail(path, "cannot be opened (" + file.status().message() + ")");
+  if (!file.ok()) data_error(path, "cannot be opened (" + file.status().message() + ")");
   try {
     auto reader = parquet::arrow::OpenFile(*file, arrow::default_memory_pool());
-    if (!reader.ok()) fail(path, "is not a Parquet file (" + reader.status().message() + ")");
+    if (!reader.ok()) data_error(path, "is not a Parquet file (" + reader.status().message() + ")");
     return std::move(*reader);
   } catch (const parquet::ParquetException& e) {
-    fail(path, std::string("is not a Parquet file (") + e.what() + ")");
+    data_error(path, std::string("is not a Parquet file (") + e.what() + ")");
   }
 }
 
@@ -87,7 +83,7 @@ void read_parquet_rows(const std::string& path, int64_t group, const std::vector
                        const std::function<void(nlohmann::ordered_json&&)>& each) {
   const auto reader = open(path);
   std::shared_ptr<arrow::Schema> schema;
-  if (!reader->GetSchema(&schema).ok()) fail(path, "has no readable schema");
+  if (!reader->GetSchema(&schema).ok()) data_error(path, "has no readable schema");
   std::vector<int> indices;
   std::vector<std::string> names;
   for (const std::string& name : columns) {
@@ -101,12 +97,12 @@ void read_parquet_rows(const std::string& path, int64_t group, const std::vector
     for (const auto& f : schema->fields()) have += (have.empty() ? "" : ", ") + f->name();
     std::string want;
     for (const auto& c : columns) want += (want.empty() ? "" : " or ") + c;
-    fail(path, "has no column " + want + " (its columns: " + have + "); name the text column with data.field or --field");
+    data_error(path, "has no column " + want + " (its columns: " + have + "); name the text column with data.field or --field");
   }
   auto table = reader->ReadRowGroup(static_cast<int>(group), indices);
-  if (!table.ok()) fail(path, "row group " + std::to_string(group) + " cannot be read (" + table.status().message() + ")");
+  if (!table.ok()) data_error(path, "row group " + std::to_string(group) + " cannot be read (" + table.status().message() + ")");
   auto combined = (*table)->CombineChunksToBatch();
-  if (!combined.ok()) fail(path, "row group " + std::to_string(group) + ": " + combined.status().message());
+  if (!combined.ok()) data_error(path, "row group " + std::to_string(group) + ": " + combined.status().message());
   const arrow::RecordBatch& batch = **combined;
   std::vector<std::shared_ptr<arrow::Array>> arrays;
   for (const std::string& name : names) arrays.push_back(batch.GetColumnByName(name));
@@ -116,7 +112,7 @@ void read_parquet_rows(const std::string& path, int64_t group, const std::vector
       try {
         record[names[c]] = cell(*arrays[c], row);
       } catch (const std::invalid_argument& type) {
-        fail(path, "column " + names[c] + " has type " + type.what() + ", which meshtrain does not read");
+        data_error(path, "column " + names[c] + " has type " + type.what() + ", which meshtrain does not read");
       }
     }
     each(std::move(record));

@@ -116,7 +116,7 @@ void tokenize_unit(const PrepareOptions& o, const text::Tokenizer& tokenizer, co
         if (it == record.end() || !(it->is_string() || it->is_null())) {
           std::string keys;
           for (auto k = record.begin(); k != record.end(); ++k) keys += (keys.empty() ? "" : ", ") + k.key();
-          throw DataError("data file " + where + ": no string field \"" + field + "\" (the record has: " + keys +
+          data_error(where, "no string field \"" + field + "\" (the record has: " + keys +
                           "); name the field with data.field or --field");
         }
         if (it->is_null()) return;
@@ -126,7 +126,7 @@ void tokenize_unit(const PrepareOptions& o, const text::Tokenizer& tokenizer, co
         }
       }
     } catch (const text::TokenizerError& e) {
-      throw DataError("data file " + where + ": " + e.what());
+      data_error(where, e.what());
     }
     if (ids.empty()) return;
     starts.push_back(tokens.count());

@@ -26,11 +26,11 @@ Sampler::Sampler(std::vector<SamplerSource> sources, int64_t context, uint64_t s
   TORCH_CHECK(!sources.empty(), "a sampler needs a source");
   for (const SamplerSource& source : sources) {
     const TokenFile& file = *source.tokens;
-    if (!(source.weight > 0)) throw DataError("data file " + file.path() + ": a mixture weight must be > 0");
+    if (!(source.weight > 0)) data_error(file.path(), "a mixture weight must be > 0");
     Stream stream;
     stream.source = source;
     if (packing != Packing::kConcat && (!source.dataset || !source.dataset->has_index())) {
-      throw DataError("data file " + file.path() + ": data.packing = \"" + (packing == Packing::kPadded ? "padded" : "packed") +
+      data_error(file.path(), std::string("data.packing = \"") + (packing == Packing::kPadded ? "padded" : "packed") +
                       "\" needs its document index (" + companion_path(file.path(), "idx") +
                       "); prepare the data again, or use packing \"concat\"");
     }
@@ -38,7 +38,7 @@ Sampler::Sampler(std::vector<SamplerSource> sources, int64_t context, uint64_t s
       stream.windows = source.dataset->documents();
     } else {
       if (file.size() < context + 1) {
-        throw DataError("data file " + file.path() + ": has " + std::to_string(file.size()) +
+        data_error(file.path(), "has " + std::to_string(file.size()) +
                         " tokens, fewer than one sequence needs (model.context + 1 = " + std::to_string(context + 1) +
                         "); use more text or a shorter context");
       }

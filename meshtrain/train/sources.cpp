@@ -19,10 +19,6 @@ namespace meshtrain::train {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw DataError("data file " + path + ": " + what);
-}
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
@@ -43,7 +39,7 @@ Shard classify(const std::string& path) {
   if (ends_with(name, ".jsonl") || ends_with(name, ".ndjson") || ends_with(name, ".json")) {
     shard.format = SourceFormat::kJsonl;
   } else if (ends_with(name, ".parquet")) {
-    if (shard.compression != Compression::kNone) fail(path, "a compressed Parquet file; Parquet compresses its own pages");
+    if (shard.compression != Compression::kNone) data_error(path, "a compressed Parquet file; Parquet compresses its own pages");
     shard.format = SourceFormat::kParquet;
   }
   return shard;
@@ -69,12 +65,12 @@ class PlainStream : public Stream {
  public:
   PlainStream(const std::string& path, int64_t offset) : path_(path), offset_(offset) {
     fd_ = open(path.c_str(), O_RDONLY);
-    if (fd_ < 0) fail(path, std::string("cannot be opened (") + std::strerror(errno) + ")");
+    if (fd_ < 0) data_error(path, std::string("cannot be opened (") + std::strerror(errno) + ")");
   }
   ~PlainStream() override { close(fd_); }
   size_t read(char* buffer, size_t bytes) override {
     const ssize_t got = pread(fd_, buffer, bytes, offset_);
-    if (got < 0) fail(path_, std::string("read failed (") + std::strerror(errno) + ")");
+    if (got < 0) data_error(path_, std::string("read failed (") + std::strerror(errno) + ")");
     offset_ += got;
     return static_cast<size_t>(got);
   }
@@ -88,16 +84,16 @@ class PlainStream : public Stream {
 class GzipStream : public Stream {
  public:
   explicit GzipStream(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
-    if (!file_) fail(path, "cannot be opened");
+    if (!file_) data_error(path, "cannot be opened");
     gzbuffer(file_, 1 << 20);
   }
   ~GzipStream() override { gzclose(file_); }
   size_t read(char* buffer, size_t bytes) override {
     const int got = gzread(file_, buffer, static_cast<unsigned>(bytes));
-    if (got > 0 && gzdirect(file_)) fail(path_, "is not valid gzip (no gzip header; zlib would read it as it is)");
+    if (got > 0 && gzdirect(file_)) data_error(path_, "is not valid gzip (no gzip header; zlib would read it as it is)");
     if (got < 0) {
       int code = 0;
-      fail(path_, std::string("is not valid gzip (") + gzerror(file_, &code) + ")");
+      data_error(path_, std::string("is not valid gzip (") + gzerror(file_, &code) + ")");
     }
     return static_cast<size_t>(got);
   }
@@ -125,11 +121,11 @@ class ZstdStream : public Stream {
       ZSTD_outBuffer out{buffer, bytes, 0};
       const size_t consumed = in_.pos;
       const size_t left = ZSTD_decompressStream(context_, &out, &in_);
-      if (ZSTD_isError(left)) fail(path_, std::string("is not valid zstd (") + ZSTD_getErrorName(left) + ")");
+      if (ZSTD_isError(left)) data_error(path_, std::string("is not valid zstd (") + ZSTD_getErrorName(left) + ")");
       if (out.pos > 0 || in_.pos > consumed) frame_left_ = left;
       if (out.pos > 0) return out.pos;
       if (end_ && in_.pos == in_.size) {
-        if (frame_left_ != 0) fail(path_, "is a truncated zstd stream");
+        if (frame_left_ != 0) data_error(path_, "is a truncated zstd stream");
         return 0;
       }
     }
@@ -170,7 +166,7 @@ class LineReader {
       offset_ += static_cast<int64_t>(take);
       if (newline) return true;
       if (offset_ - start > longest_) {
-        fail(path_, "the line at byte " + std::to_string(start) + " is longer than " + std::to_string(longest_ >> 20) +
+        data_error(path_, "the line at byte " + std::to_string(start) + " is longer than " + std::to_string(longest_ >> 20) +
                         " MiB; records and lines must be shorter (raise data.split_mb, which sets this at 4x)");
       }
     }
@@ -220,8 +216,8 @@ void read_jsonl(const Shard& shard, const Unit& unit, int64_t split_bytes, const
     if (line.find_first_not_of(" \t\r\n") == std::string::npos) return;
     const std::string where = line_place(shard, unit, start, number);
     nlohmann::ordered_json record = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (record.is_discarded()) throw DataError("data file " + where + ": not a JSON value");
-    if (!record.is_object()) throw DataError("data file " + where + ": a JSON Lines record must be an object");
+    if (record.is_discarded()) data_error(where, "not a JSON value");
+    if (!record.is_object()) data_error(where, "a JSON Lines record must be an object");
     sink(std::move(record), where);
   });
 }

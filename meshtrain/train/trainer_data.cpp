@@ -66,7 +66,7 @@ void Trainer::open_data() {
       const double weight = config_.sources.empty() ? 1.0 : config_.sources[i].weight;
       for (auto* data : {train_data_.back().get(), val_data_.back().get()}) {
         if (data->tokens().vocab_size() > config_.model.vocab_size) {
-          throw DataError("data file " + data->tokens().path() + ": its vocabulary of " +
+          data_error(data->tokens().path(), "its vocabulary of " +
                           std::to_string(data->tokens().vocab_size()) + " tokens is larger than model.vocab_size = " +
                           std::to_string(config_.model.vocab_size));
         }
