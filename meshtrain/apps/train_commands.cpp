@@ -113,7 +113,7 @@ CommandPtr add_prepare(CLI::App& app) {
   sub->add_option("--tokenizer", a->o.tokenizer,
                   "bytes, a SentencePiece .model, a tokenizer.json, or a model folder (its chat template too)")
       ->capture_default_str();
-  sub->add_option("--val-fraction", a->o.val_fraction, "Share of tokens held out for validation (cut at a document start)")
+  sub->add_option("--val-fraction", a->o.val_fraction, "Share of tokens held out for validation (cut at a document start when one is near)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   sub->add_option("--format", a->format, "text: documents of text; chat: records of \"messages\" or \"prompt\" + "

@@ -152,7 +152,8 @@ void add_data_and_training_keys(std::vector<Field>& f) {
   f.push_back(field("data", "tokenizer", "\"bytes\", a SentencePiece .model, a tokenizer.json, or a folder with "
                     "vocab.json + merges.txt (GPT-2 BPE); model.vocab_size must hold its vocabulary",
                     MESHTRAIN_CONFIG_MEMBER(tokenizer)));
-  f.push_back(field("data", "text", "text files or directories prepared when no token files are given",
+  f.push_back(field("data", "text", "files or folders (text, JSON Lines, Parquet) prepared by every rank when no token "
+                    "files are given",
                     MESHTRAIN_CONFIG_MEMBER(text)));
   f.push_back(field("data", "train_file", "training token file from `meshtrain prepare` (overrides text)",
                     MESHTRAIN_CONFIG_MEMBER(train_file)));
