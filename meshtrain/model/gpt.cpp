@@ -411,13 +411,13 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
   if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets);
   // Targets of -100 count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
-  // Annotations' distributed logits (PrivateUse1) are divided by a number, which their rules cover.
+  // Annotations' distributed logits (PrivateUse1) are divided by a number, which their rules cover;
+  // plain ones by a tensor (no wait for the device).
+  const at::Tensor summed = at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum);
   if (flat.key_set().has(c10::DispatchKey::PrivateUse1) || flat_targets.key_set().has(c10::DispatchKey::PrivateUse1)) {
-    const double counted = std::max(1.0, (flat_targets != -100).sum().item<double>());
-    return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum) / counted;
+    return summed / std::max(1.0, (flat_targets != -100).sum().item<double>());
   }
-  const at::Tensor counted = (flat_targets != -100).sum().clamp_min(1);
-  return at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum) / counted;
+  return summed / (flat_targets != -100).sum().clamp_min(1);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {

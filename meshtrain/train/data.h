@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -156,6 +157,8 @@ class Sampler {
     at::Tensor order;  // permutation for cached_epoch
   };
   std::pair<int, int64_t> locate(int64_t position);  // (source, its stream position)
+  // f(row, its source's stream, its window) for stream positions [cursor, cursor + rows).
+  void each_window(int64_t cursor, int64_t rows, const std::function<void(int64_t, const Stream&, int64_t)>& f);
   int64_t window_at(Stream& stream, int s, int64_t position);
   void window(const Stream& stream, int64_t w, int64_t* input, int64_t* target) const;
   // Which of window w's context + 1 tokens start a document (packed rows).

@@ -1,13 +1,14 @@
 #include "meshtrain/train/prepare.h"
 
+#include "meshtrain/checkpoint/format.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/train/data.h"
+#include "meshtrain/train/progress.h"
 #include "meshtrain/train/sources.h"
 #include "meshtrain/util/files.h"
 
 #include <nlohmann/json.hpp>
-#include <sys/resource.h>
 #include <sys/stat.h>
 
 #include <chrono>
@@ -44,22 +45,8 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-double peak_rss_mb() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss / 1024.0;
-}
-
-std::string hex64(uint64_t h) {
-  char out[17];
-  std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(h));
-  return out;
-}
-
-uint64_t fnv1a(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
-  return h;
+std::string fingerprint(const std::string& text) {
+  return checkpoint::hex(checkpoint::checksum(text.data(), static_cast<int64_t>(text.size())));
 }
 
 const char* format_name(DataFormat f) { return f == DataFormat::kChat ? "chat" : "text"; }
@@ -68,13 +55,13 @@ const char* format_name(DataFormat f) { return f == DataFormat::kChat ? "chat" :
 std::string plan_of(const PrepareOptions& o, const std::vector<Shard>& shards, const text::Tokenizer& tokenizer) {
   json plan = {{"version", 2}, {"format", format_name(o.format)}, {"field", o.field},
                {"loss_on", o.loss_on == LossOn::kAll ? "all" : "assistant"}, {"split_mb", o.split_mb},
-               {"tokenizer", hex64(fnv1a(text::tokenizer_to_json(tokenizer)))}};
+               {"tokenizer", fingerprint(text::tokenizer_to_json(tokenizer))}};
   for (const Shard& s : shards) {
     struct stat info {};
     stat(s.path.c_str(), &info);
     plan["shards"].push_back({s.path, s.bytes, static_cast<int64_t>(info.st_mtime)});
   }
-  return hex64(fnv1a(plan.dump()));
+  return fingerprint(plan.dump());
 }
 
 std::string part_path(const std::string& parts, int64_t unit, const char* suffix) {
@@ -303,7 +290,7 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
   r.units = static_cast<int64_t>(units.size());
   r.token_bytes = token_bytes_for(tokenizer->vocab_size());
   // The output depends on the parts and on the validation share; the parts on the rest.
-  const std::string output_plan = hex64(fnv1a(plan + " " + std::to_string(o.val_fraction)));
+  const std::string output_plan = fingerprint(plan + " " + std::to_string(o.val_fraction));
   on_root([&] { r.reused = read_manifest(manifest, output_plan, r); });  // rank 0 decides for everyone
   share_counts(world, r, 0);
   if (r.reused) return r;
@@ -339,7 +326,7 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
     util::remove_tree(parts);
   });
   share_counts(world, r, resumed);
-  std::vector<double> most = {tokenize_seconds, peak_rss_mb()};
+  std::vector<double> most = {tokenize_seconds, peak_rss_mib()};
   if (world) most = comm::agree_values(*world, most, comm::ReduceOp::kMax);
   r.tokenize_seconds = most[0];
   r.peak_rss_mb = most[1];

@@ -17,15 +17,11 @@
 
 namespace meshtrain::train {
 
-namespace {
-
 double peak_rss_mib() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return usage.ru_maxrss / 1024.0;
 }
-
-}  // namespace
 
 std::string human_duration(double seconds) {
   char text[32];

@@ -37,6 +37,8 @@ struct StepResult {
 
 // "1h02m", "3m05s", "42s"
 std::string human_duration(double seconds);
+// This process's peak resident memory so far, in MiB.
+double peak_rss_mib();
 
 class Progress {
  public:

@@ -12,7 +12,9 @@ namespace meshtrain::train {
 // context + 1 at stride context, crossing document ends (the end-of-text token
 // prepare puts between documents marks them). packing = "padded": a window is
 // one document from its start, cut at context + 1 tokens; a shorter one is
-// padded, and the padding's targets count toward no loss. Either way a target
+// padded, and the padding's targets count toward no loss. packing = "packed":
+// windows as concat, with each token's position inside its document (Note
+// [Packed documents]) and no target across a document end. Always a target
 // whose token's mask flag is 0 counts toward no loss, and the loss of a step
 // is the mean over the targets that count in the whole global batch
 // (Trainer::micro_batches weights each micro-batch by its share).
@@ -130,19 +132,25 @@ std::vector<bool> Sampler::document_starts(const Stream& stream, int64_t w) cons
   return starts;
 }
 
-at::Tensor Sampler::positions(int64_t cursor, int64_t rows) {
-  if (packing_ != Packing::kPacked) return {};
-  at::Tensor out = at::empty({rows, context_}, at::kLong);
+void Sampler::each_window(int64_t cursor, int64_t rows, const std::function<void(int64_t, const Stream&, int64_t)>& f) {
   for (int64_t i = 0; i < rows; ++i) {
     const auto [s, k] = locate(cursor + i);
     Stream& stream = streams_[s];
-    const std::vector<bool> starts = document_starts(stream, window_at(stream, s, k));
+    f(i, stream, window_at(stream, s, k));
+  }
+}
+
+at::Tensor Sampler::positions(int64_t cursor, int64_t rows) {
+  if (packing_ != Packing::kPacked) return {};
+  at::Tensor out = at::empty({rows, context_}, at::kLong);
+  each_window(cursor, rows, [&](int64_t i, const Stream& stream, int64_t w) {
+    const std::vector<bool> starts = document_starts(stream, w);
     int64_t* p = out[i].data_ptr<int64_t>();
     for (int64_t j = 0, since = 0; j < context_; ++j, ++since) {
       if (starts[j]) since = 0;
       p[j] = since;  // a document begun before the window counts from the window's start
     }
-  }
+  });
   return out;
 }
 
@@ -156,11 +164,9 @@ void Sampler::set_anchor(int64_t position) {
 std::pair<at::Tensor, at::Tensor> Sampler::rows(int64_t cursor, int64_t rows) {
   if (cursor < anchor_ || cursor >= blended_) set_anchor(cursor);  // a step reads its batch's rows, then the ranks'
   at::Tensor inputs = at::empty({rows, context_}, at::kLong), targets = at::empty({rows, context_}, at::kLong);
-  for (int64_t i = 0; i < rows; ++i) {
-    const auto [s, k] = locate(cursor + i);
-    Stream& stream = streams_[s];
-    window(stream, window_at(stream, s, k), inputs[i].data_ptr<int64_t>(), targets[i].data_ptr<int64_t>());
-  }
+  each_window(cursor, rows, [&](int64_t i, const Stream& stream, int64_t w) {
+    window(stream, w, inputs[i].data_ptr<int64_t>(), targets[i].data_ptr<int64_t>());
+  });
   return {inputs, targets};
 }
 

@@ -94,7 +94,8 @@ Trainer::MicroBatches Trainer::micro_batches(Sampler& sampler, int64_t start, in
   // The counted targets of the whole global batch: every rank reads them alike, no collective needed.
   const int64_t global = weighted ? sampler.counted_targets(start, count * ranks * micro) : 0;
   for (int64_t i = 0; i < count; ++i) {
-    auto [x, y] = sampler.rows(start + (i * ranks + data->rank()) * micro, micro);
+    const int64_t cursor = start + (i * ranks + data->rank()) * micro;
+    auto [x, y] = sampler.rows(cursor, micro);
     if (weighted) {
       // Gradients are averaged over the data ranks: a share of `global`, times the ranks.
       const double counted = static_cast<double>((y != kIgnoredTarget).sum().item<int64_t>());
@@ -102,7 +103,7 @@ Trainer::MicroBatches Trainer::micro_batches(Sampler& sampler, int64_t start, in
     }
     out.inputs.push_back(x.to(device_));
     out.targets.push_back(y.to(device_));
-    const at::Tensor positions = sampler.positions(start + (i * ranks + data->rank()) * micro, micro);
+    const at::Tensor positions = sampler.positions(cursor, micro);
     if (positions.defined()) out.documents.push_back(positions.to(device_));
   }
   return out;
