@@ -89,7 +89,7 @@ install_torch() {
 # and safetensors); lm-evaluation-harness with its API models, and the
 # accelerate its hf backend needs.
 test_packages=(openai:openai transformers:transformers sentencepiece:sentencepiece "lm-eval[api]:lm_eval"
-               accelerate:accelerate)
+               accelerate:accelerate peft:peft)
 install_test_packages() {
   local missing=() entry
   for entry in "${test_packages[@]}"; do

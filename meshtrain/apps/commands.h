@@ -31,6 +31,7 @@ CommandPtr add_generate(CLI::App& app);              // generate_command.cpp
 CommandPtr add_serve(CLI::App& app);                 // serve_command.cpp
 CommandPtr add_import(CLI::App& app);                // interop_command.cpp
 CommandPtr add_export(CLI::App& app);                // interop_command.cpp
+CommandPtr add_export_peft(CLI::App& app);           // interop_command.cpp (after add_export)
 CommandPtr add_tokenizer(CLI::App& app);             // tokenizer_command.cpp
 CommandPtr add_logits(CLI::App& app);                // interop_command.cpp
 CommandPtr add_checkpoint(CLI::App& app);            // checkpoint_command.cpp
@@ -83,6 +84,7 @@ struct InferenceOffloadFlags {
 
 struct GenerateOptions {
   std::string checkpoint;  // a checkpoint folder, or a directory holding a 'latest' pointer
+  std::string lora;        // a PEFT adapter folder merged into it ("": none)
   std::string prompt = "The ";
   int64_t tokens = 300;
   double temperature = 0.8;
@@ -101,6 +103,7 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options);
 
 struct ServeOptions {
   std::string checkpoint;
+  std::string lora;  // a PEFT adapter folder merged into it ("": none)
   std::string host = "127.0.0.1";
   int port = 8000;                     // 0: any free port (printed)
   int64_t max_batch = 16;
@@ -127,6 +130,8 @@ int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::str
 int run_export_hf(const std::string& checkpoint, const std::string& out_dir, const std::string& dtype,
                   int64_t max_shard_bytes);
 int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out);
+// export peft CKPT --out DIR: a checkpoint of LoRA adapters as a PEFT adapter folder.
+int run_export_peft(const std::string& checkpoint, const std::string& out_dir);
 
 struct GenerateBenchOptions {
   std::string checkpoint;

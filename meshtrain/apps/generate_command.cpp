@@ -69,7 +69,7 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
                                 " ...)");
   }
   memory::install();
-  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload));
+  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload), options.lora);
   const bool speaker = runtime.rank() == 0;
   const std::string offload_line = apply_memory_limit(options.offload, inference);
   if (speaker && !offload_line.empty()) std::fputs(offload_line.c_str(), stderr);
@@ -122,6 +122,8 @@ CommandPtr add_generate(CLI::App& app) {
       ->add_option("--checkpoint", o->checkpoint,
                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
       ->required();
+  sub->add_option("--lora", o->lora, "A PEFT LoRA adapter folder merged into the checkpoint's weights")
+      ->check(CLI::ExistingDirectory);
   sub->add_option("--prompt", o->prompt, "Text to continue")->capture_default_str();
   sub->add_option("--prompt-ids", o->prompt_ids,
                   "Token ids to continue, separated by commas (in place of --prompt); the ids generated are "

@@ -11,6 +11,10 @@
 #include "meshtrain/serve/inference_model.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/model/config_json.h"
+#include "meshtrain/model/lora.h"
+#include "meshtrain/checkpoint/reader.h"
+
+#include <nlohmann/json.hpp>
 #include "meshtrain/train/config.h"
 
 #include <cstdio>
@@ -112,6 +116,28 @@ int run_export_hf(const std::string& checkpoint, const std::string& out_dir, con
   return 0;
 }
 
+int run_export_peft(const std::string& checkpoint, const std::string& out_dir) {
+  const std::string folder = checkpoint::CheckpointStore::resolve(checkpoint);
+  checkpoint::CheckpointReader reader(folder);
+  nlohmann::json config = nlohmann::json::parse(reader.metadata().model_config);
+  if (!config.contains("lora")) {
+    throw std::invalid_argument(folder + " holds a whole model, not LoRA adapters (trained with lora.rank > 0); "
+                                "export it with `meshtrain export hf`");
+  }
+  nlohmann::json lora = config.at("lora");
+  const std::string base = lora.value("base", "");
+  lora.erase("base");
+  std::map<std::string, at::Tensor> adapters;
+  for (const auto& [name, entry] : reader.metadata().tensors) {
+    if (name.rfind("model/", 0) == 0 && model::is_lora_parameter(name)) adapters[name.substr(6)] = reader.read(name);
+  }
+  const model::GptConfig model = model::config_from_json(reader.metadata().model_config);
+  model::write_peft_adapter(out_dir, model, model::LoraConfig::from_json(lora.dump()), adapters, base);
+  std::printf("meshtrain export: %zu LoRA tensors of %s -> %s (adapter_config.json, adapter_model.safetensors; base %s)\n",
+              adapters.size(), folder.c_str(), out_dir.c_str(), base.empty() ? "not recorded" : base.c_str());
+  return 0;
+}
+
 int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out) {
   serve::InferenceModel inference(checkpoint, nullptr);
   model::Gpt& gpt = inference.gpt();
@@ -179,6 +205,21 @@ CommandPtr add_export(CLI::App& app) {
   hf->add_option("--max-shard-size", a->shard, "Largest safetensors file (e.g. 500M, 5G)")
       ->capture_default_str();
   return plain_command(hf, [a] { return run_export_hf(a->checkpoint, a->out, a->dtype, parse_size(a->shard)); });
+}
+
+CommandPtr add_export_peft(CLI::App& app) {
+  struct Args {
+    std::string checkpoint, out;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* peft = app.get_subcommand("export")->add_subcommand(
+      "peft",
+      "LoRA adapters (a checkpoint of a run with lora.rank > 0) as a PEFT adapter folder: adapter_config.json and "
+      "adapter_model.safetensors, loaded by peft.PeftModel.from_pretrained on the base model and served with "
+      "`meshtrain serve --lora`. `export hf` of the same checkpoint writes the base with the adapters merged");
+  peft->add_option("checkpoint", a->checkpoint, "Checkpoint folder, or a checkpoint directory (its latest)")->required();
+  peft->add_option("--out", a->out, "Folder to write")->required();
+  return plain_command(peft, [a] { return run_export_peft(a->checkpoint, a->out); });
 }
 
 CommandPtr add_logits(CLI::App& app) {

@@ -88,7 +88,7 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   }
   memory::install();
   keep_request_memory_returnable();
-  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload));
+  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload), options.lora);
   const std::string offload_line = apply_memory_limit(options.offload, inference);
   if (runtime.rank() == 0 && !offload_line.empty()) std::fputs(offload_line.c_str(), stderr);
   serve::Scheduler scheduler(inference, runtime.world(), serve::SchedulerOptions{options.max_batch, options.queue});
@@ -152,6 +152,10 @@ ServeCommand::ServeCommand(CLI::App& app) {
       ->add_option("--checkpoint", o_.checkpoint,
                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
       ->required();
+  sub_->add_option("--lora", o_.lora,
+                   "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors, e.g. from `meshtrain "
+                   "export peft`), merged into the checkpoint's weights before serving")
+      ->check(CLI::ExistingDirectory);
   sub_->add_option("--host", o_.host, "Address to listen on")->capture_default_str();
   sub_->add_option("--port", o_.port, "Port (0: any free port, printed at start)")
       ->check(CLI::Range(0, 65535))

@@ -255,6 +255,17 @@ placement::TrainingState DataParallel::state(const ParameterLayouts& layouts) {
   return out;
 }
 
+placement::TrainingState DataParallel::frozen_state(const ParameterLayouts& layouts) {
+  placement::TrainingState out;
+  for (const auto& item : module_.named_parameters()) {
+    if (item.value().requires_grad()) continue;
+    const at::Tensor p = item.value().detach();
+    const ParameterLayout layout = layouts(item.key(), p);
+    out.push_back({"model/" + item.key(), layout.spec, p.reshape({-1}), layout.write});
+  }
+  return out;
+}
+
 void DataParallel::after_load(int64_t optimizer_steps) { set_adamw_steps(*optimizer_, optimizer_steps); }
 
 std::map<std::string, at::Tensor> DataParallel::full_parameters(int /*root*/) {

@@ -71,6 +71,7 @@ class DataParallel : public DataParallelism {
   double clip_grad_norm(double max_norm) override;
   void step(double lr) override;
   placement::TrainingState state(const ParameterLayouts& layouts = whole_parameter) override;
+  placement::TrainingState frozen_state(const ParameterLayouts& layouts = whole_parameter) override;
   void after_load(int64_t optimizer_steps) override;
   std::map<std::string, at::Tensor> full_parameters(int root) override;
   std::string describe() const override;

@@ -48,6 +48,9 @@ class DataParallelism {
   virtual double clip_grad_norm(double max_norm) = 0;
   // AdamW at learning rate `lr`.
   virtual void step(double lr) = 0;
+  // The frozen parameters (LoRA's base, Note [LoRA]) as this rank holds
+  // them, for loading a base model into; state() leaves them out.
+  virtual placement::TrainingState frozen_state(const ParameterLayouts& layouts = whole_parameter) = 0;
 
   // Parameters ("model/NAME", fp32) and AdamW moments ("optim/NAME/exp_avg",
   // ".../exp_avg_sq") this rank holds, as views: a checkpoint writes them and

@@ -75,7 +75,7 @@ void FullySharded::zero_grad() {
   state_->end_step_locked();
   for (auto& unit : state_->units) {
     if (unit.grad.defined()) unit.grad.zero_();
-    unit.shard_grad.zero_();
+    if (unit.shard_grad.defined()) unit.shard_grad.zero_();
   }
 }
 
@@ -131,6 +131,20 @@ placement::TrainingState FullySharded::state(const ParameterLayouts& layouts) {
   return out;
 }
 
+placement::TrainingState FullySharded::frozen_state(const ParameterLayouts& layouts) {
+  ShardedState& s = *state_;
+  placement::TrainingState out;
+  for (const ShardedState::Slice& slice : s.frozen_slices) {
+    const Unit& unit = s.units[slice.unit];
+    const std::string& name = unit.names[slice.param];
+    ParameterLayout layout = layouts(name, unit.params[slice.param]);
+    layout.spec.flat_begin = slice.begin;
+    layout.spec.flat_end = slice.end;
+    out.push_back({"model/" + name, layout.spec, slice.tensor, layout.write});
+  }
+  return out;
+}
+
 void FullySharded::after_load(int64_t optimizer_steps) {
   if (state_->offloaded) {
     state_->offloaded->set_steps(optimizer_steps);
@@ -141,7 +155,7 @@ void FullySharded::after_load(int64_t optimizer_steps) {
   if (state_->stage3()) return;
   std::lock_guard<std::mutex> lock(state_->mutex);
   torch::NoGradGuard no_grad;
-  state_->regather_all_locked();
+  state_->regather_all_locked(/*frozen_too=*/true);
 }
 
 std::map<std::string, at::Tensor> FullySharded::full_parameters(int root) {
@@ -205,8 +219,11 @@ std::string FullySharded::describe() const {
       offload += ", parameters to " + std::string(offload::tier_name(s.options.offload_params));
     }
   }
+  int64_t frozen = 0;
+  for (const Unit& unit : s.units) frozen += unit.frozen ? 1 : 0;
   return "ZeRO stage " + std::to_string(s.options.stage) + " over dp(" + std::to_string(s.groups.replicate->size()) +
-         ") x fsdp(" + std::to_string(s.shards) + "), " + std::to_string(s.units.size()) + " units, " +
+         ") x fsdp(" + std::to_string(s.shards) + "), " + std::to_string(s.units.size()) + " units" +
+         (frozen ? " (" + std::to_string(frozen) + " frozen)" : "") + ", " +
          comm::dtype_name(s.options.param_dtype) + " compute, " + comm::dtype_name(s.options.reduce_dtype) +
          " reductions" + offload;
 }

@@ -144,6 +144,7 @@ class FullySharded : public DataParallelism {
   // Master slices and their AdamW moments, each with the flat range of its
   // parameter it holds; each slice is saved by one replica (bytes balanced).
   placement::TrainingState state(const ParameterLayouts& layouts = whole_parameter) override;
+  placement::TrainingState frozen_state(const ParameterLayouts& layouts = whole_parameter) override;
   void after_load(int64_t optimizer_steps) override;
   // Every parameter, unsharded, in fp32, by name, on `root` of groups.all
   // (empty elsewhere; root -1: on every rank). Collective.

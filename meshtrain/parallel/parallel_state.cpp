@@ -35,6 +35,11 @@ placement::TrainingState training_state(Parallelized& parts) {
   return state;
 }
 
+placement::TrainingState frozen_state(Parallelized& parts) {
+  return parts.data_parallelism->frozen_state(
+      [&parts](const std::string& name, const at::Tensor& local) { return parameter_layout(parts, name, local); });
+}
+
 void after_load(Parallelized& parts, int64_t optimizer_steps, bool random_streams) {
   parts.data_parallelism->after_load(optimizer_steps);
   if (random_streams) parts.random.restore();

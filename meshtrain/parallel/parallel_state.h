@@ -18,6 +18,9 @@ namespace meshtrain::parallel {
 // streams (Note [Random streams]). Views of the live tensors (the streams:
 // copies taken now), so a checkpoint load writes into them. Collective-free.
 placement::TrainingState training_state(Parallelized& parts);
+// The frozen parameters (LoRA's base) as this rank holds them, placed as
+// training_state()'s, which leaves them out: what a base model loads into.
+placement::TrainingState frozen_state(Parallelized& parts);
 // After a load into training_state(): AdamW's step count, and the random
 // streams set from what was loaded into their entries (`random_streams`);
 // without them the caller reseeds (parts.random.reseed).

@@ -9,6 +9,15 @@ namespace meshtrain::parallel {
 
 namespace {
 
+void apply_lora(Parallelized& p) {
+  const model::LoraConfig& lora = p.options.lora;
+  if (!lora.enabled()) return;
+  if (p.spec().annotated()) {
+    throw config::ConfigError("lora with tp_impl = \"annotations\" is not supported; use tp_impl = \"plan\"");
+  }
+  p.lora = model::apply_lora(p.model, lora, p.options.seed);
+}
+
 void apply_tensor_parallel(Parallelized& p) {
   const ParallelSpec& spec = p.spec();
   if (spec.annotated()) {
@@ -129,9 +138,11 @@ Parallelized parallelize(model::Gpt model, std::shared_ptr<comm::Communicator> w
   p.trained = p.model.ptr();
   p.mesh = std::make_shared<mesh::DeviceMesh>(p.world, p.spec().dims.mesh_layout());
   p.data = p.mesh->comm(std::vector<std::string>{"dp", "fsdp", "ep"});
+  apply_lora(p);
   apply_tensor_parallel(p);
   apply_expert_parallel(p);
   apply_pipeline(p);
+  if (p.lora) model::freeze_base(*p.model);  // the pipeline's copy of a tied embedding too
   apply_activation_checkpointing(p);
   if (p.spec().dims.zero_stage == 0) {
     apply_data_parallel(p);
@@ -150,6 +161,10 @@ std::string Parallelized::describe() const {
             std::to_string(experts->experts_per_rank()) + " experts per rank";
   }
   if (pipeline) text += ", " + pipeline->describe(options.micro_batch);
+  if (lora) {
+    text += ", LoRA r " + std::to_string(options.lora.rank) + " on " + std::to_string(options.lora.targets.size()) +
+            " targets";
+  }
   if (checkpointing) {
     text += ", activation checkpointing " + config::name_of(checkpoint_mode_names(), spec().activation_checkpoint) +
             (spec().activation_checkpoint_every > 1

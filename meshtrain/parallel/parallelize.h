@@ -5,6 +5,7 @@
 
 #include "meshtrain/mesh/device_mesh.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/model/lora.h"
 #include "meshtrain/parallel/activation_checkpoint.h"
 #include "meshtrain/parallel/data_parallel.h"
 #include "meshtrain/parallel/expert_parallel.h"
@@ -28,6 +29,7 @@ struct ParallelizeOptions {
   int64_t microbatches = 1;      // per data rank per step (the pipeline's m)
   bool bfloat16_autocast = false;  // matmuls in bfloat16 (fp32 weights)
   AdamWSettings adamw;
+  model::LoraConfig lora;  // rank > 0: adapters on a frozen model (Note [LoRA])
 };
 
 // What parallelize() made: the model as the techniques left it, and each
@@ -51,6 +53,7 @@ struct Parallelized {
   // How this rank's parameters relate to the whole model's (for the norm).
   ModelParallelNorm norm_groups;
   RandomStreams random;
+  std::shared_ptr<model::ForwardHooks> lora;  // the adapters' hooks (LoRA)
 
   const ParallelSpec& spec() const { return options.spec; }
   DataParallel* data_parallel() const { return dynamic_cast<DataParallel*>(data_parallelism.get()); }
@@ -62,6 +65,9 @@ struct Parallelized {
 // Note [Apply order]
 // parallelize() lays the ranks out as pp x dp x fsdp x ep x tp and applies, in
 // this order:
+//   0. LoRA adapters (options.lora): registered under the targeted linears,
+//      the rest frozen, their hooks innermost, so every technique below sees
+//      adapters as parameters of the linears they adapt (model/lora.h);
 //   1. tensor parallel (+ sequence parallel) over tp: parameters split in
 //      place, collectives around the linears (tensor_parallel.h), or the
 //      weights annotated (annotated_tensor_parallel.h);
@@ -73,7 +79,7 @@ struct Parallelized {
 //      collectives run again in the recompute (activation_checkpoint.h);
 //   5. data parallel (zero_stage 0) or ZeRO-1/2/3 over dp x fsdp, last: it
 //      sees the parameters as the layers before left them (data_parallel.h,
-//      fully_sharded.h).
+//      fully_sharded.h); frozen ones take no gradient and no optimizer state.
 // Each later step sees the model as the earlier ones left it; nothing else in
 // meshtrain applies a parallelism to the trainer's model. The random streams
 // are gathered last, from the default generators and tensor parallel's.

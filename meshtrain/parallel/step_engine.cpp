@@ -136,8 +136,8 @@ void StepEngine::zero_grad() { parts_.data_parallelism->zero_grad(); }
 
 double StepEngine::clip_grad_norm(double max_norm) {
   const pipeline::StagedModel* staged = parts_.pipeline.get();
-  if (staged && staged->tied_embedding_group()) {
-    // The tied embedding's gradient: the sum of its first- and last-stage copies.
+  if (staged && staged->tied_embedding_group() && !parts_.options.lora.enabled()) {
+    // (A frozen one has none.) The tied embedding's gradient: the sum of its first- and last-stage copies.
     at::Tensor grad = parts_.data_parallelism->reduced_gradient(pipeline::StagedModel::tied_embedding_name());
     staged->tied_embedding_group()->all_reduce(grad).wait();
   }

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -108,6 +109,7 @@ struct TensorParallel::Hooks : model::ForwardHooks {
   std::vector<TensorParallelRule> plan;
   std::unordered_map<std::string, at::Tensor> weights, biases;  // by module name
   std::unordered_map<std::string, Site> sites;                  // by call-site name, filled on first use
+  std::set<std::string> adapted;  // linears carrying LoRA adapters (Note [LoRA])
   int64_t vocab_start = 0;
   bool split_head = false;
 
@@ -132,7 +134,10 @@ struct TensorParallel::Hooks : model::ForwardHooks {
     const bool sp = owner->options_.sequence_parallel;
     switch (s.rule->style) {
       case Style::kColwise:
-        return sp ? sequence_gathered_linear(input, s.weight, s.bias, comm, kSequenceDim) : forward(input);
+        if (!sp) return forward(input);
+        // An adapted linear is more than its weight: its own forward (with the adapters) on the gathered input.
+        if (adapted.count(module)) return forward(gather_from_sequence(input, comm, kSequenceDim));
+        return sequence_gathered_linear(input, s.weight, s.bias, comm, kSequenceDim);
       case Style::kRowwise: {
         // The module's own bias was taken out: it is added once, after the sum.
         at::Tensor y = forward(input);
@@ -198,7 +203,8 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
     p.set_data(shard(name, p));
   };
   auto reduce_gradient = [&](at::Tensor& p) {
-    // A partial sum on each rank (computed from its sequence chunk).
+    // A partial sum on each rank (computed from its sequence chunk). A frozen parameter has none.
+    if (!p.requires_grad()) return;
     CommPtr group = comm_;
     p.register_hook([group](const at::Tensor& grad) {
       at::Tensor sum = grad.contiguous().clone();
@@ -257,6 +263,24 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
       case Style::kPrepareInput:
       case Style::kLocalRandom:
         break;
+    }
+    if (rule->style == Style::kColwise || rule->style == Style::kRowwise) {
+      // LoRA adapters (Note [LoRA]): B splits as a column-parallel weight's
+      // rows, A as a row-parallel weight's columns; the other factor is whole
+      // on every rank and its gradient a partial sum.
+      for (const auto& child : module.named_children()) {
+        if (child.key().rfind("lora_", 0) != 0) continue;
+        auto factors = child.value()->named_parameters(/*recurse=*/false);
+        const std::string adapter = prefix + child.key() + ".";
+        if (rule->style == Style::kColwise) {
+          set_split(adapter + "B", *factors.find("B"), 0, 1);
+          reduce_gradient(*factors.find("A"));
+        } else {
+          set_split(adapter + "A", *factors.find("A"), 1, 1);
+          reduce_gradient(*factors.find("B"));
+        }
+        hooks_->adapted.insert(name);
+      }
     }
   }
   for (size_t i = 0; i < plan.size(); ++i) {

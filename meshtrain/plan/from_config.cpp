@@ -25,6 +25,7 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   run.workload.precision = Precision::parse("fp32");
   run.workload.dropout = config.model.dropout;
   run.workload.prefetch = config.parallel.prefetch;
+  run.workload.lora = config.lora;
   const bool gpu = config.device != "cpu";
   // libtorch's fused attention on the CPU has no dropout; with dropout it falls back to the math kernel.
   // On CUDA the memory-efficient kernel takes dropout, and dropout keeps byte masks.

@@ -2,6 +2,7 @@
 // workload (batch, precision, attention kernel) and the machine it runs on.
 #pragma once
 
+#include "meshtrain/model/lora.h"
 #include "meshtrain/parallel/parallel_spec.h"
 
 #include <cstdint>
@@ -56,6 +57,9 @@ struct Workload {
   // as a multiple of tokens x top_k (training reports it as rank_load). 0: a
   // balanced router, capacity cutting it to cf when cf < 1.
   double moe_load = 0;
+  // LoRA (rank > 0): the model frozen, adapters beside it; only they take
+  // gradients and optimizer states.
+  model::LoraConfig lora;
 };
 
 // A device and its links; `meshtrain plan --calibrate` measures one for this machine.

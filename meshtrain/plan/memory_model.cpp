@@ -181,11 +181,31 @@ namespace {
 
 // Parameters on one tensor-parallel rank, by part (a MoE block: its ep-th of the experts).
 struct RankParameters {
-  double block = 0, moe_block = 0, local_experts = 0, embedding = 0, head = 0;
+  double block = 0, moe_block = 0, local_experts = 0, embedding = 0, head = 0;  // with LoRA, adapters included
   double largest_tensor = 0;  // AdamW's temporaries scale with it
+  // What trains: every parameter, or with LoRA a block's adapters only.
+  bool lora = false;
+  double trained_block = 0, trained_moe_block = 0;
+  double trained(double parameters) const { return lora ? 0 : parameters; }  // of the embedding and head
 };
 
-RankParameters rank_parameters(const model::GptConfig& model, const Layout& l) {
+// One block's LoRA adapters on a tensor-parallel rank: a column-parallel
+// base splits B (out x rank), a row-parallel one A (rank x in).
+double adapter_parameters(const model::GptConfig& m, const model::LoraConfig& lora, double t, bool moe) {
+  const double r = static_cast<double>(lora.rank), w = static_cast<double>(m.width), h = static_cast<double>(m.mlp_hidden());
+  double total = 0;
+  for (const std::string& target : lora.targets) {
+    if (target == "q") total += r * (w + static_cast<double>(m.q_width()) / t);
+    if (target == "k" || target == "v") total += r * (w + static_cast<double>(m.kv_width()) / t);
+    if (target == "o") total += r * (static_cast<double>(m.q_width()) / t + w);
+    if (moe) continue;  // experts take no adapters
+    if ((target == "gate" && m.gated_mlp()) || target == "up") total += r * (w + h / t);
+    if (target == "down") total += r * (h / t + w);
+  }
+  return total;
+}
+
+RankParameters rank_parameters(const model::GptConfig& model, const Layout& l, const model::LoraConfig& lora) {
   const double t = static_cast<double>(l.dims.tp), h = static_cast<double>(model.width);
   const double vocab = static_cast<double>(model.vocab_size);
   RankParameters r;
@@ -204,7 +224,39 @@ RankParameters rank_parameters(const model::GptConfig& model, const Layout& l) {
   r.largest_tensor = std::max({vocab * h / t, static_cast<double>(model.mlp_hidden()) * h / t,
                                h * static_cast<double>(model.qkv_width()) / t,
                                static_cast<double>(model.expert_hidden() * model.moe_experts / l.dims.ep) * h});
+  r.trained_block = r.block;
+  r.trained_moe_block = r.moe_block;
+  if (lora.enabled()) {
+    r.lora = true;
+    r.trained_block = adapter_parameters(model, lora, t, false);
+    r.trained_moe_block = adapter_parameters(model, lora, t, true);
+    r.block += r.trained_block;
+    r.moe_block += r.trained_moe_block;
+    r.largest_tensor = static_cast<double>(lora.rank) * std::max(h, static_cast<double>(model.mlp_hidden()));
+  }
   return r;
+}
+
+// What a block's LoRA adapters save beyond the layer (Note [LoRA]): each
+// adapter's x·Aᵀ (tokens x rank, whole on every tensor-parallel rank); with
+// sequence parallel each adapted column-parallel call site gathers its input
+// itself and keeps it. Under full recompute, nothing (the layer's input only).
+double lora_activation_bytes(const model::GptConfig& model, const model::LoraConfig& lora, const ActivationOptions& o,
+                             bool moe) {
+  if (!lora.enabled() || o.recompute == parallel::CheckpointMode::kFull) return 0;
+  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
+  const double e = o.precision.activation;
+  double bytes = 0;
+  bool qkv = false;
+  for (const std::string& t : lora.targets) {
+    const bool mlp = t == "gate" || t == "up" || t == "down";
+    if ((moe && mlp) || (t == "gate" && !model.gated_mlp())) continue;
+    bytes += e * z.tokens * static_cast<double>(lora.rank);
+    const bool column = t == "gate" || t == "up" || ((t == "q" || t == "k" || t == "v") && !qkv);
+    if (t == "q" || t == "k" || t == "v") qkv = true;
+    if (z.sp && column) bytes += e * z.u;
+  }
+  return bytes;
 }
 
 // What one micro-batch leaves behind: per layer (dense, MoE), a whole layer's
@@ -219,8 +271,8 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.activation_checkpoint,
                             w.attention, w.dropout, p, w.moe_load};
   StepActivations a;
-  a.per_layer = layer_activation_bytes(model, options);
-  a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep);
+  a.per_layer = layer_activation_bytes(model, options) + lora_activation_bytes(model, w.lora, options, false);
+  a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep) + lora_activation_bytes(model, w.lora, options, true);
   options.recompute = parallel::CheckpointMode::kNone;
   a.full_layer = std::max(layer_activation_bytes(model, options),
                           model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
@@ -231,18 +283,19 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
 
 // Parameters, gradients and optimizer states of `psi` parameters on a rank,
 // sharded as the ZeRO stage shards them, and what offload moves to the host.
-MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi) {
+// `trained`: of those, the ones that take gradients and optimizer states (all but LoRA's frozen base).
+MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi, double trained) {
   const double shards = static_cast<double>(l.shards());
   MemoryBreakdown states;
   states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
-  states.gradients = p.grad * psi / (l.dims.zero_stage >= 2 ? shards : 1);
-  states.optimizer = p.optimizer * psi / (l.dims.zero_stage >= 1 ? shards : 1);
+  states.gradients = p.grad * trained / (l.dims.zero_stage >= 2 ? shards : 1);
+  states.optimizer = p.optimizer * trained / (l.dims.zero_stage >= 1 ? shards : 1);
   // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
   // the host (in fp32 training the masters were the parameters, so the host
   // holds a copy of this rank's shard); sharded gradients accumulate there;
   // with "parameters" the stage-3 parameter shards too.
   if (l.offloaded()) {
-    states.host += states.optimizer + (p.param == 4 && p.optimizer == 8 ? 4 * psi / shards : 0);
+    states.host += states.optimizer + (p.param == 4 && p.optimizer == 8 ? 4 * trained / shards : 0);
     states.optimizer = 0;
     if (l.dims.zero_stage >= 2) states.host += states.gradients, states.gradients = 0;
   }
@@ -294,6 +347,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   const double root_unit = r.embedding + r.head;  // ZeRO-3's root unit: embedding and head
   const bool gathers = l.dims.zero_stage == 3;    // units gathered in full while they compute
   const double largest_block = rank.moe_layers > 0 ? std::max(r.block, r.moe_block) : r.block;
+  const double largest_trained = rank.moe_layers > 0 ? std::max(r.trained_block, r.trained_moe_block) : r.trained_block;
   const double dense_workspace = t.dense_workspace, moe_workspace = rank.moe_layers > 0 ? t.moe_workspace : 0.0;
   MemoryBreakdown peak = states;
   double peak_bytes = -1;
@@ -326,7 +380,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
     } else if (act.kind == pipeline::ActionKind::kBackward) {
       if (loss_stage) {
         consider("loss backward", stash, kept_outputs + a.out.backward,
-                 sends + (gathers ? (p.param + p.grad) * root_unit : 0), 0);
+                 sends + (gathers ? p.param * root_unit + p.grad * r.trained(root_unit) : 0), 0);
         kept_outputs -= a.out.kept;
       }
       // ZeRO-3: the gathered unit, and the gradients of a dense block's
@@ -338,16 +392,16 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       if (gathers && rank.moe_layers > 0) {
         const double gathered = sends + p.param * (root_unit + r.moe_block);
         consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
-        const double dense = sends + p.param * (root_unit + r.block) + p.grad * r.block;
+        const double dense = sends + p.param * (root_unit + r.block) + p.grad * r.trained_block;
         if (rank.layers > rank.moe_layers) consider("layer backward", stash, kept_outputs, dense, dense_workspace + recomputed);
       } else {
-        const double gathered = sends + (gathers ? p.param * (root_unit + r.block) + p.grad * r.block : 0);
+        const double gathered = sends + (gathers ? p.param * (root_unit + r.block) + p.grad * r.trained_block : 0);
         consider("layer backward", stash, kept_outputs, gathered, std::max(dense_workspace, moe_workspace) + recomputed);
       }
       const double gathered = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
       if (gathers && rank.moe_layers > 0) {
         consider("unit gradients", std::max(0.0, stash - a.per_moe_layer), kept_outputs,
-                 gathered + p.grad * largest_block, 0);
+                 gathered + p.grad * largest_trained, 0);
       }
       stash -= stage_bytes(act.stage);
       --stashed;
@@ -355,9 +409,11 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
     }
   }
   // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
-  // a unit's updated shards into a full buffer (two units' worth in flight).
-  const double optimizer_work =
-      l.dims.zero_stage == 0 ? 4 * 4 * r.largest_tensor : 2 * 4 * std::max(largest_block, root_unit);
+  // a unit's updated shards into a full buffer (two units' worth in flight;
+  // with LoRA only the adapters' units change and are gathered again).
+  const double optimizer_work = l.dims.zero_stage == 0 ? 4 * 4 * r.largest_tensor
+                                : r.lora              ? 2 * 4 * largest_trained
+                                                      : 2 * 4 * std::max(largest_block, root_unit);
   consider("optimizer step", 0, 0, 0, optimizer_work);
   return peak;
 }
@@ -371,7 +427,7 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
   const StepTerms terms{l,
                         w,
                         z,
-                        rank_parameters(model, l),
+                        rank_parameters(model, l, w.lora),
                         step_activations(model, w, l, z),
                         chunks_of(model, l),
                         layer_backward_workspace(model, z, w.precision, false, 1, 0),
@@ -391,7 +447,9 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
                        (first ? r.embedding : 0) + (last ? r.head : 0);
     rank.parameter_count = psi;
     rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * r.local_experts;
-    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi), schedule.actions[pr], terms);
+    const double trained = r.lora ? dense_layers * r.trained_block + static_cast<double>(rank.moe_layers) * r.trained_moe_block
+                                  : psi;
+    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi, trained), schedule.actions[pr], terms);
     ranks.push_back(rank);
   }
   return ranks;

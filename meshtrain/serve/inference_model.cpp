@@ -5,6 +5,10 @@
 #include "meshtrain/offload/host_memory.h"
 #include "meshtrain/parallel/tensor_parallel_ops.h"
 #include "meshtrain/model/config_json.h"
+#include "meshtrain/model/lora.h"
+#include "meshtrain/util/files.h"
+
+#include <nlohmann/json.hpp>
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/memory.h"
 
@@ -19,7 +23,39 @@ void InferenceOffload::validate() const {
   if (prefetch < 0) throw std::invalid_argument("offload.prefetch = " + std::to_string(prefetch) + ": must be >= 0");
 }
 
-InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload)
+namespace {
+
+// A checkpoint's parameters into `gpt`; a checkpoint of LoRA adapters (its
+// model config names the base) loads the base, then merges the adapters.
+void load_parameters(model::Gpt& gpt, checkpoint::CheckpointReader& reader, const std::string& folder) {
+  torch::NoGradGuard no_grad;
+  const nlohmann::json config = nlohmann::json::parse(reader.metadata().model_config);
+  if (!config.contains("lora")) {
+    for (auto& item : gpt->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
+    return;
+  }
+  nlohmann::json lora = config.at("lora");
+  const std::string base = lora.value("base", "");
+  if (base.empty() || !util::path_exists(base)) {
+    throw std::invalid_argument(folder + " holds LoRA adapters for the base model " +
+                                (base.empty() ? std::string("(none recorded: trained without checkpoint.init_from)") : base) +
+                                ", which is not there; export the adapters with `meshtrain export peft` and serve them "
+                                "on the base with --lora");
+  }
+  lora.erase("base");
+  checkpoint::CheckpointReader base_reader(checkpoint::CheckpointStore::resolve(base));
+  for (auto& item : gpt->named_parameters()) item.value().copy_(base_reader.read("model/" + item.key()).view_as(item.value()));
+  std::map<std::string, at::Tensor> adapters;
+  for (const auto& [name, entry] : reader.metadata().tensors) {
+    if (name.rfind("model/", 0) == 0 && model::is_lora_parameter(name)) adapters[name.substr(6)] = reader.read(name);
+  }
+  model::merge_lora(gpt, model::LoraConfig::from_json(lora.dump()), adapters);
+}
+
+}  // namespace
+
+InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload,
+                               const std::string& lora)
     : group_(std::move(tp_group)), offload_(std::move(offload)) {
   offload_.validate();
   // Offloaded weights are loaded in host memory, then streamed (Note [Host scope]).
@@ -32,9 +68,11 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
   tokenizer_ = text::tokenizer_from_json(reader.metadata().tokenizer);
   gpt_ = model::Gpt(model::config_from_json(reader.metadata().model_config), 0);
   check_tokenizer();
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& item : gpt_->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
+  load_parameters(gpt_, reader, folder);
+  if (!lora.empty()) {
+    const model::PeftAdapter adapter = model::read_peft_adapter(lora, gpt_->config());
+    model::merge_lora(gpt_, adapter.config, adapter.adapters);
+    name_ += "+" + std::filesystem::path(lora).filename().string();
   }
   split();
   host.reset();

@@ -38,7 +38,10 @@ class InferenceModel {
  public:
   // `checkpoint`: a checkpoint folder or a directory with a 'latest' pointer.
   // `tp_group`: the ranks that split the model (null or size 1: whole).
-  InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload = {});
+  // A checkpoint of LoRA adapters is merged into the base it names; `lora`,
+  // a PEFT adapter folder, is merged on top (Note [LoRA]).
+  InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload = {},
+                 const std::string& lora = "");
   // A model in memory (the same full model on every rank of the group), bytes as its tokenizer.
   // With offloaded weights, build it under a memory::HostScope so that it is never counted
   // as device memory (the checkpoint constructor loads that way itself).

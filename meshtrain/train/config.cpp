@@ -201,6 +201,12 @@ void add_data_and_training_keys(std::vector<Field>& f) {
                                             on_nonfinite_names(), MESHTRAIN_CONFIG_MEMBER(on_nonfinite)));
   f.push_back(field("training", "max_nonfinite_skips", "on_nonfinite = \"skip\": steps passed over in a row before "
                     "the run stops", MESHTRAIN_CONFIG_MEMBER(max_nonfinite_skips)));
+  f.push_back(field("lora", "rank", "LoRA: the adapters' rank r; > 0 freezes the model and trains adapters on "
+                    "lora.targets only (0: full fine-tuning)", MESHTRAIN_CONFIG_MEMBER(lora.rank)));
+  f.push_back(field("lora", "alpha", "LoRA: the update is scaled by alpha / rank", MESHTRAIN_CONFIG_MEMBER(lora.alpha)));
+  f.push_back(field("lora", "dropout", "LoRA: dropout on each adapter's input", MESHTRAIN_CONFIG_MEMBER(lora.dropout)));
+  f.push_back(field("lora", "targets", "LoRA: the linears adapted, of q, k, v, o, gate, up, down (a GELU MLP's fc is "
+                    "up, its proj down; it has no gate)", MESHTRAIN_CONFIG_MEMBER(lora.targets)));
 }
 
 // [memory], [checkpoint] and [run].
@@ -509,6 +515,18 @@ void check_data_and_run(const TrainConfig& c) {
   }
   if (c.trace_step < 0) refuse("run.trace_step", n(c.trace_step), "must be >= 0 (0: none)");
   if (c.out.empty()) refuse("run.out", "\"\"", "must name a directory");
+  try {
+    c.lora.check(c.model);
+  } catch (const std::invalid_argument& e) {
+    throw ConfigError(e.what());
+  }
+  if (c.lora.enabled() && c.parallel.annotated()) {
+    refuse("lora.rank", n(c.lora.rank), "adapters are not ruled for parallel.tp_impl = \"annotations\"; use tp_impl \"plan\"");
+  }
+  if (c.lora.enabled() && c.parallel.offload_optimizer != offload::Tier::kDevice) {
+    refuse("lora.rank", n(c.lora.rank), "offload.optimizer with LoRA is not supported (the adapters' optimizer state "
+                                        "is small); leave offload.optimizer = \"none\"");
+  }
   if (c.packing == Packing::kPacked && c.parallel.annotated()) {
     refuse("data.packing", "\"packed\"", "its block-diagonal attention is not ruled for parallel.tp_impl = "
                                          "\"annotations\"; use \"concat\" or \"padded\", or tp_impl \"plan\"");

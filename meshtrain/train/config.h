@@ -4,6 +4,7 @@
 #pragma once
 
 #include "meshtrain/model/gpt_config.h"
+#include "meshtrain/model/lora.h"
 #include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/train/data_options.h"
 #include "meshtrain/util/config_keys.h"
@@ -70,6 +71,8 @@ struct TrainConfig {
   // [parallel] and [offload]: the degrees, their layout rules and every
   // technique's options (parallel/parallel_spec.h).
   parallel::ParallelSpec parallel;
+  // [lora]: adapters on a frozen model (Note [LoRA]); rank 0: none
+  model::LoraConfig lora;
   // [memory]
   int64_t memory_limit_mb = 0;  // per-rank limit on counted CPU tensor memory; 0: none
   // [checkpoint]

@@ -86,6 +86,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
   o.microbatches = c.grad_accum;
   o.bfloat16_autocast = c.bfloat16();
   o.adamw = {c.lr, c.beta1, c.beta2, 1e-8, c.weight_decay};
+  o.lora = c.lora;
   return o;
 }
 
@@ -109,8 +110,10 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   // The random streams (dropout, the random second expert) start from the seed, whatever
   // ran before in this process; a resume in the same layout then restores them.
   parts().random.reseed(config_.seed, 0);
+  // LoRA trains adapters on the base init_from holds: loaded first, then the adapters resume.
+  if (config_.lora.enabled() && !config_.init_from.empty()) init_from_checkpoint();
   if (config_.resume) resume();
-  if (!resumed_ && !config_.init_from.empty()) init_from_checkpoint();
+  if (!resumed_ && !config_.init_from.empty() && !config_.lora.enabled()) init_from_checkpoint();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
   const int64_t redone = resumed_ ? progress_->resumed(step_, resumed_from_) : 0;
@@ -323,6 +326,15 @@ bool Trainer::run(const std::atomic<int>* stop) {
   std::snprintf(line, sizeof line, "training %s (%s, %.2fM parameters) on %s, ", config_.preset.c_str(),
                 model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, ranks.c_str());
   progress_->say(line + parts().describe());
+  if (config_.lora.enabled()) {
+    const int64_t adapters = config_.lora.parameter_count(config_.model);
+    std::string targets;
+    for (const std::string& t : config_.lora.targets) targets += (targets.empty() ? "" : ",") + t;
+    std::snprintf(line, sizeof line, "LoRA: %.3fM trainable parameters (%.2f%% of the model, which is frozen), rank %lld, "
+                  "alpha %g, on %s", adapters / 1e6, 100.0 * adapters / config_.model.parameter_count(),
+                  (long long)config_.lora.rank, config_.lora.alpha, targets.c_str());
+    progress_->say(line);
+  }
   if (config_.memory_limit_mb > 0) {
     progress_->say("per-rank memory limit " + std::to_string(config_.memory_limit_mb) + " MiB (counted CPU tensors)");
   }

@@ -41,6 +41,25 @@ std::string layout_of(const TrainConfig& config) {
   return config.parallel.dims.str() + (config.parallel.annotated() ? " tp_impl=annotations" : "");
 }
 
+// The model config a checkpoint records; with LoRA, the adapters' config and
+// the base they adapt under "lora" (the checkpoint holds the adapters alone).
+std::string model_config_of(const TrainConfig& config) {
+  if (!config.lora.enabled()) return model::to_json(config.model);
+  nlohmann::json j = nlohmann::json::parse(model::to_json(config.model));
+  j["lora"] = nlohmann::json::parse(config.lora.to_json());
+  j["lora"]["base"] = config.init_from.empty() ? "" : util::canonical_path(checkpoint::CheckpointStore::resolve(config.init_from));
+  return j.dump();
+}
+
+// What a checkpoint's model config says of LoRA: "" (none) or its config.
+std::string lora_of(const std::string& model_config) {
+  const nlohmann::json j = nlohmann::json::parse(model_config);
+  if (!j.contains("lora")) return "";
+  nlohmann::json lora = j.at("lora");
+  lora.erase("base");
+  return model::LoraConfig::from_json(lora.dump()).to_json();
+}
+
 }  // namespace
 
 bool Trainer::state_is_finite() {
@@ -69,7 +88,7 @@ void Trainer::save_checkpoint() {
   meta.step = step_;
   meta.cursor = cursor_;
   meta.model = model_fingerprint();
-  meta.model_config = model::to_json(config_.model);
+  meta.model_config = model_config_of(config_);
   meta.layout = layout_of(config_);
   meta.world = world_->size();
   meta.tokenizer = text::tokenizer_to_json(*tokenizer_);
@@ -86,6 +105,13 @@ void Trainer::load_checkpoint(const std::string& folder) {
   if (meta.model != model_fingerprint()) {
     throw ConfigError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
                       model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
+  }
+  const std::string lora = config_.lora.enabled() ? config_.lora.to_json() : "";
+  if (lora_of(meta.model_config) != lora) {
+    const std::string held = lora_of(meta.model_config);
+    throw ConfigError("checkpoint " + folder + " holds " + (held.empty() ? "a whole model" : "LoRA adapters " + held) +
+                      ", and this run trains " + (lora.empty() ? "the whole model" : "LoRA adapters " + lora) +
+                      "; use another checkpoint.dir or set checkpoint.resume = false");
   }
   const bool same_layout = meta.layout == layout_of(config_) && meta.world == world_->size();
   comm::on_all_or_all_fail(*world_, [&] {
@@ -196,6 +222,9 @@ namespace meshtrain::train {
 // and the data at the start of its stream. A run that has saved resumes from
 // checkpoint.dir as any run does. The model must be the checkpoint's but for
 // the context (a learned position table then refuses to load by shape).
+// With LoRA (lora.rank > 0) the checkpoint's parameters are the frozen base,
+// loaded before anything resumes: checkpoint.dir then holds the adapters
+// and their optimizer state alone, and names the base in its model config.
 model::GptConfig init_model(const std::string& checkpoint_dir) {
   try {
     const checkpoint::Metadata meta =
@@ -216,9 +245,15 @@ void Trainer::init_from_checkpoint() {
     throw ConfigError("checkpoint.init_from = \"" + config_.init_from + "\" holds " + reader->metadata().model +
                       ", not the configured " + model_fingerprint() + "; leave [model] as the checkpoint has it");
   }
+  if (!lora_of(reader->metadata().model_config).empty()) {
+    throw ConfigError("checkpoint.init_from = \"" + config_.init_from + "\" holds LoRA adapters, not a model; start "
+                      "from the model they adapt, or from a merged export (`meshtrain export hf`, then `import hf`)");
+  }
+  // LoRA: the frozen base only (the adapters start afresh, Note [LoRA]).
+  const placement::TrainingState state =
+      config_.lora.enabled() ? parallel::frozen_state(parts()) : parallel::training_state(parts());
   comm::on_all_or_all_fail(*world_, [&] {
-    reader->load(parallel::training_state(parts()), mesh().layout(), world_->rank(),
-                 [](const std::string& name) { return name.rfind("model/", 0) == 0; });
+    reader->load(state, mesh().layout(), world_->rank(), [](const std::string& name) { return name.rfind("model/", 0) == 0; });
   });
   parallel::after_load(parts(), 0, false);
   initialized_from_ = folder;

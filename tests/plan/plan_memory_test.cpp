@@ -175,5 +175,25 @@ TEST_F(PlanMemory, MixtureOfExpertsPeakWithinTenPercentOfMeasured) {
   }
 }
 
+// LoRA (Note [LoRA]): the frozen model's parameters, the adapters'
+// gradients and optimizer states, and the adapters' saved tensors.
+TEST_F(PlanMemory, LoraPeakWithinTenPercentOfMeasured) {
+  memory::install();
+  const int n = world()->size();
+  if (n == 8) GTEST_SKIP() << "2, 3 and 4 ranks cover every layout kind";
+  std::vector<Overrides> layouts = {{}};
+  for (int stage = 1; stage <= 3 && n > 1; ++stage) layouts.push_back({"parallel.zero_stage=" + std::to_string(stage)});
+  if (n % 2 == 0) {
+    layouts.push_back({"parallel.tp=2"});
+    layouts.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
+    layouts.push_back({"parallel.pp=2", "parallel.pp_schedule=1f1b"});
+  }
+  for (Overrides layout : layouts) {
+    layout.push_back("lora.rank=8");
+    const double error = relative_error_of(layout, 128, /*llama=*/true);
+    EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " " << describe(layout);
+  }
+}
+
 }  // namespace
 }  // namespace meshtrain::train

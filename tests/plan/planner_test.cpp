@@ -94,6 +94,27 @@ TEST(PlanMemoryFormula, ModelStatesFollowTheZeroPaper) {
   }
 }
 
+// LoRA: the frozen model keeps only its parameters (sharded at stage 3);
+// gradients and optimizer states exist for the adapters alone.
+TEST(PlanMemoryFormula, LoraKeepsGradientsAndOptimizerStatesForTheAdaptersOnly) {
+  Workload w;
+  w.precision = Precision::parse("fp32");
+  w.lora.rank = 16;
+  const model::GptConfig m = model::GptConfig::preset("llama2-7b");
+  const double psi = static_cast<double>(m.parameter_count()), adapters = static_cast<double>(w.lora.parameter_count(m));
+  EXPECT_NEAR(adapters, 16.0 * 32 * (4 * (4096 + 4096) + 3 * (4096 + 11008)), 1e-6);  // 7 targets, 32 blocks
+  for (int stage = 0; stage <= 3; ++stage) {
+    Layout l;
+    l.dims.zero_stage = stage;
+    const int64_t n = stage > 0 ? 8 : 1;
+    l.dims.fsdp = n;
+    const MemoryBreakdown got = estimate_memory(m, w, l, 1).front().memory;
+    EXPECT_NEAR(got.parameters / (4 * (psi + adapters) / (stage == 3 ? n : 1)), 1.0, 1e-12) << "stage " << stage;
+    EXPECT_NEAR(got.gradients / (4 * adapters / (stage >= 2 ? n : 1)), 1.0, 1e-12) << "stage " << stage;
+    EXPECT_NEAR(got.optimizer / (8 * adapters / (stage >= 1 ? n : 1)), 1.0, 1e-12) << "stage " << stage;
+  }
+}
+
 // Korthikanti et al. 2022 in 16-bit with dropout and unfused attention:
 // sbh(34 + 5as/h) per layer (Eq. 1); tp: sbh(10 + 24/t + 5as/(ht)) (Eq. 2);
 // tp + sp: sbh/t (34 + 5as/h) (Eq. 4); + selective recompute: 34 sbh/t

@@ -28,6 +28,7 @@ class GradientReadyHook : public torch::autograd::FunctionPostHook {
 
 void ShardedState::install_gradient_hooks(const std::shared_ptr<ShardedState>& self) {
   for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u].frozen) continue;
     for (const at::Tensor& p : units[u].params) {
       auto accumulator = torch::autograd::impl::grad_accumulator(p);
       accumulator->add_post_hook(std::make_unique<GradientReadyHook>(self, u));
@@ -74,7 +75,7 @@ void ShardedState::issue_reduce_locked(Unit& unit) {
   if (scale != 1.0) unit.reduce_in.mul_(scale);
   unit.reduce_out = at::empty({unit.shard}, unit.reduce_in.options());
   unit.reduce_work = reduce_comm->reduce_scatter(unit.reduce_out, unit.reduce_in, comm::ReduceOp::kAvg);
-  reshard_locked(unit);  // stage 3: its backward is over
+  reshard_locked(unit, /*frozen_too=*/false);  // stage 3: its backward is over (but for its input gradients)
   in_flight.push_back(&unit);
   // At most kMaxInFlight flat gradients exist at once; backward waits for the oldest beyond that.
   fold_locked(kMaxInFlight);
@@ -117,6 +118,7 @@ void ShardedState::after_backward() {
     }
     comm::wait_all(replicas);
     for (Unit& unit : units) {
+      if (unit.frozen) continue;
       const bool grad_is_view = unit.grad.defined() && unit.shard_grad.is_alias_of(unit.grad);
       if (options.stage1_reduce_scatter) {
         unit.shard_grad.copy_(unit.reduce_out.to(unit.shard_grad.device()));

@@ -49,17 +49,20 @@ void ShardedState::wait_gathered_locked(Unit& unit) {
   unit.residency = Residency::kGathered;
 }
 
-void ShardedState::regather_all_locked() {
+void ShardedState::regather_all_locked(bool frozen_too) {
   for (Unit& unit : units) {
+    if (unit.frozen && !frozen_too) continue;  // unchanged by a step
     unit.residency = Residency::kFreed;  // its storage stays (only stage 3 frees): gather_locked reuses it
     gather_locked(unit);
   }
   for (Unit& unit : units) wait_gathered_locked(unit);
 }
 
-void ShardedState::reshard_locked(Unit& unit) {
+void ShardedState::reshard_locked(Unit& unit, bool frozen_too) {
   if (!stage3()) return;
-  for (size_t c : unit.companions) reshard_locked(units[c]);
+  for (size_t c : unit.companions) {
+    if (frozen_too || !units[c].frozen) reshard_locked(units[c]);
+  }
   if (unit.residency == Residency::kFreed) return;
   if (unit.residency == Residency::kGathering) unit.gather_work.wait();
   unit.gather_work = comm::Work();
@@ -87,6 +90,16 @@ void ShardedState::after_forward(size_t u, bool backward_follows) {
 void ShardedState::before_backward(size_t u) {
   std::lock_guard<std::mutex> lock(mutex);
   wait_gathered_locked(units[u]);
+  // The gradient of u's output is complete: the unit after it has computed
+  // every input gradient it will, so its frozen parameters (which only those
+  // need) can go. Its trainable ones went with their reduction.
+  const size_t after = next_host(u);
+  if (after != SIZE_MAX) {
+    if (units[after].frozen) reshard_locked(units[after]);
+    for (size_t c : units[after].companions) {
+      if (units[c].frozen) reshard_locked(units[c]);
+    }
+  }
   const size_t previous = previous_host(u);
   if (options.prefetch && previous != SIZE_MAX && !units[previous].module.empty()) {
     gather_locked(units[previous]);  // (the root is still gathered)

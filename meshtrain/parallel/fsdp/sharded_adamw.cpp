@@ -2,6 +2,7 @@
 // global gradient norm over every shard, and clipping.
 #include "meshtrain/parallel/fsdp/sharded_state.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace meshtrain::parallel {
@@ -20,6 +21,11 @@ at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t length) {
 }  // namespace
 
 void ShardedState::build_optimizer() {
+  const bool any_frozen = std::any_of(units.begin(), units.end(), [](const Unit& u) { return u.frozen; });
+  if (any_frozen && options.offload_optimizer != offload::Tier::kDevice) {
+    throw std::invalid_argument("offload.optimizer with frozen parameters (LoRA) is not supported; the adapters' "
+                                "optimizer state is small: leave offload.optimizer = \"none\"");
+  }
   if (options.offload_optimizer != offload::Tier::kDevice) {
     offloaded = std::make_unique<OffloadedAdamW>(*this, options.offload_optimizer, options.offload_params, options.nvme_dir);
   } else if (options.offload_params != offload::Tier::kDevice) {
@@ -33,6 +39,11 @@ void ShardedState::build_optimizer() {
       const int64_t lo = std::max(begin, unit.offsets[i]);
       const int64_t hi = std::min(end, unit.offsets[i] + unit.params[i].numel());
       if (lo >= hi) continue;
+      if (unit.frozen) {  // loaded into, never stepped
+        frozen_slices.push_back({size_t(&unit - units.data()), i, lo - unit.offsets[i], hi - unit.offsets[i],
+                                 alias(unit.master, lo - begin, hi - lo)});
+        continue;
+      }
       // (An NVMe master has no tensor: the offloaded optimizer streams it.)
       at::Tensor slice = unit.master.defined() ? alias(unit.master, lo - begin, hi - lo) : at::Tensor();
       const bool split = options.split_over_tensor && options.split_over_tensor(unit.names[i]);
@@ -76,7 +87,9 @@ double ShardedState::clip_grad_norm(double max_norm) {
   // up over groups.expert (each ep rank holds others), in a third sum.
   at::Tensor squares = at::zeros({3}, at::TensorOptions(at::kDouble).device(reduce_comm->device()));
   // (An offloaded optimizer's shard gradients are in host memory: summed there.)
-  for (Unit& unit : units) squares[unit.expert ? 2 : 1] += unit.shard_grad.to(at::kDouble).pow(2).sum().to(squares.device());
+  for (Unit& unit : units) {
+    if (!unit.frozen) squares[unit.expert ? 2 : 1] += unit.shard_grad.to(at::kDouble).pow(2).sum().to(squares.device());
+  }
   auto squares_of = [&](const Stretch& x) {
     return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum().to(squares.device());
   };
@@ -103,7 +116,9 @@ double ShardedState::clip_grad_norm(double max_norm) {
   if (max_norm > 0) {
     const double coefficient = max_norm / (norm + 1e-6);
     if (coefficient < 1.0) {
-      for (Unit& unit : units) unit.shard_grad.mul_(coefficient);
+      for (Unit& unit : units) {
+        if (!unit.frozen) unit.shard_grad.mul_(coefficient);
+      }
     }
   }
   return norm;

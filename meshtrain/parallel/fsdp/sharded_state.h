@@ -38,6 +38,11 @@ struct Unit {
   Residency residency = Residency::kGathered;
   int64_t ready = 0;  // parameters whose gradient arrived in this backward
   bool expert = false;  // an expert tensor's unit (FullyShardedOptions::expert)
+  // Parameters that take no gradient (LoRA's base, Note [LoRA]): never
+  // reduced, no gradient buffers, no optimizer state; gathered (stage 3) as
+  // any unit. A module's frozen parameters are a unit of their own, a
+  // companion of the unit of its trainable ones.
+  bool frozen = false;
   // Stage 3: an expert tensor's unit is gathered and freed with the unit
   // holding its module (its host), which lists it among its companions.
   size_t host = SIZE_MAX;
@@ -81,6 +86,7 @@ struct ShardedState {
     at::Tensor tensor;
   };
   std::vector<Slice> slices;
+  std::vector<Slice> frozen_slices;  // of frozen units (their master slices only)
   std::vector<Stretch> tensor_split;       // stretches of parameters split over groups.tensor
   std::vector<Stretch> counted_elsewhere;  // parameters another pipeline stage counts
 
@@ -110,6 +116,7 @@ struct ShardedState {
 
   // units.cpp: groups `module`'s parameters into units with flat buffers.
   void build_units(torch::nn::Module& module);
+  void split_frozen();  // frozen parameters into units of their own
   void attach_companions();  // stage 3: each expert unit to its host
   void build_reduce_order();
   // The unit gathered after (before) unit u in forward order, companions
@@ -119,8 +126,10 @@ struct ShardedState {
   // residency.cpp
   void gather_locked(Unit& unit);
   void wait_gathered_locked(Unit& unit);
-  void regather_all_locked();  // stages 1, 2: every `full` from the masters
-  void reshard_locked(Unit& unit);
+  void regather_all_locked(bool frozen_too = false);  // stages 1, 2: every `full` from the masters
+  // `frozen_too` false: a host's frozen companions stay (its backward may
+  // still need them after its gradients are reduced; before_backward frees them).
+  void reshard_locked(Unit& unit, bool frozen_too = true);
   void before_forward(size_t u);
   void after_forward(size_t u, bool backward_follows);
   void before_backward(size_t u);

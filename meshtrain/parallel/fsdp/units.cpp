@@ -74,6 +74,7 @@ void ShardedState::build_units(torch::nn::Module& module) {
   }
   if (units.front().params.empty()) units.erase(units.begin());  // everything is in a unit (or a pipeline stage's blocks)
   if (units.empty()) throw std::invalid_argument("fully sharded: the module has no parameters");
+  split_frozen();
   for (size_t u = 0; u < units.size(); ++u) unit_of_module[units[u].module] = u;
   if (stage3()) attach_companions();
 
@@ -98,7 +99,7 @@ void ShardedState::build_units(torch::nn::Module& module) {
       p.mutable_grad().reset();
       p.set_data(unit.full.narrow(0, unit.offsets[i], p.numel()).view(shape));
     }
-    if (options.stage == 1) {
+    if (options.stage == 1 && !unit.frozen) {
       unit.grad = at::zeros({unit.padded}, unit.full.options());
       for (size_t i = 0; i < unit.params.size(); ++i) {
         unit.params[i].mutable_grad() =
@@ -106,13 +107,42 @@ void ShardedState::build_units(torch::nn::Module& module) {
       }
     }
     const bool grad_is_view = options.stage == 1 && !options.stage1_reduce_scatter && options.param_dtype == at::kFloat;
-    unit.shard_grad = grad_is_view ? unit.grad.narrow(0, shard_rank * unit.shard, unit.shard) : at::zeros({unit.shard}, fp32);
-    if (stage3()) {
-      unit.residency = Residency::kGathered;
-      reshard_locked(unit);
-    }
+    if (!unit.frozen) unit.shard_grad = grad_is_view ? unit.grad.narrow(0, shard_rank * unit.shard, unit.shard) : at::zeros({unit.shard}, fp32);
+  }
+  for (Unit& unit : units) {  // once every buffer exists: a host frees its companions with it
+    if (stage3()) reshard_locked(unit);
   }
   build_reduce_order();
+}
+
+void ShardedState::split_frozen() {
+  const size_t count = units.size();
+  for (size_t u = 0; u < count; ++u) {
+    Unit& unit = units[u];
+    size_t frozen = 0;
+    for (const at::Tensor& p : unit.params) frozen += p.requires_grad() ? 0 : 1;
+    if (frozen == 0) continue;
+    if (frozen == unit.params.size()) {
+      unit.frozen = true;
+      continue;
+    }
+    if (unit.expert) throw std::invalid_argument("fully sharded: expert tensor " + unit.names.front() + " is frozen");
+    Unit trainable, still;
+    trainable.module = unit.module;
+    still.module = "frozen " + (unit.module.empty() ? std::string("root") : unit.module);
+    still.frozen = true;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      Unit& to = unit.params[i].requires_grad() ? trainable : still;
+      to.names.push_back(unit.names[i]);
+      to.params.push_back(unit.params[i]);
+      to.offsets.push_back(to.numel);
+      to.numel += unit.params[i].numel();
+    }
+    trainable.companions.push_back(units.size());
+    still.host = u;
+    unit = std::move(trainable);
+    units.push_back(std::move(still));
+  }
 }
 
 void ShardedState::attach_companions() {
@@ -140,9 +170,12 @@ void ShardedState::build_reduce_order() {
   // gradient is the last one ready). A host's companions (its experts, whose
   // gradients come before its attention's) just before it, so each is freed
   // with its block's backward.
+  // Frozen units are never reduced.
   for (size_t u = units.size(); u-- > 0;) {
-    if (units[u].host != SIZE_MAX) continue;
-    for (auto c = units[u].companions.rbegin(); c != units[u].companions.rend(); ++c) reduce_order.push_back(*c);
+    if (units[u].host != SIZE_MAX || units[u].frozen) continue;
+    for (auto c = units[u].companions.rbegin(); c != units[u].companions.rend(); ++c) {
+      if (!units[*c].frozen) reduce_order.push_back(*c);
+    }
     reduce_order.push_back(u);
   }
 }

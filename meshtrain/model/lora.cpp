@@ -1,0 +1,367 @@
+#include "meshtrain/model/lora.h"
+
+#include "meshtrain/interop/safetensors.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <unordered_map>
+
+namespace meshtrain::model {
+
+namespace {
+
+bool is_qkv_target(const std::string& t) { return t == "q" || t == "k" || t == "v"; }
+
+// Where target `t` sits in block `i`: the linear, its module name, and the adapter's in/out sizes.
+struct TargetSite {
+  torch::nn::Linear linear{nullptr};
+  std::string module;  // "blocks.N.attn.qkv"
+  int64_t in = 0, out = 0;
+};
+
+// Target t's linear: (in, out) features.
+std::pair<int64_t, int64_t> target_sizes(const GptConfig& c, const std::string& t) {
+  if (t == "q") return {c.width, c.q_width()};
+  if (t == "k" || t == "v") return {c.width, c.kv_width()};
+  if (t == "o") return {c.q_width(), c.width};
+  if (t == "down") return {c.mlp_hidden(), c.width};
+  return {c.width, c.mlp_hidden()};  // gate, up
+}
+
+bool has_target(const LoraConfig& config, const std::string& t) {
+  return std::find(config.targets.begin(), config.targets.end(), t) != config.targets.end();
+}
+
+// The site of target `t` in block `i`, or none (a mixture-of-experts block has no MLP).
+bool target_site(Gpt& model, int64_t i, const std::string& t, TargetSite& site) {
+  const GptConfig& c = model->config();
+  auto block = model->blocks[i]->as<BlockImpl>();
+  const std::string prefix = "blocks." + std::to_string(i) + ".";
+  if (is_qkv_target(t)) {
+    site = {block->attn->qkv, prefix + "attn.qkv", c.width, t == "q" ? c.q_width() : c.kv_width()};
+    return true;
+  }
+  if (t == "o") {
+    site = {block->attn->proj, prefix + "attn.proj", c.q_width(), c.width};
+    return true;
+  }
+  MlpImpl* mlp = block->mlp ? block->mlp.get() : nullptr;
+  if (!mlp) return false;
+  const int64_t h = c.mlp_hidden();
+  if (t == "gate") site = {mlp->gate, prefix + "mlp.gate", c.width, h};
+  if (t == "up") site = mlp->fc ? TargetSite{mlp->fc, prefix + "mlp.fc", c.width, h} : TargetSite{mlp->up, prefix + "mlp.up", c.width, h};
+  if (t == "down") {
+    site = mlp->fc ? TargetSite{mlp->proj, prefix + "mlp.proj", h, c.width} : TargetSite{mlp->down, prefix + "mlp.down", h, c.width};
+  }
+  return static_cast<bool>(site.linear);
+}
+
+// The fused qkv's outputs (along the last dim of `like`) from q, k and v's
+// parts, an undefined part standing for zeros (Note [Grouped-query layout]).
+// The sizes are the local ones: tensor parallel's share of the heads.
+at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& like,
+                    const GptConfig& c) {
+  std::vector<int64_t> lead = like.sizes().vec();
+  const int64_t n = lead.back();
+  lead.pop_back();
+  auto part = [&](const at::Tensor& t, int64_t size) {
+    if (t.defined()) return t;
+    std::vector<int64_t> shape = lead;
+    shape.push_back(size);
+    return at::zeros(shape, like.options());
+  };
+  if (!c.grouped_query()) return at::cat({part(q, n / 3), part(k, n / 3), part(v, n / 3)}, -1);
+  const int64_t hd = c.head_dim(), rep = c.heads / c.key_value_heads(), groups = n / ((rep + 2) * hd);
+  auto grouped = [&](const at::Tensor& t, int64_t heads) {
+    std::vector<int64_t> shape = lead;
+    shape.insert(shape.end(), {groups, heads, hd});
+    return part(t, groups * heads * hd).reshape(shape);
+  };
+  return at::cat({grouped(q, rep), grouped(k, 1), grouped(v, 1)}, -2).reshape(like.sizes());
+}
+
+class LoraHooks : public ForwardHooks {
+ public:
+  struct Site {
+    bool qkv = false;
+    std::vector<std::pair<std::string, LoraAdapter>> adapters;  // (target, adapter)
+  };
+
+  LoraHooks(GptConfig model, const LoraConfig& config) : model_(std::move(model)), scale_(config.scale()), dropout_(config.dropout) {}
+
+  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
+    auto it = sites.find(module);
+    if (it == sites.end()) return forward(input);
+    const Site& site = it->second;
+    const at::Tensor y = forward(input);
+    const bool training = site.adapters.front().second->is_training();
+    const at::Tensor x = dropout_ > 0 && training ? at::dropout(input, dropout_, true) : input;
+    auto update = [&](const LoraAdapter& a) { return at::linear(at::linear(x, a->A), a->B) * scale_; };
+    if (!site.qkv) return y + update(site.adapters.front().second);
+    at::Tensor q, k, v;
+    for (const auto& [target, adapter] : site.adapters) (target == "q" ? q : target == "k" ? k : v) = update(adapter);
+    return y + fuse_qkv(q, k, v, y, model_);
+  }
+
+  std::unordered_map<std::string, Site> sites;  // by call site
+
+ private:
+  GptConfig model_;
+  double scale_, dropout_;
+};
+
+}  // namespace
+
+const std::vector<std::string>& lora_targets() {
+  static const std::vector<std::string> names{"q", "k", "v", "o", "gate", "up", "down"};
+  return names;
+}
+
+void LoraConfig::check(const GptConfig& model) const {
+  if (rank < 0) throw std::invalid_argument("lora.rank = " + std::to_string(rank) + ": must be >= 0 (0: no adapters)");
+  if (!enabled()) return;
+  if (!(alpha > 0)) throw std::invalid_argument("lora.alpha must be > 0");
+  if (!(dropout >= 0 && dropout < 1)) throw std::invalid_argument("lora.dropout must be in [0, 1)");
+  if (targets.empty()) throw std::invalid_argument("lora.targets is empty: name at least one of q, k, v, o, gate, up, down");
+  for (const std::string& t : targets) {
+    const auto& known = lora_targets();
+    if (std::find(known.begin(), known.end(), t) == known.end()) {
+      throw std::invalid_argument("lora.targets: \"" + t + "\" is not a target; use q, k, v, o, gate, up, down");
+    }
+  }
+  if (targets.size() == 1 && targets.front() == "gate" && !model.gated_mlp()) {
+    throw std::invalid_argument("lora.targets = [\"gate\"]: this model's MLP (" + model.mlp +
+                                ") has no gate, so nothing would be adapted; its linears are up (fc) and down (proj)");
+  }
+}
+
+int64_t LoraConfig::parameter_count(const GptConfig& m) const {
+  if (!enabled()) return 0;
+  const int64_t w = m.width, h = m.mlp_hidden(), dense = m.layers - m.moe_blocks();
+  int64_t total = 0;
+  for (const std::string& t : targets) {
+    if (t == "q") total += m.layers * (w + m.q_width());
+    if (t == "k" || t == "v") total += m.layers * (w + m.kv_width());
+    if (t == "o") total += m.layers * (m.q_width() + w);
+    if ((t == "gate" && m.gated_mlp()) || t == "up" || t == "down") total += dense * (w + h);
+  }
+  return rank * total;
+}
+
+std::string LoraConfig::to_json() const {
+  return nlohmann::json{{"rank", rank}, {"alpha", alpha}, {"dropout", dropout}, {"targets", targets}}.dump();
+}
+
+LoraConfig LoraConfig::from_json(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  LoraConfig c;
+  c.rank = j.at("rank");
+  c.alpha = j.at("alpha");
+  c.dropout = j.value("dropout", 0.0);
+  c.targets = j.at("targets").get<std::vector<std::string>>();
+  return c;
+}
+
+LoraAdapterImpl::LoraAdapterImpl(int64_t in, int64_t out, int64_t rank) {
+  A = register_parameter("A", torch::zeros({rank, in}));
+  B = register_parameter("B", torch::zeros({out, rank}));
+}
+
+bool is_lora_parameter(const std::string& name) { return name.find(".lora_") != std::string::npos; }
+
+void freeze_base(torch::nn::Module& model) {
+  for (auto& item : model.named_parameters()) {
+    if (!is_lora_parameter(item.key())) item.value().set_requires_grad(false);
+  }
+}
+
+std::shared_ptr<ForwardHooks> apply_lora(Gpt& model, const LoraConfig& config, uint64_t seed) {
+  config.check(model->config());
+  auto hooks = std::make_shared<LoraHooks>(model->config(), config);
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed ^ 0x4c6f5241ULL);  // "LoRA"
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < model->config().layers; ++i) {
+    for (const std::string& t : lora_targets()) {
+      TargetSite site;
+      if (!has_target(config, t) || !target_site(model, i, t, site)) continue;
+      auto adapter = site.linear->register_module("lora_" + t, LoraAdapter(site.in, site.out, config.rank));
+      const double bound = 1.0 / std::sqrt(static_cast<double>(site.in));  // kaiming_uniform_(a = sqrt(5))
+      adapter->A.copy_(at::empty(adapter->A.sizes()).uniform_(-bound, bound, generator));
+      adapter->A.set_data(adapter->A.to(site.linear->weight.device()));
+      adapter->B.set_data(adapter->B.to(site.linear->weight.device()));
+      LoraHooks::Site& s = hooks->sites[site.module];
+      s.qkv = is_qkv_target(t);
+      s.adapters.emplace_back(t, LoraAdapter(adapter));
+    }
+  }
+  freeze_base(*model);
+  model->add_forward_hooks(hooks);
+  return hooks;
+}
+
+void merge_lora(Gpt& model, const LoraConfig& config, const std::map<std::string, at::Tensor>& adapters) {
+  config.check(model->config());
+  torch::NoGradGuard no_grad;
+  const GptConfig& c = model->config();
+  for (int64_t i = 0; i < c.layers; ++i) {
+    std::map<std::string, at::Tensor> qkv;  // target -> scale·B·A, transposed [in, out]
+    torch::nn::Linear qkv_linear{nullptr};
+    for (const std::string& t : lora_targets()) {
+      TargetSite site;
+      if (!has_target(config, t) || !target_site(model, i, t, site)) continue;
+      const std::string name = site.module + ".lora_" + t;
+      auto a = adapters.find(name + ".A"), b = adapters.find(name + ".B");
+      if (a == adapters.end() || b == adapters.end()) throw std::invalid_argument("LoRA adapters: no " + name + " (A and B)");
+      const at::Tensor delta = at::matmul(b->second.to(at::kFloat), a->second.to(at::kFloat)) * config.scale();
+      if (delta.size(0) != site.out || delta.size(1) != site.in) {
+        throw std::invalid_argument("LoRA adapter " + name + ": B·A is [" + std::to_string(delta.size(0)) + ", " +
+                                    std::to_string(delta.size(1)) + "], the linear [" + std::to_string(site.out) + ", " +
+                                    std::to_string(site.in) + "]");
+      }
+      if (is_qkv_target(t)) {
+        qkv[t] = delta.t();
+        qkv_linear = site.linear;
+        continue;
+      }
+      at::Tensor& w = site.linear->weight;
+      w.add_(delta.to(w.dtype()));
+    }
+    if (!qkv_linear) continue;
+    at::Tensor& w = qkv_linear->weight;  // [qkv_width, width]
+    const at::Tensor like = w.t();
+    auto get = [&](const char* t) { return qkv.count(t) ? qkv.at(t) : at::Tensor(); };
+    w.add_(fuse_qkv(get("q"), get("k"), get("v"), at::zeros(like.sizes(), like.options().dtype(at::kFloat)), c).t().to(w.dtype()));
+  }
+}
+
+namespace {
+
+// PEFT's key of our adapter parameter, under transformers' Llama names.
+std::string peft_key(const std::string& name) {
+  // blocks.N.<attn.qkv|attn.proj|mlp.X>.lora_T.<A|B>
+  const size_t lora = name.find(".lora_");
+  const std::string block = name.substr(0, name.find('.', 7));  // "blocks.N"
+  const std::string rest = name.substr(lora + 6);                // "q.A"
+  const std::string target = rest.substr(0, rest.find('.')), matrix = rest.substr(rest.find('.') + 1);
+  static const std::map<std::string, std::string> modules{
+      {"q", "self_attn.q_proj"}, {"k", "self_attn.k_proj"}, {"v", "self_attn.v_proj"}, {"o", "self_attn.o_proj"},
+      {"gate", "mlp.gate_proj"}, {"up", "mlp.up_proj"},     {"down", "mlp.down_proj"}};
+  return "base_model.model.model.layers." + block.substr(7) + "." + modules.at(target) + ".lora_" + matrix + ".weight";
+}
+
+void check_peft_family(const GptConfig& model) {
+  if (!model.rms_norm() || model.learned_positions() || !model.gated_mlp()) {
+    throw std::invalid_argument("PEFT adapters: this model's transformers class (GPT-2 style: fused c_attn, c_fc) has "
+                                "no separate q/k/v/gate/up/down projections to name; export the merged model instead");
+  }
+}
+
+const std::map<std::string, std::string>& peft_modules() {
+  static const std::map<std::string, std::string> m{{"q_proj", "q"},       {"k_proj", "k"},   {"v_proj", "v"},
+                                                    {"o_proj", "o"},       {"gate_proj", "gate"},
+                                                    {"up_proj", "up"},     {"down_proj", "down"}};
+  return m;
+}
+
+}  // namespace
+
+void write_peft_adapter(const std::string& dir, const GptConfig& model, const LoraConfig& config,
+                        const std::map<std::string, at::Tensor>& adapters, const std::string& base_model) {
+  check_peft_family(model);
+  std::filesystem::create_directories(dir);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, tensor] : adapters) tensors.emplace_back(peft_key(name), tensor.to(at::kFloat).contiguous());
+  interop::write_safetensors((std::filesystem::path(dir) / "adapter_model.safetensors").string(), tensors,
+                             {{"format", "pt"}});
+  std::vector<std::string> modules;
+  for (const auto& [peft, ours] : peft_modules()) {
+    if (has_target(config, ours)) modules.push_back(peft);
+  }
+  const nlohmann::json j{{"peft_type", "LORA"},
+                         {"task_type", "CAUSAL_LM"},
+                         {"base_model_name_or_path", base_model},
+                         {"r", config.rank},
+                         {"lora_alpha", config.alpha},
+                         {"lora_dropout", config.dropout},
+                         {"target_modules", modules},
+                         {"bias", "none"},
+                         {"fan_in_fan_out", false},
+                         {"inference_mode", true},
+                         {"use_rslora", false},
+                         {"use_dora", false},
+                         {"modules_to_save", nullptr}};
+  std::ofstream out(std::filesystem::path(dir) / "adapter_config.json", std::ios::trunc);
+  out << j.dump(2) << "\n";
+  if (!out) throw std::runtime_error("cannot write " + dir + "/adapter_config.json");
+}
+
+PeftAdapter read_peft_adapter(const std::string& dir, const GptConfig& model) {
+  check_peft_family(model);
+  const std::string config_path = (std::filesystem::path(dir) / "adapter_config.json").string();
+  std::ifstream in(config_path);
+  if (!in) throw std::invalid_argument(config_path + ": cannot be read (a PEFT adapter folder holds adapter_config.json)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(config_path + ": not JSON: " + e.what());
+  }
+  auto fail = [&](const std::string& what) { throw std::invalid_argument(config_path + ": " + what); };
+  if (j.value("peft_type", "") != "LORA") fail("peft_type is \"" + j.value("peft_type", "") + "\", not \"LORA\"");
+  if (j.value("use_dora", false) || j.value("use_rslora", false)) fail("DoRA and rsLoRA adapters are not supported");
+  if (j.value("fan_in_fan_out", false)) fail("fan_in_fan_out adapters (GPT-2's Conv1D) are not supported");
+  PeftAdapter out;
+  out.config.rank = j.at("r");
+  out.config.alpha = j.at("lora_alpha");
+  out.config.targets.clear();
+  nlohmann::json modules = j.at("target_modules");
+  if (modules.is_string()) fail("target_modules as a pattern is not supported; list the module names");
+  for (const auto& m : modules) {
+    auto it = peft_modules().find(m.get<std::string>());
+    if (it == peft_modules().end()) fail("target module \"" + m.get<std::string>() + "\" is none of q_proj ... down_proj");
+    out.config.targets.push_back(it->second);
+  }
+  const interop::SafetensorsFile file((std::filesystem::path(dir) / "adapter_model.safetensors").string());
+  std::map<std::string, std::string> ours_of;  // PEFT key -> our name
+  std::map<std::string, std::vector<int64_t>> shape_of;  // PEFT key -> [rank, in] or [out, rank]
+  for (int64_t i = 0; i < model.layers; ++i) {
+    for (const std::string& t : out.config.targets) {
+      const std::string module = is_qkv_target(t) ? "attn.qkv" : t == "o" ? "attn.proj" : "mlp." + t;
+      for (const char* m : {"A", "B"}) {
+        const std::string ours = "blocks." + std::to_string(i) + "." + module + ".lora_" + t + "." + m;
+        ours_of[peft_key(ours)] = ours;
+        const auto [in_features, out_features] = target_sizes(model, t);
+        shape_of[peft_key(ours)] = std::string(m) == "A" ? std::vector<int64_t>{out.config.rank, in_features}
+                                                          : std::vector<int64_t>{out_features, out.config.rank};
+      }
+    }
+  }
+  for (const std::string& key : file.names()) {
+    std::string plain = key;
+    const size_t dot_default = plain.find(".default.");  // some PEFT versions keep the adapter's name
+    if (dot_default != std::string::npos) plain.erase(dot_default, 8);
+    auto it = ours_of.find(plain);
+    if (it == ours_of.end()) fail("adapter_model.safetensors: tensor " + key + " names no layer of this model");
+    const at::Tensor t = file.read(key);
+    if (t.sizes().vec() != shape_of.at(plain)) {
+      std::ostringstream text;
+      text << "adapter_model.safetensors: " << key << " is " << t.sizes() << ", not " << at::IntArrayRef(shape_of.at(plain))
+           << " (r = " << out.config.rank << " and this model's sizes)";
+      fail(text.str());
+    }
+    out.adapters[it->second] = t.to(at::kFloat);
+  }
+  for (const auto& [peft, ours] : ours_of) {
+    if (!out.adapters.count(ours)) fail("adapter_model.safetensors has no " + peft);
+  }
+  out.config.check(model);
+  return out;
+}
+
+}  // namespace meshtrain::model
