@@ -313,9 +313,16 @@ PeftAdapter read_peft_adapter(const std::string& dir, const GptConfig& model) {
     throw std::invalid_argument(config_path + ": not JSON: " + e.what());
   }
   auto fail = [&](const std::string& what) { throw std::invalid_argument(config_path + ": " + what); };
+  const std::string tensors_path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
+  auto fail_tensor = [&](const std::string& what) { throw std::invalid_argument(tensors_path + ": " + what); };
   if (j.value("peft_type", "") != "LORA") fail("peft_type is \"" + j.value("peft_type", "") + "\", not \"LORA\"");
   if (j.value("use_dora", false) || j.value("use_rslora", false)) fail("DoRA and rsLoRA adapters are not supported");
   if (j.value("fan_in_fan_out", false)) fail("fan_in_fan_out adapters (GPT-2's Conv1D) are not supported");
+  for (const char* key : {"r", "lora_alpha", "target_modules"}) {
+    if (!j.contains(key)) fail(std::string("no \"") + key + "\" (a LoRA adapter config has r, lora_alpha and target_modules)");
+  }
+  if (!j.at("r").is_number_integer() || j.at("r").get<int64_t>() < 1) fail("r must be a positive integer");
+  if (!j.at("lora_alpha").is_number()) fail("lora_alpha must be a number");
   PeftAdapter out;
   out.config.rank = j.at("r");
   out.config.alpha = j.at("lora_alpha");
@@ -327,7 +334,7 @@ PeftAdapter read_peft_adapter(const std::string& dir, const GptConfig& model) {
     if (it == peft_modules().end()) fail("target module \"" + m.get<std::string>() + "\" is none of q_proj ... down_proj");
     out.config.targets.push_back(it->second);
   }
-  const interop::SafetensorsFile file((std::filesystem::path(dir) / "adapter_model.safetensors").string());
+  const interop::SafetensorsFile file(tensors_path);
   std::map<std::string, std::string> ours_of;  // PEFT key -> our name
   std::map<std::string, std::vector<int64_t>> shape_of;  // PEFT key -> [rank, in] or [out, rank]
   for (int64_t i = 0; i < model.layers; ++i) {
@@ -347,18 +354,18 @@ PeftAdapter read_peft_adapter(const std::string& dir, const GptConfig& model) {
     const size_t dot_default = plain.find(".default.");  // some PEFT versions keep the adapter's name
     if (dot_default != std::string::npos) plain.erase(dot_default, 8);
     auto it = ours_of.find(plain);
-    if (it == ours_of.end()) fail("adapter_model.safetensors: tensor " + key + " names no layer of this model");
+    if (it == ours_of.end()) fail_tensor("tensor " + key + " names no layer of this model");
     const at::Tensor t = file.read(key);
     if (t.sizes().vec() != shape_of.at(plain)) {
       std::ostringstream text;
-      text << "adapter_model.safetensors: " << key << " is " << t.sizes() << ", not " << at::IntArrayRef(shape_of.at(plain))
+      text << key << " is " << t.sizes() << ", not " << at::IntArrayRef(shape_of.at(plain))
            << " (r = " << out.config.rank << " and this model's sizes)";
-      fail(text.str());
+      fail_tensor(text.str());
     }
     out.adapters[it->second] = t.to(at::kFloat);
   }
   for (const auto& [peft, ours] : ours_of) {
-    if (!out.adapters.count(ours)) fail("adapter_model.safetensors has no " + peft);
+    if (!out.adapters.count(ours)) fail_tensor("no tensor " + peft);
   }
   out.config.check(model);
   return out;
