@@ -102,11 +102,25 @@ class LoraHooks : public ForwardHooks {
     const at::Tensor y = forward(input);
     const bool training = site.adapters.front().second->is_training();
     const at::Tensor x = dropout_ > 0 && training ? at::dropout(input, dropout_, true) : input;
-    auto update = [&](const LoraAdapter& a) { return at::linear(at::linear(x, a->A), a->B) * scale_; };
-    if (!site.qkv) return y + update(site.adapters.front().second);
-    at::Tensor q, k, v;
-    for (const auto& [target, adapter] : site.adapters) (target == "q" ? q : target == "k" ? k : v) = update(adapter);
-    return y + fuse_qkv(q, k, v, y, model_);
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)}), y2 = y.reshape({-1, y.size(-1)});
+    // y + (scale·x·Aᵀ)·Bᵀ: the scale on the narrow product, the sum inside the second matmul.
+    if (!site.qkv) {
+      const LoraAdapter& a = site.adapters.front().second;
+      return at::addmm(y2, at::linear(x2, a->A) * scale_, a->B.t()).view(y.sizes());
+    }
+    // q, k and v's adapters as one: A stacked [n·rank, in]; Bᵀ [n·rank, qkv outputs]
+    // with each target's Bᵀ in its own rows and its part's columns of the fused layout.
+    const int64_t n = static_cast<int64_t>(site.adapters.size()), r = site.adapters.front().second->A.size(0);
+    std::vector<at::Tensor> a;
+    at::Tensor q, k, v;  // [n·rank, outputs of the part]: B transposed, in its slot
+    for (int64_t i = 0; i < n; ++i) {
+      const auto& [target, adapter] = site.adapters[i];
+      a.push_back(adapter->A);
+      const at::Tensor slot = at::constant_pad_nd(adapter->B.t(), {0, 0, i * r, (n - 1 - i) * r});
+      (target == "q" ? q : target == "k" ? k : v) = slot;
+    }
+    const at::Tensor bt = fuse_qkv(q, k, v, at::empty({n * r, y.size(-1)}, y.options()), model_);
+    return at::addmm(y2, at::linear(x2, at::cat(a, 0)) * scale_, bt).view(y.sizes());
   }
 
   std::unordered_map<std::string, Site> sites;  // by call site
