@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning, and against peft + PyTorch: the step time and
 memory of one Llama-shaped model (width 512, 8 blocks, grouped-query
-attention, SwiGLU; 26M parameters) trained on the same batch, context and
+attention, SwiGLU; 23.5M parameters) trained on the same batch, context and
 threads, with rank-16 adapters on q, k, v, o, gate, up, down.
 
 Rows, each the median step time over the steps after the first two:

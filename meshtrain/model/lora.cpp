@@ -169,7 +169,12 @@ int64_t LoraConfig::parameter_count(const GptConfig& m) const {
 }
 
 std::string LoraConfig::to_json() const {
-  return nlohmann::json{{"rank", rank}, {"alpha", alpha}, {"dropout", dropout}, {"targets", targets}}.dump();
+  return nlohmann::json{{"rank", rank},
+                        {"alpha", alpha},
+                        {"dropout", dropout},
+                        {"targets", targets},
+                        {"base_dtype", base_dtype == at::kBFloat16 ? "bfloat16" : "float32"}}
+      .dump();
 }
 
 LoraConfig LoraConfig::from_json(const std::string& text) {
@@ -179,6 +184,7 @@ LoraConfig LoraConfig::from_json(const std::string& text) {
   c.alpha = j.at("alpha");
   c.dropout = j.value("dropout", 0.0);
   c.targets = j.at("targets").get<std::vector<std::string>>();
+  c.base_dtype = j.value("base_dtype", "float32") == "bfloat16" ? at::kBFloat16 : at::kFloat;
   return c;
 }
 
@@ -192,6 +198,14 @@ bool is_lora_parameter(const std::string& name) { return name.find(".lora_") != 
 void freeze_base(torch::nn::Module& model) {
   for (auto& item : model.named_parameters()) {
     if (!is_lora_parameter(item.key())) item.value().set_requires_grad(false);
+  }
+}
+
+void cast_frozen_matrices(torch::nn::Module& model, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  for (auto& item : model.named_parameters()) {
+    at::Tensor& p = item.value();
+    if (item.key().rfind("blocks.", 0) == 0 && p.dim() == 2 && !p.requires_grad()) p.set_data(p.to(dtype));
   }
 }
 
@@ -215,6 +229,7 @@ std::shared_ptr<ForwardHooks> apply_lora(Gpt& model, const LoraConfig& config, u
     }
   }
   freeze_base(*model);
+  if (config.base_dtype != at::kFloat) cast_frozen_matrices(*model, config.base_dtype);
   model->add_forward_hooks(hooks);
   return hooks;
 }

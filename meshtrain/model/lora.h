@@ -21,6 +21,9 @@ struct LoraConfig {
   // (attention's output), gate, up, down (a GELU MLP's fc is up, its proj
   // down, and it has no gate: passed over).
   std::vector<std::string> targets{"q", "k", "v", "o", "gate", "up", "down"};
+  // What the frozen blocks' matrices are kept in: float32, or bfloat16 (half
+  // their memory; for bf16 autocast, whose matmuls round them so anyway).
+  at::ScalarType base_dtype = at::kFloat;
 
   bool enabled() const { return rank > 0; }
   double scale() const { return alpha / static_cast<double>(rank); }
@@ -62,11 +65,16 @@ bool is_lora_parameter(const std::string& name);
 // row-parallel base splits A by columns (B whole, likewise). q, k and v share
 // the fused qkv: their three updates are laid out as its outputs are (Note
 // [Grouped-query layout]), so their B's split with the heads. Mixture-of-
-// experts blocks take adapters on attention only.
+// experts blocks take adapters on attention only. With base_dtype bfloat16
+// the blocks' frozen matrices are stored in bf16 (under bf16 autocast, which
+// casts them to bf16 for every matmul anyway, the numbers are the same).
 std::shared_ptr<ForwardHooks> apply_lora(Gpt& model, const LoraConfig& config, uint64_t seed);
 
 // Every parameter but the adapters' set to requires_grad false.
 void freeze_base(torch::nn::Module& model);
+// The frozen matrices of the blocks (2-D weights: the linears, a router)
+// stored in `dtype`; norms, biases, embeddings and the head stay as they are.
+void cast_frozen_matrices(torch::nn::Module& model, at::ScalarType dtype);
 
 // The base weights with scale·B·A added for each adapter in `adapters`
 // (named as apply_lora names their parameters; every targeted linear must

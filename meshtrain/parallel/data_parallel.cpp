@@ -270,7 +270,7 @@ void DataParallel::after_load(int64_t optimizer_steps) { set_adamw_steps(*optimi
 
 std::map<std::string, at::Tensor> DataParallel::full_parameters(int /*root*/) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : module_.named_parameters()) out[item.key()] = item.value().detach().clone();
+  for (const auto& item : module_.named_parameters()) out[item.key()] = item.value().detach().to(at::kFloat, false, true);
   return out;
 }
 

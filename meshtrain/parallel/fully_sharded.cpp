@@ -164,11 +164,13 @@ std::map<std::string, at::Tensor> FullySharded::full_parameters(int root) {
   const bool keep = root < 0 || s.groups.all->rank() == root;
   for (size_t u = 0; u < s.units.size(); ++u) {
     const Unit& unit = s.units[u];
-    at::Tensor flat = at::empty({unit.padded}, unit.full.options().dtype(at::kFloat));
-    s.gather_comm->all_gather(flat, s.master_values(u)).wait();
+    const at::Tensor master = s.master_values(u);  // fp32, or a frozen unit's own dtype
+    at::Tensor flat = at::empty({unit.padded}, unit.full.options().dtype(master.scalar_type()));
+    s.gather_comm->all_gather(flat, master).wait();
+    flat = flat.to(at::kFloat);
     if (!keep) continue;
     for (size_t i = 0; i < unit.params.size(); ++i) {
-      out[unit.names[i]] = flat.narrow(0, unit.offsets[i], unit.params[i].numel()).view(unit.params[i].sizes()).clone();
+      out[unit.names[i]] = flat.narrow(0, unit.offsets[i], unit.params[i].numel()).view(unit.params[i].sizes()).clone();  // fp32
     }
   }
   return out;

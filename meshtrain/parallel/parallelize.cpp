@@ -15,6 +15,9 @@ void apply_lora(Parallelized& p) {
   if (p.spec().annotated()) {
     throw config::ConfigError("lora with tp_impl = \"annotations\" is not supported; use tp_impl = \"plan\"");
   }
+  if (lora.base_dtype != at::kFloat && !p.options.bfloat16_autocast) {
+    throw config::ConfigError("lora.base_dtype = \"bfloat16\" needs bf16 autocast (training.dtype = \"bfloat16\")");
+  }
   p.lora = model::apply_lora(p.model, lora, p.options.seed);
 }
 

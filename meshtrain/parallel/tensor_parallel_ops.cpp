@@ -165,14 +165,19 @@ struct SequenceGatheredLinear : torch::autograd::Function<SequenceGatheredLinear
     const int64_t dim = ctx->saved_data["dim"].toInt();
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     const at::Tensor grad = grads[0].to(dtype);
-    PendingGather gather = start_gather(x.to(dtype), *comm, dim);
+    // A frozen weight (LoRA's base) needs neither the gathered input nor its gradient.
+    const bool weight_grad = ctx->needs_input_grad(1);
+    PendingGather gather;
+    if (weight_grad) gather = start_gather(x.to(dtype), *comm, dim);
     const at::Tensor grad_full_input = at::matmul(grad, weight.to(dtype));
     PendingScatter scatter = start_reduce_scatter(grad_full_input, *comm, dim);
-    const at::Tensor full = gather.finish();
     const at::Tensor grad_2d = grad.reshape({-1, grad.size(-1)});
-    const at::Tensor grad_weight = grad_2d.t().mm(full.reshape({-1, full.size(-1)})).to(weight.scalar_type());
-    at::Tensor grad_bias;
-    if (ctx->saved_data["bias"].toBool()) grad_bias = grad_2d.sum(0).to(weight.scalar_type());
+    at::Tensor grad_weight, grad_bias;
+    if (weight_grad) {
+      const at::Tensor full = gather.finish();
+      grad_weight = grad_2d.t().mm(full.reshape({-1, full.size(-1)})).to(weight.scalar_type());
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) grad_bias = grad_2d.sum(0).to(weight.scalar_type());
     return {scatter.finish().to(x.scalar_type()), grad_weight, grad_bias, at::Tensor(), at::Tensor()};
   }
 };

@@ -207,6 +207,9 @@ void add_data_and_training_keys(std::vector<Field>& f) {
   f.push_back(field("lora", "dropout", "LoRA: dropout on each adapter's input", MESHTRAIN_CONFIG_MEMBER(lora.dropout)));
   f.push_back(field("lora", "targets", "LoRA: the linears adapted, of q, k, v, o, gate, up, down (a GELU MLP's fc is "
                     "up, its proj down; it has no gate)", MESHTRAIN_CONFIG_MEMBER(lora.targets)));
+  f.push_back(config::enum_key<TrainConfig>("lora", "base_dtype", "LoRA: the frozen blocks' matrices kept in \"float32\" "
+                                            "or \"bfloat16\" (half their memory; needs training.dtype = \"bfloat16\")",
+                                            compute_dtype_names(), MESHTRAIN_CONFIG_MEMBER(lora.base_dtype)));
 }
 
 // [memory], [checkpoint] and [run].
@@ -519,6 +522,10 @@ void check_data_and_run(const TrainConfig& c) {
     c.lora.check(c.model);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
+  }
+  if (c.lora.base_dtype != at::kFloat && (!c.lora.enabled() || !c.bfloat16())) {
+    refuse("lora.base_dtype", "\"bfloat16\"", "a bf16 frozen base is for LoRA (lora.rank > 0) under bf16 autocast "
+                                              "(training.dtype = \"bfloat16\")");
   }
   if (c.lora.enabled() && c.parallel.annotated()) {
     refuse("lora.rank", n(c.lora.rank), "adapters are not ruled for parallel.tp_impl = \"annotations\"; use tp_impl \"plan\"");

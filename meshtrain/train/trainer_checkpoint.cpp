@@ -51,13 +51,21 @@ std::string model_config_of(const TrainConfig& config) {
   return j.dump();
 }
 
-// What a checkpoint's model config says of LoRA: "" (none) or its config.
+// The adapters' shape: what a checkpoint of them must match to load (not
+// dropout, nor the dtype the base was kept in).
+std::string adapters_of(model::LoraConfig lora) {
+  lora.dropout = 0;
+  lora.base_dtype = at::kFloat;
+  return lora.to_json();
+}
+
+// What a checkpoint's model config says of LoRA: "" (none) or its adapters' shape.
 std::string lora_of(const std::string& model_config) {
   const nlohmann::json j = nlohmann::json::parse(model_config);
   if (!j.contains("lora")) return "";
   nlohmann::json lora = j.at("lora");
   lora.erase("base");
-  return model::LoraConfig::from_json(lora.dump()).to_json();
+  return adapters_of(model::LoraConfig::from_json(lora.dump()));
 }
 
 }  // namespace
@@ -106,7 +114,7 @@ void Trainer::load_checkpoint(const std::string& folder) {
     throw ConfigError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
                       model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
   }
-  const std::string lora = config_.lora.enabled() ? config_.lora.to_json() : "";
+  const std::string lora = config_.lora.enabled() ? adapters_of(config_.lora) : "";
   if (lora_of(meta.model_config) != lora) {
     const std::string held = lora_of(meta.model_config);
     throw ConfigError("checkpoint " + folder + " holds " + (held.empty() ? "a whole model" : "LoRA adapters " + held) +

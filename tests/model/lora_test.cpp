@@ -137,6 +137,12 @@ TEST(Lora, ConfigsAreCheckedByName) {
   EXPECT_EQ(lora({"gate", "up"}).parameter_count(gpt2_config()), lora({"up"}).parameter_count(gpt2_config()));
   EXPECT_NE(message(lora({"qkv"}), llama_config()).find("\"qkv\""), std::string::npos);
   EXPECT_EQ(message(lora({"up", "down"}), gpt2_config()), "");
+  LoraConfig l = lora({"q", "down"});
+  l.base_dtype = at::kBFloat16;
+  l.dropout = 0.05;
+  const LoraConfig back = LoraConfig::from_json(l.to_json());
+  EXPECT_EQ(back.to_json(), l.to_json());
+  EXPECT_EQ(back.base_dtype, at::kBFloat16);
 }
 
 }  // namespace

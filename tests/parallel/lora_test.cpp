@@ -73,6 +73,44 @@ TEST_F(LoraTest, AdaptersTrainInEveryLayoutAsInOneProcessAndTheBaseStaysBitIdent
   }
 }
 
+// lora.base_dtype = "bfloat16" under bf16 autocast: the frozen matrices kept
+// in bf16 train exactly as fp32 ones cast by autocast, in half the memory.
+TEST_F(LoraTest, BfloatBaseTrainsAsTheAutocastFloatBase) {
+  const int n = world()->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "run at 2 and 4 ranks";
+  const Overrides llama = {"model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.bias=false",
+                           "model.tie_embeddings=false", "model.kv_heads=2", "lora.rank=4", "training.dtype=bfloat16"};
+  for (const Overrides& layout : std::vector<Overrides>{{}, {"parallel.zero_stage=3"}, {"parallel.tp=2"},
+                                                         {"parallel.pp=2", "parallel.microbatches=4"}}) {
+    Overrides bf16 = llama, fp32 = llama;
+    bf16.insert(bf16.end(), layout.begin(), layout.end());
+    fp32.insert(fp32.end(), layout.begin(), layout.end());
+    bf16.push_back("lora.base_dtype=bfloat16");
+    const bool pipelined = !layout.empty() && layout.front().rfind("parallel.pp", 0) == 0;
+    Trainer low(config(n, pipelined ? 1 : 2, "", bf16), world()), full(config(n, pipelined ? 1 : 2, "", fp32), world());
+    StepResult a, b;
+    for (int s = 0; s < 3; ++s) {
+      a = low.step(), b = full.step();
+      EXPECT_NEAR(a.loss, b.loss, 1e-6 * b.loss) << describe(layout) << " step " << s + 1;
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * b.grad_norm) << describe(layout) << " step " << s + 1;
+    }
+    // The blocks' frozen matrices are bf16 (views of a bf16 unit under ZeRO-3); nothing that trains is.
+    auto bytes = [](Trainer& t, bool blocks_only) {
+      int64_t total = 0;
+      for (const auto& item : t.model()->named_parameters()) {
+        if (blocks_only && item.key().rfind("blocks.", 0) != 0) continue;
+        total += item.value().numel() * static_cast<int64_t>(item.value().element_size());
+      }
+      return total;
+    };
+    for (const auto& item : low.model()->named_parameters()) {
+      const bool matrix = item.key().rfind("blocks.", 0) == 0 && item.value().dim() == 2 && !model::is_lora_parameter(item.key());
+      EXPECT_EQ(item.value().scalar_type(), matrix ? at::kBFloat16 : at::kFloat) << describe(layout) << ": " << item.key();
+    }
+    EXPECT_LT(bytes(low, true), 0.6 * bytes(full, true)) << describe(layout);
+  }
+}
+
 TEST_F(LoraTest, AdapterCheckpointsResumeIntoAnotherLayout) {
   const int n = world()->size();
   if (n != 2 && n != 4) GTEST_SKIP() << "run at 2 and 4 ranks";

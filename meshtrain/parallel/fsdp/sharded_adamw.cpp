@@ -66,7 +66,7 @@ at::Tensor ShardedState::gather_input(size_t u) {
     if (stage3()) return offloaded->gather_input(u);
     return unit.full.narrow(0, shard_rank * unit.shard, unit.shard);  // the step wrote this rank's part
   }
-  return options.param_dtype == at::kFloat ? unit.master : unit.master.to(options.param_dtype);
+  return unit.master.scalar_type() == unit.full.scalar_type() ? unit.master : unit.master.to(unit.full.scalar_type());
 }
 
 at::Tensor ShardedState::master_values(size_t u) {

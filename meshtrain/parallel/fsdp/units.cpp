@@ -79,20 +79,23 @@ void ShardedState::build_units(torch::nn::Module& module) {
   if (stage3()) attach_companions();
 
   const int64_t n = shards;
-  const bool master_is_view = options.stage < 3 && options.param_dtype == at::kFloat;
   torch::NoGradGuard no_grad;
   for (Unit& unit : units) {
     unit.padded = (unit.numel + n - 1) / n * n;
     unit.shard = unit.padded / n;
+    // A frozen unit kept in a lower precision (LoRA's base_dtype) stays in it, master and all: nothing steps it.
+    const at::ScalarType stored = unit.params.front().scalar_type();
+    const bool low = unit.frozen && stored != at::kFloat;
+    const bool master_is_view = options.stage < 3 && (low || options.param_dtype == at::kFloat);
     const at::TensorOptions fp32 = unit.params.front().options().dtype(at::kFloat);
-    unit.full = at::zeros({unit.padded}, fp32.dtype(options.param_dtype));
+    unit.full = at::zeros({unit.padded}, fp32.dtype(low ? stored : options.param_dtype));
     at::Tensor flat32 = at::zeros({unit.padded}, fp32);
     for (size_t i = 0; i < unit.params.size(); ++i) {
       flat32.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(unit.params[i].reshape({-1}));
     }
     unit.full.copy_(flat32);
     unit.master = master_is_view ? unit.full.narrow(0, shard_rank * unit.shard, unit.shard)
-                                 : flat32.narrow(0, shard_rank * unit.shard, unit.shard).clone();
+                                 : flat32.narrow(0, shard_rank * unit.shard, unit.shard).to(low ? stored : at::kFloat, false, true);
     for (size_t i = 0; i < unit.params.size(); ++i) {
       at::Tensor& p = unit.params[i];
       const std::vector<int64_t> shape = p.sizes().vec();
@@ -118,30 +121,36 @@ void ShardedState::build_units(torch::nn::Module& module) {
 void ShardedState::split_frozen() {
   const size_t count = units.size();
   for (size_t u = 0; u < count; ++u) {
-    Unit& unit = units[u];
-    size_t frozen = 0;
-    for (const at::Tensor& p : unit.params) frozen += p.requires_grad() ? 0 : 1;
-    if (frozen == 0) continue;
-    if (frozen == unit.params.size()) {
-      unit.frozen = true;
-      continue;
-    }
-    if (unit.expert) throw std::invalid_argument("fully sharded: expert tensor " + unit.names.front() + " is frozen");
-    Unit trainable, still;
-    trainable.module = unit.module;
-    still.module = "frozen " + (unit.module.empty() ? std::string("root") : unit.module);
-    still.frozen = true;
-    for (size_t i = 0; i < unit.params.size(); ++i) {
-      Unit& to = unit.params[i].requires_grad() ? trainable : still;
-      to.names.push_back(unit.names[i]);
-      to.params.push_back(unit.params[i]);
+    // The trainable parameters, then the frozen ones by dtype (LoRA's base
+    // keeps its matrices in bf16, its norms in fp32): each a unit.
+    std::vector<Unit> parts(1);
+    std::map<at::ScalarType, size_t> part_of;  // frozen dtype -> its part
+    for (size_t i = 0; i < units[u].params.size(); ++i) {
+      const at::Tensor& p = units[u].params[i];
+      size_t k = 0;
+      if (!p.requires_grad()) {
+        auto it = part_of.emplace(p.scalar_type(), parts.size()).first;
+        if (it->second == parts.size()) parts.emplace_back().frozen = true;
+        k = it->second;
+      }
+      Unit& to = parts[k];
+      to.names.push_back(units[u].names[i]);
+      to.params.push_back(p);
       to.offsets.push_back(to.numel);
-      to.numel += unit.params[i].numel();
+      to.numel += p.numel();
     }
-    trainable.companions.push_back(units.size());
-    still.host = u;
-    unit = std::move(trainable);
-    units.push_back(std::move(still));
+    if (part_of.empty()) continue;
+    if (units[u].expert) throw std::invalid_argument("fully sharded: expert tensor " + units[u].names.front() + " is frozen");
+    if (parts.front().params.empty()) parts.erase(parts.begin());  // all frozen: the first dtype keeps the unit
+    const std::string module = units[u].module;
+    for (size_t k = 0; k < parts.size(); ++k) {
+      parts[k].module = k == 0 ? module : "frozen " + std::to_string(k) + " " + (module.empty() ? "root" : module);
+      if (k == 0) continue;
+      parts[k].host = u;
+      parts.front().companions.push_back(units.size() + k - 1);
+    }
+    units[u] = std::move(parts.front());
+    for (size_t k = 1; k < parts.size(); ++k) units.push_back(std::move(parts[k]));
   }
 }
 
