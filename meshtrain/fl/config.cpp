@@ -65,6 +65,14 @@ const std::map<std::string, Key>& keys() {
       FL_KEY("fl.beta2", "FedAdam/FedYogi second moment decay", strategy.beta2, double),
       FL_KEY("fl.tau", "FedAdam/FedYogi adaptivity", strategy.tau, double),
       FL_KEY("fl.prox_mu", "FedProx proximal weight mu (clients add mu/2·|w - w_global|²)", strategy.prox_mu, double),
+      FL_KEY("fl.aggregation", "mean (FedAvg's, by examples) | median | trimmed_mean | krum | multi_krum: how the round's "
+             "updates combine; all but mean withstand some hostile clients and need every update (no secagg)",
+             aggregation.name, std::string),
+      FL_KEY("fl.trim_fraction", "trimmed_mean: the share of values dropped at each end, per coordinate", aggregation.trim_fraction,
+             double),
+      FL_KEY("fl.byzantine", "krum, multi_krum: f, the hostile clients tolerated (a round needs 2f + 3 updates)",
+             aggregation.byzantine, int64_t),
+      FL_KEY("fl.krum_keep", "multi_krum: the best-scored updates averaged (0: n - f)", aggregation.keep, int64_t),
       FL_KEY("fl.client.local_steps", "local steps per round", local_steps, int64_t),
       FL_KEY("fl.client.batch", "sequences per local step", batch, int64_t),
       FL_KEY("fl.client.lr", "client learning rate", lr, double),
@@ -196,11 +204,16 @@ void FlConfig::validate() const {
   if (optimizer != "sgd" && optimizer != "adamw") fail("fl.client.optimizer = \"" + optimizer + "\": use sgd or adamw");
   try {
     strategy.validate();
+    aggregation.validate();
     compression.validate();
   } catch (const std::invalid_argument& e) {
     fail(e.what());
   }
   if (secagg) {
+    if (aggregation.name != "mean") {
+      fail("fl.aggregation = \"" + aggregation.name + "\" reads every client's update, and under secure aggregation "
+           "the server sees only their sum: use fl.aggregation = \"mean\" with fl.secagg, or turn fl.secagg off");
+    }
     if (threshold < 2) fail("fl.secagg.threshold must be at least 2");
     if (threshold > min_fit) fail("fl.secagg.threshold must not exceed fl.min_fit (a round below t cannot unmask)");
     if (secagg_bits < 1 || secagg_bits > 24) fail("fl.secagg.bits must be in 1..24 (the sum lives in Z_2^32)");

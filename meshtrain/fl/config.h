@@ -5,6 +5,7 @@
 #pragma once
 
 #include "meshtrain/fl/codec.h"
+#include "meshtrain/fl/robust.h"
 #include "meshtrain/fl/strategy.h"
 #include "meshtrain/model/gpt_config.h"
 
@@ -43,6 +44,7 @@ struct FlConfig {
   uint64_t seed = 1;
   std::string label;            // names this configuration in metrics and plots (default: the compression)
   StrategyConfig strategy;
+  Aggregation aggregation;  // how the round's updates combine (Note [Robust aggregation])
   // [fl.client]
   int64_t local_steps = 5;
   int64_t batch = 8;

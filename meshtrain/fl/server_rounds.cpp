@@ -133,7 +133,11 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
   double total = 0;
   for (double w : weights) total += w;
   outcome.train_loss = loss / total;
-  apply_mean(weighted_mean(updates, weights));
+  try {
+    apply_mean(aggregate(config_.aggregation, updates, weights));
+  } catch (const std::invalid_argument& e) {  // too few updates for the rule: the round does not count
+    outcome.error = e.what();
+  }
 }
 
 // Note [Secure aggregation]: keys arrived with the FIT results; three phases follow.
