@@ -73,6 +73,8 @@ const std::map<std::string, Key>& keys() {
       FL_KEY("fl.byzantine", "krum, multi_krum: f, the hostile clients tolerated (a round needs 2f + 3 updates)",
              aggregation.byzantine, int64_t),
       FL_KEY("fl.krum_keep", "multi_krum: the best-scored updates averaged (0: n - f)", aggregation.keep, int64_t),
+      FL_KEY("fl.clip_norm", "the server clips each client's update to this global L2 norm before aggregating (0: "
+             "none); bounds what one client's finite but absurd update can do", clip_norm, double),
       FL_KEY("fl.client.local_steps", "local steps per round", local_steps, int64_t),
       FL_KEY("fl.client.batch", "sequences per local step", batch, int64_t),
       FL_KEY("fl.client.lr", "client learning rate", lr, double),
@@ -201,6 +203,7 @@ void FlConfig::validate() const {
   if (!(deadline_s > 0) || !(wait_clients_s > 0)) fail("fl.deadline_s and fl.wait_clients_s must be positive");
   if (local_steps < 1 || batch < 1) fail("fl.client.local_steps and fl.client.batch must be >= 1");
   if (!(lr > 0)) fail("fl.client.lr must be positive");
+  if (!(clip_norm >= 0)) fail("fl.clip_norm must be >= 0 (0: none)");
   if (optimizer != "sgd" && optimizer != "adamw") fail("fl.client.optimizer = \"" + optimizer + "\": use sgd or adamw");
   try {
     strategy.validate();

@@ -45,6 +45,7 @@ struct FlConfig {
   std::string label;            // names this configuration in metrics and plots (default: the compression)
   StrategyConfig strategy;
   Aggregation aggregation;  // how the round's updates combine (Note [Robust aggregation])
+  double clip_norm = 0;     // the server clips each update to this global L2 norm (0: none)
   // [fl.client]
   int64_t local_steps = 5;
   int64_t batch = 8;

@@ -3,6 +3,7 @@
 #include "meshtrain/fl/strategy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
 
@@ -54,6 +55,16 @@ void Aggregation::validate() const {
   if (!(trim_fraction >= 0 && trim_fraction < 0.5)) throw std::invalid_argument("fl.trim_fraction must be in [0, 0.5)");
   if (byzantine < 0) throw std::invalid_argument("fl.byzantine must be >= 0");
   if (keep < 0) throw std::invalid_argument("fl.krum_keep must be >= 0 (0: n - fl.byzantine)");
+}
+
+double clip_update(std::vector<at::Tensor>& update, double max_norm) {
+  double squares = 0;
+  for (const at::Tensor& t : update) squares += t.to(at::kDouble).pow(2).sum().item<double>();
+  const double norm = std::sqrt(squares);
+  if (max_norm > 0 && norm > max_norm) {
+    for (at::Tensor& t : update) t = (t.to(at::kDouble) * (max_norm / norm)).to(t.scalar_type());
+  }
+  return norm;
 }
 
 std::vector<double> krum_scores(const std::vector<std::vector<at::Tensor>>& updates, int64_t byzantine) {

@@ -39,6 +39,12 @@ struct Aggregation {
 std::vector<at::Tensor> aggregate(const Aggregation& rule, const std::vector<std::vector<at::Tensor>>& updates,
                                   const std::vector<double>& weights);
 
+// Scales `update` in place so that its global L2 norm (over all its
+// tensors) is at most `max_norm` (<= 0: no bound); returns the norm it had.
+// The server's bound on any one client (fl.clip_norm): a finite update of
+// absurd size moves the aggregate by at most max_norm times its weight's share.
+double clip_update(std::vector<at::Tensor>& update, double max_norm);
+
 // Krum's scores, one per client (for tests and the metrics).
 std::vector<double> krum_scores(const std::vector<std::vector<at::Tensor>>& updates, int64_t byzantine);
 

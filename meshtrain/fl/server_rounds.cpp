@@ -114,8 +114,15 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
     try {
       if (r.examples() == 0) throw std::runtime_error("0 examples");
       if (!std::isfinite(r.train_loss())) throw std::runtime_error("train loss not finite");
-      updates.push_back(decode_update({r.update().begin(), r.update().end()}, config_.compression, structures, seed, id,
-                                      /*shared_seeds=*/false));
+      std::vector<at::Tensor> u = decode_update({r.update().begin(), r.update().end()}, config_.compression, structures,
+                                                seed, id, /*shared_seeds=*/false);
+      const double norm = clip_update(u, config_.clip_norm);
+      if (!std::isfinite(norm)) throw std::runtime_error("its norm is not finite");
+      if (config_.clip_norm > 0 && norm > config_.clip_norm) {
+        std::fprintf(stderr, "fl server: round %llu: the update of '%s' has norm %.3g, clipped to fl.clip_norm = %g\n",
+                     static_cast<unsigned long long>(round), id.c_str(), norm, config_.clip_norm);
+      }
+      updates.push_back(std::move(u));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fl server: round %llu: the update of '%s' is rejected: %s\n",
                    static_cast<unsigned long long>(round), id.c_str(), e.what());

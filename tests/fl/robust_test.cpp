@@ -92,6 +92,22 @@ TEST(RobustAggregation, PoisonedUpdatesMoveRobustRulesByABoundedAmount) {
   }
 }
 
+// fl.clip_norm: an update of 1e30 claiming 2^62 examples moves FedAvg's mean
+// by at most the bound; updates within it are untouched.
+TEST(RobustAggregation, ServerClipBoundsWhatOneClientCanDoToTheMean) {
+  std::vector<std::vector<at::Tensor>> updates = {update(0.1, 0.2, 0.2), update(0.2, 0.1, 0.2), update(1e30, 1e30, 1e30)};
+  std::vector<double> examples = {10, 10, 4.6e18};
+  const double bound = 1.0;
+  EXPECT_NEAR(clip_update(updates[0], bound), 0.3, 1e-6);
+  EXPECT_NEAR(updates[0][0][0].item<double>(), 0.1, 1e-7);  // within the bound: as it was
+  EXPECT_GT(clip_update(updates[2], bound), 1e30);
+  const auto mean = aggregate(rule("mean"), updates, examples);
+  double squares = 0;
+  for (const at::Tensor& t : mean) squares += t.pow(2).sum().item<double>();
+  EXPECT_LE(std::sqrt(squares), bound + 1e-6);
+  EXPECT_TRUE(std::isfinite(squares));
+}
+
 TEST(RobustAggregation, TooFewUpdatesForKrumAndSecureAggregationAreRefusedByName) {
   const std::vector<std::vector<at::Tensor>> four = {update(1, 1, 1), update(2, 2, 2), update(3, 3, 3), update(4, 4, 4)};
   Aggregation krum = rule("krum");
