@@ -11,10 +11,7 @@
 #include "meshtrain/serve/inference_model.h"
 #include "meshtrain/text/tokenizer.h"
 #include "meshtrain/model/config_json.h"
-#include "meshtrain/model/lora.h"
 #include "meshtrain/checkpoint/reader.h"
-
-#include <nlohmann/json.hpp>
 #include "meshtrain/train/config.h"
 
 #include <cstdio>
@@ -119,20 +116,15 @@ int run_export_hf(const std::string& checkpoint, const std::string& out_dir, con
 int run_export_peft(const std::string& checkpoint, const std::string& out_dir) {
   const std::string folder = checkpoint::CheckpointStore::resolve(checkpoint);
   checkpoint::CheckpointReader reader(folder);
-  nlohmann::json config = nlohmann::json::parse(reader.metadata().model_config);
-  if (!config.contains("lora")) {
+  const std::optional<model::LoraSection> lora = model::lora_of(reader.metadata().model_config);
+  if (!lora) {
     throw std::invalid_argument(folder + " holds a whole model, not LoRA adapters (trained with lora.rank > 0); "
                                 "export it with `meshtrain export hf`");
   }
-  nlohmann::json lora = config.at("lora");
-  const std::string base = lora.value("base", "");
-  lora.erase("base");
-  std::map<std::string, at::Tensor> adapters;
-  for (const auto& [name, entry] : reader.metadata().tensors) {
-    if (name.rfind("model/", 0) == 0 && model::is_lora_parameter(name)) adapters[name.substr(6)] = reader.read(name);
-  }
+  const std::map<std::string, at::Tensor> adapters = serve::read_adapters(reader);
   const model::GptConfig model = model::config_from_json(reader.metadata().model_config);
-  model::write_peft_adapter(out_dir, model, model::LoraConfig::from_json(lora.dump()), adapters, base);
+  model::write_peft_adapter(out_dir, model, lora->config, adapters, lora->base);
+  const std::string& base = lora->base;
   std::printf("meshtrain export: %zu LoRA tensors of %s -> %s (adapter_config.json, adapter_model.safetensors; base %s)\n",
               adapters.size(), folder.c_str(), out_dir.c_str(), base.empty() ? "not recorded" : base.c_str());
   return 0;

@@ -68,6 +68,24 @@ std::string fingerprint(const GptConfig& m) {
          (families.empty() ? "" : " " + families.dump());
 }
 
+std::string with_lora(const std::string& model_json, const LoraSection& lora) {
+  nlohmann::json j = nlohmann::json::parse(model_json);
+  j["lora"] = nlohmann::json::parse(lora.config.to_json());
+  j["lora"]["base"] = lora.base;
+  return j.dump();
+}
+
+std::optional<LoraSection> lora_of(const std::string& model_json) {
+  const nlohmann::json j = nlohmann::json::parse(model_json);
+  if (!j.contains("lora")) return std::nullopt;
+  nlohmann::json section = j.at("lora");
+  LoraSection out;
+  out.base = section.value("base", "");
+  section.erase("base");
+  out.config = LoraConfig::from_json(section.dump());
+  return out;
+}
+
 GptConfig config_from_json(const std::string& text) {
   const nlohmann::json j = nlohmann::json::parse(text);
   GptConfig c;

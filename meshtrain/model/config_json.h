@@ -4,6 +4,9 @@
 #pragma once
 
 #include "meshtrain/model/gpt_config.h"
+#include "meshtrain/model/lora.h"
+
+#include <optional>
 
 #include <string>
 
@@ -15,5 +18,14 @@ std::string to_json(const GptConfig& config);
 GptConfig config_from_json(const std::string& text);
 // "gpt layers=4 heads=4 width=256 context=128 vocab=256 layernorm/learned/gelu/tied/bias".
 std::string fingerprint(const GptConfig& config);
+
+// A checkpoint of LoRA adapters (Note [LoRA]) records their config, and the
+// checkpoint of the base they adapt ("" if none), under "lora" in its model config.
+struct LoraSection {
+  LoraConfig config;
+  std::string base;
+};
+std::string with_lora(const std::string& model_json, const LoraSection& lora);
+std::optional<LoraSection> lora_of(const std::string& model_json);  // none: a whole model
 
 }  // namespace meshtrain::model

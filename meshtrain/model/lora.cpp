@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 namespace meshtrain::model {
@@ -34,31 +35,32 @@ std::pair<int64_t, int64_t> target_sizes(const GptConfig& c, const std::string& 
   return {c.width, c.mlp_hidden()};  // gate, up
 }
 
+// Target t's linear in a block, after "blocks.N.": a GELU MLP's fc is up, its proj down.
+std::string target_module(const std::string& t, bool gelu) {
+  if (is_qkv_target(t)) return "attn.qkv";
+  if (t == "o") return "attn.proj";
+  if (gelu && t == "up") return "mlp.fc";
+  if (gelu && t == "down") return "mlp.proj";
+  return "mlp." + t;
+}
+
 bool has_target(const LoraConfig& config, const std::string& t) {
   return std::find(config.targets.begin(), config.targets.end(), t) != config.targets.end();
 }
 
 // The site of target `t` in block `i`, or none (a mixture-of-experts block has no MLP).
 bool target_site(Gpt& model, int64_t i, const std::string& t, TargetSite& site) {
-  const GptConfig& c = model->config();
   auto block = model->blocks[i]->as<BlockImpl>();
-  const std::string prefix = "blocks." + std::to_string(i) + ".";
-  if (is_qkv_target(t)) {
-    site = {block->attn->qkv, prefix + "attn.qkv", c.width, t == "q" ? c.q_width() : c.kv_width()};
-    return true;
-  }
-  if (t == "o") {
-    site = {block->attn->proj, prefix + "attn.proj", c.q_width(), c.width};
-    return true;
-  }
   MlpImpl* mlp = block->mlp ? block->mlp.get() : nullptr;
-  if (!mlp) return false;
-  const int64_t h = c.mlp_hidden();
-  if (t == "gate") site = {mlp->gate, prefix + "mlp.gate", c.width, h};
-  if (t == "up") site = mlp->fc ? TargetSite{mlp->fc, prefix + "mlp.fc", c.width, h} : TargetSite{mlp->up, prefix + "mlp.up", c.width, h};
-  if (t == "down") {
-    site = mlp->fc ? TargetSite{mlp->proj, prefix + "mlp.proj", h, c.width} : TargetSite{mlp->down, prefix + "mlp.down", h, c.width};
-  }
+  const bool gelu = mlp && mlp->fc;
+  if (is_qkv_target(t)) site.linear = block->attn->qkv;
+  else if (t == "o") site.linear = block->attn->proj;
+  else if (!mlp) return false;
+  else if (t == "gate") site.linear = mlp->gate;
+  else if (t == "up") site.linear = gelu ? mlp->fc : mlp->up;
+  else if (t == "down") site.linear = gelu ? mlp->proj : mlp->down;
+  site.module = "blocks." + std::to_string(i) + "." + target_module(t, gelu);
+  std::tie(site.in, site.out) = target_sizes(model->config(), t);
   return static_cast<bool>(site.linear);
 }
 
@@ -157,13 +159,12 @@ void LoraConfig::check(const GptConfig& model) const {
 
 int64_t LoraConfig::parameter_count(const GptConfig& m) const {
   if (!enabled()) return 0;
-  const int64_t w = m.width, h = m.mlp_hidden(), dense = m.layers - m.moe_blocks();
   int64_t total = 0;
   for (const std::string& t : targets) {
-    if (t == "q") total += m.layers * (w + m.q_width());
-    if (t == "k" || t == "v") total += m.layers * (w + m.kv_width());
-    if (t == "o") total += m.layers * (m.q_width() + w);
-    if ((t == "gate" && m.gated_mlp()) || t == "up" || t == "down") total += dense * (w + h);
+    if (t == "gate" && !m.gated_mlp()) continue;
+    const bool mlp = t == "gate" || t == "up" || t == "down";
+    const auto [in, out] = target_sizes(m, t);
+    total += (mlp ? m.layers - m.moe_blocks() : m.layers) * (in + out);  // a MoE block's experts take none
   }
   return rank * total;
 }
@@ -271,6 +272,14 @@ void merge_lora(Gpt& model, const LoraConfig& config, const std::map<std::string
 
 namespace {
 
+// transformers' Llama module of each target ("q_proj": q, ...).
+const std::map<std::string, std::string>& peft_modules() {
+  static const std::map<std::string, std::string> m{{"q_proj", "q"},       {"k_proj", "k"},   {"v_proj", "v"},
+                                                    {"o_proj", "o"},       {"gate_proj", "gate"},
+                                                    {"up_proj", "up"},     {"down_proj", "down"}};
+  return m;
+}
+
 // PEFT's key of our adapter parameter, under transformers' Llama names.
 std::string peft_key(const std::string& name) {
   // blocks.N.<attn.qkv|attn.proj|mlp.X>.lora_T.<A|B>
@@ -278,10 +287,11 @@ std::string peft_key(const std::string& name) {
   const std::string block = name.substr(0, name.find('.', 7));  // "blocks.N"
   const std::string rest = name.substr(lora + 6);                // "q.A"
   const std::string target = rest.substr(0, rest.find('.')), matrix = rest.substr(rest.find('.') + 1);
-  static const std::map<std::string, std::string> modules{
-      {"q", "self_attn.q_proj"}, {"k", "self_attn.k_proj"}, {"v", "self_attn.v_proj"}, {"o", "self_attn.o_proj"},
-      {"gate", "mlp.gate_proj"}, {"up", "mlp.up_proj"},     {"down", "mlp.down_proj"}};
-  return "base_model.model.model.layers." + block.substr(7) + "." + modules.at(target) + ".lora_" + matrix + ".weight";
+  std::string module;
+  for (const auto& [peft, ours] : peft_modules()) {
+    if (ours == target) module = (is_qkv_target(target) || target == "o" ? "self_attn." : "mlp.") + peft;
+  }
+  return "base_model.model.model.layers." + block.substr(7) + "." + module + ".lora_" + matrix + ".weight";
 }
 
 void check_peft_family(const GptConfig& model) {
@@ -289,13 +299,6 @@ void check_peft_family(const GptConfig& model) {
     throw std::invalid_argument("PEFT adapters: this model's transformers class (GPT-2 style: fused c_attn, c_fc) has "
                                 "no separate q/k/v/gate/up/down projections to name; export the merged model instead");
   }
-}
-
-const std::map<std::string, std::string>& peft_modules() {
-  static const std::map<std::string, std::string> m{{"q_proj", "q"},       {"k_proj", "k"},   {"v_proj", "v"},
-                                                    {"o_proj", "o"},       {"gate_proj", "gate"},
-                                                    {"up_proj", "up"},     {"down_proj", "down"}};
-  return m;
 }
 
 }  // namespace
@@ -368,9 +371,8 @@ PeftAdapter read_peft_adapter(const std::string& dir, const GptConfig& model) {
   std::map<std::string, std::vector<int64_t>> shape_of;  // PEFT key -> [rank, in] or [out, rank]
   for (int64_t i = 0; i < model.layers; ++i) {
     for (const std::string& t : out.config.targets) {
-      const std::string module = is_qkv_target(t) ? "attn.qkv" : t == "o" ? "attn.proj" : "mlp." + t;
       for (const char* m : {"A", "B"}) {
-        const std::string ours = "blocks." + std::to_string(i) + "." + module + ".lora_" + t + "." + m;
+        const std::string ours = "blocks." + std::to_string(i) + "." + target_module(t, false) + ".lora_" + t + "." + m;
         ours_of[peft_key(ours)] = ours;
         const auto [in_features, out_features] = target_sizes(model, t);
         shape_of[peft_key(ours)] = std::string(m) == "A" ? std::vector<int64_t>{out.config.rank, in_features}

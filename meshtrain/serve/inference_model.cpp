@@ -8,7 +8,6 @@
 #include "meshtrain/model/lora.h"
 #include "meshtrain/util/files.h"
 
-#include <nlohmann/json.hpp>
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/memory.h"
 
@@ -29,30 +28,32 @@ namespace {
 // model config names the base) loads the base, then merges the adapters.
 void load_parameters(model::Gpt& gpt, checkpoint::CheckpointReader& reader, const std::string& folder) {
   torch::NoGradGuard no_grad;
-  const nlohmann::json config = nlohmann::json::parse(reader.metadata().model_config);
-  if (!config.contains("lora")) {
-    for (auto& item : gpt->named_parameters()) item.value().copy_(reader.read("model/" + item.key()).view_as(item.value()));
-    return;
-  }
-  nlohmann::json lora = config.at("lora");
-  const std::string base = lora.value("base", "");
+  auto load = [&gpt](checkpoint::CheckpointReader& from) {
+    for (auto& item : gpt->named_parameters()) item.value().copy_(from.read("model/" + item.key()).view_as(item.value()));
+  };
+  const std::optional<model::LoraSection> lora = model::lora_of(reader.metadata().model_config);
+  if (!lora) return load(reader);
+  const std::string& base = lora->base;
   if (base.empty() || !util::path_exists(base)) {
     throw std::invalid_argument(folder + " holds LoRA adapters for the base model " +
                                 (base.empty() ? std::string("(none recorded: trained without checkpoint.init_from)") : base) +
                                 ", which is not there; export the adapters with `meshtrain export peft` and serve them "
                                 "on the base with --lora");
   }
-  lora.erase("base");
   checkpoint::CheckpointReader base_reader(checkpoint::CheckpointStore::resolve(base));
-  for (auto& item : gpt->named_parameters()) item.value().copy_(base_reader.read("model/" + item.key()).view_as(item.value()));
+  load(base_reader);
+  model::merge_lora(gpt, lora->config, read_adapters(reader));
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> read_adapters(checkpoint::CheckpointReader& reader) {
   std::map<std::string, at::Tensor> adapters;
   for (const auto& [name, entry] : reader.metadata().tensors) {
     if (name.rfind("model/", 0) == 0 && model::is_lora_parameter(name)) adapters[name.substr(6)] = reader.read(name);
   }
-  model::merge_lora(gpt, model::LoraConfig::from_json(lora.dump()), adapters);
+  return adapters;
 }
-
-}  // namespace
 
 InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr tp_group, InferenceOffload offload,
                                const std::string& lora)

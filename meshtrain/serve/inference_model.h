@@ -9,9 +9,14 @@
 #include "meshtrain/text/tokenizer.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+namespace meshtrain::checkpoint {
+class CheckpointReader;
+}
 
 namespace meshtrain::serve {
 
@@ -33,6 +38,9 @@ struct InferenceOffload {
   // Throws std::invalid_argument naming the option.
   void validate() const;
 };
+
+// The adapters a checkpoint of LoRA adapters holds, by parameter name ("blocks.0.attn.qkv.lora_q.A").
+std::map<std::string, at::Tensor> read_adapters(checkpoint::CheckpointReader& reader);
 
 class InferenceModel {
  public:

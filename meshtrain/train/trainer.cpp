@@ -381,13 +381,7 @@ bool Trainer::run(const std::atomic<int>* stop) {
     torch::NoGradGuard no_grad;
     for (auto& item : sampler->named_parameters()) item.value().copy_(full.at(item.key()));
   }
-  if (config_.lora.enabled()) {  // the adapters merged in (Note [LoRA])
-    std::map<std::string, at::Tensor> adapters;
-    for (const auto& [name, value] : full) {
-      if (model::is_lora_parameter(name)) adapters[name] = value;
-    }
-    model::merge_lora(sampler, config_.lora, adapters);
-  }
+  if (config_.lora.enabled()) model::merge_lora(sampler, config_.lora, full);  // the adapters merged in (Note [LoRA])
   const std::string prompt = "The ";
   model::SampleOptions options;
   options.tokens = config_.sample_tokens;

@@ -45,10 +45,9 @@ std::string layout_of(const TrainConfig& config) {
 // the base they adapt under "lora" (the checkpoint holds the adapters alone).
 std::string model_config_of(const TrainConfig& config) {
   if (!config.lora.enabled()) return model::to_json(config.model);
-  nlohmann::json j = nlohmann::json::parse(model::to_json(config.model));
-  j["lora"] = nlohmann::json::parse(config.lora.to_json());
-  j["lora"]["base"] = config.init_from.empty() ? "" : util::canonical_path(checkpoint::CheckpointStore::resolve(config.init_from));
-  return j.dump();
+  const std::string base =
+      config.init_from.empty() ? "" : util::canonical_path(checkpoint::CheckpointStore::resolve(config.init_from));
+  return model::with_lora(model::to_json(config.model), {config.lora, base});
 }
 
 // The adapters' shape: what a checkpoint of them must match to load (not
@@ -61,11 +60,8 @@ std::string adapters_of(model::LoraConfig lora) {
 
 // What a checkpoint's model config says of LoRA: "" (none) or its adapters' shape.
 std::string lora_of(const std::string& model_config) {
-  const nlohmann::json j = nlohmann::json::parse(model_config);
-  if (!j.contains("lora")) return "";
-  nlohmann::json lora = j.at("lora");
-  lora.erase("base");
-  return adapters_of(model::LoraConfig::from_json(lora.dump()));
+  const std::optional<model::LoraSection> lora = model::lora_of(model_config);
+  return lora ? adapters_of(lora->config) : "";
 }
 
 }  // namespace
