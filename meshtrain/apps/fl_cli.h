@@ -29,7 +29,7 @@ class FlCli : public Command {
 
   const char* self_;
   CLI::App *fl_ = nullptr, *server_ = nullptr, *client_ = nullptr, *simulate_ = nullptr, *split_ = nullptr,
-           *plot_ = nullptr;
+           *plot_ = nullptr, *privacy_ = nullptr;
   std::string config_, port_file_;
   bool help_config_ = false;
   fl::ClientOptions client_options_;
@@ -42,6 +42,8 @@ class FlCli : public Command {
   fl::SplitOptions split_options_;
   std::vector<std::string> plot_inputs_;
   std::string plot_out_ = "fl_loss.svg", plot_title_ = "Validation loss against uplink bytes";
+  double privacy_fraction_ = 1, privacy_noise_ = 1, privacy_delta_ = 1e-5;
+  int64_t privacy_rounds_ = 20;
 };
 
 }  // namespace meshtrain::apps

@@ -2,6 +2,7 @@
 #include "meshtrain/apps/fl_cli.h"
 
 #include "meshtrain/fl/config.h"
+#include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/metrics.h"
 #include "meshtrain/fl/server.h"
 #include "meshtrain/util/files.h"
@@ -116,6 +117,17 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
   plot_->add_option("metrics", plot_inputs_, "metrics.jsonl files (one line each, named by their label)")->required();
   plot_->add_option("-o,--out", plot_out_, "SVG file")->capture_default_str();
   plot_->add_option("--title", plot_title_, "Title")->capture_default_str();
+
+  privacy_ = fl_->add_subcommand("privacy", "The (epsilon, delta) of DP-FedAvg after R rounds (client-level, the "
+                                            "accountant of fl.dp.noise_multiplier), to choose z before a run");
+  privacy_->add_option("--fraction", privacy_fraction_, "q: the fraction of the clients sampled per round (fl.fraction)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  privacy_->add_option("--noise-multiplier", privacy_noise_, "z (fl.dp.noise_multiplier)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  privacy_->add_option("--rounds", privacy_rounds_, "R")->check(CLI::Range(int64_t{1}, int64_t{1} << 40))->capture_default_str();
+  privacy_->add_option("--delta", privacy_delta_, "delta (fl.dp.delta)")->check(CLI::Range(1e-300, 0.999))->capture_default_str();
 }
 
 bool FlCli::chosen() const { return fl_->parsed(); }
@@ -140,6 +152,14 @@ int FlCli::run_server() const {
   std::fprintf(stderr, "fl server: listening on %s (port %d), %lld rounds of %s, %s\n", config.listen.c_str(),
                server.port(), static_cast<long long>(config.rounds), config.strategy.name.c_str(),
                config.tls.insecure ? "plaintext" : (config.tls.mutual ? "mutual TLS" : "TLS"));
+  char clip[96];
+  if (config.clip_auto) std::snprintf(clip, sizeof clip, "%g x the round's median norm", config.clip_factor);
+  else std::snprintf(clip, sizeof clip, "%g", config.clip_norm);
+  std::fprintf(stderr, "fl server: bounds: messages <= %.1f MiB, update norm clipped to %s, %s, rounds raising the "
+               "validation loss by > %g rolled back%s\n",
+               static_cast<double>(config.max_message_bytes()) / (1 << 20), config.clip_auto || config.clip_norm > 0 ? clip : "(none)",
+               config.aggregation.name.c_str(), config.max_regression,
+               config.dp() ? (", DP-FedAvg z = " + std::to_string(config.noise_multiplier)).c_str() : "");
   if (!port_file_.empty()) util::write_text_file(port_file_, std::to_string(server.port()) + "\n");
   const int failed = server.run();
   std::fprintf(stderr, "fl server: done (%d failed rounds); metrics in %s/metrics.jsonl, picture in %s/loss.svg\n",
@@ -240,6 +260,12 @@ int FlCli::dispatch(const char* self) const {
                                   "loopback address");
     if (client_cert_.empty() != client_key_.empty()) throw std::invalid_argument("fl client: --cert needs --key");
     return fl::run_client(options);
+  }
+  if (privacy_->parsed()) {
+    std::printf("epsilon = %.6g at delta = %g after %lld rounds (q = %g, z = %g)\n",
+                fl::dp_epsilon(privacy_fraction_, privacy_noise_, privacy_rounds_, privacy_delta_), privacy_delta_,
+                static_cast<long long>(privacy_rounds_), privacy_fraction_, privacy_noise_);
+    return 0;
   }
   if (split_->parsed()) {
     const fl::SplitSummary s = fl::write_split(split_text_, split_out_, split_options_);

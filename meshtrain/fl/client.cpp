@@ -1,6 +1,8 @@
 #include "meshtrain/fl/client.h"
 
+#include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/federation.grpc.pb.h"
+#include "meshtrain/fl/robust.h"
 #include "meshtrain/fl/secagg.h"
 #include "meshtrain/fl/transport.h"
 #include "meshtrain/fl/update.h"
@@ -45,6 +47,7 @@ class Participant {
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     stub_ = wire::Federation::NewStub(grpc::CreateCustomChannel(o.server, channel_credentials(o.tls, o.server), args));
   }
+  ~Participant() { end_presence(); }
 
   int run() {
     join();
@@ -113,22 +116,45 @@ class Participant {
       wire::JoinRequest request;
       request.set_client_id(o_.id);
       request.set_examples(static_cast<uint64_t>(examples()));
+      request.set_resume_session(session_);  // rejoining after a lost link: the session is ours
       wire::JoinReply reply;
       const grpc::Status status = stub_->Join(&context, request, &reply);
       if (status.ok()) {
         session_ = reply.session();
         log("joined %s with %lld training sequences", o_.server.c_str(), static_cast<long long>(examples()));
+        start_presence();
         return;
       }
       if (status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
         throw ClientError("the server at " + o_.server + " refused this client: " + status.error_message());
-      last = status.error_message();
+      last = status.error_message();  // ALREADY_EXISTS too: that session may be ending; retried until the timeout
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
     }
     throw ClientError("could not reach the federation server at " + o_.server + " within " +
                       std::to_string(static_cast<int>(o_.connect_timeout_s)) + " s (" + last +
                       "). Is it running? With TLS: does --ca hold the CA of the server's certificate? With mutual TLS: "
                       "is this client's certificate signed by the server's client CA?");
+  }
+
+  // Note [Client sessions]: one Presence call held open per session, so that
+  // the server sees this process die the moment its connection closes.
+  void start_presence() {
+    end_presence();
+    presence_context_ = std::make_unique<grpc::ClientContext>();
+    wire::PollRequest request;
+    request.set_client_id(o_.id);
+    request.set_session(session_);
+    presence_ = std::thread([this, request] {
+      auto reader = stub_->Presence(presence_context_.get(), request);
+      for (wire::Ack ack; reader->Read(&ack);) {
+      }
+      reader->Finish();
+    });
+  }
+  void end_presence() {
+    if (!presence_.joinable()) return;
+    presence_context_->TryCancel();
+    presence_.join();
   }
 
   void leave() {
@@ -211,7 +237,10 @@ class Participant {
     std::vector<std::vector<int64_t>> shapes;
     for (const auto& p : parameters_of(*model_)) shapes.push_back(p.sizes().vec());
     const std::vector<Structure> structures = round_structures(spec, shapes, fit.seed());
-    const LocalFit local = fit_locally(*model_, *sampler_, fit, structures);
+    LocalFit local = fit_locally(*model_, *sampler_, fit, structures);
+    // The server's bound, kept here too; under distributed DP, this client's share of the noise.
+    if (fit.clip_norm() > 0) clip_update(local.payloads, fit.clip_norm());
+    add_gaussian_noise(local.payloads, fit.noise_stddev());
     result.set_examples(static_cast<uint64_t>(sampler_->windows()));
     result.set_train_loss(static_cast<float>(local.mean_loss));
     log("round %llu: %u local steps, loss %.4f", static_cast<unsigned long long>(task.round()), fit.local_steps(),
@@ -221,7 +250,7 @@ class Participant {
       x_ = secagg::weight_by_examples(
           secagg::quantise_ring(concat_sketched(local.payloads, spec, fit.seed()), s.clip(), static_cast<int>(s.bits()),
                                 std::random_device{}()),
-          static_cast<uint32_t>(sampler_->windows()));
+          fit.noise_stddev() > 0 ? 1u : static_cast<uint32_t>(sampler_->windows()));  // DP-FedAvg: weight 1
       secure_ = std::make_unique<secagg::ClientSession>(o_.id, static_cast<int>(s.threshold()));
       *result.mutable_keys() = secure_->keys();
       return;
@@ -239,17 +268,15 @@ class Participant {
   model::Gpt model_{nullptr};
   int64_t context_len_ = 128;
   std::unique_ptr<secagg::ClientSession> secure_;
+  std::unique_ptr<grpc::ClientContext> presence_context_;
+  std::thread presence_;
   std::vector<uint32_t> x_;
   int rounds_done_ = 0;
 };
 
 }  // namespace
 
-uint64_t client_sampler_seed(const std::string& id) {
-  uint64_t h = 1469598103934665603ULL;  // FNV-1a: the same on every platform
-  for (unsigned char c : id) h = (h ^ c) * 1099511628211ULL;
-  return h;
-}
+uint64_t client_sampler_seed(const std::string& id) { return fnv1a(id); }
 
 int run_client(const ClientOptions& options) {
   if (options.id.empty()) throw ClientError("--id is required");

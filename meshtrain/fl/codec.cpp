@@ -46,6 +46,12 @@ at::Tensor subsample_mask(uint64_t seed, int64_t n, double keep) {
 
 }  // namespace
 
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
 uint64_t mix_seed(uint64_t a, uint64_t b) {
   uint64_t z = a + 0x9e3779b97f4a7c15ULL * (b + 1);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;

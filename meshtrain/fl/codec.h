@@ -49,6 +49,9 @@ struct CompressionSpec {
 
 // splitmix64 of (a, b): independent seeds for each purpose and tensor.
 uint64_t mix_seed(uint64_t a, uint64_t b);
+// 64-bit FNV-1a of a client id: the same in every implementation of the
+// protocol (a client's own sketch seeds and data order derive from it).
+uint64_t fnv1a(const std::string& text);
 
 // The structure of one parameter tensor's update for a round.
 class Structure {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -73,8 +74,29 @@ const std::map<std::string, Key>& keys() {
       FL_KEY("fl.byzantine", "krum, multi_krum: f, the hostile clients tolerated (a round needs 2f + 3 updates)",
              aggregation.byzantine, int64_t),
       FL_KEY("fl.krum_keep", "multi_krum: the best-scored updates averaged (0: n - f)", aggregation.keep, int64_t),
-      FL_KEY("fl.clip_norm", "the server clips each client's update to this global L2 norm before aggregating (0: "
-             "none); bounds what one client's finite but absurd update can do", clip_norm, double),
+      {"fl.clip_norm", Key{"the bound on each client's update, a global L2 norm: \"auto\" (the default: fl.clip_factor "
+                           "times the round's median norm), a number (fixed; clients clip too), or 0 (none)",
+                           [](FlConfig& c, const toml::node& n) {
+                             if (n.is_string() && *n.value<std::string>() == "auto") {
+                               c.clip_auto = true;
+                               return;
+                             }
+                             if (n.is_string()) throw FlConfigError("fl.clip_norm: a number >= 0, or \"auto\"");
+                             c.clip_auto = false;
+                             c.clip_norm = as<double>(n, "fl.clip_norm");
+                           }}},
+      FL_KEY("fl.clip_factor", "fl.clip_norm = \"auto\": the bound as a multiple of the round's median update norm",
+             clip_factor, double),
+      FL_KEY("fl.max_message_mb", "a client message larger than this is refused before it is read (0: a full update "
+             "plus a quarter and 4 MiB)", max_message_mb, double),
+      FL_KEY("fl.max_examples_per_client", "a client's FedAvg weight is at most this (0: the training sequences it "
+             "declared at Join, which cannot grow within its session)", max_examples_per_client, int64_t),
+      FL_KEY("fl.max_regression", "a round that raises the validation loss by more than this (or makes it or the "
+             "model non-finite) is rolled back", max_regression, double),
+      FL_KEY("fl.keep_states", "the last good server states kept in out/states/", keep_states, int64_t),
+      FL_KEY("fl.dp.noise_multiplier", "DP-FedAvg: Gaussian noise of std z·clip_norm on the sum of clipped updates (0: "
+             "off; needs a fixed fl.clip_norm)", noise_multiplier, double),
+      FL_KEY("fl.dp.delta", "DP-FedAvg: the delta of the (epsilon, delta) the accountant reports", dp_delta, double),
       FL_KEY("fl.client.local_steps", "local steps per round", local_steps, int64_t),
       FL_KEY("fl.client.batch", "sequences per local step", batch, int64_t),
       FL_KEY("fl.client.lr", "client learning rate", lr, double),
@@ -203,7 +225,21 @@ void FlConfig::validate() const {
   if (!(deadline_s > 0) || !(wait_clients_s > 0)) fail("fl.deadline_s and fl.wait_clients_s must be positive");
   if (local_steps < 1 || batch < 1) fail("fl.client.local_steps and fl.client.batch must be >= 1");
   if (!(lr > 0)) fail("fl.client.lr must be positive");
-  if (!(clip_norm >= 0)) fail("fl.clip_norm must be >= 0 (0: none)");
+  if (!(clip_norm >= 0)) fail("fl.clip_norm must be >= 0 (0: none), or \"auto\"");
+  if (!(clip_factor > 0)) fail("fl.clip_factor must be positive");
+  if (!(max_message_mb >= 0)) fail("fl.max_message_mb must be >= 0 (0: from the model)");
+  if (max_examples_per_client < 0) fail("fl.max_examples_per_client must be >= 0 (0: what each client declared)");
+  if (!(max_regression > 0)) fail("fl.max_regression must be positive");
+  if (keep_states < 1) fail("fl.keep_states must be at least 1");
+  if (!(noise_multiplier >= 0)) fail("fl.dp.noise_multiplier must be >= 0 (0: off)");
+  if (!(dp_delta > 0 && dp_delta < 1)) fail("fl.dp.delta must be in (0, 1)");
+  if (dp()) {
+    if (clip_auto || clip_norm <= 0)
+      fail("fl.dp.noise_multiplier: DP-FedAvg needs a fixed fl.clip_norm (the sensitivity), not \"auto\" or 0");
+    if (aggregation.name != "mean")
+      fail("fl.dp.noise_multiplier: DP-FedAvg adds its noise to the mean; fl.aggregation = \"" + aggregation.name +
+           "\" is not covered by its guarantee");
+  }
   if (optimizer != "sgd" && optimizer != "adamw") fail("fl.client.optimizer = \"" + optimizer + "\": use sgd or adamw");
   try {
     strategy.validate();
@@ -229,6 +265,13 @@ void FlConfig::validate() const {
   if (!tls.insecure && (tls.cert.empty() || tls.key.empty()))
     fail("fl.server: set cert and key (PEM files) for TLS, or insecure = true on a loopback address");
   if (tls.mutual && tls.ca.empty()) fail("fl.server.mutual_tls needs client_ca");
+}
+
+int64_t FlConfig::max_message_bytes() const {
+  constexpr int64_t kMiB = 1 << 20, kGrpcLimit = (int64_t{1} << 31) - 1;
+  if (max_message_mb > 0) return std::min<int64_t>(kGrpcLimit, static_cast<int64_t>(max_message_mb * kMiB));
+  const int64_t update = 4 * model.parameter_count();
+  return std::min<int64_t>(kGrpcLimit, update + update / 4 + 4 * kMiB);
 }
 
 std::string FlConfig::describe_keys() {

@@ -45,7 +45,17 @@ struct FlConfig {
   std::string label;            // names this configuration in metrics and plots (default: the compression)
   StrategyConfig strategy;
   Aggregation aggregation;  // how the round's updates combine (Note [Robust aggregation])
-  double clip_norm = 0;     // the server clips each update to this global L2 norm (0: none)
+  // Bounds on one client (Note [Client bounds] in server_rounds.h).
+  double clip_norm = 0;      // a fixed bound on each update's global L2 norm (0: none), when not clip_auto
+  bool clip_auto = true;     // fl.clip_norm = "auto": clip_factor times the round's median update norm
+  double clip_factor = 3;
+  double max_message_mb = 0;             // a message larger than this is refused unread (0: from the model)
+  int64_t max_examples_per_client = 0;   // a client's weight at most this (0: what it declared at Join)
+  double max_regression = 0.5;  // a round that raises the validation loss more than this is rolled back
+  int64_t keep_states = 3;      // the last good states kept in out/states/
+  // [fl.dp]: DP-FedAvg (Note [Differential privacy] in dp.h).
+  double noise_multiplier = 0;  // z: Gaussian noise of std z·clip_norm on the sum (0: off)
+  double dp_delta = 1e-5;       // δ of the (ε, δ) reported
   // [fl.client]
   int64_t local_steps = 5;
   int64_t batch = 8;
@@ -73,6 +83,10 @@ struct FlConfig {
   static FlConfig load(const std::string& path, const std::vector<std::string>& overrides);
   void validate() const;
   std::string display_label() const { return label.empty() ? compression.describe() : label; }
+  // fl.max_message_mb in bytes; 0 means a full float32 update plus a quarter
+  // and 4 MiB (never above gRPC's 2 GiB).
+  int64_t max_message_bytes() const;
+  bool dp() const { return noise_multiplier > 0; }
   static std::string describe_keys();
 };
 

@@ -39,16 +39,38 @@ std::string Coordinator::check_session(const std::string& id, const std::string&
   return {};
 }
 
-std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session) {
+// Note [Client sessions]
+// Join hands out a random 128-bit session that every later call quotes. An id
+// whose session is live (not left, heard from within 30 s, its Presence call
+// unbroken) cannot be taken by another Join: without mutual TLS an id proves
+// nothing, and replacing the session would cancel the live client's round.
+// A client rejoining after a lost link quotes its old session; under mutual
+// TLS the certificate proves the name, so a new Join replaces the session (a
+// restarted process). A client whose Presence call breaks is gone at once:
+// the round in progress stops waiting for it.
+std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session,
+                              bool* in_use) {
+  *in_use = false;
   const std::string& id = request.client_id();
   if (!valid_id(id)) return "client id '" + id + "': use 1 to 128 letters, digits, '_', '-' or '.'";
+  if (request.examples() == 0) return "client '" + id + "' declares 0 training sequences: it has nothing to train on";
   if (!allow_.empty() && std::find(allow_.begin(), allow_.end(), peer_name) == allow_.end())
     return "client certificate '" + peer_name + "' is not on the server's allow list";
   if (mutual_ && peer_name != id) return "client id '" + id + "' differs from its certificate's name '" + peer_name + "'";
   std::lock_guard<std::mutex> lock(mutex_);
   if (stopping_) return "the federation has finished";
+  const auto now = Clock::now();
+  if (auto it = clients_.find(id); it != clients_.end() && live(it->second, now) && !mutual_ &&
+                                   request.resume_session() != it->second.session) {
+    *in_use = true;
+    const auto quiet = std::chrono::duration_cast<std::chrono::seconds>(now - it->second.seen).count();
+    return "client id '" + id + "' belongs to a live session (heard from " + std::to_string(quiet) +
+           " s ago): use another id, or join again once that client has left or been silent for " +
+           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kLiveness).count()) +
+           " s (under mutual TLS the certificate proves the id and the new session replaces the old)";
+  }
   Client& c = clients_[id];
-  c = Client{new_session(), Clock::now(), false, false};
+  c = Client{new_session(), now, false, false, request.examples()};
   *session = c.session;
   changed_.notify_all();
   return {};
@@ -98,6 +120,35 @@ std::string Coordinator::leave(const wire::LeaveRequest& request) {
   clients_[request.client_id()].left = true;
   changed_.notify_all();
   return {};
+}
+
+std::string Coordinator::presence(const wire::PollRequest& request) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return check_session(request.client_id(), request.session());
+}
+
+bool Coordinator::ended(const std::string& id, const std::string& session, double wait_s) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto over = [&] {
+    auto it = clients_.find(id);
+    return stopping_ || it == clients_.end() || it->second.session != session || it->second.left;
+  };
+  changed_.wait_for(lock, std::chrono::duration<double>(wait_s), over);
+  return over();
+}
+
+void Coordinator::gone(const std::string& id, const std::string& session) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = clients_.find(id);
+  if (it == clients_.end() || it->second.session != session || it->second.left) return;
+  it->second.left = true;
+  changed_.notify_all();
+}
+
+uint64_t Coordinator::declared_examples(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = clients_.find(id);
+  return it == clients_.end() ? 0 : it->second.examples;
 }
 
 std::vector<std::string> Coordinator::wait_for_clients(size_t count, double seconds) {

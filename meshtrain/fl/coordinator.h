@@ -29,10 +29,20 @@ class Coordinator {
   Coordinator(bool mutual, std::vector<std::string> allow) : mutual_(mutual), allow_(std::move(allow)) {}
 
   // Handlers. Each returns "" or the reason the call is refused.
-  std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session);
+  // Join: an id that is live is refused (`*in_use` set) unless the request
+  // quotes that session or mutual TLS proved the name (Note [Client sessions]).
+  std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session, bool* in_use);
   std::string poll(const wire::PollRequest& request, wire::Task* task);
   std::string submit(const wire::Result& result);
   std::string leave(const wire::LeaveRequest& request);
+  // Presence: checks the session; then `ended` tells its handler when to let
+  // the call go (the session replaced, left, or the federation stopped), and
+  // `gone` records that the client's call broke (its process or link died).
+  std::string presence(const wire::PollRequest& request);
+  bool ended(const std::string& id, const std::string& session, double wait_s);
+  void gone(const std::string& id, const std::string& session);
+  // The training sequences a client declared at Join (0: unknown id).
+  uint64_t declared_examples(const std::string& id);
 
   // Round loop.
   std::vector<std::string> wait_for_clients(size_t count, double seconds);  // connected ids, sorted
@@ -51,6 +61,7 @@ class Coordinator {
     std::string session;
     Clock::time_point seen;
     bool left = false, stopped = false;
+    uint64_t examples = 0;  // declared at Join
   };
   bool live(const Client& c, Clock::time_point now) const;
   std::string check_session(const std::string& id, const std::string& session);

@@ -14,32 +14,75 @@ grpc::Status refused(const std::string& why) {
   return why.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why);
 }
 
+// Reads a unary call's request itself, so that bytes that are no message of
+// the method's type get a status that says so (gRPC's own parse answers
+// INTERNAL with an empty message).
+template <typename Request, typename Reply, typename Handle>
+grpc::Status serve_unary(grpc::ServerUnaryStreamer<Request, Reply>* streamer, const char* method, Handle handle) {
+  Request request;
+  if (!streamer->Read(&request)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        std::string(method) + ": the request is not a valid " + Request::descriptor()->full_name() +
+                            " message (federation.proto)");
+  }
+  Reply reply;
+  const grpc::Status status = handle(request, reply);
+  if (status.ok()) streamer->Write(reply);
+  return status;
+}
+
+using StreamedUnary = wire::Federation::WithStreamedUnaryMethod_Join<wire::Federation::WithStreamedUnaryMethod_Poll<
+    wire::Federation::WithStreamedUnaryMethod_Submit<wire::Federation::WithStreamedUnaryMethod_Leave<wire::Federation::Service>>>>;
+
 // The RPCs: each checks its request and hands it to the coordinator.
-class FederationService final : public wire::Federation::Service {
+class FederationService final : public StreamedUnary {
  public:
   explicit FederationService(Coordinator& coordinator) : coordinator_(coordinator) {}
 
-  grpc::Status Join(grpc::ServerContext* context, const wire::JoinRequest* request, wire::JoinReply* reply) override {
-    std::string session;
-    const std::string why = coordinator_.join(*request, peer_common_name(*context), &session);
-    if (!why.empty()) {
-      std::fprintf(stderr, "fl server: refused client '%s': %s\n", request->client_id().c_str(), why.c_str());
-      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, why);
+  grpc::Status StreamedJoin(grpc::ServerContext* context,
+                            grpc::ServerUnaryStreamer<wire::JoinRequest, wire::JoinReply>* streamer) override {
+    return serve_unary(streamer, "Join", [&](const wire::JoinRequest& request, wire::JoinReply& reply) {
+      std::string session;
+      bool in_use = false;
+      const std::string why = coordinator_.join(request, peer_common_name(*context), &session, &in_use);
+      if (!why.empty()) {
+        std::fprintf(stderr, "fl server: refused client '%s': %s\n", request.client_id().c_str(), why.c_str());
+        return grpc::Status(in_use ? grpc::StatusCode::ALREADY_EXISTS : grpc::StatusCode::PERMISSION_DENIED, why);
+      }
+      std::fprintf(stderr, "fl server: client '%s' joined (%llu examples)\n", request.client_id().c_str(),
+                   static_cast<unsigned long long>(request.examples()));
+      reply.set_session(session);
+      return grpc::Status::OK;
+    });
+  }
+  grpc::Status StreamedPoll(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::PollRequest, wire::Task>* streamer) override {
+    return serve_unary(streamer, "Poll", [&](const wire::PollRequest& request, wire::Task& task) {
+      return refused(coordinator_.poll(request, &task));
+    });
+  }
+  grpc::Status StreamedSubmit(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::Result, wire::Ack>* streamer) override {
+    return serve_unary(streamer, "Submit", [&](const wire::Result& result, wire::Ack&) {
+      return refused(coordinator_.submit(result));
+    });
+  }
+  grpc::Status StreamedLeave(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::LeaveRequest, wire::Ack>* streamer) override {
+    return serve_unary(streamer, "Leave", [&](const wire::LeaveRequest& request, wire::Ack&) {
+      std::fprintf(stderr, "fl server: client '%s' left\n", request.client_id().c_str());
+      return refused(coordinator_.leave(request));
+    });
+  }
+  // Note [Client sessions]: held until the session ends; a broken call means the client is gone.
+  grpc::Status Presence(grpc::ServerContext* context, const wire::PollRequest* request,
+                        grpc::ServerWriter<wire::Ack>*) override {
+    if (std::string why = coordinator_.presence(*request); !why.empty()) return refused(why);
+    while (!coordinator_.ended(request->client_id(), request->session(), 0.2)) {
+      if (context->IsCancelled()) {
+        std::fprintf(stderr, "fl server: client '%s' disconnected\n", request->client_id().c_str());
+        coordinator_.gone(request->client_id(), request->session());
+        return grpc::Status::CANCELLED;
+      }
     }
-    std::fprintf(stderr, "fl server: client '%s' joined (%llu examples)\n", request->client_id().c_str(),
-                 static_cast<unsigned long long>(request->examples()));
-    reply->set_session(session);
     return grpc::Status::OK;
-  }
-  grpc::Status Poll(grpc::ServerContext*, const wire::PollRequest* request, wire::Task* task) override {
-    return refused(coordinator_.poll(*request, task));
-  }
-  grpc::Status Submit(grpc::ServerContext*, const wire::Result* result, wire::Ack*) override {
-    return refused(coordinator_.submit(*result));
-  }
-  grpc::Status Leave(grpc::ServerContext*, const wire::LeaveRequest* request, wire::Ack*) override {
-    std::fprintf(stderr, "fl server: client '%s' left\n", request->client_id().c_str());
-    return refused(coordinator_.leave(*request));
   }
 
  private:
@@ -57,7 +100,7 @@ Server::Server(FlConfig config)
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config_.listen, server_credentials(config_.tls, config_.listen), &port_);
   builder.RegisterService(service_.get());
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes()));
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0)

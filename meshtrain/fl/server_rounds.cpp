@@ -1,6 +1,7 @@
 #include "meshtrain/fl/server_rounds.h"
 
 #include "meshtrain/fl/metrics.h"
+#include "meshtrain/fl/robust.h"
 #include "meshtrain/fl/secagg.h"
 #include "meshtrain/fl/update.h"
 #include "meshtrain/interop/safetensors.h"
@@ -14,12 +15,20 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 namespace meshtrain::fl {
 namespace {
 
 std::string state_path(const FlConfig& c) { return c.out + "/state.safetensors"; }
+std::string states_dir(const FlConfig& c) { return c.out + "/states"; }
+
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors)
+    if (!at::isfinite(t).all().item<bool>()) return false;
+  return true;
+}
 
 std::vector<uint32_t> words_of(const std::string& bytes) {
   std::vector<uint32_t> out(bytes.size() / 4);
@@ -39,7 +48,9 @@ Rounds::Rounds(const FlConfig& config, Coordinator& coordinator)
     val_ = std::make_unique<train::Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
   }
   util::make_directories(config_.out);
-  if (config_.resume && util::path_exists(state_path(config_))) resume();
+  privacy_.q = config_.fraction;
+  privacy_.z = config_.noise_multiplier;
+  if (config_.resume) resume();
 }
 
 std::vector<at::Tensor> Rounds::weights() const {
@@ -65,6 +76,7 @@ wire::Task Rounds::fit_task(uint64_t round) const {
   fit->mutable_secagg()->set_clip(static_cast<float>(config_.clip));
   fit->mutable_secagg()->set_bits(static_cast<uint32_t>(config_.secagg_bits));
   fit->set_data_offset((round - 1) * static_cast<uint64_t>(config_.local_steps * config_.batch));
+  if (!config_.clip_auto) fit->set_clip_norm(static_cast<float>(config_.clip_norm));
   return task;
 }
 
@@ -86,7 +98,11 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
   std::sort(available.begin(), available.end());
   outcome.sampled = available;
 
-  const wire::Task task = fit_task(round);
+  wire::Task task = fit_task(round);
+  // Distributed DP: the clients add the noise, a 1/m share of its variance each.
+  if (config_.dp() && config_.secagg)
+    task.mutable_fit()->set_noise_stddev(static_cast<float>(config_.noise_multiplier * config_.clip_norm /
+                                                            std::sqrt(static_cast<double>(outcome.sampled.size()))));
   std::map<std::string, wire::Task> tasks;
   for (const auto& id : outcome.sampled) tasks[id] = task;
   coordinator_.open(round, wire::Task::FIT, std::move(tasks));
@@ -111,28 +127,31 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
   std::vector<double> weights;
   double loss = 0;
   for (const auto& [id, r] : results) {
+    // Note [Client bounds]: a client's weight is at most what it declared at Join.
+    uint64_t cap = coordinator_.declared_examples(id);
+    if (config_.max_examples_per_client > 0) cap = std::min(cap, static_cast<uint64_t>(config_.max_examples_per_client));
+    const uint64_t examples = std::min<uint64_t>(r.examples(), cap);
     try {
-      if (r.examples() == 0) throw std::runtime_error("0 examples");
+      if (examples == 0) throw std::runtime_error("0 examples");
       if (!std::isfinite(r.train_loss())) throw std::runtime_error("train loss not finite");
-      std::vector<at::Tensor> u = decode_update({r.update().begin(), r.update().end()}, config_.compression, structures,
-                                                seed, id, /*shared_seeds=*/false);
-      const double norm = clip_update(u, config_.clip_norm);
-      if (!std::isfinite(norm)) throw std::runtime_error("its norm is not finite");
-      if (config_.clip_norm > 0 && norm > config_.clip_norm) {
-        std::fprintf(stderr, "fl server: round %llu: the update of '%s' has norm %.3g, clipped to fl.clip_norm = %g\n",
-                     static_cast<unsigned long long>(round), id.c_str(), norm, config_.clip_norm);
-      }
-      updates.push_back(std::move(u));
+      updates.push_back(decode_update({r.update().begin(), r.update().end()}, config_.compression, structures, seed, id,
+                                      /*shared_seeds=*/false));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fl server: round %llu: the update of '%s' is rejected: %s\n",
                    static_cast<unsigned long long>(round), id.c_str(), e.what());
       outcome.dropped.push_back(id);
       continue;
     }
-    weights.push_back(static_cast<double>(r.examples()));
-    loss += r.train_loss() * static_cast<double>(r.examples());
+    if (r.examples() > cap && overclaimed_.insert(id).second) {
+      std::fprintf(stderr, "fl server: '%s' claims %llu examples; counted as %llu (what it declared at Join, and "
+                   "fl.max_examples_per_client)\n", id.c_str(), static_cast<unsigned long long>(r.examples()),
+                   static_cast<unsigned long long>(cap));
+    }
+    weights.push_back(static_cast<double>(examples));
+    loss += r.train_loss() * static_cast<double>(examples);
     outcome.participants.push_back(id);
   }
+  bound_updates(round, updates, weights, outcome);
   if (static_cast<int64_t>(updates.size()) < config_.min_fit) {
     outcome.error = std::to_string(updates.size()) + " valid updates, fewer than min_fit = " + std::to_string(config_.min_fit);
     return;
@@ -140,11 +159,60 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
   double total = 0;
   for (double w : weights) total += w;
   outcome.train_loss = loss / total;
+  if (config_.dp()) {  // Note [Differential privacy]: weight 1 each, noise on the sum, divided by the m sampled
+    ++privacy_.rounds;
+    std::vector<at::Tensor> sum = weighted_mean(updates, weights);
+    for (at::Tensor& t : sum) t = t * static_cast<double>(updates.size());
+    add_gaussian_noise(sum, config_.noise_multiplier * config_.clip_norm);
+    for (at::Tensor& t : sum) t = t / static_cast<double>(outcome.sampled.size());
+    apply_mean(sum);
+    return;
+  }
   try {
     apply_mean(aggregate(config_.aggregation, updates, weights));
   } catch (const std::invalid_argument& e) {  // too few updates for the rule: the round does not count
     outcome.error = e.what();
   }
+}
+
+// Note [Client bounds]: the norm bound, then a non-finite norm rejects the update.
+void Rounds::bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
+                           Outcome& outcome) {
+  std::vector<double> norms;
+  for (auto& u : updates) norms.push_back(clip_update(u, 0));
+  double bound = config_.clip_auto ? 0 : config_.clip_norm;
+  std::vector<double> finite;
+  for (double n : norms)
+    if (std::isfinite(n)) finite.push_back(n);
+  if (config_.clip_auto && !finite.empty()) {
+    std::sort(finite.begin(), finite.end());
+    bound = config_.clip_factor * finite[(finite.size() - 1) / 2];
+  }
+  outcome.clip_norm = bound;
+  std::vector<std::vector<at::Tensor>> kept;
+  std::vector<double> kept_weights;
+  std::vector<std::string> kept_ids;
+  for (size_t i = 0; i < updates.size(); ++i) {
+    const std::string& id = outcome.participants[i];
+    if (!std::isfinite(norms[i])) {
+      std::fprintf(stderr, "fl server: round %llu: the update of '%s' is rejected: its norm is not finite\n",
+                   static_cast<unsigned long long>(round), id.c_str());
+      outcome.dropped.push_back(id);
+      continue;
+    }
+    if (bound > 0 && norms[i] > bound) {
+      clip_update(updates[i], bound);
+      outcome.clipped.push_back(id);
+      std::fprintf(stderr, "fl server: round %llu: the update of '%s' has norm %.3g, clipped to %.3g\n",
+                   static_cast<unsigned long long>(round), id.c_str(), norms[i], bound);
+    }
+    kept.push_back(std::move(updates[i]));
+    kept_weights.push_back(config_.dp() ? 1.0 : weights[i]);
+    kept_ids.push_back(id);
+  }
+  updates = std::move(kept);
+  weights = std::move(kept_weights);
+  outcome.participants = std::move(kept_ids);
 }
 
 // Note [Secure aggregation]: keys arrived with the FIT results; three phases follow.
@@ -198,6 +266,7 @@ void Rounds::aggregate_secure(uint64_t round, const std::map<std::string, wire::
     coordinator_.open(round, wire::Task::SECAGG_UNMASK, std::move(tasks));
     for (const auto& [id, r] : coordinator_.close(config_.deadline_s))
       session.add_revealed(id, {r.revealed().begin(), r.revealed().end()});
+    if (config_.dp()) ++privacy_.rounds;  // the clients added the noise (Note [Differential privacy])
     const std::vector<uint32_t> sum = session.sum();
     const std::vector<float> mean =
         secagg::weighted_mean_from_sum(sum, static_cast<float>(config_.clip), static_cast<int>(config_.secagg_bits));
@@ -231,7 +300,40 @@ double Rounds::evaluate() {
   return sum / static_cast<double>(config_.eval_batches);
 }
 
+Rounds::Snapshot Rounds::snapshot() const {
+  Snapshot s;
+  for (const auto& p : params_) s.params.push_back(p.detach().clone());
+  for (const auto& t : strategy_.first_moment()) s.m.push_back(t.clone());
+  for (const auto& t : strategy_.second_moment()) s.v.push_back(t.clone());
+  return s;
+}
+
+void Rounds::restore(const Snapshot& s) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(s.params[i]);
+  strategy_.first_moment() = s.m;
+  strategy_.second_moment() = s.v;
+}
+
+// Note [Client bounds]: rollback.
+std::string Rounds::regression(double val_loss) const {
+  if (!all_finite(params_)) return "the aggregated model holds non-finite values";
+  if (!val_) return {};
+  char why[256];
+  if (!std::isfinite(val_loss)) {
+    std::snprintf(why, sizeof why, "the validation loss became %g", val_loss);
+    return why;
+  }
+  if (std::isfinite(good_val_loss_) && val_loss > good_val_loss_ + config_.max_regression) {
+    std::snprintf(why, sizeof why, "the validation loss rose from %.4f to %.4f, more than fl.max_regression = %g",
+                  good_val_loss_, val_loss, config_.max_regression);
+    return why;
+  }
+  return {};
+}
+
 void Rounds::save(uint64_t round) const {
+  if (!all_finite(params_)) throw std::logic_error("fl server: refusing to save a non-finite model");
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (size_t i = 0; i < params_.size(); ++i) tensors.emplace_back("model." + names_[i], params_[i].detach());
   const Strategy& s = strategy_;
@@ -244,11 +346,61 @@ void Rounds::save(uint64_t round) const {
                               {"model", model::fingerprint(config_.model)},
                               {"strategy", config_.strategy.name},
                               {"uplink_bytes", std::to_string(cumulative_up_)},
-                              {"downlink_bytes", std::to_string(cumulative_down_)}});
+                              {"downlink_bytes", std::to_string(cumulative_down_)},
+                              {"val_loss", std::to_string(good_val_loss_)},
+                              {"dp_rounds", std::to_string(privacy_.rounds)}});
+  keep_state(round);
 }
 
+// The state just written, also as states/round-NNNNNN.safetensors (a hard
+// link: the next write replaces state.safetensors by a rename, leaving this
+// one whole); the oldest beyond fl.keep_states are removed.
+void Rounds::keep_state(uint64_t round) const {
+  namespace fs = std::filesystem;
+  fs::create_directories(states_dir(config_));
+  char name[64];
+  std::snprintf(name, sizeof name, "/round-%06llu.safetensors", static_cast<unsigned long long>(round));
+  const fs::path kept = states_dir(config_) + name;
+  std::error_code error;
+  fs::remove(kept, error);
+  fs::create_hard_link(state_path(config_), kept, error);
+  if (error) fs::copy_file(state_path(config_), kept, fs::copy_options::overwrite_existing);
+  std::vector<fs::path> all;
+  for (const auto& entry : fs::directory_iterator(states_dir(config_)))
+    if (entry.path().extension() == ".safetensors") all.push_back(entry.path());
+  std::sort(all.begin(), all.end());
+  for (size_t i = 0; i + static_cast<size_t>(config_.keep_states) < all.size(); ++i) fs::remove(all[i], error);
+}
+
+// state.safetensors, or when it cannot be read, the newest readable state in
+// states/. A state of another model or strategy is an error, not skipped.
 void Rounds::resume() {
-  const interop::SafetensorsFile file(state_path(config_));
+  namespace fs = std::filesystem;
+  std::vector<std::string> candidates;
+  if (util::path_exists(state_path(config_))) candidates.push_back(state_path(config_));
+  if (fs::is_directory(states_dir(config_))) {
+    std::vector<std::string> kept;
+    for (const auto& entry : fs::directory_iterator(states_dir(config_)))
+      if (entry.path().extension() == ".safetensors") kept.push_back(entry.path().string());
+    std::sort(kept.rbegin(), kept.rend());
+    candidates.insert(candidates.end(), kept.begin(), kept.end());
+  }
+  for (const std::string& path : candidates) {
+    try {
+      load_state(path);
+      return;
+    } catch (const std::invalid_argument&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fl server: cannot resume from %s (%s); trying an older state\n", path.c_str(), e.what());
+    }
+  }
+  if (!candidates.empty())
+    throw std::runtime_error("fl server: no readable state in " + config_.out + "; remove it or set fl.server.resume = false");
+}
+
+void Rounds::load_state(const std::string& path) {
+  const interop::SafetensorsFile file(path);
   const auto& meta = file.metadata();
   auto get = [&](const std::string& key) {
     auto it = meta.find(key);
@@ -256,21 +408,26 @@ void Rounds::resume() {
     return it->second;
   };
   if (get("model") != model::fingerprint(config_.model))
-    throw std::runtime_error(file.path() + " holds another model (" + get("model") + "); remove it or set "
-                             "fl.server.resume = false");
+    throw std::invalid_argument(file.path() + " holds another model (" + get("model") + "); remove it or set "
+                                "fl.server.resume = false");
   if (get("strategy") != config_.strategy.name)
-    throw std::runtime_error(file.path() + " was written by strategy " + get("strategy") + ", not " + config_.strategy.name);
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(file.read("model." + names_[i]));
+    throw std::invalid_argument(file.path() + " was written by strategy " + get("strategy") + ", not " +
+                                config_.strategy.name);
+  std::vector<at::Tensor> params, m, v;
+  for (size_t i = 0; i < params_.size(); ++i) params.push_back(file.read("model." + names_[i]));
+  if (!all_finite(params)) throw std::runtime_error("it holds non-finite values");
   if (file.contains("server.m.0")) {
     for (size_t i = 0; i < params_.size(); ++i) {
-      strategy_.first_moment().push_back(file.read("server.m." + std::to_string(i)));
-      strategy_.second_moment().push_back(file.read("server.v." + std::to_string(i)));
+      m.push_back(file.read("server.m." + std::to_string(i)));
+      v.push_back(file.read("server.v." + std::to_string(i)));
     }
   }
+  restore(Snapshot{params, m, v});
   next_round_ = std::stoull(get("round")) + 1;
   cumulative_up_ = std::stoll(get("uplink_bytes"));
   cumulative_down_ = std::stoll(get("downlink_bytes"));
+  if (file.metadata().count("val_loss")) good_val_loss_ = std::stod(file.metadata().at("val_loss"));
+  if (file.metadata().count("dp_rounds")) privacy_.rounds = std::stoll(file.metadata().at("dp_rounds"));
   std::fprintf(stderr, "fl server: resumed from %s after round %llu\n", file.path().c_str(),
                static_cast<unsigned long long>(next_round_ - 1));
 }
@@ -280,8 +437,13 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
   row["round"] = round;
   row["label"] = config_.display_label();
   row["strategy"] = config_.strategy.name;
-  row["status"] = o.error.empty() ? "ok" : "failed";
+  row["status"] = o.error.empty() ? "ok" : o.rolled_back ? "rolled_back" : "failed";
   if (!o.error.empty()) row["error"] = o.error;
+  if (o.rolled_back) row["rejected_val_loss"] = std::isfinite(o.rejected_val_loss) ? nlohmann::json(o.rejected_val_loss)
+                                                                                  : nlohmann::json(nullptr);
+  row["clip_norm"] = o.clip_norm;
+  row["clipped"] = o.clipped;
+  if (config_.dp()) row["epsilon"] = privacy_.epsilon(config_.dp_delta);
   row["sampled"] = o.sampled;
   row["participants"] = o.participants;
   row["dropped"] = o.dropped;
@@ -317,14 +479,27 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
 
 int Rounds::run() {
   int failed = 0;
-  if (next_round_ == 1) record(0, Outcome{}, 0.0, evaluate());
+  if (next_round_ == 1) {
+    good_val_loss_ = evaluate();
+    record(0, Outcome{}, 0.0, good_val_loss_);
+  }
   for (uint64_t round = next_round_; round <= static_cast<uint64_t>(config_.rounds); ++round) {
     const auto start = std::chrono::steady_clock::now();
-    const Outcome outcome = run_round(round);
+    const Snapshot before = snapshot();
+    Outcome outcome = run_round(round);
+    double val_loss = evaluate();
+    if (const std::string why = regression(val_loss); !why.empty()) {  // Note [Client bounds]
+      restore(before);
+      outcome.rolled_back = true;
+      outcome.rejected_val_loss = val_loss;
+      outcome.error = "rolled back: " + why;
+      val_loss = good_val_loss_;
+    } else if (outcome.error.empty()) {
+      good_val_loss_ = val_loss;
+    }
     if (!outcome.error.empty()) ++failed;
-    const double val_loss = evaluate();
     record(round, outcome, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), val_loss);
-    save(round);
+    if (!outcome.rolled_back) save(round);
   }
   coordinator_.stop("the federation finished its " + std::to_string(config_.rounds) + " rounds", 5.0);
   write_loss_svg({config_.out + "/metrics.jsonl"}, config_.out + "/loss.svg");

@@ -13,17 +13,37 @@
 // says why. Then the strategy steps, the validation loss is measured, a
 // metrics row is appended and the state is checkpointed (atomically) so a
 // restarted server resumes at round r + 1.
+//
+// Note [Client bounds]
+// What one broken or hostile client can do to a plain round is bounded
+// before any aggregation rule (robust.h) is applied:
+// - size: a message over fl.max_message_mb (default: a full float32 update
+//   plus a quarter and 4 MiB) is refused by gRPC from its length prefix;
+// - weight: a result's examples count at most what the client declared at
+//   Join (its session cannot grow it) and fl.max_examples_per_client;
+// - norm: each decoded update is clipped to fl.clip_norm, by default "auto",
+//   fl.clip_factor (3) times the round's lower median norm (robust while
+//   fewer than half the clients are hostile); a fixed bound is sent to the
+//   clients, which clip too; a non-finite norm rejects the update;
+// - rollback: a round whose model is non-finite, or whose validation loss is
+//   non-finite or more than fl.max_regression above the last good round's,
+//   is undone (the metrics row says why) and never saved; state.safetensors
+//   only ever holds a finite model, and the last fl.keep_states good states
+//   stay in out/states/ (a restart falls back to them if it is unreadable).
 #pragma once
 
 #include "meshtrain/fl/config.h"
 #include "meshtrain/fl/coordinator.h"
+#include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/strategy.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/train/data.h"
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <cmath>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,18 +57,33 @@ class Rounds {
 
  private:
   struct Outcome {
-    std::vector<std::string> sampled, participants, dropped;
+    std::vector<std::string> sampled, participants, dropped, clipped;
     double train_loss = 0;
+    double clip_norm = 0;          // the bound applied this round (0: none)
+    double rejected_val_loss = 0;  // rolled back: the validation loss of the undone model
+    bool rolled_back = false;
     std::string error;  // non-empty: the round was discarded
+  };
+  struct Snapshot {
+    std::vector<at::Tensor> params, m, v;
   };
   Outcome run_round(uint64_t round);
   wire::Task fit_task(uint64_t round) const;
   void aggregate_plain(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
   void aggregate_secure(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
+  // The updates after the bounds (Note [Client bounds]); weights: their examples (1 each under DP).
+  void bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
+                     Outcome& outcome);
   void apply_mean(const std::vector<at::Tensor>& mean);
   double evaluate();
+  Snapshot snapshot() const;
+  void restore(const Snapshot& s);
+  // Why the round's model must be undone ("" when it stands).
+  std::string regression(double val_loss) const;
   void save(uint64_t round) const;
+  void keep_state(uint64_t round) const;
   void resume();
+  void load_state(const std::string& path);
   void record(uint64_t round, const Outcome& outcome, double seconds, double val_loss);
 
   const FlConfig& config_;
@@ -62,6 +97,9 @@ class Rounds {
   std::unique_ptr<train::Sampler> val_;
   uint64_t next_round_ = 1;
   int64_t cumulative_up_ = 0, cumulative_down_ = 0;
+  double good_val_loss_ = std::nan("");  // of the last model that stood
+  std::set<std::string> overclaimed_;    // clients told once that their examples were capped
+  PrivacyLedger privacy_;
 };
 
 }  // namespace meshtrain::fl

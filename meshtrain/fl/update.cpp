@@ -10,7 +10,7 @@ namespace {
 
 constexpr uint64_t kStructureSeeds = 0x5354, kSketchSeeds = 0x534b;
 
-uint64_t client_hash(const std::string& id) { return std::hash<std::string>{}(id); }
+uint64_t client_hash(const std::string& id) { return fnv1a(id); }
 
 }  // namespace
 

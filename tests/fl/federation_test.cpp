@@ -2,6 +2,7 @@
 // and clients on threads. Federated averaging is checked against centralised
 // training, and the server against stragglers, restarts and malformed calls.
 #include "meshtrain/fl/client.h"
+#include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/federation.grpc.pb.h"
 #include "meshtrain/fl/server.h"
 #include "meshtrain/fl/update.h"
@@ -287,12 +288,15 @@ TEST(FlFederation, MalformedCallsAreRejectedNotCrashes) {
                       });
     std::unique_lock<std::mutex> lock(mutex);
     done.wait(lock, [&] { return finished; });
-    EXPECT_FALSE(status.ok());
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("not a valid meshtrain.fl.wire.Result message"), std::string::npos)
+        << status.error_message();
   }
   {  // A joined client answering a round that is not open.
     grpc::ClientContext join_context;
     wire::JoinRequest j;
     j.set_client_id("c0");
+    j.set_examples(10);
     wire::JoinReply reply;
     ASSERT_TRUE(stub->Join(&join_context, j, &reply).ok());
     grpc::ClientContext context;
@@ -324,6 +328,145 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
   EXPECT_NE(message({"fl.server.insecure=true", "fl.secagg.enabled=true", "fl.min_fit=1", "fl.min_available=3"})
                 .find("threshold"),
             std::string::npos);
+}
+
+}  // namespace
+}  // namespace meshtrain::fl
+
+namespace meshtrain::fl {
+namespace {
+
+// A client speaking the protocol by hand.
+struct RawClient {
+  explicit RawClient(int port)
+      : stub(wire::Federation::NewStub(
+            grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()))) {}
+  grpc::Status join(const std::string& id, uint64_t examples, const std::string& resume = "") {
+    grpc::ClientContext context;
+    wire::JoinRequest j;
+    j.set_client_id(id);
+    j.set_examples(examples);
+    j.set_resume_session(resume);
+    wire::JoinReply reply;
+    const grpc::Status s = stub->Join(&context, j, &reply);
+    if (s.ok()) session = reply.session();
+    return s;
+  }
+  grpc::Status poll(const std::string& id, wire::Task* task) {
+    grpc::ClientContext context;
+    wire::PollRequest p;
+    p.set_client_id(id);
+    p.set_session(session);
+    return stub->Poll(&context, p, task);
+  }
+  std::unique_ptr<wire::Federation::Stub> stub;
+  std::string session;
+};
+
+TEST(FlFederation, ALiveIdCannotBeTakenButItsOwnerCanRejoin) {
+  const std::string dir = ::testing::TempDir() + "/fl_duplicate";
+  util::remove_tree(dir);
+  Server server(tiny_config(dir + "/out"));
+  RawClient owner(server.port()), impostor(server.port());
+  ASSERT_TRUE(owner.join("c0", 100).ok());
+  const grpc::Status taken = impostor.join("c0", 100);
+  EXPECT_EQ(taken.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(taken.error_message().find("live session"), std::string::npos) << taken.error_message();
+  wire::Task task;
+  EXPECT_TRUE(owner.poll("c0", &task).ok());  // the live session was not cancelled
+  const std::string old = owner.session;
+  ASSERT_TRUE(owner.join("c0", 100, old).ok());  // quoting its session: a rejoin
+  EXPECT_NE(owner.session, old);
+  const grpc::Status none = impostor.join("c1", 0);
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(none.error_message().find("0 training sequences"), std::string::npos) << none.error_message();
+}
+
+TEST(FlFederation, AClientWhoseConnectionDiesIsNotWaitedFor) {
+  const std::string dir = ::testing::TempDir() + "/fl_presence";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 1);
+  FlConfig config = tiny_config(dir + "/out");
+  config.rounds = 1;
+  config.min_available = 2;
+  config.min_fit = 1;
+  config.deadline_s = 60;
+  Server server(config);
+  RawClient ghost(server.port());
+  ASSERT_TRUE(ghost.join("ghost", 100).ok());
+  grpc::ClientContext presence;
+  wire::PollRequest request;
+  request.set_client_id("ghost");
+  request.set_session(ghost.session);
+  std::thread held([&] {
+    auto reader = ghost.stub->Presence(&presence, request);
+    for (wire::Ack ack; reader->Read(&ack);) {
+    }
+    reader->Finish();
+  });
+  std::thread rounds([&] { server.run(); });
+  std::thread honest([&] {
+    ClientOptions o;
+    o.id = "c0";
+    o.server = "127.0.0.1:" + std::to_string(server.port());
+    o.data = files[0];
+    o.tls.insecure = true;
+    o.quiet = true;
+    run_client(o);
+  });
+  for (wire::Task task; task.kind() != wire::Task::FIT;) ASSERT_TRUE(ghost.poll("ghost", &task).ok());
+  presence.TryCancel();  // as if the process died with its task
+  held.join();
+  rounds.join();
+  honest.join();
+  const auto rows = metrics(config.out);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[1]["status"], "ok");
+  EXPECT_EQ(rows[1]["participants"], nlohmann::json::array({"c0"}));
+  EXPECT_EQ(rows[1]["dropped"], nlohmann::json::array({"ghost"}));
+  EXPECT_LT(rows[1]["seconds"].get<double>(), 20.0) << "the round waited for the deadline";
+}
+
+// DP-FedAvg: with updates near zero, the round's change is the noise alone:
+// N(0, (z·S/m)²) per coordinate.
+TEST(FlFederation, DpFedAvgNoiseHasTheConfiguredScale) {
+  const std::string dir = ::testing::TempDir() + "/fl_dp";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 2);
+  FlConfig config = FlConfig::load("", {"model.layers=1", "model.width=32", "model.heads=2", "model.context=16",
+                                        "fl.rounds=1", "fl.client.local_steps=1", "fl.client.batch=2",
+                                        "fl.client.lr=1e-9", "fl.server.insecure=true", "fl.min_available=2",
+                                        "fl.min_fit=2", "fl.clip_norm=1", "fl.dp.noise_multiplier=2",
+                                        "fl.server.out=" + dir + "/out"});
+  const std::vector<at::Tensor> after = federate(config, files);
+  model::Gpt start(config.model, config.seed);
+  std::vector<at::Tensor> deltas;
+  const auto before = parameters_of(*start);
+  for (size_t i = 0; i < after.size(); ++i) deltas.push_back((after[i] - before[i]).reshape({-1}).to(at::kDouble));
+  const at::Tensor all = at::cat(deltas);
+  const double expected = 2.0 * 1.0 / 2;  // z·S/m
+  EXPECT_NEAR(all.std().item<double>(), expected, 0.03 * expected) << all.numel() << " coordinates";
+  EXPECT_NEAR(all.mean().item<double>(), 0.0, 0.03 * expected);
+  const auto rows = metrics(config.out);
+  EXPECT_NEAR(rows[1]["epsilon"].get<double>(), dp_epsilon(1.0, 2.0, 1, 1e-5), 1e-9);
+}
+
+// The accountant's sum over k against the closed form it must reach at q = 1,
+// where the sampled Gaussian is the Gaussian: RDP(α) = α/(2z²).
+TEST(FlPrivacy, SampledGaussianReachesTheGaussianAtFullSampling) {
+  for (double z : {0.5, 1.0, 4.0})
+    for (int alpha : {2, 7, 64})
+      EXPECT_NEAR(rdp_sampled_gaussian(1 - 1e-12, z, alpha), alpha / (2 * z * z), 1e-6 * alpha / (2 * z * z));
+  // q = 0 costs nothing; sampling less, adding more noise or running fewer rounds costs less.
+  EXPECT_EQ(rdp_sampled_gaussian(0, 1, 8), 0.0);
+  EXPECT_LT(dp_epsilon(0.1, 1.0, 100, 1e-5), dp_epsilon(0.5, 1.0, 100, 1e-5));
+  EXPECT_LT(dp_epsilon(0.1, 2.0, 100, 1e-5), dp_epsilon(0.1, 1.0, 100, 1e-5));
+  EXPECT_LT(dp_epsilon(0.1, 1.0, 10, 1e-5), dp_epsilon(0.1, 1.0, 100, 1e-5));
+  // At q = 1 the bound is a minimum over α of T·α/(2z²) + log((α−1)/α) − (log δ + log α)/(α−1).
+  double best = 1e300;
+  for (int a = 2; a <= 256; ++a)
+    best = std::min(best, 20.0 * a / 2.0 + std::log((a - 1.0) / a) - (std::log(1e-5) + std::log(a)) / (a - 1.0));
+  EXPECT_NEAR(dp_epsilon(1.0, 1.0, 20, 1e-5), best, 1e-9);
 }
 
 }  // namespace
