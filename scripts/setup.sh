@@ -87,9 +87,10 @@ install_torch() {
 # Python packages the tests check meshtrain against, as pip-name:module: the
 # official OpenAI client; Hugging Face transformers (which brings tokenizers
 # and safetensors); lm-evaluation-harness with its API models, and the
-# accelerate its hf backend needs.
+# accelerate its hf backend needs; peft; grpcio-tools (a federated client
+# written from federation.proto) and Opacus (its privacy accountant).
 test_packages=(openai:openai transformers:transformers sentencepiece:sentencepiece "lm-eval[api]:lm_eval"
-               accelerate:accelerate peft:peft)
+               accelerate:accelerate peft:peft grpcio-tools:grpc_tools opacus:opacus)
 install_test_packages() {
   local missing=() entry
   for entry in "${test_packages[@]}"; do

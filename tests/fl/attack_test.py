@@ -1,0 +1,344 @@
+"""Hostile clients against `meshtrain fl server`, over gRPC with real processes.
+
+Four honest `meshtrain fl client` processes (one speaking role of the test
+excerpt each) and one attacker written here in Python from stubs that
+grpc_tools generates from meshtrain/fl/federation.proto, as anyone could:
+- huge: finite values of 1e30 claiming 2^62 examples;
+- signflip: minus ten times the global model's last change;
+- bigmsg: one 900 MiB update.
+With the defaults (FedAvg's mean; examples capped at what the client declared
+at Join; norms clipped to 3x the round's median; a message cap from the model)
+the validation loss stays finite and within MEAN_MARGIN of the attack-free
+run; under Krum and the trimmed mean within ROBUST_MARGIN. The 900 MiB message
+is refused (RESOURCE_EXHAUSTED) and the round goes on without it. With the
+bounds off a 1e30 round is
+rolled back: state.safetensors keeps the last good round and a restarted
+server resumes from it. An id that is live cannot be taken by another Join,
+bytes that are no message get INVALID_ARGUMENT by name, and the accountant
+equals Opacus's on the same orders.
+
+usage: attack_test.py MESHTRAIN
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import numpy as np
+from grpc_tools import protoc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "harness"))
+from checks import Checks  # noqa: E402
+
+MESHTRAIN = sys.argv[1]
+os.environ["OMP_NUM_THREADS"] = "1"  # six processes on a small machine: no spinning thread pools
+CHECKS = Checks(MESHTRAIN)
+check = CHECKS.check
+PROTO_DIR = os.path.join(HERE, "..", "..", "meshtrain", "fl")
+EXCERPT = os.path.join(HERE, "..", "data", "shakespeare_excerpt.txt")
+HONEST = ["MENENIUS", "MARCIUS", "COMINIUS", "VOLUMNIA"]
+ROUNDS = 8
+# Final validation loss, attacked run against the attack-free one (which learns 5.56 -> 3.25).
+MEAN_MARGIN = 0.6    # FedAvg's mean with the default bounds: measured 0.35 (sign flip) and 0.46 (1e30)
+ROBUST_MARGIN = 0.15  # Krum, trimmed mean: measured 0.03 to 0.07
+MODEL = ["--model.layers=1", "--model.width=32", "--model.heads=2", "--model.context=32"]
+FL = ["--fl.client.local_steps=5", "--fl.client.batch=8", "--fl.client.lr=0.5", "--fl.deadline_s=60",
+      "--fl.wait_clients_s=60", "--fl.data.eval_batches=8", "--fl.server.insecure=true"]
+U64 = (1 << 64) - 1
+
+
+def stubs(work):
+    """federation_pb2 and federation_pb2_grpc, generated from the .proto the server serves."""
+    if protoc.main(["protoc", f"-I{PROTO_DIR}", f"--python_out={work}", f"--grpc_python_out={work}",
+                    os.path.join(PROTO_DIR, "federation.proto")]) != 0:
+        raise RuntimeError("grpc_tools.protoc failed on federation.proto")
+    sys.path.insert(0, work)
+    import federation_pb2
+    import federation_pb2_grpc
+    return federation_pb2, federation_pb2_grpc
+
+
+def mix_seed(a, b):  # the protocol's splitmix64 (codec.h)
+    z = (a + 0x9E3779B97F4A7C15 * (b + 1)) & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    return z ^ (z >> 31)
+
+
+def fnv1a(text):
+    h = 1469598103934665603
+    for c in text.encode():
+        h = ((h ^ c) * 1099511628211) & U64
+    return h
+
+
+def sketch_seed(round_seed, index, client_id):  # update.h: a client's own seeds
+    return mix_seed(mix_seed(mix_seed(round_seed, 0x534B), index), fnv1a(client_id))
+
+
+def peak_rss_mib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class Attacker(threading.Thread):
+    """Joins as `name`, then answers every FIT with its attack until STOP."""
+
+    def __init__(self, pb, pb_grpc, port, kind, server_pid, name="mallory", declared=300, attack_rounds=None):
+        super().__init__(daemon=True)
+        self.pb, self.kind, self.name, self.declared = pb, kind, name, declared
+        self.server_pid, self.attack_rounds = server_pid, attack_rounds
+        options = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        self.stub = pb_grpc.FederationStub(self.channel)
+        self.previous = None
+        self.statuses = []  # (round, status code name, message, seconds)
+        self.peak_rss = 0.0
+        self.on_round = None  # called with the round number before the attack is sent
+
+    def run(self):
+        pb = self.pb
+        session = self.stub.Join(pb.JoinRequest(client_id=self.name, examples=self.declared), wait_for_ready=True,
+                                 timeout=60).session
+        while True:
+            task = self.stub.Poll(pb.PollRequest(client_id=self.name, session=session), timeout=30)
+            if task.kind == pb.Task.STOP:
+                return
+            if task.kind != pb.Task.FIT:
+                continue
+            if self.on_round:
+                self.on_round(task.round)
+            weights = [np.frombuffer(t.data, np.float32).reshape(tuple(t.shape)) for t in task.weights]
+            result = pb.Result(client_id=self.name, session=session, round=task.round, kind=pb.Task.FIT,
+                               examples=self.declared, train_loss=1.0)
+            attacking = self.attack_rounds is None or task.round in self.attack_rounds
+            self.fill(result, task, weights, attacking)
+            start = time.time()
+            try:
+                self.stub.Submit(result, timeout=120)
+                self.statuses.append((task.round, "OK", "", time.time() - start))
+            except grpc.RpcError as e:
+                self.statuses.append((task.round, e.code().name, e.details(), time.time() - start))
+            rss = peak_rss_mib(self.server_pid)
+            self.peak_rss = max(self.peak_rss, rss or 0)
+            self.previous = weights
+
+    def fill(self, result, task, weights, attacking):
+        seed = task.fit.seed
+        if self.kind == "bigmsg" and attacking:
+            blob = bytes(900 << 20)
+            result.update.add(index=0, seed=sketch_seed(seed, 0, self.name), length=len(blob) // 4, values=blob)
+            return
+        for i, w in enumerate(weights):
+            if not attacking:
+                values = np.zeros(w.size, np.float32)
+            elif self.kind == "huge":
+                values = np.full(w.size, 1e30, np.float32)
+                result.examples = 1 << 62
+            elif self.kind == "signflip":
+                change = w - self.previous[i] if self.previous is not None else np.zeros_like(w)
+                values = (-10.0 * change).astype(np.float32).reshape(-1)
+            else:
+                raise ValueError(self.kind)
+            result.update.add(index=i, seed=sketch_seed(seed, i, self.name), length=w.size, values=values.tobytes())
+
+
+class Federation:
+    """A server and the honest client processes on loopback."""
+
+    def __init__(self, work, name, overrides=(), clients=HONEST, extra_available=0, rounds=ROUNDS, fresh=True):
+        self.out = os.path.join(work, name)
+        if fresh:
+            shutil.rmtree(self.out, ignore_errors=True)
+        os.makedirs(self.out, exist_ok=True)
+        port_file = os.path.join(self.out, "port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        available = len(clients) + extra_available
+        self.log = open(os.path.join(self.out, "server.log"), "a")
+        args = [MESHTRAIN, "fl", "server", "--port-file", port_file, "--fl.server.listen=127.0.0.1:0",
+                f"--fl.server.out={self.out}", f"--fl.rounds={rounds}", f"--fl.min_available={available}",
+                f"--fl.min_fit={min(3, available)}", f"--fl.data.val_file={work}/speakers/val.bin"]
+        self.server = subprocess.Popen(args + MODEL + FL + list(overrides), stdout=self.log, stderr=self.log)
+        for _ in range(600):
+            if os.path.exists(port_file) and open(port_file).read().strip():
+                break
+            if self.server.poll() is not None:
+                raise RuntimeError(f"the server exited: {open(os.path.join(self.out, 'server.log')).read()}")
+            time.sleep(0.05)
+        self.port = int(open(port_file).read())
+        self.peak_rss = 0.0
+        self.sampler = threading.Thread(target=self.sample_rss, daemon=True)
+        self.sampler.start()
+        self.clients = [subprocess.Popen([MESHTRAIN, "fl", "client", "--server", f"127.0.0.1:{self.port}",
+                                          "--insecure", "--id", c, "--data", f"{work}/speakers/{c}"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in clients]
+
+    def sample_rss(self):
+        while self.server.poll() is None:
+            self.peak_rss = max(self.peak_rss, peak_rss_mib(self.server.pid) or 0)
+            time.sleep(0.1)
+
+    def wait_joined(self, count, timeout=60):
+        for _ in range(int(timeout / 0.1)):
+            if self.server_log().count("joined (") >= count:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{count} clients did not join within {timeout} s")
+
+    def finish(self, timeout=600):
+        self.server.wait(timeout=timeout)
+        for c in self.clients:
+            try:
+                c.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        self.log.close()
+        with open(os.path.join(self.out, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    def server_log(self):
+        with open(os.path.join(self.out, "server.log")) as f:
+            return f.read()
+
+
+def final_val(rows):
+    return rows[-1]["val_loss"]
+
+
+def attacked(work, pb, pb_grpc, name, kind, overrides=(), attack_rounds=None):
+    fed = Federation(work, name, overrides, extra_available=1)
+    attacker = Attacker(pb, pb_grpc, fed.port, kind, fed.server.pid, attack_rounds=attack_rounds)
+    attacker.start()
+    rows = fed.finish()
+    attacker.join(timeout=60)
+    return fed, rows, attacker
+
+
+def malformed_and_duplicate(pb, pb_grpc, fed):
+    """An impostor's Join of a live id, and bytes that are no message, against a running federation."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{fed.port}")
+    stub = pb_grpc.FederationStub(channel)
+    fed.wait_joined(len(HONEST))
+    try:
+        stub.Join(pb.JoinRequest(client_id=HONEST[0], examples=100), timeout=10)
+        check(False, "a Join with a live client's id is refused")
+    except grpc.RpcError as e:
+        check(e.code() == grpc.StatusCode.ALREADY_EXISTS and "live session" in e.details(),
+              f"a Join with a live client's id is refused: {e.code().name}: {e.details()}")
+    raw = channel.unary_unary("/meshtrain.fl.wire.Federation/Submit", request_serializer=None,
+                              response_deserializer=None)
+    try:
+        raw(b"\xff\xff\xff\xff\x0f not a message", timeout=10)
+        check(False, "bytes that are no message are refused")
+    except grpc.RpcError as e:
+        check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid meshtrain.fl.wire.Result" in e.details(),
+              f"bytes that are no message: {e.code().name}: {e.details()}")
+
+
+def main():
+    work = tempfile.mkdtemp(prefix="fl_attack_")
+    try:
+        pb, pb_grpc = stubs(work)
+        CHECKS.meshtrain("fl", "split", EXCERPT, "--out", f"{work}/speakers", "--min-bytes", "1000")
+
+        fed = Federation(work, "free", ["--fl.wait_clients_s=5"])
+        probe = threading.Thread(target=malformed_and_duplicate, args=(pb, pb_grpc, fed))
+        probe.start()
+        free = fed.finish()
+        probe.join()
+        base = final_val(free)
+        free_rss = fed.peak_rss
+        print(f"attack-free: validation loss {free[0]['val_loss']:.4f} -> {base:.4f}", flush=True)
+        check(all(r["status"] == "ok" for r in free[1:]) and all(len(r["participants"]) == 4 for r in free[1:]),
+              "attack-free: every round ok with the 4 honest clients (the impostor took no session)")
+        check(base < free[0]["val_loss"] - 3 * MEAN_MARGIN, "attack-free: the federation learns, by far more than the margins")
+
+        cases = [("huge", "mean", []), ("signflip", "mean", []), ("signflip", "krum", ["--fl.aggregation=krum"]),
+                 ("huge", "trimmed_mean", ["--fl.aggregation=trimmed_mean", "--fl.trim_fraction=0.2"])]
+        for kind, rule, overrides in cases:
+            fed, rows, attacker = attacked(work, pb, pb_grpc, f"{kind}_{rule}", kind, overrides)
+            vals = [r["val_loss"] for r in rows]
+            final = final_val(rows)
+            print(f"{kind} attacker, {rule}: validation loss {vals[0]:.4f} -> {final:.4f} "
+                  f"(attack-free {base:.4f})", flush=True)
+            check(all(v is not None and np.isfinite(v) for v in vals), f"{kind}, {rule}: the validation loss stays finite")
+            margin = MEAN_MARGIN if rule == "mean" else ROBUST_MARGIN
+            check(abs(final - base) <= margin, f"{kind}, {rule}: final validation loss {final:.4f} within {margin} of "
+                  f"the attack-free {base:.4f}")
+            if kind == "huge" and rule == "mean":
+                check("counted as 300" in fed.server_log(), "huge: 2^62 examples counted as the 300 declared at Join")
+                check(all("mallory" in r["clipped"] for r in rows[1:]), "huge: its update clipped every round")
+
+        # The 900 MiB update in round 2 only: that round waits out its deadline for it (10 s), the rest do not.
+        fed, rows, attacker = attacked(work, pb, pb_grpc, "bigmsg_mean", "bigmsg", ["--fl.deadline_s=10"], {2})
+        big = [s for s in attacker.statuses if s[0] == 2][0]
+        print(f"900 MiB message: {big[1]} after {big[3]:.2f} s ({big[2]}); server peak RSS {fed.peak_rss:.0f} MiB "
+              f"against {free_rss:.0f} MiB without it", flush=True)
+        check(big[1] == "RESOURCE_EXHAUSTED", f"900 MiB: refused as too large ({big[1]}: {big[2]})")
+        check(rows[2]["status"] == "ok" and rows[2]["dropped"] == ["mallory"] and len(rows[2]["participants"]) == 4,
+              "900 MiB: round 2 ends with the 4 honest updates")
+        check(all(r["status"] == "ok" for r in rows[1:]), "900 MiB: every round ok")
+        check(abs(final_val(rows) - base) <= MEAN_MARGIN, f"900 MiB: final validation loss {final_val(rows):.4f} "
+              f"within {MEAN_MARGIN} of the attack-free run")
+
+        rollback(work, pb, pb_grpc)
+        accountant()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    CHECKS.finish()
+
+
+def rollback(work, pb, pb_grpc):
+    """Bounds off, 1e30 in round 2 only: the round is undone and never saved; a restart resumes from round 1."""
+    fed = Federation(work, "rollback", ["--fl.clip_norm=0"], extra_available=1, rounds=2)
+    state = os.path.join(fed.out, "state.safetensors")
+    seen = {}
+    attacker = Attacker(pb, pb_grpc, fed.port, "huge", fed.server.pid, attack_rounds={2})
+    attacker.on_round = lambda r: seen.setdefault(r, open(state, "rb").read() if r == 2 else None)
+    attacker.start()
+    rows = fed.finish()
+    attacker.join(timeout=60)
+    check(rows[2]["status"] == "rolled_back" and "validation loss" in rows[2].get("error", ""),
+          f"rollback: the 1e30 round is rolled back ({rows[2].get('error')})")
+    check(rows[2]["val_loss"] == rows[1]["val_loss"], "rollback: the model after it is the model before it")
+    with open(state, "rb") as f:
+        check(f.read() == seen.get(2), "rollback: state.safetensors is byte for byte the state of round 1")
+    check(os.path.exists(os.path.join(fed.out, "states", "round-000001.safetensors")), "rollback: round 1 kept in states/")
+    again = Federation(work, "rollback", [], rounds=3, fresh=False)
+    rows = again.finish()
+    log = again.server_log()
+    check("resumed from" in log and "after round 1" in log, "rollback: a restarted server resumes after round 1")
+    check([r["round"] for r in rows[-2:]] == [2, 3] and all(r["status"] == "ok" for r in rows[-2:]),
+          "rollback: rounds 2 and 3 run again, ok, without the attacker")
+
+
+def accountant():
+    """`meshtrain fl privacy` against Opacus's RDP accountant on the same integer orders."""
+    from opacus.accountants.analysis import rdp
+    orders = list(range(2, 257))
+    for q, z, rounds in [(1.0, 1.1, 20), (0.1, 1.0, 100), (0.01, 0.8, 1000), (0.05, 2.0, 500)]:
+        reference, _ = rdp.get_privacy_spent(orders=orders, rdp=rdp.compute_rdp(q=q, noise_multiplier=z, steps=rounds,
+                                                                                orders=orders), delta=1e-5)
+        out = CHECKS.meshtrain("fl", "privacy", "--fraction", str(q), "--noise-multiplier", str(z), "--rounds",
+                               str(rounds), "--delta", "1e-5")
+        ours = float(out.split("=")[1].split()[0])
+        check(abs(ours - reference) <= 1e-4 * max(1, reference),
+              f"privacy: q {q}, z {z}, {rounds} rounds: epsilon {ours:.5f}, Opacus {reference:.5f}")
+
+
+if __name__ == "__main__":
+    main()
