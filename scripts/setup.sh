@@ -88,9 +88,10 @@ install_torch() {
 # official OpenAI client; Hugging Face transformers (which brings tokenizers
 # and safetensors); lm-evaluation-harness with its API models, and the
 # accelerate its hf backend needs; peft; grpcio-tools (a federated client
-# written from federation.proto) and Opacus (its privacy accountant).
+# written from federation.proto; below 1.76, whose stubs need protobuf 7,
+# while flwr, for the benchmarks, needs 6) and Opacus (its privacy accountant).
 test_packages=(openai:openai transformers:transformers sentencepiece:sentencepiece "lm-eval[api]:lm_eval"
-               accelerate:accelerate peft:peft grpcio-tools:grpc_tools opacus:opacus)
+               accelerate:accelerate peft:peft "grpcio-tools<1.76:grpc_tools" opacus:opacus)
 install_test_packages() {
   local missing=() entry
   for entry in "${test_packages[@]}"; do

@@ -6,6 +6,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -258,6 +259,13 @@ void FlConfig::validate() const {
     if (secagg_bits < 1 || secagg_bits > 24) fail("fl.secagg.bits must be in 1..24 (the sum lives in Z_2^32)");
     if (!(clip > 0)) fail("fl.secagg.clip must be positive");
     if (compression.bits > 0) fail("fl.compression.bits: under secure aggregation, quantisation is fl.secagg.bits");
+    // Distributed DP: a client's share of the noise must survive the ring's clip, or the sum holds less than z·S.
+    const double share = noise_multiplier * clip_norm / std::sqrt(static_cast<double>(min_fit));
+    if (dp() && clip < clip_norm + 4 * share) {
+      fail("fl.secagg.clip = " + std::to_string(clip) + " would clip the clients' noise (std up to " +
+           std::to_string(share) + " each): set it to at least fl.clip_norm + 4 x that, " +
+           std::to_string(clip_norm + 4 * share));
+    }
   }
   if (eval_batches < 1) fail("fl.data.eval_batches must be >= 1");
   if (tls.insecure && !is_loopback_address(listen))

@@ -451,6 +451,37 @@ TEST(FlFederation, DpFedAvgNoiseHasTheConfiguredScale) {
   EXPECT_NEAR(rows[1]["epsilon"].get<double>(), dp_epsilon(1.0, 2.0, 1, 1e-5), 1e-9);
 }
 
+// Distributed DP: under secure aggregation each client adds N(0, z²S²/m) to
+// its clipped update; the sum carries N(0, z²S²), the mean N(0, (z·S/m)²).
+TEST(FlFederation, DistributedDpUnderSecureAggregationHasTheSameNoise) {
+  const std::string dir = ::testing::TempDir() + "/fl_ddp";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 2);
+  FlConfig config = FlConfig::load("", {"model.layers=1", "model.width=32", "model.heads=2", "model.context=16",
+                                        "fl.rounds=1", "fl.client.local_steps=1", "fl.client.batch=2",
+                                        "fl.client.lr=1e-9", "fl.server.insecure=true", "fl.min_available=2",
+                                        "fl.min_fit=2", "fl.clip_norm=1", "fl.dp.noise_multiplier=2",
+                                        "fl.secagg.enabled=true", "fl.secagg.threshold=2", "fl.secagg.clip=8",
+                                        "fl.server.out=" + dir + "/out"});
+  const std::vector<at::Tensor> after = federate(config, files);
+  model::Gpt start(config.model, config.seed);
+  std::vector<at::Tensor> deltas;
+  const auto before = parameters_of(*start);
+  for (size_t i = 0; i < after.size(); ++i) deltas.push_back((after[i] - before[i]).reshape({-1}).to(at::kDouble));
+  const at::Tensor all = at::cat(deltas);
+  EXPECT_NEAR(all.std().item<double>(), 1.0, 0.03);
+  EXPECT_NEAR(all.mean().item<double>(), 0.0, 0.03);
+  EXPECT_EQ(metrics(config.out)[1]["status"], "ok");
+  // A ring clip that would cut the clients' noise is refused with the value to use.
+  try {
+    FlConfig::load("", {"fl.server.insecure=true", "fl.min_available=2", "fl.min_fit=2", "fl.clip_norm=1",
+                        "fl.dp.noise_multiplier=2", "fl.secagg.enabled=true", "fl.secagg.threshold=2"});
+    ADD_FAILURE() << "fl.secagg.clip = 0.5 accepted";
+  } catch (const FlConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("would clip the clients' noise"), std::string::npos) << e.what();
+  }
+}
+
 // The accountant's sum over k against the closed form it must reach at q = 1,
 // where the sampled Gaussian is the Gaussian: RDP(α) = α/(2z²).
 TEST(FlPrivacy, SampledGaussianReachesTheGaussianAtFullSampling) {
