@@ -153,13 +153,14 @@ int FlCli::run_server() const {
                server.port(), static_cast<long long>(config.rounds), config.strategy.name.c_str(),
                config.tls.insecure ? "plaintext" : (config.tls.mutual ? "mutual TLS" : "TLS"));
   char clip[96];
-  if (config.clip_auto) std::snprintf(clip, sizeof clip, "%g x the round's median norm", config.clip_factor);
-  else std::snprintf(clip, sizeof clip, "%g", config.clip_norm);
-  std::fprintf(stderr, "fl server: bounds: messages <= %.1f MiB, update norm clipped to %s, %s, rounds raising the "
+  if (config.secagg) std::snprintf(clip, sizeof clip, "+-%g per value in the ring (weights as clients claim them)", config.clip);
+  else if (config.clip_auto) std::snprintf(clip, sizeof clip, "%g x the round's median norm", config.clip_factor);
+  else if (config.clip_norm > 0) std::snprintf(clip, sizeof clip, "%g", config.clip_norm);
+  else std::snprintf(clip, sizeof clip, "(none)");
+  std::fprintf(stderr, "fl server: bounds: messages <= %.1f MiB, updates clipped to %s, %s, rounds raising the "
                "validation loss by > %g rolled back%s\n",
-               static_cast<double>(config.max_message_bytes()) / (1 << 20), config.clip_auto || config.clip_norm > 0 ? clip : "(none)",
-               config.aggregation.name.c_str(), config.max_regression,
-               config.dp() ? (", DP-FedAvg z = " + std::to_string(config.noise_multiplier)).c_str() : "");
+               static_cast<double>(config.max_message_bytes()) / (1 << 20), clip, config.aggregation.name.c_str(),
+               config.max_regression, config.dp() ? (", DP-FedAvg z = " + std::to_string(config.noise_multiplier)).c_str() : "");
   if (!port_file_.empty()) util::write_text_file(port_file_, std::to_string(server.port()) + "\n");
   const int failed = server.run();
   std::fprintf(stderr, "fl server: done (%d failed rounds); metrics in %s/metrics.jsonl, picture in %s/loss.svg\n",

@@ -35,6 +35,7 @@ std::string Coordinator::check_session(const std::string& id, const std::string&
   auto it = clients_.find(id);
   if (it == clients_.end() || it->second.session != session)
     return "unknown client or session '" + id + "': call Join first";
+  if (it->second.left) return "the session of '" + id + "' has ended (it left, or its connection broke): call Join again";
   it->second.seen = Clock::now();
   return {};
 }
@@ -69,8 +70,12 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kLiveness).count()) +
            " s (under mutual TLS the certificate proves the id and the new session replaces the old)";
   }
+  // A rejoin (the old session quoted) cannot raise the examples declared (Note [Client bounds]).
+  uint64_t examples = request.examples();
+  if (auto it = clients_.find(id); it != clients_.end() && request.resume_session() == it->second.session)
+    examples = std::min(examples, it->second.examples);
   Client& c = clients_[id];
-  c = Client{new_session(), now, false, false, request.examples()};
+  c = Client{new_session(), now, false, false, examples};
   *session = c.session;
   changed_.notify_all();
   return {};

@@ -2,9 +2,12 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <random>
 #include <stdexcept>
 
@@ -35,17 +38,52 @@ double rdp_sampled_gaussian(double q, double z, int alpha) {
   return log_a / (alpha - 1);
 }
 
-double dp_epsilon(double q, double z, int64_t rounds, double delta) {
-  if (rounds == 0) return 0;
-  if (!(z > 0)) return std::numeric_limits<double>::infinity();
+namespace {
+
+// min over α of Σ RDP(α) + log((α−1)/α) − (log δ + log α)/(α−1), the rounds grouped by (q, z).
+double epsilon_of(const std::map<std::pair<double, double>, int64_t>& counts, double delta) {
+  if (counts.empty()) return 0;
   double best = std::numeric_limits<double>::infinity();
   for (int alpha = 2; alpha <= 256; ++alpha) {
     const double a = alpha;
-    const double eps = static_cast<double>(rounds) * rdp_sampled_gaussian(q, z, alpha) + std::log((a - 1) / a) -
-                       (std::log(delta) + std::log(a)) / (a - 1);
-    best = std::min(best, eps);
+    double rdp = 0;
+    for (const auto& [qz, n] : counts) {
+      if (!(qz.second > 0)) return std::numeric_limits<double>::infinity();
+      rdp += static_cast<double>(n) * rdp_sampled_gaussian(qz.first, qz.second, alpha);
+    }
+    best = std::min(best, rdp + std::log((a - 1) / a) - (std::log(delta) + std::log(a)) / (a - 1));
   }
   return std::max(0.0, best);
+}
+
+}  // namespace
+
+double dp_epsilon(double q, double z, int64_t rounds, double delta) {
+  if (rounds == 0) return 0;
+  return epsilon_of({{{q, z}, rounds}}, delta);
+}
+
+double PrivacyLedger::epsilon(double delta) const {
+  std::map<std::pair<double, double>, int64_t> counts;
+  for (const auto& qz : rounds) ++counts[qz];
+  return epsilon_of(counts, delta);
+}
+
+std::string PrivacyLedger::to_json() const {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& [q, z] : rounds) j.push_back({q, z});
+  return nlohmann::json{{"rounds_q_z", j}}.dump();
+}
+
+PrivacyLedger PrivacyLedger::from_json(const std::string& text) {
+  PrivacyLedger ledger;
+  try {
+    for (const auto& r : nlohmann::json::parse(text).at("rounds_q_z"))
+      ledger.rounds.emplace_back(r.at(0).get<double>(), r.at(1).get<double>());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("not a privacy ledger: ") + e.what());
+  }
+  return ledger;
 }
 
 void add_gaussian_noise(std::vector<at::Tensor>& tensors, double stddev) {

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace meshtrain::fl {
@@ -24,18 +26,26 @@ namespace meshtrain::fl {
 // addition and converted to (ε, δ) by (Balle et al. 2020)
 //   ε = min_α T·RDP(α) + log((α−1)/α) − (log δ + log α)/(α−1),
 // the conversion Opacus uses. At q = 1, RDP(α) = α/(2z²) exactly.
+// The server samples a fixed number m of the n connected clients, with the
+// operating system's randomness under DP (a seeded choice anyone with the
+// config could repeat amplifies nothing); each round is accounted with its
+// own q = m/n, as Poisson sampling at that rate (an approximation of
+// sampling without replacement that is common practice).
 // Distributed DP under secure aggregation: the server never sees one update,
 // so each client adds N(0, z²S²/m) to its own clipped update; the sum holds
 // N(0, z²S²) when all m survive. Dropped clients take their share of the
-// noise with them: the metrics report the noise the sum actually holds.
+// noise with them: with m' of m in the sum, the round is accounted at
+// z·√(m'/m), the noise the sum actually holds.
 double rdp_sampled_gaussian(double q, double z, int alpha);
 double dp_epsilon(double q, double z, int64_t rounds, double delta);
 
-// The rounds that touched client data, and what they cost.
+// The rounds that touched client data, each with its sampling rate q and
+// noise multiplier z, and what they cost together.
 struct PrivacyLedger {
-  double q = 1, z = 0;
-  int64_t rounds = 0;
-  double epsilon(double delta) const { return dp_epsilon(q, z, rounds, delta); }
+  std::vector<std::pair<double, double>> rounds;  // (q, z)
+  double epsilon(double delta) const;
+  std::string to_json() const;
+  static PrivacyLedger from_json(const std::string& text);  // throws std::runtime_error
 };
 
 // Adds N(0, stddev²) to every entry of `tensors`, from a generator seeded

@@ -101,6 +101,11 @@ Server::Server(FlConfig config)
   builder.AddListeningPort(config_.listen, server_credentials(config_.tls, config_.listen), &port_);
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes()));
+  // Pings on every connection: a client cut off by a partition has its Presence call
+  // broken within ~15 s rather than at the 30 s liveness limit (Note [Client sessions]).
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0)

@@ -4,7 +4,6 @@
 #include "meshtrain/fl/robust.h"
 #include "meshtrain/fl/secagg.h"
 #include "meshtrain/fl/update.h"
-#include "meshtrain/interop/safetensors.h"
 #include "meshtrain/model/config_json.h"
 #include "meshtrain/util/files.h"
 
@@ -21,14 +20,7 @@
 namespace meshtrain::fl {
 namespace {
 
-std::string state_path(const FlConfig& c) { return c.out + "/state.safetensors"; }
-std::string states_dir(const FlConfig& c) { return c.out + "/states"; }
-
-bool all_finite(const std::vector<at::Tensor>& tensors) {
-  for (const at::Tensor& t : tensors)
-    if (!at::isfinite(t).all().item<bool>()) return false;
-  return true;
-}
+std::string privacy_path(const FlConfig& c) { return c.out + "/privacy.json"; }
 
 std::vector<uint32_t> words_of(const std::string& bytes) {
   std::vector<uint32_t> out(bytes.size() / 4);
@@ -48,9 +40,13 @@ Rounds::Rounds(const FlConfig& config, Coordinator& coordinator)
     val_ = std::make_unique<train::Sampler>(*val_file_, config_.model.context, config_.seed, /*shuffle=*/false);
   }
   util::make_directories(config_.out);
-  privacy_.q = config_.fraction;
-  privacy_.z = config_.noise_multiplier;
   if (config_.resume) resume();
+  if (next_round_ == 1) {
+    clear_states();
+    std::filesystem::remove(privacy_path(config_));
+  } else if (config_.dp() && util::is_regular_file(privacy_path(config_))) {
+    privacy_ = PrivacyLedger::from_json(util::read_text_file(privacy_path(config_)));
+  }
 }
 
 std::vector<at::Tensor> Rounds::weights() const {
@@ -92,7 +88,10 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
   }
   const auto wanted = std::max<size_t>(static_cast<size_t>(config_.min_fit),
                                        static_cast<size_t>(std::ceil(config_.fraction * available.size())));
-  std::mt19937_64 rng(mix_seed(config_.seed, round + 0x5a));
+  outcome.available = available.size();
+  // Under DP the choice must be secret for the sampling to hide anyone (Note [Differential privacy]).
+  std::mt19937_64 rng(config_.dp() ? (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}()
+                                   : mix_seed(config_.seed, round + 0x5a));
   std::shuffle(available.begin(), available.end(), rng);
   available.resize(std::min(available.size(), wanted));
   std::sort(available.begin(), available.end());
@@ -124,8 +123,7 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
   const uint64_t seed = mix_seed(config_.seed, round);
   const std::vector<Structure> structures = round_structures(config_.compression, shapes_, seed);
   std::vector<std::vector<at::Tensor>> updates;
-  std::vector<double> weights;
-  double loss = 0;
+  std::vector<double> weights, losses;
   for (const auto& [id, r] : results) {
     // Note [Client bounds]: a client's weight is at most what it declared at Join.
     uint64_t cap = coordinator_.declared_examples(id);
@@ -148,19 +146,22 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
                    static_cast<unsigned long long>(cap));
     }
     weights.push_back(static_cast<double>(examples));
-    loss += r.train_loss() * static_cast<double>(examples);
+    losses.push_back(r.train_loss());
     outcome.participants.push_back(id);
   }
-  bound_updates(round, updates, weights, outcome);
+  bound_updates(round, updates, weights, losses, outcome);
+  if (config_.dp() && !updates.empty()) account(outcome, config_.noise_multiplier);
   if (static_cast<int64_t>(updates.size()) < config_.min_fit) {
     outcome.error = std::to_string(updates.size()) + " valid updates, fewer than min_fit = " + std::to_string(config_.min_fit);
     return;
   }
-  double total = 0;
-  for (double w : weights) total += w;
+  double total = 0, loss = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    total += weights[i];
+    loss += weights[i] * losses[i];
+  }
   outcome.train_loss = loss / total;
   if (config_.dp()) {  // Note [Differential privacy]: weight 1 each, noise on the sum, divided by the m sampled
-    ++privacy_.rounds;
     std::vector<at::Tensor> sum = weighted_mean(updates, weights);
     for (at::Tensor& t : sum) t = t * static_cast<double>(updates.size());
     add_gaussian_noise(sum, config_.noise_multiplier * config_.clip_norm);
@@ -177,7 +178,7 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
 
 // Note [Client bounds]: the norm bound, then a non-finite norm rejects the update.
 void Rounds::bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
-                           Outcome& outcome) {
+                           std::vector<double>& losses, Outcome& outcome) {
   std::vector<double> norms;
   for (auto& u : updates) norms.push_back(clip_update(u, 0));
   double bound = config_.clip_auto ? 0 : config_.clip_norm;
@@ -189,8 +190,9 @@ void Rounds::bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>&
     bound = config_.clip_factor * finite[(finite.size() - 1) / 2];
   }
   outcome.clip_norm = bound;
+  const bool clipping = config_.clip_auto || bound > 0;  // an auto bound of 0 (a median update of 0) still binds
   std::vector<std::vector<at::Tensor>> kept;
-  std::vector<double> kept_weights;
+  std::vector<double> kept_weights, kept_losses;
   std::vector<std::string> kept_ids;
   for (size_t i = 0; i < updates.size(); ++i) {
     const std::string& id = outcome.participants[i];
@@ -200,18 +202,21 @@ void Rounds::bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>&
       outcome.dropped.push_back(id);
       continue;
     }
-    if (bound > 0 && norms[i] > bound) {
-      clip_update(updates[i], bound);
+    if (clipping && norms[i] > bound) {
+      if (bound > 0) clip_update(updates[i], bound);
+      else for (at::Tensor& t : updates[i]) t.zero_();
       outcome.clipped.push_back(id);
       std::fprintf(stderr, "fl server: round %llu: the update of '%s' has norm %.3g, clipped to %.3g\n",
                    static_cast<unsigned long long>(round), id.c_str(), norms[i], bound);
     }
     kept.push_back(std::move(updates[i]));
     kept_weights.push_back(config_.dp() ? 1.0 : weights[i]);
+    kept_losses.push_back(losses[i]);
     kept_ids.push_back(id);
   }
   updates = std::move(kept);
   weights = std::move(kept_weights);
+  losses = std::move(kept_losses);
   outcome.participants = std::move(kept_ids);
 }
 
@@ -266,7 +271,6 @@ void Rounds::aggregate_secure(uint64_t round, const std::map<std::string, wire::
     coordinator_.open(round, wire::Task::SECAGG_UNMASK, std::move(tasks));
     for (const auto& [id, r] : coordinator_.close(config_.deadline_s))
       session.add_revealed(id, {r.revealed().begin(), r.revealed().end()});
-    if (config_.dp()) ++privacy_.rounds;  // the clients added the noise (Note [Differential privacy])
     const std::vector<uint32_t> sum = session.sum();
     const std::vector<float> mean =
         secagg::weighted_mean_from_sum(sum, static_cast<float>(config_.clip), static_cast<int>(config_.secagg_bits));
@@ -274,6 +278,10 @@ void Rounds::aggregate_secure(uint64_t round, const std::map<std::string, wire::
       if (std::find(survivors.begin(), survivors.end(), id) == survivors.end()) outcome.dropped.push_back(id);
     outcome.participants = survivors;
     outcome.train_loss = examples > 0 ? loss / examples : 0;
+    // The clients added the noise; the dropped took their shares with them (Note [Differential privacy]).
+    if (config_.dp() && !survivors.empty())
+      account(outcome, config_.noise_multiplier * std::sqrt(static_cast<double>(survivors.size()) /
+                                                            static_cast<double>(outcome.sampled.size())));
     if (static_cast<int64_t>(survivors.size()) < config_.min_fit)
       throw secagg::SecAggError(std::to_string(survivors.size()) + " masked updates, fewer than min_fit");
     apply_mean(split_sketched(mean, config_.compression, structures, seed));
@@ -300,24 +308,16 @@ double Rounds::evaluate() {
   return sum / static_cast<double>(config_.eval_batches);
 }
 
-Rounds::Snapshot Rounds::snapshot() const {
-  Snapshot s;
-  for (const auto& p : params_) s.params.push_back(p.detach().clone());
-  for (const auto& t : strategy_.first_moment()) s.m.push_back(t.clone());
-  for (const auto& t : strategy_.second_moment()) s.v.push_back(t.clone());
-  return s;
-}
-
-void Rounds::restore(const Snapshot& s) {
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) params_[i].copy_(s.params[i]);
-  strategy_.first_moment() = s.m;
-  strategy_.second_moment() = s.v;
+void Rounds::account(const Outcome& outcome, double z) {
+  privacy_.rounds.emplace_back(static_cast<double>(outcome.sampled.size()) / static_cast<double>(outcome.available), z);
+  const std::string tmp = privacy_path(config_) + ".tmp";
+  util::write_text_file(tmp, privacy_.to_json());
+  util::rename_path(tmp, privacy_path(config_));
 }
 
 // Note [Client bounds]: rollback.
 std::string Rounds::regression(double val_loss) const {
-  if (!all_finite(params_)) return "the aggregated model holds non-finite values";
+  if (!state_finite()) return "the aggregated model or the server optimizer's state holds non-finite values";
   if (!val_) return {};
   char why[256];
   if (!std::isfinite(val_loss)) {
@@ -330,106 +330,6 @@ std::string Rounds::regression(double val_loss) const {
     return why;
   }
   return {};
-}
-
-void Rounds::save(uint64_t round) const {
-  if (!all_finite(params_)) throw std::logic_error("fl server: refusing to save a non-finite model");
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (size_t i = 0; i < params_.size(); ++i) tensors.emplace_back("model." + names_[i], params_[i].detach());
-  const Strategy& s = strategy_;
-  for (size_t i = 0; i < s.first_moment().size(); ++i) {
-    tensors.emplace_back("server.m." + std::to_string(i), s.first_moment()[i]);
-    tensors.emplace_back("server.v." + std::to_string(i), s.second_moment()[i]);
-  }
-  interop::write_safetensors(state_path(config_), tensors,
-                             {{"round", std::to_string(round)},
-                              {"model", model::fingerprint(config_.model)},
-                              {"strategy", config_.strategy.name},
-                              {"uplink_bytes", std::to_string(cumulative_up_)},
-                              {"downlink_bytes", std::to_string(cumulative_down_)},
-                              {"val_loss", std::to_string(good_val_loss_)},
-                              {"dp_rounds", std::to_string(privacy_.rounds)}});
-  keep_state(round);
-}
-
-// The state just written, also as states/round-NNNNNN.safetensors (a hard
-// link: the next write replaces state.safetensors by a rename, leaving this
-// one whole); the oldest beyond fl.keep_states are removed.
-void Rounds::keep_state(uint64_t round) const {
-  namespace fs = std::filesystem;
-  fs::create_directories(states_dir(config_));
-  char name[64];
-  std::snprintf(name, sizeof name, "/round-%06llu.safetensors", static_cast<unsigned long long>(round));
-  const fs::path kept = states_dir(config_) + name;
-  std::error_code error;
-  fs::remove(kept, error);
-  fs::create_hard_link(state_path(config_), kept, error);
-  if (error) fs::copy_file(state_path(config_), kept, fs::copy_options::overwrite_existing);
-  std::vector<fs::path> all;
-  for (const auto& entry : fs::directory_iterator(states_dir(config_)))
-    if (entry.path().extension() == ".safetensors") all.push_back(entry.path());
-  std::sort(all.begin(), all.end());
-  for (size_t i = 0; i + static_cast<size_t>(config_.keep_states) < all.size(); ++i) fs::remove(all[i], error);
-}
-
-// state.safetensors, or when it cannot be read, the newest readable state in
-// states/. A state of another model or strategy is an error, not skipped.
-void Rounds::resume() {
-  namespace fs = std::filesystem;
-  std::vector<std::string> candidates;
-  if (util::path_exists(state_path(config_))) candidates.push_back(state_path(config_));
-  if (fs::is_directory(states_dir(config_))) {
-    std::vector<std::string> kept;
-    for (const auto& entry : fs::directory_iterator(states_dir(config_)))
-      if (entry.path().extension() == ".safetensors") kept.push_back(entry.path().string());
-    std::sort(kept.rbegin(), kept.rend());
-    candidates.insert(candidates.end(), kept.begin(), kept.end());
-  }
-  for (const std::string& path : candidates) {
-    try {
-      load_state(path);
-      return;
-    } catch (const std::invalid_argument&) {
-      throw;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "fl server: cannot resume from %s (%s); trying an older state\n", path.c_str(), e.what());
-    }
-  }
-  if (!candidates.empty())
-    throw std::runtime_error("fl server: no readable state in " + config_.out + "; remove it or set fl.server.resume = false");
-}
-
-void Rounds::load_state(const std::string& path) {
-  const interop::SafetensorsFile file(path);
-  const auto& meta = file.metadata();
-  auto get = [&](const std::string& key) {
-    auto it = meta.find(key);
-    if (it == meta.end()) throw std::runtime_error(file.path() + ": not a federated server state (no '" + key + "')");
-    return it->second;
-  };
-  if (get("model") != model::fingerprint(config_.model))
-    throw std::invalid_argument(file.path() + " holds another model (" + get("model") + "); remove it or set "
-                                "fl.server.resume = false");
-  if (get("strategy") != config_.strategy.name)
-    throw std::invalid_argument(file.path() + " was written by strategy " + get("strategy") + ", not " +
-                                config_.strategy.name);
-  std::vector<at::Tensor> params, m, v;
-  for (size_t i = 0; i < params_.size(); ++i) params.push_back(file.read("model." + names_[i]));
-  if (!all_finite(params)) throw std::runtime_error("it holds non-finite values");
-  if (file.contains("server.m.0")) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      m.push_back(file.read("server.m." + std::to_string(i)));
-      v.push_back(file.read("server.v." + std::to_string(i)));
-    }
-  }
-  restore(Snapshot{params, m, v});
-  next_round_ = std::stoull(get("round")) + 1;
-  cumulative_up_ = std::stoll(get("uplink_bytes"));
-  cumulative_down_ = std::stoll(get("downlink_bytes"));
-  if (file.metadata().count("val_loss")) good_val_loss_ = std::stod(file.metadata().at("val_loss"));
-  if (file.metadata().count("dp_rounds")) privacy_.rounds = std::stoll(file.metadata().at("dp_rounds"));
-  std::fprintf(stderr, "fl server: resumed from %s after round %llu\n", file.path().c_str(),
-               static_cast<unsigned long long>(next_round_ - 1));
 }
 
 void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val_loss) {

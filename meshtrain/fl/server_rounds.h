@@ -57,6 +57,7 @@ class Rounds {
 
  private:
   struct Outcome {
+    size_t available = 0;  // clients connected when the round sampled
     std::vector<std::string> sampled, participants, dropped, clipped;
     double train_loss = 0;
     double clip_norm = 0;          // the bound applied this round (0: none)
@@ -73,11 +74,16 @@ class Rounds {
   void aggregate_secure(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
   // The updates after the bounds (Note [Client bounds]); weights: their examples (1 each under DP).
   void bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
-                     Outcome& outcome);
+                     std::vector<double>& losses, Outcome& outcome);
+  // DP: one more round of client data, at its sampling rate and noise (Note [Differential privacy]).
+  void account(const Outcome& outcome, double z);
   void apply_mean(const std::vector<at::Tensor>& mean);
   double evaluate();
+  // server_state.cpp: the state on disk.
   Snapshot snapshot() const;
   void restore(const Snapshot& s);
+  bool state_finite() const;
+  void clear_states() const;
   // Why the round's model must be undone ("" when it stands).
   std::string regression(double val_loss) const;
   void save(uint64_t round) const;

@@ -154,7 +154,7 @@ def rollback(work, pb, pb_grpc):
     check(rows[2]["val_loss"] == rows[1]["val_loss"], "rollback: the model after it is the model before it")
     with open(state, "rb") as f:
         check(f.read() == seen.get(2), "rollback: state.safetensors is byte for byte the state of round 1")
-    check(os.path.exists(os.path.join(fed.out, "states", "round-000001.safetensors")), "rollback: round 1 kept in states/")
+    check(os.path.exists(os.path.join(fed.out, "states", "round-1.safetensors")), "rollback: round 1 kept in states/")
     again = Federation(work, "rollback", [], rounds=3, fresh=False)
     rows = again.finish()
     log = again.server_log()
