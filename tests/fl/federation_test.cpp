@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -425,6 +426,27 @@ TEST(FlFederation, AClientWhoseConnectionDiesIsNotWaitedFor) {
   EXPECT_EQ(rows[1]["participants"], nlohmann::json::array({"c0"}));
   EXPECT_EQ(rows[1]["dropped"], nlohmann::json::array({"ghost"}));
   EXPECT_LT(rows[1]["seconds"].get<double>(), 20.0) << "the round waited for the deadline";
+}
+
+// The last fl.keep_states good states stay in out/states/; a state.safetensors
+// that cannot be read is passed over for the newest of them.
+TEST(FlFederation, KeptStatesOutliveACorruptState) {
+  const std::string dir = ::testing::TempDir() + "/fl_kept";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 1);
+  FlConfig config = tiny_config(dir + "/out");
+  config.rounds = 4;
+  config.keep_states = 2;
+  const std::vector<at::Tensor> after4 = federate(config, files);
+  std::vector<std::string> kept;
+  for (const auto& e : std::filesystem::directory_iterator(config.out + "/states")) kept.push_back(e.path().filename());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"round-3.safetensors", "round-4.safetensors"}));
+  util::write_text_file(config.out + "/state.safetensors", "not a state");  // a torn disk, say
+  config.rounds = 5;
+  Server server(config);  // resumes from states/round-4: only round 5 is left
+  const std::vector<at::Tensor> resumed = server.weights();
+  for (size_t i = 0; i < resumed.size(); ++i) EXPECT_TRUE(at::equal(resumed[i], after4[i])) << i;
 }
 
 // DP-FedAvg: with updates near zero, the round's change is the noise alone:
