@@ -1,0 +1,123 @@
+// Ring attention (Note [Ring attention]) against attention over the whole
+// sequence in one process: outputs and the gradients of q, k and v, for every
+// context-parallel group size the world allows, the zigzag and contiguous
+// splits, causal or not, grouped-query and multi-head, fp32 and bf16; and the
+// causal work per rank under each split.
+#include "meshtrain/parallel/ring_attention.h"
+#include "tests/harness/mpi_env.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace meshtrain::parallel {
+namespace {
+
+using testing::world;
+using CommPtr = std::shared_ptr<comm::Communicator>;
+
+std::vector<int> group_sizes() {
+  std::vector<int> out;
+  for (int cp : {1, 2, 3, 4, 8})
+    if (world()->size() % cp == 0) out.push_back(cp);
+  return out;
+}
+
+at::Tensor same(at::IntArrayRef shape, uint64_t seed) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, g);
+}
+
+// softmax(QKᵀ·scale, causal)·V over the whole sequence, k and v repeated per query group.
+at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal) {
+  const int64_t group = q.size(1) / k.size(1), t = q.size(2);
+  const at::Tensor kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
+  at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) * scale;
+  if (causal) s = s.masked_fill(at::ones({t, t}, at::kBool).triu(1), -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(s, -1), vv);
+}
+
+double relative(const at::Tensor& got, const at::Tensor& want) {
+  return (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>() /
+         std::max(1e-12, want.to(at::kDouble).abs().max().item<double>());
+}
+
+struct Case {
+  int64_t heads, kv_heads;
+  bool causal, zigzag;
+  at::ScalarType dtype;
+};
+
+void check(const CommPtr& comm, const Case& c, const std::string& what) {
+  const int cp = comm->size(), r = comm->rank();
+  const int64_t b = 2, t = 8 * cp, d = 8;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const at::Tensor q = same({b, c.heads, t, d}, 1).to(c.dtype), k = same({b, c.kv_heads, t, d}, 2).to(c.dtype),
+                   v = same({b, c.kv_heads, t, d}, 3).to(c.dtype), w = same({b, c.heads, t, d}, 4);
+  // The oracle: the whole sequence, in fp32.
+  const at::Tensor qf = q.to(at::kFloat).clone().requires_grad_(), kf = k.to(at::kFloat).clone().requires_grad_(),
+                   vf = v.to(at::kFloat).clone().requires_grad_();
+  const at::Tensor want = reference(qf, kf, vf, scale, c.causal);
+  (want * w).sum().backward();
+  // This rank's rows, through the ring.
+  const at::Tensor pos = c.zigzag ? zigzag_positions(t, cp, r) : contiguous_positions(t, cp, r);
+  const at::Tensor ql = q.index_select(2, pos).requires_grad_(), kl = k.index_select(2, pos).requires_grad_(),
+                   vl = v.index_select(2, pos).requires_grad_();
+  const at::Tensor got = ring_attention(ql, kl, vl, pos, comm, scale, c.causal);
+  EXPECT_EQ(got.scalar_type(), c.dtype) << what;
+  (got.to(at::kFloat) * w.index_select(2, pos)).sum().backward();
+  const double tol = c.dtype == at::kFloat ? 1e-5 : 2e-2;
+  EXPECT_LE(relative(got, want.index_select(2, pos)), tol) << "output, " << what;
+  EXPECT_LE(relative(ql.grad(), qf.grad().index_select(2, pos)), tol) << "dq, " << what;
+  EXPECT_LE(relative(kl.grad(), kf.grad().index_select(2, pos)), tol) << "dk, " << what;
+  EXPECT_LE(relative(vl.grad(), vf.grad().index_select(2, pos)), tol) << "dv, " << what;
+}
+
+TEST(RingAttention, EqualsWholeSequenceAttention) {
+  for (int cp : group_sizes()) {
+    const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:cp" + std::to_string(cp));
+    for (const Case& c : {Case{4, 2, true, true, at::kFloat}, Case{4, 4, true, true, at::kFloat},
+                          Case{4, 2, false, true, at::kFloat}, Case{4, 1, true, false, at::kFloat},
+                          Case{4, 2, true, true, at::kBFloat16}}) {
+      check(comm, c, "cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
+                         std::to_string(c.kv_heads) + (c.causal ? ", causal" : "") +
+                         (c.zigzag ? ", zigzag" : ", contiguous") + (c.dtype == at::kBFloat16 ? ", bf16" : ""));
+    }
+  }
+}
+
+// Every rank of the zigzag split computes the same number of causal (query,
+// key) pairs; the contiguous split gives the last rank 2cp − 1 times the first's.
+TEST(RingAttention, ZigzagBalancesCausalWork) {
+  for (int cp : {2, 3, 4, 8}) {
+    const int64_t t = 1024 * cp;
+    std::vector<int64_t> zigzag, contiguous;
+    for (int r = 0; r < cp; ++r) {
+      zigzag.push_back(attention_pairs(zigzag_positions(t, cp, r), t, true));
+      contiguous.push_back(attention_pairs(contiguous_positions(t, cp, r), t, true));
+    }
+    auto spread = [](const std::vector<int64_t>& x) {
+      return static_cast<double>(*std::max_element(x.begin(), x.end())) / *std::min_element(x.begin(), x.end());
+    };
+    EXPECT_LE(spread(zigzag), 1.0 + 1e-12) << "cp " << cp;
+    EXPECT_GT(spread(contiguous), 2.0 * cp - 1.5) << "cp " << cp;
+    int64_t total = 0;
+    for (int64_t z : zigzag) total += z;
+    EXPECT_EQ(total, t * (t + 1) / 2) << "every causal pair once, cp " << cp;
+  }
+}
+
+TEST(RingAttention, UnevenSplitsAreRefusedWithTheFormula) {
+  try {
+    zigzag_positions(100, 3, 0);
+    ADD_FAILURE() << "100 rows split into 6 chunks";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 2 x cp = 6"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::parallel
