@@ -1,9 +1,11 @@
-// Ring attention (Note [Ring attention]) against attention over the whole
-// sequence in one process: outputs and the gradients of q, k and v, for every
+// Ring attention (Note [Ring attention]) and all-to-all attention (Note
+// [All-to-all attention]) against attention over the whole sequence in one
+// process: outputs and the gradients of q, k and v, for every
 // context-parallel group size the world allows, the zigzag and contiguous
 // splits, causal or not, grouped-query and multi-head, fp32 and bf16; and the
 // causal work per rank under each split.
 #include "meshtrain/parallel/ring_attention.h"
+#include "meshtrain/parallel/ulysses_attention.h"
 #include "tests/harness/mpi_env.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -51,7 +53,10 @@ struct Case {
   at::ScalarType dtype;
 };
 
-void check(const CommPtr& comm, const Case& c, const std::string& what) {
+using Attention = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const CommPtr&, double, bool);
+
+void check(const CommPtr& comm, const Case& c, const std::string& what, Attention attention = ring_attention) {
   const int cp = comm->size(), r = comm->rank();
   const int64_t b = 2, t = 8 * cp, d = 8;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -66,7 +71,7 @@ void check(const CommPtr& comm, const Case& c, const std::string& what) {
   const at::Tensor pos = c.zigzag ? zigzag_positions(t, cp, r) : contiguous_positions(t, cp, r);
   const at::Tensor ql = q.index_select(2, pos).requires_grad_(), kl = k.index_select(2, pos).requires_grad_(),
                    vl = v.index_select(2, pos).requires_grad_();
-  const at::Tensor got = ring_attention(ql, kl, vl, pos, comm, scale, c.causal);
+  const at::Tensor got = attention(ql, kl, vl, pos, comm, scale, c.causal);
   EXPECT_EQ(got.scalar_type(), c.dtype) << what;
   (got.to(at::kFloat) * w.index_select(2, pos)).sum().backward();
   const double tol = c.dtype == at::kFloat ? 1e-5 : 2e-2;
@@ -85,6 +90,27 @@ TEST(RingAttention, EqualsWholeSequenceAttention) {
       check(comm, c, "cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
                          std::to_string(c.kv_heads) + (c.causal ? ", causal" : "") +
                          (c.zigzag ? ", zigzag" : ", contiguous") + (c.dtype == at::kBFloat16 ? ", bf16" : ""));
+    }
+  }
+}
+
+TEST(AllToAllAttention, EqualsWholeSequenceAttention) {
+  for (int cp : group_sizes()) {
+    const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:cp" + std::to_string(cp));
+    const int64_t heads = cp == 3 ? 6 : 8;
+    for (const Case& c : {Case{heads, heads, true, true, at::kFloat}, Case{2 * heads, heads, true, false, at::kFloat},
+                          Case{heads, heads, false, true, at::kFloat}, Case{heads, heads, true, true, at::kBFloat16}}) {
+      check(comm, c, "all-to-all, cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
+                         std::to_string(c.kv_heads), all_to_all_attention);
+    }
+    if (cp == 3) {  // 4 heads do not split 3 ways
+      const at::Tensor x = same({1, 4, 6, 8}, 5);
+      try {
+        all_to_all_attention(x, x, x, zigzag_positions(18, 3, comm->rank()).narrow(0, 0, 6), comm, 1.0, true);
+        ADD_FAILURE() << "4 heads split over cp 3";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("multiples of cp = 3"), std::string::npos) << e.what();
+      }
     }
   }
 }

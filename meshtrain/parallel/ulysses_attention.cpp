@@ -1,0 +1,93 @@
+#include "meshtrain/parallel/ulysses_attention.h"
+
+#include <torch/torch.h>
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace meshtrain::parallel {
+namespace {
+
+using CommPtr = std::shared_ptr<comm::Communicator>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct CommCapsule : torch::CustomClassHolder {
+  explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
+  CommPtr comm;
+};
+
+// [B, H, Tl, D] split by sequence -> [B, H/cp, cp·Tl, D] split by heads.
+at::Tensor sequence_to_heads(const at::Tensor& x, comm::Communicator& comm) {
+  const int64_t cp = comm.size(), b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
+  const at::Tensor send = x.reshape({b, cp, h / cp, t, d}).permute({1, 0, 2, 3, 4}).contiguous();
+  const at::Tensor received = at::empty_like(send);
+  comm.all_to_all(received, send).wait();  // [source rank, B, H/cp, Tl, D]
+  return received.permute({1, 2, 0, 3, 4}).reshape({b, h / cp, cp * t, d});
+}
+
+// The inverse: [B, H/cp, cp·Tl, D] -> [B, H, Tl, D].
+at::Tensor heads_to_sequence(const at::Tensor& x, comm::Communicator& comm) {
+  const int64_t cp = comm.size(), b = x.size(0), hl = x.size(1), t = x.size(2) / cp, d = x.size(3);
+  const at::Tensor send = x.reshape({b, hl, cp, t, d}).permute({2, 0, 1, 3, 4}).contiguous();
+  const at::Tensor received = at::empty_like(send);
+  comm.all_to_all(received, send).wait();  // [source head group, B, H/cp, Tl, D]
+  return received.permute({1, 0, 2, 3, 4}).reshape({b, cp * hl, t, d});
+}
+
+CommPtr comm_of(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
+}
+
+struct SequenceToHeads : torch::autograd::Function<SequenceToHeads> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& comm) {
+    ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
+    return sequence_to_heads(x, *comm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {heads_to_sequence(grads[0].contiguous(), *comm_of(ctx)), at::Tensor()};
+  }
+};
+
+struct HeadsToSequence : torch::autograd::Function<HeadsToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& comm) {
+    ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
+    return heads_to_sequence(x, *comm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {sequence_to_heads(grads[0].contiguous(), *comm_of(ctx)), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
+                                double scale, bool causal) {
+  const int64_t cp = comm->size();
+  if (q.dim() != 4 || k.dim() != 4 || v.sizes() != k.sizes() || q.size(2) != k.size(2) || k.size(1) == 0 ||
+      q.size(1) % k.size(1) != 0) {
+    throw std::invalid_argument("all_to_all_attention: q [B, H, T, D] and k, v [B, Hkv, T, D] with H a multiple of Hkv");
+  }
+  if (q.size(1) % cp != 0 || k.size(1) % cp != 0) {
+    throw std::invalid_argument("all-to-all attention splits heads over cp: heads (" + std::to_string(q.size(1)) +
+                                ") and key/value heads (" + std::to_string(k.size(1)) + ") must be multiples of cp = " +
+                                std::to_string(cp) + "; use cp_impl = \"ring\" or a cp that divides both");
+  }
+  const at::Tensor all_positions = at::empty({cp * positions.size(0)}, at::kLong);
+  comm->all_gather(all_positions, positions.contiguous()).wait();
+  const at::Tensor qh = SequenceToHeads::apply(q.to(at::kFloat).contiguous(), comm);
+  const int64_t group = q.size(1) / k.size(1);
+  const at::Tensor kh = SequenceToHeads::apply(k.to(at::kFloat).contiguous(), comm).repeat_interleave(group, 1);
+  const at::Tensor vh = SequenceToHeads::apply(v.to(at::kFloat).contiguous(), comm).repeat_interleave(group, 1);
+  at::Tensor s = at::matmul(qh, kh.transpose(-2, -1)) * scale;
+  if (causal) {
+    const at::Tensor hidden = all_positions.unsqueeze(1) < all_positions.unsqueeze(0);  // key after query
+    s = s.masked_fill(hidden, -std::numeric_limits<float>::infinity());
+  }
+  const at::Tensor out = at::matmul(at::softmax(s, -1), vh);
+  return HeadsToSequence::apply(out.contiguous(), comm).to(q.scalar_type());
+}
+
+}  // namespace meshtrain::parallel

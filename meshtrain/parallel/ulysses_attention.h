@@ -1,0 +1,34 @@
+// All-to-all ("Ulysses") attention: a sequence split across the ranks of a
+// context-parallel group is regathered by heads (Note [All-to-all attention]).
+#pragma once
+
+#include "meshtrain/comm/communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <memory>
+
+namespace meshtrain::parallel {
+
+// Note [All-to-all attention]
+// DeepSpeed-Ulysses (Jacobs et al. 2023): before attention one all-to-all
+// trades the sequence split for a head split — each of the cp ranks sends
+// rank d its rows of heads [d·H/cp, (d+1)·H/cp) and receives every rank's
+// rows of its own heads — so each rank holds the whole sequence for H/cp
+// heads and attends as one process would; a second all-to-all trades back.
+// Backward is the same two all-to-alls reversed. The rows arrive in rank
+// order; the causal mask comes from their global positions (gathered once),
+// so any split (zigzag or contiguous) works. Bytes per rank and layer: 4
+// all-to-alls of (cp − 1)/cp of a [B, H, T/cp, D] activation (q, k, v out,
+// o back; grouped-query k, v are smaller), against the ring's cp − 1 hops of
+// k and v. Needs heads and key/value heads divisible by cp.
+
+// q: [B, H, T, D]; k, v: [B, Hkv, T, D]; positions: [T] int64, the global
+// position of each local row. Differentiable in q, k and v. Throws
+// std::invalid_argument naming the formula when H or Hkv is not a multiple
+// of cp.
+at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
+                                double scale, bool causal);
+
+}  // namespace meshtrain::parallel
