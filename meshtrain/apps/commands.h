@@ -20,6 +20,7 @@ CommandPtr add_bench_graph(CLI::App& bench);         // bench_graph.cpp
 CommandPtr add_bench_tp(CLI::App& bench);            // bench_tp.cpp
 CommandPtr add_bench_moe(CLI::App& bench);           // bench_moe.cpp
 CommandPtr add_bench_pp(CLI::App& bench);            // bench_pp.cpp
+CommandPtr add_bench_cp(CLI::App& bench);            // bench_cp.cpp
 CommandPtr add_bench_checkpoint(CLI::App& bench);    // bench_checkpoint.cpp
 CommandPtr add_bench_offload(CLI::App& bench);       // bench_offload.cpp
 CommandPtr add_bench_generate(CLI::App& bench);      // bench_generate.cpp

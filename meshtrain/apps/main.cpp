@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks that print ratios against a peer measured in the same run");
   bench->require_subcommand(1);
   for (auto* add : {apps::add_bench_comm, apps::add_bench_train, apps::add_bench_graph, apps::add_bench_tp,
-                    apps::add_bench_moe, apps::add_bench_pp, apps::add_bench_checkpoint, apps::add_bench_offload,
+                    apps::add_bench_moe, apps::add_bench_pp, apps::add_bench_cp, apps::add_bench_checkpoint, apps::add_bench_offload,
                     apps::add_bench_generate}) {
     commands.push_back(add(*bench));
   }

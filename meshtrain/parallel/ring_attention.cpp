@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -13,33 +15,74 @@ using CommPtr = std::shared_ptr<comm::Communicator>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+thread_local RingProfile* current_profile = nullptr;
+using ProfileClock = std::chrono::steady_clock;
+
+double since(ProfileClock::time_point start) {
+  return std::chrono::duration<double>(ProfileClock::now() - start).count();
+}
+
+// Times a block product into the current profile (if any) and counts its scores.
+template <typename F>
+void profiled(const at::Tensor& scores_like_q, int64_t keys, F product) {
+  if (!current_profile) return product();
+  const auto start = ProfileClock::now();
+  product();
+  current_profile->compute_s += since(start);
+  current_profile->scores += scores_like_q.numel() / scores_like_q.size(-1) * keys;
+}
+
 struct CommCapsule : torch::CustomClassHolder {
   explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
   CommPtr comm;
 };
 
-// The rows of one key/value head's query group stacked: [B, H, T, D] ->
-// [B, Hkv, G·T, D], and the positions repeated G times to match.
-at::Tensor group_rows(const at::Tensor& q, int64_t kv_heads) {
-  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
-  return q.reshape({b, kv_heads, (h / kv_heads) * t, d});
+// A run of consecutive global positions among the local rows: rows
+// [begin, begin + length) hold positions first..last. Runs are cut at half
+// the local rows, so that the zigzag split's two chunks stay two segments
+// even where they meet (the middle rank's), and the contiguous split's one
+// run is two.
+struct Segment {
+  int64_t begin, length, first, last;
+};
+
+std::vector<Segment> segments_of(const at::Tensor& positions) {
+  const auto p = positions.accessor<int64_t, 1>();
+  const int64_t most = std::max<int64_t>(1, p.size(0) / 2);
+  std::vector<Segment> out;
+  for (int64_t i = 0; i < p.size(0); ++i) {
+    if (!out.empty() && p[i] == out.back().last + 1 && out.back().length < most) {
+      ++out.back().length;
+      ++out.back().last;
+    } else {
+      out.push_back({i, 1, p[i], p[i]});
+    }
+  }
+  return out;
 }
 
-// One block: this rank's queries against one travelling key/value block.
-// Returns the block's unnormalised output and log-sum-exp (−inf for rows
-// that may see none of its keys); `allowed` [rows, keys] or undefined (all).
+// Which (query, key) pairs of two segments a causal mask keeps: none (every
+// key after every query: the product is skipped), all, or some.
+enum class Cover { kNone, kAll, kSome };
+Cover cover(const Segment& q, const Segment& k, bool causal) {
+  if (!causal || q.first >= k.last) return Cover::kAll;
+  return q.last < k.first ? Cover::kNone : Cover::kSome;
+}
+
+at::Tensor allowed_of(const Segment& q, const Segment& k) {  // [lq, lk]: key position <= query position
+  return at::arange(q.first, q.last + 1, at::kLong).unsqueeze(1) >= at::arange(k.first, k.last + 1, at::kLong).unsqueeze(0);
+}
+
+// One segment pair: queries q [B, Hkv, G, lq, D] (a key/value head's query
+// group in dim 2) against keys and values [B, Hkv, 1, lk, D]. Returns the
+// unnormalised output and the log-sum-exp of each query row.
 struct Partial {
   at::Tensor out, lse;
 };
 
-at::Tensor mask_of(const at::Tensor& q_pos, const at::Tensor& k_pos, bool causal) {
-  if (!causal) return {};
-  return q_pos.unsqueeze(1) >= k_pos.unsqueeze(0);  // [rows, keys]
-}
-
 Partial block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
                       double scale) {
-  at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * scale;  // [B, Hkv, rows, keys]
+  at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * scale;  // [B, Hkv, G, lq, lk]
   if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   at::Tensor lse = at::logsumexp(s, -1, /*keepdim=*/true);
   at::Tensor p = at::exp(s - lse);
@@ -82,41 +125,70 @@ struct Hop {
   }
 };
 
+// Waits for the hop in flight, timing the wait into the current profile.
+std::vector<at::Tensor> finish_overlapped(Hop& hop) {
+  if (!current_profile) return hop.finish();
+  const auto start = ProfileClock::now();
+  std::vector<at::Tensor> out = hop.finish();
+  current_profile->wait_s += since(start);
+  ++current_profile->overlapped_hops;
+  return out;
+}
+
 struct RingAttention : torch::autograd::Function<RingAttention> {
+  // [B, H, T, D] -> [B, Hkv, G, T, D] in float32: a key/value head's query group in dim 2.
+  static at::Tensor grouped(const at::Tensor& q, int64_t kv_heads) {
+    return q.to(at::kFloat).reshape({q.size(0), kv_heads, q.size(1) / kv_heads, q.size(2), q.size(3)});
+  }
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& positions, const CommPtr& comm, double scale,
                             bool causal) {
-    const int64_t kv_heads = k_in.size(1), group = q_in.size(1) / kv_heads;
-    const at::Tensor q = group_rows(q_in.to(at::kFloat), kv_heads);
-    const at::Tensor q_pos = positions.repeat({group});
+    const at::Tensor q = grouped(q_in, k_in.size(1));
+    const std::vector<Segment> mine = segments_of(positions);
     std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(), positions.contiguous()};
-    Partial acc;
+    std::vector<Partial> acc(mine.size());
     for (int step = 0; step < comm->size(); ++step) {
       std::unique_ptr<Hop> hop;
       if (step + 1 < comm->size()) hop = std::make_unique<Hop>(*comm, block, 0);
-      merge(acc, block_forward(q, block[0], block[1], mask_of(q_pos, block[2], causal), scale));
-      if (hop) block = hop->finish();
+      const at::Tensor k = block[0].unsqueeze(2), v = block[1].unsqueeze(2);
+      for (const Segment& ks : segments_of(block[2])) {
+        for (size_t i = 0; i < mine.size(); ++i) {
+          const Cover c = cover(mine[i], ks, causal);
+          if (c == Cover::kNone) continue;
+          const at::Tensor qq = q.narrow(3, mine[i].begin, mine[i].length);
+          profiled(qq, ks.length, [&] {
+            merge(acc[i], block_forward(qq, k.narrow(3, ks.begin, ks.length), v.narrow(3, ks.begin, ks.length),
+                                        c == Cover::kSome ? allowed_of(mine[i], ks) : at::Tensor(), scale));
+          });
+        }
+      }
+      if (hop) block = finish_overlapped(*hop);
     }
-    const at::Tensor out = acc.out.reshape(q_in.sizes());
-    ctx->save_for_backward({q_in, k_in, v_in, positions, out, acc.lse});
+    std::vector<at::Tensor> outs, lses;
+    for (const Partial& p : acc) {
+      outs.push_back(p.out);
+      lses.push_back(p.lse);
+    }
+    const at::Tensor out = at::cat(outs, 3), lse = at::cat(lses, 3);
+    ctx->save_for_backward({q_in, k_in, v_in, positions, out, lse});
     ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
-    return out.to(q_in.scalar_type());
+    return out.reshape(q_in.sizes()).to(q_in.scalar_type());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q_in = saved[0], &k_in = saved[1], &v_in = saved[2], &positions = saved[3];
+    const at::Tensor &out = saved[4], &lse = saved[5];
     const CommPtr comm = c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool causal = ctx->saved_data["causal"].toBool();
-    const int64_t kv_heads = k_in.size(1), group = q_in.size(1) / kv_heads;
-    const at::Tensor q = group_rows(q_in.to(at::kFloat), kv_heads);
-    const at::Tensor q_pos = positions.repeat({group});
-    const at::Tensor out = group_rows(saved[4], kv_heads), lse = saved[5];
-    const at::Tensor d_out = group_rows(grads[0].to(at::kFloat), kv_heads);
+    const int64_t kv_heads = k_in.size(1);
+    const at::Tensor q = grouped(q_in, kv_heads), d_out = grouped(grads[0], kv_heads);
     const at::Tensor delta = (d_out * out).sum(-1, /*keepdim=*/true);  // D = rowsum(dO ∘ O)
+    const std::vector<Segment> mine = segments_of(positions);
     at::Tensor d_q = at::zeros_like(q);
     // The block travels with its gradients; after cp hops they are home.
     std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(), positions.contiguous(),
@@ -125,25 +197,35 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       std::unique_ptr<Hop> hop;  // keys, values and positions go ahead of the gradients
       if (step + 1 < comm->size())
         hop = std::make_unique<Hop>(*comm, std::vector<at::Tensor>{block[0], block[1], block[2]}, 16);
-      const at::Tensor &k = block[0], &v = block[1];
-      at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * scale;
-      const at::Tensor allowed = mask_of(q_pos, block[2], causal);
-      if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
-      at::Tensor p = at::where(at::isfinite(lse), at::exp(s - lse), at::zeros_like(s));
-      const at::Tensor d_s = p * (at::matmul(d_out, v.transpose(-2, -1)) - delta);
-      d_q += at::matmul(d_s, k) * scale;
-      block[3] += at::matmul(d_s.transpose(-2, -1), q) * scale;
-      block[4] += at::matmul(p.transpose(-2, -1), d_out);
+      const at::Tensor k = block[0].unsqueeze(2), v = block[1].unsqueeze(2);
+      for (const Segment& ks : segments_of(block[2])) {
+        for (const Segment& qs : mine) {
+          const Cover c = cover(qs, ks, causal);
+          if (c == Cover::kNone) continue;
+          const at::Tensor qq = q.narrow(3, qs.begin, qs.length), kk = k.narrow(3, ks.begin, ks.length),
+                           vv = v.narrow(3, ks.begin, ks.length), l = lse.narrow(3, qs.begin, qs.length),
+                           d_o = d_out.narrow(3, qs.begin, qs.length);
+          profiled(qq, ks.length, [&] {
+            at::Tensor s = at::matmul(qq, kk.transpose(-2, -1)) * scale;
+            if (c == Cover::kSome) s = s.masked_fill(allowed_of(qs, ks).logical_not(), -std::numeric_limits<float>::infinity());
+            const at::Tensor p = at::where(at::isfinite(l), at::exp(s - l), at::zeros_like(s));
+            const at::Tensor d_s = p * (at::matmul(d_o, vv.transpose(-2, -1)) - delta.narrow(3, qs.begin, qs.length));
+            d_q.narrow(3, qs.begin, qs.length).add_(at::matmul(d_s, kk) * scale);
+            block[3].narrow(2, ks.begin, ks.length).add_(at::matmul(d_s.transpose(-2, -1), qq).sum(2) * scale);
+            block[4].narrow(2, ks.begin, ks.length).add_(at::matmul(p.transpose(-2, -1), d_o).sum(2));
+          });
+        }
+      }
       if (!hop) continue;
-      std::vector<at::Tensor> next = hop->finish();
+      std::vector<at::Tensor> next = finish_overlapped(*hop);
       const std::vector<at::Tensor> grads_home = Hop(*comm, {block[3], block[4]}, 32).finish();
       block = {next[0], next[1], next[2], grads_home[0], grads_home[1]};
     }
     // The last block's gradients belong to rank r + 1 (the block that started there): one more hop.
-    const std::vector<at::Tensor> mine = comm->size() > 1 ? Hop(*comm, {block[3], block[4]}, 48).finish()
+    const std::vector<at::Tensor> home = comm->size() > 1 ? Hop(*comm, {block[3], block[4]}, 48).finish()
                                                            : std::vector<at::Tensor>{block[3], block[4]};
-    return {d_q.reshape(q_in.sizes()).to(q_in.scalar_type()), mine[0].to(k_in.scalar_type()),
-            mine[1].to(v_in.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {d_q.reshape(q_in.sizes()).to(q_in.scalar_type()), home[0].to(k_in.scalar_type()),
+            home[1].to(v_in.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -159,6 +241,9 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     throw std::invalid_argument("ring_attention: positions must be int64 [T], one per local row");
   return RingAttention::apply(q, k, v, positions, comm, scale, causal);
 }
+
+RingProfileScope::RingProfileScope(RingProfile& profile) : previous_(current_profile) { current_profile = &profile; }
+RingProfileScope::~RingProfileScope() { current_profile = previous_; }
 
 at::Tensor zigzag_positions(int64_t length, int64_t cp, int64_t rank) {
   if (cp < 1 || rank < 0 || rank >= cp || length % (2 * cp) != 0) {

@@ -26,10 +26,14 @@ namespace meshtrain::parallel {
 // the saved L, each block gives dQ += dS·K·scale locally and dK += dSᵀ·Q·scale,
 // dV += Pᵀ·dO, which travel on with their block and reach its owner after cp
 // steps (dS = P ∘ (dO·Vᵀ − D)).
+// Products are computed per pair of position runs (a rank's rows are one
+// run under the contiguous split, two under the zigzag one): a pair whose
+// every key follows every query is skipped, one whose every key precedes
+// every query needs no mask, so causal attention costs about half of full.
 // Causal load balance (the zigzag split): with the sequence cut into 2·cp
 // equal chunks, rank i holds chunks i and 2·cp − 1 − i, so every rank has
 // the same number of (query, key) pairs to compute; a contiguous split gives
-// the last rank cp times the first one's (attention_pairs measures both).
+// the last rank 2·cp − 1 times the first one's (attention_pairs counts both).
 // Grouped-query attention: the queries of one key/value head's group are
 // stacked as rows, so blocks travel with the key/value heads only.
 // Arithmetic is in float32 whatever the inputs' dtype; the result has q's.
@@ -47,6 +51,27 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 at::Tensor zigzag_positions(int64_t length, int64_t cp, int64_t rank);
 // The contiguous split: rows [rank·length/cp, (rank + 1)·length/cp).
 at::Tensor contiguous_positions(int64_t length, int64_t cp, int64_t rank);
+
+// What the ring attention calls on one thread did, for benchmarks: the
+// (query, key) scores computed over all heads and batch rows, the seconds in
+// block products (forward and backward), the seconds waiting for a key/value
+// hop that was in flight during a product, and those hops' count.
+struct RingProfile {
+  int64_t scores = 0;
+  double compute_s = 0, wait_s = 0;
+  int64_t overlapped_hops = 0;
+};
+// While alive, ring_attention on this thread (forward and backward) adds to `profile`.
+class RingProfileScope {
+ public:
+  explicit RingProfileScope(RingProfile& profile);
+  ~RingProfileScope();
+  RingProfileScope(const RingProfileScope&) = delete;
+  RingProfileScope& operator=(const RingProfileScope&) = delete;
+
+ private:
+  RingProfile* previous_;
+};
 
 // The (query, key) pairs a rank computes for its rows `positions` in a
 // sequence of `length` (causal: key ≤ query): its share of the attention FLOPs.

@@ -136,6 +136,32 @@ TEST(RingAttention, ZigzagBalancesCausalWork) {
   }
 }
 
+// The same, measured: the scores the ring computes on each rank (products of
+// fully hidden position runs skipped) are equal under the zigzag split; under
+// the contiguous one the last rank computes (4cp − 1)/3 times the first's
+// (its 2 half-chunks see 4cp − 1 half-chunks, rank 0's see 3).
+TEST(RingAttention, ZigzagBalancesTheScoresComputed) {
+  const int cp = world()->size();
+  if (cp < 2) GTEST_SKIP() << "needs 2 ranks or more";
+  const int64_t t = 16 * cp;
+  for (bool zigzag : {true, false}) {
+    const at::Tensor pos = zigzag ? zigzag_positions(t, cp, world()->rank()) : contiguous_positions(t, cp, world()->rank());
+    const at::Tensor q = same({1, 2, t, 4}, 1).index_select(2, pos).requires_grad_();
+    const at::Tensor kv = same({1, 1, t, 4}, 2).index_select(2, pos).requires_grad_();
+    RingProfile profile;
+    {
+      RingProfileScope scope(profile);
+      ring_attention(q, kv, kv, pos, world(), 0.5, true).sum().backward();
+    }
+    at::Tensor all = at::empty({cp}, at::kDouble);
+    world()->all_gather(all, at::tensor({static_cast<double>(profile.scores)}, at::kDouble)).wait();
+    const double spread = (all.max() / all.min()).item<double>();
+    if (zigzag) EXPECT_EQ(spread, 1.0) << all;
+    else EXPECT_NEAR(spread, (4.0 * cp - 1) / 3, 1e-9) << all;
+    EXPECT_EQ(profile.overlapped_hops, 2 * (cp - 1));
+  }
+}
+
 TEST(RingAttention, UnevenSplitsAreRefusedWithTheFormula) {
   try {
     zigzag_positions(100, 3, 0);

@@ -1,0 +1,189 @@
+// meshtrain bench cp: context-parallel attention (Note [Ring attention],
+// Note [All-to-all attention]) for every cp in 2, 4, 8 the world allows and
+// each --seq, in one run: per rank, the (query, key) scores computed and the
+// seconds in block products under the zigzag and contiguous splits (the
+// causal load balance, measured); the bytes each rank sent (counted by the
+// communicator) against the formula; the share of the ring's key/value
+// transfers hidden behind the products; and tokens/s (forward and backward)
+// against one rank's on the whole sequence, scaled by cp.
+#include "meshtrain/apps/command.h"
+#include "meshtrain/apps/commands.h"
+
+#include "meshtrain/apps/bench_util.h"
+#include "meshtrain/parallel/ring_attention.h"
+#include "meshtrain/parallel/ulysses_attention.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+
+namespace meshtrain::apps {
+namespace {
+
+using CommPtr = std::shared_ptr<comm::Communicator>;
+
+struct Shape {
+  int64_t batch = 1, heads = 8, kv_heads = 4, head_dim = 64;
+};
+
+int64_t sent_bytes(const comm::Communicator& c) {
+  const comm::CommStats s = c.stats();
+  int64_t total = 0;
+  for (comm::OpKind k : {comm::OpKind::kSend, comm::OpKind::kAllToAll, comm::OpKind::kAllGather})
+    total += s.per_op[static_cast<size_t>(k)].wire_bytes;
+  return total;
+}
+
+// Note [Ring attention] / [All-to-all attention], bytes one rank sends per forward and backward.
+double formula_bytes(const std::string& impl, const Shape& s, int64_t local, int64_t cp) {
+  const double kv = 4.0 * s.batch * s.kv_heads * local * s.head_dim, q = 4.0 * s.batch * s.heads * local * s.head_dim,
+               pos = 8.0 * local;
+  if (impl != "all_to_all") return (cp - 1) * (2 * kv + pos) * 2 + cp * 2 * kv;  // k, v, positions each way; dk, dv home
+  return 2.0 * (cp - 1) / cp * (2 * q + 2 * kv) + (cp - 1) * pos;               // q, k, v, o and back; positions
+}
+
+struct Run {
+  double seconds = 0;  // median forward + backward
+  parallel::RingProfile profile;
+  int64_t bytes = 0;
+};
+
+Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64_t length, int steps) {
+  const int64_t cp = group->size(), r = group->rank(), local = length / cp;
+  const at::Tensor pos = impl == "ring_contiguous" ? parallel::contiguous_positions(length, cp, r)
+                                                    : parallel::zigzag_positions(length, cp, r);
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(17 + r);
+  const at::Tensor q = at::randn({s.batch, s.heads, local, s.head_dim}, g).requires_grad_();
+  const at::Tensor k = at::randn({s.batch, s.kv_heads, local, s.head_dim}, g).requires_grad_();
+  const at::Tensor v = at::randn({s.batch, s.kv_heads, local, s.head_dim}, g).requires_grad_();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  Run run;
+  std::vector<double> times;
+  for (int i = 0; i <= steps; ++i) {  // the first is a warm-up
+    parallel::RingProfile profile;
+    const int64_t before = sent_bytes(*group);
+    group->barrier().wait();
+    const auto start = BenchClock::now();
+    {
+      parallel::RingProfileScope scope(profile);
+      const at::Tensor out = impl == "all_to_all" ? parallel::all_to_all_attention(q, k, v, pos, group, scale, true)
+                                                  : parallel::ring_attention(q, k, v, pos, group, scale, true);
+      out.sum().backward();
+    }
+    group->barrier().wait();
+    if (i == 0) continue;
+    times.push_back(seconds_since(start));
+    run.profile = profile;
+    run.bytes = sent_bytes(*group) - before;
+  }
+  run.seconds = median(times);
+  return run;
+}
+
+// Every rank's numbers at rank 0 of `group`: [ranks, 4] (scores, compute s, wait s, bytes).
+at::Tensor gather_rows(const CommPtr& group, const Run& run) {
+  const at::Tensor mine = at::tensor({static_cast<double>(run.profile.scores), run.profile.compute_s,
+                                      run.profile.wait_s, static_cast<double>(run.bytes)},
+                                     at::kDouble);
+  const at::Tensor all = at::empty({group->size(), 4}, at::kDouble);
+  group->all_gather(all, mine.unsqueeze(0)).wait();
+  return all;
+}
+
+// Seconds of the ring's forward key/value hops alone (no products in between), for the hidden share.
+double transfer_seconds(const CommPtr& group, const Shape& s, int64_t local) {
+  const at::Tensor kv = at::zeros({2, s.batch, s.kv_heads, local, s.head_dim});
+  const int n = group->size(), r = group->rank();
+  std::vector<double> times;
+  for (int i = 0; i < 4; ++i) {
+    group->barrier().wait();
+    const auto start = BenchClock::now();
+    for (int step = 0; step + 1 < n; ++step) {
+      at::Tensor in = at::empty_like(kv);
+      comm::wait_all({group->recv(in, (r + n - 1) % n, 5), group->send(kv, (r + 1) % n, 5)});
+    }
+    if (i > 0) times.push_back(seconds_since(start));
+  }
+  return median(times);
+}
+
+int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, int steps) {
+  const CommPtr world = runtime.world();
+  const Shape shape;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<nlohmann::json> rows;
+  for (int64_t length : lengths) {
+    // The peer: one rank on the whole sequence, with one rank's share of the cores.
+    double single = 0;
+    if (world->rank() == 0) {
+      at::set_num_threads(std::max(1, cores / world->size()));
+      const CommPtr alone = world->split(0, 0, "bench:cp1");
+      single = measure("ring_zigzag", alone, shape, length, steps).seconds;
+    } else {
+      world->split(-1, 0, "bench:cp1");
+    }
+    for (int cp : {2, 4, 8}) {
+      if (cp > world->size() || length % (2 * cp) != 0) continue;
+      const bool member = world->rank() < cp;
+      const CommPtr group = world->split(member ? 0 : -1, world->rank(), "bench:cp" + std::to_string(cp));
+      if (member) {
+        at::set_num_threads(std::max(1, cores / cp));
+        const double transfer = transfer_seconds(group, shape, length / cp);
+        for (const std::string impl : {"ring_zigzag", "ring_contiguous", "all_to_all"}) {
+          if (impl == "all_to_all" && (shape.heads % cp != 0 || shape.kv_heads % cp != 0)) continue;
+          const Run run = measure(impl, group, shape, length, steps);
+          const at::Tensor all = gather_rows(group, run);
+          if (group->rank() != 0) continue;
+          const at::Tensor scores = all.select(1, 0), compute = all.select(1, 1), wait = all.select(1, 2);
+          const double formula = formula_bytes(impl, shape, length / cp, cp);
+          const double bytes = all.select(1, 3).max().item<double>();
+          const double hidden = impl == "all_to_all" ? 0.0 : std::max(0.0, 1.0 - wait.max().item<double>() / (2 * transfer));
+          const double tokens = static_cast<double>(length * shape.batch) / run.seconds;
+          const double ideal = static_cast<double>(length * shape.batch) / single * cp;
+          nlohmann::json row = {{"seq", length}, {"cp", cp}, {"impl", impl},
+                                {"scores_max_over_min", (scores.max() / scores.min()).item<double>()},
+                                {"compute_s_max_over_min", (compute.max() / compute.min()).item<double>()},
+                                {"bytes_per_rank", bytes}, {"bytes_formula", formula},
+                                {"ring_hidden_share", hidden}, {"tokens_per_s", tokens},
+                                {"vs_one_rank_times_cp", tokens / ideal}, {"step_seconds", run.seconds}};
+          rows.push_back(row);
+          std::printf("seq %6lld cp %d %-15s | scores max/min %5.2f  compute max/min %5.2f | bytes %10.0f "
+                      "(formula %10.0f) | hidden %5.1f%% | %8.0f tok/s, %.2fx one rank x cp\n",
+                      static_cast<long long>(length), cp, impl.c_str(), row["scores_max_over_min"].get<double>(),
+                      row["compute_s_max_over_min"].get<double>(), bytes, formula, 100 * hidden, tokens, tokens / ideal);
+          std::fflush(stdout);
+        }
+      }
+      world->barrier().wait();
+    }
+  }
+  if (world->rank() == 0)
+    for (const auto& row : rows) std::printf("%s\n", row.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+CommandPtr add_bench_cp(CLI::App& bench) {
+  struct Args {
+    std::vector<int64_t> lengths{4096, 8192};
+    int steps = 3;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub = bench.add_subcommand(
+      "cp",
+      "Context-parallel attention (ring with the zigzag and contiguous splits, all-to-all) for cp = 2, 4, 8 up to the "
+      "rank count, causal, 8 query and 4 key/value heads of 64, batch 1: per-rank scores and product seconds (the load "
+      "balance), bytes per rank against the formula, the share of the ring's transfers hidden behind products, and "
+      "tokens/s (forward + backward) against one rank on the whole sequence times cp. One JSON line per row.");
+  sub->add_option("--seq", a->lengths, "Sequence lengths")->capture_default_str();
+  sub->add_option("--steps", a->steps, "Timed steps (after one warm-up); the median is reported")->capture_default_str();
+  return command(sub, [a](comm::Runtime& runtime) { return run_bench_cp(runtime, a->lengths, a->steps); });
+}
+
+}  // namespace meshtrain::apps
