@@ -118,21 +118,16 @@ int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, in
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::vector<nlohmann::json> rows;
   for (int64_t length : lengths) {
-    // The peer: one rank on the whole sequence, with one rank's share of the cores.
-    double single = 0;
-    if (world->rank() == 0) {
-      at::set_num_threads(std::max(1, cores / world->size()));
-      const CommPtr alone = world->split(0, 0, "bench:cp1");
-      single = measure("ring_zigzag", alone, shape, length, steps).seconds;
-    } else {
-      world->split(-1, 0, "bench:cp1");
-    }
+    // Every rank is busy in every measurement (groups of cp side by side; rank 0's
+    // group reports), so no rank idles in a collective and the cores are shared alike.
+    at::set_num_threads(std::max(1, cores / world->size()));
+    // The peer: one rank on the whole sequence.
+    const CommPtr alone = world->split(world->rank(), 0, "bench:cp1");
+    const double single = measure("ring_zigzag", alone, shape, length, steps).seconds;
     for (int cp : {2, 4, 8}) {
-      if (cp > world->size() || length % (2 * cp) != 0) continue;
-      const bool member = world->rank() < cp;
-      const CommPtr group = world->split(member ? 0 : -1, world->rank(), "bench:cp" + std::to_string(cp));
-      if (member) {
-        at::set_num_threads(std::max(1, cores / cp));
+      if (world->size() % cp != 0 || length % (2 * cp) != 0) continue;
+      const CommPtr group = world->split(world->rank() / cp, world->rank(), "bench:cp" + std::to_string(cp));
+      {
         const double transfer = transfer_seconds(group, shape, length / cp);
         for (const std::string impl : {"ring_zigzag", "ring_contiguous", "all_to_all"}) {
           if (impl == "all_to_all" && (shape.heads % cp != 0 || shape.kv_heads % cp != 0)) continue;
@@ -145,17 +140,20 @@ int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, in
           const double hidden = impl == "all_to_all" ? 0.0 : std::max(0.0, 1.0 - wait.max().item<double>() / (2 * transfer));
           const double tokens = static_cast<double>(length * shape.batch) / run.seconds;
           const double ideal = static_cast<double>(length * shape.batch) / single * cp;
+          const bool ring = impl != "all_to_all";  // the profile covers the ring's block products
+          const double score_spread = ring ? (scores.max() / scores.min()).item<double>() : 1.0;
+          const double compute_spread = ring ? (compute.max() / compute.min()).item<double>() : 1.0;
           nlohmann::json row = {{"seq", length}, {"cp", cp}, {"impl", impl},
-                                {"scores_max_over_min", (scores.max() / scores.min()).item<double>()},
-                                {"compute_s_max_over_min", (compute.max() / compute.min()).item<double>()},
+                                {"scores_max_over_min", ring ? nlohmann::json(score_spread) : nlohmann::json(nullptr)},
+                                {"compute_s_max_over_min", ring ? nlohmann::json(compute_spread) : nlohmann::json(nullptr)},
                                 {"bytes_per_rank", bytes}, {"bytes_formula", formula},
                                 {"ring_hidden_share", hidden}, {"tokens_per_s", tokens},
                                 {"vs_one_rank_times_cp", tokens / ideal}, {"step_seconds", run.seconds}};
           rows.push_back(row);
           std::printf("seq %6lld cp %d %-15s | scores max/min %5.2f  compute max/min %5.2f | bytes %10.0f "
                       "(formula %10.0f) | hidden %5.1f%% | %8.0f tok/s, %.2fx one rank x cp\n",
-                      static_cast<long long>(length), cp, impl.c_str(), row["scores_max_over_min"].get<double>(),
-                      row["compute_s_max_over_min"].get<double>(), bytes, formula, 100 * hidden, tokens, tokens / ideal);
+                      static_cast<long long>(length), cp, impl.c_str(), score_spread, compute_spread, bytes, formula,
+                      100 * hidden, tokens, tokens / ideal);
           std::fflush(stdout);
         }
       }
@@ -181,7 +179,7 @@ CommandPtr add_bench_cp(CLI::App& bench) {
       "rank count, causal, 8 query and 4 key/value heads of 64, batch 1: per-rank scores and product seconds (the load "
       "balance), bytes per rank against the formula, the share of the ring's transfers hidden behind products, and "
       "tokens/s (forward + backward) against one rank on the whole sequence times cp. One JSON line per row.");
-  sub->add_option("--seq", a->lengths, "Sequence lengths")->capture_default_str();
+  sub->add_option("--seq", a->lengths, "Sequence lengths, comma-separated")->delimiter(',')->capture_default_str();
   sub->add_option("--steps", a->steps, "Timed steps (after one warm-up); the median is reported")->capture_default_str();
   return command(sub, [a](comm::Runtime& runtime) { return run_bench_cp(runtime, a->lengths, a->steps); });
 }
