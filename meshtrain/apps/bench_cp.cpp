@@ -133,7 +133,7 @@ int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, in
           if (impl == "all_to_all" && (shape.heads % cp != 0 || shape.kv_heads % cp != 0)) continue;
           const Run run = measure(impl, group, shape, length, steps);
           const at::Tensor all = gather_rows(group, run);
-          if (group->rank() != 0) continue;
+          if (world->rank() != 0) continue;  // rank 0's group reports
           const at::Tensor scores = all.select(1, 0), compute = all.select(1, 1), wait = all.select(1, 2);
           const double formula = formula_bytes(impl, shape, length / cp, cp);
           const double bytes = all.select(1, 3).max().item<double>();
