@@ -83,37 +83,9 @@ def flower_attacker(a, server):
 
 
 def flower_server(a, port, out, strategy_name):
-    import flwr as fl
-    import torch
-    from train_gpt import GPT
-    torch.manual_seed(1)
-    torch.set_num_threads(1)
-    model = GPT(**base.model_args(a))
-    val = base.read_tokens(os.path.join(a.work, "speakers", "val.bin"))
-    rows = []
-
-    def evaluate(server_round, parameters, config):
-        with torch.no_grad():
-            for p, w in zip(model.parameters(), parameters):
-                p.copy_(torch.from_numpy(np.asarray(w, dtype=np.float32)))
-            losses = []
-            for b in range(a.eval_batches):
-                batch = torch.from_numpy(np.stack([val[w * a.context: w * a.context + a.context + 1]
-                                                   for w in range(b * a.batch, (b + 1) * a.batch)]))
-                losses.append(model(batch[:, :-1], batch[:, 1:]).item())
-        rows.append({"round": server_round, "val_loss": statistics.mean(losses)})
-        return statistics.mean(losses), {}
-
-    common = dict(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=8, min_available_clients=8,
-                  evaluate_fn=evaluate,
-                  initial_parameters=fl.common.ndarrays_to_parameters([p.detach().numpy() for p in model.parameters()]))
     extra = {"Krum": dict(num_malicious_clients=2), "FedTrimmedAvg": dict(beta=0.25)}.get(strategy_name, {})
-    strategy = getattr(fl.server.strategy, strategy_name)(**common, **extra)
-    fl.server.start_server(server_address=f"127.0.0.1:{port}", config=fl.server.ServerConfig(num_rounds=a.rounds),
-                           strategy=strategy)
-    with open(out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    base.flower_server(a, a.work, port, out, strategy_name, extra, clients=8,
+                       val_file=os.path.join(a.work, "speakers", "val.bin"))
 
 
 def flower_run(a, honest, attackers, strategy_name):

@@ -124,21 +124,24 @@ def flower_client(a, data, server):
     fl.client.start_client(server_address=server, client=Client().to_client())
 
 
-def flower_server(a, work, port, out):
+def flower_server(a, work, port, out, strategy_name="FedAvg", extra=None, clients=None, val_file=None):
+    """Flower's server with `strategy_name` (extra: its own arguments) for `clients` clients, the
+    validation loss of the global model after every round in `out`."""
     import flwr as fl
     import torch
     from train_gpt import GPT
     torch.manual_seed(1)
     torch.set_num_threads(1)
+    clients = clients or a.clients
     model = GPT(**model_args(a))
-    val = read_tokens(os.path.join(work, "clients", "val.bin"))
+    val = read_tokens(val_file or os.path.join(work, "clients", "val.bin"))
     rows = []
     start = [time.time()]
 
     def evaluate(server_round, parameters, config):
         with torch.no_grad():
             for p, w in zip(model.parameters(), parameters):
-                p.copy_(torch.from_numpy(w))
+                p.copy_(torch.from_numpy(np.asarray(w, dtype=np.float32)))
             losses = []
             for b in range(a.eval_batches):
                 batch = torch.from_numpy(np.stack([val[w * a.context: w * a.context + a.context + 1]
@@ -146,15 +149,16 @@ def flower_server(a, work, port, out):
                 losses.append(model(batch[:, :-1], batch[:, 1:]).item())
         now = time.time()
         params = sum(p.numel() for p in model.parameters())
-        rows.append({"round": server_round, "label": "Flower FedAvg", "val_loss": statistics.mean(losses),
-                     "seconds": now - start[0], "cumulative_uplink_bytes": 4 * params * a.clients * server_round})
+        rows.append({"round": server_round, "label": "Flower " + strategy_name, "val_loss": statistics.mean(losses),
+                     "seconds": now - start[0], "cumulative_uplink_bytes": 4 * params * clients * server_round})
         start[0] = now
         return statistics.mean(losses), {}
 
-    strategy = fl.server.strategy.FedAvg(
-        fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=a.clients, min_available_clients=a.clients,
+    strategy = getattr(fl.server.strategy, strategy_name)(
+        fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=clients, min_available_clients=clients,
         evaluate_fn=evaluate,
-        initial_parameters=fl.common.ndarrays_to_parameters([p.detach().numpy() for p in model.parameters()]))
+        initial_parameters=fl.common.ndarrays_to_parameters([p.detach().numpy() for p in model.parameters()]),
+        **(extra or {}))
     fl.server.start_server(server_address=f"127.0.0.1:{port}", config=fl.server.ServerConfig(num_rounds=a.rounds),
                            strategy=strategy)
     with open(out, "w") as f:

@@ -1,5 +1,7 @@
 #include "meshtrain/parallel/ring_attention.h"
 
+#include "meshtrain/parallel/saved_comm.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -31,11 +33,6 @@ void profiled(const at::Tensor& scores_like_q, int64_t keys, F product) {
   current_profile->compute_s += since(start);
   current_profile->scores += scores_like_q.numel() / scores_like_q.size(-1) * keys;
 }
-
-struct CommCapsule : torch::CustomClassHolder {
-  explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
-  CommPtr comm;
-};
 
 // A run of consecutive global positions among the local rows: rows
 // [begin, begin + length) hold positions first..last. Runs are cut at half
@@ -172,7 +169,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     }
     const at::Tensor out = at::cat(outs, 3), lse = at::cat(lses, 3);
     ctx->save_for_backward({q_in, k_in, v_in, positions, out, lse});
-    ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
+    save_comm(ctx, comm);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     return out.reshape(q_in.sizes()).to(q_in.scalar_type());
@@ -182,7 +179,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q_in = saved[0], &k_in = saved[1], &v_in = saved[2], &positions = saved[3];
     const at::Tensor &out = saved[4], &lse = saved[5];
-    const CommPtr comm = c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
+    const CommPtr comm = saved_comm(ctx);
     const double scale = ctx->saved_data["scale"].toDouble();
     const bool causal = ctx->saved_data["causal"].toBool();
     const int64_t kv_heads = k_in.size(1);

@@ -1,5 +1,7 @@
 #include "meshtrain/parallel/tensor_parallel_ops.h"
 
+#include "meshtrain/parallel/saved_comm.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -9,20 +11,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// Autograd saves IValues only: the communicator travels in a capsule.
-struct CommCapsule : torch::CustomClassHolder {
-  explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
-  CommPtr comm;
-};
-
-void save_comm(AutogradContext* ctx, const CommPtr& comm) {
-  ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
-}
-
-CommPtr saved_comm(AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
-}
 
 // A gather in flight: every rank's chunk stacked in `stacked` [t, ...chunk].
 struct PendingGather {

@@ -1,5 +1,7 @@
 #include "meshtrain/parallel/ulysses_attention.h"
 
+#include "meshtrain/parallel/saved_comm.h"
+
 #include <torch/torch.h>
 
 #include <limits>
@@ -12,11 +14,6 @@ namespace {
 using CommPtr = std::shared_ptr<comm::Communicator>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-struct CommCapsule : torch::CustomClassHolder {
-  explicit CommCapsule(CommPtr c) : comm(std::move(c)) {}
-  CommPtr comm;
-};
 
 // [B, H, Tl, D] split by sequence -> [B, H/cp, cp·Tl, D] split by heads.
 at::Tensor sequence_to_heads(const at::Tensor& x, comm::Communicator& comm) {
@@ -36,27 +33,18 @@ at::Tensor heads_to_sequence(const at::Tensor& x, comm::Communicator& comm) {
   return received.permute({1, 0, 2, 3, 4}).reshape({b, cp * hl, t, d});
 }
 
-CommPtr comm_of(AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<CommCapsule>(ctx->saved_data["comm"].toCapsule())->comm;
-}
-
-struct SequenceToHeads : torch::autograd::Function<SequenceToHeads> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& comm) {
-    ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
-    return sequence_to_heads(x, *comm);
+// One all-to-all of the pair; its backward is the other.
+struct Regroup : torch::autograd::Function<Regroup> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& comm, bool to_heads) {
+    save_comm(ctx, comm);
+    ctx->saved_data["to_heads"] = to_heads;
+    return to_heads ? sequence_to_heads(x, *comm) : heads_to_sequence(x, *comm);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {heads_to_sequence(grads[0].contiguous(), *comm_of(ctx)), at::Tensor()};
-  }
-};
-
-struct HeadsToSequence : torch::autograd::Function<HeadsToSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& comm) {
-    ctx->saved_data["comm"] = at::IValue::make_capsule(c10::make_intrusive<CommCapsule>(comm));
-    return heads_to_sequence(x, *comm);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {sequence_to_heads(grads[0].contiguous(), *comm_of(ctx)), at::Tensor()};
+    const CommPtr comm = saved_comm(ctx);
+    const at::Tensor g = grads[0].contiguous();
+    return {ctx->saved_data["to_heads"].toBool() ? heads_to_sequence(g, *comm) : sequence_to_heads(g, *comm),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -77,17 +65,17 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   }
   const at::Tensor all_positions = at::empty({cp * positions.size(0)}, at::kLong);
   comm->all_gather(all_positions, positions.contiguous()).wait();
-  const at::Tensor qh = SequenceToHeads::apply(q.to(at::kFloat).contiguous(), comm);
+  const at::Tensor qh = Regroup::apply(q.to(at::kFloat).contiguous(), comm, true);
   const int64_t group = q.size(1) / k.size(1);
-  const at::Tensor kh = SequenceToHeads::apply(k.to(at::kFloat).contiguous(), comm).repeat_interleave(group, 1);
-  const at::Tensor vh = SequenceToHeads::apply(v.to(at::kFloat).contiguous(), comm).repeat_interleave(group, 1);
+  const at::Tensor kh = Regroup::apply(k.to(at::kFloat).contiguous(), comm, true).repeat_interleave(group, 1);
+  const at::Tensor vh = Regroup::apply(v.to(at::kFloat).contiguous(), comm, true).repeat_interleave(group, 1);
   at::Tensor s = at::matmul(qh, kh.transpose(-2, -1)) * scale;
   if (causal) {
     const at::Tensor hidden = all_positions.unsqueeze(1) < all_positions.unsqueeze(0);  // key after query
     s = s.masked_fill(hidden, -std::numeric_limits<float>::infinity());
   }
   const at::Tensor out = at::matmul(at::softmax(s, -1), vh);
-  return HeadsToSequence::apply(out.contiguous(), comm).to(q.scalar_type());
+  return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());
 }
 
 }  // namespace meshtrain::parallel

@@ -449,23 +449,33 @@ TEST(FlFederation, KeptStatesOutliveACorruptState) {
   for (size_t i = 0; i < resumed.size(); ++i) EXPECT_TRUE(at::equal(resumed[i], after4[i])) << i;
 }
 
+// One DP round of 2 clients whose updates are near zero (lr 1e-9), clip
+// S = 1, z = 2 (plus `extra` settings): the change of every model coordinate,
+// which is the noise alone.
+at::Tensor dp_round_change(const std::string& name, const std::vector<std::string>& extra, FlConfig* used) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 2);
+  std::vector<std::string> settings{"model.layers=1", "model.width=32", "model.heads=2", "model.context=16",
+                                    "fl.rounds=1", "fl.client.local_steps=1", "fl.client.batch=2",
+                                    "fl.client.lr=1e-9", "fl.server.insecure=true", "fl.min_available=2",
+                                    "fl.min_fit=2", "fl.clip_norm=1", "fl.dp.noise_multiplier=2",
+                                    "fl.server.out=" + dir + "/out"};
+  settings.insert(settings.end(), extra.begin(), extra.end());
+  *used = FlConfig::load("", settings);
+  const std::vector<at::Tensor> after = federate(*used, files);
+  model::Gpt start(used->model, used->seed);
+  const auto before = parameters_of(*start);
+  std::vector<at::Tensor> deltas;
+  for (size_t i = 0; i < after.size(); ++i) deltas.push_back((after[i] - before[i]).reshape({-1}).to(at::kDouble));
+  return at::cat(deltas);
+}
+
 // DP-FedAvg: with updates near zero, the round's change is the noise alone:
 // N(0, (z·S/m)²) per coordinate.
 TEST(FlFederation, DpFedAvgNoiseHasTheConfiguredScale) {
-  const std::string dir = ::testing::TempDir() + "/fl_dp";
-  util::remove_tree(dir);
-  const auto files = client_files(dir, 2);
-  FlConfig config = FlConfig::load("", {"model.layers=1", "model.width=32", "model.heads=2", "model.context=16",
-                                        "fl.rounds=1", "fl.client.local_steps=1", "fl.client.batch=2",
-                                        "fl.client.lr=1e-9", "fl.server.insecure=true", "fl.min_available=2",
-                                        "fl.min_fit=2", "fl.clip_norm=1", "fl.dp.noise_multiplier=2",
-                                        "fl.server.out=" + dir + "/out"});
-  const std::vector<at::Tensor> after = federate(config, files);
-  model::Gpt start(config.model, config.seed);
-  std::vector<at::Tensor> deltas;
-  const auto before = parameters_of(*start);
-  for (size_t i = 0; i < after.size(); ++i) deltas.push_back((after[i] - before[i]).reshape({-1}).to(at::kDouble));
-  const at::Tensor all = at::cat(deltas);
+  FlConfig config;
+  const at::Tensor all = dp_round_change("fl_dp", {}, &config);
   const double expected = 2.0 * 1.0 / 2;  // z·S/m
   EXPECT_NEAR(all.std().item<double>(), expected, 0.03 * expected) << all.numel() << " coordinates";
   EXPECT_NEAR(all.mean().item<double>(), 0.0, 0.03 * expected);
@@ -476,21 +486,9 @@ TEST(FlFederation, DpFedAvgNoiseHasTheConfiguredScale) {
 // Distributed DP: under secure aggregation each client adds N(0, z²S²/m) to
 // its clipped update; the sum carries N(0, z²S²), the mean N(0, (z·S/m)²).
 TEST(FlFederation, DistributedDpUnderSecureAggregationHasTheSameNoise) {
-  const std::string dir = ::testing::TempDir() + "/fl_ddp";
-  util::remove_tree(dir);
-  const auto files = client_files(dir, 2);
-  FlConfig config = FlConfig::load("", {"model.layers=1", "model.width=32", "model.heads=2", "model.context=16",
-                                        "fl.rounds=1", "fl.client.local_steps=1", "fl.client.batch=2",
-                                        "fl.client.lr=1e-9", "fl.server.insecure=true", "fl.min_available=2",
-                                        "fl.min_fit=2", "fl.clip_norm=1", "fl.dp.noise_multiplier=2",
-                                        "fl.secagg.enabled=true", "fl.secagg.threshold=2", "fl.secagg.clip=8",
-                                        "fl.server.out=" + dir + "/out"});
-  const std::vector<at::Tensor> after = federate(config, files);
-  model::Gpt start(config.model, config.seed);
-  std::vector<at::Tensor> deltas;
-  const auto before = parameters_of(*start);
-  for (size_t i = 0; i < after.size(); ++i) deltas.push_back((after[i] - before[i]).reshape({-1}).to(at::kDouble));
-  const at::Tensor all = at::cat(deltas);
+  FlConfig config;
+  const at::Tensor all =
+      dp_round_change("fl_ddp", {"fl.secagg.enabled=true", "fl.secagg.threshold=2", "fl.secagg.clip=8"}, &config);
   EXPECT_NEAR(all.std().item<double>(), 1.0, 0.03);
   EXPECT_NEAR(all.mean().item<double>(), 0.0, 0.03);
   EXPECT_EQ(metrics(config.out)[1]["status"], "ok");
