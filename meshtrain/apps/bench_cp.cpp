@@ -71,8 +71,9 @@ Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64
     const auto start = BenchClock::now();
     {
       parallel::RingProfileScope scope(profile);
-      const at::Tensor out = impl == "all_to_all" ? parallel::all_to_all_attention(q, k, v, pos, group, scale, true)
-                                                  : parallel::ring_attention(q, k, v, pos, group, scale, true);
+      const parallel::AttentionRule rule{scale, true};
+      const at::Tensor out = impl == "all_to_all" ? parallel::all_to_all_attention(q, k, v, pos, group, rule)
+                                                  : parallel::ring_attention(q, k, v, pos, group, rule);
       out.sum().backward();
     }
     group->barrier().wait();

@@ -70,7 +70,8 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
                       {"time_seconds", {{"step", t.step()}, {"compute", t.compute}, {"recompute", t.recompute},
                                         {"bubble", t.bubble}, {"tensor_parallel", t.tensor_parallel},
                                         {"data_parallel", t.data_parallel}, {"pipeline", t.pipeline},
-                                        {"expert_parallel", t.expert_parallel}, {"offload", t.offload}}},
+                                        {"expert_parallel", t.expert_parallel},
+                                        {"context_parallel", t.context_parallel}, {"offload", t.offload}}},
                       {"tokens_per_second", t.tokens_per_second},
                       {"mfu", t.mfu},
                       {"traffic", traffic}};
@@ -119,9 +120,9 @@ void print_detail(const plan::Candidate& c, const plan::Machine& machine) {
                                 : ("does not fit: " + c.why_not).c_str());
   const plan::TimeBreakdown& t = c.time;
   std::printf("time per step %.3f s: compute %.3f (recompute %.3f), bubble %.3f, exposed tp %.3f, dp %.3f, pp %.3f, "
-              "ep %.3f, offload %.3f -> %.0f tokens/s, MFU %.1f%%\n",
+              "ep %.3f, cp %.3f, offload %.3f -> %.0f tokens/s, MFU %.1f%%\n",
               t.step(), t.compute, t.recompute, t.bubble, t.tensor_parallel, t.data_parallel, t.pipeline,
-              t.expert_parallel, t.offload, t.tokens_per_second, 100 * t.mfu);
+              t.expert_parallel, t.context_parallel, t.offload, t.tokens_per_second, 100 * t.mfu);
   for (const auto& traffic : t.traffic) {
     std::printf("  %-4s %-44s %10s per step, %.4f s before overlap\n", traffic.group.c_str(), traffic.what.c_str(),
                 plan::format_bytes(traffic.bytes).c_str(), traffic.seconds);

@@ -9,9 +9,10 @@
 namespace meshtrain::mesh {
 
 // The axis names every parallelism uses, outermost first; tp is innermost so
-// tensor-parallel peers are neighbouring ranks (usually one node).
+// tensor-parallel peers are neighbouring ranks (usually one node), and cp
+// next to it (its ring and all-to-all run every layer).
 inline const std::vector<std::string>& canonical_axes() {
-  static const std::vector<std::string> axes{"pp", "dp", "fsdp", "ep", "tp"};
+  static const std::vector<std::string> axes{"pp", "dp", "fsdp", "ep", "cp", "tp"};
   return axes;
 }
 
@@ -35,7 +36,7 @@ class MeshLayout {
   // "pp(2) * dp(2) * tp(4) = 16 != world size 8".
   MeshLayout(std::vector<MeshAxis> axes, int world_size);
 
-  // Axes in canonical order (pp, dp, fsdp, ep, tp) from degrees keyed by name;
+  // Axes in canonical order (pp, dp, fsdp, ep, cp, tp) from degrees keyed by name;
   // names not given get size 1; unknown names are rejected.
   static MeshLayout from_degrees(const std::vector<MeshAxis>& degrees, int world_size);
 

@@ -141,10 +141,8 @@ std::pair<at::Tensor, at::Tensor> CausalSelfAttentionImpl::normalize_qk(const at
   return {normalize(q_norm, q), normalize(k_norm, k)};
 }
 
-at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
-  const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
+QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out) const {
   auto [q, k, v] = split_qkv(qkv_out, config_);
-  const int64_t w = q.size(1) * head_dim_;
   const bool fused = fused_ && fused::eligible(q);
   const at::Tensor& positions = document_positions();  // Note [Packed documents]
   std::tie(q, k) = normalize_qk(q, k);
@@ -156,9 +154,23 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
     q = fused && whole ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);
     k = fused && whole ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
   }
-  const double p = is_training() ? dropout_ : 0.0;
+  return {q, k, v};
+}
+
+AttentionVariant CausalSelfAttentionImpl::variant() const {
   AttentionVariant variant = attention_variant(config_, 0);
   variant.window = window_;
+  return variant;
+}
+
+at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
+  const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
+  auto [q, k, v] = heads(qkv_out);
+  const int64_t w = q.size(1) * head_dim_;
+  const bool fused = fused_ && fused::eligible(q);
+  const at::Tensor& positions = document_positions();
+  const double p = is_training() ? dropout_ : 0.0;
+  const AttentionVariant variant = this->variant();
   if (positions.defined()) {  // documents side by side: a block-diagonal mask, ATen's kernels
     return variant_attention(q, k, v, variant, dropout_, is_training(), document_mask(positions.to(q.device())))
         .transpose(1, 2)

@@ -4,6 +4,7 @@
 // wte, wpe, head).
 #pragma once
 
+#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/model/gpt_config.h"
 #include "meshtrain/model/moe.h"
 
@@ -117,6 +118,13 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   // q, k [B, H, T, hd] through model.qk_norm (as they are without it); the KV cache calls it too.
   std::pair<at::Tensor, at::Tensor> normalize_qk(const at::Tensor& q, const at::Tensor& k) const;
   int64_t window() const { return window_; }  // this block's sliding window (0: none)
+  // The core's queries, keys and values for qkv's output [B, T, 3w]: split by
+  // heads, through qk_norm, rotated at the rows' positions (Note [Packed
+  // documents]: the scope's positions where there is one, else 0..T-1).
+  // Context parallel computes attention on them itself.
+  QkvHeads heads(const at::Tensor& qkv_out) const;
+  // How this block's attention differs from plain causal attention, its window included.
+  AttentionVariant variant() const;
 
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   Norm q_norm{nullptr}, k_norm{nullptr};  // model.qk_norm

@@ -149,10 +149,22 @@ const std::vector<config::Key<ParallelSpec>>& ParallelSpec::keys() {
     k.push_back(key<ParallelSpec>(p, "fsdp", "shards per replica when zero_stage >= 1; dp x fsdp = ranks (0: derived)",
                                   MESHTRAIN_SPEC_MEMBER(dims.fsdp)));
     k.push_back(key<ParallelSpec>(p, "tp", "tensor-parallel ranks: attention split by heads, MLP and vocabulary split "
-                                  "(Megatron); dp x fsdp x tp = ranks", MESHTRAIN_SPEC_MEMBER(dims.tp)));
+                                  "(Megatron); pp x dp x fsdp x ep x cp x tp = ranks", MESHTRAIN_SPEC_MEMBER(dims.tp)));
     k.push_back(key<ParallelSpec>(p, "ep", "expert-parallel ranks: each holds model.moe_experts / ep experts of every "
                                   "mixture-of-experts block; they read different micro-batches (data ranks are dp x "
                                   "fsdp x ep)", MESHTRAIN_SPEC_MEMBER(dims.ep)));
+    k.push_back(key<ParallelSpec>(p, "cp", "context-parallel ranks: every sequence split over cp ranks (the zigzag "
+                                  "split: rank i holds chunks i and 2cp-1-i of 2cp, so causal work is equal), attention "
+                                  "by cp_impl; they read the same micro-batch and are data ranks for the gradient "
+                                  "reduction", MESHTRAIN_SPEC_MEMBER(dims.cp)));
+    k.push_back(enum_key<ParallelSpec>(p, "cp_impl", "context parallel attention: \"ring\" (key/value blocks go around "
+                                       "the cp ranks, overlapped with the products), \"all_to_all\" (Ulysses: heads "
+                                       "scattered, the sequence gathered; heads / tp a multiple of cp) or \"hybrid\" "
+                                       "(all-to-all inside groups of cp_a2a ranks, the ring across them)",
+                                       mesh::context_parallel_names(), MESHTRAIN_SPEC_MEMBER(dims.cp_impl)));
+    k.push_back(key<ParallelSpec>(p, "cp_a2a", "cp_impl = \"hybrid\": ranks per all-to-all group (divides cp; 0: the "
+                                  "largest divisor below cp that divides the heads per tp rank)",
+                                  MESHTRAIN_SPEC_MEMBER(dims.cp_a2a)));
     k.push_back(key<ParallelSpec>(p, "sequence_parallel", "with tp > 1: norms, dropout and residual stream split along "
                                   "the sequence (activations 1/tp per rank, same communication)",
                                   MESHTRAIN_SPEC_MEMBER(dims.sequence_parallel)));
@@ -161,7 +173,7 @@ const std::vector<config::Key<ParallelSpec>>& ParallelSpec::keys() {
                                        "tensor placed by the sharding rules)", tensor_parallel_names(),
                                        MESHTRAIN_SPEC_MEMBER(tp_impl)));
     k.push_back(key<ParallelSpec>(p, "pp", "pipeline stages: the blocks split into pp consecutive groups, micro-batches "
-                                  "flowing through them; pp x dp x fsdp x tp = ranks", MESHTRAIN_SPEC_MEMBER(dims.pp)));
+                                  "flowing through them; pp x dp x fsdp x ep x cp x tp = ranks", MESHTRAIN_SPEC_MEMBER(dims.pp)));
     k.push_back(enum_key<ParallelSpec>(p, "pp_schedule", "\"gpipe\" (all forwards, then all backwards), \"1f1b\" (at "
                                        "most pp micro-batches in flight) or \"interleaved\" (1f1b over virtual_stages "
                                        "per rank: bubble / v)", mesh::pipeline_schedule_names(),
@@ -247,6 +259,7 @@ void ParallelSpec::check(int64_t world, const mesh::ModelDims& model, const Comp
     };
     if (dims.pp > 1) not_with("pipeline parallel (pp > 1)");
     if (dims.ep > 1) not_with("expert parallel (ep > 1)");
+    if (dims.cp > 1) not_with("context parallel (cp > 1)");
     if (dims.zero_stage > 2) not_with("ZeRO-3 (zero_stage = 3)");
     if (dims.sequence_parallel) not_with("sequence parallel");
     if (activation_checkpoint != CheckpointMode::kNone) not_with("activation checkpointing");
@@ -318,7 +331,12 @@ std::string ParallelSpec::str(int64_t micro_batch) const {
     if (d.virtual_stages > 1) add("v=" + n(d.virtual_stages));
   }
   if (d.tp > 1) add("tp=" + n(d.tp) + (d.sequence_parallel ? " sp" : ""));
-  if (d.dp > 1 || (d.fsdp == 1 && d.pp == 1 && d.tp == 1 && d.ep == 1)) add("dp=" + n(d.dp));
+  if (d.cp > 1) {
+    add("cp=" + n(d.cp));
+    if (d.cp_impl != mesh::ContextParallelImpl::kRing) add("cp_impl=" + config::name_of(mesh::context_parallel_names(), d.cp_impl));
+    if (d.cp_a2a > 0) add("cp_a2a=" + n(d.cp_a2a));
+  }
+  if (d.dp > 1 || (d.fsdp == 1 && d.pp == 1 && d.tp == 1 && d.ep == 1 && d.cp == 1)) add("dp=" + n(d.dp));
   if (d.ep > 1) add("ep=" + n(d.ep));
   if (d.zero_stage > 0) add("zero=" + n(d.zero_stage));
   if (d.fsdp > 1) add("fsdp=" + n(d.fsdp));
@@ -348,6 +366,12 @@ ParallelSpec ParallelSpec::parse(const std::string& text, const OtherKeys& other
     else if (key == "fsdp") d.fsdp = layout_number(key, value), fsdp_given = true;
     else if (key == "tp") d.tp = layout_number(key, value);
     else if (key == "ep") d.ep = layout_number(key, value);
+    else if (key == "cp") d.cp = layout_number(key, value);
+    else if (key == "cp_a2a") d.cp_a2a = layout_number(key, value);
+    else if (key == "cp_impl") {
+      d.cp_impl = config::parse_name(mesh::context_parallel_names(), "cp_impl",
+                                     one_of(key, value, {"ring", "all_to_all", "hybrid"}));
+    }
     else if (key == "pp") d.pp = layout_number(key, value);
     else if (key == "v") d.virtual_stages = layout_number(key, value);
     else if (key == "sp") d.sequence_parallel = one_of(key, value, {"true", "false"}) == "true";
@@ -365,7 +389,7 @@ ParallelSpec ParallelSpec::parse(const std::string& text, const OtherKeys& other
     } else if (std::find(other.names.begin(), other.names.end(), key) != other.names.end()) {
       other.set(key, value);
     } else {
-      std::string keys = "dp fsdp ep tp sp pp schedule v zero";
+      std::string keys = "dp fsdp ep cp cp_impl cp_a2a tp sp pp schedule v zero";
       for (const std::string& name : other.names) keys += " " + name;
       throw std::invalid_argument("layout key '" + key + "' unknown; keys: " + keys + " recompute offload");
     }

@@ -67,6 +67,13 @@ void apply_pipeline(Parallelized& p) {
   }
 }
 
+void apply_context_parallel(Parallelized& p) {
+  const mesh::ParallelDims& dims = p.spec().dims;
+  if (!dims.context_parallel()) return;
+  p.context = std::make_unique<ContextParallel>(p.model, p.mesh->comm("cp"), dims.cp_impl,
+                                                dims.a2a_group(model_dims(p.model->config())));
+}
+
 void apply_activation_checkpointing(Parallelized& p) {
   const ParallelSpec& spec = p.spec();
   if (spec.activation_checkpoint == CheckpointMode::kNone) return;
@@ -86,10 +93,10 @@ void apply_data_parallel(Parallelized& p) {
   o.norm = p.norm_groups;
   if (p.experts) {
     o.expert = &model::is_expert_tensor;
-    o.expert_comm = p.mesh->comm(std::vector<std::string>{"dp", "fsdp"});
+    o.expert_comm = p.mesh->comm(std::vector<std::string>{"dp", "fsdp", "cp"});
     o.expert_scale = 1.0 / static_cast<double>(p.spec().dims.ep);
   }
-  p.data_parallelism = std::make_unique<DataParallel>(*p.trained, p.data, o);
+  p.data_parallelism = std::make_unique<DataParallel>(*p.trained, p.reduce, o);
 }
 
 void apply_fully_sharded(Parallelized& p) {
@@ -115,12 +122,14 @@ void apply_fully_sharded(Parallelized& p) {
   if (p.pipeline && p.pipeline->tied_embedding_group()) {
     o.own_unit = [](const std::string& name) { return name == pipeline::StagedModel::tied_embedding_name(); };
   }
-  ShardingGroups groups{p.mesh->comm("fsdp"), p.mesh->comm("dp"), p.data, p.norm_groups.tensor, p.norm_groups.pipeline};
+  // Context-parallel peers hold copies of the same shards, like replicas.
+  ShardingGroups groups{p.mesh->comm("fsdp"), p.mesh->comm(std::vector<std::string>{"dp", "cp"}), p.reduce,
+                        p.norm_groups.tensor, p.norm_groups.pipeline};
   if (p.experts) {
-    // Non-expert parameters are copies over dp x ep; an expert's over dp only.
-    groups.replicate = p.mesh->comm(std::vector<std::string>{"dp", "ep"});
-    groups.expert_replicate = p.mesh->comm("dp");
-    groups.expert_all = p.mesh->comm(std::vector<std::string>{"dp", "fsdp"});
+    // Non-expert parameters are copies over dp x ep (x cp); an expert's over dp (x cp) only.
+    groups.replicate = p.mesh->comm(std::vector<std::string>{"dp", "ep", "cp"});
+    groups.expert_replicate = p.mesh->comm(std::vector<std::string>{"dp", "cp"});
+    groups.expert_all = p.mesh->comm(std::vector<std::string>{"dp", "fsdp", "cp"});
     groups.expert = p.experts->comm();
     o.expert = &model::is_expert_tensor;
     o.expert_scale = 1.0 / static_cast<double>(spec.dims.ep);
@@ -141,11 +150,13 @@ Parallelized parallelize(model::Gpt model, std::shared_ptr<comm::Communicator> w
   p.trained = p.model.ptr();
   p.mesh = std::make_shared<mesh::DeviceMesh>(p.world, p.spec().dims.mesh_layout());
   p.data = p.mesh->comm(std::vector<std::string>{"dp", "fsdp", "ep"});
+  p.reduce = p.mesh->comm(std::vector<std::string>{"dp", "fsdp", "ep", "cp"});
   apply_lora(p);
   apply_tensor_parallel(p);
   apply_expert_parallel(p);
   apply_pipeline(p);
   if (p.lora) model::freeze_base(*p.model);  // the pipeline's copy of a tied embedding too
+  apply_context_parallel(p);
   apply_activation_checkpointing(p);
   if (p.spec().dims.zero_stage == 0) {
     apply_data_parallel(p);
@@ -163,6 +174,7 @@ std::string Parallelized::describe() const {
     text += " x expert parallel ep(" + std::to_string(spec().dims.ep) + "), " +
             std::to_string(experts->experts_per_rank()) + " experts per rank";
   }
+  if (context) text += " x " + context->describe();
   if (pipeline) text += ", " + pipeline->describe(options.micro_batch);
   if (lora) {
     text += ", LoRA r " + std::to_string(options.lora.rank) + " on " + std::to_string(options.lora.targets.size()) +

@@ -7,6 +7,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/model/lora.h"
 #include "meshtrain/parallel/activation_checkpoint.h"
+#include "meshtrain/parallel/context_parallel.h"
 #include "meshtrain/parallel/data_parallel.h"
 #include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/parallel/fully_sharded.h"
@@ -38,16 +39,20 @@ struct ParallelizeOptions {
 struct Parallelized {
   ParallelizeOptions options;  // the spec resolved and checked
   // The world wrapped for the device's tensors, the mesh pp x dp x fsdp x ep
-  // x tp over it, and the ranks that read different micro-batches (dp x fsdp x ep).
+  // x cp x tp over it, the ranks that read different micro-batches (dp x
+  // fsdp x ep), and those whose gradients and losses are averaged: the data
+  // ranks and their context-parallel peers (dp x fsdp x ep x cp).
   std::shared_ptr<comm::Communicator> world;
   std::shared_ptr<mesh::DeviceMesh> mesh;
   std::shared_ptr<comm::Communicator> data;
+  std::shared_ptr<comm::Communicator> reduce;
   model::Gpt model{nullptr};
   // What data parallelism wraps: the model, or with annotations its parameters' local pieces.
   std::shared_ptr<torch::nn::Module> trained;
   std::unique_ptr<TensorParallelism> tensor;
   std::unique_ptr<ExpertParallel> experts;
   std::unique_ptr<pipeline::StagedModel> pipeline;
+  std::unique_ptr<ContextParallel> context;
   std::shared_ptr<ActivationCheckpoint> checkpointing;
   std::unique_ptr<DataParallelism> data_parallelism;
   // How this rank's parameters relate to the whole model's (for the norm).
@@ -63,8 +68,8 @@ struct Parallelized {
 };
 
 // Note [Apply order]
-// parallelize() lays the ranks out as pp x dp x fsdp x ep x tp and applies, in
-// this order:
+// parallelize() lays the ranks out as pp x dp x fsdp x ep x cp x tp and
+// applies, in this order:
 //   0. LoRA adapters (options.lora): registered under the targeted linears,
 //      the rest frozen, their hooks innermost, so every technique below sees
 //      adapters as parameters of the linears they adapt (model/lora.h);
@@ -75,11 +80,16 @@ struct Parallelized {
 //      layer's experts, tokens travel by all-to-all (expert_parallel.h);
 //   3. the pipeline stage split over pp: the model cut to this rank's stages,
 //      the tied embedding kept by the first and last (pipeline/staged_model.h);
-//   4. activation checkpointing: after tensor parallel, so that its
-//      collectives run again in the recompute (activation_checkpoint.h);
-//   5. data parallel (zero_stage 0) or ZeRO-1/2/3 over dp x fsdp, last: it
-//      sees the parameters as the layers before left them (data_parallel.h,
-//      fully_sharded.h); frozen ones take no gradient and no optimizer state.
+//   4. context parallel over cp: every block's attention core replaced by
+//      attention across the cp group, on the heads tensor parallel left
+//      (context_parallel.h); the step engine cuts each micro-batch to the
+//      rank's rows;
+//   5. activation checkpointing: after tensor and context parallel, so that
+//      their collectives run again in the recompute (activation_checkpoint.h);
+//   6. data parallel (zero_stage 0) or ZeRO-1/2/3 over dp x fsdp, the
+//      gradients averaged over cp too, last: it sees the parameters as the
+//      layers before left them (data_parallel.h, fully_sharded.h); frozen
+//      ones take no gradient and no optimizer state.
 // Each later step sees the model as the earlier ones left it; nothing else in
 // meshtrain applies a parallelism to the trainer's model. The random streams
 // are gathered last, from the default generators and tensor parallel's.

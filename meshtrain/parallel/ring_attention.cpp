@@ -58,16 +58,25 @@ std::vector<Segment> segments_of(const at::Tensor& positions) {
   return out;
 }
 
-// Which (query, key) pairs of two segments a causal mask keeps: none (every
-// key after every query: the product is skipped), all, or some.
+// Which (query, key) pairs of two segments the rule keeps: none (every key
+// after every query, or every key out of every query's window: the product
+// is skipped), all, or some.
 enum class Cover { kNone, kAll, kSome };
-Cover cover(const Segment& q, const Segment& k, bool causal) {
-  if (!causal || q.first >= k.last) return Cover::kAll;
-  return q.last < k.first ? Cover::kNone : Cover::kSome;
+Cover cover(const Segment& q, const Segment& k, const AttentionRule& rule) {
+  if (!rule.causal) return Cover::kAll;
+  if (q.last < k.first || (rule.window > 0 && q.first - k.last >= rule.window)) return Cover::kNone;
+  const bool all = q.first >= k.last && (rule.window == 0 || q.last - k.first < rule.window);
+  return all ? Cover::kAll : Cover::kSome;
 }
 
-at::Tensor allowed_of(const Segment& q, const Segment& k) {  // [lq, lk]: key position <= query position
-  return at::arange(q.first, q.last + 1, at::kLong).unsqueeze(1) >= at::arange(k.first, k.last + 1, at::kLong).unsqueeze(0);
+at::Tensor allowed_of(const Segment& q, const Segment& k, const AttentionRule& rule) {  // [lq, lk]
+  return allowed_pairs(at::arange(q.first, q.last + 1, at::kLong), at::arange(k.first, k.last + 1, at::kLong), rule);
+}
+
+// The scores of a block, soft-capped where the rule says.
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const AttentionRule& rule) {
+  const at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * rule.scale;
+  return rule.softcap > 0 ? at::tanh(s / rule.softcap) * rule.softcap : s;
 }
 
 // One segment pair: queries q [B, Hkv, G, lq, D] (a key/value head's query
@@ -78,8 +87,8 @@ struct Partial {
 };
 
 Partial block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
-                      double scale) {
-  at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * scale;  // [B, Hkv, G, lq, lk]
+                      const AttentionRule& rule) {
+  at::Tensor s = scores(q, k, rule);  // [B, Hkv, G, lq, lk]
   if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   at::Tensor lse = at::logsumexp(s, -1, /*keepdim=*/true);
   at::Tensor p = at::exp(s - lse);
@@ -139,8 +148,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   }
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
-                            const at::Tensor& v_in, const at::Tensor& positions, const CommPtr& comm, double scale,
-                            bool causal) {
+                            const at::Tensor& v_in, const at::Tensor& positions, const CommPtr& comm,
+                            const AttentionRule& rule) {
     const at::Tensor q = grouped(q_in, k_in.size(1));
     const std::vector<Segment> mine = segments_of(positions);
     std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(), positions.contiguous()};
@@ -151,27 +160,29 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       const at::Tensor k = block[0].unsqueeze(2), v = block[1].unsqueeze(2);
       for (const Segment& ks : segments_of(block[2])) {
         for (size_t i = 0; i < mine.size(); ++i) {
-          const Cover c = cover(mine[i], ks, causal);
+          const Cover c = cover(mine[i], ks, rule);
           if (c == Cover::kNone) continue;
           const at::Tensor qq = q.narrow(3, mine[i].begin, mine[i].length);
           profiled(qq, ks.length, [&] {
             merge(acc[i], block_forward(qq, k.narrow(3, ks.begin, ks.length), v.narrow(3, ks.begin, ks.length),
-                                        c == Cover::kSome ? allowed_of(mine[i], ks) : at::Tensor(), scale));
+                                        c == Cover::kSome ? allowed_of(mine[i], ks, rule) : at::Tensor(), rule));
           });
         }
       }
       if (hop) block = finish_overlapped(*hop);
     }
     std::vector<at::Tensor> outs, lses;
-    for (const Partial& p : acc) {
+    for (const Partial& p : acc) {  // every segment sees at least its own positions
       outs.push_back(p.out);
       lses.push_back(p.lse);
     }
     const at::Tensor out = at::cat(outs, 3), lse = at::cat(lses, 3);
     ctx->save_for_backward({q_in, k_in, v_in, positions, out, lse});
     save_comm(ctx, comm);
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = rule.scale;
+    ctx->saved_data["causal"] = rule.causal;
+    ctx->saved_data["window"] = rule.window;
+    ctx->saved_data["softcap"] = rule.softcap;
     return out.reshape(q_in.sizes()).to(q_in.scalar_type());
   }
 
@@ -180,8 +191,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const at::Tensor &q_in = saved[0], &k_in = saved[1], &v_in = saved[2], &positions = saved[3];
     const at::Tensor &out = saved[4], &lse = saved[5];
     const CommPtr comm = saved_comm(ctx);
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const bool causal = ctx->saved_data["causal"].toBool();
+    const AttentionRule rule{ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+                             ctx->saved_data["window"].toInt(), ctx->saved_data["softcap"].toDouble()};
+    const double scale = rule.scale;
     const int64_t kv_heads = k_in.size(1);
     const at::Tensor q = grouped(q_in, kv_heads), d_out = grouped(grads[0], kv_heads);
     const at::Tensor delta = (d_out * out).sum(-1, /*keepdim=*/true);  // D = rowsum(dO ∘ O)
@@ -197,16 +209,22 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       const at::Tensor k = block[0].unsqueeze(2), v = block[1].unsqueeze(2);
       for (const Segment& ks : segments_of(block[2])) {
         for (const Segment& qs : mine) {
-          const Cover c = cover(qs, ks, causal);
+          const Cover c = cover(qs, ks, rule);
           if (c == Cover::kNone) continue;
           const at::Tensor qq = q.narrow(3, qs.begin, qs.length), kk = k.narrow(3, ks.begin, ks.length),
                            vv = v.narrow(3, ks.begin, ks.length), l = lse.narrow(3, qs.begin, qs.length),
                            d_o = d_out.narrow(3, qs.begin, qs.length);
           profiled(qq, ks.length, [&] {
-            at::Tensor s = at::matmul(qq, kk.transpose(-2, -1)) * scale;
-            if (c == Cover::kSome) s = s.masked_fill(allowed_of(qs, ks).logical_not(), -std::numeric_limits<float>::infinity());
+            at::Tensor s = scores(qq, kk, rule);
+            if (c == Cover::kSome) {
+              s = s.masked_fill(allowed_of(qs, ks, rule).logical_not(), -std::numeric_limits<float>::infinity());
+            }
             const at::Tensor p = at::where(at::isfinite(l), at::exp(s - l), at::zeros_like(s));
-            const at::Tensor d_s = p * (at::matmul(d_o, vv.transpose(-2, -1)) - delta.narrow(3, qs.begin, qs.length));
+            at::Tensor d_s = p * (at::matmul(d_o, vv.transpose(-2, -1)) - delta.narrow(3, qs.begin, qs.length));
+            if (rule.softcap > 0) {  // d(c·tanh(x/c))/dx = 1 − tanh²(x/c), the capped score over c being that tanh
+              const at::Tensor t = at::where(at::isfinite(s), s / rule.softcap, at::zeros_like(s));
+              d_s = d_s * (1 - t * t);
+            }
             d_q.narrow(3, qs.begin, qs.length).add_(at::matmul(d_s, kk) * scale);
             block[3].narrow(2, ks.begin, ks.length).add_(at::matmul(d_s.transpose(-2, -1), qq).sum(2) * scale);
             block[4].narrow(2, ks.begin, ks.length).add_(at::matmul(p.transpose(-2, -1), d_o).sum(2));
@@ -229,14 +247,24 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 }  // namespace
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                          const std::shared_ptr<comm::Communicator>& comm, double scale, bool causal) {
+                          const std::shared_ptr<comm::Communicator>& comm, const AttentionRule& rule) {
   if (q.dim() != 4 || k.dim() != 4 || v.sizes() != k.sizes() || q.size(0) != k.size(0) || q.size(2) != k.size(2) ||
       q.size(3) != k.size(3) || k.size(1) == 0 || q.size(1) % k.size(1) != 0) {
     throw std::invalid_argument("ring_attention: q [B, H, T, D] and k, v [B, Hkv, T, D] with H a multiple of Hkv");
   }
   if (positions.dim() != 1 || positions.size(0) != q.size(2) || positions.scalar_type() != at::kLong)
     throw std::invalid_argument("ring_attention: positions must be int64 [T], one per local row");
-  return RingAttention::apply(q, k, v, positions, comm, scale, causal);
+  if (rule.window < 0 || (rule.window > 0 && !rule.causal) || rule.softcap < 0) {
+    throw std::invalid_argument("ring_attention: a window >= 0 (with causal attention only) and a soft-cap >= 0");
+  }
+  return RingAttention::apply(q, k, v, positions, comm, rule);
+}
+
+at::Tensor allowed_pairs(const at::Tensor& queries, const at::Tensor& keys, const AttentionRule& rule) {
+  const at::Tensor distance = queries.unsqueeze(1) - keys.unsqueeze(0);  // query position − key position
+  if (!rule.causal) return at::ones({queries.size(0), keys.size(0)}, at::kBool);
+  const at::Tensor seen = distance >= 0;
+  return rule.window > 0 ? seen.logical_and(distance < rule.window) : seen;
 }
 
 RingProfileScope::RingProfileScope(RingProfile& profile) : previous_(current_profile) { current_profile = &profile; }

@@ -36,14 +36,27 @@ namespace meshtrain::parallel {
 // the last rank 2·cp − 1 times the first one's (attention_pairs counts both).
 // Grouped-query attention: the queries of one key/value head's group are
 // stacked as rows, so blocks travel with the key/value heads only.
+// A sliding window and soft-capped scores (AttentionRule) change which pairs
+// are kept and the scores' function, not the ring: the window hides more
+// pairs (whole ones skipped the same way), the cap's derivative 1 − tanh²
+// joins dS in backward.
 // Arithmetic is in float32 whatever the inputs' dtype; the result has q's.
 
 // q: [B, H, T, D]; k, v: [B, Hkv, T, D] (H a multiple of Hkv); positions: [T]
 // int64, the global position of each local row (the same for q and k, v).
 // Differentiable in q, k and v. Every rank of `comm` must call it with the
-// same B, H, Hkv, D and T.
+// same B, H, Hkv, D, T and rule.
+//
+// What attention computes beside softmax over every key: the scores' scale,
+// the causal mask, a sliding window and a soft-cap (model/attention_variants.h).
+struct AttentionRule {
+  double scale = 1.0;
+  bool causal = true;
+  int64_t window = 0;  // with causal: a query sees its own position and the window − 1 before it; 0: all before it
+  double softcap = 0;  // scores c·tanh(s/c) before the mask; 0: none
+};
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                          const std::shared_ptr<comm::Communicator>& comm, double scale, bool causal);
+                          const std::shared_ptr<comm::Communicator>& comm, const AttentionRule& rule);
 
 // The global positions rank `rank` of `cp` holds under the zigzag split of a
 // sequence of `length`: chunks rank and 2·cp − 1 − rank of 2·cp. Throws
@@ -76,5 +89,8 @@ class RingProfileScope {
 // The (query, key) pairs a rank computes for its rows `positions` in a
 // sequence of `length` (causal: key ≤ query): its share of the attention FLOPs.
 int64_t attention_pairs(const at::Tensor& positions, int64_t length, bool causal);
+// Which keys (global positions `keys`) each query (`queries`) may see under
+// `rule`: [queries, keys] bool.
+at::Tensor allowed_pairs(const at::Tensor& queries, const at::Tensor& keys, const AttentionRule& rule);
 
 }  // namespace meshtrain::parallel

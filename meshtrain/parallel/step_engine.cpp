@@ -49,6 +49,14 @@ double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const
   if (weights.empty()) weights.assign(count, 1.0 / static_cast<double>(count));
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == count, "a weight per micro-batch");
   set_aux_loss_scale(1.0 / static_cast<double>(count));
+  if (!parts_.context) return forward_backward_rows(inputs, targets, weights, documents);
+  const ContextParallel::Rows rows = parts_.context->rows(inputs, targets, weights, documents);
+  return forward_backward_rows(rows.inputs, rows.targets, rows.weights, rows.positions);
+}
+
+double StepEngine::forward_backward_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                                         const std::vector<double>& weights, const std::vector<at::Tensor>& documents) {
+  const int64_t count = static_cast<int64_t>(inputs.size());
   if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, weights, documents);
   const ParallelizeOptions& o = parts_.options;
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
@@ -75,6 +83,13 @@ double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const
 double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                             std::vector<double> weights, const std::vector<at::Tensor>& documents) {
   if (weights.empty()) weights.assign(inputs.size(), 1.0);
+  if (!parts_.context) return evaluate_rows(inputs, targets, weights, documents);
+  const ContextParallel::Rows rows = parts_.context->rows(inputs, targets, weights, documents);
+  return evaluate_rows(rows.inputs, rows.targets, rows.weights, rows.positions);
+}
+
+double StepEngine::evaluate_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                                 const std::vector<double>& weights, const std::vector<at::Tensor>& documents) {
   memory::PhaseScope phase(memory::Phase::kEval);
   torch::NoGradGuard no_grad;
   const ParallelizeOptions& o = parts_.options;
@@ -120,15 +135,15 @@ double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::v
   };
   const mesh::ParallelDims& dims = parts_.spec().dims;
   const int64_t context = model->config().context;
-  const int64_t rows = dims.sequence_parallel ? context / dims.tp : context;
+  const int64_t rows = context / dims.cp / (dims.sequence_parallel ? dims.tp : 1);
   const at::ScalarType dtype = parts_.sharded() ? parts_.spec().param_dtype : at::kFloat;
   return staged.executor().run(schedule, callbacks, {inputs.front().size(0), rows, model->config().width}, dtype);
 }
 
 double StepEngine::mean_loss(double local) {
-  at::Tensor loss = at::full({1}, local, at::TensorOptions(at::kDouble).device(parts_.data->device()));
+  at::Tensor loss = at::full({1}, local, at::TensorOptions(at::kDouble).device(parts_.reduce->device()));
   if (parts_.pipeline) parts_.pipeline->comm()->all_reduce(loss).wait();  // the last stage has it
-  parts_.data->all_reduce(loss, comm::ReduceOp::kAvg).wait();            // tensor-parallel ranks hold the same
+  parts_.reduce->all_reduce(loss, comm::ReduceOp::kAvg).wait();          // tensor-parallel ranks hold the same
   return loss.item<double>();
 }
 

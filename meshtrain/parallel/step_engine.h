@@ -27,13 +27,16 @@ class StepEngine {
   // batch's counted targets). Returns the summed weighted loss where it is
   // computed (the last pipeline stage; 0 elsewhere). Gradients are then reduced.
   // `documents`: each micro-batch's packed-document positions (Note [Packed documents]), or none.
+  // Under context parallel each micro-batch is cut to this rank's rows first
+  // (ContextParallel::rows).
   double forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                           std::vector<double> weights = {}, const std::vector<at::Tensor>& documents = {});
   // The summed loss of evaluation micro-batches (no gradients), each times its weight (none: 1).
   double evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                   std::vector<double> weights = {}, const std::vector<at::Tensor>& documents = {});
-  // The mean over data ranks of a per-rank loss sum `local` (taken from the
-  // last pipeline stage; tensor-parallel ranks hold the same).
+  // The mean over data ranks and their context-parallel peers of a per-rank
+  // loss sum `local` (taken from the last pipeline stage; tensor-parallel
+  // ranks hold the same).
   double mean_loss(double local);
   void zero_grad();
   // Completes the gradients (a tied embedding's two copies summed), returns
@@ -50,6 +53,11 @@ class StepEngine {
  private:
   // The auxiliary losses' share of the loss gradient (the main loss is divided by the micro-batches).
   void set_aux_loss_scale(double scale);
+  // forward_backward() and evaluate() on the rows this rank computes, with their weights.
+  double forward_backward_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                               const std::vector<double>& weights, const std::vector<at::Tensor>& documents);
+  double evaluate_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                       const std::vector<double>& weights, const std::vector<at::Tensor>& documents);
   double run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
                       const std::vector<at::Tensor>& targets, const std::vector<double>& weights,
                       const std::vector<at::Tensor>& documents);

@@ -48,34 +48,60 @@ struct Regroup : torch::autograd::Function<Regroup> {
   }
 };
 
-}  // namespace
-
-at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
-                                double scale, bool causal) {
-  const int64_t cp = comm->size();
+// The checks both entry points share; `a2a` is the all-to-all group.
+void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t a2a) {
   if (q.dim() != 4 || k.dim() != 4 || v.sizes() != k.sizes() || q.size(2) != k.size(2) || k.size(1) == 0 ||
       q.size(1) % k.size(1) != 0) {
     throw std::invalid_argument("all_to_all_attention: q [B, H, T, D] and k, v [B, Hkv, T, D] with H a multiple of Hkv");
   }
-  if (q.size(1) % cp != 0 || k.size(1) % cp != 0) {
+  if (q.size(1) % a2a != 0 || k.size(1) % a2a != 0) {
     throw std::invalid_argument("all-to-all attention splits heads over cp: heads (" + std::to_string(q.size(1)) +
                                 ") and key/value heads (" + std::to_string(k.size(1)) + ") must be multiples of cp = " +
-                                std::to_string(cp) + "; use cp_impl = \"ring\" or a cp that divides both");
+                                std::to_string(a2a) + "; use cp_impl = \"ring\" or a cp that divides both");
   }
-  const at::Tensor all_positions = at::empty({cp * positions.size(0)}, at::kLong);
-  comm->all_gather(all_positions, positions.contiguous()).wait();
-  const at::Tensor qh = Regroup::apply(q.to(at::kFloat).contiguous(), comm, true);
+}
+
+// Heads scattered over `comm`, the sequence gathered: q, k, v in float32 and
+// every rank's positions, in rank order.
+struct Gathered {
+  at::Tensor q, k, v, positions;
+};
+Gathered gather_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                         const CommPtr& comm) {
+  Gathered g;
+  g.positions = at::empty({comm->size() * positions.size(0)}, at::kLong);
+  comm->all_gather(g.positions, positions.contiguous()).wait();
+  g.q = Regroup::apply(q.to(at::kFloat).contiguous(), comm, true);
+  g.k = Regroup::apply(k.to(at::kFloat).contiguous(), comm, true);
+  g.v = Regroup::apply(v.to(at::kFloat).contiguous(), comm, true);
+  return g;
+}
+
+}  // namespace
+
+at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
+                                const AttentionRule& rule) {
+  check_shapes(q, k, v, comm->size());
+  const Gathered g = gather_sequence(q, k, v, positions, comm);
   const int64_t group = q.size(1) / k.size(1);
-  const at::Tensor kh = Regroup::apply(k.to(at::kFloat).contiguous(), comm, true).repeat_interleave(group, 1);
-  const at::Tensor vh = Regroup::apply(v.to(at::kFloat).contiguous(), comm, true).repeat_interleave(group, 1);
-  at::Tensor s = at::matmul(qh, kh.transpose(-2, -1)) * scale;
-  if (causal) {
-    const at::Tensor hidden = all_positions.unsqueeze(1) < all_positions.unsqueeze(0);  // key after query
-    s = s.masked_fill(hidden, -std::numeric_limits<float>::infinity());
+  const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
+  at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
+  if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
+  if (rule.causal) {
+    s = s.masked_fill(allowed_pairs(g.positions, g.positions, rule).logical_not(), -std::numeric_limits<float>::infinity());
   }
   const at::Tensor out = at::matmul(at::softmax(s, -1), vh);
   return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());
+}
+
+at::Tensor hybrid_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                            const std::shared_ptr<comm::Communicator>& a2a,
+                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule) {
+  check_shapes(q, k, v, a2a->size());
+  const Gathered g = gather_sequence(q, k, v, positions, a2a);
+  const at::Tensor out = ring_attention(g.q, g.k, g.v, g.positions, ring, rule);
+  return Regroup::apply(out.contiguous(), a2a, false).to(q.scalar_type());
 }
 
 }  // namespace meshtrain::parallel

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/parallel/ring_attention.h"
 
 #include <ATen/ATen.h>
 
@@ -29,6 +30,17 @@ namespace meshtrain::parallel {
 // of cp.
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
-                                double scale, bool causal);
+                                const AttentionRule& rule);
+
+// Hybrid context parallel: the all-to-all over `a2a` (a group of cp_a2a
+// ranks) gathers that group's rows for heads / cp_a2a heads, then ring
+// attention over `ring` (the cp / cp_a2a groups, one rank of each) runs on
+// the gathered rows, and a second all-to-all trades back. Bytes per rank:
+// the all-to-all's on 1/cp_a2a of the heads, the ring's (cp / cp_a2a − 1)
+// hops of cp_a2a times the rows for heads / cp_a2a: the ring carries the
+// same bytes per hop and makes cp_a2a times fewer hops.
+at::Tensor hybrid_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                            const std::shared_ptr<comm::Communicator>& a2a,
+                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule);
 
 }  // namespace meshtrain::parallel

@@ -15,9 +15,10 @@ namespace {
 
 namespace pipeline = parallel::pipeline;
 
-// Sizes of one micro-batch, in elements, and the two ways tensor parallel
-// divides them: head- and MLP-sized tensors always (split), the rest only
-// with sequence parallel (region).
+// Sizes of one micro-batch on a rank, in elements (a cp-th of each sequence
+// under context parallel), and the two ways tensor parallel divides them:
+// head- and MLP-sized tensors always (split), the rest only with sequence
+// parallel (region).
 struct Sizes {
   double tokens, u, t;
   bool sp;
@@ -25,8 +26,8 @@ struct Sizes {
   double region(double x) const { return sp ? x / t : x; }
 };
 
-Sizes sizes(const model::GptConfig& model, int64_t micro_batch, int64_t tp, bool sp) {
-  const double tokens = static_cast<double>(model.context) * static_cast<double>(micro_batch);
+Sizes sizes(const model::GptConfig& model, int64_t micro_batch, int64_t tp, bool sp, int64_t cp) {
+  const double tokens = static_cast<double>(model.context) * static_cast<double>(micro_batch) / static_cast<double>(cp);
   return {tokens, tokens * static_cast<double>(model.width), static_cast<double>(tp), sp && tp > 1};
 }
 
@@ -121,8 +122,23 @@ double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const 
 
 }  // namespace
 
+// What context parallel's attention core saves (parallel/context_parallel.h;
+// `scores`: the softmax's elements of all heads over the whole sequence for
+// this rank's rows).
+double context_parallel_core(const model::GptConfig& model, const Sizes& z, const ActivationOptions& o, double scores) {
+  const double h = static_cast<double>(model.width), qw = static_cast<double>(model.q_width());
+  const double kv = static_cast<double>(model.kv_width()), heads = static_cast<double>(model.heads);
+  const double out_and_lse = 4 * z.split(z.u * qw / h) + 4 * z.split(heads * z.tokens);
+  switch (o.cp_impl) {
+    case mesh::ContextParallelImpl::kRing: return out_and_lse;
+    case mesh::ContextParallelImpl::kAllToAll: return 3 * 4 * z.split(z.u * qw / h) + 4 * z.split(scores);
+    case mesh::ContextParallelImpl::kHybrid: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
+  }
+  return out_and_lse;
+}
+
 double layer_activation_bytes(const model::GptConfig& model, const ActivationOptions& o, bool moe, int64_t ep) {
-  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
+  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp, o.cp);
   const double e = o.precision.activation, mask = o.precision.mask;
   if (o.recompute == parallel::CheckpointMode::kFull) return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
   const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
@@ -132,7 +148,7 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   bytes += e * z.region(z.u);                                // qkv projection's input
   bytes += e * z.split(z.u * qw / h);                        // attention output = output projection's input
   const double scores = heads * s * z.tokens;                // a·s²·b
-  if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective) {
+  if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective && o.cp == 1) {
     // Contiguous q, k, v over every head (k, v repeated), and the causal
     // softmax's blocks; the qkv projection's output is not kept (Note [CPU attention]).
     const double kept = static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true)) / (s * s);
@@ -141,7 +157,9 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   bytes += e * z.split(z.u * (qw + 2 * kv) / h);             // q, k, v
   if (!model.learned_positions()) bytes += e * z.split(z.u * (qw + kv) / h);  // rotated q and k
   if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core
-    if (o.attention == "flash") {
+    if (o.cp > 1) {
+      bytes += context_parallel_core(model, z, o, scores);
+    } else if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
     } else {
       bytes += z.split(scores) * (e + (o.dropout > 0 ? mask + e : 0));  // softmax (+ dropout mask and output)
@@ -244,7 +262,7 @@ RankParameters rank_parameters(const model::GptConfig& model, const Layout& l, c
 double lora_activation_bytes(const model::GptConfig& model, const model::LoraConfig& lora, const ActivationOptions& o,
                              bool moe) {
   if (!lora.enabled() || o.recompute == parallel::CheckpointMode::kFull) return 0;
-  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp);
+  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp, o.cp);
   const double e = o.precision.activation;
   double bytes = 0;
   bool qkv = false;
@@ -268,8 +286,8 @@ struct StepActivations {
 
 StepActivations step_activations(const model::GptConfig& model, const Workload& w, const Layout& l, const Sizes& z) {
   const Precision& p = w.precision;
-  ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.activation_checkpoint,
-                            w.attention, w.dropout, p, w.moe_load};
+  ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
+                            l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
   StepActivations a;
   a.per_layer = layer_activation_bytes(model, options) + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep) + lora_activation_bytes(model, w.lora, options, true);
@@ -423,7 +441,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
 std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Workload& w, const Layout& l,
                                         int64_t microbatches) {
   check_layout(model, l, microbatches);
-  const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel);
+  const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp);
   const StepTerms terms{l,
                         w,
                         z,

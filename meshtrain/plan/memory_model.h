@@ -36,6 +36,13 @@ namespace meshtrain::plan {
 //                 hidden tensors and output, and the index and gate vectors
 //                 of dispatch and combine; a balanced router is assumed (cf
 //                 bounds what one rank receives to tokens · top_k · cf).
+//                 Context parallel divides every token count by cp (a rank
+//                 holds s/cp rows of each sequence), and its attention core
+//                 saves what the cp implementation keeps: the ring its fp32
+//                 output and log-sum-exp (scores are recomputed in backward);
+//                 all-to-all the gathered fp32 q, k, v (k, v repeated per
+//                 query group) and the fp32 softmax of its heads / cp over the
+//                 whole sequence; hybrid the gathered q, k, v and the ring's.
 //   moments       the rank's schedule (a pipeline's, or one micro-batch
 //                 after another) is walked action by action, and the peak is
 //                 the fullest of: the end of a forward on the last stage
@@ -56,6 +63,8 @@ struct ActivationOptions {
   int64_t micro_batch = 1;
   int64_t tp = 1;
   bool sp = false;
+  int64_t cp = 1;
+  mesh::ContextParallelImpl cp_impl = mesh::ContextParallelImpl::kRing;
   parallel::CheckpointMode recompute = parallel::CheckpointMode::kNone;
   std::string attention = "flash";
   double dropout = 0;

@@ -24,28 +24,48 @@ std::string largest_term(const MemoryBreakdown& m) {
   return std::string(it->first) + " " + format_bytes(it->second);
 }
 
-// The mesh shapes of `world` ranks: tp (within a node) x pp x data ranks, of
-// them ep (a MoE model) and ZeRO shards over all replicas or within a node.
+// The context-parallel splits a model allows on `ranks` ranks: cp 1, and
+// each cp that divides them and whose zigzag split the context allows, by
+// the ring, and by all-to-all where the heads per tp rank split over cp.
+std::vector<std::pair<int64_t, mesh::ContextParallelImpl>> cp_choices(const model::GptConfig& model, int64_t ranks,
+                                                                       int64_t tp) {
+  std::vector<std::pair<int64_t, mesh::ContextParallelImpl>> out = {{1, mesh::ContextParallelImpl::kRing}};
+  for (int64_t cp : divisors(ranks)) {
+    if (cp == 1 || model.context % (2 * cp) != 0) continue;
+    out.push_back({cp, mesh::ContextParallelImpl::kRing});
+    if ((model.heads / tp) % cp == 0 && (model.key_value_heads() / tp) % cp == 0) {
+      out.push_back({cp, mesh::ContextParallelImpl::kAllToAll});
+    }
+  }
+  return out;
+}
+
+// The mesh shapes of `world` ranks: tp (within a node) x cp x pp x data
+// ranks, of them ep (a MoE model) and ZeRO shards over all replicas or
+// within a node.
 std::vector<Layout> mesh_shapes(const model::GptConfig& model, const Machine& machine, int64_t world) {
   std::vector<Layout> shapes;
   for (int64_t tp : divisors(world)) {
     if (tp > machine.devices_per_node) continue;  // tensor parallel stays inside a node
-    for (int64_t pp : divisors(world / tp)) {
+    for (const auto& [cp, cp_impl] : cp_choices(model, world / tp, tp)) {
+    for (int64_t pp : divisors(world / (tp * cp))) {
       if (pp > model.layers) continue;
-      const int64_t data = world / (tp * pp);
+      const int64_t data = world / (tp * cp * pp);
       for (int64_t ep : divisors(data)) {
         if (ep > 1 && (!model.moe() || model.moe_experts % ep != 0)) continue;
         const int64_t replicated = data / ep;
         for (int zero = 0; zero <= 3; ++zero) {
           std::vector<int64_t> shard_counts = {zero == 0 ? 1 : replicated};
-          const int64_t node_local = machine.devices_per_node / (tp * ep);
+          const int64_t node_local = machine.devices_per_node / (tp * cp * ep);
           if (zero > 0 && node_local > 1 && node_local < replicated && replicated % node_local == 0) {
             shard_counts.push_back(node_local);
           }
           for (int64_t fsdp : shard_counts) {
             Layout l;
             l.dims.tp = tp;
-            l.dims.sequence_parallel = tp > 1 && model.context % tp == 0;
+            l.dims.cp = cp;
+            l.dims.cp_impl = cp_impl;
+            l.dims.sequence_parallel = tp > 1 && (model.context / cp) % tp == 0;
             l.dims.pp = pp;
             l.dims.ep = ep;
             l.dims.fsdp = fsdp;
@@ -55,6 +75,7 @@ std::vector<Layout> mesh_shapes(const model::GptConfig& model, const Machine& ma
           }
         }
       }
+    }
     }
   }
   return shapes;

@@ -37,6 +37,7 @@ struct StepInputs {
   double m = 1;   // micro-batches per data rank per step
   double b = 1;   // sequences per micro-batch
   double t = 1;   // tp
+  double cp = 1;  // context parallel: a rank computes a cp-th of each sequence
   double rate = 0;  // FLOP/s a device achieves
   double psi = 0, expert_psi = 0;  // the most parameters a rank reduces, and of those the experts
   int64_t most_layers = 0, most_moe_layers = 0;
@@ -71,8 +72,8 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
     if (rank.parameter_count > in.psi) in.psi = rank.parameter_count, in.expert_psi = rank.expert_parameter_count;
   }
   const double sequences = in.m * in.b;  // per data rank per step
-  time.recompute = sequences * slowest_recompute / in.t / in.rate;
-  time.compute = sequences * slowest / in.t / in.rate + time.recompute;
+  time.recompute = sequences * slowest_recompute / in.t / in.cp / in.rate;
+  time.compute = sequences * slowest / in.t / in.cp / in.rate + time.recompute;
   if (in.l.dims.pp > 1) {
     const double bubble = parallel::pipeline::theoretical_bubble(
         static_cast<int>(in.l.dims.pp), static_cast<int>(in.l.dims.virtual_stages), static_cast<int>(in.m));
@@ -103,7 +104,7 @@ void add_expert_parallel(TimeBreakdown& time, const StepInputs& in) {
   if (l.dims.ep == 1 || in.most_moe_layers == 0) return;
   const Link ep_link = link(in.machine, l.dims.ep, l.dims.tp);
   const double n = static_cast<double>(l.dims.ep), forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
-  const double exchange = assignments(in.model, static_cast<double>(in.model.context) * in.b, in.w.moe_load) / in.t *
+  const double exchange = assignments(in.model, static_cast<double>(in.model.context) * in.b / in.cp, in.w.moe_load) / in.t *
                           static_cast<double>(in.model.width) * in.w.precision.activation * (n - 1) / n;  // a tp rank sends its share
   const double per_layer = (2 * forwards + 2) * exchange;
   const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
@@ -119,8 +120,10 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
   const Machine& machine = in.machine;
   const Precision& p = in.w.precision;
   const double psi = in.psi, expert_psi = in.expert_psi, m = in.m;
-  const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dims.dp);
-  const Link shard_link = link(machine, l.dims.fsdp, l.dims.ep * l.dims.tp), replica_link = link(machine, l.data_ranks(), l.dims.tp);
+  // Context-parallel peers average gradients like replicas (Note [Context parallel]).
+  const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dims.dp * l.dims.cp);
+  const Link shard_link = link(machine, l.dims.fsdp, l.dims.ep * l.dims.cp * l.dims.tp),
+             replica_link = link(machine, l.dims.gradient_ranks(), l.dims.tp);
   double hidden_behind = 2.0 / 3.0 * (time.compute - time.recompute);  // backward
   double dp_seconds = 0;
   auto add = [&](const char* group, const char* what, double bytes, double seconds) {
@@ -130,11 +133,11 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
   };
   if (l.dims.zero_stage == 0) {
     // Expert gradients are reduced only among the ranks holding the same experts.
-    const double shared = psi - expert_psi, data = static_cast<double>(l.data_ranks());
+    const double shared = psi - expert_psi, data = static_cast<double>(l.dims.gradient_ranks());
     add("dp", "all-reduce gradients", p.grad * shared, replica_link.all_reduce(p.grad * shared, data));
     if (expert_psi > 0) {
       add("dp", "all-reduce expert gradients", p.grad * expert_psi,
-          link(machine, l.expert_data_ranks(), l.dims.ep * l.dims.tp).all_reduce(p.grad * expert_psi, replicas));
+          link(machine, l.expert_data_ranks() * l.dims.cp, l.dims.ep * l.dims.tp).all_reduce(p.grad * expert_psi, replicas));
     }
   } else {
     const double grads = p.grad * psi, params = p.param * psi;
@@ -142,11 +145,12 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
     add("dp", "reduce-scatter gradients", reductions * grads, reductions * shard_link.all_gather(grads, shards));
     // Shards are copies over dp x ep (an expert's over dp only).
     const double shared = p.grad * (psi - expert_psi) / shards, experts = p.grad * expert_psi / shards;
-    const double copies = static_cast<double>(l.dims.dp * l.dims.ep);
-    if (l.dims.dp * l.dims.ep > 1) add("dp", "all-reduce gradient shards across replicas", shared,
-                             link(machine, l.dims.dp * l.dims.ep, l.dims.tp).all_reduce(shared, copies));
-    if (l.dims.dp > 1 && experts > 0) add("dp", "all-reduce expert gradient shards across replicas", experts,
-                                     link(machine, l.dims.dp, l.dims.tp * l.dims.fsdp * l.dims.ep).all_reduce(experts, replicas));
+    const double copies = static_cast<double>(l.dims.dp * l.dims.ep * l.dims.cp);
+    if (copies > 1) add("dp", "all-reduce gradient shards across replicas", shared,
+                        link(machine, l.dims.dp * l.dims.ep * l.dims.cp, l.dims.tp).all_reduce(shared, copies));
+    if (replicas > 1 && experts > 0) add("dp", "all-reduce expert gradient shards across replicas", experts,
+                                         link(machine, l.dims.dp * l.dims.cp, l.dims.tp * l.dims.fsdp * l.dims.ep)
+                                             .all_reduce(experts, replicas));
     if (l.dims.zero_stage < 3) {
       add("dp", "all-gather parameters", params, shard_link.all_gather(params, shards));
     } else {
@@ -156,6 +160,47 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
     }
   }
   time.data_parallel = std::max(0.0, dp_seconds - hidden_behind);
+}
+
+// Context parallel, per layer and micro-batch (Note [Ring attention], [All-to-all attention]):
+// the ring's key/value hops (fp32, forward and backward), hidden behind the
+// attention's products up to their length, and the key/value gradients'
+// hops home, exposed; the all-to-all's four exchanges each way, exposed;
+// hybrid both, the ring over cp / cp_a2a groups.
+void add_context_parallel(TimeBreakdown& time, const StepInputs& in) {
+  const Layout& l = in.l;
+  if (l.dims.cp == 1) return;
+  const model::GptConfig& model = in.model;
+  const double s = static_cast<double>(model.context), rows = in.b * s / in.cp;
+  const double qw = static_cast<double>(model.q_width()) / in.t, kv = static_cast<double>(model.kv_width()) / in.t;
+  const double forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
+  const double layers = in.m * static_cast<double>(in.most_layers);
+  const int64_t a2a = l.dims.cp_impl == mesh::ContextParallelImpl::kAllToAll ? l.dims.cp
+                      : l.dims.cp_impl == mesh::ContextParallelImpl::kHybrid ? l.dims.a2a_group(parallel::model_dims(model))
+                                                                             : 1;
+  const double ring = static_cast<double>(l.dims.cp / a2a);
+  double exposed = 0, bytes = 0;
+  if (a2a > 1) {  // q, k, v there and the output back, forward and backward
+    const Link group = link(in.machine, a2a, l.dims.tp);
+    const double n = static_cast<double>(a2a), exchange = 4 * rows * (2 * qw + 2 * kv) * (n - 1) / n;
+    bytes += (forwards + 1) * exchange;
+    exposed += (forwards + 1) * (exchange / group.bandwidth + 4 * (n - 1) * group.latency);
+  }
+  if (ring > 1) {
+    const Link hop = link(in.machine, l.dims.cp, l.dims.tp);
+    const double block = 2 * 4 * rows * kv;  // k and v of a rank's rows (a hybrid group's rows over its share of heads)
+    const double kv_hops = (forwards + 1) * (ring - 1) * block, grad_hops = ring * block;
+    // The products the hops hide behind: 12·s·qw FLOPs per row forward and backward, a third of it forward.
+    const double products = (forwards + 2) / 3 * 12 * s * qw * rows / in.rate;
+    bytes += kv_hops + grad_hops;
+    exposed += std::max(0.0, kv_hops / hop.bandwidth - products) + grad_hops / hop.bandwidth +
+               (forwards + 2) * (ring - 1) * hop.latency;
+  }
+  time.context_parallel = layers * exposed;
+  time.traffic.push_back({"cp", a2a == l.dims.cp ? "all-to-all heads and sequence"
+                                : a2a > 1 ? "all-to-all in groups, ring of key/value blocks across"
+                                          : "ring of key/value blocks and their gradients",
+                          layers * bytes, time.context_parallel});
 }
 
 // The pipeline's sends between stages, and offload's traffic with the host.
@@ -187,12 +232,14 @@ TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& w, co
   in.m = static_cast<double>(microbatches);
   in.b = static_cast<double>(l.micro_batch);
   in.t = static_cast<double>(l.dims.tp);
+  in.cp = static_cast<double>(l.dims.cp);
   in.rate = machine.peak_flops * machine.mfu;
-  in.activation = w.precision.activation * static_cast<double>(model.context) * in.b * static_cast<double>(model.width);
+  in.activation = w.precision.activation * static_cast<double>(model.context) / in.cp * in.b * static_cast<double>(model.width);
   TimeBreakdown time;
   add_compute(time, in, ranks);
   add_tensor_parallel(time, in);
   add_expert_parallel(time, in);
+  add_context_parallel(time, in);
   add_data_parallel(time, in);
   add_pipeline_and_offload(time, in);
   const double tokens = in.m * in.b * static_cast<double>(l.data_ranks()) * static_cast<double>(model.context);

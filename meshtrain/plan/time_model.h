@@ -34,14 +34,19 @@ namespace meshtrain::plan {
 //            (tokens · top_k · hidden) to the experts' ranks and back,
 //            forward and backward, exposed; expert gradients all-reduced
 //            over dp x fsdp only (the ranks holding the same experts).
+//            Context parallel: compute and every token count divided by cp;
+//            the ring's fp32 key/value hops per layer hidden behind the
+//            attention products up to their length, its gradient hops and
+//            the all-to-all's exchanges exposed; cp ranks join the gradient
+//            reduction as replicas.
 //            Offload: gradients down and
 //            parameters up over the host link, and the host-side optimizer
 //            streaming its states.
 // A group stays inside a node when its ranks do (the mesh is pp x dp x fsdp
-// x ep x tp with tp innermost); otherwise it runs at the inter-node bandwidth.
+// x ep x cp x tp with tp innermost); otherwise it runs at the inter-node bandwidth.
 
 struct Traffic {
-  std::string group;   // "tp", "ep", "dp", "pp", "host"
+  std::string group;   // "tp", "ep", "cp", "dp", "pp", "host"
   std::string what;    // "all-reduce activations", ...
   double bytes = 0;    // per rank per step
   double seconds = 0;  // before overlap
@@ -55,12 +60,15 @@ struct TimeBreakdown {
   double data_parallel = 0;
   double pipeline = 0;
   double expert_parallel = 0;
+  double context_parallel = 0;
   double offload = 0;
   double tokens_per_second = 0;
   double mfu = 0;             // model FLOPs (no recompute) / (step x devices x peak)
   std::vector<Traffic> traffic;
 
-  double step() const { return compute + bubble + tensor_parallel + data_parallel + pipeline + expert_parallel + offload; }
+  double step() const {
+    return compute + bubble + tensor_parallel + data_parallel + pipeline + expert_parallel + context_parallel + offload;
+  }
 };
 
 // `microbatches` per data rank per step; `ranks` from estimate_memory() of

@@ -158,7 +158,8 @@ class CountingAllocator final : public c10::Allocator {
                        phase_name(phase), ": allocating ", format_mib(bytes), " with ", format_mib(now - bytes),
                        " in use would exceed the per-rank limit of ", format_mib(limit),
                        " (memory.limit_mb). Shard more (a higher parallel.zero_stage, more ranks), use a smaller "
-                       "training.micro_batch, offload (the [offload] settings), or raise the limit.");
+                       "training.micro_batch, split long sequences (parallel.cp), offload (the [offload] settings), or raise "
+                       "the limit.");
     }
     raise_to(g_peak, now);
     raise_to(g_phase_peak[g_phase.load(std::memory_order_relaxed)], now);

@@ -35,7 +35,7 @@ TEST(ParallelDims, UnsetAxesTakeTheRanksTheOthersLeave) {
   d.resolve(6);
   EXPECT_EQ(d.dp, 6);
   EXPECT_EQ(d.fsdp, 1);
-  EXPECT_EQ(d.mesh_layout().describe(), "pp(1) * dp(6) * fsdp(1) * ep(1) * tp(1)");
+  EXPECT_EQ(d.mesh_layout().describe(), "pp(1) * dp(6) * fsdp(1) * ep(1) * cp(1) * tp(1)");
   EXPECT_EQ(d.str(), "pp=1 dp=6 fsdp=1 tp=1 zero=0");
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 namespace meshtrain::parallel {
@@ -33,12 +34,17 @@ at::Tensor same(at::IntArrayRef shape, uint64_t seed) {
   return at::randn(shape, g);
 }
 
-// softmax(QKᵀ·scale, causal)·V over the whole sequence, k and v repeated per query group.
-at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal) {
+// softmax(QKᵀ·scale, causal, window, soft-cap)·V over the whole sequence, k and v repeated per query group.
+at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionRule& rule) {
   const int64_t group = q.size(1) / k.size(1), t = q.size(2);
   const at::Tensor kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
-  at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) * scale;
-  if (causal) s = s.masked_fill(at::ones({t, t}, at::kBool).triu(1), -std::numeric_limits<float>::infinity());
+  at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) * rule.scale;
+  if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
+  if (rule.causal) {
+    at::Tensor hidden = at::ones({t, t}, at::kBool).triu(1);
+    if (rule.window > 0) hidden = hidden.logical_or(at::ones({t, t}, at::kBool).tril(-rule.window));
+    s = s.masked_fill(hidden, -std::numeric_limits<float>::infinity());
+  }
   return at::matmul(at::softmax(s, -1), vv);
 }
 
@@ -51,27 +57,29 @@ struct Case {
   int64_t heads, kv_heads;
   bool causal, zigzag;
   at::ScalarType dtype;
+  int64_t window = 0;
+  double softcap = 0;
 };
 
-using Attention = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const CommPtr&, double, bool);
+using Attention = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const CommPtr&, const AttentionRule&)>;
 
 void check(const CommPtr& comm, const Case& c, const std::string& what, Attention attention = ring_attention) {
   const int cp = comm->size(), r = comm->rank();
   const int64_t b = 2, t = 8 * cp, d = 8;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const AttentionRule rule{1.0 / std::sqrt(static_cast<double>(d)), c.causal, c.window, c.softcap};
   const at::Tensor q = same({b, c.heads, t, d}, 1).to(c.dtype), k = same({b, c.kv_heads, t, d}, 2).to(c.dtype),
                    v = same({b, c.kv_heads, t, d}, 3).to(c.dtype), w = same({b, c.heads, t, d}, 4);
   // The oracle: the whole sequence, in fp32.
   const at::Tensor qf = q.to(at::kFloat).clone().requires_grad_(), kf = k.to(at::kFloat).clone().requires_grad_(),
                    vf = v.to(at::kFloat).clone().requires_grad_();
-  const at::Tensor want = reference(qf, kf, vf, scale, c.causal);
+  const at::Tensor want = reference(qf, kf, vf, rule);
   (want * w).sum().backward();
   // This rank's rows, through the ring.
   const at::Tensor pos = c.zigzag ? zigzag_positions(t, cp, r) : contiguous_positions(t, cp, r);
   const at::Tensor ql = q.index_select(2, pos).requires_grad_(), kl = k.index_select(2, pos).requires_grad_(),
                    vl = v.index_select(2, pos).requires_grad_();
-  const at::Tensor got = attention(ql, kl, vl, pos, comm, scale, c.causal);
+  const at::Tensor got = attention(ql, kl, vl, pos, comm, rule);
   EXPECT_EQ(got.scalar_type(), c.dtype) << what;
   (got.to(at::kFloat) * w.index_select(2, pos)).sum().backward();
   const double tol = c.dtype == at::kFloat ? 1e-5 : 2e-2;
@@ -86,10 +94,13 @@ TEST(RingAttention, EqualsWholeSequenceAttention) {
     const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:cp" + std::to_string(cp));
     for (const Case& c : {Case{4, 2, true, true, at::kFloat}, Case{4, 4, true, true, at::kFloat},
                           Case{4, 2, false, true, at::kFloat}, Case{4, 1, true, false, at::kFloat},
-                          Case{4, 2, true, true, at::kBFloat16}}) {
+                          Case{4, 2, true, true, at::kBFloat16}, Case{4, 2, true, true, at::kFloat, 5, 0},
+                          Case{4, 2, true, false, at::kFloat, 11, 2.0}, Case{4, 4, false, true, at::kFloat, 0, 1.5}}) {
       check(comm, c, "cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
                          std::to_string(c.kv_heads) + (c.causal ? ", causal" : "") +
-                         (c.zigzag ? ", zigzag" : ", contiguous") + (c.dtype == at::kBFloat16 ? ", bf16" : ""));
+                         (c.zigzag ? ", zigzag" : ", contiguous") + (c.dtype == at::kBFloat16 ? ", bf16" : "") +
+                         (c.window ? ", window " + std::to_string(c.window) : "") +
+                         (c.softcap > 0 ? ", soft-cap" : ""));
     }
   }
 }
@@ -99,17 +110,37 @@ TEST(AllToAllAttention, EqualsWholeSequenceAttention) {
     const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:cp" + std::to_string(cp));
     const int64_t heads = cp == 3 ? 6 : 8;
     for (const Case& c : {Case{heads, heads, true, true, at::kFloat}, Case{2 * heads, heads, true, false, at::kFloat},
-                          Case{heads, heads, false, true, at::kFloat}, Case{heads, heads, true, true, at::kBFloat16}}) {
+                          Case{heads, heads, false, true, at::kFloat}, Case{heads, heads, true, true, at::kBFloat16},
+                          Case{heads, heads, true, true, at::kFloat, 5, 2.0}}) {
       check(comm, c, "all-to-all, cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
-                         std::to_string(c.kv_heads), all_to_all_attention);
+                         std::to_string(c.kv_heads) + (c.window ? ", window and soft-cap" : ""), all_to_all_attention);
     }
     if (cp == 3) {  // 4 heads do not split 3 ways
       const at::Tensor x = same({1, 4, 6, 8}, 5);
       try {
-        all_to_all_attention(x, x, x, zigzag_positions(18, 3, comm->rank()).narrow(0, 0, 6), comm, 1.0, true);
+        all_to_all_attention(x, x, x, zigzag_positions(18, 3, comm->rank()).narrow(0, 0, 6), comm, {1.0, true});
         ADD_FAILURE() << "4 heads split over cp 3";
       } catch (const std::invalid_argument& e) {
         EXPECT_NE(std::string(e.what()).find("multiples of cp = 3"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
+TEST(HybridAttention, EqualsWholeSequenceAttention) {
+  for (int cp : {4, 8}) {
+    if (world()->size() % cp != 0) continue;
+    const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:hybrid" + std::to_string(cp));
+    for (int a2a = 2; a2a < cp; a2a *= 2) {
+      const int r = comm->rank();
+      const CommPtr group = comm->split(r / a2a, r, "test:a2a"), ring = comm->split(r % a2a, r, "test:ring");
+      auto hybrid = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                        const CommPtr&, const AttentionRule& rule) { return hybrid_attention(q, k, v, pos, group, ring, rule); };
+      for (const Case& c : {Case{8, 8, true, true, at::kFloat}, Case{8, 4, true, true, at::kFloat, 7, 2.0},
+                            Case{4, 2, true, false, at::kFloat}, Case{8, 4, true, true, at::kBFloat16}}) {
+        check(comm, c, "hybrid, cp " + std::to_string(cp) + " as " + std::to_string(a2a) + " all-to-all x " +
+                           std::to_string(cp / a2a) + " ring, heads " + std::to_string(c.heads) + "/" +
+                           std::to_string(c.kv_heads) + (c.window ? ", window and soft-cap" : ""), hybrid);
       }
     }
   }
@@ -151,7 +182,7 @@ TEST(RingAttention, ZigzagBalancesTheScoresComputed) {
     RingProfile profile;
     {
       RingProfileScope scope(profile);
-      ring_attention(q, kv, kv, pos, world(), 0.5, true).sum().backward();
+      ring_attention(q, kv, kv, pos, world(), {0.5, true}).sum().backward();
     }
     at::Tensor all = at::empty({cp}, at::kDouble);
     world()->all_gather(all, at::tensor({static_cast<double>(profile.scores)}, at::kDouble)).wait();
