@@ -89,7 +89,7 @@ struct Partial {
 Partial block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
                       const AttentionRule& rule) {
   at::Tensor s = scores(q, k, rule);  // [B, Hkv, G, lq, lk]
-  if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  if (allowed.defined()) s = s.masked_fill(allowed.to(s.device()).logical_not(), -std::numeric_limits<float>::infinity());
   at::Tensor lse = at::logsumexp(s, -1, /*keepdim=*/true);
   at::Tensor p = at::exp(s - lse);
   p = at::where(at::isfinite(lse), p, at::zeros_like(p));  // rows that see nothing here: weight 0
@@ -120,7 +120,7 @@ struct Hop {
   Hop(comm::Communicator& comm, const std::vector<at::Tensor>& outgoing, int tag) {
     const int n = comm.size(), r = comm.rank();
     for (size_t i = 0; i < outgoing.size(); ++i) {
-      incoming.push_back(at::empty_like(outgoing[i]));
+      incoming.push_back(at::empty(outgoing[i].sizes(), outgoing[i].options()));  // contiguous, whatever came in
       works.push_back(comm.recv(incoming.back(), (r + n - 1) % n, tag + static_cast<int>(i)));
       works.push_back(comm.send(outgoing[i], (r + 1) % n, tag + static_cast<int>(i)));
     }
@@ -200,8 +200,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const std::vector<Segment> mine = segments_of(positions);
     at::Tensor d_q = at::zeros_like(q);
     // The block travels with its gradients; after cp hops they are home.
+    const at::TensorOptions fp32 = k_in.options().dtype(at::kFloat);
     std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(), positions.contiguous(),
-                                  at::zeros_like(k_in, at::kFloat), at::zeros_like(v_in, at::kFloat)};
+                                  at::zeros(k_in.sizes(), fp32), at::zeros(v_in.sizes(), fp32)};
     for (int step = 0; step < comm->size(); ++step) {
       std::unique_ptr<Hop> hop;  // keys, values and positions go ahead of the gradients
       if (step + 1 < comm->size())
@@ -217,7 +218,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           profiled(qq, ks.length, [&] {
             at::Tensor s = scores(qq, kk, rule);
             if (c == Cover::kSome) {
-              s = s.masked_fill(allowed_of(qs, ks, rule).logical_not(), -std::numeric_limits<float>::infinity());
+              s = s.masked_fill(allowed_of(qs, ks, rule).to(s.device()).logical_not(),
+                                -std::numeric_limits<float>::infinity());
             }
             const at::Tensor p = at::where(at::isfinite(l), at::exp(s - l), at::zeros_like(s));
             at::Tensor d_s = p * (at::matmul(d_o, vv.transpose(-2, -1)) - delta.narrow(3, qs.begin, qs.length));

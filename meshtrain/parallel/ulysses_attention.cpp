@@ -89,7 +89,8 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
   if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
   if (rule.causal) {
-    s = s.masked_fill(allowed_pairs(g.positions, g.positions, rule).logical_not(), -std::numeric_limits<float>::infinity());
+    const at::Tensor allowed = allowed_pairs(g.positions, g.positions, rule).to(s.device());
+    s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   }
   const at::Tensor out = at::matmul(at::softmax(s, -1), vh);
   return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());

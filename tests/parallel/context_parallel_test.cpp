@@ -91,6 +91,7 @@ TEST_F(ContextParallelTest, CombinesWithEveryOtherParallelism) {
   if (world()->size() != 4) GTEST_SKIP() << "run at 4 ranks";
   const Overrides moe = with(kLlamaStyle, {"model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=1",
                                            "model.moe_hidden=32", "model.moe_capacity_factor=0",
+                                           "model.moe_second_expert=always",
                                            "model.moe_aux_loss=0", "model.moe_z_loss=0"});
   for (const auto& [name, style] : {std::pair<std::string, Overrides>{"gpt-2", kGpt2Style}, {"llama", kLlamaStyle}}) {
     expect_same(style, {"parallel.cp=2", "parallel.tp=2"}, name);
