@@ -77,11 +77,16 @@ TEST_F(ContextParallelTest, OpenFamiliesAttentionRules) {
   if (n != 2 && n != 4) GTEST_SKIP() << "run at 2 and 4 ranks";
   const Overrides gemma = with(kLlamaStyle, {"model.mlp=geglu", "model.norm_placement=sandwich", "model.norm_plus_one=true",
                                              "model.attn_softcap=20", "model.logit_softcap=15", "model.query_scale=24",
-                                             "model.sliding_window=5", "model.sliding_every=2"});
+                                             "model.sliding_window=5", "model.sliding_every=2", "model.embed_scale=true",
+                                             "model.tie_embeddings=true"});
   const Overrides qwen3 = with(kLlamaStyle, {"model.head_size=24", "model.qk_norm=head", "model.qkv_bias=true"});
   const Overrides mistral = with(kLlamaStyle, {"model.sliding_window=3", "model.rope_scaling=yarn", "model.rope_factor=2",
                                                "model.rope_original_context=8", "model.rotary_fraction=0.5"});
-  for (const auto& [name, model] : {std::pair<std::string, Overrides>{"gemma 2", gemma}, {"qwen3", qwen3}, {"mistral", mistral}}) {
+  const Overrides olmo2 = with(kLlamaStyle, {"model.norm_placement=post", "model.qk_norm=width"});
+  const Overrides llama31 = with(kLlamaStyle, {"model.rope_scaling=llama3", "model.rope_factor=4",
+                                               "model.rope_original_context=8", "model.rope_theta=500000"});
+  for (const auto& [name, model] : {std::pair<std::string, Overrides>{"gemma 2", gemma}, {"qwen3", qwen3}, {"mistral", mistral},
+                                    {"olmo 2", olmo2}, {"llama 3.1", llama31}}) {
     expect_same(model, {"parallel.cp=2"}, name);
     if (n == 4) expect_same(model, {"parallel.cp=4", "parallel.cp_impl=hybrid"}, name);
   }
