@@ -38,14 +38,19 @@ void profiled(const at::Tensor& scores_like_q, int64_t keys, F product) {
 // [begin, begin + length) hold positions first..last. Runs are cut at half
 // the local rows, so that the zigzag split's two chunks stay two segments
 // even where they meet (the middle rank's), and the contiguous split's one
-// run is two.
+// run is two; and at kTileRows, so that a product's scores, its softmax and
+// their gradients are tiles of at most kTileRows² per head, whatever the
+// sequence (the work space stays flat as sequences grow, and the causal
+// skip is finer: only diagonal tiles are masked).
+constexpr int64_t kTileRows = 512;
+
 struct Segment {
   int64_t begin, length, first, last;
 };
 
 std::vector<Segment> segments_of(const at::Tensor& positions) {
   const auto p = positions.accessor<int64_t, 1>();
-  const int64_t most = std::max<int64_t>(1, p.size(0) / 2);
+  const int64_t most = std::min(kTileRows, std::max<int64_t>(1, p.size(0) / 2));
   std::vector<Segment> out;
   for (int64_t i = 0; i < p.size(0); ++i) {
     if (!out.empty() && p[i] == out.back().last + 1 && out.back().length < most) {
@@ -73,10 +78,20 @@ at::Tensor allowed_of(const Segment& q, const Segment& k, const AttentionRule& r
   return allowed_pairs(at::arange(q.first, q.last + 1, at::kLong), at::arange(k.first, k.last + 1, at::kLong), rule);
 }
 
-// The scores of a block, soft-capped where the rule says.
-at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const AttentionRule& rule) {
-  const at::Tensor s = at::matmul(q, k.transpose(-2, -1)) * rule.scale;
-  return rule.softcap > 0 ? at::tanh(s / rule.softcap) * rule.softcap : s;
+// The scores of a tile, soft-capped where the rule says, and masked where
+// `allowed` (if defined) is false: one tile-sized tensor, computed in place.
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const AttentionRule& rule, const at::Tensor& allowed) {
+  at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(rule.scale);
+  if (rule.softcap > 0) s.div_(rule.softcap).tanh_().mul_(rule.softcap);
+  if (allowed.defined()) s.masked_fill_(allowed.to(s.device()).logical_not(), -std::numeric_limits<float>::infinity());
+  return s;
+}
+
+// softmax's numerator exp(s − lse) in place of s; rows whose lse is −inf
+// (they see no key here) get 0.
+void exp_in_place(at::Tensor& s, const at::Tensor& lse) {
+  s.sub_(lse).exp_();
+  s.masked_fill_(at::isfinite(lse).logical_not(), 0);
 }
 
 // One segment pair: queries q [B, Hkv, G, lq, D] (a key/value head's query
@@ -88,12 +103,10 @@ struct Partial {
 
 Partial block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
                       const AttentionRule& rule) {
-  at::Tensor s = scores(q, k, rule);  // [B, Hkv, G, lq, lk]
-  if (allowed.defined()) s = s.masked_fill(allowed.to(s.device()).logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor s = scores(q, k, rule, allowed);  // [B, Hkv, G, lq, lk]
   at::Tensor lse = at::logsumexp(s, -1, /*keepdim=*/true);
-  at::Tensor p = at::exp(s - lse);
-  p = at::where(at::isfinite(lse), p, at::zeros_like(p));  // rows that see nothing here: weight 0
-  return {at::matmul(p, v), lse};
+  exp_in_place(s, lse);
+  return {at::matmul(s, v), lse};
 }
 
 // Merges a block's result into the running one (Note [Ring attention]).
@@ -216,17 +229,13 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
                            vv = v.narrow(3, ks.begin, ks.length), l = lse.narrow(3, qs.begin, qs.length),
                            d_o = d_out.narrow(3, qs.begin, qs.length);
           profiled(qq, ks.length, [&] {
-            at::Tensor s = scores(qq, kk, rule);
-            if (c == Cover::kSome) {
-              s = s.masked_fill(allowed_of(qs, ks, rule).to(s.device()).logical_not(),
-                                -std::numeric_limits<float>::infinity());
-            }
-            const at::Tensor p = at::where(at::isfinite(l), at::exp(s - l), at::zeros_like(s));
-            at::Tensor d_s = p * (at::matmul(d_o, vv.transpose(-2, -1)) - delta.narrow(3, qs.begin, qs.length));
-            if (rule.softcap > 0) {  // d(c·tanh(x/c))/dx = 1 − tanh²(x/c), the capped score over c being that tanh
-              const at::Tensor t = at::where(at::isfinite(s), s / rule.softcap, at::zeros_like(s));
-              d_s = d_s * (1 - t * t);
-            }
+            // Two tile-sized tensors at most (p and dS, in place), three with a soft-cap.
+            at::Tensor p = scores(qq, kk, rule, c == Cover::kSome ? allowed_of(qs, ks, rule) : at::Tensor());
+            at::Tensor tanh_sq;  // soft-cap: (capped score / c)², 0 where masked
+            if (rule.softcap > 0) tanh_sq = p.div(rule.softcap).nan_to_num_(0, 0, 0).square_();
+            exp_in_place(p, l);
+            at::Tensor d_s = at::matmul(d_o, vv.transpose(-2, -1)).sub_(delta.narrow(3, qs.begin, qs.length)).mul_(p);
+            if (rule.softcap > 0) d_s.mul_(tanh_sq.neg_().add_(1));  // d(c·tanh(x/c))/dx = 1 − tanh²(x/c)
             d_q.narrow(3, qs.begin, qs.length).add_(at::matmul(d_s, kk) * scale);
             block[3].narrow(2, ks.begin, ks.length).add_(at::matmul(d_s.transpose(-2, -1), qq).sum(2) * scale);
             block[4].narrow(2, ks.begin, ks.length).add_(at::matmul(p.transpose(-2, -1), d_o).sum(2));

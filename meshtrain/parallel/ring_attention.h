@@ -27,9 +27,11 @@ namespace meshtrain::parallel {
 // dV += Pᵀ·dO, which travel on with their block and reach its owner after cp
 // steps (dS = P ∘ (dO·Vᵀ − D)).
 // Products are computed per pair of position runs (a rank's rows are one
-// run under the contiguous split, two under the zigzag one): a pair whose
-// every key follows every query is skipped, one whose every key precedes
-// every query needs no mask, so causal attention costs about half of full.
+// run under the contiguous split, two under the zigzag one, each cut into
+// tiles of at most 512 rows): a pair whose every key follows every query is
+// skipped, one whose every key precedes every query needs no mask, so
+// causal attention costs about half of full, and a product's work space is
+// a few 512 x 512 score tiles per head however long the sequence.
 // Causal load balance (the zigzag split): with the sequence cut into 2·cp
 // equal chunks, rank i holds chunks i and 2·cp − 1 − i, so every rank has
 // the same number of (query, key) pairs to compute; a contiguous split gives

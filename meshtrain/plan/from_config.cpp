@@ -39,6 +39,7 @@ PlannedRun planned_model(const train::TrainConfig& config) {
                                                                config.model.head_dim(), config.model.dropout);
   const bool math = (config.model.dropout > 0 && !gpu) || capped;
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
+  run.workload.fused_loss = config.model.fused && !gpu && !config.parallel.annotated();
   if (gpu) run.workload.precision.mask = 1;
   return run;
 }

@@ -51,6 +51,9 @@ struct Workload {
   // "math": softmax probabilities (and dropout mask and output) saved, as Korthikanti et al. assume;
   // "batched": the fused CPU attention (Note [CPU attention]): contiguous q, k, v and the softmax.
   std::string attention = "flash";
+  // The loss through the fused CPU kernel (model.fused on the CPU): it keeps
+  // the logits and a log-sum-exp per row, no fp32 log-softmax.
+  bool fused_loss = false;
   double dropout = 0;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one
   // Mixture of experts: assignments the busiest rank computes per MoE layer,

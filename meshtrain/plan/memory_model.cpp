@@ -46,13 +46,17 @@ double norm_saved(const model::GptConfig& model, const Sizes& z, double activati
 // (the logits, and their fp32 copy when activations are 16-bit), and what
 // the loss's backward adds (plain: the gradients of the loss and of the
 // logits; vocabulary-parallel: one gradient; parallel/tensor_parallel_ops.cpp).
+// The fused loss (Workload::fused_loss, one tensor-parallel rank; model/fused/ops.cpp)
+// keeps the logits themselves and a log-sum-exp per row, reads 16-bit
+// logits without an fp32 copy, and its backward makes one gradient.
 struct OutputBytes {
   double kept, forward, backward;
 };
-OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p) {
+OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss) {
   const double e = p.activation;
   const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
+  if (fused_loss && z.t == 1) return {head_inputs + e * logits + 4 * z.tokens, 0, e * logits};
   const double low_precision = e < 4 ? 1 : 0;
   return {head_inputs + 4 * logits, logits * (e + 4 * low_precision),
           (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};
@@ -294,7 +298,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   options.recompute = parallel::CheckpointMode::kNone;
   a.full_layer = std::max(layer_activation_bytes(model, options),
                           model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
-  a.out = output_bytes(model, z, p);
+  a.out = output_bytes(model, z, p, w.fused_loss);
   a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }
