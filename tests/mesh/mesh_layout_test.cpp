@@ -87,7 +87,7 @@ TEST(MeshLayout, FourAndFiveDimensionsPartitionTheWorld) {
 
 TEST(MeshLayout, FromDegreesUsesCanonicalOrder) {
   MeshLayout layout = MeshLayout::from_degrees({{"tp", 2}, {"pp", 2}}, 4);
-  ASSERT_EQ(layout.ndim(), 5);
+  ASSERT_EQ(layout.ndim(), 6);
   EXPECT_EQ(layout.describe(), "pp(2) * dp(1) * fsdp(1) * ep(1) * cp(1) * tp(2)");
   EXPECT_EQ(layout.group_ranks(0, {"tp"}), std::vector<int>({0, 1}));
   EXPECT_NE(error_of([] { MeshLayout::from_degrees({{"xp", 2}}, 2); }).find("unknown mesh axis 'xp'; known axes are pp, dp, fsdp, ep, cp, tp"),
