@@ -167,7 +167,7 @@ int run_plan(const PlanOptions& o) {
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);
     if (layout.world() != o.world) {
-      throw std::invalid_argument("layout " + layout.str() + " uses pp x dp x fsdp x ep x tp = " + std::to_string(layout.world()) +
+      throw std::invalid_argument("layout " + layout.str() + " uses pp x dp x fsdp x ep x cp x tp = " + std::to_string(layout.world()) +
                                   " ranks, not --world " + std::to_string(o.world));
     }
     const plan::Candidate c = plan::evaluate(model, workload, layout, machine);

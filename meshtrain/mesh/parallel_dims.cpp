@@ -48,6 +48,7 @@ void ParallelDims::resolve(int64_t world_size) {
   if (zero_stage == 0 && fsdp > 1) {
     refuse("fsdp", n(fsdp), "shards need zero_stage >= 1 (zero_stage 0 is plain data parallel)");
   }
+  if (cp == 1 && cp_a2a == 0) cp_impl = ContextParallelImpl::kRing;  // how attention crosses ranks means nothing at cp 1
   const int64_t model_ranks = pp * ep * cp * tp;
   const std::string model_formula =
       "pp(" + n(pp) + ") * ep(" + n(ep) + ")" + (cp > 1 ? " * cp(" + n(cp) + ")" : "") + " * tp(" + n(tp) + ")";

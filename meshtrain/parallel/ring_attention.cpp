@@ -2,6 +2,7 @@
 
 #include "meshtrain/parallel/saved_comm.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -48,7 +49,8 @@ struct Segment {
   int64_t begin, length, first, last;
 };
 
-std::vector<Segment> segments_of(const at::Tensor& positions) {
+std::vector<Segment> segments_of(const at::Tensor& positions_anywhere) {
+  const at::Tensor positions = positions_anywhere.cpu();  // a block's travel on the communicator's device
   const auto p = positions.accessor<int64_t, 1>();
   const int64_t most = std::min(kTileRows, std::max<int64_t>(1, p.size(0) / 2));
   std::vector<Segment> out;
@@ -74,8 +76,10 @@ Cover cover(const Segment& q, const Segment& k, const AttentionRule& rule) {
   return all ? Cover::kAll : Cover::kSome;
 }
 
-at::Tensor allowed_of(const Segment& q, const Segment& k, const AttentionRule& rule) {  // [lq, lk]
-  return allowed_pairs(at::arange(q.first, q.last + 1, at::kLong), at::arange(k.first, k.last + 1, at::kLong), rule);
+// [lq, lk], made on `device` (no host-to-device copy per tile).
+at::Tensor allowed_of(const Segment& q, const Segment& k, const AttentionRule& rule, at::Device device) {
+  const at::TensorOptions o = at::TensorOptions(at::kLong).device(device);
+  return allowed_pairs(at::arange(q.first, q.last + 1, o), at::arange(k.first, k.last + 1, o), rule);
 }
 
 // The scores of a tile, soft-capped where the rule says, and masked where
@@ -83,7 +87,7 @@ at::Tensor allowed_of(const Segment& q, const Segment& k, const AttentionRule& r
 at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const AttentionRule& rule, const at::Tensor& allowed) {
   at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(rule.scale);
   if (rule.softcap > 0) s.div_(rule.softcap).tanh_().mul_(rule.softcap);
-  if (allowed.defined()) s.masked_fill_(allowed.to(s.device()).logical_not(), -std::numeric_limits<float>::infinity());
+  if (allowed.defined()) s.masked_fill_(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   return s;
 }
 
@@ -163,9 +167,12 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& positions, const CommPtr& comm,
                             const AttentionRule& rule) {
+    // float32 under autocast too: backward recomputes the scores in fp32 from this forward's lse.
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor q = grouped(q_in, k_in.size(1));
     const std::vector<Segment> mine = segments_of(positions);
-    std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(), positions.contiguous()};
+    std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(),
+                                  positions.to(comm->device()).contiguous()};
     std::vector<Partial> acc(mine.size());
     for (int step = 0; step < comm->size(); ++step) {
       std::unique_ptr<Hop> hop;
@@ -178,7 +185,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           const at::Tensor qq = q.narrow(3, mine[i].begin, mine[i].length);
           profiled(qq, ks.length, [&] {
             merge(acc[i], block_forward(qq, k.narrow(3, ks.begin, ks.length), v.narrow(3, ks.begin, ks.length),
-                                        c == Cover::kSome ? allowed_of(mine[i], ks, rule) : at::Tensor(), rule));
+                                        c == Cover::kSome ? allowed_of(mine[i], ks, rule, q.device()) : at::Tensor(), rule));
           });
         }
       }
@@ -200,6 +207,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q_in = saved[0], &k_in = saved[1], &v_in = saved[2], &positions = saved[3];
     const at::Tensor &out = saved[4], &lse = saved[5];
@@ -214,7 +222,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     at::Tensor d_q = at::zeros_like(q);
     // The block travels with its gradients; after cp hops they are home.
     const at::TensorOptions fp32 = k_in.options().dtype(at::kFloat);
-    std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(), positions.contiguous(),
+    std::vector<at::Tensor> block{k_in.to(at::kFloat).contiguous(), v_in.to(at::kFloat).contiguous(),
+                                  positions.to(comm->device()).contiguous(),
                                   at::zeros(k_in.sizes(), fp32), at::zeros(v_in.sizes(), fp32)};
     for (int step = 0; step < comm->size(); ++step) {
       std::unique_ptr<Hop> hop;  // keys, values and positions go ahead of the gradients
@@ -230,7 +239,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
                            d_o = d_out.narrow(3, qs.begin, qs.length);
           profiled(qq, ks.length, [&] {
             // Two tile-sized tensors at most (p and dS, in place), three with a soft-cap.
-            at::Tensor p = scores(qq, kk, rule, c == Cover::kSome ? allowed_of(qs, ks, rule) : at::Tensor());
+            at::Tensor p = scores(qq, kk, rule, c == Cover::kSome ? allowed_of(qs, ks, rule, q.device()) : at::Tensor());
             at::Tensor tanh_sq;  // soft-cap: (capped score / c)², 0 where masked
             if (rule.softcap > 0) tanh_sq = p.div(rule.softcap).nan_to_num_(0, 0, 0).square_();
             exp_in_place(p, l);

@@ -2,6 +2,7 @@
 
 #include "meshtrain/parallel/saved_comm.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/torch.h>
 
 #include <limits>
@@ -55,9 +56,10 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     throw std::invalid_argument("all_to_all_attention: q [B, H, T, D] and k, v [B, Hkv, T, D] with H a multiple of Hkv");
   }
   if (q.size(1) % a2a != 0 || k.size(1) % a2a != 0) {
-    throw std::invalid_argument("all-to-all attention splits heads over cp: heads (" + std::to_string(q.size(1)) +
+    throw std::invalid_argument("all-to-all attention splits heads over its group: heads (" + std::to_string(q.size(1)) +
                                 ") and key/value heads (" + std::to_string(k.size(1)) + ") must be multiples of cp = " +
-                                std::to_string(a2a) + "; use cp_impl = \"ring\" or a cp that divides both");
+                                std::to_string(a2a) + " (cp_a2a under hybrid); use cp_impl = \"ring\" or a group "
+                                "size that divides both");
   }
 }
 
@@ -69,8 +71,10 @@ struct Gathered {
 Gathered gather_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                          const CommPtr& comm) {
   Gathered g;
-  g.positions = at::empty({comm->size() * positions.size(0)}, at::kLong);
-  comm->all_gather(g.positions, positions.contiguous()).wait();
+  // On the communicator's device (a GPU's for NCCL); the mask is made from them there.
+  const at::Tensor mine = positions.to(comm->device()).contiguous();
+  g.positions = at::empty({comm->size() * positions.size(0)}, mine.options());
+  comm->all_gather(g.positions, mine).wait();
   g.q = Regroup::apply(q.to(at::kFloat).contiguous(), comm, true);
   g.k = Regroup::apply(k.to(at::kFloat).contiguous(), comm, true);
   g.v = Regroup::apply(v.to(at::kFloat).contiguous(), comm, true);
@@ -84,12 +88,13 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const AttentionRule& rule) {
   check_shapes(q, k, v, comm->size());
   const Gathered g = gather_sequence(q, k, v, positions, comm);
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 arithmetic
   const int64_t group = q.size(1) / k.size(1);
   const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
   at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
   if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
   if (rule.causal) {
-    const at::Tensor allowed = allowed_pairs(g.positions, g.positions, rule).to(s.device());
+    const at::Tensor allowed = allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
     s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   }
   const at::Tensor out = at::matmul(at::softmax(s, -1), vh);

@@ -11,7 +11,7 @@
 namespace meshtrain::plan {
 
 // One way to lay a training run out: a ParallelSpec (the degrees of the
-// trainer's mesh pp x dp x fsdp x ep x tp, tp innermost, and the techniques'
+// trainer's mesh pp x dp x fsdp x ep x cp x tp, tp innermost, and the techniques'
 // options: recompute, offload) plus the micro-batch. Degrees are explicit
 // (dp and fsdp 1 unless given).
 struct Layout : parallel::ParallelSpec {

@@ -48,34 +48,34 @@ std::vector<Layout> mesh_shapes(const model::GptConfig& model, const Machine& ma
   for (int64_t tp : divisors(world)) {
     if (tp > machine.devices_per_node) continue;  // tensor parallel stays inside a node
     for (const auto& [cp, cp_impl] : cp_choices(model, world / tp, tp)) {
-    for (int64_t pp : divisors(world / (tp * cp))) {
-      if (pp > model.layers) continue;
-      const int64_t data = world / (tp * cp * pp);
-      for (int64_t ep : divisors(data)) {
-        if (ep > 1 && (!model.moe() || model.moe_experts % ep != 0)) continue;
-        const int64_t replicated = data / ep;
-        for (int zero = 0; zero <= 3; ++zero) {
-          std::vector<int64_t> shard_counts = {zero == 0 ? 1 : replicated};
-          const int64_t node_local = machine.devices_per_node / (tp * cp * ep);
-          if (zero > 0 && node_local > 1 && node_local < replicated && replicated % node_local == 0) {
-            shard_counts.push_back(node_local);
-          }
-          for (int64_t fsdp : shard_counts) {
-            Layout l;
-            l.dims.tp = tp;
-            l.dims.cp = cp;
-            l.dims.cp_impl = cp_impl;
-            l.dims.sequence_parallel = tp > 1 && (model.context / cp) % tp == 0;
-            l.dims.pp = pp;
-            l.dims.ep = ep;
-            l.dims.fsdp = fsdp;
-            l.dims.dp = replicated / fsdp;
-            l.dims.zero_stage = zero;
-            shapes.push_back(l);
+      for (int64_t pp : divisors(world / (tp * cp))) {
+        if (pp > model.layers) continue;
+        const int64_t data = world / (tp * cp * pp);
+        for (int64_t ep : divisors(data)) {
+          if (ep > 1 && (!model.moe() || model.moe_experts % ep != 0)) continue;
+          const int64_t replicated = data / ep;
+          for (int zero = 0; zero <= 3; ++zero) {
+            std::vector<int64_t> shard_counts = {zero == 0 ? 1 : replicated};
+            const int64_t node_local = machine.devices_per_node / (tp * cp * ep);
+            if (zero > 0 && node_local > 1 && node_local < replicated && replicated % node_local == 0) {
+              shard_counts.push_back(node_local);
+            }
+            for (int64_t fsdp : shard_counts) {
+              Layout l;
+              l.dims.tp = tp;
+              l.dims.cp = cp;
+              l.dims.cp_impl = cp_impl;
+              l.dims.sequence_parallel = tp > 1 && (model.context / cp) % tp == 0;
+              l.dims.pp = pp;
+              l.dims.ep = ep;
+              l.dims.fsdp = fsdp;
+              l.dims.dp = replicated / fsdp;
+              l.dims.zero_stage = zero;
+              shapes.push_back(l);
+            }
           }
         }
       }
-    }
     }
   }
   return shapes;

@@ -143,7 +143,7 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
     const double grads = p.grad * psi, params = p.param * psi;
     const double reductions = l.dims.zero_stage == 1 ? 1 : m;  // ZeRO-2/3 reduce-scatter after every micro-batch
     add("dp", "reduce-scatter gradients", reductions * grads, reductions * shard_link.all_gather(grads, shards));
-    // Shards are copies over dp x ep (an expert's over dp only).
+    // Shards are copies over dp x ep x cp (an expert's over dp x cp only).
     const double shared = p.grad * (psi - expert_psi) / shards, experts = p.grad * expert_psi / shards;
     const double copies = static_cast<double>(l.dims.dp * l.dims.ep * l.dims.cp);
     if (copies > 1) add("dp", "all-reduce gradient shards across replicas", shared,
@@ -190,8 +190,9 @@ void add_context_parallel(TimeBreakdown& time, const StepInputs& in) {
     const Link hop = link(in.machine, l.dims.cp, l.dims.tp);
     const double block = 2 * 4 * rows * kv;  // k and v of a rank's rows (a hybrid group's rows over its share of heads)
     const double kv_hops = (forwards + 1) * (ring - 1) * block, grad_hops = ring * block;
-    // The products the hops hide behind: 12·s·qw FLOPs per row forward and backward, a third of it forward.
-    const double products = (forwards + 2) / 3 * 12 * s * qw * rows / in.rate;
+    // The products the hops hide behind: causal, half of 12·s·qw FLOPs per row forward and backward (a third
+    // forward, the backward recomputing the scores once more), those of the ring's last step hiding nothing.
+    const double products = (forwards + 3) / 3 * 6 * s * qw * rows / in.rate * (ring - 1) / ring;
     bytes += kv_hops + grad_hops;
     exposed += std::max(0.0, kv_hops / hop.bandwidth - products) + grad_hops / hop.bandwidth +
                (forwards + 2) * (ring - 1) * hop.latency;

@@ -2,7 +2,7 @@
 # Several hosts on one machine (tests/cli/hosts.sh: network and UTS namespaces
 # on a bridge, Open MPI over TCP, remote daemons started through an rsh agent):
 # every layout split across hosts trains as one process does (losses and the
-# final parameters, fp32: 1e-5 relative, 1e-5 absolute), a checkpoint written across hosts
+# final parameters, fp32: 1e-5 relative, 1e-4 absolute as in the oracle tests), a checkpoint written across hosts
 # resumes on one, a cut link ends the job within the watchdog timeout plus a
 # bound, and a host lost under --max-restarts --min-ranks is left behind: the
 # run ends on the host that remains with the uninterrupted run's losses.
@@ -54,8 +54,11 @@ for step in want:
     assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), f"step {step}: loss {got[step]} != {want[step]}"
 p, q = params(sys.argv[1]), params(sys.argv[2])
 assert p and sorted(p) == sorted(q), "different tensors"
-worst = max((q[k] - p[k]).abs().max().item() for k in p)  # Adam moves every weight by ~lr (1e-3) a step
-assert worst <= 1e-5, f"parameters differ by up to {worst:.2e}"
+# Adam moves every weight by ~lr (1e-3) a step, whatever the size of its gradient, so rounding
+# differences (tensor parallel's partial sums) on a near-zero gradient show at 1e-5 after 9
+# steps (1.1e-5 for tp 2 on one host too); 1e-4 is the oracle tests' per-element bound.
+worst = max((q[k] - p[k]).abs().max().item() for k in p)
+assert worst <= 1e-4, f"parameters differ by up to {worst:.2e}"
 print(f"{os.path.basename(sys.argv[2])}: {len(want)} losses, {len(p)} tensors equal (within {worst:.1e})")
 PY
 }

@@ -110,6 +110,25 @@ TEST_F(ContextParallelTest, CombinesWithEveryOtherParallelism) {
   expect_same(moe, {"parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"}, "llama-moe");
 }
 
+// bfloat16 autocast: the attention across ranks stays in float32 (its backward recomputes the
+// scores from the forward's log-sum-exp), so the losses follow one process's bf16 run within
+// bf16's rounding of the rest of the model.
+TEST_F(ContextParallelTest, BfloatSixteenFollowsOneProcess) {
+  const int n = world()->size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "run at 2 and 4 ranks";
+  for (const std::string& impl : {"ring", "all_to_all"}) {
+    const Overrides bf16 = with(kLlamaStyle, {"training.dtype=bfloat16"});
+    const TrainConfig split = config(n, 2, "", with(bf16, {"parallel.cp=2", "parallel.cp_impl=" + impl}));
+    Trainer parallel(split, world());
+    Trainer single(config(1, 2, "", bf16), alone());
+    for (int s = 0; s < 3; ++s) {
+      const StepResult got = parallel.step(), want = single.step();
+      EXPECT_NEAR(got.loss, want.loss, 1e-2 * want.loss) << impl << ", step " << s + 1;
+      EXPECT_NEAR(got.grad_norm, want.grad_norm, 5e-2 * want.grad_norm) << impl << ", step " << s + 1;
+    }
+  }
+}
+
 // A checkpoint saved at cp 2 resumes at cp 1 (and the other way) and continues one process's losses.
 TEST_F(ContextParallelTest, CheckpointsReshardAcrossContextParallelSizes) {
   const int n = world()->size();

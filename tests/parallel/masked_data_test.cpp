@@ -36,12 +36,15 @@ class MaskedDataTest : public TrainingTest {
   }
 };
 
-// `annotated`: also tensor parallel by sharding annotations (packed rows are refused there).
-std::vector<Overrides> layouts(int ranks, bool annotated) {
+// `unpacked`: also tensor parallel by sharding annotations and context parallel (packed rows
+// are refused there); under cp each rank counts a different share of a row's targets.
+std::vector<Overrides> layouts(int ranks, bool unpacked) {
   std::vector<Overrides> out = {{}, {"parallel.zero_stage=3"}};
   if (ranks % 2 == 0) {
     out.push_back({"parallel.tp=2"});
-    if (annotated) out.push_back({"parallel.tp=2", "parallel.tp_impl=annotations"});
+    if (unpacked) out.push_back({"parallel.tp=2", "parallel.tp_impl=annotations"});
+    if (unpacked) out.push_back({"parallel.cp=2"});
+    if (unpacked) out.push_back({"parallel.cp=2", "parallel.cp_impl=all_to_all", "parallel.zero_stage=2"});
     out.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
     out.push_back({"parallel.pp=2", "parallel.microbatches=4"});
   }

@@ -64,9 +64,11 @@ struct Case {
 using Attention = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const CommPtr&, const AttentionRule&)>;
 
-void check(const CommPtr& comm, const Case& c, const std::string& what, Attention attention = ring_attention) {
+// `rows`: per rank (beyond 1024 the ring's products run in tiles of 512).
+void check(const CommPtr& comm, const Case& c, const std::string& what, Attention attention = ring_attention,
+           int64_t rows = 8) {
   const int cp = comm->size(), r = comm->rank();
-  const int64_t b = 2, t = 8 * cp, d = 8;
+  const int64_t b = rows > 8 ? 1 : 2, t = rows * cp, d = 8;
   const AttentionRule rule{1.0 / std::sqrt(static_cast<double>(d)), c.causal, c.window, c.softcap};
   const at::Tensor q = same({b, c.heads, t, d}, 1).to(c.dtype), k = same({b, c.kv_heads, t, d}, 2).to(c.dtype),
                    v = same({b, c.kv_heads, t, d}, 3).to(c.dtype), w = same({b, c.heads, t, d}, 4);
@@ -124,6 +126,16 @@ TEST(AllToAllAttention, EqualsWholeSequenceAttention) {
         EXPECT_NE(std::string(e.what()).find("multiples of cp = 3"), std::string::npos) << e.what();
       }
     }
+  }
+}
+
+// 1,280 rows per rank: each half cut into tiles of 512 and 128; a window longer than a tile.
+TEST(RingAttention, LongRowsInTilesEqualWholeSequenceAttention) {
+  if (world()->size() % 2 != 0) GTEST_SKIP() << "run at an even rank count";
+  const CommPtr comm = world()->split(world()->rank() / 2, world()->rank(), "test:tiles");
+  for (const Case& c : {Case{2, 1, true, true, at::kFloat, 700, 2.0}, Case{2, 2, true, false, at::kFloat}}) {
+    check(comm, c, std::string("1280 rows per rank, ") + (c.zigzag ? "zigzag, window 700, soft-cap" : "contiguous"),
+          ring_attention, 1280);
   }
 }
 
