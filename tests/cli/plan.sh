@@ -57,7 +57,7 @@ expect_error() {  # message, then the plan arguments
   grep -qF "$message" "$dir/bad.log" || { cat "$dir/bad.log"; exit 1; }
 }
 expect_error "unknown model 'llama9'" --model llama9 --world 8
-expect_error "uses pp x dp x fsdp x ep x tp = 4 ranks, not --world 8" --model llama2-7b --world 8 --layout tp=4
+expect_error "uses pp x dp x fsdp x ep x cp x tp = 4 ranks, not --world 8" --model llama2-7b --world 8 --layout tp=4
 expect_error "tp(3) does not divide the attention heads (32)" --model llama2-7b --world 6 --layout "tp=3 dp=2"
 expect_error "layout key 'tq' unknown" --model llama2-7b --world 8 --layout tq=8
 expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples
