@@ -88,8 +88,9 @@ ContextParallel::Rows ContextParallel::rows(const std::vector<at::Tensor>& input
     const at::Tensor rows = positions(t).to(inputs[i].device());
     const at::Tensor y = targets[i].index_select(1, rows);
     // cp × this rank's share of the counted targets: the losses' average over cp is the whole rows' mean.
-    const double all = static_cast<double>((targets[i] != kIgnored).sum().item<int64_t>());
-    const double mine = static_cast<double>((y != kIgnored).sum().item<int64_t>());
+    // Both counts in one read from the device.
+    const at::Tensor counts = at::stack({(targets[i] != kIgnored).sum(), (y != kIgnored).sum()}).cpu();
+    const double all = static_cast<double>(counts[0].item<int64_t>()), mine = static_cast<double>(counts[1].item<int64_t>());
     out.inputs.push_back(inputs[i].index_select(1, rows));
     out.targets.push_back(y);
     out.weights.push_back(all > 0 ? weights[i] * cp * mine / all : weights[i]);

@@ -281,8 +281,8 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 at::Tensor allowed_pairs(const at::Tensor& queries, const at::Tensor& keys, const AttentionRule& rule) {
+  if (!rule.causal) return at::ones({queries.size(0), keys.size(0)}, queries.options().dtype(at::kBool));
   const at::Tensor distance = queries.unsqueeze(1) - keys.unsqueeze(0);  // query position − key position
-  if (!rule.causal) return at::ones({queries.size(0), keys.size(0)}, at::kBool);
   const at::Tensor seen = distance >= 0;
   return rule.window > 0 ? seen.logical_and(distance < rule.window) : seen;
 }
