@@ -7,6 +7,9 @@
 // ep; a checkpoint saved at one cp resumed at another; the refusals.
 #include "tests/parallel/training_fixture.h"
 
+#include <chrono>
+#include <thread>
+
 namespace meshtrain::train {
 namespace {
 
@@ -108,6 +111,31 @@ TEST_F(ContextParallelTest, CombinesWithEveryOtherParallelism) {
   }
   expect_same(moe, {"parallel.cp=2", "parallel.ep=2"}, "llama-moe");
   expect_same(moe, {"parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"}, "llama-moe");
+}
+
+// ZeRO-2 over fsdp 2 x cp 2 while rank 2 lags in its last block's gradient hook: its fsdp peer
+// (rank 0) then finds that block's reduce-scatter unfinished and goes on into the next blocks'
+// attention exchange over cp, while rank 0's cp peer (rank 1, whose reduce-scatter partner did
+// not lag) has it finished. A fold that all-reduced over cp as soon as it found the reduction
+// done would meet rank 0's attention exchange, and the job would hang; folds over replicas
+// come at the same count on every rank, and the step equals one process.
+TEST_F(ContextParallelTest, ZeroFoldsMeetWhenOneRankLags) {
+  if (world()->size() != 4) GTEST_SKIP() << "run at 4 ranks";
+  layers_ = 3;
+  for (const std::string& impl : {"all_to_all", "ring"}) {
+    const Overrides layout = {"parallel.cp=2", "parallel.cp_impl=" + impl, "parallel.zero_stage=2"};
+    const TrainConfig split = config(4, 2, "", with(kGpt2Style, layout));
+    Trainer parallel(split, world());
+    Trainer single(config(1, split.micro_batch, "", kGpt2Style), alone());
+    if (world()->rank() == 2) {
+      for (const auto& item : parallel.model()->named_parameters()) {
+        if (item.key().rfind("blocks.2.", 0) != 0) continue;
+        item.value().register_hook([](const at::Tensor&) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); });
+        break;
+      }
+    }
+    expect_same_training(parallel, single, 2, "rank 2 lagging, " + impl);
+  }
 }
 
 // bfloat16 autocast: the attention across ranks stays in float32 (its backward recomputes the

@@ -83,12 +83,15 @@ void ShardedState::issue_reduce_locked(Unit& unit) {
 
 void ShardedState::fold_locked(size_t keep) {
   const auto start = Clock::now();
-  // Folding early, when a reduction happens to be done, frees memory sooner;
-  // but the fold's all-reduce over the replicas must come at the same point
-  // on every rank when those replicas also exchange tokens mid-step (expert
-  // parallel's all-to-alls): then only the count decides.
-  const bool early = !groups.expert;
-  while (!in_flight.empty() && (in_flight.size() > keep || (early && in_flight.front()->reduce_work.completed()))) {
+  // Folding early, when a reduction happens to be done, frees memory sooner,
+  // but only a fold without communication may: a fold that all-reduces over
+  // the replicas blocks this rank, so it must come at the same point on every
+  // rank, or a replica that waits for this one elsewhere mid-backward (a
+  // context-parallel ring or all-to-all, an expert all-to-all, a
+  // tensor-parallel reduction, a stage-3 gather) never gets it. Only the
+  // count decides those.
+  const auto early = [&](Unit& unit) { return replicate_of(unit)->size() == 1 && unit.reduce_work.completed(); };
+  while (!in_flight.empty() && (in_flight.size() > keep || early(*in_flight.front()))) {
     Unit& unit = *in_flight.front();
     in_flight.pop_front();
     unit.reduce_work.wait();
