@@ -35,16 +35,21 @@ class ContextParallel::Hooks : public model::ForwardHooks {
     const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
                              /*causal=*/true, variant.window, variant.softcap};
     const at::Tensor rows = owner_->positions(t * owner_->size());
+    // Each row's document start: its global position less its position in its document (0 in
+    // unpacked rows, whose scope holds the global positions).
+    const at::Tensor& in_document = model::document_positions();
+    const at::Tensor starts = in_document.defined() ? rows.to(in_document.device()).unsqueeze(0) - in_document
+                                                    : at::Tensor();
     at::Tensor y;
     switch (owner_->impl_) {
       case mesh::ContextParallelImpl::kRing:
-        y = ring_attention(h.q, h.k, h.v, rows, owner_->cp_, rule);
+        y = ring_attention(h.q, h.k, h.v, rows, owner_->cp_, rule, starts);
         break;
       case mesh::ContextParallelImpl::kAllToAll:
-        y = all_to_all_attention(h.q, h.k, h.v, rows, owner_->cp_, rule);
+        y = all_to_all_attention(h.q, h.k, h.v, rows, owner_->cp_, rule, starts);
         break;
       case mesh::ContextParallelImpl::kHybrid:
-        y = hybrid_attention(h.q, h.k, h.v, rows, owner_->a2a_comm_, owner_->ring_comm_, rule);
+        y = hybrid_attention(h.q, h.k, h.v, rows, owner_->a2a_comm_, owner_->ring_comm_, rule, starts);
         break;
     }
     return y.transpose(1, 2).reshape({b, t, -1});
@@ -77,10 +82,6 @@ at::Tensor ContextParallel::positions(int64_t length) const { return zigzag_posi
 ContextParallel::Rows ContextParallel::rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                                             const std::vector<double>& weights,
                                             const std::vector<at::Tensor>& documents) const {
-  if (!documents.empty()) {
-    throw std::invalid_argument("context parallel does not split packed documents (data.packing = \"packed\"): their "
-                                "block-diagonal mask is not carried around the ring; use \"concat\" or \"padded\"");
-  }
   Rows out;
   const double cp = static_cast<double>(size());
   for (size_t i = 0; i < inputs.size(); ++i) {

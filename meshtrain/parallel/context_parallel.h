@@ -19,12 +19,15 @@ namespace meshtrain::parallel {
 // Everything but attention is per row and runs on those rows as it would on
 // the whole sequence. Three things see the split:
 // - positions: each micro-batch runs in a DocumentScope of its rows' global
-//   positions, so RoPE rotates and the learned position embedding reads by
-//   global position (and activation checkpointing recomputes in it);
+//   positions (packed rows: their positions inside their documents), so RoPE
+//   rotates and the learned position embedding reads as over the whole
+//   sequence (and activation checkpointing recomputes in it);
 // - attention: a hook replaces every block's attention core (attn.core) with
 //   ring, all-to-all or hybrid attention over the cp group, on the queries,
 //   keys and values the block itself makes (qk_norm and RoPE included) and
-//   under its rule (scale, sliding window, soft-cap);
+//   under its rule (scale, sliding window, soft-cap); packed rows pass each
+//   row's document start (global position − position in its document), so
+//   a query sees only its own document's keys;
 // - the loss: each rank's loss is the mean over its counted targets, weighted
 //   by cp × its share of the micro-batch's counted targets, and the cp ranks
 //   average gradients and losses with the data ranks (the reduction runs
@@ -33,9 +36,8 @@ namespace meshtrain::parallel {
 // The key/value gradients of the ring come home inside the attention's
 // backward, so each rank's parameter gradients are its rows' share and the
 // average over cp is the whole sequence's gradient.
-// Not split: packed documents (their block-diagonal mask), attention dropout
-// (refused by the config), and a mixture of experts' auxiliary losses, which
-// each rank computes over its own rows.
+// Not split: attention dropout (refused by the config), and a mixture of
+// experts' auxiliary losses, which each rank computes over its own rows.
 class ContextParallel {
  public:
   // Installs the attention hook on `model` (it must outlive this object);
@@ -54,8 +56,9 @@ class ContextParallel {
 
   // A step's micro-batches cut to this rank's rows: tokens and targets [B, T]
   // -> [B, T / cp], each weight scaled by cp × this rank's share of the
-  // counted targets, and the rows' global positions [B, T / cp] (for the
-  // DocumentScope). Refuses packed documents (`documents` not empty).
+  // counted targets, and the rows' positions [B, T / cp] for the
+  // DocumentScope: global, or (packed rows, `documents` not empty) inside
+  // each document.
   struct Rows {
     std::vector<at::Tensor> inputs, targets, positions;
     std::vector<double> weights;

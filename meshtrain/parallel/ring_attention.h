@@ -42,12 +42,18 @@ namespace meshtrain::parallel {
 // are kept and the scores' function, not the ring: the window hides more
 // pairs (whole ones skipped the same way), the cap's derivative 1 − tanh²
 // joins dS in backward.
+// Packed rows (documents side by side, Note [Packed documents]): each row
+// carries its document's start, the global position where the document
+// begins, and travels with it; a query sees only the keys of its own
+// document (equal starts), and a tile whose rows share no document is
+// skipped like one the causal mask hides.
 // Arithmetic is in float32 whatever the inputs' dtype; the result has q's.
 
 // q: [B, H, T, D]; k, v: [B, Hkv, T, D] (H a multiple of Hkv); positions: [T]
-// int64, the global position of each local row (the same for q and k, v).
-// Differentiable in q, k and v. Every rank of `comm` must call it with the
-// same B, H, Hkv, D, T and rule.
+// int64, the global position of each local row (the same for q and k, v);
+// documents (optional): [B, T] int64, each row's document start. Differentiable
+// in q, k and v. Every rank of `comm` must call it with the same B, H, Hkv,
+// D, T and rule, and all with documents or none.
 //
 // What attention computes beside softmax over every key: the scores' scale,
 // the causal mask, a sliding window and a soft-cap (model/attention_variants.h).
@@ -58,7 +64,8 @@ struct AttentionRule {
   double softcap = 0;  // scores c·tanh(s/c) before the mask; 0: none
 };
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                          const std::shared_ptr<comm::Communicator>& comm, const AttentionRule& rule);
+                          const std::shared_ptr<comm::Communicator>& comm, const AttentionRule& rule,
+                          const at::Tensor& documents = {});
 
 // The global positions rank `rank` of `cp` holds under the zigzag split of a
 // sequence of `length`: chunks rank and 2·cp − 1 − rank of 2·cp. Throws

@@ -64,17 +64,23 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // Heads scattered over `comm`, the sequence gathered: q, k, v in float32 and
-// every rank's positions, in rank order.
+// every rank's positions (and document starts, [B, T]), in rank order.
 struct Gathered {
-  at::Tensor q, k, v, positions;
+  at::Tensor q, k, v, positions, documents;
 };
 Gathered gather_sequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                         const CommPtr& comm) {
+                         const at::Tensor& documents, const CommPtr& comm) {
   Gathered g;
   // On the communicator's device (a GPU's for NCCL); the mask is made from them there.
   const at::Tensor mine = positions.to(comm->device()).contiguous();
   g.positions = at::empty({comm->size() * positions.size(0)}, mine.options());
   comm->all_gather(g.positions, mine).wait();
+  if (documents.defined()) {
+    const at::Tensor starts = documents.to(comm->device()).contiguous();
+    const at::Tensor all = at::empty({comm->size(), starts.size(0), starts.size(1)}, starts.options());
+    comm->all_gather(all.view(-1), starts.view(-1)).wait();
+    g.documents = all.permute({1, 0, 2}).reshape({starts.size(0), -1});  // [B, cp·T] in rank order
+  }
   g.q = Regroup::apply(q.to(at::kFloat).contiguous(), comm, true);
   g.k = Regroup::apply(k.to(at::kFloat).contiguous(), comm, true);
   g.v = Regroup::apply(v.to(at::kFloat).contiguous(), comm, true);
@@ -85,28 +91,33 @@ Gathered gather_sequence(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
-                                const AttentionRule& rule) {
+                                const AttentionRule& rule, const at::Tensor& documents) {
   check_shapes(q, k, v, comm->size());
-  const Gathered g = gather_sequence(q, k, v, positions, comm);
+  const Gathered g = gather_sequence(q, k, v, positions, documents, comm);
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 arithmetic
   const int64_t group = q.size(1) / k.size(1);
   const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
   at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
   if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
-  if (rule.causal) {
-    const at::Tensor allowed = allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
-    s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor allowed;
+  if (rule.causal) allowed = allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
+  if (g.documents.defined() && g.documents.ne(0).any().item<bool>()) {  // [B, 1, T, T]: its own document's keys
+    const at::Tensor starts = g.documents.to(s.device());
+    const at::Tensor same = (starts.unsqueeze(2) == starts.unsqueeze(1)).unsqueeze(1);
+    allowed = allowed.defined() ? same.logical_and(allowed) : same;
   }
+  if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
   const at::Tensor out = at::matmul(at::softmax(s, -1), vh);
   return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());
 }
 
 at::Tensor hybrid_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                             const std::shared_ptr<comm::Communicator>& a2a,
-                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule) {
+                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule,
+                            const at::Tensor& documents) {
   check_shapes(q, k, v, a2a->size());
-  const Gathered g = gather_sequence(q, k, v, positions, a2a);
-  const at::Tensor out = ring_attention(g.q, g.k, g.v, g.positions, ring, rule);
+  const Gathered g = gather_sequence(q, k, v, positions, documents, a2a);
+  const at::Tensor out = ring_attention(g.q, g.k, g.v, g.positions, ring, rule, g.documents);
   return Regroup::apply(out.contiguous(), a2a, false).to(q.scalar_type());
 }
 

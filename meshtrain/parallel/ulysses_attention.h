@@ -22,15 +22,18 @@ namespace meshtrain::parallel {
 // so any split (zigzag or contiguous) works. Bytes per rank and layer: 4
 // all-to-alls of (cp − 1)/cp of a [B, H, T/cp, D] activation (q, k, v out,
 // o back; grouped-query k, v are smaller), against the ring's cp − 1 hops of
-// k and v. Needs heads and key/value heads divisible by cp.
+// k and v. Needs heads and key/value heads divisible by cp. Packed rows:
+// the rows' document starts are gathered with the positions, and a query
+// sees only the keys of its own document (Note [Ring attention]).
 
 // q: [B, H, T, D]; k, v: [B, Hkv, T, D]; positions: [T] int64, the global
-// position of each local row. Differentiable in q, k and v. Throws
+// position of each local row; documents (optional): [B, T] int64, each
+// row's document start. Differentiable in q, k and v. Throws
 // std::invalid_argument naming the formula when H or Hkv is not a multiple
 // of cp.
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
-                                const AttentionRule& rule);
+                                const AttentionRule& rule, const at::Tensor& documents = {});
 
 // Hybrid context parallel: the all-to-all over `a2a` (a group of cp_a2a
 // ranks) gathers that group's rows for heads / cp_a2a heads, then ring
@@ -41,6 +44,7 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
 // same bytes per hop and makes cp_a2a times fewer hops.
 at::Tensor hybrid_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                             const std::shared_ptr<comm::Communicator>& a2a,
-                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule);
+                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule,
+                            const at::Tensor& documents = {});
 
 }  // namespace meshtrain::parallel

@@ -539,10 +539,6 @@ void check_data_and_run(const TrainConfig& c) {
                                          "\"annotations\"; use \"concat\" or \"padded\", or tp_impl \"plan\"");
   }
   // Note [Context parallel]: what the sequence split does not carry.
-  if (c.parallel.dims.cp > 1 && c.packing == Packing::kPacked) {
-    refuse("data.packing", "\"packed\"", "its block-diagonal attention is not split by context parallel (parallel.cp = " +
-                                         n(c.parallel.dims.cp) + "); use \"concat\" or \"padded\"");
-  }
   if (c.parallel.dims.cp > 1 && c.model.dropout > 0) {
     refuse("model.dropout", std::to_string(c.model.dropout), "context parallel attention has no dropout "
                                                              "(parallel.cp = " + n(c.parallel.dims.cp) + "); set it to 0");

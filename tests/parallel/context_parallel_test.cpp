@@ -194,7 +194,6 @@ TEST_F(ContextParallelTest, RefusesWhatItCannotSplit) {
           "both head counts (heads / tp = 4, key/value heads / tp = 1) must be multiples of cp");
   refused({"parallel.cp=2", "parallel.cp_impl=hybrid"}, "needs cp >= 4");
   refused({"parallel.cp=2", "parallel.cp_a2a=2"}, "cp_impl = \"hybrid\" only");
-  refused({"parallel.cp=2", "data.packing=packed"}, "not split by context parallel");
   refused({"parallel.cp=2", "model.dropout=0.1"}, "context parallel attention has no dropout");
   refused({"parallel.cp=4"}, "does not divide the world size 2");
 }

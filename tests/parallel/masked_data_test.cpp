@@ -3,7 +3,7 @@
 // step is the mean over the counted targets of the whole global batch
 // (Note [Packing]), whatever the micro-batches, so data parallel, ZeRO-3, tensor parallel (its
 // vocabulary-parallel cross-entropy ignores the masked targets), sequence
-// parallel and the pipeline equal one process, loss and gradient norm every
+// parallel, context parallel (ring, all-to-all, hybrid) and the pipeline equal one process, loss and gradient norm every
 // step and the parameters after, though ranks count different numbers of
 // targets and some micro-batches count none.
 #include "tests/parallel/training_fixture.h"
@@ -36,15 +36,17 @@ class MaskedDataTest : public TrainingTest {
   }
 };
 
-// `unpacked`: also tensor parallel by sharding annotations and context parallel (packed rows
-// are refused there); under cp each rank counts a different share of a row's targets.
+// `unpacked`: also tensor parallel by sharding annotations (packed rows are refused there).
+// Under cp each rank counts a different share of a row's targets, and packed rows' documents
+// straddle the ranks' chunks (a query finds its document's keys on other ranks).
 std::vector<Overrides> layouts(int ranks, bool unpacked) {
   std::vector<Overrides> out = {{}, {"parallel.zero_stage=3"}};
   if (ranks % 2 == 0) {
     out.push_back({"parallel.tp=2"});
     if (unpacked) out.push_back({"parallel.tp=2", "parallel.tp_impl=annotations"});
-    if (unpacked) out.push_back({"parallel.cp=2"});
-    if (unpacked) out.push_back({"parallel.cp=2", "parallel.cp_impl=all_to_all", "parallel.zero_stage=2"});
+    out.push_back({"parallel.cp=2"});
+    out.push_back({"parallel.cp=2", "parallel.cp_impl=all_to_all", "parallel.zero_stage=2"});
+    if (ranks == 4 && !unpacked) out.push_back({"parallel.cp=4", "parallel.cp_impl=hybrid"});
     out.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
     out.push_back({"parallel.pp=2", "parallel.microbatches=4"});
   }
