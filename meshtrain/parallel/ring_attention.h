@@ -31,13 +31,16 @@ namespace meshtrain::parallel {
 // tiles of at most 512 rows): a pair whose every key follows every query is
 // skipped, one whose every key precedes every query needs no mask, so
 // causal attention costs about half of full, and a product's work space is
-// a few 512 x 512 score tiles per head however long the sequence.
+// a few 512 x 512 score tiles per head however long the sequence. On the
+// CPU a tile runs through ATen's fused flash kernel, whose backward takes
+// the merged output and log-sum-exp (Note [Attention tiles]).
 // Causal load balance (the zigzag split): with the sequence cut into 2·cp
 // equal chunks, rank i holds chunks i and 2·cp − 1 − i, so every rank has
 // the same number of (query, key) pairs to compute; a contiguous split gives
 // the last rank 2·cp − 1 times the first one's (attention_pairs counts both).
 // Grouped-query attention: the queries of one key/value head's group are
-// stacked as rows, so blocks travel with the key/value heads only.
+// stacked as rows, so blocks travel with the key/value heads only, and no
+// tile copies k or v per query head.
 // A sliding window and soft-capped scores (AttentionRule) change which pairs
 // are kept and the scores' function, not the ring: the window hides more
 // pairs (whole ones skipped the same way), the cap's derivative 1 − tanh²
