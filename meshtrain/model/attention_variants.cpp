@@ -90,15 +90,15 @@ AttentionVariant attention_variant(const GptConfig& c, int64_t block) {
 at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionVariant& variant, double dropout, bool training, const at::Tensor& allowed) {
   const int64_t t = q.size(2), keys = k.size(2);
-  at::Tensor mask = fused::causal_window_mask(t, keys, variant.window, q.device());
-  if (allowed.defined()) mask = mask.logical_and(allowed);
   const int64_t times = q.size(1) / k.size(1);
   const double p = training ? dropout : 0.0;
   const double scale = variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   if (variant.softcap == 0 && variant.window == 0 && !allowed.defined() && t == keys) {
-    // Only the scale differs: the causal kernel, with its flash path.
+    // Only the scale differs: the causal kernel, with its flash path (and no [t, S] mask).
     return at::scaled_dot_product_attention(q, k, v, {}, p, /*is_causal=*/true, scale, /*enable_gqa=*/times > 1);
   }
+  at::Tensor mask = fused::causal_window_mask(t, keys, variant.window, q.device());
+  if (allowed.defined()) mask = mask.logical_and(allowed);
   if (variant.softcap == 0) {
     return at::scaled_dot_product_attention(q, k, v, mask, p, /*is_causal=*/false, scale, /*enable_gqa=*/times > 1);
   }

@@ -95,7 +95,9 @@ ContextParallel::Rows ContextParallel::rows(const std::vector<at::Tensor>& input
     out.inputs.push_back(inputs[i].index_select(1, rows));
     out.targets.push_back(y);
     out.weights.push_back(all > 0 ? weights[i] * cp * mine / all : weights[i]);
-    out.positions.push_back(rows.unsqueeze(0).expand({b, rows.size(0)}).contiguous());
+    // Packed rows: positions inside each document (RoPE rotates by them; attention finds the documents' starts).
+    out.positions.push_back(documents.empty() ? rows.unsqueeze(0).expand({b, rows.size(0)}).contiguous()
+                                              : documents[i].index_select(1, rows));
   }
   return out;
 }

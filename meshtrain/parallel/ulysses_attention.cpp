@@ -1,5 +1,6 @@
 #include "meshtrain/parallel/ulysses_attention.h"
 
+#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/parallel/saved_comm.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -87,6 +88,45 @@ Gathered gather_sequence(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return g;
 }
 
+// [B, 1, T, T]: whether two rows share a document (equal starts), or undefined for one document per row.
+at::Tensor same_document(const at::Tensor& starts) {
+  if (!starts.defined() || !starts.ne(0).any().item<bool>()) return at::Tensor();
+  return (starts.unsqueeze(2) == starts.unsqueeze(1)).unsqueeze(1);
+}
+
+// Attention over the gathered rows in rank order, by scores formed explicitly under a
+// mask from their positions (and documents): any positions.
+at::Tensor explicit_attention(const Gathered& g, const AttentionRule& rule, int64_t group) {
+  const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
+  at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
+  if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
+  at::Tensor allowed;
+  if (rule.causal) allowed = allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
+  if (const at::Tensor same = same_document(g.documents); same.defined()) {
+    allowed = allowed.defined() ? same.logical_and(allowed) : same;
+  }
+  if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(s, -1), vh);
+}
+
+// The same over the rows put in position order, where they are the positions
+// p..p + T − 1 (every rank's rows of a sequence): the model's attention
+// (model::variant_attention: ATen's causal flash kernel, or a mask for a window
+// or documents), which keeps no T x T softmax; then back in rank order.
+at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const AttentionRule& rule, int64_t group) {
+  const at::Tensor back = at::argsort(order);
+  const at::Tensor q = g.q.index_select(2, order), k = g.k.index_select(2, order), v = g.v.index_select(2, order);
+  const at::Tensor same = same_document(g.documents.defined() ? g.documents.index_select(1, order) : at::Tensor());
+  at::Tensor out;
+  if (rule.causal) {
+    out = model::variant_attention(q, k, v, {rule.window, rule.scale, rule.softcap}, 0.0, false, same);
+  } else {
+    out = at::scaled_dot_product_attention(q, k, v, same.defined() ? std::optional<at::Tensor>(same) : std::nullopt,
+                                           0.0, false, rule.scale, /*enable_gqa=*/group > 1);
+  }
+  return out.index_select(2, back);
+}
+
 }  // namespace
 
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -96,18 +136,11 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   const Gathered g = gather_sequence(q, k, v, positions, documents, comm);
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 arithmetic
   const int64_t group = q.size(1) / k.size(1);
-  const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
-  at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
-  if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
-  at::Tensor allowed;
-  if (rule.causal) allowed = allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
-  if (g.documents.defined() && g.documents.ne(0).any().item<bool>()) {  // [B, 1, T, T]: its own document's keys
-    const at::Tensor starts = g.documents.to(s.device());
-    const at::Tensor same = (starts.unsqueeze(2) == starts.unsqueeze(1)).unsqueeze(1);
-    allowed = allowed.defined() ? same.logical_and(allowed) : same;
-  }
-  if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
-  const at::Tensor out = at::matmul(at::softmax(s, -1), vh);
+  const at::Tensor order = at::argsort(g.positions);
+  const at::Tensor sorted = g.positions.index_select(0, order).cpu();
+  const int64_t n = sorted.size(0);
+  const bool run = sorted[n - 1].item<int64_t>() - sorted[0].item<int64_t>() == n - 1;  // p..p + T − 1, once each
+  const at::Tensor out = run ? ordered_attention(g, order, rule, group) : explicit_attention(g, rule, group);
   return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());
 }
 

@@ -126,16 +126,14 @@ double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const 
 
 }  // namespace
 
-// What context parallel's attention core saves (parallel/context_parallel.h;
-// `scores`: the softmax's elements of all heads over the whole sequence for
-// this rank's rows).
-double context_parallel_core(const model::GptConfig& model, const Sizes& z, const ActivationOptions& o, double scores) {
+// What context parallel's attention core saves (parallel/context_parallel.h).
+double context_parallel_core(const model::GptConfig& model, const Sizes& z, const ActivationOptions& o) {
   const double h = static_cast<double>(model.width), qw = static_cast<double>(model.q_width());
   const double kv = static_cast<double>(model.kv_width()), heads = static_cast<double>(model.heads);
   const double out_and_lse = 4 * z.split(z.u * qw / h) + 4 * z.split(heads * z.tokens);
   switch (o.cp_impl) {
     case mesh::ContextParallelImpl::kRing: return out_and_lse;
-    case mesh::ContextParallelImpl::kAllToAll: return 3 * 4 * z.split(z.u * qw / h) + 4 * z.split(scores);
+    case mesh::ContextParallelImpl::kAllToAll: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
     case mesh::ContextParallelImpl::kHybrid: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
   }
   return out_and_lse;
@@ -162,7 +160,7 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   if (!model.learned_positions()) bytes += e * z.split(z.u * (qw + kv) / h);  // rotated q and k
   if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core
     if (o.cp > 1) {
-      bytes += context_parallel_core(model, z, o, scores);
+      bytes += context_parallel_core(model, z, o);
     } else if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
     } else {

@@ -40,9 +40,9 @@ namespace meshtrain::plan {
 //                 holds s/cp rows of each sequence), and its attention core
 //                 saves what the cp implementation keeps: the ring its fp32
 //                 output and log-sum-exp (scores are recomputed in backward);
-//                 all-to-all the gathered fp32 q, k, v (k, v repeated per
-//                 query group) and the fp32 softmax of its heads / cp over the
-//                 whole sequence; hybrid the gathered q, k, v and the ring's.
+//                 all-to-all the gathered fp32 q, k, v in position order and
+//                 the flash kernel's output and log-sum-exp (no softmax is
+//                 kept); hybrid the gathered q, k, v and the ring's.
 //   moments       the rank's schedule (a pipeline's, or one micro-batch
 //                 after another) is walked action by action, and the peak is
 //                 the fullest of: the end of a forward on the last stage

@@ -80,6 +80,7 @@ struct Case {
   int64_t window = 0;
   double softcap = 0;
   bool packed = false;  // documents side by side in each row
+  int64_t stride = 1;   // positions passed as stride × the row's (gaps: all-to-all's explicit path)
 };
 
 using Attention = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -103,7 +104,8 @@ void check(const CommPtr& comm, const Case& c, const std::string& what, Attentio
   const at::Tensor pos = c.zigzag ? zigzag_positions(t, cp, r) : contiguous_positions(t, cp, r);
   const at::Tensor ql = q.index_select(2, pos).requires_grad_(), kl = k.index_select(2, pos).requires_grad_(),
                    vl = v.index_select(2, pos).requires_grad_();
-  const at::Tensor got = attention(ql, kl, vl, pos, comm, rule, c.packed ? starts.index_select(1, pos) : at::Tensor());
+  const at::Tensor got =
+      attention(ql, kl, vl, pos * c.stride, comm, rule, c.packed ? starts.index_select(1, pos) : at::Tensor());
   EXPECT_EQ(got.scalar_type(), c.dtype) << what;
   (got.to(at::kFloat) * w.index_select(2, pos)).sum().backward();
   const double tol = c.dtype == at::kFloat ? 1e-5 : 2e-2;
@@ -136,10 +138,12 @@ TEST(AllToAllAttention, EqualsWholeSequenceAttention) {
     const int64_t heads = cp == 3 ? 6 : 8;
     for (const Case& c : {Case{heads, heads, true, true, at::kFloat}, Case{2 * heads, heads, true, false, at::kFloat},
                           Case{heads, heads, false, true, at::kFloat}, Case{heads, heads, true, true, at::kBFloat16},
-                          Case{heads, heads, true, true, at::kFloat, 5, 2.0}, Case{heads, heads, true, true, at::kFloat, 0, 0, true}}) {
+                          Case{heads, heads, true, true, at::kFloat, 5, 2.0}, Case{heads, heads, true, true, at::kFloat, 0, 0, true},
+                          Case{heads, heads, true, true, at::kFloat, 0, 0, true, 2}}) {
       check(comm, c, "all-to-all, cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
                          std::to_string(c.kv_heads) + (c.window ? ", window and soft-cap" : "") +
-                         (c.packed ? ", packed" : ""), all_to_all_attention);
+                         (c.packed ? ", packed" : "") + (c.stride > 1 ? ", positions with gaps" : ""),
+                     all_to_all_attention);
     }
     if (cp == 3) {  // 4 heads do not split 3 ways
       const at::Tensor x = same({1, 4, 6, 8}, 5);
