@@ -94,6 +94,7 @@ struct GenerateOptions {
   uint64_t seed = 1;
   std::vector<std::string> stop;  // the text ends before the first of these
   int tp = 1;                     // ranks splitting the model (all ranks of the job)
+  int cp = 1;                     // ranks splitting the KV cache (all ranks of the job)
   bool no_kv_cache = false;
   bool timing = false;
   std::string prompt_ids;  // token ids "1,2,3" in place of the prompt's text; the output is ids too

@@ -1,11 +1,13 @@
 // meshtrain generate: text from a checkpoint, streamed as it is sampled, on
-// one rank or split over a tensor-parallel group.
+// one rank, split over a tensor-parallel group, or with the KV cache split
+// over a context-parallel group.
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/offload_flags.h"
 #include "meshtrain/util/memory.h"
 
 #include "meshtrain/model/text_stream.h"
+#include "meshtrain/parallel/context_parallel_generate.h"
 #include "meshtrain/serve/inference_model.h"
 
 #include <algorithm>
@@ -43,16 +45,49 @@ std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
   return ids;
 }
 
+// The tokens after `prompt`, through sample.on_token: the cache split over the
+// job's ranks with --parallel.cp (Note [Context-parallel generation]).
+void sample_after(serve::InferenceModel& inference, const std::vector<int64_t>& prompt,
+                  const model::SampleOptions& sample, const GenerateOptions& options, comm::Runtime& runtime) {
+  if (options.cp > 1) {
+    parallel::generate_context_parallel(inference.gpt(), at::tensor(prompt, at::kLong), inference.with_split(sample),
+                                        runtime.world());
+  } else {
+    model::generate(inference.gpt(), at::tensor(prompt, at::kLong), inference.with_split(sample));
+  }
+}
+
+// What --parallel.tp and --parallel.cp ask of the job, refused with the flag to change.
+void check_layout(const comm::Runtime& runtime, const GenerateOptions& options) {
+  const int ranks = runtime.size();
+  if (options.tp > 1 && options.cp > 1) {
+    throw std::invalid_argument("generate: --parallel.tp and --parallel.cp split the model and the KV cache over "
+                                "all ranks of the job; use one of them");
+  }
+  const int asked = std::max(options.tp, options.cp);
+  const std::string flag = options.cp > 1 ? "cp" : "tp";
+  if (asked != ranks) {
+    throw std::invalid_argument("generate: --parallel." + flag + "=" + std::to_string(asked) + " but " +
+                                std::to_string(ranks) + " rank(s) run; launch " + flag + " ranks (meshtrain run -n " +
+                                std::to_string(asked) + " generate --parallel." + flag + "=" + std::to_string(asked) +
+                                " ...)");
+  }
+  if (options.cp > 1 && (options.no_kv_cache || options.offload.weights != "none" || options.offload.kv != "device")) {
+    throw std::invalid_argument("generate: --parallel.cp splits the KV cache on the device; it does not combine with "
+                                "--no-kv-cache, --offload.weights or --offload.kv");
+  }
+}
+
 // Greedy or sampled ids after the ids of --prompt-ids, printed as ids.
 int generate_ids(serve::InferenceModel& inference, const GenerateOptions& options, model::SampleOptions sample,
-                 bool speaker) {
+                 bool speaker, comm::Runtime& runtime) {
   const std::vector<int64_t> prompt = parse_ids(options.prompt_ids, inference.config().vocab_size);
   std::vector<int64_t> made;
   sample.on_token = [&](int64_t token) {
     made.push_back(token);
     return true;
   };
-  model::generate(inference.gpt(), at::tensor(prompt, at::kLong), inference.with_split(sample));
+  sample_after(inference, prompt, sample, options, runtime);
   std::string line;
   for (const int64_t id : made) line += (line.empty() ? "" : ",") + std::to_string(id);
   if (speaker) std::printf("%s\n", line.c_str());
@@ -62,14 +97,11 @@ int generate_ids(serve::InferenceModel& inference, const GenerateOptions& option
 }  // namespace
 
 int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
-  if (options.tp != runtime.size()) {
-    throw std::invalid_argument("generate: --parallel.tp=" + std::to_string(options.tp) + " but " +
-                                std::to_string(runtime.size()) + " rank(s) run; launch tp ranks (meshtrain run -n " +
-                                std::to_string(options.tp) + " generate --parallel.tp=" + std::to_string(options.tp) +
-                                " ...)");
-  }
+  check_layout(runtime, options);
   memory::install();
-  serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload), options.lora);
+  // Under cp every rank holds the whole model.
+  serve::InferenceModel inference(options.checkpoint, options.cp > 1 ? nullptr : runtime.world(),
+                                  inference_offload(options.offload), options.lora);
   const bool speaker = runtime.rank() == 0;
   const std::string offload_line = apply_memory_limit(options.offload, inference);
   if (speaker && !offload_line.empty()) std::fputs(offload_line.c_str(), stderr);
@@ -81,9 +113,9 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   sample.seed = options.seed;
   sample.kv_cache = !options.no_kv_cache;
   sample.validate();
-  if (!options.prompt_ids.empty()) return generate_ids(inference, options, sample, speaker);
+  if (!options.prompt_ids.empty()) return generate_ids(inference, options, sample, speaker, runtime);
   const std::vector<int64_t> prompt = inference.encode(options.prompt);
-  if (static_cast<int64_t>(prompt.size()) > inference.config().context && sample.kv_cache) {
+  if (static_cast<int64_t>(prompt.size()) > inference.config().context && sample.kv_cache && options.cp == 1) {
     // The sliding window keeps the last `context` tokens; say so once.
     if (speaker) std::fprintf(stderr, "meshtrain: the prompt is longer than the context; its last %lld tokens are used\n",
                               static_cast<long long>(inference.config().context));
@@ -100,14 +132,14 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
     return !text.stopped();
   };
   const auto start = std::chrono::steady_clock::now();
-  model::generate(inference.gpt(), at::tensor(prompt, at::kLong), inference.with_split(sample));
+  sample_after(inference, prompt, sample, options, runtime);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (speaker) std::printf("%s\n", text.finish().c_str());
   const int64_t made = static_cast<int64_t>(text.tokens().size());
   if (speaker && options.timing) {
-    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %d), peak counted memory %s\n",
+    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %d, cp %d), peak counted memory %s\n",
                  static_cast<long long>(made), seconds, made / seconds, sample.kv_cache ? "kv cache" : "full recompute",
-                 options.tp, memory::format_mib(memory::peak_bytes()).c_str());
+                 options.tp, options.cp, memory::format_mib(memory::peak_bytes()).c_str());
   }
   return 0;
 }
@@ -117,7 +149,7 @@ CommandPtr add_generate(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "generate",
       "Sample text from a checkpoint, streamed as it comes (temperature, top-k, top-p, seed, stop strings; "
-      "split over ranks with --parallel.tp)");
+      "split over ranks with --parallel.tp, or the KV cache with --parallel.cp)");
   sub
       ->add_option("--checkpoint", o->checkpoint,
                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
@@ -150,6 +182,13 @@ CommandPtr add_generate(CLI::App& app) {
       ->add_option("--parallel.tp", o->tp,
                    "Split the model over this many ranks by tensor parallelism (all ranks of the job: "
                    "meshtrain run -n 2 generate --parallel.tp=2 ...)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub
+      ->add_option("--parallel.cp", o->cp,
+                   "Split the KV cache over this many ranks (all ranks of the job): the prompt is prefilled by ring "
+                   "attention, each new token attends to every rank's part, so a sequence whose keys and values do "
+                   "not fit one rank generates (meshtrain run -n 2 generate --parallel.cp=2 ...)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->add_flag("--no-kv-cache", o->no_kv_cache,

@@ -19,7 +19,8 @@ grep -q "^step     5/5 | loss" "$run/second.log"
 grep -q "resumed from .*step-00000005 at step 5" "$run/third.log"
 grep -q "^step     6/6 | loss" "$run/third.log"
 # Tensor-parallel generation (heads, KV cache and vocabulary split) gives one
-# rank's tokens: sampled with top-k and top-p, and greedy up to a stop string.
+# rank's tokens: sampled with top-k and top-p, and greedy up to a stop string;
+# so does the KV cache split over cp ranks.
 for args in "--seed 3 --top-p 0.9" "--temperature 0 --stop ce"; do
   read -ra sampling <<< "$args"
   one=$("$meshtrain" generate --checkpoint "$run/checkpoints" --prompt "Licence " --tokens 40 "${sampling[@]}")
@@ -29,5 +30,15 @@ for args in "--seed 3 --top-p 0.9" "--temperature 0 --stop ce"; do
       --tokens 40 "${sampling[@]}")
     [ "$split" = "$one" ] || { printf 'tp %s: %q\n  1: %q\n' "$tp" "$split" "$one"; exit 1; }
   done
+  # The KV cache split over cp ranks (ring prefill, decode merged over the ranks): the same text.
+  for cp in 2 3; do
+    split=$("$meshtrain" run -n $cp generate --parallel.cp=$cp --checkpoint "$run/checkpoints" --prompt "Licence " \
+      --tokens 40 "${sampling[@]}")
+    [ "$split" = "$one" ] || { printf 'cp %s: %q\n  1: %q\n' "$cp" "$split" "$one"; exit 1; }
+  done
 done
-echo "ok: 2-D tensor-parallel training resumed, continued as tp(4), and sampled alike on 1, 2 and 4 ranks"
+if "$meshtrain" run -n 2 generate --parallel.cp=2 --parallel.tp=2 --checkpoint "$run/checkpoints" 2> "$run/both.err"; then
+  echo "cp and tp together were accepted"; exit 1
+fi
+grep -q "use one of them" "$run/both.err"
+echo "ok: 2-D tensor-parallel training resumed, continued as tp(4), and sampled alike on 1, 2 and 4 ranks (tp) and 2, 3 (cp)"

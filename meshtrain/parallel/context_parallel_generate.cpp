@@ -1,0 +1,170 @@
+#include "meshtrain/parallel/context_parallel_generate.h"
+
+#include "meshtrain/model/attention_variants.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace meshtrain::parallel {
+namespace {
+
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
+const std::string kCore = ".attn.core";
+
+bool is_core(const std::string& module) {
+  return module.size() > kCore.size() && module.compare(module.size() - kCore.size(), kCore.size(), kCore) == 0;
+}
+
+// Appends `fresh` [B, Hkv, t, D] after the rows `cached` holds, in `room`,
+// which doubles when full: O(t) per token, not O(cached).
+void append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fresh) {
+  const int64_t n = cached.defined() ? cached.size(2) : 0, t = fresh.size(2);
+  if (!room.defined() || room.size(2) < n + t) {
+    std::vector<int64_t> sizes = fresh.sizes().vec();
+    sizes[2] = std::max<int64_t>(2 * (n + t), 16);
+    at::Tensor bigger = at::empty(sizes, fresh.options());
+    if (n > 0) bigger.narrow(2, 0, n).copy_(cached);
+    room = bigger;
+  }
+  room.narrow(2, n, t).copy_(fresh);
+  cached = room.narrow(2, 0, n + t);
+}
+
+// Removes a cache from the model when generation ends, however it ends.
+struct Installed {
+  model::Gpt& model;
+  const model::ForwardHooks* hooks;
+  ~Installed() { model->remove_forward_hooks(hooks); }
+};
+
+}  // namespace
+
+ContextParallelCache::ContextParallelCache(model::Gpt& model, std::shared_ptr<comm::Communicator> cp)
+    : model_(model.get()), cp_(std::move(cp)), counts_(cp_->size(), 0), positions_(at::empty({0}, at::kLong)) {}
+
+void ContextParallelCache::prefill(const at::Tensor& rows, int64_t length) {
+  const int64_t cp = cp_->size(), padded = rows.size(0) * cp;
+  for (int64_t r = 0; r < cp; ++r) counts_[r] += (zigzag_positions(padded, cp, r) < length).sum().item<int64_t>();
+  rows_ = rows;
+  keep_ = length;
+  positions_ = at::cat({positions_, rows.masked_select(rows < length)});
+}
+
+void ContextParallelCache::decode(int64_t position) {
+  const int64_t owner = std::min_element(counts_.begin(), counts_.end()) - counts_.begin();
+  ++counts_[owner];
+  owner_ = owner == cp_->rank();
+  if (owner_) positions_ = at::cat({positions_, at::full({1}, position, at::kLong)});
+  rows_ = at::Tensor();
+  position_ = position;
+}
+
+at::Tensor ContextParallelCache::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
+  if (!is_core(module)) return forward(input);
+  const int64_t block = std::stoll(module.substr(module.find('.') + 1));  // "blocks.N.attn.core"
+  const model::CausalSelfAttentionImpl& attn = *model_->blocks->ptr(block)->as<model::BlockImpl>()->attn;
+  const int64_t b = input.size(0), t = input.size(1);
+  const model::QkvHeads h = attn.heads(input);  // rotated at the scope's positions
+  const model::AttentionVariant variant = attn.variant();
+  const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
+                           /*causal=*/true, variant.window, variant.softcap};
+  Layer& layer = layers_[block];
+  at::Tensor y;
+  if (rows_.defined()) {
+    y = ring_attention(h.q, h.k, h.v, rows_, cp_, rule);
+    const at::Tensor kept = (rows_ < keep_).nonzero().view({-1}).to(h.k.device());
+    append(layer.k, layer.k_room, h.k.index_select(2, kept));
+    append(layer.v, layer.v_room, h.v.index_select(2, kept));
+  } else {
+    if (owner_) {
+      append(layer.k, layer.k_room, h.k);
+      append(layer.v, layer.v_room, h.v);
+    }
+    y = decode_attention(layer, h, rule);
+  }
+  return y.transpose(1, 2).reshape({b, t, -1});
+}
+
+at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::QkvHeads& h, const AttentionRule& rule) {
+  const int64_t b = h.q.size(0), heads = h.q.size(1), d = h.q.size(3), kv = h.k.size(1), g = heads / kv;
+  const at::TensorOptions fp32 = h.q.options().dtype(at::kFloat);
+  // This rank's part: an output and a log-sum-exp per head (−inf, output 0, where it holds no key).
+  at::Tensor out = at::zeros({b, kv, g, 1, d}, fp32), lse = at::full({b, kv, g, 1, 1}, kHidden, fp32);
+  if (layer.k.defined() && layer.k.size(2) > 0) {
+    const at::Tensor q = h.q.to(at::kFloat).reshape({b, kv, g, 1, d});
+    at::Tensor s = at::matmul(q, layer.k.to(at::kFloat).unsqueeze(2).transpose(-2, -1)).mul_(rule.scale);
+    if (rule.softcap > 0) s.div_(rule.softcap).tanh_().mul_(rule.softcap);
+    if (rule.window > 0) s.masked_fill_((position_ - positions_).ge(rule.window).to(s.device()), kHidden);
+    lse = at::logsumexp(s, -1, /*keepdim=*/true);
+    const at::Tensor p = s.sub_(lse).exp_().masked_fill_(at::isfinite(lse).logical_not(), 0);
+    out = at::matmul(p, layer.v.to(at::kFloat).unsqueeze(2));
+  }
+  // Every rank's part, merged alike on every rank.
+  const at::Tensor mine = at::cat({out.reshape({-1}), lse.reshape({-1})}).to(cp_->device()).contiguous();
+  const int64_t cp = cp_->size();
+  at::Tensor all = at::empty({cp * mine.numel()}, mine.options());
+  cp_->all_gather(all, mine).wait();
+  all = all.to(h.q.device()).view({cp, -1});
+  const at::Tensor outs = all.narrow(1, 0, out.numel()).view({cp, b, kv, g, 1, d});
+  const at::Tensor lses = all.narrow(1, out.numel(), lse.numel()).view({cp, b, kv, g, 1, 1});
+  const at::Tensor total = at::logsumexp(lses, 0, /*keepdim=*/true);  // finite: one rank holds the token itself
+  return (outs * at::exp(lses - total)).sum(0).reshape({b, heads, 1, d}).to(h.q.scalar_type());
+}
+
+at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt, const model::SampleOptions& options,
+                                     const std::shared_ptr<comm::Communicator>& cp, std::vector<int64_t>* cached) {
+  options.validate();
+  const at::Tensor sequence = prompt.numel() ? prompt.to(at::kLong).view({-1}) : at::zeros({1}, at::kLong);
+  const int64_t length = sequence.size(0), context = model->config().context;
+  if (length + options.tokens > context) {
+    throw std::invalid_argument("generate with cp: the prompt (" + std::to_string(length) + " tokens) and " +
+                                std::to_string(options.tokens) + " new tokens exceed the context " +
+                                std::to_string(context) + " (the cache split over cp keeps every token)");
+  }
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  const at::Device device = model->parameters().front().device();
+  auto cache = std::make_shared<ContextParallelCache>(model, cp);
+  model->add_forward_hooks(cache);
+  const Installed installed{model, cache.get()};
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
+  // Prefill: all but the last prompt token, padded at the end to a multiple of 2·cp.
+  const int64_t prefix = length - 1, chunk = 2 * cp->size();
+  if (prefix > 0) {
+    const int64_t padded = (prefix + chunk - 1) / chunk * chunk;
+    at::Tensor tokens = at::zeros({1, padded}, at::kLong);
+    tokens.narrow(1, 0, prefix).copy_(sequence.narrow(0, 0, prefix).view({1, -1}));
+    const at::Tensor rows = zigzag_positions(padded, cp->size(), cp->rank());
+    cache->prefill(rows, prefix);
+    // The padding's positions may pass the context's tables; no real row sees them.
+    const model::DocumentScope scope(rows.clamp_max(context - 1).unsqueeze(0).to(device));
+    model->forward(tokens.index_select(1, rows).to(device));
+  }
+  std::vector<at::Tensor> out;
+  at::Tensor last = sequence.narrow(0, length - 1, 1).view({1, 1});
+  for (int64_t i = 0; i < options.tokens; ++i) {
+    const int64_t position = length - 1 + i;
+    cache->decode(position);
+    at::Tensor logits;
+    {
+      const model::DocumentScope scope(at::full({1, 1}, position, at::kLong).to(device));
+      logits = model->forward(last.to(device)).select(1, 0);
+    }
+    const at::Tensor next = model::pick_next(logits, options, generator).cpu();
+    out.push_back(next.view({1}));
+    if (options.on_token && !options.on_token(next.item<int64_t>())) break;
+    last = next.view({1, 1});
+  }
+  model->train(was_training);
+  if (cached) *cached = cache->counts();
+  return at::cat(out);
+}
+
+}  // namespace meshtrain::parallel
