@@ -39,12 +39,24 @@ int64_t sent_bytes(const comm::Communicator& c) {
   return total;
 }
 
+// Hybrid's all-to-all groups: pairs of ranks (8 and 4 heads split in two), the ring across them.
+constexpr int64_t kHybridGroup = 2;
+
 // Note [Ring attention] / [All-to-all attention], bytes one rank sends per forward and backward.
 double formula_bytes(const std::string& impl, const Shape& s, int64_t local, int64_t cp) {
   const double kv = 4.0 * s.batch * s.kv_heads * local * s.head_dim, q = 4.0 * s.batch * s.heads * local * s.head_dim,
                pos = 8.0 * local;
-  if (impl != "all_to_all") return (cp - 1) * (2 * kv + pos) * 2 + cp * 2 * kv;  // k, v, positions each way; dk, dv home
-  return 2.0 * (cp - 1) / cp * (2 * q + 2 * kv) + (cp - 1) * pos;               // q, k, v, o and back; positions
+  // The ring over n ranks of `rows` local rows: k, v, positions each way; dk, dv home (k and v of heads / a
+  // over a times the rows weigh what k and v of every head over the rows do).
+  auto ring = [&](double n, double rows) { return (n - 1) * (2 * kv + 8.0 * rows) * 2 + n * 2 * kv; };
+  // The all-to-all over n ranks: q, k, v, o and back; positions.
+  auto all_to_all = [&](double n) { return 2.0 * (n - 1) / n * (2 * q + 2 * kv) + (n - 1) * pos; };
+  if (impl == "all_to_all") return all_to_all(static_cast<double>(cp));
+  if (impl == "hybrid") {
+    const double a = static_cast<double>(kHybridGroup);
+    return all_to_all(a) + ring(static_cast<double>(cp) / a, static_cast<double>(local) * a);
+  }
+  return ring(static_cast<double>(cp), static_cast<double>(local));
 }
 
 struct Run {
@@ -62,17 +74,24 @@ Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64
   const at::Tensor k = at::randn({s.batch, s.kv_heads, local, s.head_dim}, g).requires_grad_();
   const at::Tensor v = at::randn({s.batch, s.kv_heads, local, s.head_dim}, g).requires_grad_();
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  CommPtr a2a, ring;  // hybrid's groups; their bytes are the rank's
+  if (impl == "hybrid") {
+    a2a = group->split(static_cast<int>(r / kHybridGroup), static_cast<int>(r), group->name() + ":a2a");
+    ring = group->split(static_cast<int>(r % kHybridGroup), static_cast<int>(r), group->name() + ":ring");
+  }
+  auto sent = [&] { return a2a ? sent_bytes(*a2a) + sent_bytes(*ring) : sent_bytes(*group); };
   Run run;
   std::vector<double> times;
   for (int i = 0; i <= steps; ++i) {  // the first is a warm-up
     parallel::RingProfile profile;
-    const int64_t before = sent_bytes(*group);
+    const int64_t before = sent();
     group->barrier().wait();
     const auto start = BenchClock::now();
     {
       parallel::RingProfileScope scope(profile);
       const parallel::AttentionRule rule{scale, true};
       const at::Tensor out = impl == "all_to_all" ? parallel::all_to_all_attention(q, k, v, pos, group, rule)
+                             : impl == "hybrid"   ? parallel::hybrid_attention(q, k, v, pos, a2a, ring, rule)
                                                   : parallel::ring_attention(q, k, v, pos, group, rule);
       out.sum().backward();
     }
@@ -80,7 +99,7 @@ Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64
     if (i == 0) continue;
     times.push_back(seconds_since(start));
     run.profile = profile;
-    run.bytes = sent_bytes(*group) - before;
+    run.bytes = sent() - before;
   }
   run.seconds = median(times);
   return run;
@@ -130,15 +149,18 @@ int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, in
       const CommPtr group = world->split(world->rank() / cp, world->rank(), "bench:cp" + std::to_string(cp));
       {
         const double transfer = transfer_seconds(group, shape, length / cp);
-        for (const std::string impl : {"ring_zigzag", "ring_contiguous", "all_to_all"}) {
+        for (const std::string impl : {"ring_zigzag", "ring_contiguous", "all_to_all", "hybrid"}) {
           if (impl == "all_to_all" && (shape.heads % cp != 0 || shape.kv_heads % cp != 0)) continue;
+          if (impl == "hybrid" && cp < 2 * kHybridGroup) continue;  // a ring of one group is all-to-all
           const Run run = measure(impl, group, shape, length, steps);
           const at::Tensor all = gather_rows(group, run);
           if (world->rank() != 0) continue;  // rank 0's group reports
           const at::Tensor scores = all.select(1, 0), compute = all.select(1, 1), wait = all.select(1, 2);
           const double formula = formula_bytes(impl, shape, length / cp, cp);
           const double bytes = all.select(1, 3).max().item<double>();
-          const double hidden = impl == "all_to_all" ? 0.0 : std::max(0.0, 1.0 - wait.max().item<double>() / (2 * transfer));
+          // The hops alone were timed over the whole group: the ring's hidden share, not hybrid's.
+          const bool whole_ring = impl.rfind("ring", 0) == 0;
+          const double hidden = whole_ring ? std::max(0.0, 1.0 - wait.max().item<double>() / (2 * transfer)) : 0.0;
           const double tokens = static_cast<double>(length * shape.batch) / run.seconds;
           const double ideal = static_cast<double>(length * shape.batch) / single * cp;
           const bool ring = impl != "all_to_all";  // the profile covers the ring's block products
@@ -176,7 +198,8 @@ CommandPtr add_bench_cp(CLI::App& bench) {
   auto a = std::make_shared<Args>();
   CLI::App* sub = bench.add_subcommand(
       "cp",
-      "Context-parallel attention (ring with the zigzag and contiguous splits, all-to-all) for cp = 2, 4, 8 up to the "
+      "Context-parallel attention (ring with the zigzag and contiguous splits, all-to-all, and from cp 4 hybrid: "
+      "all-to-all in pairs, the ring across) for cp = 2, 4, 8 up to the "
       "rank count, causal, 8 query and 4 key/value heads of 64, batch 1: per-rank scores and product seconds (the load "
       "balance), bytes per rank against the formula, the share of the ring's transfers hidden behind products, and "
       "tokens/s (forward + backward) against one rank on the whole sequence times cp. One JSON line per row.");

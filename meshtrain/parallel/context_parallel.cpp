@@ -35,11 +35,11 @@ class ContextParallel::Hooks : public model::ForwardHooks {
     const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
                              /*causal=*/true, variant.window, variant.softcap};
     const at::Tensor rows = owner_->positions(t * owner_->size());
-    // Each row's document start: its global position less its position in its document (0 in
-    // unpacked rows, whose scope holds the global positions).
+    // Packed rows: each row's document start, its global position less its position in its document.
     const at::Tensor& in_document = model::document_positions();
-    const at::Tensor starts = in_document.defined() ? rows.to(in_document.device()).unsqueeze(0) - in_document
-                                                    : at::Tensor();
+    const at::Tensor starts = owner_->packed_ && in_document.defined()
+                                  ? rows.to(in_document.device()).unsqueeze(0) - in_document
+                                  : at::Tensor();
     at::Tensor y;
     switch (owner_->impl_) {
       case mesh::ContextParallelImpl::kRing:
@@ -81,7 +81,8 @@ at::Tensor ContextParallel::positions(int64_t length) const { return zigzag_posi
 
 ContextParallel::Rows ContextParallel::rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                                             const std::vector<double>& weights,
-                                            const std::vector<at::Tensor>& documents) const {
+                                            const std::vector<at::Tensor>& documents) {
+  packed_ = !documents.empty();
   Rows out;
   const double cp = static_cast<double>(size());
   for (size_t i = 0; i < inputs.size(); ++i) {

@@ -58,13 +58,14 @@ class ContextParallel {
   // -> [B, T / cp], each weight scaled by cp × this rank's share of the
   // counted targets, and the rows' positions [B, T / cp] for the
   // DocumentScope: global, or (packed rows, `documents` not empty) inside
-  // each document.
+  // each document. The forwards that follow pass document starts to
+  // attention only for packed rows (the data's setting: every rank alike).
   struct Rows {
     std::vector<at::Tensor> inputs, targets, positions;
     std::vector<double> weights;
   };
   Rows rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-            const std::vector<double>& weights, const std::vector<at::Tensor>& documents) const;
+            const std::vector<double>& weights, const std::vector<at::Tensor>& documents);
 
   // "context parallel cp(4), ring attention, zigzag split"
   std::string describe() const;
@@ -78,6 +79,7 @@ class ContextParallel {
   int64_t a2a_;
   std::shared_ptr<comm::Communicator> a2a_comm_, ring_comm_;  // hybrid: the all-to-all group, the ring across groups
   std::shared_ptr<Hooks> hooks_;
+  bool packed_ = false;  // the rows of the forwards now running hold packed documents
 };
 
 }  // namespace meshtrain::parallel

@@ -97,13 +97,14 @@ at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::Qkv
   // This rank's part: an output and a log-sum-exp per head (−inf, output 0, where it holds no key).
   at::Tensor out = at::zeros({b, kv, g, 1, d}, fp32), lse = at::full({b, kv, g, 1, 1}, kHidden, fp32);
   if (layer.k.defined() && layer.k.size(2) > 0) {
-    const at::Tensor q = h.q.to(at::kFloat).reshape({b, kv, g, 1, d});
-    at::Tensor s = at::matmul(q, layer.k.to(at::kFloat).unsqueeze(2).transpose(-2, -1)).mul_(rule.scale);
+    // Products in the cache's dtype (no copy of the cache per token), the softmax in fp32.
+    const at::Tensor q = h.q.to(layer.k.scalar_type()).reshape({b, kv, g, 1, d});
+    at::Tensor s = at::matmul(q, layer.k.unsqueeze(2).transpose(-2, -1)).to(at::kFloat).mul_(rule.scale);
     if (rule.softcap > 0) s.div_(rule.softcap).tanh_().mul_(rule.softcap);
     if (rule.window > 0) s.masked_fill_((position_ - positions_).ge(rule.window).to(s.device()), kHidden);
     lse = at::logsumexp(s, -1, /*keepdim=*/true);
     const at::Tensor p = s.sub_(lse).exp_().masked_fill_(at::isfinite(lse).logical_not(), 0);
-    out = at::matmul(p, layer.v.to(at::kFloat).unsqueeze(2));
+    out = at::matmul(p.to(layer.v.scalar_type()), layer.v.unsqueeze(2)).to(at::kFloat);
   }
   // Every rank's part, merged alike on every rank.
   const at::Tensor mine = at::cat({out.reshape({-1}), lse.reshape({-1})}).to(cp_->device()).contiguous();

@@ -35,6 +35,10 @@ namespace meshtrain::parallel {
 //   alike), as tensor parallel does: no token is broadcast.
 // The block's rule holds: scale, sliding window (by position; the cache does
 // not roll), soft-cap. Batches of one sequence; no tensor parallel beside it.
+// A mixture of experts with a capacity (moe_capacity_factor > 0) counts each
+// rank's prefill rows, padding included, so it can drop other assignments
+// than one process; dropless routing gives one process's tokens. The prefill
+// computes its rows' logits too (unused).
 class ContextParallelCache : public model::ForwardHooks {
  public:
   // Installed by generate_context_parallel on `model` (it must outlive this object).

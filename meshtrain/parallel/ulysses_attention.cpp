@@ -112,7 +112,8 @@ at::Tensor explicit_attention(const Gathered& g, const AttentionRule& rule, int6
 // The same over the rows put in position order, where they are the positions
 // p..p + T − 1 (every rank's rows of a sequence): the model's attention
 // (model::variant_attention: ATen's causal flash kernel, or a mask for a window
-// or documents), which keeps no T x T softmax; then back in rank order.
+// or documents), which keeps no T x T softmax (a window's or the documents' mask is T x T,
+// kept by the kernel as floats for backward); then back in rank order.
 at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const AttentionRule& rule, int64_t group) {
   const at::Tensor back = at::argsort(order);
   const at::Tensor q = g.q.index_select(2, order), k = g.k.index_select(2, order), v = g.v.index_select(2, order);
@@ -137,9 +138,8 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 arithmetic
   const int64_t group = q.size(1) / k.size(1);
   const at::Tensor order = at::argsort(g.positions);
-  const at::Tensor sorted = g.positions.index_select(0, order).cpu();
-  const int64_t n = sorted.size(0);
-  const bool run = sorted[n - 1].item<int64_t>() - sorted[0].item<int64_t>() == n - 1;  // p..p + T − 1, once each
+  const at::Tensor sorted = g.positions.index_select(0, order);
+  const bool run = sorted.size(0) < 2 || sorted.diff().eq(1).all().item<bool>();  // p..p + T − 1, once each
   const at::Tensor out = run ? ordered_attention(g, order, rule, group) : explicit_attention(g, rule, group);
   return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());
 }

@@ -133,7 +133,11 @@ double context_parallel_core(const model::GptConfig& model, const Sizes& z, cons
   const double out_and_lse = 4 * z.split(z.u * qw / h) + 4 * z.split(heads * z.tokens);
   switch (o.cp_impl) {
     case mesh::ContextParallelImpl::kRing: return out_and_lse;
-    case mesh::ContextParallelImpl::kAllToAll: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
+    case mesh::ContextParallelImpl::kAllToAll: {
+      // A sliding window's mask over the whole sequence, kept as floats (counted for every block).
+      const double s = static_cast<double>(model.context), window_mask = model.sliding_window > 0 ? 4 * s * s : 0;
+      return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse + window_mask;
+    }
     case mesh::ContextParallelImpl::kHybrid: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
   }
   return out_and_lse;

@@ -42,7 +42,8 @@ namespace meshtrain::plan {
 //                 output and log-sum-exp (scores are recomputed in backward);
 //                 all-to-all the gathered fp32 q, k, v in position order and
 //                 the flash kernel's output and log-sum-exp (no softmax is
-//                 kept); hybrid the gathered q, k, v and the ring's.
+//                 kept; a sliding window's s x s mask, as floats, is);
+//                 hybrid the gathered q, k, v and the ring's.
 //   moments       the rank's schedule (a pipeline's, or one micro-batch
 //                 after another) is walked action by action, and the peak is
 //                 the fullest of: the end of a forward on the last stage
