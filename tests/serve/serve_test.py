@@ -128,20 +128,34 @@ def many_clients_get_their_own_completions(server, clients):
 
 def a_full_queue_answers_429():
     server = Server("--max-batch", "1", "--queue", "1")
-    codes = []
-    start = threading.Barrier(8)
 
-    def one():
-        start.wait()
-        codes.append(post(server.url, {"prompt": "The ", "max_tokens": 100, "temperature": 0})[0])
+    def burst():
+        codes = []
+        start = threading.Barrier(8)
 
-    threads = [threading.Thread(target=one) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    check(codes.count(429) >= 1 and codes.count(200) >= 2 and set(codes) <= {200, 429},
-          f"a full queue answers 429 and serves the rest ({sorted(codes)})")
+        def one():
+            start.wait()
+            codes.append(post(server.url, {"prompt": "The ", "max_tokens": 100, "temperature": 0})[0])
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return codes
+
+    # The queue is full only while the 8 requests overlap; on a loaded machine the clients'
+    # threads can arrive one after another, so a burst that never filled it is tried again
+    # (up to 3). Every answer of every burst must still be 200 or 429.
+    bursts = []
+    for _ in range(3):
+        bursts.append(burst())
+        if bursts[-1].count(429) >= 1:
+            break
+    codes = bursts[-1]
+    check(all(set(b) <= {200, 429} for b in bursts), f"every answer is 200 or 429 ({bursts})")
+    check(codes.count(429) >= 1 and codes.count(200) >= 2,
+          f"a full queue answers 429 and serves the rest ({[sorted(b) for b in bursts]})")
     check(server.stop() == 0, "the server exits 0")
 
 
