@@ -146,7 +146,8 @@ at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt
     cache->prefill(rows, prefix);
     // The padding's positions may pass the context's tables; no real row sees them.
     const model::DocumentScope scope(rows.clamp_max(context - 1).unsqueeze(0).to(device));
-    model->forward(tokens.index_select(1, rows).to(device));
+    at::Tensor x = model->embed(tokens.index_select(1, rows).to(device));  // no logits: none is sampled from
+    for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x);
   }
   std::vector<at::Tensor> out;
   at::Tensor last = sequence.narrow(0, length - 1, 1).view({1, 1});

@@ -38,7 +38,7 @@ namespace meshtrain::parallel {
 // A mixture of experts with a capacity (moe_capacity_factor > 0) counts each
 // rank's prefill rows, padding included, so it can drop other assignments
 // than one process; dropless routing gives one process's tokens. The prefill
-// computes its rows' logits too (unused).
+// runs the blocks only: no logits for its rows.
 class ContextParallelCache : public model::ForwardHooks {
  public:
   // Installed by generate_context_parallel on `model` (it must outlive this object).
