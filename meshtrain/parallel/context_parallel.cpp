@@ -1,6 +1,5 @@
 #include "meshtrain/parallel/context_parallel.h"
 
-#include "meshtrain/parallel/ring_attention.h"
 #include "meshtrain/parallel/ulysses_attention.h"
 
 #include <cmath>
@@ -20,20 +19,28 @@ bool is_core(const std::string& module) {
 
 }  // namespace
 
+std::optional<CoreCall> attention_core(model::GptImpl& model, const std::string& module, const at::Tensor& input) {
+  if (!is_core(module)) return std::nullopt;
+  const int64_t block = std::stoll(module.substr(module.find('.') + 1));  // "blocks.N.attn.core"
+  const model::CausalSelfAttentionImpl& attn = *model.blocks->ptr(block)->as<model::BlockImpl>()->attn;
+  model::QkvHeads h = attn.heads(input);
+  const model::AttentionVariant variant = attn.variant();
+  const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
+                           /*causal=*/true, variant.window, variant.softcap};
+  return CoreCall{block, std::move(h), rule};
+}
+
 // Replaces every block's attention core with attention across the cp group.
 class ContextParallel::Hooks : public model::ForwardHooks {
  public:
   Hooks(model::GptImpl* model, const ContextParallel* owner) : model_(model), owner_(owner) {}
 
   at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
-    if (!is_core(module)) return forward(input);
-    const int64_t block = std::stoll(module.substr(module.find('.') + 1));  // "blocks.N.attn.core"
-    const model::CausalSelfAttentionImpl& attn = *model_->blocks->ptr(block)->as<model::BlockImpl>()->attn;
+    const std::optional<CoreCall> call = attention_core(*model_, module, input);
+    if (!call) return forward(input);
+    const model::QkvHeads& h = call->heads;
+    const AttentionRule& rule = call->rule;
     const int64_t b = input.size(0), t = input.size(1);
-    const model::QkvHeads h = attn.heads(input);
-    const model::AttentionVariant variant = attn.variant();
-    const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
-                             /*causal=*/true, variant.window, variant.softcap};
     const at::Tensor rows = owner_->positions(t * owner_->size());
     // Packed rows: each row's document start, its global position less its position in its document.
     const at::Tensor& in_document = model::document_positions();

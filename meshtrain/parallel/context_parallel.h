@@ -5,8 +5,10 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/mesh/parallel_dims.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/ring_attention.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,18 @@ namespace meshtrain::parallel {
 // average over cp is the whole sequence's gradient.
 // Not split: attention dropout (refused by the config), and a mixture of
 // experts' auxiliary losses, which each rank computes over its own rows.
+// A block's attention core call ("blocks.N.attn.core", whose input is the
+// qkv projection's output): its block, its queries, keys and values (QK-norm
+// and RoPE at the DocumentScope's positions) and its rule. nullopt for any
+// other module. What the context-parallel hooks replace, in training and
+// generation.
+struct CoreCall {
+  int64_t block;
+  model::QkvHeads heads;
+  AttentionRule rule;
+};
+std::optional<CoreCall> attention_core(model::GptImpl& model, const std::string& module, const at::Tensor& input);
+
 class ContextParallel {
  public:
   // Installs the attention hook on `model` (it must outlive this object);

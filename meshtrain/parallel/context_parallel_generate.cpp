@@ -1,12 +1,12 @@
 #include "meshtrain/parallel/context_parallel_generate.h"
 
 #include "meshtrain/model/attention_variants.h"
+#include "meshtrain/parallel/context_parallel.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -15,11 +15,6 @@ namespace meshtrain::parallel {
 namespace {
 
 constexpr float kHidden = -std::numeric_limits<float>::infinity();
-const std::string kCore = ".attn.core";
-
-bool is_core(const std::string& module) {
-  return module.size() > kCore.size() && module.compare(module.size() - kCore.size(), kCore.size(), kCore) == 0;
-}
 
 // Appends `fresh` [B, Hkv, t, D] after the rows `cached` holds, in `room`,
 // which doubles when full: O(t) per token, not O(cached).
@@ -66,15 +61,12 @@ void ContextParallelCache::decode(int64_t position) {
 }
 
 at::Tensor ContextParallelCache::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
-  if (!is_core(module)) return forward(input);
-  const int64_t block = std::stoll(module.substr(module.find('.') + 1));  // "blocks.N.attn.core"
-  const model::CausalSelfAttentionImpl& attn = *model_->blocks->ptr(block)->as<model::BlockImpl>()->attn;
+  const std::optional<CoreCall> call = attention_core(*model_, module, input);  // rotated at the scope's positions
+  if (!call) return forward(input);
+  const model::QkvHeads& h = call->heads;
+  const AttentionRule& rule = call->rule;
   const int64_t b = input.size(0), t = input.size(1);
-  const model::QkvHeads h = attn.heads(input);  // rotated at the scope's positions
-  const model::AttentionVariant variant = attn.variant();
-  const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
-                           /*causal=*/true, variant.window, variant.softcap};
-  Layer& layer = layers_[block];
+  Layer& layer = layers_[call->block];
   at::Tensor y;
   if (rows_.defined()) {
     y = ring_attention(h.q, h.k, h.v, rows_, cp_, rule);
