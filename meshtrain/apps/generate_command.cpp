@@ -57,24 +57,25 @@ void sample_after(serve::InferenceModel& inference, const std::vector<int64_t>& 
   }
 }
 
-// What --parallel.tp and --parallel.cp ask of the job, refused with the flag to change.
+// What --parallel.tp and --parallel.cp ask of the job, refused with the flag to change (a usage
+// error: every rank parses the same line, rank 0 says it once).
 void check_layout(const comm::Runtime& runtime, const GenerateOptions& options) {
   const int ranks = runtime.size();
   if (options.tp > 1 && options.cp > 1) {
-    throw std::invalid_argument("generate: --parallel.tp and --parallel.cp split the model and the KV cache over "
-                                "all ranks of the job; use one of them");
+    throw UsageError("generate: --parallel.tp and --parallel.cp split the model and the KV cache over "
+                     "all ranks of the job; use one of them");
   }
   const int asked = std::max(options.tp, options.cp);
   const std::string flag = options.cp > 1 ? "cp" : "tp";
   if (asked != ranks) {
-    throw std::invalid_argument("generate: --parallel." + flag + "=" + std::to_string(asked) + " but " +
-                                std::to_string(ranks) + " rank(s) run; launch " + flag + " ranks (meshtrain run -n " +
-                                std::to_string(asked) + " generate --parallel." + flag + "=" + std::to_string(asked) +
-                                " ...)");
+    throw UsageError("generate: --parallel." + flag + "=" + std::to_string(asked) + " but " +
+                     std::to_string(ranks) + " rank(s) run; launch " + flag + " ranks (meshtrain run -n " +
+                     std::to_string(asked) + " generate --parallel." + flag + "=" + std::to_string(asked) +
+                     " ...)");
   }
   if (options.cp > 1 && (options.no_kv_cache || options.offload.weights != "none" || options.offload.kv != "device")) {
-    throw std::invalid_argument("generate: --parallel.cp splits the KV cache on the device; it does not combine with "
-                                "--no-kv-cache, --offload.weights or --offload.kv");
+    throw UsageError("generate: --parallel.cp splits the KV cache on the device; it does not combine with "
+                     "--no-kv-cache, --offload.weights or --offload.kv");
   }
 }
 
