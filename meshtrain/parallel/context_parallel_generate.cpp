@@ -1,5 +1,6 @@
 #include "meshtrain/parallel/context_parallel_generate.h"
 
+#include "meshtrain/comm/agree.h"
 #include "meshtrain/model/attention_variants.h"
 #include "meshtrain/parallel/context_parallel.h"
 
@@ -112,14 +113,17 @@ at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::Qkv
 
 at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt, const model::SampleOptions& options,
                                      const std::shared_ptr<comm::Communicator>& cp, std::vector<int64_t>* cached) {
-  options.validate();
   const at::Tensor sequence = prompt.numel() ? prompt.to(at::kLong).view({-1}) : at::zeros({1}, at::kLong);
   const int64_t length = sequence.size(0), context = model->config().context;
-  if (length + options.tokens > context) {
-    throw std::invalid_argument("generate with cp: the prompt (" + std::to_string(length) + " tokens) and " +
-                                std::to_string(options.tokens) + " new tokens exceed the context " +
-                                std::to_string(context) + " (the cache split over cp keeps every token)");
-  }
+  // Every rank checks alike and fails together, the message said once.
+  comm::on_all_or_all_fail(*cp, [&] {
+    options.validate();
+    if (length + options.tokens > context) {
+      throw std::invalid_argument("generate with cp: the prompt (" + std::to_string(length) + " tokens) and " +
+                                  std::to_string(options.tokens) + " new tokens exceed the context " +
+                                  std::to_string(context) + " (the cache split over cp keeps every token)");
+    }
+  });
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
   model->eval();

@@ -75,7 +75,8 @@ class ContextParallelCache : public model::ForwardHooks {
 // Extends `prompt` (int64 ids, 1-D) by up to options.tokens tokens, the KV
 // cache split over `cp`: every rank of the group calls it with the same
 // model, prompt and options and gets the same tokens (those of
-// model::generate with the cache). Prompt and new tokens must fit the context.
+// model::generate with the cache). Prompt and new tokens must fit the context
+// (else every rank throws comm::AgreedError, one message).
 // `cached` (optional): the tokens each rank's cache held at the end.
 at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt, const model::SampleOptions& options,
                                      const std::shared_ptr<comm::Communicator>& cp,
