@@ -1,4 +1,5 @@
 // meshtrain bench comm: our communicator against the raw MPI call, same buffers, same run.
+#include "meshtrain/apps/bench_util.h"
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 
@@ -82,12 +83,6 @@ double timed(MPI_Comm raw, int iterations, const std::function<void()>& body) {
   return seconds;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size() / 2;
-  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
 std::string human_bytes(int64_t bytes) {
   char text[32];
   auto print = [&](double value, const char* unit) {
@@ -140,7 +135,7 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options) {
         ours_s.push_back(timed(raw, iterations, ours));
         raw_s.push_back(timed(raw, iterations, theirs));
       }
-      const double ours_median = median(ours_s), raw_median = median(raw_s);
+      const double ours_median = median_of_middle(ours_s), raw_median = median_of_middle(raw_s);
       const double algbw = buffers.bytes / ours_median / 1e9;
       const double busbw = algbw * bus_factor(op, n);
       const double raw_busbw = buffers.bytes / raw_median / 1e9 * bus_factor(op, n);
@@ -161,7 +156,7 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options) {
   }
   if (leader && !large_ratios.empty()) {
     std::printf("\nratio at >= 4 MiB over %zu rows: min %.3f, median %.3f (goal >= 0.95)\n", large_ratios.size(),
-                *std::min_element(large_ratios.begin(), large_ratios.end()), median(large_ratios));
+                *std::min_element(large_ratios.begin(), large_ratios.end()), median_of_middle(large_ratios));
   }
   MPI_Comm_free(&raw);
   return 0;

@@ -59,13 +59,13 @@ double formula_bytes(const std::string& impl, const Shape& s, int64_t local, int
   return ring(static_cast<double>(cp), static_cast<double>(local));
 }
 
-struct Run {
+struct AttentionRun {
   double seconds = 0;  // median forward + backward
   parallel::RingProfile profile;
   int64_t bytes = 0;
 };
 
-Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64_t length, int steps) {
+AttentionRun measure(const std::string& impl, const CommPtr& group, const Shape& s, int64_t length, int steps) {
   const int64_t cp = group->size(), r = group->rank(), local = length / cp;
   const at::Tensor pos = impl == "ring_contiguous" ? parallel::contiguous_positions(length, cp, r)
                                                     : parallel::zigzag_positions(length, cp, r);
@@ -80,7 +80,7 @@ Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64
     ring = group->split(static_cast<int>(r % kHybridGroup), static_cast<int>(r), group->name() + ":ring");
   }
   auto sent = [&] { return a2a ? sent_bytes(*a2a) + sent_bytes(*ring) : sent_bytes(*group); };
-  Run run;
+  AttentionRun run;
   std::vector<double> times;
   for (int i = 0; i <= steps; ++i) {  // the first is a warm-up
     parallel::RingProfile profile;
@@ -106,7 +106,7 @@ Run measure(const std::string& impl, const CommPtr& group, const Shape& s, int64
 }
 
 // Every rank's numbers at rank 0 of `group`: [ranks, 4] (scores, compute s, wait s, bytes).
-at::Tensor gather_rows(const CommPtr& group, const Run& run) {
+at::Tensor gather_rows(const CommPtr& group, const AttentionRun& run) {
   const at::Tensor mine = at::tensor({static_cast<double>(run.profile.scores), run.profile.compute_s,
                                       run.profile.wait_s, static_cast<double>(run.bytes)},
                                      at::kDouble);
@@ -152,7 +152,7 @@ int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, in
         for (const std::string impl : {"ring_zigzag", "ring_contiguous", "all_to_all", "hybrid"}) {
           if (impl == "all_to_all" && (shape.heads % cp != 0 || shape.kv_heads % cp != 0)) continue;
           if (impl == "hybrid" && cp < 2 * kHybridGroup) continue;  // a ring of one group is all-to-all
-          const Run run = measure(impl, group, shape, length, steps);
+          const AttentionRun run = measure(impl, group, shape, length, steps);
           const at::Tensor all = gather_rows(group, run);
           if (world->rank() != 0) continue;  // rank 0's group reports
           const at::Tensor scores = all.select(1, 0), compute = all.select(1, 1), wait = all.select(1, 2);

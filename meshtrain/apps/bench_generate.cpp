@@ -1,5 +1,6 @@
 // meshtrain bench generate: prefill and decode timed apart on the serving
 // path (the batch engine with its KV cache), batch B, greedy, one JSON line.
+#include "meshtrain/apps/bench_util.h"
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/offload_flags.h"
@@ -16,15 +17,6 @@
 #include <cstdio>
 
 namespace meshtrain::apps {
-
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
 
 int run_bench_generate(const GenerateBenchOptions& options) {
   memory::install();

@@ -29,8 +29,8 @@ namespace meshtrain::apps {
 namespace {
 
 // One model and its optimizer on cuda:0, training on one fixed batch.
-struct Run {
-  Run(const train::TrainConfig& config, const at::Tensor& tokens)
+struct GraphRun {
+  GraphRun(const train::TrainConfig& config, const at::Tensor& tokens)
       : model(config.model, config.seed), bfloat16(config.bfloat16()) {
     model->to(at::Device(at::kCUDA, 0));
     std::vector<parallel::AdamWParameter> parameters;
@@ -82,7 +82,7 @@ struct Run {
 
 // `warmup` untimed steps, their losses into `losses`, then `timed` steps: seconds
 // per timed step, the GPU drained before and after.
-double seconds_per_step(int warmup, int timed, const std::function<void()>& step, const Run& run,
+double seconds_per_step(int warmup, int timed, const std::function<void()>& step, const GraphRun& run,
                         std::vector<double>& losses) {
   for (int s = 0; s < warmup; ++s) {
     step();
@@ -108,7 +108,7 @@ int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& over
   c10::cuda::CUDAGuard on_gpu(0);
 
   // Eager: the step kernel by kernel.
-  Run eager(config, batch);
+  GraphRun eager(config, batch);
   std::vector<double> eager_losses;
   const double eager_seconds = seconds_per_step(warmup_steps, timed_steps, [&] {
     eager.forward_backward();
@@ -116,7 +116,7 @@ int run_bench_graph(comm::Runtime& runtime, const std::vector<std::string>& over
   }, eager, eager_losses);
 
   // Graphed: warm up on a side stream, capture forward + backward there, replay.
-  Run graphed(config, batch);
+  GraphRun graphed(config, batch);
   at::cuda::CUDAGraph graph;
   c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, 0);
   torch::cuda::synchronize();  // the side stream starts after the model's copies

@@ -48,7 +48,7 @@ double message_seconds(comm::Communicator& group, const std::vector<int64_t>& sh
   return median(times);
 }
 
-struct Measured {
+struct ScheduleMeasured {
   double step_seconds = 0;
   double bubble = 0;            // measured, mean over ranks, median over steps
   double simulated = 0;         // the schedule simulated with the measured forward/backward times
@@ -56,10 +56,10 @@ struct Measured {
   std::vector<double> activation_mib;  // per stage (pipeline rank): peak in use in forward/backward above model states
 };
 
-Measured measure(const train::TrainConfig& config, const std::shared_ptr<comm::Communicator>& group, int warmup,
+ScheduleMeasured measure(const train::TrainConfig& config, const std::shared_ptr<comm::Communicator>& group, int warmup,
                  int steps, std::vector<std::vector<pipe::Span>>* trace) {
   train::Trainer trainer(config, group);
-  Measured out;
+  ScheduleMeasured out;
   std::vector<double> seconds, bubbles, simulated, waits;
   at::Tensor activation = at::zeros({group->size()}, at::kDouble);
   for (int s = 0; s < warmup + steps; ++s) {
@@ -118,7 +118,7 @@ void memory_rows(const std::vector<std::string>& base, const std::shared_ptr<com
     }
     train::TrainConfig config = train::TrainConfig::load("", settings);
     config.validate(p);
-    const Measured r = measure(config, group, 1, 1, nullptr);
+    const ScheduleMeasured r = measure(config, group, 1, 1, nullptr);
     if (group->rank() != 0) continue;
     std::string stages;
     for (double mib : r.activation_mib) {
@@ -176,7 +176,7 @@ int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrid
           config.validate(p);
           std::vector<std::vector<pipe::Span>> trace;
           const bool picture = schedule == "1f1b" && m == 8;
-          const Measured r = measure(config, group, warmup_steps, timed_steps, picture ? &trace : nullptr);
+          const ScheduleMeasured r = measure(config, group, warmup_steps, timed_steps, picture ? &trace : nullptr);
           if (group->rank() != 0) continue;
           const double theory = pipe::theoretical_bubble(p, v, m);
           // Point-to-point on the critical path: a message per stage boundary each way, per virtual stage.

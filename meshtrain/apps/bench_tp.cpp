@@ -51,7 +51,7 @@ int64_t wire_bytes(const comm::Communicator& comm) {
   return total;
 }
 
-struct Measured {
+struct TensorParallelMeasured {
   double seconds = 0;        // median step
   double bytes_per_step = 0; // sent by this rank over the tp group, one step
   int64_t counted_peak = 0;
@@ -62,7 +62,7 @@ struct Measured {
 // With `annotated`, tensor parallel from sharding annotations
 // (parallel/annotated_tensor_parallel.h) as the trainer applies it: the
 // optimizer and clipping on the local pieces.
-Measured train_steps(const model::GptConfig& config, int64_t batch, const parallel::CommPtr& group, bool sp, bool annotated,
+TensorParallelMeasured train_steps(const model::GptConfig& config, int64_t batch, const parallel::CommPtr& group, bool sp, bool annotated,
                      int warmup, int steps) {
   model::Gpt gpt(config, 1);
   std::unique_ptr<parallel::TensorParallel> tp;
@@ -80,7 +80,7 @@ Measured train_steps(const model::GptConfig& config, int64_t batch, const parall
   at::Generator g = at::make_generator<at::CPUGeneratorImpl>(2);
   const at::Tensor tokens = at::randint(0, config.vocab_size, {batch, config.context + 1}, g, at::kLong);
   const at::Tensor inputs = tokens.narrow(1, 0, config.context), targets = tokens.narrow(1, 1, config.context);
-  Measured out;
+  TensorParallelMeasured out;
   std::vector<double> seconds;
   const comm::Communicator& counted = annotations ? *annotations->comm() : *group;  // (annotations: the tp mesh's own)
   for (int step = 0; step < warmup + steps; ++step) {
@@ -126,7 +126,7 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
     int t;
     bool sp;
     bool annotated;
-    Measured deep, shallow;
+    TensorParallelMeasured deep, shallow;
   };
   std::vector<Row> rows;
   for (int t = 1; t <= world->size(); t *= 2) {

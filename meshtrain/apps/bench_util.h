@@ -19,4 +19,11 @@ inline double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// The median as statistics defines it: the middle sample, or the mean of the two middle ones; 0 for none.
+inline double median_of_middle(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.empty() ? 0.0 : v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
 }  // namespace meshtrain::apps

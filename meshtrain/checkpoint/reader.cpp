@@ -4,6 +4,8 @@
 #include "meshtrain/checkpoint/writer.h"
 #include "meshtrain/util/files.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -130,7 +132,7 @@ at::Tensor CheckpointReader::read_elements(const TensorEntry& tensor, const Chun
 
 void CheckpointReader::load(const placement::TrainingState& state, const mesh::MeshLayout& layout, int rank,
                             const std::function<bool(const std::string&)>& wanted) {
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   for (const placement::StateTensor& t : state) {
     if (wanted && !wanted(t.name)) continue;
     const TensorEntry& saved = entry(t.name);

@@ -3,6 +3,8 @@
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/util/files.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <fcntl.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -149,7 +151,7 @@ void CheckpointWriter::save(Metadata meta, const placement::TrainingState& state
   auto snapshot = std::make_shared<Snapshot>();
   snapshot->meta = std::move(meta);
   {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     for (const placement::StateTensor& t : state) {
       if (!t.write && !local_) continue;  // a replica another rank writes (local: each host writes its own)
       Snapshot::Tensor copy{t.name, t.spec.shape, placement::local_chunks(t.spec, layout, comm_->rank()), {}};

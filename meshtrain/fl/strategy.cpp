@@ -1,5 +1,7 @@
 #include "meshtrain/fl/strategy.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <stdexcept>
 
 namespace meshtrain::fl {

@@ -44,10 +44,6 @@ T get_or(const json& config, const char* key, T fallback) {
   return config.contains(key) && !config[key].is_null() ? config[key].get<T>() : fallback;
 }
 
-void refuse(const std::string& where, const std::string& what) {
-  throw FormatError(where + ": " + what + " has no equivalent in meshtrain's model; it cannot be imported");
-}
-
 model::GptConfig gpt2_config(const json& c, const std::string& where) {
   model::GptConfig m = model::GptConfig::preset("tiny");
   m.vocab_size = get<int64_t>(c, "vocab_size", where);
@@ -60,9 +56,9 @@ model::GptConfig gpt2_config(const json& c, const std::string& where) {
   m.tie_embeddings = get_or<bool>(c, "tie_word_embeddings", true);
   m.dropout = 0;
   const std::string act = get_or<std::string>(c, "activation_function", "gelu_new");
-  if (act != "gelu_new" && act != "gelu_pytorch_tanh") refuse(where, "activation_function \"" + act + "\"");
-  if (get_or<bool>(c, "scale_attn_by_inverse_layer_idx", false)) refuse(where, "scale_attn_by_inverse_layer_idx");
-  if (!get_or<bool>(c, "scale_attn_weights", true)) refuse(where, "scale_attn_weights = false");
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh") refuse_import(where, "activation_function \"" + act + "\"");
+  if (get_or<bool>(c, "scale_attn_by_inverse_layer_idx", false)) refuse_import(where, "scale_attn_by_inverse_layer_idx");
+  if (!get_or<bool>(c, "scale_attn_weights", true)) refuse_import(where, "scale_attn_weights = false");
   return m;
 }
 

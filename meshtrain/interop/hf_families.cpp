@@ -48,10 +48,6 @@ const std::set<std::string>& harmless_keys() {
   return keys;
 }
 
-[[noreturn]] void refuse(const std::string& where, const std::string& what) {
-  throw FormatError(where + ": " + what + " has no equivalent in meshtrain's model; it cannot be imported");
-}
-
 // A config.json being read: what was looked at is remembered, so what was not
 // can be named at the end.
 class Reader {
@@ -73,7 +69,7 @@ class Reader {
   // A key the model only matches at this value (absent or null also match).
   template <typename T>
   void expect(const std::string& key, T value) {
-    if (has(key) && convert<T>(c_[key], key) != value) refuse(where_, "\"" + key + "\": " + c_[key].dump());
+    if (has(key) && convert<T>(c_[key], key) != value) refuse_import(where_, "\"" + key + "\": " + c_[key].dump());
   }
   const json& raw(const std::string& key) {
     used_.insert(key);
@@ -82,7 +78,7 @@ class Reader {
   void finish() const {
     for (auto it = c_.begin(); it != c_.end(); ++it) {
       if (!used_.count(it.key()) && !harmless_keys().count(it.key())) {
-        refuse(where_, "\"" + it.key() + "\": " + it.value().dump());
+        refuse_import(where_, "\"" + it.key() + "\": " + it.value().dump());
       }
     }
   }
@@ -113,19 +109,19 @@ void read_rope(Reader& r, model::GptConfig& m, bool partial_rotary) {
       const json& old = r.raw("rope_scaling");
       auto type = [](const json& j) { return j.value("rope_type", j.value("type", std::string("default"))); };
       if (!old.is_object() || type(old) != type(rope)) {
-        refuse(r.where(), "rope_scaling " + old.dump() + " beside rope_parameters " + rope.dump());
+        refuse_import(r.where(), "rope_scaling " + old.dump() + " beside rope_parameters " + rope.dump());
       }
     }
   } else if (scaling) {
     rope = r.raw("rope_scaling");
   }
-  if (!rope.is_object()) refuse(r.where(), "rope parameters " + rope.dump());
+  if (!rope.is_object()) refuse_import(r.where(), "rope parameters " + rope.dump());
   m.rope_theta = r.get_or<double>("rope_theta", 10000.0);
   Reader p(rope, r.where() + " rope parameters");
   m.rope_theta = p.get_or<double>("rope_theta", m.rope_theta);
   const std::string type = p.get_or<std::string>("rope_type", p.get_or<std::string>("type", "default"));
   const double fraction = p.get_or<double>("partial_rotary_factor", r.get_or<double>("partial_rotary_factor", 1.0));
-  if (fraction != 1.0 && !partial_rotary) refuse(r.where(), "partial_rotary_factor " + std::to_string(fraction));
+  if (fraction != 1.0 && !partial_rotary) refuse_import(r.where(), "partial_rotary_factor " + std::to_string(fraction));
   m.rotary_fraction = fraction;
   if (type == "linear") {
     m.rope_scaling = "linear";
@@ -149,7 +145,7 @@ void read_rope(Reader& r, model::GptConfig& m, bool partial_rotary) {
     m.rope_attention_factor = p.get_or<double>("attention_factor", ms != 0 && ms_all != 0 ? mscale(ms) / mscale(ms_all)
                                                                                           : mscale(1.0));
   } else if (type != "default") {
-    refuse(r.where(), "rope_type \"" + type + "\"");
+    refuse_import(r.where(), "rope_type \"" + type + "\"");
   }
   p.finish();
 }
@@ -161,7 +157,7 @@ void read_window(Reader& r, model::GptConfig& m, const std::string& type) {
   if (qwen) {
     const bool sliding = r.get_or<bool>("use_sliding_window", false);
     r.has("sliding_window"), r.has("max_window_layers");
-    if (sliding) refuse(r.where(), "use_sliding_window = true (Qwen's windows from layer max_window_layers on)");
+    if (sliding) refuse_import(r.where(), "use_sliding_window = true (Qwen's windows from layer max_window_layers on)");
   } else if (type == "llama" || type == "olmo2") {
     r.has("sliding_window");  // transformers' llama and olmo2 ignore one
   } else if (r.has("sliding_window")) {
@@ -172,18 +168,18 @@ void read_window(Reader& r, model::GptConfig& m, const std::string& type) {
     m.sliding_every = 2;
     // Older Gemma 2 configs repeat the window under another name.
     if (r.has("sliding_window_size") && r.get<int64_t>("sliding_window_size") != r.get_or<int64_t>("sliding_window", 0)) {
-      refuse(r.where(), "sliding_window_size " + std::to_string(r.get<int64_t>("sliding_window_size")));
+      refuse_import(r.where(), "sliding_window_size " + std::to_string(r.get<int64_t>("sliding_window_size")));
     }
   }
   if (r.has("layer_types")) {
     const json types = r.raw("layer_types");
-    if (!types.is_array() || static_cast<int64_t>(types.size()) != m.layers) refuse(r.where(), "layer_types " + types.dump());
+    if (!types.is_array() || static_cast<int64_t>(types.size()) != m.layers) refuse_import(r.where(), "layer_types " + types.dump());
     for (int64_t i = 0; i < m.layers; ++i) {
       const bool sliding = types[i] == "sliding_attention";
-      if (!sliding && types[i] != "full_attention") refuse(r.where(), "layer_types " + types.dump());
+      if (!sliding && types[i] != "full_attention") refuse_import(r.where(), "layer_types " + types.dump());
       // A window the context fits in is no window; otherwise it must fall on meshtrain's blocks.
-      if (m.sliding_window > 0 && sliding != (m.window_of(i) > 0)) refuse(r.where(), "layer_types " + types.dump());
-      if (m.sliding_window == 0 && sliding && qwen) refuse(r.where(), "layer_types " + types.dump());
+      if (m.sliding_window > 0 && sliding != (m.window_of(i) > 0)) refuse_import(r.where(), "layer_types " + types.dump());
+      if (m.sliding_window == 0 && sliding && qwen) refuse_import(r.where(), "layer_types " + types.dump());
     }
   }
 }
@@ -206,14 +202,18 @@ void read_moe(Reader& r, model::GptConfig& m, const std::string& type) {
     m.moe_hidden = r.get<int64_t>("moe_intermediate_size");
     m.moe_norm_topk = r.get_or<bool>("norm_topk_prob", false);
     if (r.has("mlp_only_layers") && !r.raw("mlp_only_layers").empty()) {
-      refuse(r.where(), "mlp_only_layers " + r.raw("mlp_only_layers").dump());
+      refuse_import(r.where(), "mlp_only_layers " + r.raw("mlp_only_layers").dump());
     }
   }
   // Top-1 keeps the probability as the gate in meshtrain (Switch); renormalised it would be 1.
-  if (m.moe_top_k == 1 && m.moe_norm_topk) refuse(r.where(), "num_experts_per_tok = 1 with renormalised gates");
+  if (m.moe_top_k == 1 && m.moe_norm_topk) refuse_import(r.where(), "num_experts_per_tok = 1 with renormalised gates");
 }
 
 }  // namespace
+
+void refuse_import(const std::string& where, const std::string& what) {
+  throw FormatError(where + ": " + what + " has no equivalent in meshtrain's model; it cannot be imported");
+}
 
 const std::vector<std::string>& family_types() {
   static const std::vector<std::string> types = {"llama",     "mistral", "qwen2", "qwen3", "mixtral",
@@ -240,7 +240,7 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
   if (head_dim * m.heads != m.width) m.head_size = head_dim;
   if (type == "gemma2") {
     const std::string act = r.get_or<std::string>("hidden_activation", "gelu_pytorch_tanh");
-    if (act != "gelu_pytorch_tanh") refuse(where, "hidden_activation \"" + act + "\"");
+    if (act != "gelu_pytorch_tanh") refuse_import(where, "hidden_activation \"" + act + "\"");
     r.expect<std::string>("hidden_act", "gelu_pytorch_tanh");
     m.mlp = "geglu";
     m.norm_placement = "sandwich";
@@ -253,7 +253,7 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
     r.expect<bool>("use_bidirectional_attention", false);
   } else {
     const std::string act = r.get_or<std::string>("hidden_act", "silu");
-    if (act != "silu") refuse(where, "hidden_act \"" + act + "\"");
+    if (act != "silu") refuse_import(where, "hidden_act \"" + act + "\"");
   }
   read_rope(r, m, type == "phi3");
   if (type == "phi3") r.has("original_max_position_embeddings");  // longrope's; refused above if used

@@ -16,6 +16,9 @@
 
 namespace meshtrain::interop {
 
+// Throws FormatError: `what`, read at `where`, has no equivalent in meshtrain's model.
+[[noreturn]] void refuse_import(const std::string& where, const std::string& what);
+
 // The model_type values config_from_family reads.
 const std::vector<std::string>& family_types();
 

@@ -34,15 +34,14 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s)
   return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, d - 2 * half)}, -1);
 }
 
-// RoPE at each token's own position ([B, T]): Note [Packed documents].
-at::Tensor rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+}  // namespace
+
+at::Tensor apply_rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
   const int64_t b = x.size(0), t = x.size(2), half = cos.size(-1);
   const at::Tensor index = positions.to(cos.device()).reshape({-1});
   return rotate(x, cos.index_select(0, index).view({b, 1, t, half}).to(x.scalar_type()),
                 sin.index_select(0, index).view({b, 1, t, half}).to(x.scalar_type()));
 }
-
-}  // namespace
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset) {
   const int64_t t = x.size(-2);
@@ -147,8 +146,8 @@ QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out) const {
   const at::Tensor& positions = document_positions();  // Note [Packed documents]
   std::tie(q, k) = normalize_qk(q, k);
   if (rope_ && positions.defined()) {
-    q = rope_at(q, cos_, sin_, positions);
-    k = rope_at(k, cos_, sin_, positions);
+    q = apply_rope_at(q, cos_, sin_, positions);
+    k = apply_rope_at(k, cos_, sin_, positions);
   } else if (rope_) {
     const bool whole = 2 * cos_.size(1) == head_dim_;  // the fused kernel rotates whole heads
     q = fused && whole ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);

@@ -66,6 +66,9 @@ class ForwardHooks {
 // offset + t - 1 (tables cos / sin [context, r/2]; r = d unless the model
 // rotates a fraction of each head).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
+// The same rotation of x [B, H, t, d] at each row's own positions [B, t]
+// (Note [Packed documents]; a KV cache's decode positions).
+at::Tensor apply_rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 
 // Note [Grouped-query layout]
 // The fused qkv projection's outputs are [q | k | v] (a third each) with

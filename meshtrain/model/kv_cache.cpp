@@ -114,16 +114,6 @@ void KvCache::keep_rows(const std::vector<int64_t>& rows) {
 
 namespace {
 
-// Rotary embedding of x [B, H, t, d] at per-row positions [B, t].
-at::Tensor rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
-  const int64_t half = cos.size(-1), b = positions.size(0), t = positions.size(1);
-  const at::Tensor c = cos.index_select(0, positions.reshape({-1})).view({b, 1, t, half}).to(x.scalar_type());
-  const at::Tensor s = sin.index_select(0, positions.reshape({-1})).view({b, 1, t, half}).to(x.scalar_type());
-  const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  if (2 * half == x.size(-1)) return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
-  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c, x.narrow(-1, 2 * half, x.size(-1) - 2 * half)}, -1);
-}
-
 // Of t new queries (slots length .. length + t - 1) over every slot so far:
 // [B, 1, t, length + t], false on each row's padding, except that a padding
 // query sees itself (its softmax needs a key).
@@ -184,8 +174,8 @@ at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
   std::tie(q, k) = layer.attention->normalize_qk(q, k);
   if (layer.cos.defined() && pads_.defined()) {
     const at::Tensor at_positions = positions(t);
-    q = rope_at(q, layer.cos, layer.sin, at_positions);
-    k = rope_at(k, layer.cos, layer.sin, at_positions);
+    q = apply_rope_at(q, layer.cos, layer.sin, at_positions);
+    k = apply_rope_at(k, layer.cos, layer.sin, at_positions);
   } else if (layer.cos.defined()) {
     q = apply_rope(q, layer.cos, layer.sin, length_);
     k = apply_rope(k, layer.cos, layer.sin, length_);

@@ -1,8 +1,8 @@
 #include "meshtrain/parallel/data_parallel.h"
 
+#include "meshtrain/parallel/gradient_ready_hook.h"
+
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <mutex>
@@ -48,26 +48,6 @@ struct DataParallel::State {
     issue_ready_buckets_locked();
   }
 };
-
-namespace {
-
-class GradientReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradientReadyHook(std::weak_ptr<DataParallel::State> state, size_t bucket)
-      : state_(std::move(state)), bucket_(bucket) {}
-
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto state = state_.lock()) state->mark_ready(bucket_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<DataParallel::State> state_;
-  size_t bucket_;
-};
-
-}  // namespace
 
 DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Communicator> comm,
                            DataParallelOptions options)
@@ -125,7 +105,7 @@ DataParallel::DataParallel(torch::nn::Module& module, std::shared_ptr<comm::Comm
       p.mutable_grad() = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
       offset += p.numel();
       auto accumulator = torch::autograd::impl::grad_accumulator(p);
-      accumulator->add_post_hook(std::make_unique<GradientReadyHook>(state_, b));
+      accumulator->add_post_hook(std::make_unique<GradientReadyHook<State>>(state_, b));
       state_->accumulators.push_back(std::move(accumulator));
     }
     bucket.params = groups[b];

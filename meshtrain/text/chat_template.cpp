@@ -1,26 +1,13 @@
 #include "meshtrain/text/chat_template.h"
 
-namespace meshtrain::text {
+#include "meshtrain/text/tokenizer_config.h"
 
-namespace {
+namespace meshtrain::text {
 
 using json = nlohmann::json;
 
-json companion(const Tokenizer& tokenizer, const char* name) {
-  auto it = tokenizer.companions().find(name);
-  return it == tokenizer.companions().end() ? json() : json::parse(it->second, nullptr, false);
-}
-
-std::string token_text(const json& j) {
-  if (j.is_string()) return j.get<std::string>();
-  if (j.is_object() && j.contains("content") && j["content"].is_string()) return j["content"].get<std::string>();
-  return "";
-}
-
-}  // namespace
-
 std::unique_ptr<ChatTemplate> ChatTemplate::of(const Tokenizer& tokenizer) {
-  const json config = companion(tokenizer, "tokenizer_config.json");
+  const json config = companion_json(tokenizer, "tokenizer_config.json");
   std::string source;
   auto file = tokenizer.companions().find("chat_template.jinja");
   if (file != tokenizer.companions().end()) {
@@ -35,7 +22,7 @@ std::unique_ptr<ChatTemplate> ChatTemplate::of(const Tokenizer& tokenizer) {
   if (source.empty()) return nullptr;
   // The special tokens the template may name, as transformers' special_tokens_map.
   std::map<std::string, std::string> specials;
-  const json map = companion(tokenizer, "special_tokens_map.json");
+  const json map = companion_json(tokenizer, "special_tokens_map.json");
   for (const json* from : {&map, &config}) {
     if (!from->is_object()) continue;
     for (const char* name : {"bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"}) {

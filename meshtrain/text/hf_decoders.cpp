@@ -6,7 +6,8 @@
 
 namespace meshtrain::text::hf {
 
-namespace {
+// Named as in tokenizers.decoders.
+namespace decoders {
 
 class Sequence : public Decoder {
  public:
@@ -169,9 +170,10 @@ class WordSuffix : public Decoder {
   std::string suffix_;
 };
 
-}  // namespace
+}  // namespace decoders
 
 std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& where) {
+  using namespace decoders;
   if (j.is_null()) return nullptr;
   const std::string type = field(j, "type", where);
   if (type == "Sequence") {
@@ -201,7 +203,8 @@ std::unique_ptr<Decoder> make_decoder(const json& j, const std::string& where) {
   throw Unsupported(where + " is " + type + ", a decoder meshtrain does not read");
 }
 
-namespace {
+// Named as in tokenizers.processors.
+namespace processors {
 
 class Template : public PostProcessor {
  public:
@@ -249,9 +252,10 @@ std::unique_ptr<PostProcessor> make_template(const json& j, const std::string& w
   return std::make_unique<Template>(std::move(before), std::move(after));
 }
 
-}  // namespace
+}  // namespace processors
 
 std::unique_ptr<PostProcessor> make_post_processor(const json& j, const std::string& where) {
+  using namespace processors;
   if (j.is_null()) return nullptr;
   const std::string type = field(j, "type", where);
   if (type == "TemplateProcessing") return make_template(j, where);

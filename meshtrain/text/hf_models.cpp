@@ -10,7 +10,8 @@
 
 namespace meshtrain::text::hf {
 
-namespace {
+// Named as in tokenizers.models.
+namespace models {
 
 std::string byte_token(uint8_t byte) {
   char name[8];
@@ -327,9 +328,10 @@ void Unigram::encode(const std::string& piece, std::vector<int64_t>& ids) const 
   }
 }
 
-}  // namespace
+}  // namespace models
 
 std::unique_ptr<Model> make_model(const json& j, const std::string& where) {
+  using namespace models;
   const std::string type = j.is_object() && j.contains("type") ? j["type"].get<std::string>() : "";
   if (type == "BPE" || (type.empty() && j.is_object() && j.contains("merges"))) return std::make_unique<Bpe>(j, where);
   if (type == "Unigram") return std::make_unique<Unigram>(j, where);

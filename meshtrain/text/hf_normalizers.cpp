@@ -6,7 +6,8 @@
 
 namespace meshtrain::text::hf {
 
-namespace {
+// Named as in tokenizers.normalizers.
+namespace normalizers {
 
 class Sequence : public Normalizer {
  public:
@@ -94,7 +95,7 @@ class ByteLevel : public Normalizer {
   }
 };
 
-}  // namespace
+}  // namespace normalizers
 
 std::string pattern_of(const json& j, const std::string& where) {
   if (j.contains("String")) return Regex::escape(j["String"].get<std::string>());
@@ -103,6 +104,7 @@ std::string pattern_of(const json& j, const std::string& where) {
 }
 
 std::unique_ptr<Normalizer> make_normalizer(const json& j, const std::string& where) {
+  using namespace normalizers;
   if (j.is_null()) return nullptr;
   const std::string type = field(j, "type", where);
   if (type == "Sequence") {

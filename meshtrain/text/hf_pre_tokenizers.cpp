@@ -106,7 +106,8 @@ void split_pieces(std::vector<Piece>& pieces,
   pieces = std::move(out);
 }
 
-namespace {
+// Named as in tokenizers.pre_tokenizers.
+namespace pre_tokenizers {
 
 const char* const kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -258,9 +259,10 @@ std::unique_ptr<PreTokenizer> make_metaspace(const json& j, const std::string& w
   return std::make_unique<Metaspace>(replacement, prepend, j.value("split", true));
 }
 
-}  // namespace
+}  // namespace pre_tokenizers
 
 std::unique_ptr<PreTokenizer> make_pre_tokenizer(const json& j, const std::string& where) {
+  using namespace pre_tokenizers;
   if (j.is_null()) return nullptr;
   const std::string type = field(j, "type", where);
   if (type == "Sequence") {

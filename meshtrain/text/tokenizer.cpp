@@ -1,4 +1,5 @@
 #include "meshtrain/text/tokenizer.h"
+#include "meshtrain/text/tokenizer_config.h"
 
 #include <nlohmann/json.hpp>
 
@@ -82,20 +83,6 @@ std::unique_ptr<Tokenizer> from_folder(const fs::path& path) {
   return tokenizer;
 }
 
-// A token's text in tokenizer_config.json: a string or an AddedToken object.
-std::string token_text(const nlohmann::json& j) {
-  if (j.is_string()) return j.get<std::string>();
-  if (j.is_object() && j.contains("content") && j["content"].is_string()) return j["content"].get<std::string>();
-  return "";
-}
-
-// A companion file as JSON, or null when it is absent or not JSON.
-nlohmann::json companion_json(const Tokenizer& tokenizer, const std::string& name) {
-  auto it = tokenizer.companions().find(name);
-  if (it == tokenizer.companions().end()) return nullptr;
-  return nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
-}
-
 const std::string kBase64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
 std::string base64(const std::string& in) {
@@ -123,6 +110,18 @@ std::string unbase64(const std::string& in) {
 }
 
 }  // namespace
+
+std::string token_text(const nlohmann::json& j) {
+  if (j.is_string()) return j.get<std::string>();
+  if (j.is_object() && j.contains("content") && j["content"].is_string()) return j["content"].get<std::string>();
+  return "";
+}
+
+nlohmann::json companion_json(const Tokenizer& tokenizer, const std::string& name) {
+  auto it = tokenizer.companions().find(name);
+  if (it == tokenizer.companions().end()) return nullptr;
+  return nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+}
 
 std::unique_ptr<Tokenizer> bytes_tokenizer() { return std::make_unique<Bytes>(); }
 

@@ -1,5 +1,7 @@
 // A dead, hung or desynchronised rank ends the whole job with a clear message
 // and a non-zero exit, within the timeout. Runs fault_helper under mpirun.
+#include "tests/harness/test_env.h"
+
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -29,8 +31,8 @@ void allow_root_and_oversubscription() {
 JobResult run_job(const std::string& scenario, const std::string& env) {
   allow_root_and_oversubscription();
   // `timeout` is only a backstop so a broken build cannot hang the suite.
-  const std::string command = env + " timeout -k 5 170 " MESHTRAIN_MPIEXEC " -np 2 " MESHTRAIN_FAULT_HELPER " " +
-                              scenario + " 2>&1";
+  const std::string command = env + " timeout -k 5 170 " MESHTRAIN_MPIEXEC " -np 2 " +
+                              meshtrain::testing::environment_path("MESHTRAIN_FAULT_HELPER") + " " + scenario + " 2>&1";
   JobResult result;
   const auto start = std::chrono::steady_clock::now();
   FILE* pipe = popen(command.c_str(), "r");

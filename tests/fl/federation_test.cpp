@@ -9,6 +9,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/files.h"
+#include "tests/harness/test_env.h"
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -22,12 +23,12 @@
 namespace meshtrain::fl {
 namespace {
 
-const std::string kExcerpt = std::string(MESHTRAIN_TEST_DATA_DIR) + "/shakespeare_excerpt.txt";
+std::string excerpt_path() { return testing::environment_path("MESHTRAIN_TEST_DATA_DIR") + "/shakespeare_excerpt.txt"; }
 
 // Three client token files of equal size, cut from the excerpt.
 std::vector<std::string> client_files(const std::string& dir, int n) {
   util::make_directories(dir);
-  const std::string text = util::read_text_file(kExcerpt);
+  const std::string text = util::read_text_file(excerpt_path());
   const size_t each = text.size() / static_cast<size_t>(n);
   std::vector<std::string> paths;
   for (int i = 0; i < n; ++i) {
@@ -136,7 +137,7 @@ TEST(FlFederation, SecureAggregationIsFedAvgWeightedByExamples) {
   const std::string dir = ::testing::TempDir() + "/fl_secure";
   util::remove_tree(dir);
   util::make_directories(dir);
-  const std::string text = util::read_text_file(kExcerpt);
+  const std::string text = util::read_text_file(excerpt_path());
   const std::vector<std::string> files{dir + "/c0.bin", dir + "/c1.bin"};  // a third and two thirds
   train::write_token_file(files[0], train::ByteTokenizer::encode(text.substr(0, text.size() / 3)), 256);
   train::write_token_file(files[1], train::ByteTokenizer::encode(text.substr(text.size() / 3)), 256);

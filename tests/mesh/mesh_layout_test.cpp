@@ -11,8 +11,6 @@
 namespace meshtrain::mesh {
 namespace {
 
-const auto error_of = testing::error_of<MeshError>;
-
 TEST(MeshLayout, OneDimension) {
   MeshLayout layout({{"dp", 4}}, 4);
   EXPECT_EQ(layout.coordinate(3), std::vector<int>({3}));
@@ -90,22 +88,22 @@ TEST(MeshLayout, FromDegreesUsesCanonicalOrder) {
   ASSERT_EQ(layout.ndim(), 6);
   EXPECT_EQ(layout.describe(), "pp(2) * dp(1) * fsdp(1) * ep(1) * cp(1) * tp(2)");
   EXPECT_EQ(layout.group_ranks(0, {"tp"}), std::vector<int>({0, 1}));
-  EXPECT_NE(error_of([] { MeshLayout::from_degrees({{"xp", 2}}, 2); }).find("unknown mesh axis 'xp'; known axes are pp, dp, fsdp, ep, cp, tp"),
+  EXPECT_NE(testing::error_of<MeshError>([] { MeshLayout::from_degrees({{"xp", 2}}, 2); }).find("unknown mesh axis 'xp'; known axes are pp, dp, fsdp, ep, cp, tp"),
             std::string::npos);
 }
 
 TEST(MeshLayout, InvalidShapesAreRejectedWithTheFormula) {
-  EXPECT_EQ(error_of([] { MeshLayout({{"pp", 2}, {"dp", 2}, {"tp", 4}}, 8); }),
+  EXPECT_EQ(testing::error_of<MeshError>([] { MeshLayout({{"pp", 2}, {"dp", 2}, {"tp", 4}}, 8); }),
             "pp(2) * dp(2) * tp(4) = 16 != world size 8; choose degrees whose product is the number of ranks");
-  EXPECT_NE(error_of([] { MeshLayout({{"dp", 2}, {"dp", 2}}, 4); }).find("'dp' appears twice"), std::string::npos);
-  EXPECT_NE(error_of([] { MeshLayout({{"dp", 0}}, 0); }).find("world size must be >= 1"), std::string::npos);
-  EXPECT_NE(error_of([] { MeshLayout({{"dp", 0}, {"tp", 2}}, 2); }).find("has size 0"), std::string::npos);
-  EXPECT_NE(error_of([] { MeshLayout({}, 1); }).find("at least one axis"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([] { MeshLayout({{"dp", 2}, {"dp", 2}}, 4); }).find("'dp' appears twice"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([] { MeshLayout({{"dp", 0}}, 0); }).find("world size must be >= 1"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([] { MeshLayout({{"dp", 0}, {"tp", 2}}, 2); }).find("has size 0"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([] { MeshLayout({}, 1); }).find("at least one axis"), std::string::npos);
   MeshLayout layout({{"dp", 2}, {"tp", 2}}, 4);
-  EXPECT_NE(error_of([&] { layout.axis_index("pp"); }).find("has no axis 'pp' (axes: dp, tp)"), std::string::npos);
-  EXPECT_NE(error_of([&] { layout.coordinate(4); }).find("rank 4 is outside"), std::string::npos);
-  EXPECT_NE(error_of([&] { layout.rank_of({0, 2}); }).find("outside axis 'tp'"), std::string::npos);
-  EXPECT_NE(error_of([&] { layout.group_ranks(0, {"dp", "dp"}); }).find("named twice"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([&] { layout.axis_index("pp"); }).find("has no axis 'pp' (axes: dp, tp)"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([&] { layout.coordinate(4); }).find("rank 4 is outside"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([&] { layout.rank_of({0, 2}); }).find("outside axis 'tp'"), std::string::npos);
+  EXPECT_NE(testing::error_of<MeshError>([&] { layout.group_ranks(0, {"dp", "dp"}); }).find("named twice"), std::string::npos);
 }
 
 }  // namespace

@@ -13,12 +13,8 @@
 namespace meshtrain::train {
 namespace {
 
-using Overrides = std::vector<std::string>;
-
-std::string describe(int ranks, const Overrides& layout) {
-  std::string text = std::to_string(ranks) + " rank(s)";
-  for (const std::string& o : layout) text += " " + o;
-  return text;
+std::string describe_on(int ranks, const Overrides& layout) {
+  return std::to_string(ranks) + " rank(s)" + (layout.empty() ? "" : " " + describe(layout));
 }
 
 class ReshardTest : public TrainingTest {
@@ -43,7 +39,7 @@ class ReshardTest : public TrainingTest {
                       int a_steps = 3, int b_steps = 3) {
     const std::vector<double> want = reference(a_steps + b_steps);
     const std::string checkpoints = util::join_path(dir_, "reshard-" + std::to_string(++case_));
-    const std::string what = describe(a_ranks, a) + " -> " + describe(b_ranks, b);
+    const std::string what = describe_on(a_ranks, a) + " -> " + describe_on(b_ranks, b);
     if (auto comm = first(a_ranks)) {
       Trainer trainer(config(a_ranks, a_micro, checkpoints, a), comm);
       ASSERT_FALSE(trainer.resumed());

@@ -7,6 +7,7 @@
 #include "meshtrain/parallel/ring_attention.h"
 #include "meshtrain/parallel/ulysses_attention.h"
 #include "tests/harness/mpi_env.h"
+#include "tests/harness/same_values.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -22,17 +23,14 @@ namespace {
 using testing::world;
 using CommPtr = std::shared_ptr<comm::Communicator>;
 
-std::vector<int> group_sizes() {
+std::vector<int> cp_sizes() {
   std::vector<int> out;
   for (int cp : {1, 2, 3, 4, 8})
     if (world()->size() % cp == 0) out.push_back(cp);
   return out;
 }
 
-at::Tensor same(at::IntArrayRef shape, uint64_t seed) {
-  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, g);
-}
+using testing::same;
 
 // softmax(QKᵀ·scale, causal, window, soft-cap)·V over the whole sequence, k and v repeated per query group;
 // `starts` (if defined, [B, T]): each row's document start, a query sees its own document only.
@@ -116,7 +114,7 @@ void check(const CommPtr& comm, const Case& c, const std::string& what, Attentio
 }
 
 TEST(RingAttention, EqualsWholeSequenceAttention) {
-  for (int cp : group_sizes()) {
+  for (int cp : cp_sizes()) {
     const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:cp" + std::to_string(cp));
     for (const Case& c : {Case{4, 2, true, true, at::kFloat}, Case{4, 4, true, true, at::kFloat},
                           Case{4, 2, false, true, at::kFloat}, Case{4, 1, true, false, at::kFloat},
@@ -133,7 +131,7 @@ TEST(RingAttention, EqualsWholeSequenceAttention) {
 }
 
 TEST(AllToAllAttention, EqualsWholeSequenceAttention) {
-  for (int cp : group_sizes()) {
+  for (int cp : cp_sizes()) {
     const CommPtr comm = world()->split(world()->rank() / cp, world()->rank(), "test:cp" + std::to_string(cp));
     const int64_t heads = cp == 3 ? 6 : 8;
     for (const Case& c : {Case{heads, heads, true, true, at::kFloat}, Case{2 * heads, heads, true, false, at::kFloat},

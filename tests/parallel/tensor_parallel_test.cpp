@@ -6,6 +6,7 @@
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/util/memory.h"
+#include "tests/harness/same_values.h"
 #include "tests/harness/error_of.h"
 #include "tests/parallel/training_fixture.h"
 
@@ -18,7 +19,7 @@ using testing::world;
 using train::relative_error;
 
 // The tp group sizes to test on this world: 2, 3 and 4 where they divide it.
-std::vector<int> group_sizes() {
+std::vector<int> tp_sizes() {
   std::vector<int> out;
   for (int t : {2, 3, 4}) {
     if (world()->size() % t == 0) out.push_back(t);
@@ -33,10 +34,7 @@ CommPtr group_of(int t) {
 
 // The same values on every rank (`seed`), or rank r's own (`seed`, r): any
 // rank can compute any other rank's tensor, so oracles need no communication.
-at::Tensor same(at::IntArrayRef shape, uint64_t seed) {
-  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, g);
-}
+using testing::same;
 at::Tensor of_rank(at::IntArrayRef shape, uint64_t seed, int rank) { return same(shape, seed * 1000 + rank); }
 
 at::Tensor chunk(const at::Tensor& x, int64_t dim, int t, int r) { return x.chunk(t, dim)[r]; }
@@ -47,7 +45,7 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
 }
 
 TEST(TensorParallelOps, CopyAndReduceAreConjugate) {
-  for (int t : group_sizes()) {
+  for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
     const int r = comm->rank();
     const std::string where = "t = " + std::to_string(t);
@@ -71,7 +69,7 @@ TEST(TensorParallelOps, CopyAndReduceAreConjugate) {
 }
 
 TEST(TensorParallelOps, SequenceScatterGatherAndReduceScatterAreConjugate) {
-  for (int t : group_sizes()) {
+  for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
     const int r = comm->rank();
     const std::string where = "t = " + std::to_string(t);
@@ -107,7 +105,7 @@ TEST(TensorParallelOps, SequenceScatterGatherAndReduceScatterAreConjugate) {
 }
 
 TEST(TensorParallelOps, SequenceGatheredLinearEqualsGatherThenLinear) {
-  for (int t : group_sizes()) {
+  for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
     const int r = comm->rank();
     const std::string where = "t = " + std::to_string(t);
@@ -139,7 +137,7 @@ TEST(TensorParallelOps, SequenceGatheredLinearEqualsGatherThenLinear) {
 }
 
 TEST(TensorParallelOps, VocabParallelCrossEntropyNeverGathersLogits) {
-  for (int t : group_sizes()) {
+  for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
     const int r = comm->rank();
     const int64_t v = 8 * t;
@@ -210,7 +208,7 @@ at::Tensor part_held(const std::string& site, const at::Tensor& want, const at::
 }
 
 TEST(TensorParallelLayers, EveryModuleAndGradientMatchesTheFullModel) {
-  for (int t : group_sizes()) {
+  for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
     const int r = comm->rank();
     for (int style : {0, 1, 2}) {  // gpt2, llama, llama with grouped-query attention
@@ -260,7 +258,7 @@ TEST(TensorParallelLayers, PlanNamingNoModuleIsRejected) {
 }
 
 TEST(TensorParallelRandom, LocalStreamsDifferAndTheSharedStreamStaysInStep) {
-  for (int t : group_sizes()) {
+  for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
     model::GptConfig config = divisible_model(false);
     config.dropout = 0.2;
@@ -344,7 +342,7 @@ class BlockMemory : public model::ForwardHooks {
 TEST(TensorParallelMemory, ActivationsPerLayerFollowKorthikanti) {
   memory::install();
   std::vector<int> sizes = {1};
-  for (int t : group_sizes()) sizes.push_back(t);
+  for (int t : tp_sizes()) sizes.push_back(t);
   for (int t : sizes) {
     const CommPtr comm = group_of(t);
     for (bool sp : {false, true}) {

@@ -11,8 +11,6 @@
 namespace meshtrain::train {
 namespace {
 
-const auto error_of = testing::error_of<ConfigError>;
-
 std::string write_config(const std::string& text) {
   char path[] = "/tmp/meshtrain-config-XXXXXX.toml";
   const int fd = mkstemps(path, 5);
@@ -70,29 +68,29 @@ TEST(TrainConfig, FileThenOverridesPresetFirst) {
 
 TEST(TrainConfig, UnknownKeysAndWrongTypesAreRejectedWithTheKey) {
   const std::string path = write_config("[training]\nstepz = 3\n");
-  EXPECT_NE(error_of([&] { TrainConfig::load(path, {}); }).find(": unknown key training.stepz; keys of [training] are steps, batch"),
+  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(path, {}); }).find(": unknown key training.stepz; keys of [training] are steps, batch"),
             std::string::npos);
   std::remove(path.c_str());
   const std::string section = write_config("[trainig]\nsteps = 3\n");
-  EXPECT_NE(error_of([&] { TrainConfig::load(section, {}); }).find("unknown section [trainig]; sections are [model], [data]"),
+  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(section, {}); }).find("unknown section [trainig]; sections are [model], [data]"),
             std::string::npos);
   std::remove(section.c_str());
-  EXPECT_EQ(error_of([] { TrainConfig::load("", {"training.steps=ten"}); }),
+  EXPECT_EQ(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.steps=ten"}); }),
             "override --training.steps=ten: training.steps = ten must be an integer");
-  EXPECT_EQ(error_of([] { TrainConfig::load("", {"training.steps=2.5"}); }),
+  EXPECT_EQ(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.steps=2.5"}); }),
             "override --training.steps=2.5: training.steps = 2.5 must be an integer");
-  EXPECT_NE(error_of([] { TrainConfig::load("", {"training.steps"}); }).find("write overrides as --section.key=value"),
+  EXPECT_NE(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.steps"}); }).find("write overrides as --section.key=value"),
             std::string::npos);
-  EXPECT_NE(error_of([] { TrainConfig::load("", {"model.preset=huge"}); }).find("unknown model preset 'huge'"),
+  EXPECT_NE(testing::error_of<ConfigError>([] { TrainConfig::load("", {"model.preset=huge"}); }).find("unknown model preset 'huge'"),
             std::string::npos);
   const std::string broken = write_config("[training\nsteps = 3\n");
-  EXPECT_NE(error_of([&] { TrainConfig::load(broken, {}); }).find("config " + broken + ":1:"), std::string::npos);
+  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(broken, {}); }).find("config " + broken + ":1:"), std::string::npos);
   std::remove(broken.c_str());
 }
 
 TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   auto validated = [](std::vector<std::string> overrides, int world) {
-    return error_of([&] { TrainConfig::load("", overrides).validate(world); });
+    return testing::error_of<ConfigError>([&] { TrainConfig::load("", overrides).validate(world); });
   };
   EXPECT_EQ(validated({"training.batch=10"}, 2),
             "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) = 16");

@@ -16,8 +16,6 @@
 namespace meshtrain::train {
 namespace {
 
-const auto error_of = testing::error_of<DataError>;
-
 class DataTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -47,21 +45,21 @@ TEST_F(DataTest, TokenFileRoundTripsAndSlices) {
 }
 
 TEST_F(DataTest, BadFilesAreRefusedNamingTheFile) {
-  EXPECT_EQ(error_of([&] { TokenFile f(path("missing.bin")); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { TokenFile f(path("missing.bin")); }),
             "data file " + path("missing.bin") + ": does not exist; create it with `meshtrain prepare TEXT_FILES... --out DIR`");
   std::ofstream(path("empty.bin")).close();
-  EXPECT_EQ(error_of([&] { TokenFile f(path("empty.bin")); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { TokenFile f(path("empty.bin")); }),
             "data file " + path("empty.bin") + ": is empty; create it with `meshtrain prepare`");
   std::ofstream(path("text.txt")) << "this is plain text, not a token file at all";
-  EXPECT_NE(error_of([&] { TokenFile f(path("text.txt")); }).find(path("text.txt") + ": is not a meshtrain token file"),
+  EXPECT_NE(testing::error_of<DataError>([&] { TokenFile f(path("text.txt")); }).find(path("text.txt") + ": is not a meshtrain token file"),
             std::string::npos);
   write_token_file(path("cut.bin"), std::vector<uint16_t>(100, 7), 256);
   ASSERT_EQ(truncate(path("cut.bin").c_str(), 32 + 60), 0);
-  EXPECT_NE(error_of([&] { TokenFile f(path("cut.bin")); }).find("is truncated or padded: the header promises 100 tokens"),
+  EXPECT_NE(testing::error_of<DataError>([&] { TokenFile f(path("cut.bin")); }).find("is truncated or padded: the header promises 100 tokens"),
             std::string::npos);
   write_token_file(path("short.bin"), std::vector<uint16_t>(50, 7), 256);
   TokenFile short_file(path("short.bin"));
-  EXPECT_EQ(error_of([&] { Sampler s(short_file, 64, 1); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { Sampler s(short_file, 64, 1); }),
             "data file " + path("short.bin") +
                 ": has 50 tokens, fewer than one sequence needs (model.context + 1 = 65); use more text or a shorter context");
 }
@@ -77,9 +75,9 @@ TEST_F(DataTest, PrepareReadsDirectoriesOnceAndSplits) {
   EXPECT_EQ(r.val_tokens, 100);
   TokenFile train(r.train_path);
   EXPECT_EQ(ByteTokenizer::decode(train.slice(0, 3)), "aaa");  // sorted: a.txt first
-  EXPECT_EQ(error_of([&] { prepare({path("nothing")}, path("out2"), 0.1); }), "input " + path("nothing") + ": does not exist");
+  EXPECT_EQ(testing::error_of<DataError>([&] { prepare({path("nothing")}, path("out2"), 0.1); }), "input " + path("nothing") + ": does not exist");
   std::ofstream(path("blank.txt")).close();
-  EXPECT_NE(error_of([&] { prepare({path("blank.txt")}, path("out3"), 0.1); }).find("empty, no text to train on"),
+  EXPECT_NE(testing::error_of<DataError>([&] { prepare({path("blank.txt")}, path("out3"), 0.1); }).find("empty, no text to train on"),
             std::string::npos);
 }
 

@@ -17,8 +17,6 @@
 namespace meshtrain::train {
 namespace {
 
-const auto error_of = testing::error_of<DataError>;
-
 class PreparedDataTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = util::make_temp_directory("meshtrain-prepared-"); }
@@ -38,7 +36,7 @@ TEST_F(PreparedDataTest, LargeVocabulariesTakeFourBytesPerToken) {
   TokenFile file(path("q.bin"));
   EXPECT_EQ(values(file.slice(0, 6)), ids);
   EXPECT_EQ(file.at(4), 151935);
-  EXPECT_NE(error_of([&] { write_token_file(path("r.bin"), std::vector<int64_t>{151936}, 151936); })
+  EXPECT_NE(testing::error_of<DataError>([&] { write_token_file(path("r.bin"), std::vector<int64_t>{151936}, 151936); })
                 .find("value 151936 is outside [0, 151936)"),
             std::string::npos);
   EXPECT_FALSE(util::path_exists(path("r.bin.tmp")));  // an unfinished file leaves nothing behind
@@ -63,7 +61,7 @@ TEST_F(PreparedDataTest, UnitsReadEveryJsonLineOnce) {
   for (int i = 0; i < 300; ++i) EXPECT_EQ(seen[i], "record " + std::to_string(i));
   std::ofstream(path("bad.jsonl")) << "{\"text\": \"a\"}\n{\"text\": oops}\n";
   const Shard bad = find_shards({path("bad.jsonl")})[0];
-  EXPECT_EQ(error_of([&] { read_unit(bad, {0, 0, bad.bytes}, 1 << 20, {"text"}, [](auto&&, auto&) {}); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { read_unit(bad, {0, 0, bad.bytes}, 1 << 20, {"text"}, [](auto&&, auto&) {}); }),
             "data file " + path("bad.jsonl") + " line 2: not a JSON value");
 }
 
@@ -109,7 +107,7 @@ TEST_F(PreparedDataTest, MaskedTargetsAndPaddedDocumentsCountTowardNoLoss) {
   // Padded rows need the document index.
   write_token_file(path("plain.bin"), counting(40), 256);
   TokenDataset plain(path("plain.bin"));
-  EXPECT_EQ(error_of([&] { Sampler s({{&plain.tokens(), nullptr, &plain, 1.0}}, 8, 1, false, Packing::kPadded); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { Sampler s({{&plain.tokens(), nullptr, &plain, 1.0}}, 8, 1, false, Packing::kPadded); }),
             "data file " + path("plain.bin") + ": data.packing = \"padded\" needs its document index (" +
                 path("plain.idx") + "); prepare the data again, or use packing \"concat\"");
 }
@@ -163,9 +161,9 @@ TEST_F(PreparedDataTest, ChatRecordsCountOnlyTheAssistant) {
   EXPECT_EQ(std::count(pc.mask.begin(), pc.mask.end(), 1), 4);  // "4</>"
   EXPECT_EQ(ChatRenderer(*tokenizer, LossOn::kAll).render(record, "x").mask, std::vector<int64_t>(text.size(), 1));
   // Refused by name.
-  EXPECT_EQ(error_of([&] { chat.render({{"messages", {{{"role", "user"}, {"content", "a"}}}}}, "x.jsonl line 3"); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { chat.render({{"messages", {{{"role", "user"}, {"content", "a"}}}}}, "x.jsonl line 3"); }),
             "data file x.jsonl line 3: the conversation has no assistant message, so nothing would count toward the loss");
-  EXPECT_EQ(error_of([&] { chat.render({{"text", "a"}}, "x.jsonl line 4"); }),
+  EXPECT_EQ(testing::error_of<DataError>([&] { chat.render({{"text", "a"}}, "x.jsonl line 4"); }),
             "data file x.jsonl line 4: a chat record needs \"messages\" or \"prompt\" and \"completion\"");
   // Without a template, prompt and completion are joined and the completion counts.
   const auto plain = text::bytes_tokenizer();
@@ -186,10 +184,10 @@ TEST_F(PreparedDataTest, PrepareWritesDocumentsIndexAndMask) {
   o.out_dir = path("out");
   o.format = DataFormat::kChat;
   o.tokenizer = "bytes";
-  EXPECT_NE(error_of([&] { prepare(o); }).find("line 1: a \"messages\" record needs a chat template"), std::string::npos);
+  EXPECT_NE(testing::error_of<DataError>([&] { prepare(o); }).find("line 1: a \"messages\" record needs a chat template"), std::string::npos);
   o.format = DataFormat::kText;
   o.field = "messages";
-  EXPECT_NE(error_of([&] { prepare(o); }).find("line 1: no string field \"messages\""), std::string::npos);
+  EXPECT_NE(testing::error_of<DataError>([&] { prepare(o); }).find("line 1: no string field \"messages\""), std::string::npos);
   o.field = "text";
   std::ofstream(path("docs.jsonl")) << "{\"text\": \"abc\"}\n{\"text\": \"defgh\"}\n{\"text\": null}\n{\"text\": \"ij\"}\n";
   o.inputs = {path("docs.jsonl")};

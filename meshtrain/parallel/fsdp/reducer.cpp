@@ -2,36 +2,16 @@
 // has produced all of them, in the same unit order on every rank.
 #include "meshtrain/parallel/fsdp/sharded_state.h"
 
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
+#include "meshtrain/parallel/gradient_ready_hook.h"
 
 namespace meshtrain::parallel {
-
-namespace {
-
-class GradientReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradientReadyHook(std::weak_ptr<ShardedState> state, size_t unit) : state_(std::move(state)), unit_(unit) {}
-
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto state = state_.lock()) state->mark_ready(unit_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<ShardedState> state_;
-  size_t unit_;
-};
-
-}  // namespace
 
 void ShardedState::install_gradient_hooks(const std::shared_ptr<ShardedState>& self) {
   for (size_t u = 0; u < units.size(); ++u) {
     if (units[u].frozen) continue;
     for (const at::Tensor& p : units[u].params) {
       auto accumulator = torch::autograd::impl::grad_accumulator(p);
-      accumulator->add_post_hook(std::make_unique<GradientReadyHook>(self, u));
+      accumulator->add_post_hook(std::make_unique<GradientReadyHook<ShardedState>>(self, u));
       accumulators.push_back(std::move(accumulator));
     }
   }
