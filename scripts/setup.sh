@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
-# Installs everything meshtrain needs on Debian 12, idempotently:
-#   - Debian packages (compiler, CMake, Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL,
-#     GoogleTest, Google Benchmark, Python venv support),
-#   - the pinned torch wheel (which carries libtorch) and pyarrow wheel (which carries Arrow C++, for
-#     Parquet) into .venv/ of this project,
-#   - the Python packages the tests use (openai, transformers, sentencepiece, lm-eval, accelerate) into the same .venv/,
-#   - with --bench, the benchmarks' peers (flwr).
-# Runs as root or through sudo. When everything is present it changes nothing.
+# Installs what meshtrain needs on Debian 12, idempotently, once per machine:
+#
+#   setup.sh           what the main job needs: Debian packages (compiler, CMake, Ninja, ccache,
+#                      Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL, GoogleTest,
+#                      Google Benchmark, ...) and the Python packages of scripts/requirements/main.txt
+#                      (the torch wheel, which carries libtorch, and pyarrow, which carries Arrow C++)
+#   setup.sh --tests   and the packages the tests check against (requirements/test.txt)
+#   setup.sh --bench   and the benchmarks' peers (requirements/bench.txt)
+#
+# The Python environment is kept per machine, outside the clone, keyed by what it pins:
+# $MESHTRAIN_CACHE/venv-KEY (MESHTRAIN_CACHE defaults to ~/.cache/meshtrain), KEY a hash of
+# python3's version and scripts/requirements/*.txt. A second clone reuses it; a change of pins
+# makes a new one (the two most recently used are kept). .venv in the clone links to it.
+# MESHTRAIN_VENV names a virtual environment to use instead. Runs as root or through sudo.
+# When everything is present it changes nothing and takes about a second.
 set -euo pipefail
 
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv_dir=${MESHTRAIN_VENV:-"$root_dir/.venv"}
-torch_version=${MESHTRAIN_TORCH_VERSION:-2.11.0}
-# The Arrow C++ library inside this wheel reads Parquet (the build links it).
-pyarrow_version=${MESHTRAIN_PYARROW_VERSION:-26.0.1}
+requirements="$root_dir/scripts/requirements"
+stages=(main)
+for arg in "$@"; do
+  case "$arg" in
+    --tests) stages+=(test) ;;
+    --bench) stages+=(test bench) ;;
+    *) printf 'setup: unknown option %s (expected --tests or --bench)\n' "$arg" >&2; exit 2 ;;
+  esac
+done
 
 debian_packages=(
-  g++ cmake ninja-build make pkg-config git
+  g++ cmake ninja-build make pkg-config git ccache
   libopenmpi-dev openmpi-bin iproute2
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev libutf8proc-dev liburing-dev fio
   zlib1g-dev libzstd-dev zstd
@@ -38,87 +50,88 @@ as_root() {
   fi
 }
 
-missing_packages() {
-  local pkg
-  for pkg in "${debian_packages[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
-      printf '%s\n' "$pkg"
-    fi
-  done
-}
-
 install_debian_packages() {
-  local missing
-  missing=$(missing_packages)
-  if [ -z "$missing" ]; then
+  local missing=() pkg
+  for pkg in "${debian_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
     log "Debian packages: all present"
     return
   fi
-  # shellcheck disable=SC2086
-  log "Debian packages: installing" $missing
+  log "Debian packages: installing ${missing[*]}"
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  # shellcheck disable=SC2086
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-venv_torch_version() {
-  "$venv_dir/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true
+# The folder of the environment these pins make.
+venv_for_pins() {
+  local key
+  key=$({ /usr/bin/python3 --version; cat "$requirements/main.txt" "$requirements/test.txt" "$requirements/bench.txt"; } |
+        sha256sum | cut -c1-12)
+  printf '%s/venv-%s' "${MESHTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshtrain}" "$key"
 }
 
-venv_pyarrow_version() {
-  "$venv_dir/bin/python" -c 'import pyarrow; print(pyarrow.__version__)' 2>/dev/null || true
-}
-
-install_torch() {
-  if [ -x "$venv_dir/bin/python" ] && [ "$(venv_torch_version)" = "$torch_version" ] &&
-     [ "$(venv_pyarrow_version)" = "$pyarrow_version" ]; then
-    log "torch $torch_version and pyarrow $pyarrow_version: present in $venv_dir"
+# Installs requirements/STAGE.txt unless the environment holds it already
+# (a stamp per stage, written after pip succeeded).
+install_stage() {
+  local venv=$1 stage=$2
+  if [ -f "$venv/.meshtrain-$stage" ]; then
+    log "Python packages ($stage): present in $venv"
     return
   fi
-  if [ ! -x "$venv_dir/bin/python" ]; then
-    log "creating virtual environment $venv_dir"
-    /usr/bin/python3 -m venv "$venv_dir"
-  fi
-  log "installing torch==$torch_version into $venv_dir (a few GB the first time)"
-  "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "torch==$torch_version" numpy "pyarrow==$pyarrow_version"
+  log "Python packages ($stage): installing requirements/$stage.txt into $venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements/$stage.txt"
+  touch "$venv/.meshtrain-$stage"
 }
 
-# Python packages the tests check meshtrain against, as pip-name:module: the
-# official OpenAI client; Hugging Face transformers (which brings tokenizers
-# and safetensors); lm-evaluation-harness with its API models, and the
-# accelerate its hf backend needs; peft; grpcio-tools (a federated client
-# written from federation.proto; below 1.76, whose stubs need protobuf 7,
-# while flwr, for the benchmarks, needs 6) and Opacus (its privacy accountant).
-test_packages=(openai:openai transformers:transformers sentencepiece:sentencepiece "lm-eval[api]:lm_eval"
-               accelerate:accelerate peft:peft "grpcio-tools<1.76:grpc_tools" opacus:opacus)
-install_test_packages() {
-  local missing=() entry
-  for entry in "${test_packages[@]}"; do
-    "$venv_dir/bin/python" -c "import ${entry##*:}" 2>/dev/null || missing+=("${entry%:*}")
+# Removes environments of other pins but the most recently used one.
+prune_old_venvs() {
+  local keep=$1 cache old
+  cache=$(dirname "$keep")
+  local others=()
+  # shellcheck disable=SC2012
+  mapfile -t others < <(ls -1dt "$cache"/venv-* 2>/dev/null | grep -vxF "$keep" || true)
+  for old in "${others[@]:1}"; do
+    log "removing $old (pins no longer used)"
+    rm -rf "$old"
   done
-  if [ ${#missing[@]} -eq 0 ]; then
-    log "test packages: all present"
-    return
-  fi
-  log "installing test packages into $venv_dir:" "${missing[@]}"
-  "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check "${missing[@]}"
 }
 
-# Packages only the benchmarks' peers need (`setup.sh --bench`): Flower for
-# bench/fl_vs_flower.py.
-bench_packages=(flwr)
-install_bench_packages() {
-  if "$venv_dir/bin/python" -c "import flwr" 2>/dev/null; then
-    log "benchmark packages: all present"
-    return
+install_python_packages() {
+  local venv=${MESHTRAIN_VENV:-}
+  if [ -z "$venv" ]; then
+    venv=$(venv_for_pins)
+    mkdir -p "$(dirname "$venv")"
+    # One setup at a time per machine: two clones may share the environment.
+    exec 9>"$(dirname "$venv")/.lock"
+    flock 9
+    if [ -d "$venv" ] && [ ! -f "$venv/.meshtrain-main" ]; then
+      log "removing $venv (an install that did not finish)"
+      rm -rf "$venv"
+    fi
   fi
-  log "installing benchmark packages into $venv_dir:" "${bench_packages[@]}"
-  "$venv_dir/bin/python" -m pip install --quiet --disable-pip-version-check "${bench_packages[@]}"
+  if [ ! -x "$venv/bin/python" ]; then
+    log "creating the Python environment $venv"
+    /usr/bin/python3 -m venv "$venv"
+  fi
+  local stage
+  for stage in "${stages[@]}"; do install_stage "$venv" "$stage"; done
+  touch "$venv"
+  if [ -z "${MESHTRAIN_VENV:-}" ]; then
+    prune_old_venvs "$venv"
+    flock -u 9
+  fi
+  # .venv in the clone: the path the docs and benchmarks use.
+  if [ "$(readlink -f "$root_dir/.venv" 2>/dev/null)" != "$(readlink -f "$venv")" ]; then
+    if [ -e "$root_dir/.venv" ] && [ ! -L "$root_dir/.venv" ]; then
+      log "replacing the folder .venv by a link to $venv"
+      rm -rf "$root_dir/.venv"
+    fi
+    ln -sfn "$venv" "$root_dir/.venv"
+  fi
 }
 
 install_debian_packages
-install_torch
-install_test_packages
-if [ "${1:-}" = "--bench" ]; then install_bench_packages; fi
-log "done; libtorch CMake prefix: $("$venv_dir/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+install_python_packages
+log "done; libtorch CMake prefix: $("$root_dir/.venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
