@@ -189,8 +189,7 @@ TEST_F(CudaTest, NcclCommunicatorRunsEveryCollectiveOnOneRank) {
 TEST_F(CudaTest, FullyShardedReleasesCudaStorageBetweenSteps) {
   const int n = world()->size();
   Trainer sharded(config(n, kBatch / n, "", on_gpu({"parallel.zero_stage=3"})), world());
-  Trainer single(config(1, kBatch, "", on_gpu({})), alone());
-  expect_same_training(sharded, single, 3, "ZeRO-3 on CUDA");
+  expect_same_training(sharded, one_process(config(1, kBatch, "", on_gpu({})), 3), 3, "ZeRO-3 on CUDA");
   // Outside forward and backward, a block's gathered parameters hold no memory.
   int released = 0, held = 0;
   for (const auto& item : sharded.model()->named_parameters()) {
@@ -253,9 +252,9 @@ TEST_F(CudaTest, TwoRanksOnOneGpuEqualOneProcess) {
       {{"parallel.tp=2", "parallel.sequence_parallel=true"}, kBatch},
       {{"parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4"}, kBatch / 4},
   };
+  const OneProcessRun single = one_process(config(1, kBatch, "", on_gpu({})), 3);
   for (const auto& [layout, micro] : layouts) {
     Trainer parallel(config(2, micro, "", on_gpu(layout)), world());
-    Trainer single(config(1, kBatch, "", on_gpu({})), alone());
     EXPECT_NE(std::string(parallel.mesh().comm("dp")->backend_name()).find("host-staged"), std::string::npos)
         << "two ranks on one GPU should go through the host";
     expect_same_training(parallel, single, 3, describe(layout) + " on CUDA");
@@ -271,8 +270,7 @@ TEST_F(CudaTest, ExpertParallelOnOneGpuEqualsOneProcess) {
   Overrides layout = moe;
   layout.push_back("parallel.ep=2");
   Trainer parallel(config(2, kBatch / 2, "", on_gpu(layout)), world());
-  Trainer single(config(1, kBatch / 2, "", on_gpu(moe)), alone());
-  expect_same_training(parallel, single, 3, "ep 2 on CUDA");
+  expect_same_training(parallel, one_process(config(1, kBatch / 2, "", on_gpu(moe)), 3), 3, "ep 2 on CUDA");
 }
 
 }  // namespace

@@ -30,8 +30,8 @@ class ContextParallelTest : public TrainingTest {
     const int n = world()->size();
     const TrainConfig split = config(n, micro, "", with(model, layout));
     Trainer parallel(split, world());
-    Trainer single(config(1, split.micro_batch, "", model), alone());
-    expect_same_training(parallel, single, steps, what + " with " + describe(layout) + " on " + std::to_string(n) + " ranks");
+    expect_same_training(parallel, one_process_of(split.micro_batch, model, steps), steps,
+                         what + " with " + describe(layout) + " on " + std::to_string(n) + " ranks");
   }
 };
 
@@ -126,7 +126,7 @@ TEST_F(ContextParallelTest, ZeroFoldsMeetWhenOneRankLags) {
     const Overrides layout = {"parallel.cp=2", "parallel.cp_impl=" + impl, "parallel.zero_stage=2"};
     const TrainConfig split = config(4, 2, "", with(kGpt2Style, layout));
     Trainer parallel(split, world());
-    Trainer single(config(1, split.micro_batch, "", kGpt2Style), alone());
+    const OneProcessRun& single = one_process_of(split.micro_batch, kGpt2Style, 2);
     if (world()->rank() == 2) {
       for (const auto& item : parallel.model()->named_parameters()) {
         if (item.key().rfind("blocks.2.", 0) != 0) continue;
@@ -148,9 +148,9 @@ TEST_F(ContextParallelTest, BfloatSixteenFollowsOneProcess) {
     const Overrides bf16 = with(kLlamaStyle, {"training.dtype=bfloat16"});
     const TrainConfig split = config(n, 2, "", with(bf16, {"parallel.cp=2", "parallel.cp_impl=" + impl}));
     Trainer parallel(split, world());
-    Trainer single(config(1, 2, "", bf16), alone());
+    const OneProcessRun& single = one_process_of(2, bf16, 3);
     for (int s = 0; s < 3; ++s) {
-      const StepResult got = parallel.step(), want = single.step();
+      const StepResult got = parallel.step(), &want = single.steps[s];
       EXPECT_NEAR(got.loss, want.loss, 1e-2 * want.loss) << impl << ", step " << s + 1;
       EXPECT_NEAR(got.grad_norm, want.grad_norm, 5e-2 * want.grad_norm) << impl << ", step " << s + 1;
     }
@@ -163,11 +163,7 @@ TEST_F(ContextParallelTest, CheckpointsReshardAcrossContextParallelSizes) {
   if (n != 2 && n != 4) GTEST_SKIP() << "run at 2 and 4 ranks";
   const std::vector<Overrides> layouts = {{"parallel.cp=2"}, {"parallel.cp=1"}, {"parallel.cp=" + std::to_string(n)}};
   const int64_t micro = 2, steps = 2;
-  std::vector<double> want;
-  {
-    Trainer single(config(1, micro, "", kLlamaStyle), alone());
-    for (int64_t s = 0; s < steps * 3; ++s) want.push_back(single.step().loss);
-  }
+  const std::vector<double> want = one_process(config(1, micro, "", kLlamaStyle), steps * 3).losses();
   const std::string checkpoints = util::join_path(dir_, "reshard-cp");
   for (size_t i = 0; i < layouts.size(); ++i) {
     Trainer trainer(config(n, micro, checkpoints, with(kLlamaStyle, layouts[i])), world());

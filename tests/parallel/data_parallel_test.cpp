@@ -16,19 +16,18 @@ namespace {
 // key leaves softmax unchanged), so its "gradient" is rounding noise that Adam
 // turns into +-lr steps — 1e-6 in absolute terms, but large against a tensor
 // that starts at zero.
-void expect_same_training(Trainer& parallel, Trainer& single, int steps) {
+void expect_same_parameters_and_losses(Trainer& parallel, const OneProcessRun& single, int steps) {
   for (int s = 0; s < steps; ++s) {
-    const StepResult got = parallel.step(), want = single.step();
+    const StepResult got = parallel.step(), &want = single.steps.at(s);
     EXPECT_LE(std::abs(got.loss - want.loss) / want.loss, 1e-5) << "step " << s + 1 << ": " << got.loss << " vs "
                                                                   << want.loss;
     // The gradient norm sees the gradients' scale, which clipping and Adam hide from the parameters.
     EXPECT_LE(std::abs(got.grad_norm - want.grad_norm) / want.grad_norm, 1e-4)
         << "step " << s + 1 << ": grad norm " << got.grad_norm << " vs " << want.grad_norm;
   }
-  auto reference = single.model()->named_parameters();
   std::vector<at::Tensor> mine, theirs;
   for (const auto& item : parallel.model()->named_parameters()) {
-    const at::Tensor& want = reference[item.key()];
+    const at::Tensor& want = single.parameters.at(item.key());
     EXPECT_LE((item.value() - want).abs().max().item<double>(), 1e-4) << item.key();
     mine.push_back(item.value().flatten());
     theirs.push_back(want.flatten());
@@ -40,18 +39,18 @@ TEST_F(TrainingTest, DataParallelEqualsOneProcess) {
   const int n = world()->size();
   // Same global batch, same micro-batches: one process runs rank r's rows as its
   // micro-step r, so only the averaging over ranks differs.
-  Trainer parallel(config(n, kBatch / n), world());          // no accumulation
-  Trainer single(config(1, kBatch / n), alone());            // n micro-steps
+  Trainer parallel(config(n, kBatch / n), world());                    // no accumulation
+  const OneProcessRun single = one_process(config(1, kBatch / n), 5);  // n micro-steps
   EXPECT_EQ(parallel.config().grad_accum, 1);
-  expect_same_training(parallel, single, 5);
+  expect_same_parameters_and_losses(parallel, single, 5);
 }
 
 TEST_F(TrainingTest, DataParallelWithAccumulationEqualsOneProcess) {
   const int n = world()->size();
   Trainer parallel(config(n, 1), world());                   // kBatch / n micro-steps per rank
-  Trainer single(config(1, 1), alone());                     // kBatch micro-steps
+  const OneProcessRun single = one_process(config(1, 1), 5);  // kBatch micro-steps
   EXPECT_EQ(parallel.config().grad_accum, kBatch / n);
-  expect_same_training(parallel, single, 5);
+  expect_same_parameters_and_losses(parallel, single, 5);
 }
 
 TEST_F(TrainingTest, ResumeContinuesBitExactly) {

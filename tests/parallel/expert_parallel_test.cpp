@@ -31,8 +31,7 @@ class ExpertParallelTest : public TrainingTest {
   void expect_equal_to_one_process(const Overrides& layout, int64_t micro) {
     const int n = world()->size();
     Trainer parallel(config(n, micro, "", layout), world());
-    Trainer single(config(1, micro, "", model_only(layout)), alone());
-    expect_same_training(parallel, single, 4, describe(layout) + " on " + std::to_string(n) + " ranks");
+    expect_same_training(parallel, one_process_of(micro, model_only(layout), 4), 4, describe(layout) + " on " + std::to_string(n) + " ranks");
   }
 
   // The model's settings of `layout` (what one process trains).
@@ -50,11 +49,8 @@ class ExpertParallelTest : public TrainingTest {
   void expect_resumes_through(const std::vector<Overrides>& layouts, int steps, const std::string& name) {
     const int n = world()->size();
     const int64_t micro = kBatch / n;
-    std::vector<double> want;
-    {
-      Trainer single(config(1, micro, "", model_only(layouts.front())), alone());
-      for (size_t s = 0; s < steps * layouts.size(); ++s) want.push_back(single.step().loss);
-    }
+    const std::vector<double> want =
+        one_process(config(1, micro, "", model_only(layouts.front())), steps * layouts.size()).losses();
     const std::string checkpoints = util::join_path(dir_, name);
     for (size_t i = 0; i < layouts.size(); ++i) {
       Trainer trainer(config(n, micro, checkpoints, layouts[i]), world());

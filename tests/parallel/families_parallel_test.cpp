@@ -76,8 +76,7 @@ TEST_F(FamiliesParallelTest, EveryFeatureInEveryLayoutEqualsOneProcess) {
       const int64_t micro = layout.front().rfind("parallel.pp", 0) == 0 ? 1 : 2;
       const TrainConfig split = config(n, micro, "", with(family.model, layout));
       Trainer parallel(split, world());
-      Trainer single(config(1, split.micro_batch, "", family.model), alone());
-      expect_same_training(parallel, single, 3, family.name + " with " + describe(layout) + " on " + std::to_string(n) +
+      expect_same_training(parallel, one_process_of(split.micro_batch, family.model, 3), 3, family.name + " with " + describe(layout) + " on " + std::to_string(n) +
                                                     " ranks");
     }
   }
@@ -96,11 +95,7 @@ TEST_F(FamiliesParallelTest, CheckpointsReshardBetweenLayouts) {
     const bool moe = family.name.rfind("qwen-moe", 0) == 0;
     const std::vector<Overrides> layouts = {{"parallel.tp=2"}, {moe ? "parallel.ep=2" : "parallel.zero_stage=3"}};
     const int64_t micro = 2, steps = 2;
-    std::vector<double> want;
-    {
-      Trainer single(config(1, micro, "", family.model), alone());
-      for (int64_t s = 0; s < steps * 2; ++s) want.push_back(single.step().loss);
-    }
+    const std::vector<double> want = one_process(config(1, micro, "", family.model), steps * 2).losses();
     const std::string checkpoints = util::join_path(dir_, "reshard-" + std::to_string(f));
     for (size_t i = 0; i < layouts.size(); ++i) {
       Trainer trainer(config(n, micro, checkpoints, with(family.model, layouts[i])), world());

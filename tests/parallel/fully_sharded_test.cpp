@@ -37,19 +37,19 @@ class FullyShardedTest : public TrainingTest {
 
 TEST_F(FullyShardedTest, EveryStageAndHybridEqualOneProcess) {
   const int n = world()->size();
+  const OneProcessRun single = one_process(config(1, kBatch / n), 5);  // n micro-steps, data parallel code path
   for (const Overrides& layout : layouts()) {
     Trainer sharded(config(n, kBatch / n, "", layout), world());  // no accumulation
-    Trainer single(config(1, kBatch / n), alone());               // n micro-steps, data parallel code path
     expect_same_training(sharded, single, 5, describe(layout));
   }
 }
 
 TEST_F(FullyShardedTest, WithAccumulationEqualOneProcess) {
   const int n = world()->size();
+  const int64_t micro = small_micro_batch(n);
+  const OneProcessRun single = one_process(config(1, micro), 5);
   for (const Overrides& layout : layouts()) {
-    const int64_t micro = small_micro_batch(n);
     Trainer sharded(config(n, micro, "", layout), world());  // several micro-steps per rank
-    Trainer single(config(1, micro), alone());
     ASSERT_GT(sharded.config().grad_accum, 1);
     expect_same_training(sharded, single, 5, describe(layout) + " with accumulation");
   }
@@ -58,13 +58,13 @@ TEST_F(FullyShardedTest, WithAccumulationEqualOneProcess) {
 TEST_F(FullyShardedTest, WithoutClippingAndWithModelUnitEqualOneProcess) {
   // The tests above clip (grad norms here start near 4, the limit is 1); these run unclipped.
   const int n = world()->size();
+  const OneProcessRun single = one_process(config(1, kBatch / n, "", {"training.grad_clip=0"}), 5);
   for (Overrides layout : {Overrides{"parallel.zero_stage=3", "parallel.unit_policy=model"},
                            Overrides{"parallel.zero_stage=3", "parallel.prefetch=false", "parallel.reshard_after_forward=false"},
                            Overrides{"parallel.zero_stage=1"},
                            Overrides{"parallel.zero_stage=1", "parallel.zero1_reduce=reduce_scatter"}}) {
     layout.push_back("training.grad_clip=0");
     Trainer sharded(config(n, kBatch / n, "", layout), world());
-    Trainer single(config(1, kBatch / n, "", {"training.grad_clip=0"}), alone());
     expect_same_training(sharded, single, 5, describe(layout));
   }
 }
@@ -75,18 +75,18 @@ TEST_F(FullyShardedTest, Bfloat16ParametersTrackFloat32) {
   // parameters after 5 steps (master weights, optimizer states and the shard
   // gradients stay fp32; reductions in bfloat16 where asked).
   const int n = world()->size();
+  const OneProcessRun full = one_process(config(1, kBatch / n), 5);
   for (const Overrides& layout :
        {Overrides{"parallel.zero_stage=3", "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=bfloat16"},
         Overrides{"parallel.zero_stage=2", "parallel.param_dtype=bfloat16"},
         Overrides{"parallel.zero_stage=1", "parallel.param_dtype=bfloat16", "parallel.reduce_dtype=bfloat16"}}) {
     Trainer low(config(n, kBatch / n, "", layout), world());
-    Trainer full(config(1, kBatch / n), alone());
     for (int s = 0; s < 5; ++s) {
-      const double got = low.step().loss, want = full.step().loss;
+      const double got = low.step().loss, want = full.steps[s].loss;
       EXPECT_LE(std::abs(got - want) / want, 2e-2) << describe(layout) << ", step " << s + 1 << ": " << got << " vs " << want;
       EXPECT_NE(got, want) << "bfloat16 changed nothing: is it on?";
     }
-    const auto [relative, largest] = parameter_errors(low.full_parameters(), full.full_parameters());
+    const auto [relative, largest] = parameter_errors(low.full_parameters(), full.parameters);
     EXPECT_LE(relative, 1e-2) << describe(layout);
     for (const auto& p : low.model()->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
   }
@@ -136,11 +136,7 @@ TEST_F(FullyShardedTest, StageThreeTrainsUnderALimitStageZeroExceeds) {
     c.validate(ranks);
     return c;
   };
-  std::vector<double> reference;
-  {
-    Trainer single(make(1, {}), alone());
-    for (int s = 0; s < 3; ++s) reference.push_back(single.step().loss);
-  }
+  const std::vector<double> reference = one_process(make(1, {}), 3).losses();
   // 0.85 x 16Ψ: stage 0 needs 16Ψ for its model states alone; stage 3 needs
   // 16Ψ/N plus two gathered blocks, their gradients and the activations.
   const double psi = static_cast<double>(make(n, {}).model.parameter_count());
@@ -167,9 +163,7 @@ TEST_F(FullyShardedTest, StageThreeTrainsUnderALimitStageZeroExceeds) {
 
 TEST_F(FullyShardedTest, FullStateDictRoundTrips) {
   const int n = world()->size();
-  Trainer single(config(1, kBatch / n), alone());
-  for (int s = 0; s < 2; ++s) single.step();
-  const auto trained = single.full_parameters();
+  const auto trained = one_process(config(1, kBatch / n), 2).parameters;
   for (int stage : {1, 3}) {
     Trainer sharded(config(n, kBatch / n, "", {"parallel.zero_stage=" + std::to_string(stage)}), world());
     sharded.sharded()->load_full_state_dict(trained, 0);

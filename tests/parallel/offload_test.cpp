@@ -27,9 +27,9 @@ TEST_F(OffloadTest, EveryStageAndTierEqualsOneProcess) {
   layouts.push_back({"parallel.zero_stage=3", "offload.optimizer=nvme", "offload.params=nvme"});
   layouts.push_back({"parallel.zero_stage=1", "offload.optimizer=cpu", "parallel.zero1_reduce=reduce_scatter"});
   if (n % 2 == 0 && n > 2) layouts.push_back({"parallel.zero_stage=3", "parallel.dp=2", "offload.optimizer=nvme"});
+  const OneProcessRun single = one_process(config(1, kBatch / n), 4);
   for (const Overrides& layout : layouts) {
     Trainer offloaded(config(n, kBatch / n, "", layout), world());
-    Trainer single(config(1, kBatch / n), alone());
     expect_same_training(offloaded, single, 4, describe(layout));
   }
 }
@@ -39,7 +39,7 @@ TEST_F(OffloadTest, WithAccumulationAndBfloat16EqualTheResidentOptimizer) {
   const int64_t micro = (kBatch / n) % 2 == 0 ? 2 : 1;
   {
     Trainer offloaded(config(n, micro, "", {"parallel.zero_stage=2", "offload.optimizer=nvme"}), world());
-    Trainer single(config(1, micro), alone());
+    const OneProcessRun single = one_process(config(1, micro), 4);
     ASSERT_GT(offloaded.config().grad_accum, 1);
     expect_same_training(offloaded, single, 4, "zero 2, nvme, accumulation");
   }

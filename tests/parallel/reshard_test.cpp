@@ -25,12 +25,7 @@ class ReshardTest : public TrainingTest {
   }
 
   // One process training `steps` steps straight: the oracle's losses.
-  std::vector<double> reference(int steps) const {
-    Trainer single(config(1, kBatch), alone());
-    std::vector<double> losses;
-    for (int s = 0; s < steps; ++s) losses.push_back(single.step().loss);
-    return losses;
-  }
+  std::vector<double> reference(int steps) const { return one_process(config(1, kBatch), steps).losses(); }
 
   // Layout A trains `a_steps` on `a_ranks` and saves; layout B resumes on
   // `b_ranks` and trains `b_steps` more. Every loss equals the reference's

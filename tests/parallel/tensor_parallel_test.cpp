@@ -410,8 +410,7 @@ TEST_F(TensorParallelTraining, EqualsOneProcess) {
     const TrainConfig split = config(n, 1, "", layout);
     const int64_t micro = kBatch / split.data_ranks();
     Trainer parallel(config(n, micro, "", layout), world());
-    Trainer single(config(1, micro), alone());
-    expect_same_training(parallel, single, 5, describe(layout));
+    expect_same_training(parallel, one_process_of(micro, {}, 5), 5, describe(layout));
   }
 }
 
@@ -424,9 +423,9 @@ TEST_F(TensorParallelTraining, Bfloat16AutocastTracksOneProcess) {
   const Overrides layout = {"parallel.tp=2", "parallel.sequence_parallel=true", "training.dtype=bfloat16"};
   const int64_t micro = kBatch / (n / 2);
   Trainer parallel(config(n, micro, "", layout), world());
-  Trainer single(config(1, micro, "", {"training.dtype=bfloat16"}), alone());
+  const OneProcessRun single = one_process(config(1, micro, "", {"training.dtype=bfloat16"}), 5);
   for (int s = 0; s < 5; ++s) {
-    const StepResult got = parallel.step(), want = single.step();
+    const StepResult got = parallel.step(), &want = single.steps[s];
     EXPECT_LE(std::abs(got.loss - want.loss) / want.loss, 0.02) << "step " << s + 1;
   }
 }
@@ -446,8 +445,7 @@ TEST_F(TensorParallelTraining, FusedOperatorsEqualTheReferenceProcess) {
       reference.insert(reference.end(), style.begin(), style.end());
       const int64_t micro = kBatch / (n / 2);
       Trainer parallel(config(n, micro, "", layout), world());
-      Trainer single(config(1, micro, "", reference), alone());
-      expect_same_training(parallel, single, 5, describe(layout));
+      expect_same_training(parallel, one_process_of(micro, reference, 5), 5, describe(layout));
     }
   }
 }

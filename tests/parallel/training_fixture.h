@@ -23,6 +23,28 @@ inline std::string describe(const Overrides& overrides) {
   return text;
 }
 
+// Note [One-process oracle]
+// Every layout is compared with one process reading the same micro-batches
+// (DESIGN.md's oracle). That run is the same on every rank, so rank 0 computes
+// it alone, on a one-rank communicator, while the other ranks wait on a receive
+// (polled with sleeps in between: Note [MPI progress thread]), and sends them
+// its record. Every rank used to compute it: at 8 ranks on 2 cores that was
+// 8/9 of such a test's work. A test whose layouts share one single-process
+// config asks for its run once: before its loop over layouts, or through
+// TrainingTest::one_process_of().
+struct OneProcessRun {
+  std::vector<StepResult> steps;                 // loss, gradient norm, MoE statistics of each step
+  std::map<std::string, at::Tensor> parameters;  // after the last step: fp32, by name
+  double val_loss = 0;                           // after the last step, when asked for
+
+  std::vector<double> losses() const;
+};
+
+// Collective over world(): `config` (validated for one rank) trained for
+// `steps` steps by rank 0 alone, then (`evaluate`) its validation loss. An
+// error on rank 0 is thrown on every rank.
+OneProcessRun one_process(const TrainConfig& config, int steps, bool evaluate = false);
+
 class TrainingTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -65,11 +87,25 @@ class TrainingTest : public ::testing::Test {
     return c;
   }
 
-  // One process on this rank alone: the oracle.
+  // one_process(config(1, micro, "", overrides), steps, evaluate), computed
+  // once per test: the layouts a test compares with the same single-process
+  // config share its run (the config depends on nothing else but layers_).
+  const OneProcessRun& one_process_of(int64_t micro, const Overrides& overrides, int steps, bool evaluate = false) {
+    const std::string key = std::to_string(layers_) + "/" + std::to_string(micro) + "/" + std::to_string(steps) + "/" +
+                            (evaluate ? "evaluate/" : "") + describe(overrides);
+    auto it = one_process_runs_.find(key);
+    if (it == one_process_runs_.end()) {
+      it = one_process_runs_.emplace(key, one_process(config(1, micro, "", overrides), steps, evaluate)).first;
+    }
+    return it->second;
+  }
+
+  // One process on this rank alone (the CUDA tests' oracle, each rank on its own device).
   std::shared_ptr<comm::Communicator> alone() const { return world()->split(world()->rank(), 0, "test:alone"); }
 
   std::string dir_;
   int64_t layers_ = 2;  // blocks of the test model
+  std::map<std::string, OneProcessRun> one_process_runs_;
 };
 
 // Compared on the CPU (either side may live on a GPU).
@@ -95,9 +131,10 @@ inline std::pair<double, double> parameter_errors(const std::map<std::string, at
 // Tolerances as for data parallel (data_parallel_test.cpp): loss 1e-5 relative
 // every step, gradient norm 1e-4 relative every step, parameters after the
 // steps 1e-4 relative over the model and 1e-4 absolute per element.
-inline void expect_same_training(Trainer& parallel, Trainer& single, int steps, const std::string& what) {
+inline void expect_same_training(Trainer& parallel, const OneProcessRun& single, int steps, const std::string& what) {
+  ASSERT_GE(static_cast<int>(single.steps.size()), steps) << what << ": the one-process run is shorter";
   for (int s = 0; s < steps; ++s) {
-    const StepResult got = parallel.step(), want = single.step();
+    const StepResult got = parallel.step(), &want = single.steps[s];
     EXPECT_LE(std::abs(got.loss - want.loss) / want.loss, 1e-5)
         << what << ", step " << s + 1 << ": loss " << got.loss << " vs " << want.loss;
     EXPECT_LE(std::abs(got.grad_norm - want.grad_norm) / want.grad_norm, 1e-4)
@@ -112,7 +149,7 @@ inline void expect_same_training(Trainer& parallel, Trainer& single, int steps, 
       EXPECT_NEAR(got.moe[i].dropped, want.moe[i].dropped, 1e-9) << what << ", step " << s + 1 << ": dropped";
     }
   }
-  const auto [relative, largest] = parameter_errors(parallel.full_parameters(), single.full_parameters());
+  const auto [relative, largest] = parameter_errors(parallel.full_parameters(), single.parameters);
   EXPECT_LE(relative, 1e-4) << what;
   EXPECT_LE(largest, 1e-4) << what;
 }

@@ -1,6 +1,8 @@
 """What the serving tests share: a `meshtrain serve` process, the text
 `meshtrain generate` gives offline, and raw HTTP posts."""
+import functools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -41,6 +43,24 @@ class Server:
 
 
 def offline(meshtrain, checkpoint, prompt, max_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop=()):
+    """The text `meshtrain generate` continues `prompt` with: the oracle of the serving tests."""
+    return _offline(meshtrain, checkpoint, _checkpoint_identity(checkpoint), prompt, max_tokens, temperature, top_k,
+                    top_p, seed, tuple(stop))
+
+
+def _checkpoint_identity(checkpoint):
+    """What the checkpoint folder holds now (its files, sizes and times): a new save is another oracle."""
+    found = []
+    for folder, _, files in os.walk(checkpoint):
+        for name in files:
+            info = os.stat(os.path.join(folder, name))
+            found.append((os.path.relpath(os.path.join(folder, name), checkpoint), info.st_size, info.st_mtime_ns))
+    return tuple(sorted(found))
+
+
+# Generation is deterministic for a checkpoint, prompt, settings and seed: each is run once per test.
+@functools.lru_cache(maxsize=None)
+def _offline(meshtrain, checkpoint, identity, prompt, max_tokens, temperature, top_k, top_p, seed, stop):
     args = [meshtrain, "generate", "--checkpoint", checkpoint, "--prompt", prompt, "--tokens", str(max_tokens),
             "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed)]
     for s in stop:
