@@ -28,7 +28,7 @@ for arg in "$@"; do
 done
 
 debian_packages=(
-  g++ cmake ninja-build make pkg-config git ccache
+  g++ cmake ninja-build make pkg-config git ccache time
   libopenmpi-dev openmpi-bin iproute2
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libcpp-httplib-dev libsentencepiece-dev libpcre2-dev libutf8proc-dev liburing-dev fio
   zlib1g-dev libzstd-dev zstd
