@@ -4,7 +4,7 @@
 #   - set-up when everything is present (scripts/setup.sh --tests);
 #   - set-up and build of a fresh clone of HEAD with an empty compiler cache;
 #   - the same in a second fresh clone in another folder (the cache the first filled);
-#   - a rebuild after one library .cpp changed (a line appended to it);
+#   - a rebuild after one library .cpp changed (a declaration appended to it);
 #   - `-L quick` and the whole suite as scripts/test.sh runs them, with the ten
 #     slowest tests (every test's time: WORK/suite-times.txt).
 # With --alone it then runs each test by itself and writes WORK/test_costs.txt,
@@ -46,7 +46,8 @@ say "fresh clone, empty compiler cache"
 cold=$(seconds set_up_and_build "$work/cold")
 say "another fresh clone, the same commit"
 warm=$(seconds set_up_and_build "$work/warm")
-echo "// a changed line" >> "$work/warm/$edited"
+# A line the compiler sees (a comment alone would be a preprocessed hit in the cache).
+echo "static_assert(sizeof(int) > 0, \"a change at $(date +%s%N)\");" >> "$work/warm/$edited"
 say "rebuild after a change to $edited"
 rebuild=$(seconds bash "$work/warm/scripts/build.sh")
 git -C "$work/warm" checkout -q -- "$edited"

@@ -37,6 +37,7 @@ class Meshtrain:
     def __init__(self, binary):
         self.binary = binary
         self.helps = {}
+        self.plans = {}
 
     def help(self, path):
         if path not in self.helps:
@@ -127,17 +128,19 @@ def validate_train(tool, words, ranks):
         return []  # a config file of the reader's own, or a GPU run
     if any(l.startswith("init_from =") for l in sections.get("checkpoint", [])):
         return []  # the model is the reader's checkpoint's: its options are checked, not its layout
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        for section, lines in sections.items():
-            f.write(f"[{section}]\n" + "\n".join(lines) + "\n")
-    try:
-        done = subprocess.run([tool.binary, "plan", "--model", f.name, "--world", str(ranks), "--layout", "config"],
-                              capture_output=True, text=True, timeout=120)
-    finally:
-        pathlib.Path(f.name).unlink()
-    if done.returncode != 0:
-        return [f"`meshtrain train {' '.join(words)}` on {ranks} rank(s) is refused: "
-                f"{(done.stderr or done.stdout).strip().splitlines()[-1]}"]
+    toml = "".join(f"[{section}]\n" + "\n".join(lines) + "\n" for section, lines in sections.items())
+    if (toml, ranks) not in tool.plans:  # the same config on as many ranks is checked once
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            f.write(toml)
+        try:
+            done = subprocess.run([tool.binary, "plan", "--model", f.name, "--world", str(ranks), "--layout", "config"],
+                                  capture_output=True, text=True, timeout=120)
+        finally:
+            pathlib.Path(f.name).unlink()
+        tool.plans[(toml, ranks)] = (done.returncode, (done.stderr or done.stdout).strip())
+    rc, text = tool.plans[(toml, ranks)]
+    if rc != 0:
+        return [f"`meshtrain train {' '.join(words)}` on {ranks} rank(s) is refused: {text.splitlines()[-1]}"]
     return []
 
 
