@@ -109,7 +109,7 @@ source "$here/steps.sh"
 # A link cut mid-run: the watchdog fires on the host that remains, mpirun cannot finish aborting
 # (it cannot reach node2), the launcher ends it; all within the timeout plus a bound.
 hostfile "$run/cut.hosts" 1:2 2:2
-on_host 1 env MESHTRAIN_COMM_TIMEOUT=10 MESHTRAIN_LAUNCHER_ABORT_S=5 "$meshtrain" run -n 4 --hostfile "$run/cut.hosts" \
+on_host 1 env MESHTRAIN_COMM_TIMEOUT=5 MESHTRAIN_LAUNCHER_ABORT_S=3 "$meshtrain" run -n 4 --hostfile "$run/cut.hosts" \
   train "${common[@]}" --training.steps=100000 --checkpoint.every=0 --run.out="$run/cut" > "$run/cut.log" 2>&1 &
 launcher=$!
 wait_for_steps "$run/cut" 2
@@ -120,7 +120,7 @@ wait "$launcher" || status=$?
 took=$(( $(date +%s) - cut ))
 [ "$status" != 0 ] && [ "$took" -le 40 ] || { echo "status $status, $took s after the cut"; cat "$run/cut.log"; exit 1; }
 grep -q "watchdog: .* it runs on node1; it waits for .*ranks 2-3 on node2" "$run/cut.log" || { cat "$run/cut.log"; exit 1; }
-echo "a cut link ended the job (status $status) $took s after the cut (watchdog 10 s)"
+echo "a cut link ended the job (status $status) $took s after the cut (watchdog 5 s)"
 hosts_down
 hosts_up 2 "$run"
 
