@@ -3,7 +3,8 @@
 #   CLI11::CLI11, tomlplusplus::tomlplusplus, nlohmann_json::nlohmann_json, PkgConfig::HTTPLIB,
 #   MESHTRAIN_GRPC_LIBRARIES, MESHTRAIN_PROTOC, MESHTRAIN_GRPC_CPP_PLUGIN, OpenSSL::Crypto/SSL,
 #   MESHTRAIN_SENTENCEPIECE_LIBRARIES, MESHTRAIN_PCRE2_LIBRARY, MESHTRAIN_UTF8PROC_LIBRARY, MESHTRAIN_URING_LIBRARY,
-#   MESHTRAIN_HAVE_CUDA (libtorch has CUDA), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
+#   MESHTRAIN_HAVE_CUDA (libtorch has CUDA and MESHTRAIN_CUDA is not OFF), MESHTRAIN_TORCH_INCLUDE_DIRS (set when
+#   CUDA is off: libtorch's headers, which the CPU-only targets do not carry), MESHTRAIN_HAVE_NCCL and, when true, MESHTRAIN_NCCL_INCLUDE_DIR / MESHTRAIN_NCCL_LIBRARY.
 
 find_package(Threads REQUIRED)
 find_package(MPI REQUIRED COMPONENTS CXX)
@@ -87,9 +88,30 @@ set(_meshtrain_torch_has_cuda OFF)
 if(TARGET torch_cuda OR TARGET c10_cuda OR "${TORCH_LIBRARIES}" MATCHES "c10_cuda")
   set(_meshtrain_torch_has_cuda ON)
 endif()
+# Note [A build for the CPU only]
+# A libtorch with CUDA loads libtorch_cuda and the CUDA libraries into every
+# process, whether or not a GPU is there: 0.13 s of 0.35 s at each start of the
+# meshtrain executable on a 2-core machine (a test suite starts it ~900 times).
+# MESHTRAIN_CUDA=OFF links libtorch_cpu only, for the build tree; the installed
+# package still hands consumers the whole libtorch. scripts/build.sh picks OFF
+# where no NVIDIA driver is loaded; the GPU build (scripts/gpu-check.sh) and a
+# plain configure keep AUTO: CUDA whenever libtorch has it.
+set(MESHTRAIN_CUDA "AUTO" CACHE STRING
+    "Link libtorch's CUDA libraries: AUTO (when libtorch has CUDA), ON, or OFF (CPU only, faster process start)")
+set_property(CACHE MESHTRAIN_CUDA PROPERTY STRINGS AUTO ON OFF)
+if(MESHTRAIN_CUDA STREQUAL "ON" AND NOT _meshtrain_torch_has_cuda)
+  message(FATAL_ERROR "MESHTRAIN_CUDA=ON but the libtorch at ${Torch_DIR} was built without CUDA")
+endif()
+if(_meshtrain_torch_has_cuda AND MESHTRAIN_CUDA STREQUAL "OFF")
+  set(_meshtrain_torch_has_cuda OFF)
+  set(MESHTRAIN_TORCH_INCLUDE_DIRS ${TORCH_INCLUDE_DIRS})
+  set(TORCH_LIBRARIES $<BUILD_INTERFACE:torch_cpu_library> $<BUILD_INTERFACE:c10>
+      $<INSTALL_INTERFACE:torch> $<INSTALL_INTERFACE:torch_library>)
+  message(STATUS "meshtrain: CUDA OFF, libtorch_cpu only (MESHTRAIN_CUDA=OFF)")
+endif()
 set(MESHTRAIN_HAVE_CUDA ${_meshtrain_torch_has_cuda})
 if(NOT MESHTRAIN_WITH_NCCL STREQUAL "OFF")
-  if(_meshtrain_torch_has_cuda)
+  if(MESHTRAIN_HAVE_CUDA)
     get_filename_component(_meshtrain_site "${Torch_DIR}/../../../.." ABSOLUTE)
     set(_meshtrain_nccl_hints ${MESHTRAIN_NCCL_ROOT} $ENV{NCCL_ROOT}
         "${_meshtrain_site}/nvidia/nccl" ${CUDAToolkit_LIBRARY_ROOT} /usr/local/cuda)
@@ -104,7 +126,7 @@ if(NOT MESHTRAIN_WITH_NCCL STREQUAL "OFF")
   endif()
   if(NOT MESHTRAIN_HAVE_NCCL)
     if(MESHTRAIN_WITH_NCCL STREQUAL "ON")
-      message(FATAL_ERROR "MESHTRAIN_WITH_NCCL=ON but libtorch has no CUDA or nccl.h was not found "
+      message(FATAL_ERROR "MESHTRAIN_WITH_NCCL=ON but the build has no CUDA (MESHTRAIN_CUDA=OFF or libtorch without it) or nccl.h was not found "
                           "(set MESHTRAIN_NCCL_ROOT to the NCCL install)")
     endif()
     message(STATUS "meshtrain: NCCL backend OFF (libtorch without CUDA or no NCCL found)")

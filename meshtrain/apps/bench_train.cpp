@@ -6,13 +6,13 @@
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
 #include "meshtrain/train/op_profile.h"
+#include "meshtrain/train/progress.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,12 +28,6 @@ double rss_mib() {
   long pages = 0, resident = 0;
   statm >> pages >> resident;
   return resident * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1048576.0;
-}
-
-double peak_rss_mib() {
-  struct rusage usage {};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss / 1024.0;
 }
 
 std::vector<double> gather(comm::Communicator& comm, double value) {
@@ -95,8 +89,8 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;
   if (!profile_dir.empty()) profile_steps_into(trainer, runtime.rank() == 0, profile_dir, profile_steps);
-  const std::vector<double> peak_rss = gather(*runtime.world(), peak_rss_mib());
-  const std::vector<double> rss_growth = gather(*runtime.world(), peak_rss_mib() - baseline_rss);
+  const std::vector<double> peak_rss = gather(*runtime.world(), train::peak_rss_mib());
+  const std::vector<double> rss_growth = gather(*runtime.world(), train::peak_rss_mib() - baseline_rss);
   const std::vector<double> counted_peak = gather(*runtime.world(), peak / 1048576.0);
   const std::vector<double> counted_states = gather(*runtime.world(), model_states / 1048576.0);
   // A GPU's caching allocator over the last timed step (the trainer resets it each step).

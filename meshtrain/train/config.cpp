@@ -2,6 +2,7 @@
 
 #include "meshtrain/comm/runtime.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
 #include <toml++/toml.h>
 
@@ -510,7 +511,11 @@ void check_data_and_run(const TrainConfig& c) {
     refuse("run.device", config::quoted(device), "use \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"");
   }
   if ((device == "cuda" || device.rfind("cuda:", 0) == 0) && !torch::cuda::is_available()) {
-    refuse("run.device", config::quoted(device), "no CUDA device is visible to this process; use \"cpu\" or \"auto\"");
+    refuse("run.device", config::quoted(device),
+           at::detail::getCUDAHooks().isBuilt()
+               ? "no CUDA device is visible to this process; use \"cpu\" or \"auto\""
+               : "this meshtrain was built for the CPU only (MESHTRAIN_CUDA=OFF, scripts/build.sh's choice where no "
+                 "NVIDIA driver is loaded); rebuild with MESHTRAIN_CUDA=ON bash scripts/build.sh, or use \"cpu\"");
   }
   if (!c.sharding_report.empty() && !c.parallel.annotated()) {
     refuse("run.sharding_report", config::quoted(c.sharding_report),

@@ -17,7 +17,20 @@
 
 namespace meshtrain::train {
 
+// The high-water mark of this process image (VmHWM). Not getrusage's
+// ru_maxrss: Linux carries that across exec, so a process started by a large
+// parent (a Python script that imported torch) reported the parent's size,
+// 280 MiB for a 180 MiB prepare.
 double peak_rss_mib() {
+  if (std::FILE* status = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    long long kib = -1;
+    while (std::fgets(line, sizeof line, status)) {
+      if (std::sscanf(line, "VmHWM: %lld kB", &kib) == 1) break;
+    }
+    std::fclose(status);
+    if (kib >= 0) return static_cast<double>(kib) / 1024.0;
+  }
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return usage.ru_maxrss / 1024.0;

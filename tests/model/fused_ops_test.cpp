@@ -280,5 +280,15 @@ TEST(FusedOps, ModelsWithFusedOperatorsMatchTheReferenceModels) {
   }
 }
 
+// ATEN_CPU_CAPABILITY below avx512 runs the default kernels on an AVX-512 CPU
+// (the test `unit.default_kernels` runs these tests so).
+TEST(FusedOps, KernelSetFollowsTheCpuAndItsCap) {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  const bool capped = cap != nullptr && *cap != '\0' && std::string(cap).rfind("avx512", 0) != 0;
+  const bool hardware = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  EXPECT_STREQ(fused::kernel_set(), hardware && !capped ? "avx512" : "default") << "ATEN_CPU_CAPABILITY=" << (cap ? cap : "");
+}
+
 }  // namespace
 }  // namespace meshtrain::model
