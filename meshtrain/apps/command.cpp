@@ -4,6 +4,7 @@
 #include "meshtrain/comm/job_environment.h"
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/util/config_keys.h"
+#include "meshtrain/util/suggest.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -111,6 +112,50 @@ CommandPtr timed_bench_command(CLI::App& bench, const std::string& name, const s
 }
 
 int64_t parse_size(const std::string& text) { return static_cast<int64_t>(plan::parse_bytes(text)); }
+
+std::vector<std::string> normalized_arguments(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const bool dotted_key = a.size() > 3 && a.rfind("--", 0) == 0 && a.find('=') == std::string::npos &&
+                            a.find('.') != std::string::npos && a.find_first_of(" /") == std::string::npos;
+    if (dotted_key && i + 1 < args.size() && args[i + 1].rfind("-", 0) != 0) {
+      out.push_back(a + "=" + args[++i]);
+    } else {
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+int refuse_unknown_command(const CLI::App& app, const std::vector<std::string>& args) {
+  const CLI::App* at = &app;
+  std::string path = "meshtrain";
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const std::vector<const CLI::App*> subs = at->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) return 0;  // the rest is this command's own
+    if (a.rfind("-", 0) == 0) {
+      if (a != "--help" && a != "-h") return 0;  // an option of a group: leave it to the parser
+      continue;
+    }
+    const CLI::App* next = nullptr;
+    std::vector<std::string> names;
+    for (const CLI::App* sub : subs) {
+      names.push_back(sub->get_name());
+      if (sub->check_name(a)) next = sub;
+    }
+    if (!next) {
+      std::fprintf(stderr, "meshtrain: error: unknown command '%s'%s; `%s --help` lists them\n", a.c_str(),
+                   util::did_you_mean(a, names).c_str(), path.c_str());
+      return 2;
+    }
+    at = next;
+    path += " " + a;
+  }
+  return 0;
+}
 
 int run_chosen(const Commands& commands, int& argc, char**& argv) {
   for (const CommandPtr& c : commands) {

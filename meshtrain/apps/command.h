@@ -80,6 +80,15 @@ CommandPtr timed_bench_command(CLI::App& bench, const std::string& name, const s
 // "16M" and the like (plan::parse_bytes) as a whole number of bytes.
 int64_t parse_size(const std::string& text);
 
+// The command line as a person may type it, made what the parser reads:
+// "--section.key value" becomes "--section.key=value" (a config key always
+// takes a value; "--training.steps 20" was read as a config file named 20).
+std::vector<std::string> normalized_arguments(int argc, char** argv);
+
+// A word where `app` expects one of its subcommands that names none of them:
+// "unknown command 'trian' (did you mean train?)" to stderr, and 2. Else 0.
+int refuse_unknown_command(const CLI::App& app, const std::vector<std::string>& args);
+
 // Runs the chosen command inside the error boundary; returns the exit status.
 int run_chosen(const Commands& commands, int& argc, char**& argv);
 

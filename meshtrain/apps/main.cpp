@@ -4,6 +4,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string>
+#include <vector>
+
 namespace {
 
 const char* const kAbout =
@@ -37,6 +40,13 @@ int main(int argc, char** argv) {
     commands.push_back(add(app));
   }
   commands.push_back(apps::add_fl(app, argv[0]));
-  CLI11_PARSE(app, argc, argv);
-  return apps::run_chosen(commands, argc, argv);
+  std::vector<std::string> args = apps::normalized_arguments(argc, argv);
+  if (const int status = apps::refuse_unknown_command(app, args)) return status;
+  std::vector<char*> pointers;
+  for (std::string& a : args) pointers.push_back(a.data());
+  pointers.push_back(nullptr);
+  int count = static_cast<int>(args.size());
+  char** words = pointers.data();
+  CLI11_PARSE(app, count, words);
+  return apps::run_chosen(commands, count, words);
 }

@@ -28,7 +28,14 @@ bool is_config_file(const std::string& model) {
 
 plan::Machine machine_of(const PlanOptions& o) {
   plan::Machine m = o.machine_file.empty() ? plan::Machine{} : plan::Machine::from_json(util::read_text_file(o.machine_file));
-  if (!o.device_memory.empty()) m.device_memory = plan::parse_bytes(o.device_memory);
+  if (!o.device_memory.empty()) {
+    // "80" was 80 bytes, and nothing fit: a device's memory takes a unit.
+    if (o.device_memory.find_first_not_of("0123456789.") == std::string::npos) {
+      throw UsageError("--device-memory " + o.device_memory + ": give a unit, e.g. " + o.device_memory + "GiB (or " +
+                       o.device_memory + "GB, decimal)");
+    }
+    m.device_memory = plan::parse_bytes(o.device_memory);
+  }
   if (o.gpus_per_node > 0) m.devices_per_node = o.gpus_per_node;
   if (o.peak_tflops > 0) m.peak_flops = o.peak_tflops * 1e12;
   if (o.mfu > 0) m.mfu = o.mfu;

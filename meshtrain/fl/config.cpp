@@ -1,6 +1,7 @@
 #include "meshtrain/fl/config.h"
 
 #include "meshtrain/model/config_json.h"
+#include "meshtrain/util/suggest.h"
 
 #include <nlohmann/json.hpp>
 #include <toml++/toml.h>
@@ -162,8 +163,12 @@ void apply_table(FlConfig& c, const toml::table& table, const std::string& prefi
       continue;
     }
     auto found = keys().find(key);
-    if (found == keys().end())
-      throw FlConfigError(key + ": unknown key (meshtrain fl server --help-config lists them)");
+    if (found == keys().end()) {
+      std::vector<std::string> known;
+      for (const auto& entry : keys()) known.push_back(entry.first);
+      throw FlConfigError(key + ": unknown key" + util::did_you_mean(key, known) +
+                          "; meshtrain fl server --help-config lists them");
+    }
     found->second.set(c, node);
   }
 }

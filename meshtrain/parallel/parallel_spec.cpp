@@ -305,9 +305,17 @@ ParallelSpec::BatchShape ParallelSpec::batch_shape(int64_t batch, int64_t micro_
     shape.micro_batch = batch / (microbatches * ranks);
   }
   if (batch % (shape.micro_batch * ranks) != 0) {
+    // Settings that work: the next batch that divides, and a smaller micro-batch for this one.
+    const int64_t unit = shape.micro_batch * ranks;
+    std::string fix = "use training.batch = " + n((batch + unit - 1) / unit * unit);
+    if (microbatches == 0 && batch % ranks == 0) {
+      int64_t micro = std::min(shape.micro_batch, batch / ranks);
+      while (micro > 1 && (batch / ranks) % micro != 0) --micro;
+      fix += ", or training.micro_batch = " + n(micro);
+    }
     refuse("training.batch", n(batch),
            "must be divisible by training.micro_batch (" + n(shape.micro_batch) + ") x " + data + " = " +
-               n(shape.micro_batch * ranks));
+               n(unit) + "; " + fix);
   }
   shape.microbatches = batch / (shape.micro_batch * ranks);
   check_microbatches(shape.microbatches);

@@ -1,6 +1,7 @@
 #include "meshtrain/train/config.h"
 
 #include "meshtrain/comm/runtime.h"
+#include "meshtrain/util/suggest.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/cuda.h>
@@ -280,17 +281,36 @@ const Field* find_field(const std::string& section, const std::string& key) {
 
 [[noreturn]] void unknown_key(const std::string& section, const std::string& key, const std::string& where) {
   std::string known;
+  std::vector<std::string> names, dotted;
   for (const Field& f : fields()) {
-    if (f.section == section) known += (known.empty() ? "" : ", ") + f.name;
+    dotted.push_back(f.section + "." + f.name);
+    if (f.section != section) continue;
+    known += (known.empty() ? "" : ", ") + f.name;
+    names.push_back(f.name);
   }
   if (known.empty()) {
     std::string sections;
+    std::vector<std::string> section_names;
     for (const Field& f : fields()) {
-      if (sections.find("[" + f.section + "]") == std::string::npos) sections += (sections.empty() ? "" : ", ") + ("[" + f.section + "]");
+      if (sections.find("[" + f.section + "]") == std::string::npos) {
+        sections += (sections.empty() ? "" : ", ") + ("[" + f.section + "]");
+        section_names.push_back(f.section);
+      }
     }
-    throw ConfigError(where + ": unknown section [" + section + "]; sections are " + sections);
+    // A key under a mistyped section ("trainig.steps") or in the wrong one.
+    std::string hint = util::did_you_mean(section + "." + key, dotted);
+    if (hint.empty()) hint = util::did_you_mean(section, section_names);
+    throw ConfigError(where + ": unknown section [" + section + "]" + hint + "; sections are " + sections);
   }
-  throw ConfigError(where + ": unknown key " + section + "." + key + "; keys of [" + section + "] are " + known);
+  std::string hint;
+  if (const std::string near = util::nearest(key, names); !near.empty()) {
+    hint = " (did you mean " + section + "." + near + "?)";
+  } else {
+    for (const Field& f : fields()) {  // a key of another section
+      if (f.name == key) hint = " (did you mean " + f.section + "." + f.name + "?)";
+    }
+  }
+  throw ConfigError(where + ": unknown key " + section + "." + key + hint + "; keys of [" + section + "] are " + known);
 }
 
 std::string node_text(const toml::node& node) {

@@ -325,7 +325,8 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
   };
   EXPECT_NE(message({"fl.server.insecure=true", "fl.server.listen=0.0.0.0:5000"}).find("loopback"), std::string::npos);
   EXPECT_NE(message({"fl.rounds=0", "fl.server.insecure=true"}).find("fl.rounds"), std::string::npos);
-  EXPECT_NE(message({"fl.roundz=3", "fl.server.insecure=true"}).find("unknown key"), std::string::npos);
+  EXPECT_NE(message({"fl.roundz=3", "fl.server.insecure=true"}).find("fl.roundz: unknown key (did you mean fl.rounds?)"),
+            std::string::npos);
   EXPECT_NE(message({}).find("cert and key"), std::string::npos);
   EXPECT_NE(message({"fl.server.insecure=true", "fl.secagg.enabled=true", "fl.min_fit=1", "fl.min_available=3"})
                 .find("threshold"),

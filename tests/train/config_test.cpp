@@ -68,13 +68,19 @@ TEST(TrainConfig, FileThenOverridesPresetFirst) {
 
 TEST(TrainConfig, UnknownKeysAndWrongTypesAreRejectedWithTheKey) {
   const std::string path = write_config("[training]\nstepz = 3\n");
-  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(path, {}); }).find(": unknown key training.stepz; keys of [training] are steps, batch"),
+  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(path, {}); }).find(": unknown key training.stepz (did you mean training.steps?); keys of [training] are steps, batch"),
             std::string::npos);
   std::remove(path.c_str());
   const std::string section = write_config("[trainig]\nsteps = 3\n");
-  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(section, {}); }).find("unknown section [trainig]; sections are [model], [data]"),
+  EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(section, {}); }).find("unknown section [trainig] (did you mean training.steps?); sections are [model], [data]"),
             std::string::npos);
   std::remove(section.c_str());
+  // A key of another section, and a stranger: named, and nothing made up.
+  EXPECT_NE(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.zero_stage=1"}); })
+                .find("unknown key training.zero_stage (did you mean parallel.zero_stage?)"),
+            std::string::npos);
+  EXPECT_EQ(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.colour=1"}); }).find("did you mean"),
+            std::string::npos);
   EXPECT_EQ(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.steps=ten"}); }),
             "override --training.steps=ten: training.steps = ten must be an integer");
   EXPECT_EQ(testing::error_of<ConfigError>([] { TrainConfig::load("", {"training.steps=2.5"}); }),
@@ -93,7 +99,8 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
     return testing::error_of<ConfigError>([&] { TrainConfig::load("", overrides).validate(world); });
   };
   EXPECT_EQ(validated({"training.batch=10"}, 2),
-            "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) = 16");
+            "training.batch = 10: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) = 16; use training.batch = 16, "
+            "or training.micro_batch = 5");
   EXPECT_EQ(validated({"parallel.dp=3"}, 2),
             "parallel.dp = 3: dp(3) * fsdp(1) = 3 != the 2 data ranks (world size 2 / (pp(1) * ep(1) * tp(1)))");
   EXPECT_EQ(validated({"parallel.zero_stage=3", "parallel.fsdp=3"}, 4),
@@ -122,7 +129,8 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2", "parallel.zero_stage=3"}, 2), "no error");
   EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2", "parallel.zero_stage=2"}, 2), "no error");
   EXPECT_EQ(validated({"model.moe_experts=8", "parallel.ep=2", "training.batch=24"}, 4),
-            "training.batch = 24: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) x ep (2) = 32");
+            "training.batch = 24: must be divisible by training.micro_batch (8) x dp (2) x fsdp (1) x ep (2) = 32; "
+            "use training.batch = 32, or training.micro_batch = 6");
   EXPECT_EQ(validated({"model.moe_experts=4", "parallel.tp=2"}, 2), "no error");  // tensor parallel of MoE models
   EXPECT_EQ(validated({"parallel.tp=2", "parallel.sequence_parallel=true", "model.context=101"}, 2),
             "parallel.tp = 2: tp(2) does not divide the context (101); sequence parallel splits every sequence into tp "
