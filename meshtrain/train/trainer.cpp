@@ -116,7 +116,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   if (!resumed_ && !config_.init_from.empty() && !config_.lora.enabled()) init_from_checkpoint();
   progress_ = std::make_unique<Progress>(world_, config_.out, resumed_, device_);
   log_resume_events();
-  const int64_t redone = resumed_ ? progress_->resumed(step_, resumed_from_) : 0;
+  // A finished run trains nothing (run() says so): its metrics gain no "resumed" line.
+  const int64_t redone = resumed_ && step_ < config_.steps ? progress_->resumed(step_, resumed_from_) : 0;
   progress_->restarted(step_, redone, world_->size());
 
   const bool bf16 = config_.bfloat16() || config_.parallel.param_dtype == at::kBFloat16;
@@ -348,6 +349,14 @@ bool Trainer::run(const std::atomic<int>* stop) {
   progress_->say("metrics to " + config_.out + "/metrics.jsonl, checkpoints to " + writer_->store().dir() +
                  (config_.checkpoint_every > 0 ? " every " + std::to_string(config_.checkpoint_every) + " steps" : "") +
                  (config_.checkpoint_async ? " (written in the background)" : ""));
+  if (resumed_ && step_ >= config_.steps) {
+    // A finished run says so and leaves its checkpoint and metrics as they are.
+    progress_->say("the run is already complete: " + resumed_from_ + " is at step " + std::to_string(step_) + " of " +
+                   std::to_string(config_.steps) + "; nothing to train (raise training.steps to continue, or "
+                   "--checkpoint.resume=false to start afresh in another run.out)");
+    finish_checkpoints();
+    return false;
+  }
   if (resumed_) progress_->say("resumed from " + resumed_from_ + " at step " + std::to_string(step_));
   if (!initialized_from_.empty()) progress_->say("fine-tuning from the weights of " + initialized_from_);
 

@@ -63,4 +63,13 @@ echo step-00000003 > "$run/b/checkpoints/latest"
 "$meshtrain" train "${common[@]}" --training.steps=6 --checkpoint.every=3 --run.out="$run/b" > "$run/b.log" 2>&1
 grep -q "3 rows after step 3 are from the run before this resume" "$run/b.log" || { cat "$run/b.log"; exit 1; }
 grep -q '"event":"resumed","step":3,"superseded_rows":3' "$run/b/metrics.jsonl" || { cat "$run/b/metrics.jsonl"; exit 1; }
-echo "ok: a second run is refused by name, a killed launcher's ranks save and stop, metrics lines stay whole"
+# The finished run again: it says so, trains nothing, and leaves its metrics and checkpoints as they are.
+cp "$run/b/metrics.jsonl" "$run/b-metrics.before"
+ls -R "$run/b/checkpoints" > "$run/b-checkpoints.before"
+"$meshtrain" train "${common[@]}" --training.steps=6 --checkpoint.every=3 --run.out="$run/b" > "$run/again.log" 2>&1 ||
+  { cat "$run/again.log"; exit 1; }
+grep -q "the run is already complete: .*step-00000006 is at step 6 of 6; nothing to train" "$run/again.log" ||
+  { cat "$run/again.log"; exit 1; }
+cmp -s "$run/b/metrics.jsonl" "$run/b-metrics.before" || { echo "a finished run's metrics changed"; exit 1; }
+ls -R "$run/b/checkpoints" | cmp -s - "$run/b-checkpoints.before" || { echo "a finished run's checkpoints changed"; exit 1; }
+echo "ok: a second run is refused by name, a killed launcher's ranks save and stop, metrics lines stay whole, a finished run says so"
