@@ -48,6 +48,42 @@ int run_tokenizer_decode(const std::string& spec, const std::vector<int64_t>& id
   return 0;
 }
 
+// A file of conversations, one JSON line each: a list of messages, or
+// {"messages": [...], "tools": [...], "add_generation_prompt": bool} (the
+// flags give what a line leaves out). Prints one JSON line each: {"text"}
+// (and "ids" with --ids), or {"error"} where the template refused, as
+// transformers' apply_chat_template renders a batch of conversations.
+int render_conversations(const text::Tokenizer& tokenizer, const text::ChatTemplate& chat, const std::string& file,
+                         bool generation_prompt, const nlohmann::ordered_json& tools, bool ids) {
+  const std::string content = util::read_text_file(file);
+  int64_t number = 0;
+  for (size_t start = 0; start < content.size();) {
+    size_t end = content.find('\n', start);
+    if (end == std::string::npos) end = content.size();
+    const std::string line = content.substr(start, end - start);
+    start = end + 1;
+    ++number;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto record = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_discarded() || !(record.is_array() || (record.is_object() && record.contains("messages")))) {
+      throw std::invalid_argument(file + " line " + std::to_string(number) +
+                                  ": not a conversation (a JSON list of messages, or an object with \"messages\")");
+    }
+    const nlohmann::ordered_json& messages = record.is_array() ? record : record["messages"];
+    const bool prompt = record.is_object() ? record.value("add_generation_prompt", generation_prompt) : generation_prompt;
+    const nlohmann::ordered_json& line_tools = record.is_object() && record.contains("tools") ? record["tools"] : tools;
+    nlohmann::ordered_json out;
+    try {
+      out["text"] = chat.render(messages, prompt, line_tools);
+      if (ids) out["ids"] = tokenizer.encode(out["text"].get<std::string>());
+    } catch (const std::exception& e) {
+      out = nlohmann::ordered_json{{"error", e.what()}};
+    }
+    std::printf("%s\n", out.dump().c_str());
+  }
+  return 0;
+}
+
 int run_tokenizer_chat(const std::string& spec, const std::string& messages_file, const std::string& tools_file,
                        bool generation_prompt, bool ids) {
   const auto tokenizer = text::load_tokenizer(spec);
@@ -60,8 +96,11 @@ int run_tokenizer_chat(const std::string& spec, const std::string& messages_file
       throw std::invalid_argument(file + ": not JSON (" + e.what() + ")");
     }
   };
-  const nlohmann::ordered_json messages = read_json(messages_file);
   const nlohmann::ordered_json tools = tools_file.empty() ? nlohmann::ordered_json() : read_json(tools_file);
+  if (messages_file.size() > 6 && messages_file.compare(messages_file.size() - 6, 6, ".jsonl") == 0) {
+    return render_conversations(*tokenizer, *chat, messages_file, generation_prompt, tools, ids);
+  }
+  const nlohmann::ordered_json messages = read_json(messages_file);
   const std::string text = chat->render(messages, generation_prompt, tools);
   if (!ids) {
     std::fwrite(text.data(), 1, text.size(), stdout);
@@ -109,7 +148,10 @@ CommandPtr add_tokenizer(CLI::App& app) {
   CLI::App* chat = tokenizer->add_subcommand(
       "chat", "Print a conversation as the tokenizer's chat template writes it (transformers' apply_chat_template)");
   chat->add_option("--tokenizer", a->spec, "A model or tokenizer folder with a chat template")->required();
-  chat->add_option("--messages", a->messages, "A JSON file: [{\"role\": \"user\", \"content\": \"...\"}, ...]")
+  chat->add_option("--messages", a->messages,
+                   "A JSON file: [{\"role\": \"user\", \"content\": \"...\"}, ...]; or a .jsonl file of conversations, "
+                   "one per line (a list, or {\"messages\", \"tools\", \"add_generation_prompt\"}), printed as JSON lines "
+                   "{\"text\", \"ids\"} or {\"error\"}")
       ->required()
       ->check(CLI::ExistingFile);
   chat->add_option("--tools", a->tools, "A JSON file: a list of tool schemas")->check(CLI::ExistingFile);

@@ -91,40 +91,60 @@ def first_difference(a, b):
     return f"lengths {len(a)} vs {len(b)}"
 
 
+def ours_batch(folder, cases_path):
+    """Every case of a .jsonl file rendered by one meshtrain process, with ids: a JSON line each."""
+    out = subprocess.run([MESHTRAIN, "tokenizer", "chat", "--tokenizer", folder, "--messages", cases_path, "--ids"],
+                         capture_output=True)
+    rows = [json.loads(line) for line in out.stdout.decode("utf-8").splitlines()] if out.returncode == 0 else []
+    return out.returncode, rows, out.stderr.decode("utf-8")
+
+
 def check_template(work, name):
     template = open(os.path.join(TEMPLATES, name + ".jinja"), encoding="utf-8").read()
     folder, fast = tokenizer_folder(work, name, template)
+    cases = []  # (conversation, messages, tools, generation prompt)
+    for conv_name, messages in CONVERSATIONS.items():
+        if conv_name not in SKIP.get(name, set()):
+            for generation_prompt in (False, True):
+                cases.append((conv_name, messages, TOOLS if conv_name == "tools" else None, generation_prompt))
+    cases_path = os.path.join(work, f"{name}-cases.jsonl")
+    with open(cases_path, "w", encoding="utf-8") as f:
+        for _, messages, tools, generation_prompt in cases:
+            line = {"messages": messages, "add_generation_prompt": generation_prompt}
+            if tools:
+                line["tools"] = tools
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    rc, rows, err = ours_batch(folder, cases_path)
+    if rc != 0 or len(rows) != len(cases):
+        return check(False, f"{name}: meshtrain rendered {len(rows)} of {len(cases)} conversations: {err.strip()}")
+    differences = []
+    for (conv_name, messages, tools, generation_prompt), row in zip(cases, rows):
+        try:
+            want = fast.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # the template refused: so must meshtrain, saying the same
+            if "error" not in row or str(e) not in row["error"]:
+                differences.append(f"{conv_name}: transformers raised {e!r}, meshtrain: {row}")
+            continue
+        if row.get("text") != want:
+            differences.append(f"{conv_name} (generation prompt {generation_prompt}): "
+                               + (row["error"] if "error" in row else first_difference(row["text"], want)))
+        elif generation_prompt:
+            want_ids = fast.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
+            want_ids = want_ids["input_ids"] if isinstance(want_ids, dict) or hasattr(want_ids, "keys") else want_ids
+            if row["ids"] != list(want_ids):
+                differences.append(f"{conv_name}: token ids differ")
+    # One conversation as a plain JSON file, as a person renders one: the same text and ids.
+    conv_name, messages, tools, _ = cases[-1]
+    path = os.path.join(work, f"{name}-one.json")
+    json.dump(messages, open(path, "w"), ensure_ascii=False)
     tools_path = os.path.join(work, "tools.json")
     json.dump(TOOLS, open(tools_path, "w"))
-    compared, differences = 0, []
-    for conv_name, messages in CONVERSATIONS.items():
-        if conv_name in SKIP.get(name, set()):
-            continue
-        path = os.path.join(work, f"{name}-{conv_name}.json")
-        json.dump(messages, open(path, "w"), ensure_ascii=False)
-        tools = TOOLS if conv_name == "tools" else None
-        for generation_prompt in (False, True):
-            try:
-                want = fast.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                add_generation_prompt=generation_prompt)
-            except Exception as e:  # the template refused: so must meshtrain, saying the same
-                rc, _, err = ours(folder, path, generation_prompt, tools_path if tools else None)
-                compared += 1
-                if rc == 0 or str(e) not in err:
-                    differences.append(f"{conv_name}: transformers raised {e!r}, meshtrain: rc={rc} {err.strip()!r}")
-                continue
-            rc, got, err = ours(folder, path, generation_prompt, tools_path if tools else None)
-            compared += 1
-            if rc != 0 or got != want:
-                differences.append(f"{conv_name} (generation prompt {generation_prompt}): "
-                                   + (err.strip() if rc else first_difference(got, want)))
-            elif generation_prompt:
-                rc, got_ids, _ = ours(folder, path, True, tools_path if tools else None, ids=True)
-                want_ids = fast.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
-                want_ids = want_ids["input_ids"] if isinstance(want_ids, dict) or hasattr(want_ids, "keys") else want_ids
-                if [int(t) for t in got_ids.split()] != list(want_ids):
-                    differences.append(f"{conv_name}: token ids differ")
-    check(not differences, f"{name}: {compared} renderings equal transformers' apply_chat_template"
+    rc, got, err = ours(folder, path, True, tools_path if tools else None)
+    rc_ids, got_ids, _ = ours(folder, path, True, tools_path if tools else None, ids=True)
+    if "error" not in rows[-1] and (rc != 0 or got != rows[-1]["text"] or rc_ids != 0
+                                    or [int(t) for t in got_ids.split()] != rows[-1]["ids"]):
+        differences.append(f"{conv_name}: a plain JSON file renders otherwise than its line: {err.strip()}")
+    check(not differences, f"{name}: {len(cases)} renderings equal transformers' apply_chat_template"
           + ("" if not differences else "; " + "; ".join(differences[:3])))
 
 
