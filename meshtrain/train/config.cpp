@@ -7,6 +7,7 @@
 #include <torch/cuda.h>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <sstream>
 #include <utility>
 
@@ -280,27 +281,22 @@ const Field* find_field(const std::string& section, const std::string& key) {
 }
 
 [[noreturn]] void unknown_key(const std::string& section, const std::string& key, const std::string& where) {
-  std::string known;
-  std::vector<std::string> names, dotted;
+  std::vector<std::string> names, dotted, sections;  // this section's keys, every section.key, every section
   for (const Field& f : fields()) {
     dotted.push_back(f.section + "." + f.name);
-    if (f.section != section) continue;
-    known += (known.empty() ? "" : ", ") + f.name;
-    names.push_back(f.name);
+    if (f.section == section) names.push_back(f.name);
+    if (std::find(sections.begin(), sections.end(), f.section) == sections.end()) sections.push_back(f.section);
   }
-  if (known.empty()) {
-    std::string sections;
-    std::vector<std::string> section_names;
-    for (const Field& f : fields()) {
-      if (sections.find("[" + f.section + "]") == std::string::npos) {
-        sections += (sections.empty() ? "" : ", ") + ("[" + f.section + "]");
-        section_names.push_back(f.section);
-      }
-    }
-    // A key under a mistyped section ("trainig.steps") or in the wrong one.
+  auto joined = [](const std::vector<std::string>& words, const char* before, const char* after) {
+    std::string text;
+    for (const std::string& w : words) text += (text.empty() ? "" : ", ") + (before + w + after);
+    return text;
+  };
+  if (names.empty()) {
+    // A key under a mistyped section ("trainig.steps"), or a mistyped section.
     std::string hint = util::did_you_mean(section + "." + key, dotted);
-    if (hint.empty()) hint = util::did_you_mean(section, section_names);
-    throw ConfigError(where + ": unknown section [" + section + "]" + hint + "; sections are " + sections);
+    if (hint.empty()) hint = util::did_you_mean(section, sections);
+    throw ConfigError(where + ": unknown section [" + section + "]" + hint + "; sections are " + joined(sections, "[", "]"));
   }
   std::string hint;
   if (const std::string near = util::nearest(key, names); !near.empty()) {
@@ -310,7 +306,8 @@ const Field* find_field(const std::string& section, const std::string& key) {
       if (f.name == key) hint = " (did you mean " + f.section + "." + f.name + "?)";
     }
   }
-  throw ConfigError(where + ": unknown key " + section + "." + key + hint + "; keys of [" + section + "] are " + known);
+  throw ConfigError(where + ": unknown key " + section + "." + key + hint + "; keys of [" + section + "] are " +
+                    joined(names, "", ""));
 }
 
 std::string node_text(const toml::node& node) {
