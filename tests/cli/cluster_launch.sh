@@ -58,7 +58,7 @@ grep -q "the ranks disagree on their settings: MESHTRAIN_COMM_TIMEOUT is unset o
 [ "$(grep -c "disagree" "$run/env.log")" = 1 ] || { echo "said more than once"; cat "$run/env.log"; exit 1; }
 
 # A rank that hangs (SIGSTOP): the watchdog names this rank's host and the ranks it waits for; the job ends.
-MESHTRAIN_COMM_TIMEOUT=8 "$meshtrain" run -n 3 train --model.preset=tiny --model.layers=1 --training.steps=100000 \
+MESHTRAIN_COMM_TIMEOUT=5 "$meshtrain" run -n 3 train --model.preset=tiny --model.layers=1 --training.steps=100000 \
   --training.batch=6 --training.micro_batch=2 --training.sample_tokens=0 --run.out="$run/hang" > "$run/hang.log" 2>&1 &
 launcher=$!
 for _ in $(seq 600); do grep -q '"step":2' "$run/hang/metrics.jsonl" 2> /dev/null && break; sleep 0.2; done

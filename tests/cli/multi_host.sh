@@ -23,13 +23,19 @@ common=(--model.preset=tiny --model.layers=2 --training.batch=12 --training.micr
         --training.lr=1e-3 --training.min_lr=1e-3 --training.warmup=0 --training.eval_every=0 --training.steps=9
         --checkpoint.every=3 --checkpoint.async=false)
 
-# Losses of every step (the last row of each step, after a resume) and the final parameters of run $2 against run $1.
+# Run $2 is to equal run $1: both exported now, compared by compare_all at the end (one Python start).
+pairs=()
 same_as() {
   local name
   for name in "$1" "$2"; do
     [ -d "$run/$name.hf" ] || "$meshtrain" export hf "$run/$name/checkpoints" --out "$run/$name.hf" > /dev/null
   done
-  "$python" - "$run/$1" "$run/$2" <<'PY'
+  pairs+=("$run/$1" "$run/$2")
+}
+# Losses of every step (the last row of each step, after a resume) and the final parameters of each pair's second
+# run against its first.
+compare_all() {
+  "$python" - "${pairs[@]}" <<'PY'
 import glob, json, os, sys
 import torch
 from safetensors.torch import load_file
@@ -48,18 +54,24 @@ def params(folder):
         tensors.update(load_file(f))
     return tensors
 
-want, got = losses(sys.argv[1]), losses(sys.argv[2])
-assert sorted(got) == sorted(want), f"steps {sorted(got)} != {sorted(want)}"
-for step in want:
-    assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), f"step {step}: loss {got[step]} != {want[step]}"
-p, q = params(sys.argv[1]), params(sys.argv[2])
-assert p and sorted(p) == sorted(q), "different tensors"
-# Adam moves every weight by ~lr (1e-3) a step, whatever the size of its gradient, so rounding
-# differences (tensor parallel's partial sums) on a near-zero gradient show at 1e-5 after 9
-# steps (1.1e-5 for tp 2 on one host too); 1e-4 is the oracle tests' per-element bound.
-worst = max((q[k] - p[k]).abs().max().item() for k in p)
-assert worst <= 1e-4, f"parameters differ by up to {worst:.2e}"
-print(f"{os.path.basename(sys.argv[2])}: {len(want)} losses, {len(p)} tensors equal (within {worst:.1e})")
+def compare(first, second):
+    name = os.path.basename(second)
+    want, got = losses(first), losses(second)
+    assert sorted(got) == sorted(want), f"{name}: steps {sorted(got)} != {sorted(want)}"
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), f"{name}: step {step}: loss {got[step]} != {want[step]}"
+    p, q = params(first), params(second)
+    assert p and sorted(p) == sorted(q), f"{name}: different tensors"
+    # Adam moves every weight by ~lr (1e-3) a step, whatever the size of its gradient, so rounding
+    # differences (tensor parallel's partial sums) on a near-zero gradient show at 1e-5 after 9
+    # steps (1.1e-5 for tp 2 on one host too); 1e-4 is the oracle tests' per-element bound.
+    worst = max((q[k] - p[k]).abs().max().item() for k in p)
+    assert worst <= 1e-4, f"{name}: parameters differ by up to {worst:.2e}"
+    print(f"{name}: {len(want)} losses, {len(p)} tensors equal (within {worst:.1e})")
+
+
+for k in range(1, len(sys.argv), 2):
+    compare(sys.argv[k], sys.argv[k + 1])
 PY
 }
 
@@ -190,5 +202,6 @@ on_host 1 "$meshtrain" run -n 4 --hostfile "$run/local.hosts" train "${common[@]
   --run.out="$run/notshared" > "$run/notshared.log" 2>&1 || status=$?
 [ "$status" = 1 ] && grep -q "checkpoint.dir = $run/local/x is not shared: ranks 2-3 on node2 .*or set checkpoint.local = true" \
   "$run/notshared.log" || { echo "status $status"; cat "$run/notshared.log"; exit 1; }
+compare_all
 echo "ok: layouts across 2 and 3 hosts equal one process; a cut link ends the job; a lost host is left behind;" \
   "local checkpoints resume on their hosts and gather into one folder"

@@ -43,7 +43,7 @@ grep -q '"attempt":1,"cause":".*signal 9.*","event":"restart","ranks":2' "$run/a
   echo "after the restart: $(losses "$run/a")"; echo "uninterrupted: $(losses "$run/ref")"; exit 1; }
 
 # A rank that hangs: the watchdog ends the job, --restart-on-hang relaunches it.
-MESHTRAIN_COMM_TIMEOUT=8 "$meshtrain" run -n 2 --max-restarts 1 --restart-on-hang train "${common[@]}" \
+MESHTRAIN_COMM_TIMEOUT=5 "$meshtrain" run -n 2 --max-restarts 1 --restart-on-hang train "${common[@]}" \
   --run.out="$run/b" > "$run/b.log" 2>&1 &
 launcher=$!
 wait_for_step "$run/b" 4

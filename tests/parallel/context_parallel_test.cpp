@@ -130,7 +130,7 @@ TEST_F(ContextParallelTest, ZeroFoldsMeetWhenOneRankLags) {
     if (world()->rank() == 2) {
       for (const auto& item : parallel.model()->named_parameters()) {
         if (item.key().rfind("blocks.2.", 0) != 0) continue;
-        item.value().register_hook([](const at::Tensor&) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); });
+        item.value().register_hook([](const at::Tensor&) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); });
         break;
       }
     }
