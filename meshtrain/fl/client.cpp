@@ -116,12 +116,13 @@ class Participant {
       wire::JoinRequest request;
       request.set_client_id(o_.id);
       request.set_examples(static_cast<uint64_t>(examples()));
+      request.set_tokens(static_cast<uint64_t>(file_.size()));  // the server counts them at the model's context
       request.set_resume_session(session_);  // rejoining after a lost link: the session is ours
       wire::JoinReply reply;
       const grpc::Status status = stub_->Join(&context, request, &reply);
       if (status.ok()) {
         session_ = reply.session();
-        log("joined %s with %lld training sequences", o_.server.c_str(), static_cast<long long>(examples()));
+        log("joined %s with %lld training tokens", o_.server.c_str(), static_cast<long long>(file_.size()));
         start_presence();
         return;
       }

@@ -54,7 +54,11 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
   *in_use = false;
   const std::string& id = request.client_id();
   if (!valid_id(id)) return "client id '" + id + "': use 1 to 128 letters, digits, '_', '-' or '.'";
-  if (request.examples() == 0) return "client '" + id + "' declares 0 training sequences: it has nothing to train on";
+  uint64_t examples = request.tokens() > 0 ? (request.tokens() - 1) / static_cast<uint64_t>(std::max<int64_t>(1, context_))
+                                            : request.examples();
+  if (examples == 0)
+    return "client '" + id + "' declares 0 training sequences of " + std::to_string(context_) +
+           " tokens: it has nothing to train on";
   if (!allow_.empty() && std::find(allow_.begin(), allow_.end(), peer_name) == allow_.end())
     return "client certificate '" + peer_name + "' is not on the server's allow list";
   if (mutual_ && peer_name != id) return "client id '" + id + "' differs from its certificate's name '" + peer_name + "'";
@@ -71,7 +75,6 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
            " s (under mutual TLS the certificate proves the id and the new session replaces the old)";
   }
   // A rejoin (the old session quoted) cannot raise the examples declared (Note [Client bounds]).
-  uint64_t examples = request.examples();
   if (auto it = clients_.find(id); it != clients_.end() && request.resume_session() == it->second.session)
     examples = std::min(examples, it->second.examples);
   Client& c = clients_[id];

@@ -25,8 +25,10 @@ class Coordinator {
   using Clock = std::chrono::steady_clock;
 
   // `mutual`: a client's id must be its certificate's common name; `allow`:
-  // the names admitted (empty: any the client CA signed).
-  Coordinator(bool mutual, std::vector<std::string> allow) : mutual_(mutual), allow_(std::move(allow)) {}
+  // the names admitted (empty: any the client CA signed); `context`: the
+  // model's, at which a client's declared tokens count as sequences.
+  Coordinator(bool mutual, std::vector<std::string> allow, int64_t context)
+      : mutual_(mutual), allow_(std::move(allow)), context_(context) {}
 
   // Handlers. Each returns "" or the reason the call is refused.
   // Join: an id that is live is refused (`*in_use` set) unless the request
@@ -41,7 +43,8 @@ class Coordinator {
   std::string presence(const wire::PollRequest& request);
   bool ended(const std::string& id, const std::string& session, double wait_s);
   void gone(const std::string& id, const std::string& session);
-  // The training sequences a client declared at Join (0: unknown id).
+  // The training sequences a client declared at Join, counted at the model's
+  // context where it declared tokens (0: unknown id).
   uint64_t declared_examples(const std::string& id);
 
   // Round loop.
@@ -70,6 +73,7 @@ class Coordinator {
   std::condition_variable changed_;
   bool mutual_;
   std::vector<std::string> allow_;
+  int64_t context_;
   std::map<std::string, Client> clients_;
   uint64_t round_ = 0;
   wire::Task::Kind kind_ = wire::Task::WAIT;

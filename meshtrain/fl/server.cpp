@@ -50,7 +50,7 @@ class FederationService final : public StreamedUnary {
         return grpc::Status(in_use ? grpc::StatusCode::ALREADY_EXISTS : grpc::StatusCode::PERMISSION_DENIED, why);
       }
       std::fprintf(stderr, "fl server: client '%s' joined (%llu examples)\n", request.client_id().c_str(),
-                   static_cast<unsigned long long>(request.examples()));
+                   static_cast<unsigned long long>(coordinator_.declared_examples(request.client_id())));
       reply.set_session(session);
       return grpc::Status::OK;
     });
@@ -94,7 +94,8 @@ class FederationService final : public StreamedUnary {
 Server::Server(FlConfig config)
     : config_(std::move(config)),
       coordinator_(std::make_unique<Coordinator>(config_.tls.mutual,
-                                                 config_.tls.mutual ? config_.tls.allow : std::vector<std::string>{})),
+                                                 config_.tls.mutual ? config_.tls.allow : std::vector<std::string>{},
+                                                 config_.model.context)),
       service_(std::make_unique<FederationService>(*coordinator_)),
       rounds_(std::make_unique<Rounds>(config_, *coordinator_)) {
   grpc::ServerBuilder builder;

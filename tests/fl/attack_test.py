@@ -103,6 +103,8 @@ def main():
         check(all(r["status"] == "ok" for r in free[1:]) and all(len(r["participants"]) == 4 for r in free[1:]),
               "attack-free: every round ok with the 4 honest clients (the impostor took no session)")
         check(base < free[0]["val_loss"] - 3 * MEAN_MARGIN, "attack-free: the federation learns, by far more than the margins")
+        check("claims" not in fed.server_log(),
+              "attack-free: no honest client is said to over-claim (its Join declares tokens, counted at the model's context)")
 
         cases = [("huge", "mean", []), ("signflip", "mean", []), ("signflip", "krum", ["--fl.aggregation=krum"]),
                  ("huge", "trimmed_mean", ["--fl.aggregation=trimmed_mean", "--fl.trim_fraction=0.2"])]
