@@ -359,14 +359,7 @@ std::string family_of(const model::GptConfig& c) {
     throw FormatError("model " + c.norm + "/" + c.position + (c.bias ? "/bias" : "") +
                       " is none of the Llama-style families (rmsnorm/rope, no norm biases)");
   }
-  if (c.norm_placement == "sandwich" || c.norm_plus_one) return "gemma2";
-  if (c.norm_placement == "post" || c.qk_norm == "width") return "olmo2";
-  if (c.moe()) return c.qk_norm == "head" ? "qwen3_moe" : "mixtral";
-  if (c.qk_norm == "head") return "qwen3";
-  if (c.qkv_bias && !c.attention_bias) return "qwen2";
-  if (c.rotary_fraction != 1.0) return "phi3";
-  if (c.sliding_window > 0) return "mistral";
-  return "llama";
+  return c.family();
 }
 
 json family_config(const model::GptConfig& c, const std::string& type, const std::string& torch_dtype) {

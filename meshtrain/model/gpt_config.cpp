@@ -331,6 +331,19 @@ int64_t GptConfig::head_parameters() const {
   return norm_params + (tie_embeddings ? 0 : vocab_size * width);
 }
 
+std::string GptConfig::family() const {
+  if (!rms_norm() && learned_positions()) return "gpt2";
+  if (!rms_norm() || position != "rope" || bias) return "";
+  if (norm_placement == "sandwich" || norm_plus_one) return "gemma2";
+  if (norm_placement == "post" || qk_norm == "width") return "olmo2";
+  if (moe()) return qk_norm == "head" ? "qwen3_moe" : "mixtral";
+  if (qk_norm == "head") return "qwen3";
+  if (qkv_bias && !attention_bias) return "qwen2";
+  if (rotary_fraction != 1.0) return "phi3";
+  if (sliding_window > 0) return "mistral";
+  return "llama";
+}
+
 int64_t GptConfig::parameter_count() const {
   return embedding_parameters() + (layers - moe_blocks()) * block_parameters() + moe_blocks() * moe_block_parameters() +
          head_parameters();

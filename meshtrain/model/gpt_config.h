@@ -116,6 +116,11 @@ struct GptConfig {
   int64_t qk_norm_parameters() const;  // per block
   bool rms_norm() const { return norm == "rmsnorm"; }
   bool learned_positions() const { return position == "learned"; }  // a position table (GPT) instead of RoPE
+  // The open family this shape is: "gpt2" (layernorm, a position table), one of
+  // the Llama-style model_types (rmsnorm, RoPE, no norm biases: "llama",
+  // "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "phi3",
+  // "olmo2"), or "" for a mix of the two.
+  std::string family() const;
 
   // Parameter counts by part (Note [Model counts]); parameter_count() is
   // their sum, the tied head counted once, every expert counted.

@@ -255,8 +255,11 @@ std::map<std::string, at::Tensor> DataParallel::full_parameters(int /*root*/) {
 }
 
 std::string DataParallel::describe() const {
-  return "data parallel over " + std::to_string(comm_->size()) + " rank(s), " + std::to_string(bucket_count()) +
-         " gradient bucket(s)";
+  const std::string buckets = std::to_string(bucket_count()) + " gradient bucket(s)";
+  const int64_t degree = options_.data_degree > 0 ? options_.data_degree : comm_->size();
+  if (degree == comm_->size()) return "data parallel over " + std::to_string(degree) + " rank(s), " + buckets;
+  return "data parallel dp(" + std::to_string(degree) + "), gradients averaged over " + std::to_string(comm_->size()) +
+         " ranks, " + buckets;
 }
 
 int64_t DataParallel::bucket_count() const { return static_cast<int64_t>(state_->buckets.size()); }

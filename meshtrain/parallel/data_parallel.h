@@ -30,6 +30,9 @@ struct DataParallelOptions {
   std::function<bool(const std::string&)> expert;
   std::shared_ptr<comm::Communicator> expert_comm;
   double expert_scale = 1.0;
+  // The ranks that see different data (dp x ep), for describe(); 0: every rank
+  // of the communicator (context parallel's ranks share their rows' data).
+  int64_t data_degree = 0;
 };
 
 // Note [Data parallel]

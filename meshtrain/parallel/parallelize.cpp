@@ -91,6 +91,7 @@ void apply_data_parallel(Parallelized& p) {
   o.first_bucket_bytes = p.spec().first_bucket_mb << 20;
   o.adamw = p.options.adamw;
   o.norm = p.norm_groups;
+  o.data_degree = p.spec().dims.dp * p.spec().dims.fsdp * p.spec().dims.ep;
   if (p.experts) {
     o.expert = &model::is_expert_tensor;
     o.expert_comm = p.mesh->comm(std::vector<std::string>{"dp", "fsdp", "cp"});

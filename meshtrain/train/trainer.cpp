@@ -16,6 +16,7 @@
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/comm/watchdog.h"
 #include "meshtrain/model/generate.h"
+#include "meshtrain/model/text_stream.h"
 #include "meshtrain/parallel/parallel_state.h"
 #include "meshtrain/parallel/pipeline/trace.h"
 #include "meshtrain/util/files.h"
@@ -319,13 +320,18 @@ void Trainer::preempt(int signal, double step_seconds) {
 
 bool Trainer::run(const std::atomic<int>* stop) {
   const int64_t tokens_per_step = config_.batch * config_.model.context;
-  char line[512];
+  char line[1024];
   const comm::Placement& placement = comm::job_placement();
   const std::string ranks = static_cast<int>(placement.host_of_rank.size()) == world_->size()
                                 ? placement.summary()
                                 : std::to_string(world_->size()) + " rank(s)";
-  std::snprintf(line, sizeof line, "training %s (%s, %.2fM parameters) on %s, ", config_.preset.c_str(),
-                model_fingerprint().c_str(), config_.model.parameter_count() / 1e6, ranks.c_str());
+  // "training tiny (gpt2: layers=2 ...)", "training runs/a/checkpoints (llama: ...)": what is trained and its family.
+  const std::string what = config_.init_from.empty() ? config_.preset : config_.init_from;
+  const std::string family = config_.model.family().empty() ? "a mix of GPT-2 and Llama" : config_.model.family();
+  std::string shape = model_fingerprint();
+  if (shape.rfind("gpt ", 0) == 0) shape.erase(0, 4);
+  std::snprintf(line, sizeof line, "training %s (%s: %s, %.2fM parameters) on %s, ", what.c_str(), family.c_str(),
+                shape.c_str(), config_.model.parameter_count() / 1e6, ranks.c_str());
   progress_->say(line + parts().describe());
   if (config_.lora.enabled()) {
     const int64_t adapters = config_.lora.parameter_count(config_.model);
@@ -399,7 +405,8 @@ bool Trainer::run(const std::atomic<int>* stop) {
   for (int64_t id = 0; id < config_.model.vocab_size; ++id) options.sampleable.data_ptr<bool>()[id] = tokenizer_->can_decode(id);
   const at::Tensor prompt_tokens = at::tensor(tokenizer_->encode(prompt), at::kLong);
   const at::Tensor made = model::generate(sampler, prompt_tokens, options);
-  const std::string text = tokenizer_->decode(std::vector<int64_t>(made.data_ptr<int64_t>(), made.data_ptr<int64_t>() + made.numel()));
+  std::string text = tokenizer_->decode(std::vector<int64_t>(made.data_ptr<int64_t>(), made.data_ptr<int64_t>() + made.numel()));
+  text.resize(text.size() - model::incomplete_utf8_tail(text));  // the sample ended inside a character
   std::printf("\nmeshtrain: sample after %lld steps (temperature %.1f, top-k %lld):\n%s%s\n", (long long)step_,
               options.temperature, (long long)options.top_k, prompt.c_str(), text.c_str());
   std::fflush(stdout);

@@ -83,6 +83,8 @@ def main():
               f"30 steps of LoRA chat fine-tuning on 4 ranks, ZeRO-3: loss {np.mean(losses[:5]):.3f} -> "
               f"{np.mean(losses[-5:]):.3f}")
         check("LoRA:" in out and "trainable parameters" in out, "the run says how many parameters train")
+        check(f"training {os.path.join(work, 'base')} (llama: " in out,
+              "the run names the checkpoint it starts from and the model's family")
         checkpoint = os.path.join(work, "lora", "checkpoints")
         adapter_bytes, base_bytes = folder_bytes(checkpoint), folder_bytes(os.path.join(work, "base"))
         check(adapter_bytes < base_bytes / 2,

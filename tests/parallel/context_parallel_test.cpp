@@ -30,6 +30,14 @@ class ContextParallelTest : public TrainingTest {
     const int n = world()->size();
     const TrainConfig split = config(n, micro, "", with(model, layout));
     Trainer parallel(split, world());
+    const auto& dims = parallel.parts().spec().dims;
+    if (dims.zero_stage == 0 && dims.cp > 1) {  // the summary names the data-parallel degree and the averaging group
+      const std::string averaged = std::to_string(dims.dp * dims.fsdp * dims.ep * dims.cp);
+      EXPECT_EQ(parallel.parts().describe().rfind(
+                    "data parallel dp(" + std::to_string(dims.dp * dims.ep) + "), gradients averaged over " + averaged + " ranks", 0),
+                0u)
+          << parallel.parts().describe();
+    }
     expect_same_training(parallel, one_process_of(split.micro_batch, model, steps), steps,
                          what + " with " + describe(layout) + " on " + std::to_string(n) + " ranks");
   }
