@@ -114,6 +114,7 @@ struct ServeOptions {
   int threads = 0;                     // HTTP handler threads; 0: max_batch + queue + 4
   std::string model_name = "meshtrain";
   bool log = false;
+  std::string api_key;                 // "": no key asked (Note [API key])
   InferenceOffloadFlags offload;
 };
 // meshtrain serve: the OpenAI completions API until SIGTERM/SIGINT, which

@@ -459,7 +459,11 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
                                    : (" on " + (job.hosts.list.empty() ? "the hosts of " + job.hosts.hostfile : job.hosts.list)).c_str(),
                  threads ? ("OMP_NUM_THREADS=" + std::string(threads) + " threads each").c_str()
                          : "threads per rank = its host's cores / its host's ranks");
-    for (const auto& word : command) std::fprintf(stderr, " %s", word.c_str());
+    for (size_t i = 0; i < command.size(); ++i) {  // an API key is never printed (Note [API key])
+      const std::string& word = command[i];
+      const bool key = i > 0 && command[i - 1] == "--api-key";
+      std::fprintf(stderr, " %s", key ? "***" : word.rfind("--api-key=", 0) == 0 ? "--api-key=***" : word.c_str());
+    }
     std::fprintf(stderr, "\n");
     std::fflush(stderr);
     const Launch launch = launch_once(command, server, trainer);

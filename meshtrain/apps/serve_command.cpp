@@ -105,13 +105,14 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   const int threads = options.threads > 0 ? options.threads : static_cast<int>(options.max_batch + options.queue + 4);
   const std::unique_ptr<text::ChatTemplate> chat = text::ChatTemplate::of(inference.tokenizer());
   serve::ServedModel served{options.model_name, &inference.tokenizer(), chat.get(), inference.config().context};
-  serve::HttpFrontend frontend(callbacks, served, threads, options.log);
+  serve::HttpFrontend frontend(callbacks, served, threads, options.log, options.api_key);
   const int port = frontend.bind(options.host, options.port);
   std::thread http([&] { frontend.listen(); });
-  std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld, %s\n",
+  std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld, %s%s\n",
               options.model_name.c_str(), static_cast<long long>(inference.step()), options.host.c_str(), port,
               options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue),
-              chat ? "chat template" : "no chat template (completions only)");
+              chat ? "chat template" : "no chat template (completions only)",
+              options.api_key.empty() ? "" : ", API key required");
   std::fflush(stdout);
   try {
     StopSignals signals(scheduler);
@@ -145,9 +146,10 @@ class ServeCommand : public Command {
 ServeCommand::ServeCommand(CLI::App& app) {
   sub_ = app.add_subcommand(
       "serve",
-      "Serve a checkpoint over an OpenAI-compatible HTTP API: POST /v1/completions (stream: true for "
-      "server-sent events), GET /v1/models, GET /health. Requests join the running batch between decode "
-      "steps (continuous batching). SIGTERM or Ctrl-C finishes the requests in flight, then exits 0.");
+      "Serve a checkpoint over an OpenAI-compatible HTTP API: POST /v1/completions and /v1/chat/completions "
+      "(stream: true for server-sent events), GET /v1/models, POST /tokenize and /detokenize, GET /health. "
+      "Requests join the running batch between decode steps (continuous batching). SIGTERM or Ctrl-C finishes "
+      "the requests in flight, then exits 0.");
   sub_
       ->add_option("--checkpoint", o_.checkpoint,
                    "Checkpoint folder, or a checkpoint directory (its latest is used)")
@@ -177,6 +179,10 @@ ServeCommand::ServeCommand(CLI::App& app) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   sub_->add_flag("--log", o_.log, "Print a line per request to stderr");
+  sub_->add_option("--api-key", o_.api_key,
+                   "Answer 401 unless a request carries 'Authorization: Bearer KEY' (GET /health stays open); "
+                   "default: $MESHTRAIN_API_KEY, which other users cannot read as they can a command line")
+      ->envname("MESHTRAIN_API_KEY");
   add_offload_flags(*sub_, o_.offload);
 }
 

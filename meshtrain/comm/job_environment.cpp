@@ -80,6 +80,10 @@ std::string who_sees(const std::string& name, const std::vector<std::map<std::st
     const auto it = variables[r].find(name);
     by_value[it == variables[r].end() ? "" : "=" + it->second].push_back(static_cast<int>(r));
   }
+  // A secret's values are told apart by number, never shown.
+  const bool secret = name.find("KEY") != std::string::npos || name.find("TOKEN") != std::string::npos ||
+                      name.find("SECRET") != std::string::npos || name.find("PASSWORD") != std::string::npos;
+  int values = 0;
   std::string text;
   for (const auto& [value, ranks] : by_value) {
     std::vector<std::string> hosts;
@@ -90,7 +94,10 @@ std::string who_sees(const std::string& name, const std::vector<std::map<std::st
     }
     std::string host_list;
     for (const std::string& h : hosts) host_list += (host_list.empty() ? "" : ", ") + h;
-    text += std::string(text.empty() ? "" : "; ") + (value.empty() ? "unset" : "'" + value.substr(1) + "'") +
+    const std::string shown = value.empty() ? "unset"
+                              : secret      ? "value " + std::to_string(++values) + " (a secret: not shown)"
+                                            : "'" + value.substr(1) + "'";
+    text += std::string(text.empty() ? "" : "; ") + shown +
             (ranks.size() == 1 ? " on rank " : " on ranks ") + rank_ranges(ranks) + " (" + host_list + ")";
   }
   return text;

@@ -60,6 +60,7 @@ std::string TextStream::push(int64_t token) {
 std::string TextStream::finish() {
   std::string rest = stopped_ ? std::string() : text_.substr(emitted_);
   emitted_ = text_.size();
+  rest.resize(rest.size() - std::min(rest.size(), incomplete_utf8_tail(rest)));  // a character never completed
   return rest;
 }
 

@@ -16,7 +16,8 @@ namespace meshtrain::model {
 // emits a character's bytes one token at a time). When a stop string appears
 // the text ends just before it, the stop string itself is not emitted (as
 // OpenAI's API does), and stopped() turns true; so does the end-of-text token. Concatenating every push()
-// and finish() gives the final text.
+// and finish() gives the final text, less the first bytes of a character that
+// generation ended inside (they would print as U+FFFD).
 class TextStream {
  public:
   using Decode = std::function<std::string(const std::vector<int64_t>&)>;

@@ -30,7 +30,7 @@ ChatRequest parse_chat_request(const std::string& text, const std::string& serve
       {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stream",
        "stream_options", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
        "seed", "user", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
-       "response_format"});
+       "response_format", "skip_special_tokens"});
   ChatRequest r;
   if (!body.contains("messages")) throw bad("messages", "'messages' is required");
   check_messages(body["messages"]);

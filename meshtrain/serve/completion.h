@@ -43,6 +43,7 @@ struct CompletionParams {
   double top_p = 1.0;
   uint64_t seed = 0;
   std::vector<std::string> stop;
+  bool skip_special_tokens = true;  // special tokens (<|im_start|>) left out of the text, as vLLM does
   RequestExtras extras;
 };
 

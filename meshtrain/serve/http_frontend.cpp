@@ -156,7 +156,24 @@ void routes(HttpFrontend::Impl* impl, httplib::Server& s) {
 
 }  // namespace
 
-HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int threads, bool log)
+// Note [API key]
+// As vLLM's --api-key: the OpenAI clients send `Authorization: Bearer KEY`;
+// a request without it, or with another key, gets 401 in OpenAI's error shape
+// before any route runs. GET /health stays open for load balancers. The key
+// is compared in time independent of where it differs, and never printed
+// (the request log has method, path and status only; the launcher masks it
+// in the command line it prints).
+bool authorized(const httplib::Request& req, const std::string& key) {
+  const std::string header = req.get_header_value("Authorization");
+  const std::string expected = "Bearer " + key;
+  unsigned char differ = header.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    differ |= static_cast<unsigned char>(expected[i] ^ (i < header.size() ? header[i] : 0));
+  }
+  return differ == 0;
+}
+
+HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int threads, bool log, std::string api_key)
     : impl_(std::make_unique<Impl>(threads)) {
   impl_->callbacks = std::move(callbacks);
   impl_->model = std::move(model);
@@ -174,6 +191,17 @@ HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int t
     }
     return 100;
   });
+  if (!api_key.empty()) {
+    s.set_pre_routing_handler([key = std::move(api_key)](const httplib::Request& req, httplib::Response& res) {
+      if (req.path == "/health" || authorized(req, key)) return httplib::Server::HandlerResponse::Unhandled;
+      send_error(res, 401,
+                 req.has_header("Authorization") ? "the API key is not this server's"
+                                                 : "this server needs an API key: send 'Authorization: Bearer <key>' "
+                                                   "(the OpenAI clients' api_key)",
+                 "invalid_request_error", "api_key");
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
   routes(impl, s);
   s.Get("/health", [impl](const httplib::Request&, httplib::Response& res) {
     const bool draining = impl->callbacks.draining();

@@ -31,10 +31,12 @@ struct ServedModel {
 // and /detokenize, GET /tokenizer_info (vLLM's), GET /health. Errors in
 // OpenAI's JSON shape: 400 for a bad request, 404 for another model or
 // path, 429 when the queue is full, 503 while draining. One line per
-// request to stderr when `log` is set.
+// request to stderr when `log` is set. With an `api_key`, every route but
+// /health answers 401 unless the request carries `Authorization: Bearer
+// <api_key>` (Note [API key]).
 class HttpFrontend {
  public:
-  HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int threads, bool log);
+  HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int threads, bool log, std::string api_key = "");
   ~HttpFrontend();
   // Binds (port 0: any free port); throws std::runtime_error when it cannot.
   int bind(const std::string& host, int port);

@@ -167,7 +167,7 @@ std::vector<int64_t> InferenceModel::encode(const std::string& text, bool add_sp
 }
 
 std::function<std::string(const std::vector<int64_t>&)> InferenceModel::continuation(
-    const std::vector<int64_t>& prompt) const {
+    const std::vector<int64_t>& prompt, bool skip_special) const {
   // The prompt's last few tokens are context enough; the text they decode to
   // is cut from the front of each decoding (a character the prompt cuts in
   // two is not part of it).
@@ -180,7 +180,11 @@ std::function<std::string(const std::vector<int64_t>&)> InferenceModel::continua
     context.clear();
   }
   const text::Tokenizer* tokenizer = tokenizer_.get();
-  return [tokenizer, context, head](const std::vector<int64_t>& tokens) {
+  return [tokenizer, context, head, skip_special](const std::vector<int64_t>& generated) {
+    std::vector<int64_t> tokens;
+    for (const int64_t id : generated) {
+      if (!skip_special || !tokenizer->is_special(id)) tokens.push_back(id);
+    }
     if (context.empty()) return tokenizer->decode(tokens);
     std::vector<int64_t> all = context;
     all.insert(all.end(), tokens.begin(), tokens.end());

@@ -68,8 +68,10 @@ class InferenceModel {
   std::vector<int64_t> encode(const std::string& text, bool add_special_tokens = true) const;
   std::string decode(const std::vector<int64_t>& tokens) const;
   // Decodes tokens that continue `prompt`: the text they add after it (a
-  // SentencePiece word's leading space kept, which decoding them alone drops).
-  std::function<std::string(const std::vector<int64_t>&)> continuation(const std::vector<int64_t>& prompt) const;
+  // SentencePiece word's leading space kept, which decoding them alone drops);
+  // with `skip_special`, the special tokens among them (<|im_start|>) left out.
+  std::function<std::string(const std::vector<int64_t>&)> continuation(const std::vector<int64_t>& prompt,
+                                                                      bool skip_special = false) const;
   const std::string& name() const { return name_; }  // the checkpoint folder's name
   int64_t step() const { return step_; }
   // Where KV caches for this model keep keys and values (unset: the device).

@@ -119,6 +119,7 @@ void api_detail::read_sampling(const ojson& body, GenerationRequestBody& r, cons
     p.seed = std::random_device{}();
   }
   p.stop = stop_strings(body);
+  p.skip_special_tokens = flag(body, "skip_special_tokens", true);
   p.extras.presence_penalty = number<double>(body, "presence_penalty", 0.0, -2.0, 2.0, "between -2 and 2");
   p.extras.frequency_penalty = number<double>(body, "frequency_penalty", 0.0, -2.0, 2.0, "between -2 and 2");
   p.extras.logit_bias = logit_bias(body);
@@ -177,7 +178,7 @@ CompletionRequest parse_completion_request(const std::string& text, const std::s
       text, served_model,
       {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stream", "stream_options",
        "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "suffix",
-       "add_special_tokens"});
+       "add_special_tokens", "skip_special_tokens"});
   CompletionRequest r;
   if (!body.contains("prompt")) throw bad("prompt", "'prompt' is required");
   r.prompts = prompts_of(body["prompt"]);

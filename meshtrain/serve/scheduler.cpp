@@ -158,7 +158,7 @@ Scheduler::Turn Scheduler::next_turn() {
     }
     GenerationRequest request = request_of(job->params());
     request.id = next_id_++;
-    auto decode = model_.continuation(job->params().prompt_ids);
+    auto decode = model_.continuation(job->params().prompt_ids, job->params().skip_special_tokens);
     live_[request.id] = std::make_unique<Live>(
         Live{job, model::TextStream(decode, job->params().stop, model_.tokenizer().stop_ids())});
     turn.admit.push_back(std::move(request));

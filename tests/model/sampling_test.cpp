@@ -121,6 +121,10 @@ TEST(TextStream, HoldsBackAnIncompleteUtf8Character) {
   EXPECT_EQ(pieces[5], "\xE2\x82\xAC");
   EXPECT_EQ(incomplete_utf8_tail("x\xF0\x9F"), 2u);
   EXPECT_EQ(incomplete_utf8_tail("x\xF0\x9F\x98\x80"), 0u);
+  // Generation that ends inside a character (max tokens) leaves its first bytes out: no U+FFFD.
+  const auto cut = stream("ab\xE2\x82", {});
+  EXPECT_EQ(cut.back(), "");
+  EXPECT_EQ(joined(cut), "ab");
 }
 
 }  // namespace

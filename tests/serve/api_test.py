@@ -127,7 +127,7 @@ def chat(server, model, tokenizer):
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0)
     new = out[0, len(ids):].tolist()
-    want = tokenizer.decode([t for t in new if t not in eos])
+    want = tokenizer.decode([t for t in new if t not in eos], skip_special_tokens=True)
     client = server.client()
     got = client.chat.completions.create(model="meshtrain", messages=messages, max_tokens=20, temperature=0,
                                          logprobs=True, top_logprobs=2)
@@ -149,6 +149,12 @@ def chat(server, model, tokenizer):
                                          logit_bias={str(eot): 100})
     check(got.choices[0].message.content == "" and got.choices[0].finish_reason == "stop",
           "a chat answer ends at <|eot_id|> (generation_config's end ids)")
+    # Special tokens are left out of the text unless asked for (skip_special_tokens, vLLM's default true).
+    header = tokenizer.convert_tokens_to_ids("<|start_header_id|>")
+    got = [client.chat.completions.create(model="meshtrain", messages=messages, max_tokens=3, temperature=0,
+                                          logit_bias={str(header): 100}, **extra).choices[0].message.content
+           for extra in ({}, {"extra_body": {"skip_special_tokens": False}})]
+    check(got == ["", "<|start_header_id|>" * 3], f"special tokens skipped by default, kept when asked: {got}")
 
 
 def endpoints(server, tokenizer):

@@ -12,6 +12,10 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+
+import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +238,45 @@ def a_forward_that_fails_fails_its_requests_alone(limit_mib, ranks=1):
     check(server.stop() == 0, f"{ranks} rank(s): the server with a memory limit exits 0 after SIGTERM")
 
 
+def an_api_key_guards_every_route():
+    """--api-key (Note [API key]): 401 without the key or with another, /health open, the openai client with the
+    key served; the key appears in no output, though the launcher prints the command line."""
+    key = "sk-local-" + os.urandom(8).hex()
+    server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--api-key", key, launch=True)
+    body = json.dumps({"prompt": "The ", "max_tokens": 4, "temperature": 0}).encode()
+
+    def status(path, headers, data=None):
+        req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    for path, data in (("/v1/completions", body), ("/v1/chat/completions", body), ("/v1/models", None),
+                       ("/tokenize", body)):
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": key}):
+            code, reply = status(path, headers, data)
+            check(code == 401 and reply.get("error", {}).get("param") == "api_key",
+                  f"{path} with {sorted(headers) or 'no headers'}{' (the key without Bearer)' if headers.get('Authorization') == key else ''}: 401 ({code})")
+    check(status("/health", {})[0] == 200, "/health answers without the key")
+    check(status("/v1/models", {"Authorization": "Bearer " + key})[0] == 200, "/v1/models answers with the key")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    text = client.completions.create(model="meshtrain", prompt="The ", max_tokens=4, temperature=0).choices[0].text
+    check(text == offline("The ", 4, 0.0, 0), f"the openai client with the key is served ({text!r})")
+    try:
+        openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0, timeout=60).models.list()
+        check(False, "the openai client with another key was served")
+    except openai.AuthenticationError:
+        check(True, "the openai client with another key gets AuthenticationError")
+    check(server.stop() == 0, "the server with a key exits 0 after SIGTERM")
+    output = server.proc.stdout.read() + server.proc.stderr.read()
+    check(key not in output and "--api-key ***" in output,
+          "the key is in no output (the launcher's command line shows --api-key ***)")
+
+
 def main():
+    an_api_key_guards_every_route()
     server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--max-batch", "2")
     padded_vocabulary_and_extreme_sampling(server)
     bodies_are_held_to_the_limit(server)

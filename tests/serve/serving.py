@@ -14,11 +14,12 @@ import openai
 
 
 class Server:
-    def __init__(self, meshtrain, checkpoint, *extra, ranks=1):
-        prefix = [meshtrain] if ranks == 1 else [meshtrain, "run", "-n", str(ranks)]
+    def __init__(self, meshtrain, checkpoint, *extra, ranks=1, launch=False, env=None):
+        """`launch`: through `meshtrain run` even on one rank."""
+        prefix = [meshtrain] if ranks == 1 and not launch else [meshtrain, "run", "-n", str(ranks)]
         tp = [] if ranks == 1 else [f"--parallel.tp={ranks}"]
         self.proc = subprocess.Popen(prefix + ["serve", "--checkpoint", checkpoint, "--port", "0", *tp, *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.time() + 120
         while time.time() < deadline:
             line = self.proc.stdout.readline()
