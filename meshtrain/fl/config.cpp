@@ -175,6 +175,30 @@ void apply_table(FlConfig& c, const toml::table& table, const std::string& prefi
 
 }  // namespace
 
+std::map<std::string, std::string> FlConfig::result_settings() const {
+  auto number = [](double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+  };
+  return {{"fl.strategy", strategy.name},
+          {"fl.server_lr", number(strategy.server_lr)},
+          {"fl.prox_mu", number(strategy.prox_mu)},
+          {"fl.aggregation", aggregation.name},
+          {"fl.trim_fraction", number(aggregation.trim_fraction)},
+          {"fl.byzantine", std::to_string(aggregation.byzantine)},
+          {"fl.krum_keep", std::to_string(aggregation.keep)},
+          {"fl.fraction", number(fraction)},
+          {"fl.seed", std::to_string(seed)},
+          {"fl.dp.noise_multiplier", number(noise_multiplier)},
+          {"fl.client.local_steps", std::to_string(local_steps)},
+          {"fl.client.batch", std::to_string(batch)},
+          {"fl.client.lr", number(lr)},
+          {"fl.client.optimizer", optimizer},
+          {"fl.compression", compression.describe()},
+          {"fl.secagg.enabled", secagg ? "true" : "false"}};
+}
+
 bool is_loopback_address(const std::string& host_port) {
   const size_t colon = host_port.rfind(':');
   const std::string host = colon == std::string::npos ? host_port : host_port.substr(0, colon);

@@ -10,6 +10,7 @@
 #include "meshtrain/model/gpt_config.h"
 
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -88,6 +89,11 @@ struct FlConfig {
   int64_t max_message_bytes() const;
   bool dp() const { return noise_multiplier > 0; }
   static std::string describe_keys();
+  // The keys whose values change what a federation computes (the rule that
+  // combines updates, the clients' training, the compression, secure
+  // aggregation, noise, sampling), as key -> value: a run resumed with other
+  // values would be neither run (Note [Resuming a federation]).
+  std::map<std::string, std::string> result_settings() const;
 };
 
 bool is_loopback_address(const std::string& host_port);

@@ -7,6 +7,8 @@
 #include "meshtrain/model/config_json.h"
 #include "meshtrain/util/files.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +33,26 @@ class StateMismatch : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// Note [Resuming a federation]
+// A server started on a folder that holds a state resumes it: the rounds go
+// on from the saved model (a longer fl.rounds extends a finished run). The
+// state records the model's fingerprint, the strategy and the settings that
+// change what is computed (FlConfig::result_settings); a start with another
+// value of any of them would continue one run under another's rules and
+// call the result either, so it is refused, naming each difference and the
+// two ways out (another fl.server.out, or fl.server.resume = false to start
+// afresh in this one). A state written before the settings were recorded is
+// checked for the model and strategy alone.
+std::string settings_differences(const std::string& saved, const std::map<std::string, std::string>& now) {
+  const nlohmann::json was = nlohmann::json::parse(saved);
+  std::string out;
+  for (const auto& [key, value] : now) {
+    if (!was.contains(key) || was[key].get<std::string>() == value) continue;
+    out += (out.empty() ? "" : ", ") + key + " = " + value + " here, " + was[key].get<std::string>() + " there";
+  }
+  return out;
+}
 
 // states/round-N.safetensors, newest first.
 std::vector<std::pair<uint64_t, fs::path>> kept_states(const FlConfig& c) {
@@ -80,6 +102,7 @@ void Rounds::save(uint64_t round) const {
   std::map<std::string, std::string> meta{{"round", std::to_string(round)},
                                           {"model", model::fingerprint(config_.model)},
                                           {"strategy", config_.strategy.name},
+                                          {"settings", nlohmann::json(config_.result_settings()).dump()},
                                           {"uplink_bytes", std::to_string(cumulative_up_)},
                                           {"downlink_bytes", std::to_string(cumulative_down_)}};
   if (std::isfinite(good_val_loss_)) meta["val_loss"] = std::to_string(good_val_loss_);
@@ -142,6 +165,13 @@ void Rounds::load_state(const std::string& path) {
                         "fl.server.resume = false");
   if (get("strategy") != config_.strategy.name)
     throw StateMismatch(file.path() + " was written by strategy " + get("strategy") + ", not " + config_.strategy.name);
+  if (meta.count("settings")) {
+    const std::string differ = settings_differences(meta.at("settings"), config_.result_settings());
+    if (!differ.empty())
+      throw StateMismatch("fl server: " + config_.out + " holds a federation run with other settings (" + differ +
+                          "); resuming would mix two runs. Use another --fl.server.out, or --fl.server.resume=false "
+                          "to start afresh in " + config_.out);
+  }
   // Everything parsed and checked before anything is restored.
   const uint64_t round = std::stoull(get("round"));
   const int64_t up = std::stoll(get("uplink_bytes")), down = std::stoll(get("downlink_bytes"));

@@ -451,6 +451,33 @@ TEST(FlFederation, KeptStatesOutliveACorruptState) {
   for (size_t i = 0; i < resumed.size(); ++i) EXPECT_TRUE(at::equal(resumed[i], after4[i])) << i;
 }
 
+// Note [Resuming a federation]: a folder whose state was computed under another
+// aggregation rule is refused, naming the key and the way to start afresh; a
+// longer fl.rounds alone resumes.
+TEST(FlFederation, AFolderOfAnotherRunIsRefusedNamingTheDifference) {
+  const std::string dir = ::testing::TempDir() + "/fl_other_run";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 1);
+  FlConfig config = tiny_config(dir + "/out");
+  config.rounds = 1;
+  federate(config, files);
+  FlConfig median = config;
+  median.aggregation.name = "median";
+  median.rounds = 2;
+  try {
+    Server refused(median);
+    ADD_FAILURE() << "a state computed with the mean was resumed under the median";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("fl.aggregation = median here, mean there"), std::string::npos) << what;
+    EXPECT_NE(what.find("--fl.server.resume=false"), std::string::npos) << what;
+  }
+  median.resume = false;
+  EXPECT_NO_THROW(Server fresh(median));
+  config.rounds = 2;
+  EXPECT_NO_THROW(Server longer(config));
+}
+
 // One DP round of 2 clients whose updates are near zero (lr 1e-9), clip
 // S = 1, z = 2 (plus `extra` settings): the change of every model coordinate,
 // which is the noise alone.
