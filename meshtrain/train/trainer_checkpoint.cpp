@@ -102,13 +102,31 @@ void Trainer::save_checkpoint() {
 
 void Trainer::finish_checkpoints() { writer_->wait(); }
 
+// "model.layers = 1 here, 2 there, ...": the model keys this run sets otherwise
+// than the checkpoint's model; the two fingerprints where none can be named.
+std::string Trainer::model_differences(const std::string& saved_json) const {
+  std::string out;
+  try {
+    const nlohmann::json here = nlohmann::json::parse(model::to_json(config_.model));
+    const nlohmann::json there = nlohmann::json::parse(model::to_json(model::config_from_json(saved_json)));
+    for (const auto& [key, value] : here.items()) {
+      if (there.contains(key) && there[key] == value) continue;
+      out += (out.empty() ? "model." : ", model.") + key + " = " + value.dump() + " here, " +
+             (there.contains(key) ? there[key].dump() : "unset") + " there";
+    }
+  } catch (const std::exception&) {
+    out.clear();
+  }
+  return out.empty() ? model_fingerprint() + " here" : out;
+}
+
 void Trainer::load_checkpoint(const std::string& folder) {
   std::unique_ptr<checkpoint::CheckpointReader> reader;
   comm::on_all_or_all_fail(*world_, [&] { reader = std::make_unique<checkpoint::CheckpointReader>(folder); });
   const checkpoint::Metadata& meta = reader->metadata();
   if (meta.model != model_fingerprint()) {
-    throw ConfigError("checkpoint " + folder + " holds a different model (" + meta.model + ") than configured (" +
-                      model_fingerprint() + "); use another checkpoint.dir or set checkpoint.resume = false");
+    throw ConfigError("checkpoint " + folder + " holds a different model (" + model_differences(meta.model_config) +
+                      "); use another run.out or checkpoint.dir, or set checkpoint.resume = false to start afresh");
   }
   const std::string lora = config_.lora.enabled() ? adapters_of(config_.lora) : "";
   if (lora_of(meta.model_config) != lora) {

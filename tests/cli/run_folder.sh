@@ -72,4 +72,11 @@ grep -q "the run is already complete: .*step-00000006 is at step 6 of 6; nothing
   { cat "$run/again.log"; exit 1; }
 cmp -s "$run/b/metrics.jsonl" "$run/b-metrics.before" || { echo "a finished run's metrics changed"; exit 1; }
 ls -R "$run/b/checkpoints" | cmp -s - "$run/b-checkpoints.before" || { echo "a finished run's checkpoints changed"; exit 1; }
-echo "ok: a second run is refused by name, a killed launcher's ranks save and stop, metrics lines stay whole, a finished run says so"
+# Another model in that folder: refused, naming the keys that differ and how to start afresh; nothing written.
+status=0
+"$meshtrain" train "${common[@]}" --model.layers=1 --model.width=128 --training.steps=8 --run.out="$run/b" > "$run/other.log" 2>&1 ||
+  status=$?
+[ "$status" = 1 ] && grep -q "holds a different model (model.layers = 1 here, 2 there, model.width = 128 here, 256 there); .*checkpoint.resume = false to start afresh" \
+  "$run/other.log" || { echo "status $status"; cat "$run/other.log"; exit 1; }
+cmp -s "$run/b/metrics.jsonl" "$run/b-metrics.before" || { echo "a refused run changed the metrics"; exit 1; }
+echo "ok: a second run is refused by name, a killed launcher's ranks save and stop, metrics lines stay whole, a finished run says so, another model is refused by its keys"
