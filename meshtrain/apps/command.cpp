@@ -129,13 +129,39 @@ std::vector<std::string> normalized_arguments(int argc, char** argv) {
   return out;
 }
 
+namespace {
+
+// An option the command `at` does not have, with the nearest it has
+// (`serve --chekpoint` would otherwise read "--checkpoint is required"). A
+// command that takes config overrides (extras) checks its keys itself.
+int refuse_unknown_option(const CLI::App& at, const std::string& path, const std::vector<std::string>& args, size_t from) {
+  if (at.get_allow_extras() || at.get_prefix_command()) return 0;  // run: what follows is another command
+  for (size_t i = from; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") return 0;
+    if (a.rfind("--", 0) != 0 || a.size() < 3) continue;
+    const std::string name = a.substr(0, a.find('='));
+    if (at.get_option_no_throw(name) != nullptr || name == "--help") continue;
+    std::vector<std::string> names;
+    for (const CLI::Option* o : at.get_options()) {
+      for (const std::string& l : o->get_lnames()) names.push_back("--" + l);
+    }
+    std::fprintf(stderr, "meshtrain: error: %s has no option %s%s; `%s --help` lists them\n", path.c_str(),
+                 name.c_str(), util::did_you_mean(name, names).c_str(), path.c_str());
+    return 2;
+  }
+  return 0;
+}
+
+}  // namespace
+
 int refuse_unknown_command(const CLI::App& app, const std::vector<std::string>& args) {
   const CLI::App* at = &app;
   std::string path = "meshtrain";
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
     const std::vector<const CLI::App*> subs = at->get_subcommands([](const CLI::App*) { return true; });
-    if (subs.empty()) return 0;  // the rest is this command's own
+    if (subs.empty()) return refuse_unknown_option(*at, path, args, i);  // the rest is this command's own
     if (a.rfind("-", 0) == 0) {
       if (a != "--help" && a != "-h") return 0;  // an option of a group: leave it to the parser
       continue;

@@ -166,7 +166,8 @@ CommandPtr add_import(CLI::App& app) {
   CLI::App* hf = import->add_subcommand(
       "hf",
       "A Hugging Face transformers folder (config.json + model.safetensors, or shards with "
-      "model.safetensors.index.json) of a GPT-2 or Llama model (grouped-query attention included)");
+      "model.safetensors.index.json) of GPT-2 or an open family: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, "
+      "Gemma 2, Phi-3, OLMo 2 (docs/models.md); what a model uses that meshtrain does not implement is refused by name");
   hf->add_option("dir", a->dir, "The Hugging Face model folder")
       ->required()
       ->check(CLI::ExistingDirectory);
@@ -188,8 +189,9 @@ CommandPtr add_export(CLI::App& app) {
   export_->require_subcommand(1);
   CLI::App* hf = export_->add_subcommand(
       "hf",
-      "As a Hugging Face transformers folder (GPT2LMHeadModel or LlamaForCausalLM): config.json and "
-      "safetensors, sharded with an index when larger than --max-shard-size");
+      "As a Hugging Face transformers folder of the model's family (GPT2LMHeadModel, LlamaForCausalLM, "
+      "MistralForCausalLM, Qwen2/Qwen3/Qwen3Moe, Mixtral, Gemma2, Phi3, Olmo2): config.json and safetensors, "
+      "sharded with an index when larger than --max-shard-size");
   hf->add_option("checkpoint", a->checkpoint, "Checkpoint folder, or a checkpoint directory (its latest)")
       ->required();
   hf->add_option("--out", a->out, "Folder to write")->required();
@@ -224,7 +226,9 @@ CommandPtr add_logits(CLI::App& app) {
                          "Write the logits [1, T, vocab] of a token sequence to a safetensors file (to compare with "
                          "another implementation)");
   sub->add_option("--checkpoint", a->checkpoint, "Checkpoint folder or directory")->required();
-  sub->add_option("--tokens", a->tokens, "Token ids separated by commas, e.g. 1,2,3")->required();
+  // --prompt-ids as in generate, where --tokens is a count of tokens to generate.
+  sub->add_option("--prompt-ids", a->tokens, "Token ids separated by commas, e.g. 1,2,3 (as generate's --prompt-ids)")
+      ->required();
   sub->add_option("--out", a->out, "The safetensors file to write (tensor \"logits\")")->required();
   return plain_command(sub, [a] { return run_logits(a->checkpoint, a->tokens, a->out); });
 }

@@ -11,10 +11,11 @@ namespace {
 
 const char* const kAbout =
     "meshtrain: train transformer models that do not fit on one device by splitting them across\n"
-    "processes (data, fully sharded, tensor, pipeline and expert parallel on one device mesh), and\n"
-    "serve them (an OpenAI-compatible HTTP API; Hugging Face GPT-2 and Llama models in and out), and\n"
-    "train them federated (`meshtrain fl`: a server and clients over gRPC/TLS, compressed updates,\n"
-    "secure aggregation).\n"
+    "processes (data, fully sharded, tensor, pipeline, expert and context parallel on one device\n"
+    "mesh), serve them (OpenAI-compatible completions and chat completions over HTTP), bring\n"
+    "Hugging Face models in and out (GPT-2, Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE, Gemma 2,\n"
+    "Phi-3, OLMo 2), and train them federated (`meshtrain fl`: a server and clients over\n"
+    "gRPC/TLS, compressed updates, secure aggregation).\n"
     "Launch ranks with `meshtrain run -n 2 selfcheck`, plain mpirun/srun, or run one rank without a launcher.\n"
     "Environment: MESHTRAIN_COMM_TIMEOUT=seconds (watchdog, default 300), MESHTRAIN_DESYNC_CHECK=1\n"
     "(compare every collective's op, dtype and shape across ranks before running it).";

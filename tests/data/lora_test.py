@@ -57,7 +57,7 @@ def train(work, name, *extra):
 
 def meshtrain_logits(work, checkpoint, ids):
     out = os.path.join(work, "logits.safetensors")
-    CHECKS.meshtrain("logits", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, ids)), "--out", out)
+    CHECKS.meshtrain("logits", "--checkpoint", checkpoint, "--prompt-ids", ",".join(map(str, ids)), "--out", out)
     return safetensors.torch.load_file(out)["logits"][0]
 
 

@@ -14,5 +14,5 @@ def hf_logits(model, tokens):
 def meshtrain_logits(meshtrain, checkpoint, tokens, work):
     """`meshtrain logits` of `tokens` (meshtrain: the Checks runner's command function)."""
     out = os.path.join(work, "logits.safetensors")
-    meshtrain("logits", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, tokens)), "--out", out)
+    meshtrain("logits", "--checkpoint", checkpoint, "--prompt-ids", ",".join(map(str, tokens)), "--out", out)
     return load_file(out)["logits"]

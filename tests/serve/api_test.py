@@ -56,7 +56,7 @@ def scoring(server, model, tokenizer, checkpoint, work):
     check(status == 200 and got[0] is None and worst < 1e-4,
           f"echo + max_tokens 0 scores {len(ids)} prompt tokens: logprobs equal transformers' (max difference {worst:.1e})")
     logits_file = os.path.join(work, "logits.safetensors")
-    meshtrain("logits", "--checkpoint", checkpoint, "--tokens", ",".join(map(str, ids)), "--out", logits_file)
+    meshtrain("logits", "--checkpoint", checkpoint, "--prompt-ids", ",".join(map(str, ids)), "--out", logits_file)
     ours = torch.log_softmax(load_file(logits_file)["logits"][0].double(), -1)
     worst = max(abs(got[i] - ours[i - 1, ids[i]].item()) for i in range(1, len(ids)))
     check(worst < 1e-4, f"... and log_softmax of `meshtrain logits` (max difference {worst:.1e})")
