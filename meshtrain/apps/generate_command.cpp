@@ -135,7 +135,8 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   sample_after(inference, prompt, sample, options, runtime);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (speaker) std::printf("%s\n", text.finish().c_str());
+  if (speaker) std::printf("%s\n", text.finish().c_str());  // the text ends its line; --timing has its own
+  std::fflush(stdout);
   const int64_t made = static_cast<int64_t>(text.tokens().size());
   if (speaker && options.timing) {
     std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %d, cp %d), peak counted memory %s\n",

@@ -108,6 +108,7 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   serve::HttpFrontend frontend(callbacks, served, threads, options.log, options.api_key);
   const int port = frontend.bind(options.host, options.port);
   std::thread http([&] { frontend.listen(); });
+  if (!inference.adapter().empty()) std::printf("meshtrain serve: %s\n", inference.adapter().c_str());
   std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld, %s%s\n",
               options.model_name.c_str(), static_cast<long long>(inference.step()), options.host.c_str(), port,
               options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue),

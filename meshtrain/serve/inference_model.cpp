@@ -11,6 +11,7 @@
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/memory.h"
 
+#include <cstdio>
 #include <filesystem>
 #include <optional>
 
@@ -74,6 +75,12 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
     const model::PeftAdapter adapter = model::read_peft_adapter(lora, gpt_->config());
     model::merge_lora(gpt_, adapter.config, adapter.adapters);
     name_ += "+" + std::filesystem::path(lora).filename().string();
+    std::string targets;
+    for (const std::string& t : adapter.config.targets) targets += (targets.empty() ? "" : ",") + t;
+    char alpha[32];
+    std::snprintf(alpha, sizeof alpha, "%g", adapter.config.alpha);
+    adapter_ = "LoRA adapter " + lora + " merged (rank " + std::to_string(adapter.config.rank) + ", alpha " + alpha +
+               ", on " + targets + ")";
   }
   split();
   host.reset();

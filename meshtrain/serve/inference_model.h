@@ -73,6 +73,7 @@ class InferenceModel {
   std::function<std::string(const std::vector<int64_t>&)> continuation(const std::vector<int64_t>& prompt,
                                                                       bool skip_special = false) const;
   const std::string& name() const { return name_; }  // the checkpoint folder's name
+  const std::string& adapter() const { return adapter_; }  // the PEFT adapter merged in, described ("": none)
   int64_t step() const { return step_; }
   // Where KV caches for this model keep keys and values (unset: the device).
   model::KvCacheStorage kv_storage() const;
@@ -93,6 +94,7 @@ class InferenceModel {
   std::unique_ptr<text::Tokenizer> tokenizer_;
   at::Tensor sampleable_;  // bool [vocab]
   std::string name_;
+  std::string adapter_;  // "LoRA adapter DIR merged (rank 8, ...)", or 
   int64_t step_ = 0;
   InferenceOffload offload_;
   std::shared_ptr<offload::TieredStore> store_;

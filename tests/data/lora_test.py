@@ -141,6 +141,8 @@ def main():
             answer = server.client().chat.completions.create(model="meshtrain", max_tokens=8, temperature=0,
                                                              messages=QUESTION)
             check(answer.choices[0].message.content is not None, "serve --lora answers a chat with the adapter merged")
+            check(f"LoRA adapter {adapter} merged (rank 8, alpha 16, on " in "".join(server.banner),
+                  "serve --lora says which adapter it merged")
         finally:
             check(server.stop() == 0, "and stops cleanly")
     CHECKS.finish()

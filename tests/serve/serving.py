@@ -21,8 +21,10 @@ class Server:
         self.proc = subprocess.Popen(prefix + ["serve", "--checkpoint", checkpoint, "--port", "0", *tp, *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.time() + 120
+        self.banner = []  # what the server printed up to its address
         while time.time() < deadline:
             line = self.proc.stdout.readline()
+            self.banner.append(line)
             found = re.search(r"http://127\.0\.0\.1:(\d+)", line or "")
             if found:
                 self.port = int(found.group(1))
