@@ -152,8 +152,10 @@ void add_family_keys(std::vector<Field>& f) {
 
 // [data] and [training].
 void add_data_and_training_keys(std::vector<Field>& f) {
-  f.push_back(field("data", "tokenizer", "\"bytes\", a SentencePiece .model, a tokenizer.json, or a folder with "
-                    "vocab.json + merges.txt (GPT-2 BPE); model.vocab_size must hold its vocabulary",
+  f.push_back(field("data", "tokenizer", "\"bytes\", a SentencePiece .model, a tokenizer.json, a folder with "
+                    "vocab.json + merges.txt (GPT-2 BPE) or a Hugging Face tokenizer, or checkpoint:DIR (the tokenizer "
+                    "a checkpoint holds; checkpoint.init_from's unless this names another); model.vocab_size must "
+                    "hold its vocabulary",
                     MESHTRAIN_CONFIG_MEMBER(tokenizer)));
   f.push_back(field("data", "text", "files or folders (text, JSON Lines, Parquet) prepared by every rank when no token "
                     "files are given",
@@ -229,6 +231,7 @@ void add_run_keys(std::vector<Field>& f) {
                  if (v.s.empty()) return;
                  c.model = init_model(v.s);
                  c.preset = "init_from";
+                 if (c.tokenizer == "bytes") c.tokenizer = kCheckpointTokenizer + v.s;  // the model's own vocabulary
                },
                [](const TrainConfig& c) { return config::quoted(c.init_from); }});
   f.push_back(field("checkpoint", "every", "steps between checkpoints (0: at the end only)",

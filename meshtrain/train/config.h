@@ -4,6 +4,7 @@
 #pragma once
 
 #include "meshtrain/model/gpt_config.h"
+#include "meshtrain/text/tokenizer.h"
 #include "meshtrain/model/lora.h"
 #include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/train/data_options.h"
@@ -12,6 +13,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,6 +29,12 @@ enum class OnNonfinite { kStop, kSkip };
 // The model a checkpoint folder (its latest step, or a step folder) holds;
 // throws ConfigError naming the folder (trainer_checkpoint.cpp).
 model::GptConfig init_model(const std::string& checkpoint_dir);
+
+// data.tokenizer's spec: text::load_tokenizer's, or "checkpoint:DIR", the
+// tokenizer a checkpoint embeds (checkpoint.init_from's, unless
+// data.tokenizer names another). Throws text::TokenizerError.
+inline constexpr const char* kCheckpointTokenizer = "checkpoint:";
+std::unique_ptr<text::Tokenizer> load_training_tokenizer(const std::string& spec);
 
 struct TrainConfig {
   // [model]

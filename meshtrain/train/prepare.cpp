@@ -3,6 +3,7 @@
 #include "meshtrain/checkpoint/format.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/text/tokenizer.h"
+#include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sources.h"
@@ -277,7 +278,7 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
   r.val_path = util::join_path(o.out_dir, "val.bin");
   everywhere([&] {
     try {
-      tokenizer = text::load_tokenizer(o.tokenizer);
+      tokenizer = load_training_tokenizer(o.tokenizer);
     } catch (const text::TokenizerError& e) {
       throw DataError(std::string("tokenizer: ") + e.what());
     }

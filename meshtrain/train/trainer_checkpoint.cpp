@@ -257,6 +257,19 @@ model::GptConfig init_model(const std::string& checkpoint_dir) {
   }
 }
 
+std::unique_ptr<text::Tokenizer> load_training_tokenizer(const std::string& spec) {
+  const std::string prefix = kCheckpointTokenizer;
+  if (spec.rfind(prefix, 0) != 0) return text::load_tokenizer(spec);
+  const std::string dir = spec.substr(prefix.size());
+  std::string json;
+  try {
+    json = checkpoint::CheckpointStore::read_metadata(checkpoint::CheckpointStore::resolve(dir)).tokenizer;
+  } catch (const std::exception& e) {
+    throw text::TokenizerError("the tokenizer of checkpoint " + dir + ": " + e.what());
+  }
+  return text::tokenizer_from_json(json);
+}
+
 void Trainer::init_from_checkpoint() {
   const std::string folder = checkpoint::CheckpointStore::resolve(config_.init_from);
   std::unique_ptr<checkpoint::CheckpointReader> reader;

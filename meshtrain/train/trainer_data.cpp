@@ -39,7 +39,7 @@ std::vector<std::string> Trainer::prepare_sources() {
 
 void Trainer::open_data() {
   try {
-    tokenizer_ = text::load_tokenizer(config_.tokenizer);
+    tokenizer_ = load_training_tokenizer(config_.tokenizer);
   } catch (const text::TokenizerError& e) {
     throw ConfigError(std::string("data.tokenizer: ") + e.what());
   }

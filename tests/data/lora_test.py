@@ -44,7 +44,7 @@ QUESTION = [{"role": "user", "content": 'Who says "Friends, Romans"?'}]
 def train(work, name, *extra):
     args = [MESHTRAIN, "run", "-n", "4", "train", "--checkpoint.init_from=" + os.path.join(work, "base"),
             "--data.text=" + DATA, "--data.format=chat", "--data.packing=padded",
-            "--data.tokenizer=" + os.path.join(work, "hf"), "--model.context=96", "--parallel.zero_stage=3",
+            "--model.context=96", "--parallel.zero_stage=3",  # the tokenizer: the base checkpoint's
             "--lora.rank=8", "--lora.alpha=16", "--training.batch=16", "--training.micro_batch=2",
             "--training.warmup=2", "--training.sample_tokens=0", "--training.eval_batches=2",
             "--run.out=" + os.path.join(work, name), *extra]
