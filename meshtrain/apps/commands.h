@@ -134,7 +134,7 @@ int run_export_hf(const std::string& checkpoint, const std::string& out_dir, con
                   int64_t max_shard_bytes);
 int run_logits(const std::string& checkpoint, const std::string& tokens, const std::string& out);
 // export peft CKPT --out DIR: a checkpoint of LoRA adapters as a PEFT adapter folder.
-int run_export_peft(const std::string& checkpoint, const std::string& out_dir);
+int run_export_peft(const std::string& checkpoint, const std::string& out_dir, const std::string& base_name);
 
 struct GenerateBenchOptions {
   std::string checkpoint;

@@ -89,6 +89,8 @@ int run_import_hf(comm::Runtime& runtime, const std::string& dir, const std::str
   meta.model = model::fingerprint(hf.config);
   meta.model_config = model::to_json(hf.config);
   meta.layout = "imported from Hugging Face " + hf.model_type;
+  meta.source = std::filesystem::absolute(dir).lexically_normal().string();  // a PEFT export names it as the base
+  if (meta.source.size() > 1 && meta.source.back() == '/') meta.source.pop_back();
   meta.world = 1;
   const std::unique_ptr<text::Tokenizer> tokenizer = import_tokenizer(dir, tokenizer_spec, hf.config.vocab_size);
   meta.tokenizer = text::tokenizer_to_json(*tokenizer);
@@ -113,7 +115,7 @@ int run_export_hf(const std::string& checkpoint, const std::string& out_dir, con
   return 0;
 }
 
-int run_export_peft(const std::string& checkpoint, const std::string& out_dir) {
+int run_export_peft(const std::string& checkpoint, const std::string& out_dir, const std::string& base_name) {
   const std::string folder = checkpoint::CheckpointStore::resolve(checkpoint);
   checkpoint::CheckpointReader reader(folder);
   const std::optional<model::LoraSection> lora = model::lora_of(reader.metadata().model_config);
@@ -123,8 +125,17 @@ int run_export_peft(const std::string& checkpoint, const std::string& out_dir) {
   }
   const std::map<std::string, at::Tensor> adapters = serve::read_adapters(reader);
   const model::GptConfig model = model::config_from_json(reader.metadata().model_config);
-  model::write_peft_adapter(out_dir, model, lora->config, adapters, lora->base);
-  const std::string& base = lora->base;
+  // The base as PEFT's loaders find it: the Hugging Face folder the base checkpoint was imported from.
+  std::string base = base_name.empty() ? lora->base : base_name;
+  if (base_name.empty() && !lora->base.empty()) {
+    try {
+      const std::string source =
+          checkpoint::CheckpointStore::read_metadata(checkpoint::CheckpointStore::resolve(lora->base)).source;
+      if (!source.empty()) base = source;
+    } catch (const std::exception&) {  // the base checkpoint moved: its path as recorded
+    }
+  }
+  model::write_peft_adapter(out_dir, model, lora->config, adapters, base);
   std::printf("meshtrain export: %zu LoRA tensors of %s -> %s (adapter_config.json, adapter_model.safetensors; base %s)\n",
               adapters.size(), folder.c_str(), out_dir.c_str(), base.empty() ? "not recorded" : base.c_str());
   return 0;
@@ -203,7 +214,7 @@ CommandPtr add_export(CLI::App& app) {
 
 CommandPtr add_export_peft(CLI::App& app) {
   struct Args {
-    std::string checkpoint, out;
+    std::string checkpoint, out, base;
   };
   auto a = std::make_shared<Args>();
   CLI::App* peft = app.get_subcommand("export")->add_subcommand(
@@ -213,7 +224,11 @@ CommandPtr add_export_peft(CLI::App& app) {
       "`meshtrain serve --lora`. `export hf` of the same checkpoint writes the base with the adapters merged");
   peft->add_option("checkpoint", a->checkpoint, "Checkpoint folder, or a checkpoint directory (its latest)")->required();
   peft->add_option("--out", a->out, "Folder to write")->required();
-  return plain_command(peft, [a] { return run_export_peft(a->checkpoint, a->out); });
+  peft->add_option("--base", a->base,
+                   "base_model_name_or_path to write (default: the Hugging Face folder the base checkpoint was "
+                   "imported from, which AutoPeftModelForCausalLM loads; a Hub name such as "
+                   "meta-llama/Llama-3.2-1B-Instruct works too)");
+  return plain_command(peft, [a] { return run_export_peft(a->checkpoint, a->out, a->base); });
 }
 
 CommandPtr add_logits(CLI::App& app) {

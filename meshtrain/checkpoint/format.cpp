@@ -63,6 +63,7 @@ std::string Metadata::to_json() const {
             {"tensors", tensors_json}};
   if (!tokenizer.empty()) j["tokenizer"] = json::parse(tokenizer);
   if (!hosts.empty()) j["hosts"] = hosts;
+  if (!source.empty()) j["source"] = source;
   return j.dump(1) + "\n";
 }
 
@@ -83,6 +84,7 @@ Metadata Metadata::from_json(const std::string& text, const std::string& where) 
     m.world = j.at("world").get<int64_t>();
     if (j.contains("tokenizer")) m.tokenizer = j.at("tokenizer").dump();
     if (j.contains("hosts")) m.hosts = j.at("hosts").get<std::map<std::string, std::string>>();
+    if (j.contains("source")) m.source = j.at("source").get<std::string>();
     for (const auto& [name, t] : j.at("tensors").items()) {
       TensorEntry entry;
       entry.shape = t.at("shape").get<std::vector<int64_t>>();

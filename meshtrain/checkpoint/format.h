@@ -70,6 +70,7 @@ struct Metadata {
   std::string layout;          // ParallelDims::str() of the saving run
   int64_t world = 1;           // its world size
   std::string tokenizer;       // text::tokenizer_to_json of the training's tokenizer ("": bytes)
+  std::string source;          // the Hugging Face model folder it was imported from ("": trained here)
   std::map<std::string, TensorEntry> tensors;
   // A local checkpoint's files and the hosts that hold them (empty: every file is in the folder).
   std::map<std::string, std::string> hosts;

@@ -107,6 +107,12 @@ def main():
         check(diff < 1e-4 and moved > 100 * diff,
               f"peft loads the exported adapter: its logits equal meshtrain's (max diff {diff:.2e}; the adapter moves "
               f"them by {moved:.3f})")
+        # The adapter names the Hugging Face base it came from, so AutoPeftModelForCausalLM loads both.
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+        with torch.no_grad():
+            alone = auto(torch.tensor([prompt])).logits[0]
+        check((alone - theirs).abs().max().item() < 1e-5,
+              "AutoPeftModelForCausalLM loads the exported adapter and its base by the name it records")
 
         # Merged: transformers alone gives the same.
         merged = os.path.join(work, "merged")
