@@ -44,7 +44,18 @@ const std::set<std::string>& harmless_keys() {
       // Dropout is for training, which takes meshtrain's model.dropout; inference has none.
       "attention_dropout", "embd_pdrop", "resid_pdrop", "hidden_dropout",
       // Router losses in training: read below where meshtrain has one.
-      "output_router_logits"};
+      "output_router_logits",
+      // How transformers runs, not what it computes: its attention kernel, its
+      // activation recompute, the old generation defaults configs carried, and
+      // Llama 2's pretraining_tp (its matmuls in slices: the same sums).
+      "attn_implementation", "_attn_implementation", "_attn_implementation_autoset", "use_flash_attention_2",
+      "_flash_attn_2_enabled", "experts_implementation", "_experts_implementation", "use_kernels",
+      "gradient_checkpointing", "pretraining_tp", "max_length", "min_length", "do_sample", "early_stopping",
+      "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+      "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+      "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+      "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+      "begin_suppress_tokens", "max_new_tokens"};
   return keys;
 }
 

@@ -167,6 +167,13 @@ HUB_QUIRKS = {
     "gemma 2 with sliding_window_size": (
         lambda: T.Gemma2ForCausalLM(config(T.Gemma2Config, head_dim=16, sliding_window=8)),
         lambda j: j.update({"sliding_window_size": 8, "cache_implementation": "hybrid"})),
+    # Keys a user's own script leaves that choose how transformers runs, not what it computes.
+    "mistral saved by a script that picked its kernels and cache": (
+        lambda: T.MistralForCausalLM(config(T.MistralConfig, sliding_window=8)),
+        lambda j: j.update({"attn_implementation": "sdpa", "_attn_implementation_autoset": True,
+                            "use_flash_attention_2": False, "pretraining_tp": 1, "gradient_checkpointing": True,
+                            "max_length": 20, "do_sample": False, "temperature": 1.0, "top_p": 1.0,
+                            "num_beams": 1, "repetition_penalty": 1.0})),
     "phi-3 with attention_bias and rope_scaling null": (
         lambda: T.Phi3ForCausalLM(config(T.Phi3Config)),
         lambda j: (to_v4(j), j.update({"attention_bias": False}))),
