@@ -101,7 +101,7 @@ CommandPtr add_prepare(CLI::App& app) {
     std::string format = "text", loss_on = "assistant";
   };
   auto a = std::make_shared<Args>();
-  a->o.out_dir = "data";
+  a->o.out_dir = "runs/data";  // beside the runs, out of the working tree (.gitignore has runs/)
   CLI::App* sub = app.add_subcommand(
       "prepare", "Tokenize text files, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet files and folders of them "
                  "into token files (train.bin, val.bin, with a document index and, for chat data, a loss mask). "

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cmath>
 #include <cstdio>
 
@@ -296,6 +297,7 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
   share_counts(world, r, 0);
   if (r.reused) return r;
   // Parts of another plan are stale; a part of this one is kept (resume).
+  const bool out_existed = util::path_exists(o.out_dir);
   on_root([&] {
     const std::string plan_file = util::join_path(parts, "plan");
     if (util::path_exists(plan_file) && util::read_text_file(plan_file) != plan) util::remove_tree(parts);
@@ -304,15 +306,26 @@ PrepareResult prepare(const PrepareOptions& o, comm::Communicator* world) {
   });
   const auto tokenize_start = Clock::now();
   int64_t resumed = 0;
-  everywhere([&] {
-    for (int64_t u = rank; u < r.units; u += ranks) {
-      if (util::path_exists(part_path(parts, u, "json"))) {
-        ++resumed;
-        continue;
+  try {
+    everywhere([&] {
+      for (int64_t u = rank; u < r.units; u += ranks) {
+        if (util::path_exists(part_path(parts, u, "json"))) {
+          ++resumed;
+          continue;
+        }
+        tokenize_unit(o, *tokenizer, chat.get(), shards[units[u].shard], units[u], u, parts);
       }
-      tokenize_unit(o, *tokenizer, chat.get(), shards[units[u].shard], units[u], u, parts);
+    });
+  } catch (const std::exception&) {
+    // An input that cannot be read or tokenized: the parts of this plan are of no use once it is fixed (the
+    // plan changes), so none is left behind, nor a folder this run made. A run that is killed keeps them (resume).
+    if (rank == 0) {
+      util::remove_tree(parts);
+      std::error_code error;
+      if (!out_existed) std::filesystem::remove(o.out_dir, error);  // only if empty
     }
-  });
+    throw;
+  }
   const double tokenize_seconds = seconds_since(tokenize_start);
   on_root([&] {
     std::vector<Part> done;

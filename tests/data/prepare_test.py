@@ -259,6 +259,7 @@ def check_hostile(work, folder):
         open(path, "w").write(content)
         r = prepare(path, "--out", os.path.join(work, "hostile"), "--tokenizer", folder)
         check(r.returncode != 0 and r.stderr.count(message) == 1, f"{name}: refused once with \"{message}\"")
+        check(not os.path.exists(os.path.join(work, "hostile")), f"{name}: no parts/ nor an empty folder left behind")
     pq.write_table(pa.table({"body": ["x"]}), os.path.join(work, "nocolumn.parquet"))
     r = prepare(os.path.join(work, "nocolumn.parquet"), "--out", os.path.join(work, "hostile"), "--tokenizer", folder)
     check(r.returncode != 0 and "nocolumn.parquet: has no column text (its columns: body)" in r.stderr,
@@ -276,6 +277,11 @@ def check_hostile(work, folder):
           "a conversation without an assistant turn is refused by line")
     r = prepare(os.path.join(work, "src", "plain.jsonl"), "--out", os.path.join(work, "after"), "--tokenizer", folder)
     check(r.returncode == 0, "and good data still prepares after")
+    # Without --out: under runs/ of the working folder (which .gitignore has), not a data/ beside the sources.
+    r = subprocess.run([MESHTRAIN, "prepare", os.path.join(work, "src", "plain.jsonl"), "--tokenizer", folder],
+                       capture_output=True, text=True, cwd=work)
+    check(r.returncode == 0 and os.path.exists(os.path.join(work, "runs", "data", "train.bin"))
+          and not os.path.exists(os.path.join(work, "data")), f"prepare writes runs/data by default ({r.stderr[-200:]})")
 
 
 def check_mixture_training(work):
