@@ -2,6 +2,7 @@
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/comm/agree.h"
+#include "meshtrain/interop/hf_checkpoint.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/search.h"
 #include "meshtrain/train/trainer.h"
@@ -11,6 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <stdexcept>
 #include <algorithm>
 #include <optional>
@@ -86,13 +88,16 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
   return j;
 }
 
-void print_header(const model::GptConfig& model, const std::string& name, const plan::Workload& w, const plan::Machine& m, int64_t world) {
+// `assumed`: neither --machine nor --device-memory was given, so the default profile stands for the devices.
+void print_header(const model::GptConfig& model, const std::string& name, const plan::Workload& w, const plan::Machine& m,
+                  int64_t world, bool assumed) {
   std::printf("model    %s\n", model.describe(name).c_str());
   std::printf("run      %lld ranks (%lld per node), %s per device, %s, global batch %lld x %lld tokens, %s attention\n",
               (long long)world, (long long)m.devices_per_node, plan::format_bytes(m.device_memory).c_str(),
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str());
-  std::printf("machine  %s: %.0f TFLOP/s peak x MFU %.2f, %.0f GB/s in a node, %.0f GB/s across, %.0f us latency\n",
-              m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6);
+  std::printf("machine  %s: %.0f TFLOP/s peak x MFU %.2f, %.0f GB/s in a node, %.0f GB/s across, %.0f us latency%s\n",
+              m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6,
+              assumed ? " (the default profile, not this machine: --machine, --device-memory)" : "");
 }
 
 void print_table_head() {
@@ -155,6 +160,11 @@ int run_plan(const PlanOptions& o) {
     model = run.model;
     name = run.name;
     workload = run.workload;
+  } else if (std::filesystem::is_directory(o.model)) {
+    // A Hugging Face model folder (its config.json), or a meshtrain checkpoint (its latest step).
+    model = std::filesystem::exists(std::filesystem::path(o.model) / "config.json")
+                ? interop::read_hf_config(o.model).config
+                : train::init_model(o.model);
   } else {
     model = plan::preset_model(o.model);
   }
@@ -182,7 +192,7 @@ int run_plan(const PlanOptions& o) {
       std::printf("%s\n", candidate_json(c).dump(2).c_str());
       return 0;
     }
-    print_header(model, name, workload, machine, o.world);
+    print_header(model, name, workload, machine, o.world, o.machine_file.empty() && o.device_memory.empty());
     print_detail(c, machine);
     return 0;
   }
@@ -201,7 +211,7 @@ int run_plan(const PlanOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  print_header(model, name, workload, machine, o.world);
+  print_header(model, name, workload, machine, o.world, o.machine_file.empty() && o.device_memory.empty());
   std::printf("searched %lld layouts in %.2f s: %zu fit, %zu do not\n", (long long)result.examined, seconds,
               result.fitting.size(), result.rejected.size());
   if (!result.fitting.empty()) {
@@ -309,10 +319,14 @@ PlanCommand::PlanCommand(CLI::App& app) {
   CLI::App* p = sub_;
   std::string presets;
   for (const std::string& name : model::GptConfig::preset_names()) presets += (presets.empty() ? "" : ", ") + name;
-  p->add_option("--model", o_.model, "A preset (" + presets + ") or a meshtrain config file (.toml)")
+  p->add_option("--model", o_.model,
+                "A preset (" + presets + "), a meshtrain config file (.toml), a checkpoint (its model), or a "
+                "Hugging Face model folder (its config.json)")
       ->capture_default_str();
   p->add_option("--world", o_.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
-  p->add_option("--device-memory", o_.device_memory, "Memory per device, e.g. 80GiB (default: the machine's)");
+  p->add_option("--device-memory", o_.device_memory,
+                "Memory per device, e.g. 80GiB (default: --machine's, else an H100's 80GiB; `meshtrain run -n N plan "
+                "--calibrate --save machine.json` measures this machine)");
   p->add_option("--gpus-per-node", o_.gpus_per_node, "Devices per node (tensor parallel stays inside one)");
   p->add_option("--seq", o_.seq, "Sequence length (default: the model's)");
   p->add_option("--global-batch", o_.global_batch, "Sequences per optimizer step (default: ~1M tokens)");

@@ -140,7 +140,7 @@ std::map<std::string, at::Tensor> gpt2_weights(const Tensors& t, const model::Gp
 
 }  // namespace
 
-HfModel read_hf_model(const std::string& dir) {
+HfModel read_hf_config(const std::string& dir) {
   const std::string config_path = (fs::path(dir) / "config.json").string();
   const json c = read_json(config_path);
   HfModel out;
@@ -161,6 +161,11 @@ HfModel read_hf_model(const std::string& dir) {
   } catch (const std::invalid_argument& e) {
     throw FormatError(config_path + ": " + e.what());
   }
+  return out;
+}
+
+HfModel read_hf_model(const std::string& dir) {
+  HfModel out = read_hf_config(dir);
   const Tensors tensors(dir);
   if (out.model_type == "gpt2") {
     out.weights = gpt2_weights(tensors, out.config);

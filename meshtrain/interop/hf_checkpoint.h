@@ -31,6 +31,8 @@ struct HfModel {
 // DIR/model.safetensors.index.json lists. Throws FormatError naming the file,
 // the key or the tensor.
 HfModel read_hf_model(const std::string& dir);
+// DIR/config.json alone: the model (no weights read).
+HfModel read_hf_config(const std::string& dir);
 
 // Writes config.json and model.safetensors (or model-0000k-of-0000n.safetensors
 // shards of at most max_shard_bytes with model.safetensors.index.json) in

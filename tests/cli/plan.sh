@@ -11,6 +11,23 @@ grep -q "llama2-7b: 6.74B parameters, 32 layers" "$dir/table.txt"
 grep -q "fastest layouts that fit" "$dir/table.txt"
 grep -q "closest that do not fit:" "$dir/table.txt"
 grep -q "needs .* GiB > 80.0 GiB on pipeline rank" "$dir/table.txt"
+grep -q "the default profile" "$dir/table.txt" && { echo "an 80GiB device was called the default profile"; exit 1; }
+
+# The model of a Hugging Face folder (its config.json alone) and of a checkpoint; the default profile said.
+mkdir -p "$dir/hf"
+cat > "$dir/hf/config.json" <<'JSON'
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+ "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+ "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": true,
+ "attn_implementation": "sdpa"}
+JSON
+"$meshtrain" plan --model "$dir/hf" --world 4 --top 1 > "$dir/hf.txt"
+grep -q "hf: 1.24B parameters, 16 layers, h 2048, 32 heads (8 kv)" "$dir/hf.txt" &&
+  grep -q "(the default profile, not this machine: --machine, --device-memory)" "$dir/hf.txt" || { cat "$dir/hf.txt"; exit 1; }
+"$meshtrain" train --model.preset=tiny --model.layers=1 --training.steps=1 --training.batch=2 --training.micro_batch=2 \
+  --training.sample_tokens=0 --run.out="$dir/run" > /dev/null
+"$meshtrain" plan --model "$dir/run/checkpoints" --world 2 --top 1 > "$dir/ckpt.txt"
+grep -q "checkpoints: 889K parameters, 1 layers, h 256" "$dir/ckpt.txt" || { cat "$dir/ckpt.txt"; exit 1; }
 "$meshtrain" plan --model llama2-7b --world 8 --json --top 3 > "$dir/plan.json"
 python3 - "$dir/plan.json" <<'PY'
 import json, sys
