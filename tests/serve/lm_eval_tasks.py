@@ -1,7 +1,6 @@
-"""Two small lm-evaluation-harness tasks over local JSONL files, as a user
-writes them (a multiple-choice task scored by loglikelihoods, a
+"""The two small lm-evaluation-harness tasks over local JSONL files that
+examples/lm_eval ships (a multiple-choice task scored by loglikelihoods, a
 generate_until task), and comparisons of two runs' per-sample responses."""
-import json
 import logging
 import os
 
@@ -10,36 +9,22 @@ from lm_eval.tasks import TaskManager
 
 logging.getLogger("lm-eval").setLevel(logging.WARNING)
 
-QUESTIONS = [
-    ("Which word names a drink?", ["café", "licence", "river", "stone"], 0),
-    ("The licence lets you", ["copy the work", "eat the work", "fly", "sleep"], 0),
-    ("Tokyo is in", ["Japan", "France", "Peru", "Chad"], 0),
-    ("2 + 2 =", ["4", "5", "22", "0"], 0),
-    ("Straße is a word in", ["German", "Thai", "Korean", "Greek"], 0),
-    ("Pick the emoji", ["😀", "a", "b", "c"], 0),
-]
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "lm_eval")
 
 
 def write_tasks(folder):
-    """meshtrain_mc and meshtrain_gen in `folder`; their TaskManager."""
+    """The local tasks examples/lm_eval ships (meshtrain_mc, meshtrain_gen), copied to `folder` with their data
+    files named there (the shipped ones name theirs from the repository's root); their TaskManager."""
     os.makedirs(folder)
-    with open(os.path.join(folder, "mc.jsonl"), "w") as f:
-        for q, choices, answer in QUESTIONS:
-            f.write(json.dumps({"question": q, "choices": choices, "answer": answer}, ensure_ascii=False) + "\n")
-    with open(os.path.join(folder, "gen.jsonl"), "w") as f:
-        for q, choices, answer in QUESTIONS:
-            f.write(json.dumps({"question": q, "answer": choices[answer]}, ensure_ascii=False) + "\n")
-    common = "dataset_path: json\ntest_split: test\n"
-    with open(os.path.join(folder, "meshtrain_mc.yaml"), "w") as f:
-        f.write(f"task: meshtrain_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {folder}/mc.jsonl\n"
-                "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-                "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
-    with open(os.path.join(folder, "meshtrain_gen.yaml"), "w") as f:
-        f.write(f"task: meshtrain_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {folder}/gen.jsonl\n"
-                "output_type: generate_until\ndoc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_target: answer\n"
-                "generation_kwargs:\n  until: [\"\\n\\n\", \"Q:\"]\n  max_gen_toks: 12\n  do_sample: false\n"
-                "metric_list:\n  - metric: exact_match\n")
+    for name in os.listdir(EXAMPLES):
+        text = open(os.path.join(EXAMPLES, name), encoding="utf-8").read()
+        if name.endswith(".yaml"):
+            text = text.replace("examples/lm_eval/", folder + "/")
+        open(os.path.join(folder, name), "w", encoding="utf-8").write(text)
     return TaskManager(include_path=folder)
+
+
+QUESTIONS = open(os.path.join(EXAMPLES, "mc.jsonl"), encoding="utf-8").read().splitlines()
 
 
 def responses(result, task):
@@ -68,6 +53,14 @@ class LmEval:
 
     def compare_gen(self, ours, theirs, what):
         a, b = responses(ours, "meshtrain_gen"), responses(theirs, "meshtrain_gen")
-        same = sum(x == y for x, y in zip(a, b))
+        # A generation that ends inside a character: transformers decodes its first bytes as one U+FFFD, meshtrain
+        # (as vLLM) leaves them out (Note [Text stream]); the rest must be equal, and so must bytes that are no
+        # character's start (U+FFFD in both).
+        def alike(x, y):
+            return x == y or (y.endswith("\ufffd") and x == y[:-1])
+
+        same = sum(all(alike(p, q) for rp, rq in zip(x, y) for p, q in zip(rp, rq)) for x, y in zip(a, b))
+        differ = next(((x, y) for x, y in zip(a, b) if x != y), None)  # shown: the first that is not identical
         self.check(len(a) == len(QUESTIONS) and same == len(a),
-                   f"{what}: generate_until - {same}/{len(a)} generations equal the hf backend's ({a[0][0][0]!r})")
+                   f"{what}: generate_until - {same}/{len(a)} generations equal the hf backend's ({a[0][0][0]!r}"
+                   f"{'' if differ is None else f'; ours {differ[0]!r}, theirs {differ[1]!r}'})")
