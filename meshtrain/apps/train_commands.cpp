@@ -110,21 +110,22 @@ CommandPtr add_prepare(CLI::App& app) {
   sub->add_option("inputs", a->o.inputs, "Files or folders (a folder with JSONL or Parquet files reads only those)")
       ->required();
   sub->add_option("--out", a->o.out_dir, "Output directory")->capture_default_str();
-  sub->add_option("--tokenizer", a->o.tokenizer,
+  // Each setting under train's config key (--data.tokenizer=...) and its dashed alias (--tokenizer ...).
+  sub->add_option("--data.tokenizer,--tokenizer", a->o.tokenizer,
                   "bytes, a SentencePiece .model, a tokenizer.json, or a model folder (its chat template too)")
       ->capture_default_str();
-  sub->add_option("--val-fraction", a->o.val_fraction, "Share of tokens held out for validation (cut at a document start when one is near)")
+  sub->add_option("--data.val_fraction,--val-fraction", a->o.val_fraction, "Share of tokens held out for validation (cut at a document start when one is near)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  sub->add_option("--format", a->format, "text: documents of text; chat: records of \"messages\" or \"prompt\" + "
+  sub->add_option("--data.format,--format", a->format, "text: documents of text; chat: records of \"messages\" or \"prompt\" + "
                                          "\"completion\", rendered with the tokenizer's chat template")
       ->check(CLI::IsMember({"text", "chat"}))
       ->capture_default_str();
-  sub->add_option("--field", a->o.field, "The JSONL / Parquet field holding a text record's text")->capture_default_str();
-  sub->add_option("--loss-on", a->loss_on, "chat: assistant (only replies count toward the loss) or all")
+  sub->add_option("--data.field,--field", a->o.field, "The JSONL / Parquet field holding a text record's text")->capture_default_str();
+  sub->add_option("--data.loss_on,--loss-on", a->loss_on, "chat: assistant (only replies count toward the loss) or all")
       ->check(CLI::IsMember({"assistant", "all"}))
       ->capture_default_str();
-  sub->add_option("--split-mb", a->o.split_mb, "Files are cut into units of this many MiB, the work one rank takes")
+  sub->add_option("--data.split_mb,--split-mb", a->o.split_mb, "Files are cut into units of this many MiB, the work one rank takes")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   return command(sub, [a](comm::Runtime& runtime) {

@@ -277,8 +277,10 @@ def check_hostile(work, folder):
           "a conversation without an assistant turn is refused by line")
     r = prepare(os.path.join(work, "src", "plain.jsonl"), "--out", os.path.join(work, "after"), "--tokenizer", folder)
     check(r.returncode == 0, "and good data still prepares after")
-    # Without --out: under runs/ of the working folder (which .gitignore has), not a data/ beside the sources.
-    r = subprocess.run([MESHTRAIN, "prepare", os.path.join(work, "src", "plain.jsonl"), "--tokenizer", folder],
+    # Without --out: under runs/ of the working folder (which .gitignore has), not a data/ beside the sources;
+    # train's key names work as prepare's options.
+    r = subprocess.run([MESHTRAIN, "prepare", os.path.join(work, "src", "plain.jsonl"), "--data.tokenizer=" + folder,
+                        "--data.val_fraction", "0.2"],
                        capture_output=True, text=True, cwd=work)
     check(r.returncode == 0 and os.path.exists(os.path.join(work, "runs", "data", "train.bin"))
           and not os.path.exists(os.path.join(work, "data")), f"prepare writes runs/data by default ({r.stderr[-200:]})")
