@@ -98,6 +98,9 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
                         "Split this play script by speaker into <out>/clients first (and validate on its val.bin)");
   simulate_->add_option("--timeout", simulate_timeout_, "Seconds before everything is stopped")->capture_default_str();
   simulate_->allow_extras();
+  simulate_->footer("Overrides, as for fl server (`meshtrain fl server --help-config` lists the keys): --fl.rounds=3 "
+                    "--fl.aggregation=median --fl.server.out=runs/fl-median ... Example: meshtrain fl simulate "
+                    "--clients 6 examples/fl/shakespeare.toml --split-text tests/data/shakespeare_excerpt.txt");
 
   split_ = fl_->add_subcommand("split", "Split a play script into client directories (train.bin each) and val.bin");
   split_->add_option("text", split_text_, "The text (e.g. tinyshakespeare.txt)")->required();
