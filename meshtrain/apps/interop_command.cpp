@@ -14,6 +14,8 @@
 #include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/train/config.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -41,11 +43,45 @@ std::unique_ptr<text::Tokenizer> import_tokenizer(const std::string& dir, const 
   return tokenizer;
 }
 
+// meshtrain's byte tokenizer (id = byte) as a Hugging Face tokenizer.json: a
+// BPE with no merges over GPT-2's byte-to-character map (ByteLevel without
+// its regex), whose 256 tokens are the bytes in order.
+std::string bytes_tokenizer_json() {
+  nlohmann::json vocab = nlohmann::json::object();
+  int extra = 0;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const int code = printable ? b : 256 + extra++;
+    std::string utf8;  // the code point (< 0x800) in UTF-8
+    if (code < 0x80) {
+      utf8 = std::string(1, static_cast<char>(code));
+    } else {
+      utf8 = {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+    }
+    vocab[utf8] = b;
+  }
+  const nlohmann::json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
+                                     {"use_regex", false}};
+  const nlohmann::json j = {
+      {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", nlohmann::json::array()},
+      {"normalizer", nullptr}, {"pre_tokenizer", byte_level}, {"post_processor", nullptr}, {"decoder", byte_level},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
+                 {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false},
+                 {"ignore_merges", false}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  return j.dump(1);
+}
+
 // The tokenizer's files beside an exported model. A tokenizer_config.json
 // that came with it is written back as it was; otherwise a minimal one names
-// the class transformers should load.
+// the class transformers should load. The byte tokenizer is written as an
+// equivalent tokenizer.json.
 void write_tokenizer(const std::string& dir, const text::Tokenizer& tokenizer) {
-  if (tokenizer.kind() == "bytes") return;
+  if (tokenizer.kind() == "bytes") {
+    std::ofstream(std::filesystem::path(dir) / "tokenizer.json", std::ios::trunc) << bytes_tokenizer_json() << "\n";
+    std::ofstream(std::filesystem::path(dir) / "tokenizer_config.json", std::ios::trunc)
+        << "{\"tokenizer_class\": \"PreTrainedTokenizerFast\"}\n";
+    return;
+  }
   const std::map<std::string, std::string> files = tokenizer.all_files();
   for (const auto& [name, content] : files) {
     std::ofstream out(std::filesystem::path(dir) / name, std::ios::binary | std::ios::trunc);

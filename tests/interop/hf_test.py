@@ -101,6 +101,12 @@ def main():
         ours = meshtrain_logits(os.path.join(run, "checkpoints"), tokens, work)
         diff = (theirs - ours).abs().max().item()
         check(diff <= 1e-4, f"a trained llama-tiny (GQA) exported: transformers' logits equal meshtrain's ({diff:.2e})")
+        # Its byte tokenizer goes out as a tokenizer.json transformers loads: ids are the UTF-8 bytes, and back.
+        tok = transformers.AutoTokenizer.from_pretrained(out_dir)
+        text = "Straße, café: 東京 😀\n\tend "
+        ids = tok.encode(text, add_special_tokens=False)
+        check(ids == list(text.encode()) and tok.decode(ids) == text,
+              "the byte tokenizer is exported as a tokenizer.json whose ids are the text's bytes")
     # What meshtrain does not implement is refused by name: families_test.py.
     CHECKS.finish()
 
