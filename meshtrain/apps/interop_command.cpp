@@ -76,20 +76,16 @@ std::string bytes_tokenizer_json() {
 // the class transformers should load. The byte tokenizer is written as an
 // equivalent tokenizer.json.
 void write_tokenizer(const std::string& dir, const text::Tokenizer& tokenizer) {
-  if (tokenizer.kind() == "bytes") {
-    std::ofstream(std::filesystem::path(dir) / "tokenizer.json", std::ios::trunc) << bytes_tokenizer_json() << "\n";
-    std::ofstream(std::filesystem::path(dir) / "tokenizer_config.json", std::ios::trunc)
-        << "{\"tokenizer_class\": \"PreTrainedTokenizerFast\"}\n";
-    return;
-  }
-  const std::map<std::string, std::string> files = tokenizer.all_files();
+  const std::string kind = tokenizer.kind();
+  const std::map<std::string, std::string> files =
+      kind == "bytes" ? std::map<std::string, std::string>{{"tokenizer.json", bytes_tokenizer_json() + "\n"}}
+                      : tokenizer.all_files();
   for (const auto& [name, content] : files) {
     std::ofstream out(std::filesystem::path(dir) / name, std::ios::binary | std::ios::trunc);
     out << content;
   }
   if (files.count("tokenizer_config.json")) return;
-  const std::string kind = tokenizer.kind();
-  const char* cls = kind == "gpt2-bpe" ? "GPT2Tokenizer" : kind == "hf" ? "PreTrainedTokenizerFast" : "LlamaTokenizer";
+  const char* cls = kind == "gpt2-bpe" ? "GPT2Tokenizer" : kind == "sentencepiece" ? "LlamaTokenizer" : "PreTrainedTokenizerFast";
   std::ofstream config(std::filesystem::path(dir) / "tokenizer_config.json", std::ios::trunc);
   config << "{\"tokenizer_class\": \"" << cls << "\"}\n";
 }

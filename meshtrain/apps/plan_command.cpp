@@ -180,6 +180,7 @@ int run_plan(const PlanOptions& o) {
   if (o.moe_load > 0) workload.moe_load = o.moe_load;
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
   const plan::Machine machine = machine_of(o);
+  const bool assumed = o.machine_file.empty() && o.device_memory.empty();  // the default profile stands for the devices
 
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);
@@ -192,7 +193,7 @@ int run_plan(const PlanOptions& o) {
       std::printf("%s\n", candidate_json(c).dump(2).c_str());
       return 0;
     }
-    print_header(model, name, workload, machine, o.world, o.machine_file.empty() && o.device_memory.empty());
+    print_header(model, name, workload, machine, o.world, assumed);
     print_detail(c, machine);
     return 0;
   }
@@ -211,7 +212,7 @@ int run_plan(const PlanOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  print_header(model, name, workload, machine, o.world, o.machine_file.empty() && o.device_memory.empty());
+  print_header(model, name, workload, machine, o.world, assumed);
   std::printf("searched %lld layouts in %.2f s: %zu fit, %zu do not\n", (long long)result.examined, seconds,
               result.fitting.size(), result.rejected.size());
   if (!result.fitting.empty()) {

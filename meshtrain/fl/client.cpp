@@ -115,7 +115,6 @@ class Participant {
       context.set_wait_for_ready(true);  // wait for a connection rather than fail at once
       wire::JoinRequest request;
       request.set_client_id(o_.id);
-      request.set_examples(static_cast<uint64_t>(examples()));
       request.set_tokens(static_cast<uint64_t>(file_.size()));  // the server counts them at the model's context
       request.set_resume_session(session_);  // rejoining after a lost link: the session is ours
       wire::JoinReply reply;
@@ -169,8 +168,6 @@ class Participant {
     log("left the federation after %d rounds%s", rounds_done_, status.ok() ? "" : " (the server did not answer)");
   }
 
-  int64_t examples() const { return (file_.size() - 1) / std::max<int64_t>(1, context_len_); }
-
   void submit(const wire::Task& task, wire::Result& result) {
     result.set_client_id(o_.id);
     result.set_session(session_);
@@ -216,7 +213,6 @@ class Participant {
       model_json_ = task.model_json();
       const model::GptConfig config = model::config_from_json(model_json_);
       model_ = model::Gpt(config, 0);
-      context_len_ = config.context;
       sampler_ = std::make_unique<train::Sampler>(file_, config.context, client_sampler_seed(o_.id));
     }
     std::vector<at::Tensor> params = parameters_of(*model_);
@@ -267,7 +263,6 @@ class Participant {
   at::Generator rng_;
   std::string model_json_;
   model::Gpt model_{nullptr};
-  int64_t context_len_ = 128;
   std::unique_ptr<secagg::ClientSession> secure_;
   std::unique_ptr<grpc::ClientContext> presence_context_;
   std::thread presence_;

@@ -188,10 +188,13 @@ std::function<std::string(const std::vector<int64_t>&)> InferenceModel::continua
   }
   const text::Tokenizer* tokenizer = tokenizer_.get();
   return [tokenizer, context, head, skip_special](const std::vector<int64_t>& generated) {
-    std::vector<int64_t> tokens;
-    for (const int64_t id : generated) {
-      if (!skip_special || !tokenizer->is_special(id)) tokens.push_back(id);
+    std::vector<int64_t> kept;
+    if (skip_special) {
+      for (const int64_t id : generated) {
+        if (!tokenizer->is_special(id)) kept.push_back(id);
+      }
     }
+    const std::vector<int64_t>& tokens = skip_special ? kept : generated;
     if (context.empty()) return tokenizer->decode(tokens);
     std::vector<int64_t> all = context;
     all.insert(all.end(), tokens.begin(), tokens.end());

@@ -94,7 +94,7 @@ class InferenceModel {
   std::unique_ptr<text::Tokenizer> tokenizer_;
   at::Tensor sampleable_;  // bool [vocab]
   std::string name_;
-  std::string adapter_;  // "LoRA adapter DIR merged (rank 8, ...)", or 
+  std::string adapter_;  // "LoRA adapter DIR merged (rank 8, ...)", or "" (none)
   int64_t step_ = 0;
   InferenceOffload offload_;
   std::shared_ptr<offload::TieredStore> store_;

@@ -4,7 +4,6 @@
 #pragma once
 
 #include "meshtrain/model/gpt_config.h"
-#include "meshtrain/text/tokenizer.h"
 #include "meshtrain/model/lora.h"
 #include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/train/data_options.h"
@@ -17,6 +16,10 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+namespace meshtrain::text {
+class Tokenizer;
+}  // namespace meshtrain::text
 
 namespace meshtrain::train {
 

@@ -13,9 +13,9 @@
 #include <sys/stat.h>
 
 #include <chrono>
-#include <filesystem>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 
 namespace meshtrain::train {
 

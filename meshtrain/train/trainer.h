@@ -91,7 +91,6 @@ class Trainer {
   std::map<std::string, at::Tensor> full_parameters(int root = -1);
   const TrainConfig& config() const { return config_; }
   std::string model_fingerprint() const;
-  std::string model_differences(const std::string& saved_model_json) const;
   // One rank's fp32 matmul rate (FLOP/s), measured at construction.
   double peak_flops_per_rank() const { return peak_flops_; }
   at::Device device() const { return device_; }

@@ -102,12 +102,14 @@ void Trainer::save_checkpoint() {
 
 void Trainer::finish_checkpoints() { writer_->wait(); }
 
+namespace {
+
 // "model.layers = 1 here, 2 there, ...": the model keys this run sets otherwise
-// than the checkpoint's model; the two fingerprints where none can be named.
-std::string Trainer::model_differences(const std::string& saved_json) const {
+// than the checkpoint's model; this run's fingerprint where none can be named.
+std::string model_differences(const model::GptConfig& configured, const std::string& saved_json) {
   std::string out;
   try {
-    const nlohmann::json here = nlohmann::json::parse(model::to_json(config_.model));
+    const nlohmann::json here = nlohmann::json::parse(model::to_json(configured));
     const nlohmann::json there = nlohmann::json::parse(model::to_json(model::config_from_json(saved_json)));
     for (const auto& [key, value] : here.items()) {
       if (there.contains(key) && there[key] == value) continue;
@@ -117,15 +119,17 @@ std::string Trainer::model_differences(const std::string& saved_json) const {
   } catch (const std::exception&) {
     out.clear();
   }
-  return out.empty() ? model_fingerprint() + " here" : out;
+  return out.empty() ? model::fingerprint(configured) + " here" : out;
 }
+
+}  // namespace
 
 void Trainer::load_checkpoint(const std::string& folder) {
   std::unique_ptr<checkpoint::CheckpointReader> reader;
   comm::on_all_or_all_fail(*world_, [&] { reader = std::make_unique<checkpoint::CheckpointReader>(folder); });
   const checkpoint::Metadata& meta = reader->metadata();
   if (meta.model != model_fingerprint()) {
-    throw ConfigError("checkpoint " + folder + " holds a different model (" + model_differences(meta.model_config) +
+    throw ConfigError("checkpoint " + folder + " holds a different model (" + model_differences(config_.model, meta.model_config) +
                       "); use another run.out or checkpoint.dir, or set checkpoint.resume = false to start afresh");
   }
   const std::string lora = config_.lora.enabled() ? adapters_of(config_.lora) : "";
