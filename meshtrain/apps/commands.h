@@ -239,7 +239,7 @@ struct PlanOptions {
   double moe_load = 0;              // mixture of experts: the busiest rank's expert load (0: balanced)
   bool json = false;
   int top = 10;
-  std::string machine_file;         // a profile from --calibrate --save
+  std::string machine = "this";     // this machine, a preset (h100, h200, a100) or a profile file (Note [This machine])
   double peak_tflops = 0, mfu = 0, intra_gbps = 0, inter_gbps = 0, latency_us = 0;  // 0: the profile's
   std::string save;                 // --calibrate: write the profile here
 };

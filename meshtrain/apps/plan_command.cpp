@@ -4,9 +4,11 @@
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/interop/hf_checkpoint.h"
 #include "meshtrain/plan/from_config.h"
+#include "meshtrain/plan/machines.h"
 #include "meshtrain/plan/search.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
+#include "meshtrain/util/memory.h"
 
 #include <nlohmann/json.hpp>
 
@@ -16,6 +18,7 @@
 #include <stdexcept>
 #include <algorithm>
 #include <optional>
+#include <thread>
 #include <unistd.h>
 
 namespace meshtrain::apps {
@@ -28,8 +31,47 @@ bool is_config_file(const std::string& model) {
   return model.size() > 5 && model.compare(model.size() - 5, 5, ".toml") == 0;
 }
 
-plan::Machine machine_of(const PlanOptions& o) {
-  plan::Machine m = o.machine_file.empty() ? plan::Machine{} : plan::Machine::from_json(util::read_text_file(o.machine_file));
+// A rank's matmul rate on this host's CPU: one 1024 product per thread of this process, scaled to every core.
+double cpu_flops_all_cores() {
+  const memory::HostScope uncounted;
+  const int64_t n = 1024;
+  at::Tensor a = at::linspace(-1, 1, n * n).view({n, n}), b = a.t().contiguous(), c = at::empty({n, n});
+  at::mm(a.narrow(0, 0, 256), b);  // warm-up
+  double best = 1e30;
+  for (int i = 0; i < 2; ++i) {
+    const auto start = Clock::now();
+    at::mm_out(c, a, b);
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  return 2.0 * n * n * n / best / at::get_num_threads() * cores;
+}
+
+// The profile a plan is for (Note [This machine]): "this" (the default), a preset or a file; then the flags over it.
+// `said` gets what the header adds after the figures.
+plan::Machine machine_of(const PlanOptions& o, std::string& said) {
+  plan::Machine m;
+  const std::string how_to = "`meshtrain run -n 2 plan --calibrate --save machine.json` measures them";
+  if (o.machine == "this") {
+    if (const auto gpus = plan::detect_gpus()) {
+      m = gpus->machine;
+      said = "this machine" + (gpus->assumed.empty() ? "" : "; " + gpus->assumed) + "; bandwidths assumed: " + how_to;
+    } else {
+      const int64_t ranks = o.gpus_per_node > 0 ? std::min(o.gpus_per_node, o.world) : o.world;
+      const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+      m = plan::cpu_machine(memory, o.peak_tflops > 0 ? 0 : cpu_flops_all_cores(), ranks, plan::cpu_model_name() + " (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " cores)");
+      said = "this machine's CPU, its memory and cores shared by " + std::to_string(ranks) +
+             " ranks; peak measured, MFU and bandwidths assumed: " + how_to + "; --machine h100 plans for GPUs";
+    }
+  } else if (std::filesystem::is_regular_file(o.machine)) {
+    m = plan::Machine::from_json(util::read_text_file(o.machine));
+  } else if (o.machine.find_first_of("./") != std::string::npos) {
+    throw UsageError("--machine " + o.machine + ": no such file (a profile from --calibrate --save, or this, " +
+                     "h100, h200, a100)");
+  } else {
+    m = plan::machine_preset(o.machine);
+    said = "the " + o.machine + " profile";
+  }
   if (!o.device_memory.empty()) {
     // "80" was 80 bytes, and nothing fit: a device's memory takes a unit.
     if (o.device_memory.find_first_not_of("0123456789.") == std::string::npos) {
@@ -88,16 +130,16 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
   return j;
 }
 
-// `assumed`: neither --machine nor --device-memory was given, so the default profile stands for the devices.
+// `said`: what the profile is (this machine, a preset), and which of its figures are assumed.
 void print_header(const model::GptConfig& model, const std::string& name, const plan::Workload& w, const plan::Machine& m,
-                  int64_t world, bool assumed) {
+                  int64_t world, const std::string& said) {
   std::printf("model    %s\n", model.describe(name).c_str());
   std::printf("run      %lld ranks (%lld per node), %s per device, %s, global batch %lld x %lld tokens, %s attention\n",
               (long long)world, (long long)m.devices_per_node, plan::format_bytes(m.device_memory).c_str(),
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str());
-  std::printf("machine  %s: %.0f TFLOP/s peak x MFU %.2f, %.0f GB/s in a node, %.0f GB/s across, %.0f us latency%s\n",
+  std::printf("machine  %s: %.3g TFLOP/s peak x MFU %.2f, %.3g GB/s in a node, %.3g GB/s across, %.0f us latency%s\n",
               m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6,
-              assumed ? " (the default profile, not this machine: --machine, --device-memory)" : "");
+              said.empty() ? "" : (" (" + said + ")").c_str());
 }
 
 void print_table_head() {
@@ -179,8 +221,8 @@ int run_plan(const PlanOptions& o) {
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   if (o.moe_load > 0) workload.moe_load = o.moe_load;
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
-  const plan::Machine machine = machine_of(o);
-  const bool assumed = o.machine_file.empty() && o.device_memory.empty();  // the default profile stands for the devices
+  std::string said;
+  const plan::Machine machine = machine_of(o, said);
 
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);
@@ -193,7 +235,7 @@ int run_plan(const PlanOptions& o) {
       std::printf("%s\n", candidate_json(c).dump(2).c_str());
       return 0;
     }
-    print_header(model, name, workload, machine, o.world, assumed);
+    print_header(model, name, workload, machine, o.world, said);
     print_detail(c, machine);
     return 0;
   }
@@ -212,7 +254,7 @@ int run_plan(const PlanOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  print_header(model, name, workload, machine, o.world, assumed);
+  print_header(model, name, workload, machine, o.world, said);
   std::printf("searched %lld layouts in %.2f s: %zu fit, %zu do not\n", (long long)result.examined, seconds,
               result.fitting.size(), result.rejected.size());
   if (!result.fitting.empty()) {
@@ -312,7 +354,7 @@ class PlanCommand : public Command {
 
 PlanCommand::PlanCommand(CLI::App& app) {
   sub_ = app.add_subcommand(
-      "plan", "Will it fit, and which layout is fastest? Predicts per-rank memory (parameters, gradients, optimizer "
+      "plan", "Will it fit, and which layout is fastest? For this machine unless --machine names others. Predicts per-rank memory (parameters, gradients, optimizer "
               "states, activations, logits, buffers) and step time of every layout of --world ranks (dp, ZeRO 1-3, "
               "tp + sp, pp schedules, ep for MoE models, micro-batch, recompute, offload), drops those over "
               "--device-memory and ranks the rest; --layout explains one. Runs in one process; `meshtrain run -n 2 "
@@ -325,9 +367,7 @@ PlanCommand::PlanCommand(CLI::App& app) {
                 "Hugging Face model folder (its config.json)")
       ->capture_default_str();
   p->add_option("--world", o_.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
-  p->add_option("--device-memory", o_.device_memory,
-                "Memory per device, e.g. 80GiB (default: --machine's, else an H100's 80GiB; `meshtrain run -n N plan "
-                "--calibrate --save machine.json` measures this machine)");
+  p->add_option("--device-memory", o_.device_memory, "Memory per device, e.g. 80GiB (default: --machine's)");
   p->add_option("--gpus-per-node", o_.gpus_per_node, "Devices per node (tensor parallel stays inside one)");
   p->add_option("--seq", o_.seq, "Sequence length (default: the model's)");
   p->add_option("--global-batch", o_.global_batch, "Sequences per optimizer step (default: ~1M tokens)");
@@ -344,15 +384,19 @@ PlanCommand::PlanCommand(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   p->add_option("--top", o_.top, "Rows of the ranked table")->capture_default_str();
   p->add_flag("--json", o_.json, "Print JSON instead of tables");
-  p->add_option("--machine", o_.machine_file, "Machine profile (JSON from --calibrate --save)")->check(CLI::ExistingFile);
-  p->add_option("--peak-tflops", o_.peak_tflops, "Peak dense TFLOP/s per device (default: H100 bf16, 989)");
+  p->add_option("--machine", o_.machine,
+                "The devices planned for: this (this machine's GPUs, or its CPU shared by the ranks), h100, h200, a100, "
+                "or a profile file (JSON from --calibrate --save)")
+      ->capture_default_str();
+  p->add_option("--peak-tflops", o_.peak_tflops, "Peak dense TFLOP/s per device (default: --machine's; h100: 989)");
   p->add_option("--mfu", o_.mfu, "Share of the peak a step achieves (default 0.45)");
-  p->add_option("--intra-gbps", o_.intra_gbps, "Collective bus bandwidth inside a node, GB/s (default 360)");
-  p->add_option("--inter-gbps", o_.inter_gbps, "... across nodes, per device, GB/s (default 45)");
-  p->add_option("--latency-us", o_.latency_us, "Latency per collective step, microseconds (default 10)");
+  p->add_option("--intra-gbps", o_.intra_gbps, "Collective bus bandwidth inside a node, GB/s (default: --machine's; h100: 360)");
+  p->add_option("--inter-gbps", o_.inter_gbps, "... across nodes, per device, GB/s (default: --machine's; h100: 45)");
+  p->add_option("--latency-us", o_.latency_us, "Latency per collective step, microseconds (default: --machine's; h100: 10)");
   p->add_flag("--calibrate", calibrate_, "Measure this machine (run under `meshtrain run -n N` for bandwidth)");
   p->add_option("--save", o_.save, "With --calibrate: write the profile to this file");
-  p->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --device-memory 80GiB\n"
+  p->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --machine h100\n"
+            "  meshtrain plan --model runs/default/checkpoints --world 2\n"
             "  meshtrain plan --model gpt3-175b --world 1024 --layout \"pp=8 1f1b tp=8 sp dp=16 zero=1 mb=1 "
             "recompute=selective\"\n"
             "  meshtrain run -n 2 plan --calibrate --save machine.json");

@@ -11,9 +11,10 @@ grep -q "llama2-7b: 6.74B parameters, 32 layers" "$dir/table.txt"
 grep -q "fastest layouts that fit" "$dir/table.txt"
 grep -q "closest that do not fit:" "$dir/table.txt"
 grep -q "needs .* GiB > 80.0 GiB on pipeline rank" "$dir/table.txt"
-grep -q "the default profile" "$dir/table.txt" && { echo "an 80GiB device was called the default profile"; exit 1; }
+grep -q "^machine  .*(this machine" "$dir/table.txt" || { echo "the default machine is not this one"; exit 1; }
+"$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 | grep -q "^machine  h100: 989 TFLOP/s .*(the h100 profile)"
 
-# The model of a Hugging Face folder (its config.json alone) and of a checkpoint; the default profile said.
+# The model of a Hugging Face folder (its config.json alone) and of a checkpoint; this machine's memory by default.
 mkdir -p "$dir/hf"
 cat > "$dir/hf/config.json" <<'JSON'
 {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
@@ -23,12 +24,20 @@ cat > "$dir/hf/config.json" <<'JSON'
 JSON
 "$meshtrain" plan --model "$dir/hf" --world 4 --top 1 > "$dir/hf.txt"
 grep -q "hf: 1.24B parameters, 16 layers, h 2048, 32 heads (8 kv)" "$dir/hf.txt" &&
-  grep -q "(the default profile, not this machine: --machine, --device-memory)" "$dir/hf.txt" || { cat "$dir/hf.txt"; exit 1; }
+  grep -q "(this machine" "$dir/hf.txt" || { cat "$dir/hf.txt"; exit 1; }
+if [ ! -d /proc/driver/nvidia/gpus ]; then  # a CPU host: its memory shared by the 4 ranks
+  python3 - "$dir/hf.txt" <<'PY'
+import os, re, sys
+per_rank = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4 / 2**30
+shown = float(re.search(r"^run .*?, ([\d.]+) GiB per device", open(sys.argv[1]).read(), re.M).group(1))
+assert abs(shown - per_rank) < 0.1, (shown, per_rank)
+PY
+fi
 "$meshtrain" train --model.preset=tiny --model.layers=1 --training.steps=1 --training.batch=2 --training.micro_batch=2 \
   --training.sample_tokens=0 --run.out="$dir/run" > /dev/null
 "$meshtrain" plan --model "$dir/run/checkpoints" --world 2 --top 1 > "$dir/ckpt.txt"
 grep -q "checkpoints: 889K parameters, 1 layers, h 256" "$dir/ckpt.txt" || { cat "$dir/ckpt.txt"; exit 1; }
-"$meshtrain" plan --model llama2-7b --world 8 --json --top 3 > "$dir/plan.json"
+"$meshtrain" plan --model llama2-7b --world 8 --machine h100 --json --top 3 > "$dir/plan.json"
 python3 - "$dir/plan.json" <<'PY'
 import json, sys
 plan = json.load(open(sys.argv[1]))
@@ -45,7 +54,7 @@ grep -q "^  7  " "$dir/one.txt"  # a row per pipeline rank
 "$meshtrain" plan --model mixtral-8x7b --world 64 --layout "pp=8 ep=8" | tee "$dir/moe.txt"
 grep -q "mixtral-8x7b: 46.70B parameters.*8 experts top-2 in every block, 12.88B active" "$dir/moe.txt"
 grep -q "ep   all-to-all tokens to and from experts" "$dir/moe.txt"
-"$meshtrain" plan --model mixtral-8x7b --world 64 --json --top 50 > "$dir/moe.json"
+"$meshtrain" plan --model mixtral-8x7b --world 64 --machine h100 --json --top 50 > "$dir/moe.json"
 python3 - "$dir/moe.json" <<'PY'
 import json, sys
 plan = json.load(open(sys.argv[1]))
@@ -78,6 +87,7 @@ expect_error "uses pp x dp x fsdp x ep x cp x tp = 4 ranks, not --world 8" --mod
 expect_error "tp(3) does not divide the attention heads (32)" --model llama2-7b --world 6 --layout "tp=3 dp=2"
 expect_error "layout key 'tq' unknown" --model llama2-7b --world 8 --layout tq=8
 expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples
+expect_error "machine 'h300' unknown: use this, h100, h200, a100 or a profile file" --model small --world 2 --machine h300
 echo '{"mfu": "high"}' > "$dir/bad-machine.json"
 expect_error "machine profile field 'mfu' must be a positive number" --model small --world 2 --machine "$dir/bad-machine.json"
 echo "plan: all checks passed"

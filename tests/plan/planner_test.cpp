@@ -6,10 +6,14 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/plan/from_config.h"
+#include "meshtrain/plan/machines.h"
 #include "meshtrain/plan/search.h"
 #include "tests/harness/error_of.h"
 
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
 
 namespace meshtrain::plan {
 namespace {
@@ -244,6 +248,37 @@ TEST(PlanMachine, ProfileRoundTripsAndRejectsBadFields) {
   EXPECT_EQ(back.devices_per_node, 2);
   EXPECT_NE(error_of([] { Machine::from_json("{\"mfu\": -1}"); }).find("'mfu' must be a positive number"), std::string::npos);
   EXPECT_NE(error_of([] { Machine::from_json("not json"); }).find("machine profile is not JSON"), std::string::npos);
+}
+
+// Note [This machine]: the GPUs the driver lists, by model; the CPU's memory and peak shared by its ranks.
+TEST(PlanMachine, ThisMachineIsTheDriversGpusOrTheCpuSharedByItsRanks) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "meshtrain-plan-gpus";
+  std::filesystem::remove_all(dir);
+  EXPECT_FALSE(detect_gpus(dir.string()).has_value());
+  for (const char* bus : {"0000:18:00.0", "0000:2a:00.0"}) {
+    std::filesystem::create_directories(dir / bus);
+    std::ofstream(dir / bus / "information") << "Model: \t\t NVIDIA H200\nIRQ:   18\nBus Type:  PCIe\n";
+  }
+  auto gpus = detect_gpus(dir.string());
+  ASSERT_TRUE(gpus.has_value());
+  EXPECT_EQ(gpus->model, "NVIDIA H200");
+  EXPECT_EQ(gpus->machine.devices_per_node, 2);
+  EXPECT_EQ(gpus->machine.device_memory, machine_preset("h200").device_memory);
+  EXPECT_EQ(gpus->machine.peak_flops, 989e12);
+  EXPECT_TRUE(gpus->assumed.empty());
+  std::ofstream(dir / "0000:18:00.0" / "information") << "Model: Tesla T4\n";
+  std::ofstream(dir / "0000:2a:00.0" / "information") << "Model: Tesla T4\n";
+  gpus = detect_gpus(dir.string());
+  ASSERT_TRUE(gpus.has_value());
+  EXPECT_NE(gpus->assumed.find("'Tesla T4' has no profile here"), std::string::npos);
+  std::filesystem::remove_all(dir);
+
+  const Machine cpu = cpu_machine(24.0 * (1 << 30), 200e9, 4, "AMD EPYC (2 cores)");
+  EXPECT_EQ(cpu.device_memory, 6.0 * (1 << 30));
+  EXPECT_EQ(cpu.peak_flops, 50e9);
+  EXPECT_EQ(cpu.devices_per_node, 4);
+  EXPECT_EQ(machine_preset("a100").peak_flops, 312e12);
+  EXPECT_NE(error_of([] { machine_preset("h300"); }).find("use this, h100, h200, a100"), std::string::npos);
 }
 
 }  // namespace
