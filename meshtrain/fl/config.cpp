@@ -1,6 +1,7 @@
 #include "meshtrain/fl/config.h"
 
 #include "meshtrain/model/config_json.h"
+#include "meshtrain/util/config_toml.h"
 #include "meshtrain/util/suggest.h"
 
 #include <nlohmann/json.hpp>
@@ -15,10 +16,9 @@
 namespace meshtrain::fl {
 namespace {
 
-struct Key {
-  std::string help;
-  std::function<void(FlConfig&, const toml::node&)> set;
-};
+using config::Kind;
+using config::Value;
+using FlKey = config::Key<FlConfig>;
 
 template <typename T>
 T as(const toml::node& node, const std::string& key) {
@@ -33,102 +33,118 @@ T as(const toml::node& node, const std::string& key) {
   }
   const char* wanted = std::is_same_v<T, bool> ? "true or false" : std::is_same_v<T, std::string> ? "a string" :
                        std::is_floating_point_v<T> ? "a number" : "an integer";
-  (void)node;
   throw FlConfigError(key + ": wrong type, expected " + std::string(wanted));
 }
 
-std::vector<std::string> as_strings(const toml::node& node, const std::string& key) {
-  std::vector<std::string> out;
-  if (const auto* array = node.as_array()) {
-    for (const auto& item : *array) out.push_back(as<std::string>(item, key));
-    return out;
-  }
-  std::string text = as<std::string>(node, key);
-  std::istringstream in(text);
-  for (std::string s; std::getline(in, s, ',');) if (!s.empty()) out.push_back(s);
-  return out;
+template <typename Access>
+FlKey key(std::string section, std::string name, std::string help, Access access) {
+  return config::key<FlConfig>(std::move(section), std::move(name), std::move(help), access);
 }
 
-#define FL_KEY(name, help, member, type) \
-  { name, Key{help, [](FlConfig& c, const toml::node& n) { c.member = as<type>(n, name); }} }
+#define MEMBER(expression) [](FlConfig& c) -> auto& { return c.expression; }
 
-const std::map<std::string, Key>& keys() {
-  static const std::map<std::string, Key> k = {
-      FL_KEY("fl.rounds", "rounds to run", rounds, int64_t),
-      FL_KEY("fl.fraction", "fraction of the available clients sampled per round", fraction, double),
-      FL_KEY("fl.min_available", "clients that must be connected before a round starts", min_available, int64_t),
-      FL_KEY("fl.min_fit", "results a round needs to count (else it is discarded)", min_fit, int64_t),
-      FL_KEY("fl.deadline_s", "seconds per round phase; later results are dropped as stragglers", deadline_s, double),
-      FL_KEY("fl.wait_clients_s", "seconds a round waits for min_available clients", wait_clients_s, double),
-      FL_KEY("fl.seed", "sampling, structures and sketches", seed, uint64_t),
-      FL_KEY("fl.label", "name of this configuration in metrics and plots", label, std::string),
-      FL_KEY("fl.strategy", "fedavg | fedprox | fedadam | fedyogi", strategy.name, std::string),
-      FL_KEY("fl.server_lr", "server step size (FedAvg: 1 takes the mean update as is)", strategy.server_lr, double),
-      FL_KEY("fl.beta1", "FedAdam/FedYogi first moment decay", strategy.beta1, double),
-      FL_KEY("fl.beta2", "FedAdam/FedYogi second moment decay", strategy.beta2, double),
-      FL_KEY("fl.tau", "FedAdam/FedYogi adaptivity", strategy.tau, double),
-      FL_KEY("fl.prox_mu", "FedProx proximal weight mu (clients add mu/2·|w - w_global|²)", strategy.prox_mu, double),
-      FL_KEY("fl.aggregation", "mean (FedAvg's, by examples) | median | trimmed_mean | krum | multi_krum: how the round's "
-             "updates combine; all but mean withstand some hostile clients and need every update (no secagg)",
-             aggregation.name, std::string),
-      FL_KEY("fl.trim_fraction", "trimmed_mean: the share of values dropped at each end, per coordinate", aggregation.trim_fraction,
-             double),
-      FL_KEY("fl.byzantine", "krum, multi_krum: f, the hostile clients tolerated (a round needs 2f + 3 updates)",
-             aggregation.byzantine, int64_t),
-      FL_KEY("fl.krum_keep", "multi_krum: the best-scored updates averaged (0: n - f)", aggregation.keep, int64_t),
-      {"fl.clip_norm", Key{"the bound on each client's update, a global L2 norm: \"auto\" (the default: fl.clip_factor "
-                           "times the round's median norm), a number (fixed; clients clip too), or 0 (none)",
-                           [](FlConfig& c, const toml::node& n) {
-                             if (n.is_string() && *n.value<std::string>() == "auto") {
-                               c.clip_auto = true;
-                               return;
-                             }
-                             if (n.is_string()) throw FlConfigError("fl.clip_norm: a number >= 0, or \"auto\"");
-                             c.clip_auto = false;
-                             c.clip_norm = as<double>(n, "fl.clip_norm");
-                           }}},
-      FL_KEY("fl.clip_factor", "fl.clip_norm = \"auto\": the bound as a multiple of the round's median update norm",
-             clip_factor, double),
-      FL_KEY("fl.max_message_mb", "a client message larger than this is refused before it is read (0: a full update "
-             "plus a quarter and 4 MiB)", max_message_mb, double),
-      FL_KEY("fl.max_examples_per_client", "a client's FedAvg weight is at most this (0: the training sequences it "
-             "declared at Join, which cannot grow within its session)", max_examples_per_client, int64_t),
-      FL_KEY("fl.max_regression", "a round that raises the validation loss by more than this (or makes it or the "
-             "model non-finite) is rolled back", max_regression, double),
-      FL_KEY("fl.keep_states", "the last good server states kept in out/states/", keep_states, int64_t),
-      FL_KEY("fl.dp.noise_multiplier", "DP-FedAvg: Gaussian noise of std z·clip_norm on the sum of clipped updates (0: "
-             "off; needs a fixed fl.clip_norm)", noise_multiplier, double),
-      FL_KEY("fl.dp.delta", "DP-FedAvg: the delta of the (epsilon, delta) the accountant reports", dp_delta, double),
-      FL_KEY("fl.client.local_steps", "local steps per round", local_steps, int64_t),
-      FL_KEY("fl.client.batch", "sequences per local step", batch, int64_t),
-      FL_KEY("fl.client.lr", "client learning rate", lr, double),
-      FL_KEY("fl.client.optimizer", "sgd | adamw (fresh each round, no decay)", optimizer, std::string),
-      FL_KEY("fl.compression.structure", "none | low_rank | mask", compression.structure, std::string),
-      FL_KEY("fl.compression.rank", "low_rank: k", compression.rank, int64_t),
-      FL_KEY("fl.compression.mask_fraction", "mask: probability an entry is trained", compression.mask_fraction, double),
-      FL_KEY("fl.compression.rotate", "random Walsh-Hadamard rotation before the sketch", compression.rotate, bool),
-      FL_KEY("fl.compression.keep", "random subsampling: probability an entry is sent", compression.keep, double),
-      FL_KEY("fl.compression.bits", "0: float32; 1..16: unbiased quantisation", compression.bits, int64_t),
-      FL_KEY("fl.secagg.enabled", "secure aggregation (the server learns only the sum)", secagg, bool),
-      FL_KEY("fl.secagg.threshold", "t: clients needed to unmask", threshold, int64_t),
-      FL_KEY("fl.secagg.clip", "updates are clipped to [-clip, clip]", clip, double),
-      FL_KEY("fl.secagg.bits", "quantisation bits in the ring Z_2^32", secagg_bits, int64_t),
-      FL_KEY("fl.data.val_file", "validation token file (fl split's val.bin)", val_file, std::string),
-      FL_KEY("fl.data.clients_dir", "fl simulate: a directory of client directories with train.bin", clients_dir,
-             std::string),
-      FL_KEY("fl.data.eval_batches", "validation batches per round", eval_batches, int64_t),
-      FL_KEY("fl.server.listen", "host:port (port 0: any free one)", listen, std::string),
-      FL_KEY("fl.server.out", "metrics.jsonl, state.safetensors, loss.svg", out, std::string),
-      FL_KEY("fl.server.resume", "continue from out/state.safetensors when present", resume, bool),
-      FL_KEY("fl.server.cert", "server certificate (PEM)", tls.cert, std::string),
-      FL_KEY("fl.server.key", "server private key (PEM)", tls.key, std::string),
-      FL_KEY("fl.server.client_ca", "mutual TLS: CA that signs client certificates", tls.ca, std::string),
-      FL_KEY("fl.server.mutual_tls", "require client certificates", tls.mutual, bool),
-      {"fl.server.allow", Key{"mutual TLS: admitted client common names (empty: any signed by client_ca)",
-                              [](FlConfig& c, const toml::node& n) { c.tls.allow = as_strings(n, "fl.server.allow"); }}},
-      FL_KEY("fl.server.insecure", "plaintext (only on a loopback address)", tls.insecure, bool),
+// Every [fl...] key, in the order --help-config lists them (Note [Config keys]).
+const std::vector<FlKey>& keys() {
+  static const std::vector<FlKey> k = {
+      key("fl", "rounds", "rounds to run", MEMBER(rounds)),
+      key("fl", "fraction", "fraction of the available clients sampled per round", MEMBER(fraction)),
+      key("fl", "min_available", "clients that must be connected before a round starts", MEMBER(min_available)),
+      key("fl", "min_fit", "results a round needs to count (else it is discarded)", MEMBER(min_fit)),
+      key("fl", "deadline_s", "seconds per round phase; later results are dropped as stragglers", MEMBER(deadline_s)),
+      key("fl", "wait_clients_s", "seconds a round waits for min_available clients", MEMBER(wait_clients_s)),
+      key("fl", "seed", "sampling, structures and sketches", MEMBER(seed)),
+      key("fl", "label", "name of this configuration in metrics and plots", MEMBER(label)),
+      key("fl", "strategy", "fedavg | fedprox | fedadam | fedyogi", MEMBER(strategy.name)),
+      key("fl", "server_lr", "server step size (FedAvg: 1 takes the mean update as is)", MEMBER(strategy.server_lr)),
+      key("fl", "beta1", "FedAdam/FedYogi first moment decay", MEMBER(strategy.beta1)),
+      key("fl", "beta2", "FedAdam/FedYogi second moment decay", MEMBER(strategy.beta2)),
+      key("fl", "tau", "FedAdam/FedYogi adaptivity", MEMBER(strategy.tau)),
+      key("fl", "prox_mu", "FedProx proximal weight mu (clients add mu/2·|w - w_global|²)", MEMBER(strategy.prox_mu)),
+      key("fl", "aggregation", "mean (FedAvg's, by examples) | median | trimmed_mean | krum | multi_krum: how the round's "
+             "updates combine; all but mean withstand some hostile clients and need every update (no secagg)", MEMBER(aggregation.name)),
+      key("fl", "trim_fraction", "trimmed_mean: the share of values dropped at each end, per coordinate", MEMBER(aggregation.trim_fraction)),
+      key("fl", "byzantine", "krum, multi_krum: f, the hostile clients tolerated (a round needs 2f + 3 updates)", MEMBER(aggregation.byzantine)),
+      key("fl", "krum_keep", "multi_krum: the best-scored updates averaged (0: n - f)", MEMBER(aggregation.keep)),
+      FlKey{"fl", "clip_norm", Kind::kNumberOrString,
+            "the bound on each client's update, a global L2 norm: \"auto\" (fl.clip_factor times the round's median "
+            "norm), a number (fixed; clients clip too), or 0 (none)",
+            [](FlConfig& c, const Value& v) {
+              if (!v.s.empty() && v.s != "auto") config::refuse("fl.clip_norm", config::quoted(v.s), "a number >= 0, or \"auto\"");
+              c.clip_auto = v.s == "auto";
+              if (!c.clip_auto) c.clip_norm = v.f;
+            },
+            [](const FlConfig& c) { return c.clip_auto ? std::string("\"auto\"") : config::FieldType<double>::show(c.clip_norm); }},
+      key("fl", "clip_factor", "fl.clip_norm = \"auto\": the bound as a multiple of the round's median update norm", MEMBER(clip_factor)),
+      key("fl", "max_message_mb", "a client message larger than this is refused before it is read (0: a full update "
+             "plus a quarter and 4 MiB)", MEMBER(max_message_mb)),
+      key("fl", "max_examples_per_client", "a client's FedAvg weight is at most this (0: the training sequences it "
+             "declared at Join, which cannot grow within its session)", MEMBER(max_examples_per_client)),
+      key("fl", "max_regression", "a round that raises the validation loss by more than this (or makes it or the "
+             "model non-finite) is rolled back", MEMBER(max_regression)),
+      key("fl", "keep_states", "the last good server states kept in out/states/", MEMBER(keep_states)),
+      key("fl.dp", "noise_multiplier", "DP-FedAvg: Gaussian noise of std z·clip_norm on the sum of clipped updates (0: "
+             "off; needs a fixed fl.clip_norm)", MEMBER(noise_multiplier)),
+      key("fl.dp", "delta", "DP-FedAvg: the delta of the (epsilon, delta) the accountant reports", MEMBER(dp_delta)),
+      key("fl.client", "local_steps", "local steps per round", MEMBER(local_steps)),
+      key("fl.client", "batch", "sequences per local step", MEMBER(batch)),
+      key("fl.client", "lr", "client learning rate", MEMBER(lr)),
+      key("fl.client", "optimizer", "sgd | adamw (fresh each round, no decay)", MEMBER(optimizer)),
+      key("fl.compression", "structure", "none | low_rank | mask", MEMBER(compression.structure)),
+      key("fl.compression", "rank", "low_rank: k", MEMBER(compression.rank)),
+      key("fl.compression", "mask_fraction", "mask: probability an entry is trained", MEMBER(compression.mask_fraction)),
+      key("fl.compression", "rotate", "random Walsh-Hadamard rotation before the sketch", MEMBER(compression.rotate)),
+      key("fl.compression", "keep", "random subsampling: probability an entry is sent", MEMBER(compression.keep)),
+      key("fl.compression", "bits", "0: float32; 1..16: unbiased quantisation", MEMBER(compression.bits)),
+      key("fl.secagg", "enabled", "secure aggregation (the server learns only the sum)", MEMBER(secagg)),
+      key("fl.secagg", "threshold", "t: clients needed to unmask", MEMBER(threshold)),
+      key("fl.secagg", "clip", "updates are clipped to [-clip, clip]", MEMBER(clip)),
+      key("fl.secagg", "bits", "quantisation bits in the ring Z_2^32", MEMBER(secagg_bits)),
+      key("fl.data", "val_file", "validation token file (fl split's val.bin)", MEMBER(val_file)),
+      key("fl.data", "clients_dir", "fl simulate: a directory of client directories with train.bin", MEMBER(clients_dir)),
+      key("fl.data", "eval_batches", "validation batches per round", MEMBER(eval_batches)),
+      key("fl.server", "listen", "host:port (port 0: any free one)", MEMBER(listen)),
+      key("fl.server", "out", "metrics.jsonl, state.safetensors, loss.svg", MEMBER(out)),
+      key("fl.server", "resume", "continue from out/state.safetensors when present", MEMBER(resume)),
+      key("fl.server", "cert", "server certificate (PEM)", MEMBER(tls.cert)),
+      key("fl.server", "key", "server private key (PEM)", MEMBER(tls.key)),
+      key("fl.server", "client_ca", "mutual TLS: CA that signs client certificates", MEMBER(tls.ca)),
+      key("fl.server", "mutual_tls", "require client certificates", MEMBER(tls.mutual)),
+      FlKey{"fl.server", "allow", Kind::kStringList,
+            "mutual TLS: admitted client common names (a list, or one string of them separated by commas; empty: any "
+            "signed by client_ca)",
+            [](FlConfig& c, const Value& v) {
+              c.tls.allow.clear();
+              for (const std::string& item : v.list) {
+                std::istringstream in(item);
+                for (std::string name; std::getline(in, name, ',');) if (!name.empty()) c.tls.allow.push_back(name);
+              }
+            },
+            [](const FlConfig& c) { return config::FieldType<std::vector<std::string>>::show(c.tls.allow); }},
+      key("fl.server", "insecure", "plaintext (only on a loopback address)", MEMBER(tls.insecure)),
   };
   return k;
+}
+
+#undef MEMBER
+
+const FlKey& find_key(const std::string& name, const std::string& where) {
+  for (const FlKey& k : keys()) {
+    if (k.full_name() == name) return k;
+  }
+  std::vector<std::string> known;
+  for (const FlKey& k : keys()) known.push_back(k.full_name());
+  throw FlConfigError(where + name + ": unknown key" + util::did_you_mean(name, known) +
+                      "; meshtrain fl server --help-config lists them");
+}
+
+void set(FlConfig& c, const FlKey& k, const toml::node& node, const std::string& where) {
+  try {
+    k.set(c, config::read_value(k.full_name(), k.kind, node, where));
+  } catch (const FlConfigError&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    throw FlConfigError(e.what());
+  }
 }
 
 void apply_model(FlConfig& c, const toml::table& model) {
@@ -162,14 +178,7 @@ void apply_table(FlConfig& c, const toml::table& table, const std::string& prefi
       apply_table(c, *node.as_table(), key);
       continue;
     }
-    auto found = keys().find(key);
-    if (found == keys().end()) {
-      std::vector<std::string> known;
-      for (const auto& entry : keys()) known.push_back(entry.first);
-      throw FlConfigError(key + ": unknown key" + util::did_you_mean(key, known) +
-                          "; meshtrain fl server --help-config lists them");
-    }
-    found->second.set(c, node);
+    set(c, find_key(key, ""), node, "config");
   }
 }
 
@@ -214,30 +223,38 @@ FlConfig FlConfig::load(const std::string& path, const std::vector<std::string>&
     where << e.source().begin;
     throw FlConfigError(path + ":" + where.str() + ": " + std::string(e.description()));
   }
+  // [model] overrides join the file's [model] table (the preset first); [fl...] ones are set after the file's.
+  std::vector<std::pair<const FlKey*, std::string>> fl_overrides;
   for (const std::string& o : overrides) {
     const size_t eq = o.find('=');
     if (eq == std::string::npos) throw FlConfigError("override '" + o + "': write section.key=value, e.g. fl.rounds=3");
     const std::string key = o.substr(0, eq), value = o.substr(eq + 1);
+    if (key.rfind("model.", 0) != 0) {
+      fl_overrides.emplace_back(&find_key(key, "override --"), value);
+      continue;
+    }
     toml::table parsed;
     try {
       parsed = toml::parse("v = " + value);
     } catch (const toml::parse_error&) {
       parsed = toml::parse("v = \"" + value + "\"");
     }
-    // Walk/create the tables of key's path, then set the leaf.
-    toml::table* t = &root;
-    size_t start = 0;
-    for (size_t dot; (dot = key.find('.', start)) != std::string::npos; start = dot + 1) {
-      const std::string part = key.substr(start, dot - start);
-      if (!(*t)[part]) t->insert(part, toml::table{});
-      t = (*t)[part].as_table();
-      if (!t) throw FlConfigError("override '" + o + "': " + part + " is not a section");
-    }
-    t->insert_or_assign(key.substr(start), *parsed["v"].node());
+    if (!root["model"]) root.insert("model", toml::table{});
+    toml::table* model = root["model"].as_table();
+    if (!model) throw FlConfigError("override '" + o + "': model is not a section");
+    model->insert_or_assign(key.substr(6), *parsed["v"].node());
   }
   FlConfig c;
   if (const auto* model = root["model"].as_table()) apply_model(c, *model);
   apply_table(c, root, "");
+  for (const auto& [k, raw] : fl_overrides) {
+    const std::string where = "override --" + k->full_name() + "=" + raw;
+    try {
+      set(c, *k, *config::override_value(k->full_name(), k->kind, raw, where).get("v"), where);
+    } catch (const config::ConfigError& e) {
+      throw FlConfigError(e.what());
+    }
+  }
   c.validate();
   return c;
 }
@@ -312,10 +329,7 @@ int64_t FlConfig::max_message_bytes() const {
 }
 
 std::string FlConfig::describe_keys() {
-  std::ostringstream out;
-  out << "[model] preset and keys as for meshtrain train (default preset: tiny)\n";
-  for (const auto& [name, key] : keys()) out << "  " << name << "  " << key.help << "\n";
-  return out.str();
+  return "[model] preset and keys as for meshtrain train (default preset: tiny)\n" + config::describe(keys(), FlConfig{});
 }
 
 }  // namespace meshtrain::fl

@@ -1,6 +1,7 @@
 #include "meshtrain/train/config.h"
 
 #include "meshtrain/comm/runtime.h"
+#include "meshtrain/util/config_toml.h"
 #include "meshtrain/util/suggest.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -313,52 +314,8 @@ const Field* find_field(const std::string& section, const std::string& key) {
                     joined(names, "", ""));
 }
 
-std::string node_text(const toml::node& node) {
-  std::ostringstream out;
-  node.visit([&](auto&& v) { out << v; });
-  return out.str();
-}
-
-Value convert(const Field& field, const toml::node& node, const std::string& where) {
-  Value value;
-  const std::string name = field.full_name();
-  auto wrong = [&]() -> ConfigError {
-    return ConfigError(where + ": " + name + " = " + node_text(node) + " must be " + config::kind_name(field.kind));
-  };
-  switch (field.kind) {
-    case Kind::kInt:
-      if (!node.is_integer()) throw wrong();
-      value.i = node.value<int64_t>().value();
-      break;
-    case Kind::kFloat:
-      if (!node.is_number()) throw wrong();
-      value.f = node.value<double>().value();
-      break;
-    case Kind::kBool:
-      if (!node.is_boolean()) throw wrong();
-      value.b = node.value<bool>().value();
-      break;
-    case Kind::kString:
-      if (!node.is_string()) throw wrong();
-      value.s = node.value<std::string>().value();
-      break;
-    case Kind::kStringList:
-      if (node.is_string()) {
-        value.list = {node.value<std::string>().value()};
-        break;
-      }
-      if (!node.is_array()) throw wrong();
-      for (const auto& item : *node.as_array()) {
-        if (!item.is_string()) throw wrong();
-        value.list.push_back(item.value<std::string>().value());
-      }
-      break;
-  }
-  return value;
-}
-
 void apply(TrainConfig& config, const Field& field, const toml::node& node, const std::string& where) {
-  const Value value = convert(field, node, where);
+  const Value value = config::read_value(field.full_name(), field.kind, node, where);
   try {
     field.set(config, value);
   } catch (const ConfigError&) {
@@ -389,7 +346,7 @@ std::vector<TrainConfig::Source> read_sources(const toml::node& node, const std:
       } else if (name == "weight" && value.is_number()) {
         source.weight = value.value<double>().value();
       } else {
-        throw ConfigError(where + ": data.sources " + name + " = " + node_text(value) +
+        throw ConfigError(where + ": data.sources " + name + " = " + config::node_text(value) +
                           ": a source has path (a string or a list of them) and weight (a number)");
       }
     }
@@ -459,17 +416,7 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
     const std::string raw = override_text.substr(eq + 1);
     const Field* field = find_field(section, key);
     if (!field) unknown_key(section, key, where);
-    toml::table parsed;
-    if (field->kind == Kind::kString) {
-      parsed.insert("v", raw);  // strings need no quotes on the command line
-    } else {
-      try {
-        parsed = toml::parse("v = " + raw);
-      } catch (const toml::parse_error&) {
-        if (field->kind == Kind::kStringList) parsed.insert("v", raw);
-        else throw ConfigError(where + ": " + section + "." + key + " = " + raw + " must be " + config::kind_name(field->kind));
-      }
-    }
+    const toml::table parsed = config::override_value(section + "." + key, field->kind, raw, where);
     apply(config, *field, *parsed.get("v"), where);
   }
   return config;
@@ -606,9 +553,7 @@ std::string TrainConfig::describe_keys() {
       section = f.section;
       out << "\n[" << section << "]\n";
     }
-    std::string line = "  " + f.name + " = " + f.show(defaults);
-    if (line.size() < 36) line.resize(36, ' ');
-    out << line << "  " << f.help << "\n";
+    out << config::describe_line(f.name, f.show(defaults), f.help);
     if (f.section == "data" && f.name == "split_mb") {
       out << "  [[data.sources]] path, weight     a mixture (TOML only): each source's files, sampled in proportion to "
              "its weight\n";

@@ -26,6 +26,7 @@ const char* kind_name(Kind kind) {
     case Kind::kBool: return "true or false";
     case Kind::kString: return "a string";
     case Kind::kStringList: return "a list of strings";
+    case Kind::kNumberOrString: return "a number or a string";
   }
   return "?";
 }

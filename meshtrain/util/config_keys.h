@@ -28,10 +28,10 @@ class ConfigError : public std::invalid_argument {
 std::string allowed_names(const std::vector<std::string>& names);
 std::string quoted(const std::string& text);  // "\"text\""
 
-enum class Kind { kInt, kFloat, kBool, kString, kStringList };
+enum class Kind { kInt, kFloat, kBool, kString, kStringList, kNumberOrString };
 const char* kind_name(Kind kind);  // "an integer", "a number", ...
 
-// A value as read from TOML, in the member its kind names.
+// A value as read from TOML, in the member its kind names (kNumberOrString: f, or s when a string).
 struct Value {
   int64_t i = 0;
   double f = 0;

@@ -58,19 +58,24 @@ class Meshtrain:
 
     def train_keys(self):
         _, text = self.help(("train",))
-        keys, section = set(), None
-        for line in text.split("Keys and defaults:", 1)[1].splitlines():
-            if m := re.match(r"^\[(\w+)\]$", line.strip()):
-                section = m.group(1)
-            elif section and (m := re.match(r"^  (\w+) = ", line)):
-                keys.add(f"{section}.{m.group(1)}")
-            elif m := re.match(r"^  \[\[(\w+)\.(\w+)\]\] ([\w, ]+?)  ", line):  # an array of tables and its keys
-                keys.update(f"{m.group(1)}.{m.group(2)}.{k.strip()}" for k in m.group(3).split(","))
-        return keys
+        return listed_keys(text.split("Keys and defaults:", 1)[1])
 
     def fl_keys(self):
         done = subprocess.run([self.binary, "fl", "server", "--help-config"], capture_output=True, text=True, timeout=60)
-        return set(re.findall(r"^  (fl\.[\w.]+)", done.stdout, re.M))
+        return listed_keys(done.stdout)
+
+
+def listed_keys(text):
+    """section.key of every key a listing of keys names: `[section]` lines, then `  key = default  help` lines."""
+    keys, section = set(), None
+    for line in text.splitlines():
+        if m := re.match(r"^\[([\w.]+)\]$", line.strip()):
+            section = m.group(1)
+        elif section and (m := re.match(r"^  (\w+) = ", line)):
+            keys.add(f"{section}.{m.group(1)}")
+        elif m := re.match(r"^  \[\[(\w+)\.(\w+)\]\] ([\w, ]+?)  ", line):  # an array of tables and its keys
+            keys.update(f"{m.group(1)}.{m.group(2)}.{k.strip()}" for k in m.group(3).split(","))
+    return keys
 
 
 def sh_lines(path):

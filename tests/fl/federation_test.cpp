@@ -328,6 +328,16 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
   EXPECT_NE(message({"fl.roundz=3", "fl.server.insecure=true"}).find("fl.roundz: unknown key (did you mean fl.rounds?)"),
             std::string::npos);
   EXPECT_NE(message({}).find("cert and key"), std::string::npos);
+  EXPECT_EQ(message({"fl.rounds=x", "fl.server.insecure=true"}), "override --fl.rounds=x: fl.rounds = x must be an integer");
+  EXPECT_EQ(message({"fl.clip_norm=autox", "fl.server.insecure=true"}), "fl.clip_norm = \"autox\": a number >= 0, or \"auto\"");
+  EXPECT_EQ(FlConfig::load("", {"fl.clip_norm=2", "fl.server.insecure=true", "fl.server.allow=a,b"}).tls.allow,
+            (std::vector<std::string>{"a", "b"}));
+  // The keys are listed as train --help lists its own: [section], then key = default and its help.
+  const std::string listed = FlConfig::describe_keys();
+  for (const char* line : {"\n[fl]\n  rounds = 10 ", "\n[fl.client]\n  local_steps = 5 ", "  clip_norm = \"auto\" ",
+                           "\n[fl.server]\n", "  out = \"runs/fl\" "}) {
+    EXPECT_NE(listed.find(line), std::string::npos) << line;
+  }
   EXPECT_NE(message({"fl.server.insecure=true", "fl.secagg.enabled=true", "fl.min_fit=1", "fl.min_available=3"})
                 .find("threshold"),
             std::string::npos);
