@@ -111,7 +111,9 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
   split_->add_option("--clients", split_options_.clients, "iid/dirichlet: number of clients")->capture_default_str();
   split_->add_option("--alpha", split_options_.alpha, "dirichlet: concentration (small: skewed)")->capture_default_str();
   split_->add_option("--seed", split_options_.seed, "Shuffle seed")->capture_default_str();
-  split_->add_option("--val-fraction", split_options_.val_fraction, "Of each client's speeches, into val.bin")
+  split_->add_option("--data.val_fraction,--val-fraction", split_options_.val_fraction,
+                     "Share of each client's text held out for validation (as train's data.val_fraction), as its last "
+                     "speeches, pooled into val.bin")
       ->capture_default_str();
   split_->add_option("--min-bytes", split_options_.min_bytes, "Clients with less training text are left out")
       ->capture_default_str();

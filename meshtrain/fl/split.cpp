@@ -116,7 +116,17 @@ SplitSummary write_split(const std::string& text_path, const std::string& out_di
   std::set<std::string> used;
   for (const ClientText& c : clients) {
     const size_t n = c.speeches.size();
-    const size_t held_out = n < 2 ? 0 : static_cast<size_t>(static_cast<double>(n) * options.val_fraction);
+    // The last speeches, whose share of the client's text is nearest val_fraction (data.val_fraction's meaning:
+    // a share of the tokens, cut at a document start), keeping at least one speech to train on.
+    size_t total = 0, held_bytes = 0, held_out = 0;
+    for (const Speech* speech : c.speeches) total += speech->text.size();
+    const double target = options.val_fraction * static_cast<double>(total);
+    while (held_out + 1 < n) {
+      const size_t next = c.speeches[n - 1 - held_out]->text.size();
+      if (static_cast<double>(held_bytes) + 0.5 * static_cast<double>(next) > target) break;
+      held_bytes += next;
+      ++held_out;
+    }
     std::string train_text;
     for (size_t i = 0; i < n - held_out; ++i) train_text += c.speeches[i]->text;
     if (static_cast<int64_t>(train_text.size()) < options.min_bytes) {
@@ -137,7 +147,7 @@ SplitSummary write_split(const std::string& text_path, const std::string& out_di
   if (summary.clients == 0)
     throw std::runtime_error("fl split: every client has less than --min-bytes " + std::to_string(options.min_bytes) +
                              " of training text; lower --min-bytes or use fewer clients");
-  if (val_text.empty()) throw std::runtime_error("fl split: no validation text; raise --val-fraction");
+  if (val_text.empty()) throw std::runtime_error("fl split: no validation text; raise --data.val_fraction");
   train::write_token_file(out_dir + "/val.bin", train::ByteTokenizer::encode(val_text), train::ByteTokenizer::kVocabSize);
   summary.val_bytes = static_cast<int64_t>(val_text.size());
   std::ofstream(out_dir + "/clients.json") << listing.dump(1) << "\n";

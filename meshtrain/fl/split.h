@@ -29,7 +29,7 @@ struct SplitOptions {
   int clients = 10;            // iid, dirichlet
   double alpha = 0.5;          // dirichlet
   uint64_t seed = 1;
-  double val_fraction = 0.1;   // of each client's speeches (the last ones), pooled into val.bin
+  double val_fraction = 0.1;   // of each client's text, as its last speeches, pooled into val.bin
   int64_t min_bytes = 2048;    // clients with less training text are left out
 };
 struct SplitSummary {

@@ -20,7 +20,11 @@ export OMP_NUM_THREADS=1
 "$meshtrain" fl split "$here/../data/shakespeare_excerpt.txt" --out "$run/speakers" --min-bytes 1000 > "$run/split.log"
 grep -q "clients" "$run/split.log" || fail "split printed no summary"
 [ -f "$run/speakers/val.bin" ] && [ -f "$run/speakers/MENENIUS/train.bin" ] || fail "by-speaker split files missing"
-"$meshtrain" fl split "$here/../data/shakespeare_excerpt.txt" --out "$run/iid" --by iid --clients 3 > /dev/null
+"$meshtrain" fl split "$here/../data/shakespeare_excerpt.txt" --out "$run/iid" --by iid --clients 3 \
+  --data.val_fraction=0.25 > "$run/iid.log"
+# data.val_fraction is a share of the text, as in train (whole speeches held out: near, not exact).
+python3 -c 'import re, sys; t, v = map(int, re.search(r"(\d+) training bytes, (\d+) validation", sys.argv[1]).groups()); sys.exit(not 0.2 < v / (t + v) < 0.3)' \
+  "$(cat "$run/iid.log")" || fail "fl split --data.val_fraction=0.25 held out another share: $(cat "$run/iid.log")"
 "$meshtrain" fl split "$here/../data/shakespeare_excerpt.txt" --out "$run/dir" --by dirichlet --clients 3 --alpha 0.3 \
   --min-bytes 1 > /dev/null
 [ "$(ls -d "$run"/iid/client*/ | wc -l)" = 3 ] || fail "iid split: expected 3 clients"
