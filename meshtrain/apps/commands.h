@@ -115,6 +115,7 @@ struct ServeOptions {
   std::string model_name = "meshtrain";
   bool log = false;
   std::string api_key;                 // "": no key asked (Note [API key])
+  std::string ssl_certfile, ssl_keyfile;  // both: HTTPS (Note [TLS]); neither: HTTP
   InferenceOffloadFlags offload;
 };
 // meshtrain serve: the OpenAI completions API until SIGTERM/SIGINT, which

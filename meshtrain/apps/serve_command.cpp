@@ -6,6 +6,7 @@
 #include "meshtrain/util/memory.h"
 
 #include "meshtrain/serve/http_frontend.h"
+#include "meshtrain/serve/tls_front.h"
 #include "meshtrain/text/chat_template.h"
 #include "meshtrain/serve/scheduler.h"
 
@@ -86,6 +87,11 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
                                 std::to_string(runtime.size()) + " rank(s) run; launch tp ranks (meshtrain run -n " +
                                 std::to_string(options.tp) + " serve --parallel.tp=" + std::to_string(options.tp) + " ...)");
   }
+  if (options.ssl_certfile.empty() != options.ssl_keyfile.empty()) {
+    throw UsageError("serve: HTTPS takes both --ssl-certfile and --ssl-keyfile (PEM files); " +
+                     std::string(options.ssl_certfile.empty() ? "--ssl-certfile" : "--ssl-keyfile") + " is missing");
+  }
+  if (!options.ssl_certfile.empty() && runtime.rank() == 0) serve::TlsFront::check_files(options.ssl_certfile, options.ssl_keyfile);
   memory::install();
   keep_request_memory_returnable();
   serve::InferenceModel inference(options.checkpoint, runtime.world(), inference_offload(options.offload), options.lora);
@@ -106,11 +112,14 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   const std::unique_ptr<text::ChatTemplate> chat = text::ChatTemplate::of(inference.tokenizer());
   serve::ServedModel served{options.model_name, &inference.tokenizer(), chat.get(), inference.config().context};
   serve::HttpFrontend frontend(callbacks, served, threads, options.log, options.api_key);
+  const bool https = !options.ssl_certfile.empty();
+  if (https) frontend.use_tls(options.ssl_certfile, options.ssl_keyfile);
   const int port = frontend.bind(options.host, options.port);
   std::thread http([&] { frontend.listen(); });
   if (!inference.adapter().empty()) std::printf("meshtrain serve: %s\n", inference.adapter().c_str());
-  std::printf("meshtrain serve: %s (step %lld) on http://%s:%d, tp %d, batches of up to %lld, queue %lld, %s%s\n",
-              options.model_name.c_str(), static_cast<long long>(inference.step()), options.host.c_str(), port,
+  std::printf("meshtrain serve: %s (step %lld) on %s://%s:%d, tp %d, batches of up to %lld, queue %lld, %s%s\n",
+              options.model_name.c_str(), static_cast<long long>(inference.step()), https ? "https" : "http",
+              options.host.c_str(), port,
               options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue),
               chat ? "chat template" : "no chat template (completions only)",
               options.api_key.empty() ? "" : ", API key required");
@@ -184,6 +193,10 @@ ServeCommand::ServeCommand(CLI::App& app) {
                    "Answer 401 unless a request carries 'Authorization: Bearer KEY' (GET /health stays open); "
                    "default: $MESHTRAIN_API_KEY, which other users cannot read as they can a command line")
       ->envname("MESHTRAIN_API_KEY");
+  sub_->add_option("--ssl-certfile", o_.ssl_certfile,
+                   "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile; TLS 1.2 or later)")
+      ->check(CLI::ExistingFile);
+  sub_->add_option("--ssl-keyfile", o_.ssl_keyfile, "The private key of --ssl-certfile (PEM)")->check(CLI::ExistingFile);
   add_offload_flags(*sub_, o_.offload);
 }
 

@@ -3,6 +3,7 @@
 #include "meshtrain/serve/admission.h"
 #include "meshtrain/serve/client_stream.h"
 #include "meshtrain/serve/frontend_impl.h"
+#include "meshtrain/serve/tls_front.h"
 
 #include <httplib.h>
 #include <poll.h>
@@ -44,15 +45,22 @@ class GuardedServer : public httplib::Server {
   }
   ~GuardedServer() override { shut_down(); }
 
+  // HTTPS from here on (Note [TLS]): accepted connections go through the TLS front to admission.
+  void use_tls(const std::string& cert_file, const std::string& key_file) {
+    tls_ = std::make_unique<TlsFront>(cert_file, key_file, [this](int socket) { admission_.add(socket); });
+  }
+
   // After stop(): no more connections waiting, handlers finished.
   void shut_down() {
+    if (tls_) tls_->stop();
     admission_.stop();
     if (!handlers_down_.exchange(true)) handlers_.shutdown();
   }
 
  private:
   bool process_and_close_socket(socket_t socket) override {
-    admission_.add(socket);
+    if (tls_) tls_->add(socket);
+    else admission_.add(socket);
     return true;
   }
 
@@ -83,6 +91,7 @@ class GuardedServer : public httplib::Server {
   httplib::ThreadPool handlers_;
   std::atomic<bool> handlers_down_{false};
   Admission admission_;
+  std::unique_ptr<TlsFront> tls_;  // null: plain HTTP
 };
 
 void send_error(httplib::Response& res, int status, const std::string& message, const std::string& type,
@@ -246,6 +255,10 @@ int HttpFrontend::bind(const std::string& host, int port) {
                              " (in use, or not an address of this machine); pick another --port or --host");
   }
   return bound;
+}
+
+void HttpFrontend::use_tls(const std::string& cert_file, const std::string& key_file) {
+  impl_->guarded->use_tls(cert_file, key_file);
 }
 
 void HttpFrontend::listen() { impl_->server->listen_after_bind(); }

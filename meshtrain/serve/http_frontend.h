@@ -40,6 +40,9 @@ class HttpFrontend {
   ~HttpFrontend();
   // Binds (port 0: any free port); throws std::runtime_error when it cannot.
   int bind(const std::string& host, int port);
+  // Serves HTTPS with this certificate chain and key (PEM files; Note [TLS]); before listen().
+  // Throws std::runtime_error naming the file that cannot be used.
+  void use_tls(const std::string& cert_file, const std::string& key_file);
   void listen();  // serves until stop(); call on a thread of its own
   void stop();    // stops accepting; returns when handlers in flight are done
 

@@ -1,5 +1,5 @@
 """One bad request, client or connection never takes `meshtrain serve` down
-(Note [Safe sampling], Note [Admission]): each hostile case, then normal
+(Note [Safe sampling], Note [Admission], Note [TLS]): each hostile case, then normal
 requests that must still get offline generation's tokens.
 
 usage: hostile_test.py MESHTRAIN CHECKPOINT
@@ -8,13 +8,17 @@ CHECKPOINT: a model whose vocabulary (300) is larger than its byte tokenizer's
 """
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 
+import httpx2 as httpx  # the HTTP client the pinned openai takes
 import openai
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
@@ -275,8 +279,56 @@ def an_api_key_guards_every_route():
           "the key is in no output (the launcher's command line shows --api-key ***)")
 
 
+def https_with_a_certificate():
+    """--ssl-certfile/--ssl-keyfile (Note [TLS]): the openai client over HTTPS, trusting the certificate and sending
+    the key, gets offline generation's tokens, streamed too; a client that does not trust it is refused; plain HTTP,
+    a connection that never begins its handshake and one that stops mid-way hold nothing; bodies keep their bound."""
+    work = tempfile.mkdtemp()
+    cert, key = f"{work}/server.crt", f"{work}/server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    api_key = "sk-local-" + os.urandom(8).hex()
+    server = serving.Server(MESHTRAIN, CHECKPOINT, "--ssl-certfile", cert, "--ssl-keyfile", key, "--api-key", api_key)
+    check(server.url.startswith("https://"), f"the server says it serves HTTPS ({server.url})")
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(50)]  # no handshake begun
+    half = socket.create_connection(("127.0.0.1", server.port))
+    half.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")  # a ClientHello cut short
+    plain = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    plain.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    try:
+        answer = plain.recv(64)
+    except ConnectionResetError:
+        answer = b""
+    check(not answer.startswith(b"HTTP/"), f"plain HTTP on the TLS port gets no HTTP answer ({answer[:12]!r})")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=60,
+                           http_client=httpx.Client(verify=cert))
+    text = client.completions.create(model="meshtrain", prompt="The ", max_tokens=4, temperature=0).choices[0].text
+    check(text == offline("The ", 4, 0.0, 0), f"the openai client over HTTPS is served ({text!r})")
+    pieces = client.completions.create(model="meshtrain", prompt="The ", max_tokens=6, temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].text for chunk in pieces if chunk.choices)
+    check(streamed == offline("The ", 6, 0.0, 0), f"a stream over HTTPS carries the same tokens ({streamed!r})")
+    try:
+        openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=30).models.list()
+        check(False, "a client that does not trust the certificate was served")
+    except openai.APIConnectionError:
+        check(True, "a client that does not trust the certificate cannot connect")
+    with httpx.Client(verify=cert, timeout=60) as http:
+        big = http.post(server.url + "/v1/completions", content=b"x" * (9 << 20),
+                        headers={"Authorization": "Bearer " + api_key, "Content-Type": "application/json"})
+        check(big.status_code == 413, f"a 9 MiB body over HTTPS gets 413 ({big.status_code})")
+        check(http.get(server.url + "/v1/models").status_code == 401, "without the key: 401 over HTTPS")
+    for s in idle + [half, plain]:
+        s.close()
+    text = client.completions.create(model="meshtrain", prompt="The ", max_tokens=4, temperature=0).choices[0].text
+    check(text == offline("The ", 4, 0.0, 0), "after the hostile connections the openai client is still served")
+    check(server.stop() == 0, "the HTTPS server exits 0 after SIGTERM")
+    shutil.rmtree(work)
+
+
 def main():
     an_api_key_guards_every_route()
+    https_with_a_certificate()
     server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--max-batch", "2")
     padded_vocabulary_and_extreme_sampling(server)
     bodies_are_held_to_the_limit(server)

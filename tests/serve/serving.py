@@ -25,10 +25,10 @@ class Server:
         while time.time() < deadline:
             line = self.proc.stdout.readline()
             self.banner.append(line)
-            found = re.search(r"http://127\.0\.0\.1:(\d+)", line or "")
+            found = re.search(r"(https?)://127\.0\.0\.1:(\d+)", line or "")
             if found:
-                self.port = int(found.group(1))
-                self.url = f"http://127.0.0.1:{self.port}"
+                self.port = int(found.group(2))
+                self.url = f"{found.group(1)}://127.0.0.1:{self.port}"
                 return
             if self.proc.poll() is not None:
                 break
