@@ -369,8 +369,9 @@ PlanCommand::PlanCommand(CLI::App& app) {
   p->add_option("--world", o_.world, "Ranks (devices)")->capture_default_str()->check(CLI::PositiveNumber);
   p->add_option("--device-memory", o_.device_memory, "Memory per device, e.g. 80GiB (default: --machine's)");
   p->add_option("--gpus-per-node", o_.gpus_per_node, "Devices per node (tensor parallel stays inside one)");
-  p->add_option("--seq", o_.seq, "Sequence length (default: the model's)");
-  p->add_option("--global-batch", o_.global_batch, "Sequences per optimizer step (default: ~1M tokens)");
+  p->add_option("--seq,--model.context", o_.seq, "Sequence length (default: the model's)");
+  p->add_option("--global-batch,--training.batch", o_.global_batch,
+                "Sequences per optimizer step (default: the config's, else ~1M tokens)");
   p->add_option("--layout", o_.layout,
                 "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
                 "ep tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");

@@ -77,6 +77,10 @@ grep -q "fp32" "$dir/config.txt"
 "$meshtrain" run -n 2 plan --calibrate --save "$dir/machine.json" | tee "$dir/calibrate.txt"
 grep -q '"peak_flops"' "$dir/machine.json"
 "$meshtrain" plan --machine "$dir/machine.json" --model small --world 2 --layout "dp=2 mb=8" | grep -q "machine  calibrated"
+# train's key names are plan's aliases: --model.context for --seq, --training.batch for --global-batch.
+[ "$("$meshtrain" plan --model small --world 2 --machine h100 --model.context=128 --training.batch=64 --json --top 1)" = \
+  "$("$meshtrain" plan --model small --world 2 --machine h100 --seq 128 --global-batch 64 --json --top 1)" ] ||
+  { echo "--model.context / --training.batch do not mean --seq / --global-batch"; exit 1; }
 expect_error() {  # message, then the plan arguments
   local message=$1; shift
   if "$meshtrain" plan "$@" > "$dir/bad.log" 2>&1; then echo "should have failed: $*"; exit 1; fi
