@@ -52,9 +52,9 @@ class GuardedServer : public httplib::Server {
 
   // After stop(): no more connections waiting, handlers finished.
   void shut_down() {
-    if (tls_) tls_->stop();
     admission_.stop();
     if (!handlers_down_.exchange(true)) handlers_.shutdown();
+    if (tls_) tls_->finish(std::chrono::seconds(5));  // the answers written, sent
   }
 
  private:

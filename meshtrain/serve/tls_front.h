@@ -28,7 +28,10 @@ struct TlsLimits {
 // plain socket and is unchanged. A client that never finishes its handshake
 // is closed after `handshake_timeout`; one that stops reading or sending
 // after `stall_timeout`; plaintext HTTP on the TLS port fails the handshake
-// and is closed. Each direction buffers at most one TLS record (16 KiB): the
+// and is closed. An answer sent, the front sends close_notify and its FIN,
+// then reads and drops what the client still sends for 2 s before closing,
+// as admission lingers (a close with bytes unread would reset the connection
+// before the client read the answer). Each direction buffers at most one TLS record (16 KiB): the
 // loop reads from a side only once the other has taken what came before, so
 // TCP flow control holds a fast sender back. TLS 1.2 or later.
 class TlsFront {
@@ -45,6 +48,9 @@ class TlsFront {
   TlsFront& operator=(const TlsFront&) = delete;
 
   void add(int socket);  // an accepted TCP connection; the front owns it. Any thread.
+  // Takes no more connections, closes those with no request yet, and lets the others send what their server
+  // side wrote, for up to `timeout`; then stop().
+  void finish(std::chrono::milliseconds timeout);
   void stop();           // closes every connection and ends the loop
 
   struct Impl;
