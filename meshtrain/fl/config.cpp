@@ -1,10 +1,9 @@
 #include "meshtrain/fl/config.h"
 
-#include "meshtrain/model/config_json.h"
+#include "meshtrain/model/gpt_config_keys.h"
 #include "meshtrain/util/config_toml.h"
 #include "meshtrain/util/suggest.h"
 
-#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -147,24 +146,30 @@ void set(FlConfig& c, const FlKey& k, const toml::node& node, const std::string&
   }
 }
 
+// [model]: a preset, then the model's keys (Note [Model keys]) over it.
 void apply_model(FlConfig& c, const toml::table& model) {
   if (auto p = model["preset"]) c.preset = as<std::string>(*p.node(), "model.preset");
-  nlohmann::json j;
   try {
-    j = nlohmann::json::parse(model::to_json(model::GptConfig::preset(c.preset)));
+    c.model = model::GptConfig::preset(c.preset);
   } catch (const std::exception& e) {
     throw FlConfigError(std::string("model.preset: ") + e.what());
   }
   for (const auto& [k, node] : model) {
     const std::string key(k.str());
     if (key == "preset") continue;
-    if (!j.contains(key) || j[key].is_object()) throw FlConfigError("model." + key + ": not a model key of federated runs");
-    if (j[key].is_boolean()) j[key] = as<bool>(node, "model." + key);
-    else if (j[key].is_string()) j[key] = as<std::string>(node, "model." + key);
-    else if (j[key].is_number_integer()) j[key] = as<int64_t>(node, "model." + key);
-    else j[key] = as<double>(node, "model." + key);
+    const model::ModelKey* found = model::find_model_key(key);
+    if (!found) {
+      std::vector<std::string> known;
+      for (const model::ModelKey& m : model::model_keys()) known.push_back(m.key.name);
+      throw FlConfigError("model." + key + ": not a model key" + util::did_you_mean(key, known) +
+                          "; meshtrain train --help lists them under [model]");
+    }
+    try {
+      found->key.set(c.model, config::read_value("model." + key, found->key.kind, node, "config"));
+    } catch (const std::invalid_argument& e) {
+      throw FlConfigError(e.what());
+    }
   }
-  c.model = model::config_from_json(j.dump());
 }
 
 void apply_table(FlConfig& c, const toml::table& table, const std::string& prefix) {
@@ -329,7 +334,8 @@ int64_t FlConfig::max_message_bytes() const {
 }
 
 std::string FlConfig::describe_keys() {
-  return "[model] preset and keys as for meshtrain train (default preset: tiny)\n" + config::describe(keys(), FlConfig{});
+  const FlConfig defaults;
+  return "[model] preset and keys as for meshtrain train (default preset: tiny)\n" + config::describe(keys(), defaults);
 }
 
 }  // namespace meshtrain::fl

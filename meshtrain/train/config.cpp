@@ -1,6 +1,7 @@
 #include "meshtrain/train/config.h"
 
 #include "meshtrain/comm/runtime.h"
+#include "meshtrain/model/gpt_config_keys.h"
 #include "meshtrain/util/config_toml.h"
 #include "meshtrain/util/suggest.h"
 
@@ -64,91 +65,10 @@ void add_model_keys(std::vector<Field>& f) {
                  c.model = model::GptConfig::preset(v.s);
                },
                [](const TrainConfig& c) { return "\"" + c.preset + "\""; }});
-  f.push_back(field("model", "layers", "transformer blocks", MESHTRAIN_CONFIG_MEMBER(model.layers)));
-  f.push_back(field("model", "heads", "attention heads (must divide width)", MESHTRAIN_CONFIG_MEMBER(model.heads)));
-  f.push_back(field("model", "width", "model dimension", MESHTRAIN_CONFIG_MEMBER(model.width)));
-  f.push_back(field("model", "kv_heads", "key/value heads for grouped-query attention (0: as many as heads)",
-                    MESHTRAIN_CONFIG_MEMBER(model.kv_heads)));
-  f.push_back(field("model", "ffn_hidden", "the MLP's hidden size (0: 4 x width for gelu, 8/3 x width for swiglu)",
-                    MESHTRAIN_CONFIG_MEMBER(model.ffn_hidden)));
-  f.push_back(field("model", "rope_theta", "rotary position base", MESHTRAIN_CONFIG_MEMBER(model.rope_theta)));
-  f.push_back(field("model", "norm_eps", "epsilon of the norms", MESHTRAIN_CONFIG_MEMBER(model.norm_eps)));
-  f.push_back(field("model", "fused", "fused CPU kernels for norms, GELU/SwiGLU, RoPE, cross-entropy (false: "
-                    "reference ATen operators)", MESHTRAIN_CONFIG_MEMBER(model.fused)));
-  f.push_back(field("model", "context", "sequence length in tokens", MESHTRAIN_CONFIG_MEMBER(model.context)));
-  f.push_back(field("model", "vocab_size", "vocabulary (the byte tokenizer needs 256)",
-                    MESHTRAIN_CONFIG_MEMBER(model.vocab_size)));
-  f.push_back(field("model", "dropout", "dropout probability", MESHTRAIN_CONFIG_MEMBER(model.dropout)));
-  f.push_back(field("model", "norm", "\"layernorm\" or \"rmsnorm\"", MESHTRAIN_CONFIG_MEMBER(model.norm)));
-  f.push_back(field("model", "position", "\"learned\" or \"rope\"", MESHTRAIN_CONFIG_MEMBER(model.position)));
-  f.push_back(field("model", "mlp", "\"gelu\", \"swiglu\" or \"geglu\"", MESHTRAIN_CONFIG_MEMBER(model.mlp)));
-  f.push_back(field("model", "tie_embeddings", "LM head shares the token embedding",
-                    MESHTRAIN_CONFIG_MEMBER(model.tie_embeddings)));
-  f.push_back(field("model", "bias", "biases in linear layers and norms", MESHTRAIN_CONFIG_MEMBER(model.bias)));
-  f.push_back(field("model", "qkv_bias", "biases on the attention's q, k and v projections alone (Qwen2)",
-                    MESHTRAIN_CONFIG_MEMBER(model.qkv_bias)));
-  f.push_back(field("model", "moe_experts", "experts per mixture-of-experts block (0: dense)",
-                    MESHTRAIN_CONFIG_MEMBER(model.moe_experts)));
-  f.push_back(field("model", "moe_every", "every k-th block is a mixture of experts (blocks k-1, 2k-1, ...)",
-                    MESHTRAIN_CONFIG_MEMBER(model.moe_every)));
-  f.push_back(field("model", "moe_top_k", "experts per token (1: Switch, 2: GShard, 8: Qwen3-MoE)",
-                    MESHTRAIN_CONFIG_MEMBER(model.moe_top_k)));
-  f.push_back(field("model", "moe_capacity_factor", "capacity = ceil(tokens x top_k x factor / experts); 0: dropless",
-                    MESHTRAIN_CONFIG_MEMBER(model.moe_capacity_factor)));
-  f.push_back(field("model", "moe_second_expert", "top_k 2: \"random\" (kept with probability min(1, 2 x gate), "
-                    "GShard) or \"always\"", MESHTRAIN_CONFIG_MEMBER(model.moe_second_expert)));
-  f.push_back(field("model", "moe_aux_loss", "load-balancing loss weight (Switch's alpha)",
-                    MESHTRAIN_CONFIG_MEMBER(model.moe_aux_loss)));
-  f.push_back(field("model", "moe_z_loss", "router z-loss weight", MESHTRAIN_CONFIG_MEMBER(model.moe_z_loss)));
-  f.push_back(field("model", "moe_hidden", "an expert's hidden size (0: the dense MLP's)",
-                    MESHTRAIN_CONFIG_MEMBER(model.moe_hidden)));
-  f.push_back(field("model", "moe_norm_topk", "top_k >= 2: the chosen gates renormalised to sum 1 (false: softmax "
-                    "probabilities, Qwen2-MoE)", MESHTRAIN_CONFIG_MEMBER(model.moe_norm_topk)));
-  f.push_back(field("model", "moe_shared_hidden", "hidden size of a shared expert with a sigmoid gate (Qwen2-MoE; "
-                    "0: none)", MESHTRAIN_CONFIG_MEMBER(model.moe_shared_hidden)));
-}
-
-// The keys of the open families' variations (Note [Model families]).
-void add_family_keys(std::vector<Field>& f) {
-  f.push_back(field("model", "head_size", "q/k/v size per head (0: width / heads)",
-                    MESHTRAIN_CONFIG_MEMBER(model.head_size)));
-  f.push_back(field("model", "attention_bias", "biases on q, k, v and the attention's output projection",
-                    MESHTRAIN_CONFIG_MEMBER(model.attention_bias)));
-  f.push_back(field("model", "mlp_bias", "biases on the MLP's projections", MESHTRAIN_CONFIG_MEMBER(model.mlp_bias)));
-  f.push_back(field("model", "qk_norm", "\"none\", \"head\" (RMSNorm over each head's q and k, Qwen3) or \"width\" "
-                    "(over all of q and of k, OLMo 2)", MESHTRAIN_CONFIG_MEMBER(model.qk_norm)));
-  f.push_back(field("model", "norm_placement", "\"pre\", \"post\" (norm of each sublayer's output, OLMo 2) or "
-                    "\"sandwich\" (both, Gemma 2)", MESHTRAIN_CONFIG_MEMBER(model.norm_placement)));
-  f.push_back(field("model", "norm_plus_one", "RMSNorm scales by (1 + weight) (Gemma)",
-                    MESHTRAIN_CONFIG_MEMBER(model.norm_plus_one)));
-  f.push_back(field("model", "embed_scale", "token embeddings times sqrt(width) (Gemma)",
-                    MESHTRAIN_CONFIG_MEMBER(model.embed_scale)));
-  f.push_back(field("model", "attn_softcap", "attention scores c x tanh(s / c) (0: none)",
-                    MESHTRAIN_CONFIG_MEMBER(model.attn_softcap)));
-  f.push_back(field("model", "logit_softcap", "final logits c x tanh(z / c) (0: none)",
-                    MESHTRAIN_CONFIG_MEMBER(model.logit_softcap)));
-  f.push_back(field("model", "query_scale", "scores scaled by 1/sqrt(query_scale) (0: the head size)",
-                    MESHTRAIN_CONFIG_MEMBER(model.query_scale)));
-  f.push_back(field("model", "sliding_window", "a token attends to itself and the window - 1 before it (0: all)",
-                    MESHTRAIN_CONFIG_MEMBER(model.sliding_window)));
-  f.push_back(field("model", "sliding_every", "the window applies to blocks i with i % sliding_every == 0",
-                    MESHTRAIN_CONFIG_MEMBER(model.sliding_every)));
-  f.push_back(field("model", "rope_scaling", "\"none\", \"linear\", \"llama3\" or \"yarn\"",
-                    MESHTRAIN_CONFIG_MEMBER(model.rope_scaling)));
-  f.push_back(field("model", "rope_factor", "how many times the original context RoPE scaling stretches to",
-                    MESHTRAIN_CONFIG_MEMBER(model.rope_factor)));
-  f.push_back(field("model", "rope_original_context", "the context before scaling (llama3, yarn)",
-                    MESHTRAIN_CONFIG_MEMBER(model.rope_original_context)));
-  f.push_back(field("model", "rope_low_freq_factor", "llama3 scaling's low frequency factor",
-                    MESHTRAIN_CONFIG_MEMBER(model.rope_low_freq_factor)));
-  f.push_back(field("model", "rope_high_freq_factor", "llama3 scaling's high frequency factor",
-                    MESHTRAIN_CONFIG_MEMBER(model.rope_high_freq_factor)));
-  f.push_back(field("model", "rope_beta_fast", "yarn's beta_fast", MESHTRAIN_CONFIG_MEMBER(model.rope_beta_fast)));
-  f.push_back(field("model", "rope_beta_slow", "yarn's beta_slow", MESHTRAIN_CONFIG_MEMBER(model.rope_beta_slow)));
-  f.push_back(field("model", "rope_attention_factor", "yarn: cos and sin times this (0: 0.1 ln(factor) + 1)",
-                    MESHTRAIN_CONFIG_MEMBER(model.rope_attention_factor)));
-  f.push_back(field("model", "rotary_fraction", "share of each head's dims RoPE rotates",
-                    MESHTRAIN_CONFIG_MEMBER(model.rotary_fraction)));
+  // The rest of [model]: the model's own keys (Note [Model keys]).
+  for (const model::ModelKey& key : model::model_keys()) {
+    f.push_back(config::lift<TrainConfig>(key.key, MESHTRAIN_CONFIG_MEMBER(model)));
+  }
 }
 
 // [data] and [training].
@@ -264,7 +184,6 @@ const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> f;
     add_model_keys(f);
-    add_family_keys(f);
     add_data_and_training_keys(f);
     for (const config::Key<parallel::ParallelSpec>& key : parallel::ParallelSpec::keys()) {
       f.push_back(config::lift<TrainConfig>(key, MESHTRAIN_CONFIG_MEMBER(parallel)));

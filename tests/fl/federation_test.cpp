@@ -332,6 +332,12 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
   EXPECT_EQ(message({"fl.clip_norm=autox", "fl.server.insecure=true"}), "fl.clip_norm = \"autox\": a number >= 0, or \"auto\"");
   EXPECT_EQ(FlConfig::load("", {"fl.clip_norm=2", "fl.server.insecure=true", "fl.server.allow=a,b"}).tls.allow,
             (std::vector<std::string>{"a", "b"}));
+  // [model] takes the model's keys (Note [Model keys]), the families' too.
+  EXPECT_EQ(FlConfig::load("", {"model.preset=llama-tiny", "model.sliding_window=4", "fl.server.insecure=true"})
+                .model.sliding_window, 4);
+  EXPECT_EQ(message({"model.slidng_window=4", "fl.server.insecure=true"}),
+            "model.slidng_window: not a model key (did you mean sliding_window?); meshtrain train --help lists them "
+            "under [model]");
   // The keys are listed as train --help lists its own: [section], then key = default and its help.
   const std::string listed = FlConfig::describe_keys();
   for (const char* line : {"\n[fl]\n  rounds = 10 ", "\n[fl.client]\n  local_steps = 5 ", "  clip_norm = \"auto\" ",

@@ -1,6 +1,7 @@
 // The model alone: shapes, exact parameter counts, deterministic init, causality.
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/model/config_json.h"
+#include "meshtrain/model/gpt_config_keys.h"
 #include "tests/model/parameter_count.h"
 
 #include <gtest/gtest.h>
@@ -135,6 +136,54 @@ TEST(Gpt, LogitsAreCausalAndLossStartsNearUniform) {
     const double loss = model->loss(tokens, at::randint(256, {2, 16}, at::kLong)).item<double>();
     EXPECT_NEAR(loss, std::log(256.0), 0.3) << name;
   }
+}
+
+}  // namespace
+}  // namespace meshtrain::model
+
+namespace meshtrain::model {
+namespace {
+
+// Note [Model keys]: the checkpoint's JSON and the fingerprint, derived from the key table, are what the
+// versions before it wrote (these strings are theirs), so their checkpoints load and resume.
+TEST(ModelKeys, JsonAndFingerprintAreTheFormatsCheckpointsHold) {
+  EXPECT_EQ(fingerprint(GptConfig::preset("tiny")),
+            "gpt layers=4 heads=4 width=256 context=128 vocab=256 layernorm/learned/gelu/tied/bias");
+  EXPECT_EQ(to_json(GptConfig::preset("tiny")),
+            "{\"bias\":true,\"context\":128,\"dropout\":0.0,\"ffn_hidden\":0,\"heads\":4,\"kv_heads\":0,\"layers\":4,"
+            "\"mlp\":\"gelu\",\"norm\":\"layernorm\",\"norm_eps\":1e-05,\"position\":\"learned\",\"qkv_bias\":false,"
+            "\"rope_theta\":10000.0,\"tie_embeddings\":true,\"vocab_size\":256,\"width\":256}");
+  EXPECT_EQ(fingerprint(GptConfig::preset("gemma2-2b")),
+            "gpt layers=26 heads=8 width=2304 context=8192 vocab=256000 rmsnorm/rope/geglu/tied/nobias kv_heads=4 "
+            "ffn=9216 {\"attn_softcap\":50.0,\"embed_scale\":true,\"head_size\":256,\"logit_softcap\":30.0,"
+            "\"norm_placement\":\"sandwich\",\"norm_plus_one\":true,\"query_scale\":256.0,\"sliding_every\":2,"
+            "\"sliding_window\":4096}");
+  EXPECT_NE(to_json(GptConfig::preset("mixtral-8x7b"))
+                .find("\"moe\":{\"aux_loss\":0.01,\"capacity_factor\":0.0,\"every\":1,\"experts\":8,\"hidden\":0,"
+                      "\"norm_topk\":true,\"second_expert\":\"always\",\"shared_hidden\":0,\"top_k\":2,\"z_loss\":0.001}"),
+            std::string::npos);
+}
+
+TEST(ModelKeys, EveryStoredKeyRoundTripsAndARequiredOneIsNamedWhenMissing) {
+  for (const std::string& name : GptConfig::preset_names()) {
+    const GptConfig c = GptConfig::preset(name);
+    const GptConfig back = config_from_json(to_json(c));
+    for (const ModelKey& k : model_keys()) {
+      if (k.stored != ModelKey::Stored::kNotStored) EXPECT_FALSE(differs(k, c, back)) << name << " " << k.key.name;
+    }
+  }
+  std::string json = to_json(GptConfig::preset("tiny"));
+  json.replace(json.find("\"layers\":4,"), 11, "");
+  try {
+    config_from_json(json);
+    ADD_FAILURE() << "a model config without layers was read";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "model config: layers is missing");
+  }
+  // Keys added later are optional: absent, they keep their defaults.
+  json = to_json(GptConfig::preset("tiny"));
+  json.replace(json.find("\"kv_heads\":0,"), 13, "");
+  EXPECT_EQ(config_from_json(json).kv_heads, 0);
 }
 
 }  // namespace
