@@ -183,8 +183,8 @@ namespace {
 
 // The architecture a meshtrain model can be written as, or a FormatError naming what stops it.
 std::string architecture_of(const model::GptConfig& c) {
-  if (c.norm == "layernorm" && c.position == "learned" && c.mlp == "gelu" && c.bias && !c.grouped_query() &&
-      !c.moe() && c.head_size == 0 && c.qk_norm == "none" && c.norm_placement == "pre" && c.sliding_window == 0 &&
+  if (c.norm == model::NormStyle::kLayerNorm && c.position == model::PositionStyle::kLearned && c.mlp == model::MlpStyle::kGelu && c.bias && !c.grouped_query() &&
+      !c.moe() && c.head_size == 0 && c.qk_norm == model::QkNorm::kNone && c.norm_placement == model::NormPlacement::kPre && c.sliding_window == 0 &&
       c.attn_softcap == 0 && c.logit_softcap == 0 && c.query_scale == 0 && !c.embed_scale) {
     return "gpt2";
   }

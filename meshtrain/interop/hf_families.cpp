@@ -135,16 +135,16 @@ void read_rope(Reader& r, model::GptConfig& m, bool partial_rotary) {
   if (fraction != 1.0 && !partial_rotary) refuse_import(r.where(), "partial_rotary_factor " + std::to_string(fraction));
   m.rotary_fraction = fraction;
   if (type == "linear") {
-    m.rope_scaling = "linear";
+    m.rope_scaling = model::RopeScaling::kLinear;
     m.rope_factor = p.get<double>("factor");
   } else if (type == "llama3") {
-    m.rope_scaling = "llama3";
+    m.rope_scaling = model::RopeScaling::kLlama3;
     m.rope_factor = p.get<double>("factor");
     m.rope_low_freq_factor = p.get<double>("low_freq_factor");
     m.rope_high_freq_factor = p.get<double>("high_freq_factor");
     m.rope_original_context = p.get_or<int64_t>("original_max_position_embeddings", m.context);
   } else if (type == "yarn") {
-    m.rope_scaling = "yarn";
+    m.rope_scaling = model::RopeScaling::kYarn;
     m.rope_original_context = p.get_or<int64_t>("original_max_position_embeddings", m.context);
     m.rope_factor = p.get_or<double>("factor", static_cast<double>(m.context) / static_cast<double>(m.rope_original_context));
     const double fast = p.get_or<double>("beta_fast", 0), slow = p.get_or<double>("beta_slow", 0);
@@ -200,7 +200,7 @@ void read_moe(Reader& r, model::GptConfig& m, const std::string& type) {
   r.has("num_experts");
   m.moe_top_k = r.get<int64_t>("num_experts_per_tok");
   m.moe_capacity_factor = 0;  // dropless
-  m.moe_second_expert = "always";
+  m.moe_second_expert = model::SecondExpert::kAlways;
   m.moe_z_loss = 0;
   m.moe_aux_loss = r.get_or<double>("router_aux_loss_coef", 0.001);
   if (type == "mixtral") {
@@ -253,8 +253,8 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
     const std::string act = r.get_or<std::string>("hidden_activation", "gelu_pytorch_tanh");
     if (act != "gelu_pytorch_tanh") refuse_import(where, "hidden_activation \"" + act + "\"");
     r.expect<std::string>("hidden_act", "gelu_pytorch_tanh");
-    m.mlp = "geglu";
-    m.norm_placement = "sandwich";
+    m.mlp = model::MlpStyle::kGeglu;
+    m.norm_placement = model::NormPlacement::kSandwich;
     m.norm_plus_one = true;
     m.embed_scale = true;
     m.query_scale = r.get<double>("query_pre_attn_scalar");
@@ -281,10 +281,10 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
     m.mlp_bias = r.get_or<bool>("mlp_bias", false);
     r.expect<int64_t>("pretraining_tp", 1);
   }
-  if (type == "qwen3" || type == "qwen3_moe") m.qk_norm = "head";
+  if (type == "qwen3" || type == "qwen3_moe") m.qk_norm = model::QkNorm::kHead;
   if (type == "olmo2") {
-    m.qk_norm = "width";
-    m.norm_placement = "post";
+    m.qk_norm = model::QkNorm::kWidth;
+    m.norm_placement = model::NormPlacement::kPost;
   }
   if (type == "mixtral" || type == "qwen3_moe") read_moe(r, m, type);
   r.finish();
@@ -318,7 +318,7 @@ std::string first_difference(const model::GptConfig& a, const model::GptConfig& 
   for (int64_t i = 0; i < a.layers; ++i) {
     field("sliding_window", [i](const model::GptConfig& c) { return c.window_of(i) < c.context ? c.window_of(i) : 0; });
   }
-  if (a.rope_scaling != "none") {
+  if (a.rope_scaling != model::RopeScaling::kNone) {
     MESHTRAIN_FIELD(rope_factor), MESHTRAIN_FIELD(rope_original_context), MESHTRAIN_FIELD(rope_low_freq_factor);
     MESHTRAIN_FIELD(rope_high_freq_factor), MESHTRAIN_FIELD(rope_beta_fast), MESHTRAIN_FIELD(rope_beta_slow);
     MESHTRAIN_FIELD(rope_attention_factor);
@@ -333,19 +333,22 @@ std::string first_difference(const model::GptConfig& a, const model::GptConfig& 
     if (values.first != values.second) return "model." + name + " = " + values.first.dump();
   }
   if (a.moe() && a.moe_capacity_factor != 0) return "model.moe_capacity_factor = " + std::to_string(a.moe_capacity_factor);
-  if (a.moe() && a.moe_top_k == 2 && a.moe_second_expert != "always") return "model.moe_second_expert = \"random\"";
+  if (a.moe() && a.moe_top_k == 2 && a.moe_second_expert != model::SecondExpert::kAlways) return "model.moe_second_expert = \"random\"";
   return "";
 }
 
 json rope_json(const model::GptConfig& c) {
-  json rope = {{"rope_type", c.rope_scaling == "none" ? "default" : c.rope_scaling}, {"rope_theta", c.rope_theta}};
-  if (c.rope_scaling != "none") rope["factor"] = c.rope_factor;
-  if (c.rope_scaling == "llama3" || c.rope_scaling == "yarn") rope["original_max_position_embeddings"] = c.rope_original_context;
-  if (c.rope_scaling == "llama3") {
+  json rope = {{"rope_type", c.rope_scaling == model::RopeScaling::kNone ? std::string("default") : model::name(c.rope_scaling)},
+               {"rope_theta", c.rope_theta}};
+  if (c.rope_scaling != model::RopeScaling::kNone) rope["factor"] = c.rope_factor;
+  if (c.rope_scaling == model::RopeScaling::kLlama3 || c.rope_scaling == model::RopeScaling::kYarn) {
+    rope["original_max_position_embeddings"] = c.rope_original_context;
+  }
+  if (c.rope_scaling == model::RopeScaling::kLlama3) {
     rope["low_freq_factor"] = c.rope_low_freq_factor;
     rope["high_freq_factor"] = c.rope_high_freq_factor;
   }
-  if (c.rope_scaling == "yarn") {
+  if (c.rope_scaling == model::RopeScaling::kYarn) {
     rope["beta_fast"] = c.rope_beta_fast;
     rope["beta_slow"] = c.rope_beta_slow;
     if (c.rope_attention_factor > 0) rope["attention_factor"] = c.rope_attention_factor;
@@ -356,7 +359,7 @@ json rope_json(const model::GptConfig& c) {
 
 // rope_parameters as transformers 4 wrote it: rope_scaling without the theta, or null.
 json scaling_json(const model::GptConfig& c) {
-  if (c.rope_scaling == "none") return nullptr;
+  if (c.rope_scaling == model::RopeScaling::kNone) return nullptr;
   json scaling = rope_json(c);
   scaling.erase("rope_theta");
   scaling.erase("partial_rotary_factor");
@@ -366,8 +369,8 @@ json scaling_json(const model::GptConfig& c) {
 }  // namespace
 
 std::string family_of(const model::GptConfig& c) {
-  if (c.norm != "rmsnorm" || c.position != "rope" || c.bias) {
-    throw FormatError("model " + c.norm + "/" + c.position + (c.bias ? "/bias" : "") +
+  if (c.norm != model::NormStyle::kRmsNorm || c.position != model::PositionStyle::kRope || c.bias) {
+    throw FormatError("model " + model::name(c.norm) + "/" + model::name(c.position) + (c.bias ? "/bias" : "") +
                       " is none of the Llama-style families (rmsnorm/rope, no norm biases)");
   }
   return c.family();

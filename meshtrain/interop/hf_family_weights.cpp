@@ -10,8 +10,8 @@ namespace {
 
 // meshtrain's block norms and the family's names for them (Note [Norm placement]).
 std::vector<std::pair<std::string, std::string>> norm_names(const model::GptConfig& c) {
-  if (c.norm_placement == "post") return {{"norm1", "post_attention_layernorm"}, {"norm2", "post_feedforward_layernorm"}};
-  if (c.norm_placement == "sandwich") {
+  if (c.norm_placement == model::NormPlacement::kPost) return {{"norm1", "post_attention_layernorm"}, {"norm2", "post_feedforward_layernorm"}};
+  if (c.norm_placement == model::NormPlacement::kSandwich) {
     return {{"norm1", "input_layernorm"},
             {"post1", "post_attention_layernorm"},
             {"norm2", "pre_feedforward_layernorm"},
@@ -77,8 +77,8 @@ void read_attention(const TensorSource& t, const model::GptConfig& c, const std:
   }
   w[b + "attn.proj.weight"] = t.read(a + "o_proj.weight", {d, qw});
   if (c.proj_has_bias()) w[b + "attn.proj.bias"] = t.read(a + "o_proj.bias", {d});
-  if (c.qk_norm != "none") {
-    const bool per_head = c.qk_norm == "head";
+  if (c.qk_norm != model::QkNorm::kNone) {
+    const bool per_head = c.qk_norm == model::QkNorm::kHead;
     w[b + "attn.q_norm.weight"] = t.read(a + "q_norm.weight", {per_head ? c.head_dim() : qw});
     w[b + "attn.k_norm.weight"] = t.read(a + "k_norm.weight", {per_head ? c.head_dim() : kv});
   }
@@ -171,7 +171,7 @@ std::vector<std::pair<std::string, at::Tensor>> family_weights(const model::GptC
     }
     out.emplace_back(a + "o_proj.weight", at_name(b + "attn.proj.weight"));
     if (c.proj_has_bias()) out.emplace_back(a + "o_proj.bias", at_name(b + "attn.proj.bias"));
-    if (c.qk_norm != "none") {
+    if (c.qk_norm != model::QkNorm::kNone) {
       out.emplace_back(a + "q_norm.weight", at_name(b + "attn.q_norm.weight"));
       out.emplace_back(a + "k_norm.weight", at_name(b + "attn.k_norm.weight"));
     }

@@ -29,8 +29,8 @@ at::Tensor rope_frequencies(const GptConfig& c) {
   const int64_t r = c.rotary_dims(), half = r / 2;
   const at::Tensor base = at::pow(c.rope_theta, -at::arange(0, r, 2, at::kDouble) / static_cast<double>(r));
   const double factor = c.rope_factor;
-  if (c.rope_scaling == "linear") return base / factor;
-  if (c.rope_scaling == "llama3") {
+  if (c.rope_scaling == RopeScaling::kLinear) return base / factor;
+  if (c.rope_scaling == RopeScaling::kLlama3) {
     const double original = static_cast<double>(c.rope_original_context);
     const double low = c.rope_low_freq_factor, high = c.rope_high_freq_factor;
     const at::Tensor wavelength = 2 * M_PI / base;
@@ -40,7 +40,7 @@ at::Tensor rope_frequencies(const GptConfig& c) {
     const at::Tensor medium = (wavelength >= original / high).logical_and(wavelength <= original / low);
     return at::where(medium, smoothed, stretched);
   }
-  if (c.rope_scaling == "yarn") {
+  if (c.rope_scaling == RopeScaling::kYarn) {
     const double original = static_cast<double>(c.rope_original_context), theta = c.rope_theta;
     auto correction = [&](double rotations) {
       return static_cast<double>(r) * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(theta));
@@ -58,7 +58,7 @@ at::Tensor rope_frequencies(const GptConfig& c) {
 RopeTables rope_tables(const GptConfig& c) {
   const at::Tensor angles = at::outer(at::arange(c.context, at::kDouble), rope_frequencies(c));
   double attention_factor = 1.0;
-  if (c.rope_scaling == "yarn") {
+  if (c.rope_scaling == RopeScaling::kYarn) {
     attention_factor = c.rope_attention_factor > 0 ? c.rope_attention_factor
                        : c.rope_factor <= 1    ? 1.0
                                                : 0.1 * std::log(c.rope_factor) + 1.0;

@@ -69,7 +69,7 @@ std::string fingerprint(const GptConfig& m) {
   const nlohmann::json families = family_keys(m);
   return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
          std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
-         " " + m.norm + "/" + m.position + "/" + m.mlp + (m.tie_embeddings ? "/tied" : "/untied") +
+         " " + name(m.norm) + "/" + name(m.position) + "/" + name(m.mlp) + (m.tie_embeddings ? "/tied" : "/untied") +
          (m.bias ? "/bias" : m.qkv_bias ? "/qkvbias" : "/nobias") + (m.grouped_query() ? " kv_heads=" + std::to_string(m.kv_heads) : "") +
          (m.ffn_hidden > 0 ? " ffn=" + std::to_string(m.ffn_hidden) : "") +
          (families.empty() ? "" : " " + families.dump());

@@ -71,8 +71,8 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t times) {
   return x.repeat_interleave(times, /*dim=*/1);
 }
 
-NormImpl::NormImpl(const std::string& kind, int64_t width, bool bias, double eps, bool fused, bool plus_one)
-    : rms_(kind == "rmsnorm"), fused_(fused), plus_one_(plus_one), eps_(eps) {
+NormImpl::NormImpl(NormStyle kind, int64_t width, bool bias, double eps, bool fused, bool plus_one)
+    : rms_(kind == NormStyle::kRmsNorm), fused_(fused), plus_one_(plus_one), eps_(eps) {
   weight_ = register_parameter("weight", plus_one ? torch::zeros({width}) : torch::ones({width}));
   if (!rms_ && bias) bias_ = register_parameter("bias", torch::zeros({width}));
 }
@@ -106,7 +106,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
     : config_(config),
       head_dim_(config.head_dim()),
       dropout_(config.dropout),
-      rope_(config.position == "rope"),
+      rope_(config.position == PositionStyle::kRope),
       fused_(config.fused),
       window_(config.window_of(block)),
       chain_(std::move(chain)),
@@ -116,11 +116,11 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
       drop_name_(name + ".drop") {
   qkv = register_module("qkv", linear(config.width, config.qkv_width(), config.qkv_has_bias()));
   proj = register_module("proj", linear(config.q_width(), config.width, config.proj_has_bias()));
-  if (config.qk_norm != "none") {
-    const bool per_head = config.qk_norm == "head";
+  if (config.qk_norm != QkNorm::kNone) {
+    const bool per_head = config.qk_norm == QkNorm::kHead;
     const int64_t q_size = per_head ? head_dim_ : config.q_width(), k_size = per_head ? head_dim_ : config.kv_width();
-    q_norm = register_module("q_norm", Norm("rmsnorm", q_size, false, config.norm_eps, false, config.norm_plus_one));
-    k_norm = register_module("k_norm", Norm("rmsnorm", k_size, false, config.norm_eps, false, config.norm_plus_one));
+    q_norm = register_module("q_norm", Norm(NormStyle::kRmsNorm, q_size, false, config.norm_eps, false, config.norm_plus_one));
+    k_norm = register_module("k_norm", Norm(NormStyle::kRmsNorm, k_size, false, config.norm_eps, false, config.norm_plus_one));
   }
   if (rope_) {
     RopeTables tables = rope_tables(config);
@@ -132,7 +132,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
 std::pair<at::Tensor, at::Tensor> CausalSelfAttentionImpl::normalize_qk(const at::Tensor& q, const at::Tensor& k) const {
   if (!q_norm) return {q, k};
   auto normalize = [&](const Norm& norm, const at::Tensor& x) {
-    if (config_.qk_norm == "head") return norm.ptr()->forward(x);  // [B, H, T, hd] over hd
+    if (config_.qk_norm == QkNorm::kHead) return norm.ptr()->forward(x);  // [B, H, T, hd] over hd
     // Over every head of a position at once (OLMo 2), in the heads' order.
     const int64_t b = x.size(0), h = x.size(1), t = x.size(2), d = x.size(3);
     return norm.ptr()->forward(x.transpose(1, 2).reshape({b, t, h * d})).view({b, t, h, d}).transpose(1, 2);
@@ -197,7 +197,7 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
 MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name)
     : dropout_(config.dropout),
       fused_(config.fused),
-      gelu_gate_(config.mlp == "geglu"),
+      gelu_gate_(config.mlp == MlpStyle::kGeglu),
       chain_(std::move(chain)),
       fc_name_(name + ".fc"),
       proj_name_(name + ".proj"),
@@ -207,7 +207,7 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
       drop_name_(name + ".drop") {
   const int64_t d = config.width, h = config.mlp_hidden();
   const bool bias = config.mlp_has_bias();
-  if (config.mlp == "gelu") {
+  if (config.mlp == MlpStyle::kGelu) {
     fc = register_module("fc", linear(d, h, bias));
     proj = register_module("proj", linear(h, d, bias));
   } else {
@@ -262,7 +262,7 @@ BlockImpl::BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, 
   norm1 = register_module("norm1", norm());
   attn = register_module("attn", CausalSelfAttention(config, chain_, attn_name_, index));
   norm2 = register_module("norm2", norm());
-  if (placement_ == "sandwich") {
+  if (placement_ == NormPlacement::kSandwich) {
     post1 = register_module("post1", norm());
     post2 = register_module("post2", norm());
   }
@@ -286,7 +286,7 @@ at::Tensor BlockImpl::feed_forward(const at::Tensor& m) {
 // "sandwich" (Gemma 2): h = x + post1(attn(norm1(x))), y = h + post2(ff(norm2(h))).
 at::Tensor BlockImpl::forward_post(const at::Tensor& x) {
   const HookChain& c = *chain_;
-  const bool sandwich = placement_ == "sandwich";
+  const bool sandwich = placement_ == NormPlacement::kSandwich;
   auto through = [&](const std::string& name, Norm& norm, const at::Tensor& in) {
     return c.call(name, in, [&norm](const at::Tensor& y) { return norm->forward(y); });
   };
@@ -299,7 +299,7 @@ at::Tensor BlockImpl::forward_post(const at::Tensor& x) {
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
-  if (placement_ != "pre") return forward_post(x);
+  if (placement_ != NormPlacement::kPre) return forward_post(x);
   const HookChain& c = *chain_;
   const at::Tensor a = c.call(norm1_name_, x, [this](const at::Tensor& in) { return norm1->forward(in); });
   const at::Tensor attended = c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
@@ -321,7 +321,7 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 GptImpl::GptImpl(const GptConfig& config, uint64_t seed) : config_(config) {
   config_.validate();
   wte = register_module("wte", torch::nn::Embedding(config_.vocab_size, config_.width));
-  if (config_.position == "learned") wpe = register_module("wpe", torch::nn::Embedding(config_.context, config_.width));
+  if (config_.position == PositionStyle::kLearned) wpe = register_module("wpe", torch::nn::Embedding(config_.context, config_.width));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.layers; ++i) {
     block_names_.push_back("blocks." + std::to_string(i));

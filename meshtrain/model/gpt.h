@@ -97,7 +97,7 @@ class NormImpl : public torch::nn::Module {
  public:
   // `fused`: through model/fused/ops.h where the tensors allow; `plus_one`:
   // RMSNorm scales by (1 + weight), its weight starting at 0 (Gemma).
-  NormImpl(const std::string& kind, int64_t width, bool bias, double eps = 1e-5, bool fused = false,
+  NormImpl(NormStyle kind, int64_t width, bool bias, double eps = 1e-5, bool fused = false,
            bool plus_one = false);
   at::Tensor forward(const at::Tensor& x);
   // (h, norm(h)) for h = x + residual, in one pass when fused.
@@ -185,7 +185,7 @@ class BlockImpl : public torch::nn::Module {
   at::Tensor forward_post(const at::Tensor& x);  // norm_placement "post" and "sandwich"
 
   bool fused_;
-  std::string placement_;
+  NormPlacement placement_;
   std::shared_ptr<HookChain> chain_;
   std::string norm1_name_, attn_name_, norm2_name_, mlp_name_, moe_name_, post1_name_, post2_name_;
 };

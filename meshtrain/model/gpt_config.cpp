@@ -6,6 +6,40 @@
 
 namespace meshtrain::model {
 
+const config::Names<NormStyle>& names(NormStyle) {
+  static const config::Names<NormStyle> n = {{NormStyle::kLayerNorm, "layernorm"}, {NormStyle::kRmsNorm, "rmsnorm"}};
+  return n;
+}
+const config::Names<PositionStyle>& names(PositionStyle) {
+  static const config::Names<PositionStyle> n = {{PositionStyle::kLearned, "learned"}, {PositionStyle::kRope, "rope"}};
+  return n;
+}
+const config::Names<MlpStyle>& names(MlpStyle) {
+  static const config::Names<MlpStyle> n = {
+      {MlpStyle::kGelu, "gelu"}, {MlpStyle::kSwiglu, "swiglu"}, {MlpStyle::kGeglu, "geglu"}};
+  return n;
+}
+const config::Names<QkNorm>& names(QkNorm) {
+  static const config::Names<QkNorm> n = {{QkNorm::kNone, "none"}, {QkNorm::kHead, "head"}, {QkNorm::kWidth, "width"}};
+  return n;
+}
+const config::Names<NormPlacement>& names(NormPlacement) {
+  static const config::Names<NormPlacement> n = {
+      {NormPlacement::kPre, "pre"}, {NormPlacement::kPost, "post"}, {NormPlacement::kSandwich, "sandwich"}};
+  return n;
+}
+const config::Names<RopeScaling>& names(RopeScaling) {
+  static const config::Names<RopeScaling> n = {{RopeScaling::kNone, "none"},
+                                               {RopeScaling::kLinear, "linear"},
+                                               {RopeScaling::kLlama3, "llama3"},
+                                               {RopeScaling::kYarn, "yarn"}};
+  return n;
+}
+const config::Names<SecondExpert>& names(SecondExpert) {
+  static const config::Names<SecondExpert> n = {{SecondExpert::kRandom, "random"}, {SecondExpert::kAlways, "always"}};
+  return n;
+}
+
 namespace {
 
 GptConfig shape(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t width) {
@@ -22,9 +56,9 @@ GptConfig shape(int64_t vocab, int64_t context, int64_t layers, int64_t heads, i
 GptConfig llama(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t kv_heads, int64_t width,
                 int64_t ffn, double rope_theta) {
   GptConfig c = shape(vocab, context, layers, heads, width);
-  c.norm = "rmsnorm";
-  c.position = "rope";
-  c.mlp = "swiglu";
+  c.norm = NormStyle::kRmsNorm;
+  c.position = PositionStyle::kRope;
+  c.mlp = MlpStyle::kSwiglu;
   c.tie_embeddings = false;
   c.bias = false;
   c.kv_heads = kv_heads == heads ? 0 : kv_heads;
@@ -37,7 +71,7 @@ GptConfig llama(int64_t vocab, int64_t context, int64_t layers, int64_t heads, i
 GptConfig llama31(int64_t layers, int64_t heads, int64_t width, int64_t ffn, double factor, bool tied) {
   GptConfig c = llama(128256, 131072, layers, heads, 8, width, ffn, 500000);
   c.tie_embeddings = tied;
-  c.rope_scaling = "llama3";
+  c.rope_scaling = RopeScaling::kLlama3;
   c.rope_factor = factor;
   c.rope_original_context = 8192;
   c.rope_low_freq_factor = 1;
@@ -49,7 +83,7 @@ GptConfig llama31(int64_t layers, int64_t heads, int64_t width, int64_t ffn, dou
 GptConfig qwen3(int64_t layers, int64_t heads, int64_t kv_heads, int64_t width, int64_t ffn, bool tied) {
   GptConfig c = llama(151936, 40960, layers, heads, kv_heads, width, ffn, 1e6);
   c.head_size = 128;
-  c.qk_norm = "head";
+  c.qk_norm = QkNorm::kHead;
   c.norm_eps = 1e-6;
   c.tie_embeddings = tied;
   return c;
@@ -59,11 +93,11 @@ GptConfig qwen3(int64_t layers, int64_t heads, int64_t kv_heads, int64_t width, 
 // times sqrt(width), soft-capped scores and logits, a 4096 window in every other block.
 GptConfig gemma2(int64_t layers, int64_t heads, int64_t kv_heads, int64_t width, int64_t ffn) {
   GptConfig c = llama(256000, 8192, layers, heads, kv_heads, width, ffn, 10000);
-  c.mlp = "geglu";
+  c.mlp = MlpStyle::kGeglu;
   c.head_size = 256;
   c.tie_embeddings = true;
   c.norm_eps = 1e-6;
-  c.norm_placement = "sandwich";
+  c.norm_placement = NormPlacement::kSandwich;
   c.norm_plus_one = true;
   c.embed_scale = true;
   c.attn_softcap = 50;
@@ -104,7 +138,7 @@ const std::map<std::string, GptConfig>& presets() {
     mixtral.moe_every = 1;
     mixtral.moe_top_k = 2;
     mixtral.moe_capacity_factor = 0;
-    mixtral.moe_second_expert = "always";
+    mixtral.moe_second_expert = SecondExpert::kAlways;
     t["mixtral-8x7b"] = mixtral;
     // The open families as their config.json files on the Hugging Face Hub give them.
     t["llama3.2-1b"] = llama31(16, 32, 2048, 8192, 32, true);
@@ -127,15 +161,15 @@ const std::map<std::string, GptConfig>& presets() {
     qwen3_moe.moe_top_k = 8;
     qwen3_moe.moe_hidden = 768;
     qwen3_moe.moe_capacity_factor = 0;
-    qwen3_moe.moe_second_expert = "always";
+    qwen3_moe.moe_second_expert = SecondExpert::kAlways;
     qwen3_moe.moe_aux_loss = 0.001;
     t["qwen3-30b-a3b"] = qwen3_moe;
     t["gemma2-2b"] = gemma2(26, 8, 4, 2304, 9216);
     t["gemma2-9b"] = gemma2(42, 16, 8, 3584, 14336);
     t["phi3-mini"] = llama(32064, 4096, 32, 32, 32, 3072, 8192, 10000);  // Phi-3-mini-4k-instruct
     GptConfig olmo2 = llama(100352, 4096, 32, 32, 32, 4096, 11008, 500000);  // OLMo-2-1124-7B
-    olmo2.norm_placement = "post";
-    olmo2.qk_norm = "width";
+    olmo2.norm_placement = NormPlacement::kPost;
+    olmo2.qk_norm = QkNorm::kWidth;
     olmo2.norm_eps = 1e-6;
     t["olmo2-7b"] = olmo2;
     return t;
@@ -179,7 +213,7 @@ void GptConfig::validate() const {
   if (!(rotary_fraction > 0 && rotary_fraction <= 1)) {
     reject("rotary_fraction", std::to_string(rotary_fraction), "must be in (0, 1]");
   }
-  if (position == "rope" && (head_dim() % 2 != 0 || rotary_dims() < 2)) {
+  if (position == PositionStyle::kRope && (head_dim() % 2 != 0 || rotary_dims() < 2)) {
     reject(head_size > 0 ? "head_size" : "width", std::to_string(head_size > 0 ? head_size : width),
            "rope needs an even head size and at least 2 rotated dims per head");
   }
@@ -191,13 +225,6 @@ void GptConfig::validate() const {
   if (!(rope_theta > 0)) reject("rope_theta", std::to_string(rope_theta), "must be > 0");
   if (!(norm_eps > 0 && norm_eps < 1)) reject("norm_eps", std::to_string(norm_eps), "must be in (0, 1)");
   if (!(dropout >= 0.0 && dropout < 1.0)) reject("dropout", std::to_string(dropout), "must be in [0, 1)");
-  if (norm != "layernorm" && norm != "rmsnorm") reject("norm", "\"" + norm + "\"", "use \"layernorm\" or \"rmsnorm\"");
-  if (position != "learned" && position != "rope") {
-    reject("position", "\"" + position + "\"", "use \"learned\" or \"rope\"");
-  }
-  if (mlp != "gelu" && mlp != "swiglu" && mlp != "geglu") {
-    reject("mlp", "\"" + mlp + "\"", "use \"gelu\", \"swiglu\" or \"geglu\"");
-  }
   validate_families();
   if (moe_experts < 0) reject("moe_experts", std::to_string(moe_experts), "must be >= 0 (0: dense)");
   if (!moe()) return;
@@ -210,9 +237,6 @@ void GptConfig::validate() const {
   if (moe_shared_hidden < 0) reject("moe_shared_hidden", std::to_string(moe_shared_hidden), "must be >= 0 (0: none)");
   if (!(moe_capacity_factor >= 0)) {
     reject("moe_capacity_factor", std::to_string(moe_capacity_factor), "must be >= 0 (0: dropless)");
-  }
-  if (moe_second_expert != "random" && moe_second_expert != "always") {
-    reject("moe_second_expert", "\"" + moe_second_expert + "\"", "use \"random\" or \"always\"");
   }
   if (!(moe_aux_loss >= 0)) reject("moe_aux_loss", std::to_string(moe_aux_loss), "must be >= 0");
   if (!(moe_z_loss >= 0)) reject("moe_z_loss", std::to_string(moe_z_loss), "must be >= 0");
@@ -240,31 +264,23 @@ void GptConfig::validate() const {
 // else is inside modules it already splits. Counts (Note [Model counts])
 // follow each key, and the tests compare them with the built model.
 void GptConfig::validate_families() const {
-  if (qk_norm != "none" && qk_norm != "head" && qk_norm != "width") {
-    reject("qk_norm", "\"" + qk_norm + "\"", "use \"none\", \"head\" (Qwen3) or \"width\" (OLMo 2)");
-  }
-  if (norm_placement != "pre" && norm_placement != "post" && norm_placement != "sandwich") {
-    reject("norm_placement", "\"" + norm_placement + "\"", "use \"pre\", \"post\" (OLMo 2) or \"sandwich\" (Gemma 2)");
-  }
   if (norm_plus_one && !rms_norm()) reject("norm_plus_one", "true", "needs model.norm = \"rmsnorm\"");
   if (!(attn_softcap >= 0)) reject("attn_softcap", std::to_string(attn_softcap), "must be >= 0 (0: none)");
   if (!(logit_softcap >= 0)) reject("logit_softcap", std::to_string(logit_softcap), "must be >= 0 (0: none)");
   if (!(query_scale >= 0)) reject("query_scale", std::to_string(query_scale), "must be >= 0 (0: the head size)");
   if (sliding_window < 0) reject("sliding_window", std::to_string(sliding_window), "must be >= 0 (0: none)");
   if (sliding_every < 1) reject("sliding_every", std::to_string(sliding_every), "must be >= 1");
-  const std::string& s = rope_scaling;
-  if (s != "none" && s != "linear" && s != "llama3" && s != "yarn") {
-    reject("rope_scaling", "\"" + s + "\"", "use \"none\", \"linear\", \"llama3\" or \"yarn\"");
+  const RopeScaling s = rope_scaling;
+  const std::string shown = "\"" + name(s) + "\"";
+  if (s != RopeScaling::kNone && position != PositionStyle::kRope) reject("rope_scaling", shown, "needs model.position = \"rope\"");
+  if (s != RopeScaling::kNone && !(rope_factor > 0)) reject("rope_factor", std::to_string(rope_factor), "must be > 0");
+  if ((s == RopeScaling::kLlama3 || s == RopeScaling::kYarn) && rope_original_context < 1) {
+    reject("rope_original_context", std::to_string(rope_original_context), "rope_scaling " + shown + " needs it (> 0)");
   }
-  if (s != "none" && position != "rope") reject("rope_scaling", "\"" + s + "\"", "needs model.position = \"rope\"");
-  if (s != "none" && !(rope_factor > 0)) reject("rope_factor", std::to_string(rope_factor), "must be > 0");
-  if ((s == "llama3" || s == "yarn") && rope_original_context < 1) {
-    reject("rope_original_context", std::to_string(rope_original_context), "rope_scaling \"" + s + "\" needs it (> 0)");
-  }
-  if (s == "llama3" && !(rope_low_freq_factor > 0 && rope_high_freq_factor > rope_low_freq_factor)) {
+  if (s == RopeScaling::kLlama3 && !(rope_low_freq_factor > 0 && rope_high_freq_factor > rope_low_freq_factor)) {
     reject("rope_high_freq_factor", std::to_string(rope_high_freq_factor), "must be above rope_low_freq_factor (> 0)");
   }
-  if (s == "yarn" && !(rope_beta_fast > rope_beta_slow && rope_beta_slow > 0)) {
+  if (s == RopeScaling::kYarn && !(rope_beta_fast > rope_beta_slow && rope_beta_slow > 0)) {
     reject("rope_beta_fast", std::to_string(rope_beta_fast), "must be above rope_beta_slow (> 0)");
   }
   if (!(rope_attention_factor >= 0)) {
@@ -274,7 +290,7 @@ void GptConfig::validate_families() const {
 
 int64_t GptConfig::mlp_hidden() const {
   if (ffn_hidden > 0) return ffn_hidden;
-  if (mlp == "gelu") return 4 * width;
+  if (mlp == MlpStyle::kGelu) return 4 * width;
   const int64_t hidden = (8 * width + 2) / 3;
   return (hidden + 63) / 64 * 64;
 }
@@ -297,8 +313,8 @@ int64_t GptConfig::mlp_parameters(int64_t hidden) const {
 }
 
 int64_t GptConfig::qk_norm_parameters() const {
-  if (qk_norm == "head") return 2 * head_dim();
-  if (qk_norm == "width") return q_width() + kv_width();
+  if (qk_norm == QkNorm::kHead) return 2 * head_dim();
+  if (qk_norm == QkNorm::kWidth) return q_width() + kv_width();
   return 0;
 }
 
@@ -333,11 +349,11 @@ int64_t GptConfig::head_parameters() const {
 
 std::string GptConfig::family() const {
   if (!rms_norm() && learned_positions()) return "gpt2";
-  if (!rms_norm() || position != "rope" || bias) return "";
-  if (norm_placement == "sandwich" || norm_plus_one) return "gemma2";
-  if (norm_placement == "post" || qk_norm == "width") return "olmo2";
-  if (moe()) return qk_norm == "head" ? "qwen3_moe" : "mixtral";
-  if (qk_norm == "head") return "qwen3";
+  if (!rms_norm() || position != PositionStyle::kRope || bias) return "";
+  if (norm_placement == NormPlacement::kSandwich || norm_plus_one) return "gemma2";
+  if (norm_placement == NormPlacement::kPost || qk_norm == QkNorm::kWidth) return "olmo2";
+  if (moe()) return qk_norm == QkNorm::kHead ? "qwen3_moe" : "mixtral";
+  if (qk_norm == QkNorm::kHead) return "qwen3";
   if (qkv_bias && !attention_bias) return "qwen2";
   if (rotary_fraction != 1.0) return "phi3";
   if (sliding_window > 0) return "mistral";
@@ -394,7 +410,7 @@ std::string GptConfig::describe(const std::string& name) const {
                      std::to_string(layers) + " layers, h " + std::to_string(width) + ", " + std::to_string(heads) +
                      " heads";
   if (grouped_query()) text += " (" + std::to_string(key_value_heads()) + " kv)";
-  text += ", ffn " + std::to_string(mlp_hidden()) + " " + mlp + ", vocab " +
+  text += ", ffn " + std::to_string(mlp_hidden()) + " " + model::name(mlp) + ", vocab " +
           std::to_string(vocab_size) + ", seq " + std::to_string(context);
   if (moe()) {
     text += ", " + std::to_string(moe_experts) + " experts top-" + std::to_string(moe_top_k) +

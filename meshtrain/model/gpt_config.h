@@ -4,11 +4,34 @@
 // the planner and the checkpoints all read it.
 #pragma once
 
+#include "meshtrain/util/config_keys.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace meshtrain::model {
+
+// The choices among a model's parts, each read and written by its name (names(), name()).
+enum class NormStyle { kLayerNorm, kRmsNorm };
+enum class PositionStyle { kLearned, kRope };  // a position table (GPT-2), or rotary embeddings
+enum class MlpStyle { kGelu, kSwiglu, kGeglu };
+enum class QkNorm { kNone, kHead, kWidth };
+enum class NormPlacement { kPre, kPost, kSandwich };
+enum class RopeScaling { kNone, kLinear, kLlama3, kYarn };
+enum class SecondExpert { kRandom, kAlways };
+
+const config::Names<NormStyle>& names(NormStyle);          // "layernorm", "rmsnorm"
+const config::Names<PositionStyle>& names(PositionStyle);  // "learned", "rope"
+const config::Names<MlpStyle>& names(MlpStyle);            // "gelu", "swiglu", "geglu"
+const config::Names<QkNorm>& names(QkNorm);                // "none", "head", "width"
+const config::Names<NormPlacement>& names(NormPlacement);  // "pre", "post", "sandwich"
+const config::Names<RopeScaling>& names(RopeScaling);      // "none", "linear", "llama3", "yarn"
+const config::Names<SecondExpert>& names(SecondExpert);    // "random", "always"
+template <typename E>
+const std::string& name(E value) {
+  return config::name_of(names(E{}), value);
+}
 
 struct GptConfig {
   int64_t vocab_size = 256;
@@ -18,9 +41,9 @@ struct GptConfig {
   int64_t width = 256;    // model dimension
   double dropout = 0.0;
   // GPT-2 style by default; Llama style is rmsnorm + rope + swiglu + untied head.
-  std::string norm = "layernorm";      // "layernorm" | "rmsnorm"
-  std::string position = "learned";    // "learned" | "rope"
-  std::string mlp = "gelu";            // "gelu" (4·width hidden) | "swiglu" | "geglu" (gated, tanh GELU: Gemma)
+  NormStyle norm = NormStyle::kLayerNorm;
+  PositionStyle position = PositionStyle::kLearned;
+  MlpStyle mlp = MlpStyle::kGelu;      // gelu (4·width hidden) | swiglu | geglu (gated, tanh GELU: Gemma)
   bool tie_embeddings = true;          // the LM head shares the token embedding
   bool bias = true;                    // biases in linear layers and norms (GPT-2 has them)
   bool qkv_bias = false;               // biases on the q, k and v projections alone (Qwen2)
@@ -35,10 +58,10 @@ struct GptConfig {
   int64_t head_size = 0;               // q/k/v size per head; 0: width / heads (Qwen3, Gemma 2 set it)
   bool attention_bias = false;         // biases on q, k, v and the attention's output projection
   bool mlp_bias = false;               // biases on the MLP's projections
-  std::string qk_norm = "none";        // "none" | "head": RMSNorm over each head's q and k before RoPE
-                                       // (Qwen3) | "width": over all of q and all of k (OLMo 2)
-  std::string norm_placement = "pre";  // "pre": x + f(norm(x)) | "post": x + norm(f(x)) (OLMo 2)
-                                       // | "sandwich": x + norm(f(norm(x))) (Gemma 2)
+  QkNorm qk_norm = QkNorm::kNone;      // none | head: RMSNorm over each head's q and k before RoPE
+                                       // (Qwen3) | width: over all of q and all of k (OLMo 2)
+  NormPlacement norm_placement = NormPlacement::kPre;  // pre: x + f(norm(x)) | post: x + norm(f(x)) (OLMo 2)
+                                                       // | sandwich: x + norm(f(norm(x))) (Gemma 2)
   bool norm_plus_one = false;          // RMSNorm scales by (1 + weight) (Gemma)
   bool embed_scale = false;            // token embeddings times sqrt(width) (Gemma)
   double attn_softcap = 0;             // attention scores c·tanh(s / c); 0: none (Gemma 2)
@@ -49,10 +72,10 @@ struct GptConfig {
   // 0: every block sees the whole context.
   int64_t sliding_window = 0;
   int64_t sliding_every = 1;
-  // RoPE scaling (Note [RoPE scaling] in attention_variants.cpp): "none" | "linear"
-  // (positions / factor) | "llama3" (Llama 3.1: long wavelengths / factor,
-  // smoothed between low and high frequency factors) | "yarn".
-  std::string rope_scaling = "none";
+  // RoPE scaling (Note [RoPE scaling] in attention_variants.cpp): none | linear
+  // (positions / factor) | llama3 (Llama 3.1: long wavelengths / factor,
+  // smoothed between low and high frequency factors) | yarn.
+  RopeScaling rope_scaling = RopeScaling::kNone;
   double rope_factor = 1.0;
   int64_t rope_original_context = 0;   // the context before scaling (llama3, yarn)
   double rope_low_freq_factor = 1.0;   // llama3
@@ -72,7 +95,7 @@ struct GptConfig {
   int64_t moe_every = 2;
   int64_t moe_top_k = 1;
   double moe_capacity_factor = 1.25;   // capacity = ceil(tokens·top_k·cf / experts); 0: dropless
-  std::string moe_second_expert = "random";  // top_k 2: "random" (GShard: kept with probability min(1, 2·gate)) | "always"
+  SecondExpert moe_second_expert = SecondExpert::kRandom;  // top_k 2: random (GShard: kept with probability min(1, 2·gate)) | always
   double moe_aux_loss = 0.01;          // Switch load balancing: α·E·Σ fᵢ·Pᵢ
   double moe_z_loss = 0.001;           // router z-loss: β·mean(logsumexp(logits)²)
   int64_t moe_hidden = 0;              // an expert's hidden size; 0: the dense MLP's
@@ -111,11 +134,11 @@ struct GptConfig {
   bool is_moe_block(int64_t i) const { return moe() && i % moe_every == moe_every - 1; }
   int64_t moe_blocks() const { return moe() ? layers / moe_every : 0; }
   int64_t expert_hidden() const { return moe_hidden > 0 ? moe_hidden : mlp_hidden(); }
-  bool gated_mlp() const { return mlp == "swiglu" || mlp == "geglu"; }  // three matrices instead of two
-  int64_t norms_per_block() const { return norm_placement == "sandwich" ? 4 : 2; }
+  bool gated_mlp() const { return mlp != MlpStyle::kGelu; }  // three matrices instead of two
+  int64_t norms_per_block() const { return norm_placement == NormPlacement::kSandwich ? 4 : 2; }
   int64_t qk_norm_parameters() const;  // per block
-  bool rms_norm() const { return norm == "rmsnorm"; }
-  bool learned_positions() const { return position == "learned"; }  // a position table (GPT) instead of RoPE
+  bool rms_norm() const { return norm == NormStyle::kRmsNorm; }
+  bool learned_positions() const { return position == PositionStyle::kLearned; }  // a position table (GPT) instead of RoPE
   // The open family this shape is: "gpt2" (layernorm, a position table), one of
   // the Llama-style model_types (rmsnorm, RoPE, no norm biases: "llama",
   // "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "phi3",

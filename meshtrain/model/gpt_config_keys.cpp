@@ -15,16 +15,27 @@ void put(Value& v, double x) { v.f = x; }
 void put(Value& v, bool x) { v.b = x; }
 void put(Value& v, const std::string& x) { v.s = x; }
 
-// A key stored in the field `access(config)` returns, named `json` in the checkpoint ("": as in TOML).
+// A key stored in the field `access(config)` returns, named `json` in the checkpoint ("": as in TOML); an
+// enumeration is read and written by its names.
 template <typename Access>
-ModelKey entry(std::string name, std::string help, Stored stored, std::string json, Access access) {
-  const std::string stored_as = json.empty() ? name : json;
-  return ModelKey{config::key<GptConfig>("model", std::move(name), std::move(help), access), stored, stored_as,
-                  [access](const GptConfig& c) {
-                    Value v;
-                    put(v, access(const_cast<GptConfig&>(c)));
-                    return v;
-                  }};
+ModelKey entry(std::string name_in_toml, std::string help, Stored stored, std::string json, Access access) {
+  using T = std::decay_t<decltype(access(std::declval<GptConfig&>()))>;
+  const std::string stored_as = json.empty() ? name_in_toml : json;
+  if constexpr (std::is_enum_v<T>) {
+    return ModelKey{config::enum_key<GptConfig>("model", std::move(name_in_toml), std::move(help), names(T{}), access),
+                    stored, stored_as, [access](const GptConfig& c) {
+                      Value v;
+                      v.s = name(access(const_cast<GptConfig&>(c)));
+                      return v;
+                    }};
+  } else {
+    return ModelKey{config::key<GptConfig>("model", std::move(name_in_toml), std::move(help), access), stored,
+                    stored_as, [access](const GptConfig& c) {
+                      Value v;
+                      put(v, access(const_cast<GptConfig&>(c)));
+                      return v;
+                    }};
+  }
 }
 
 #define MESHTRAIN_MODEL_MEMBER(field) [](GptConfig& c) -> auto& { return c.field; }

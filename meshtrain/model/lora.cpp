@@ -152,7 +152,7 @@ void LoraConfig::check(const GptConfig& model) const {
     }
   }
   if (targets.size() == 1 && targets.front() == "gate" && !model.gated_mlp()) {
-    throw std::invalid_argument("lora.targets = [\"gate\"]: this model's MLP (" + model.mlp +
+    throw std::invalid_argument("lora.targets = [\"gate\"]: this model's MLP (" + name(model.mlp) +
                                 ") has no gate, so nothing would be adapted; its linears are up (fc) and down (proj)");
   }
 }

@@ -62,7 +62,7 @@ MoeImpl::MoeImpl(const GptConfig& config) : config_(config) {
   const int64_t e = config.moe_experts, d = config.width, h = config.expert_hidden();
   router = register_parameter("router", torch::zeros({e, d}));
   const bool bias = config.mlp_has_bias();
-  if (config.mlp == "gelu") {
+  if (config.mlp == MlpStyle::kGelu) {
     fc_weight = expert_parameter(*this, "fc_weight", {e, h, d});
     if (bias) fc_bias = expert_parameter(*this, "fc_bias", {e, h});
     proj_weight = expert_parameter(*this, "proj_weight", {e, d, h});
@@ -113,7 +113,7 @@ at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>
   const std::vector<at::Tensor> in = split(gelu ? fc_weight : gate_weight), in_bias = split(gelu ? fc_bias : gate_bias);
   const std::vector<at::Tensor> up = split(up_weight), up_b = split(up_bias);
   const std::vector<at::Tensor> out = split(gelu ? proj_weight : down_weight), out_bias = split(gelu ? proj_bias : down_bias);
-  const bool geglu = config_.mlp == "geglu";
+  const bool geglu = config_.mlp == MlpStyle::kGeglu;
   std::vector<at::Tensor> outputs;
   int64_t offset = 0;
   for (size_t c = 0; c < counts.size(); ++c) {
@@ -162,7 +162,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
   at::Tensor wanted = at::ones({n, k}, choice.options().dtype(at::kBool));
   if (k >= 2 && config_.moe_norm_topk) gates = top / top.sum(-1, true);
   if (k == 2) {
-    if (config_.moe_second_expert == "random" && is_training()) {
+    if (config_.moe_second_expert == SecondExpert::kRandom && is_training()) {
       const at::Tensor draw = at::rand({n}, probs.options());
       wanted.select(1, 1).copy_(draw < (2 * gates.select(1, 1)).clamp_max(1.0).detach());
     }

@@ -55,7 +55,7 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
   };
   const bool dense_blocks = config.moe_blocks() < config.layers;
   if (config.moe()) plan.push_back({"blocks.*.moe", Style::kMixtureOfExperts});
-  if (dense_blocks && config.mlp == "gelu") {
+  if (dense_blocks && config.mlp == model::MlpStyle::kGelu) {
     plan.push_back({"blocks.*.mlp.fc", Style::kColwise, 1, /*bias_in_model=*/config.fused});
     plan.push_back({"blocks.*.mlp.proj", Style::kRowwise});
   } else if (dense_blocks) {
@@ -63,7 +63,7 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
     plan.push_back({"blocks.*.mlp.up", Style::kColwise});
     plan.push_back({"blocks.*.mlp.down", Style::kRowwise});
   }
-  if (config.qk_norm == "head") {
+  if (config.qk_norm == model::QkNorm::kHead) {
     // Each rank normalises its own heads with the shared weights: their
     // gradients are partial sums, all-reduced like sequence-parallel norms'.
     plan.push_back({"blocks.*.attn.q_norm", Style::kSequenceParallel});
@@ -75,10 +75,10 @@ TensorParallelPlan gpt_tensor_parallel_plan(const model::GptConfig& config, bool
     return plan;
   }
   for (const char* norm : {"blocks.*.norm1", "blocks.*.norm2", "norm_f"}) plan.push_back({norm, Style::kSequenceParallel});
-  if (config.norm_placement == "sandwich") {  // Gemma 2's norms after each sublayer see a chunk too
+  if (config.norm_placement == model::NormPlacement::kSandwich) {  // Gemma 2's norms after each sublayer see a chunk too
     for (const char* norm : {"blocks.*.post1", "blocks.*.post2"}) plan.push_back({norm, Style::kSequenceParallel});
   }
-  if (config.position == "learned") plan.push_back({"wpe", Style::kSequencePositions});
+  if (config.position == model::PositionStyle::kLearned) plan.push_back({"wpe", Style::kSequencePositions});
   plan.push_back({"drop", Style::kLocalRandom});
   plan.push_back({"blocks.*.attn.drop", Style::kLocalRandom});
   if (dense_blocks) plan.push_back({"blocks.*.mlp.drop", Style::kLocalRandom});
@@ -92,7 +92,7 @@ void check_tensor_parallel(const model::GptConfig& config, int t, bool sequence_
   dims.sequence_parallel = sequence_parallel && t > 1;
   dims.check();
   dims.check_model(model_dims(config));
-  if (t > 1 && config.qk_norm == "width") {
+  if (t > 1 && config.qk_norm == model::QkNorm::kWidth) {
     throw std::invalid_argument("tensor parallel: model.qk_norm = \"width\" (OLMo 2) normalises q and k over every "
                                 "head, which tp = " + std::to_string(t) + " splits across ranks; use tp = 1 "
                                 "(data, fully sharded, pipeline parallel take it)");

@@ -179,7 +179,7 @@ model::GptConfig divisible_model(bool llama, int64_t vocab = 264) {
   model::GptConfig c = model::GptConfig::preset("tiny");
   c.layers = 2, c.width = 72, c.heads = 12, c.context = 12, c.vocab_size = vocab;
   if (llama) {
-    c.norm = "rmsnorm", c.position = "rope", c.mlp = "swiglu", c.tie_embeddings = false, c.bias = false;
+    c.norm = model::NormStyle::kRmsNorm, c.position = model::PositionStyle::kRope, c.mlp = model::MlpStyle::kSwiglu, c.tie_embeddings = false, c.bias = false;
   }
   return c;
 }

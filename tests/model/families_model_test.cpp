@@ -4,6 +4,7 @@
 // window over a long generation (counting allocator), and bad settings
 // refused by name.
 #include "meshtrain/model/generate.h"
+#include "meshtrain/model/gpt_config_keys.h"
 #include "meshtrain/model/kv_cache.h"
 #include "meshtrain/util/memory.h"
 
@@ -26,20 +27,20 @@ std::vector<std::pair<std::string, GptConfig>> variants() {
   mistral.kv_heads = 2, mistral.sliding_window = 5;
   out.push_back({"mistral", mistral});
   GptConfig qwen3 = llama_style();
-  qwen3.kv_heads = 2, qwen3.head_size = 24, qwen3.qk_norm = "head", qwen3.qkv_bias = true;
+  qwen3.kv_heads = 2, qwen3.head_size = 24, qwen3.qk_norm = QkNorm::kHead, qwen3.qkv_bias = true;
   out.push_back({"qwen3", qwen3});
   GptConfig gemma = llama_style();
-  gemma.mlp = "geglu", gemma.norm_placement = "sandwich", gemma.norm_plus_one = true, gemma.embed_scale = true;
+  gemma.mlp = MlpStyle::kGeglu, gemma.norm_placement = NormPlacement::kSandwich, gemma.norm_plus_one = true, gemma.embed_scale = true;
   gemma.attn_softcap = 3, gemma.logit_softcap = 4, gemma.query_scale = 10, gemma.sliding_window = 6;
   gemma.sliding_every = 2, gemma.tie_embeddings = true;
   out.push_back({"gemma2", gemma});
   GptConfig olmo = llama_style();
-  olmo.norm_placement = "post", olmo.qk_norm = "width", olmo.attention_bias = true, olmo.mlp_bias = true;
-  olmo.rope_scaling = "yarn", olmo.rope_factor = 2, olmo.rope_original_context = 8, olmo.rotary_fraction = 0.5;
+  olmo.norm_placement = NormPlacement::kPost, olmo.qk_norm = QkNorm::kWidth, olmo.attention_bias = true, olmo.mlp_bias = true;
+  olmo.rope_scaling = RopeScaling::kYarn, olmo.rope_factor = 2, olmo.rope_original_context = 8, olmo.rotary_fraction = 0.5;
   out.push_back({"olmo2 + yarn, partial rotary, biases", olmo});
   GptConfig moe = llama_style();
   moe.moe_experts = 6, moe.moe_top_k = 3, moe.moe_every = 1, moe.moe_capacity_factor = 0, moe.moe_norm_topk = false;
-  moe.moe_shared_hidden = 40, moe.moe_hidden = 24, moe.qk_norm = "head", moe.rope_scaling = "llama3";
+  moe.moe_shared_hidden = 40, moe.moe_hidden = 24, moe.qk_norm = QkNorm::kHead, moe.rope_scaling = RopeScaling::kLlama3;
   moe.rope_factor = 4, moe.rope_original_context = 8;
   out.push_back({"qwen-moe + llama3 rope", moe});
   return out;
@@ -149,11 +150,24 @@ TEST(Families, SettingsNoFamilyHasAreRefusedByName) {
       EXPECT_NE(std::string(e.what()).find("model." + key), std::string::npos) << e.what();
     }
   };
-  refused([](GptConfig& c) { c.rope_scaling = "dynamic"; }, "rope_scaling");
-  refused([](GptConfig& c) { c.rope_scaling = "llama3", c.rope_factor = 8; }, "rope_original_context");
-  refused([](GptConfig& c) { c.qk_norm = "layer"; }, "qk_norm");
-  refused([](GptConfig& c) { c.norm_placement = "peri"; }, "norm_placement");
-  refused([](GptConfig& c) { c.norm = "layernorm", c.norm_plus_one = true; }, "norm_plus_one");
+  // A name no family has is refused as it is read (Note [Model keys]), naming the key and the names it takes.
+  auto named = [](const std::string& key, const std::string& text) {
+    GptConfig c = llama_style();
+    config::Value v;
+    v.s = text;
+    try {
+      find_model_key(key)->key.set(c, v);
+      ADD_FAILURE() << key << " = " << text << " was accepted";
+    } catch (const config::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(named("rope_scaling", "dynamic"), "model.rope_scaling = \"dynamic\": use \"none\", \"linear\", \"llama3\" or \"yarn\"");
+  EXPECT_EQ(named("qk_norm", "layer"), "model.qk_norm = \"layer\": use \"none\", \"head\" or \"width\"");
+  EXPECT_EQ(named("norm_placement", "peri"), "model.norm_placement = \"peri\": use \"pre\", \"post\" or \"sandwich\"");
+  refused([](GptConfig& c) { c.rope_scaling = RopeScaling::kLlama3, c.rope_factor = 8; }, "rope_original_context");
+  refused([](GptConfig& c) { c.norm = NormStyle::kLayerNorm, c.norm_plus_one = true; }, "norm_plus_one");
   refused([](GptConfig& c) { c.rotary_fraction = 0; }, "rotary_fraction");
   refused([](GptConfig& c) { c.sliding_every = 0; }, "sliding_every");
   refused([](GptConfig& c) { c.moe_experts = 4, c.moe_top_k = 5; }, "moe_top_k");

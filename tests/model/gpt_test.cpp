@@ -18,7 +18,7 @@ TEST(GptConfig, ParameterCountMatchesTheModulesForEveryStyle) {
   GptConfig odd = GptConfig::preset("tiny");
   odd.tie_embeddings = false;
   odd.bias = false;
-  odd.mlp = "swiglu";
+  odd.mlp = MlpStyle::kSwiglu;
   Gpt model(odd, 1);
   EXPECT_EQ(counted(*model), odd.parameter_count());
   GptConfig grouped = GptConfig::preset("llama-tiny");
@@ -33,7 +33,7 @@ TEST(GptConfig, ParameterCountMatchesTheModulesForEveryStyle) {
 TEST(GptConfig, CountsByPartEqualTheModulesTheyDescribe) {
   std::vector<GptConfig> configs = {GptConfig::preset("tiny"), GptConfig::preset("llama-tiny")};
   GptConfig moe = GptConfig::preset("tiny");
-  moe.moe_experts = 4, moe.moe_every = 2, moe.moe_hidden = 96, moe.mlp = "swiglu", moe.kv_heads = 2;
+  moe.moe_experts = 4, moe.moe_every = 2, moe.moe_hidden = 96, moe.mlp = MlpStyle::kSwiglu, moe.kv_heads = 2;
   configs.push_back(moe);
   GptConfig qwen = GptConfig::preset("llama-tiny");  // Qwen2: biases on q, k and v alone
   qwen.qkv_bias = true, qwen.kv_heads = 2;

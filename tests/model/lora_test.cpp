@@ -19,9 +19,9 @@ GptConfig llama_config() {
   c.kv_heads = 2;
   c.context = 16;
   c.vocab_size = 96;
-  c.norm = "rmsnorm";
-  c.position = "rope";
-  c.mlp = "swiglu";
+  c.norm = NormStyle::kRmsNorm;
+  c.position = PositionStyle::kRope;
+  c.mlp = MlpStyle::kSwiglu;
   c.bias = false;
   c.tie_embeddings = false;
   c.dropout = 0;

@@ -61,14 +61,14 @@ struct RecordingExchange : ExpertExchange {
 };
 
 TEST(Moe, ParameterCountsMatchTheBuiltModel) {
-  for (const std::string mlp : {"gelu", "swiglu"}) {
+  for (const MlpStyle mlp : {MlpStyle::kGelu, MlpStyle::kSwiglu}) {
     for (bool bias : {true, false}) {
       GptConfig c = moe_config(4, 2, 1.0);
       c.mlp = mlp;
       c.bias = bias;
       c.layers = 4;
       Gpt model(c, 1);
-      EXPECT_EQ(counted(*model), c.parameter_count()) << mlp << (bias ? " bias" : "");
+      EXPECT_EQ(counted(*model), c.parameter_count()) << name(mlp) << (bias ? " bias" : "");
       EXPECT_EQ(model->moe_layers().size(), 2u);  // blocks 1 and 3
       GptConfig dense_with_two = c;
       dense_with_two.moe_experts = 2;  // two experts, both used: every expert parameter active
@@ -108,7 +108,7 @@ TEST(Moe, DroplessKeepsEveryTokenUnderExtremeImbalance) {
 }
 
 TEST(Moe, EqualsTheGatedExpertComputedDirectly) {
-  for (const std::string mlp : {"gelu", "swiglu"}) {
+  for (const MlpStyle mlp : {MlpStyle::kGelu, MlpStyle::kSwiglu}) {
     GptConfig c = moe_config(4, 1, 0.0);
     c.mlp = mlp;
     Gpt model(c, 5);  // initialised weights
@@ -120,7 +120,7 @@ TEST(Moe, EqualsTheGatedExpertComputedDirectly) {
       const int64_t e = probs[t].argmax().item<int64_t>();
       const at::Tensor xt = x.view({12, c.width})[t];
       at::Tensor y;
-      if (mlp == "gelu") {
+      if (mlp == MlpStyle::kGelu) {
         y = at::linear(at::gelu(at::linear(xt, moe->fc_weight[e], moe->fc_bias[e]), "tanh"), moe->proj_weight[e],
                        moe->proj_bias[e]);
       } else {
@@ -128,7 +128,7 @@ TEST(Moe, EqualsTheGatedExpertComputedDirectly) {
                            at::linear(xt, moe->up_weight[e], moe->up_bias[e]),
                        moe->down_weight[e], moe->down_bias[e]);
       }
-      EXPECT_TRUE(at::allclose(out[t], probs[t][e] * y, 1e-5, 1e-6)) << mlp << " token " << t;
+      EXPECT_TRUE(at::allclose(out[t], probs[t][e] * y, 1e-5, 1e-6)) << name(mlp) << " token " << t;
     }
   }
 }
@@ -174,7 +174,7 @@ TEST(Moe, AuxiliaryLossesReachTheRouterWithTheirScale) {
 
 TEST(Moe, GShardSecondExpertIsKeptAtTheRatedProbability) {
   GptConfig c = moe_config(8, 2, 0.0);
-  c.moe_second_expert = "random";
+  c.moe_second_expert = SecondExpert::kRandom;
   Gpt model(c, 9);
   Moe moe = model->moe_layers().front();
   {
@@ -199,7 +199,7 @@ TEST(Moe, GShardSecondExpertIsKeptAtTheRatedProbability) {
       << "mean rate " << expected / n << ", spread " << spread;
   EXPECT_LT(expected, n - 10 * spread);  // the rule is not "always" here
   // "always" keeps every second choice.
-  c.moe_second_expert = "always";
+  c.moe_second_expert = SecondExpert::kAlways;
   Gpt always(c, 9);
   Moe moe2 = always->moe_layers().front();
   {

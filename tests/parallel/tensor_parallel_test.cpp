@@ -176,9 +176,9 @@ model::GptConfig divisible_model(bool llama, bool grouped_query = false) {
   c.context = 12;
   c.vocab_size = 264;
   if (llama) {
-    c.norm = "rmsnorm";
-    c.position = "rope";
-    c.mlp = "swiglu";
+    c.norm = model::NormStyle::kRmsNorm;
+    c.position = model::PositionStyle::kRope;
+    c.mlp = model::MlpStyle::kSwiglu;
     c.tie_embeddings = false;
     c.bias = false;
   }

@@ -31,9 +31,9 @@ class PlanMemory : public TrainingTest {
     c.model.heads = 4;
     c.model.context = 64;
     if (llama) {
-      c.model.norm = "rmsnorm";
-      c.model.position = "rope";
-      c.model.mlp = "swiglu";
+      c.model.norm = model::NormStyle::kRmsNorm;
+      c.model.position = model::PositionStyle::kRope;
+      c.model.mlp = model::MlpStyle::kSwiglu;
       c.model.tie_embeddings = c.model.bias = false;
     }
     c.batch = (c.parallel.dims.pp > 1 ? 16 : 8) * c.data_ranks();  // pipelines: 4 micro-batches

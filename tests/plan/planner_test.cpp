@@ -297,7 +297,7 @@ model::GptConfig moe_config() {
 }
 
 TEST(PlanMoe, ParameterCountsEqualTheBuiltModelAndMixtral) {
-  for (const std::string mlp : {"gelu", "swiglu"}) {
+  for (const model::MlpStyle mlp : {model::MlpStyle::kGelu, model::MlpStyle::kSwiglu}) {
     model::GptConfig c = moe_config();
     c.mlp = mlp;
     c.moe_hidden = 96;
@@ -305,7 +305,7 @@ TEST(PlanMoe, ParameterCountsEqualTheBuiltModelAndMixtral) {
     int64_t numel = 0;
     for (const auto& p : gpt->parameters()) numel += p.numel();
     const model::GptConfig m = c;
-    EXPECT_EQ(m.parameter_count(), numel) << mlp;
+    EXPECT_EQ(m.parameter_count(), numel) << model::name(mlp);
     EXPECT_EQ(m.parameter_count(), c.parameter_count());
     EXPECT_EQ(m.active_parameter_count(), c.active_parameter_count());
   }

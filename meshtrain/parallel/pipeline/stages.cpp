@@ -20,9 +20,9 @@ std::string StageSpec::str() const {
 
 std::vector<double> parameter_costs(const model::GptConfig& c) {
   const double w = double(c.width);
-  const double norm = c.bias && c.norm == "layernorm" ? 2 * w : w;
+  const double norm = c.bias && c.norm == model::NormStyle::kLayerNorm ? 2 * w : w;
   std::vector<double> costs;
-  costs.push_back(double(c.vocab_size) * w + (c.position == "learned" ? double(c.context) * w : 0.0));
+  costs.push_back(double(c.vocab_size) * w + (c.position == model::PositionStyle::kLearned ? double(c.context) * w : 0.0));
   for (int64_t i = 0; i < c.layers; ++i) {
     costs.push_back(double(c.is_moe_block(i) ? c.moe_block_parameters() : c.block_parameters()));
   }
