@@ -1,5 +1,7 @@
 #include "meshtrain/fl/update.h"
 
+#include "meshtrain/offload/cpu_adam.h"
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -39,7 +41,14 @@ LocalFit fit_locally(model::GptImpl& model, train::Sampler& sampler, const wire:
       v.push_back(at::zeros_like(payloads.back()));
     }
   }
-  const double lr = fit.lr(), mu = fit.prox_mu(), beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  const double lr = fit.lr(), mu = fit.prox_mu();
+  // The project's one AdamW (Note [CPU AdamW]) over the payload's coordinates, fresh each round, without weight
+  // decay, with the clients' betas (0.9, 0.999: torch.optim.AdamW's defaults, which federated clients start from).
+  offload::AdamWStep adamw;
+  adamw.lr = lr;
+  adamw.beta1 = 0.9;
+  adamw.beta2 = 0.999;
+  adamw.eps = 1e-8;
   double loss_sum = 0;
   model.train();
   for (uint32_t k = 0; k < fit.local_steps(); ++k) {
@@ -54,11 +63,8 @@ LocalFit fit_locally(model::GptImpl& model, train::Sampler& sampler, const wire:
       if (mu > 0) grad = grad + (params[i] - start[i]) * mu;  // FedProx
       at::Tensor g = structures[i].project(grad);
       if (fit.optimizer() == "adamw") {
-        const double t = k + 1;
-        m[i].mul_(beta1).add_(g, 1 - beta1);
-        v[i].mul_(beta2).addcmul_(g, g, 1 - beta2);
-        const at::Tensor denom = (v[i] / (1 - std::pow(beta2, t))).sqrt_().add_(eps);
-        payloads[i].addcdiv_(m[i], denom, -lr / (1 - std::pow(beta1, t)));
+        adamw.step = k + 1;
+        offload::cpu_adamw(payloads[i], g.to(at::kFloat).contiguous(), m[i], v[i], adamw);
       } else {
         payloads[i].add_(g, -lr);
       }

@@ -108,6 +108,33 @@ TEST(FlFederation, OneClientEqualsCentralisedTraining) {
   EXPECT_GT((federated[0] - parameters_of(*start)[0]).abs().max().item<double>(), 1e-3);
 }
 
+// fl.client.optimizer = "adamw" is the project's one AdamW (Note [CPU AdamW]) with the clients' defaults, fresh
+// each round: one client equals centralised training with torch's AdamW(0.9, 0.999, no decay) restarted per round.
+TEST(FlFederation, OneAdamWClientEqualsTorchAdamWRestartedEachRound) {
+  const std::string dir = ::testing::TempDir() + "/fl_adamw";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 1);
+  FlConfig config = tiny_config(dir + "/out");
+  config.optimizer = "adamw";
+  config.lr = 0.01;
+  const std::vector<at::Tensor> federated = federate(config, files);
+
+  model::Gpt reference(config.model, config.seed);
+  train::TokenFile file(files[0]);
+  train::Sampler sampler(file, config.model.context, client_sampler_seed("c0"));
+  for (int64_t r = 0; r < config.rounds; ++r) {
+    torch::optim::AdamW adamw(reference->parameters(),
+                              torch::optim::AdamWOptions(config.lr).betas({0.9, 0.999}).eps(1e-8).weight_decay(0));
+    for (int64_t k = 0; k < config.local_steps; ++k) {
+      const auto [x, y] = sampler.rows((r * config.local_steps + k) * config.batch, config.batch);
+      adamw.zero_grad();
+      reference->loss(x, y).backward();
+      adamw.step();
+    }
+  }
+  expect_same(federated, *reference, 1e-4);  // AdamW moves each weight by ~lr a step, whatever the gradient's size
+}
+
 TEST(FlFederation, OneLocalStepPerClientEqualsLargeBatchTraining) {
   const std::string dir = ::testing::TempDir() + "/fl_three";
   util::remove_tree(dir);
