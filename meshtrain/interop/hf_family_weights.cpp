@@ -1,6 +1,7 @@
 // The tensors of the Llama-style families (Note [Hugging Face families]):
 // their names and layouts against meshtrain's parameters, both ways.
 #include "meshtrain/interop/hf_families.h"
+#include "meshtrain/model/qkv_layout.h"
 
 #include "meshtrain/interop/safetensors.h"
 
@@ -112,18 +113,14 @@ at::Tensor parameter_named(const std::map<std::string, at::Tensor>& weights, con
 }
 
 at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const model::GptConfig& c) {
-  if (!c.grouped_query()) return at::cat({q, k, v});
-  const int64_t g = c.key_value_heads(), hd = c.head_dim(), rep = c.heads / g, in = q.size(1);
-  return at::cat({q.reshape({g, rep, hd, in}), k.reshape({g, 1, hd, in}), v.reshape({g, 1, hd, in})}, 1).reshape({-1, in});
+  const std::vector<int64_t> sizes = {q.size(0) + k.size(0) + v.size(0), q.size(1)};
+  return model::fuse_qkv(q, k, v, 0, sizes, q.options(), c);
 }
 
 std::vector<at::Tensor> unfuse_qkv(const at::Tensor& qkv, const model::GptConfig& c) {
   const int64_t in = qkv.size(1);
-  if (!c.grouped_query()) return qkv.split_with_sizes({c.q_width(), c.kv_width(), c.kv_width()});
-  const int64_t g = c.key_value_heads(), hd = c.head_dim(), rep = c.heads / g;
-  const at::Tensor grouped = qkv.view({g, rep + 2, hd, in});
-  return {grouped.narrow(1, 0, rep).reshape({-1, in}).contiguous(), grouped.select(1, rep).reshape({-1, in}).contiguous(),
-          grouped.select(1, rep + 1).reshape({-1, in}).contiguous()};
+  const auto [q, k, v] = model::split_qkv_heads(qkv, 0, c);  // [heads, hd, in]
+  return {q.reshape({-1, in}).contiguous(), k.reshape({-1, in}).contiguous(), v.reshape({-1, in}).contiguous()};
 }
 
 std::map<std::string, at::Tensor> read_family_weights(const TensorSource& t, const model::GptConfig& c,

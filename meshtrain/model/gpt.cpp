@@ -1,5 +1,7 @@
 #include "meshtrain/model/gpt.h"
 
+#include "meshtrain/model/qkv_layout.h"
+
 #include "meshtrain/model/attention_variants.h"
 #include "meshtrain/model/fused/ops.h"
 
@@ -50,20 +52,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 }
 
 QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config) {
-  const int64_t b = qkv_out.size(0), t = qkv_out.size(1), n = qkv_out.size(2), hd = config.head_dim();
-  if (!config.grouped_query()) {
-    std::vector<at::Tensor> parts = qkv_out.split(n / 3, -1);
-    auto heads = [&](const at::Tensor& y) { return y.view({b, t, -1, hd}).transpose(1, 2); };
-    return {heads(parts[0]), heads(parts[1]), heads(parts[2])};
-  }
-  const int64_t per_group = config.heads / config.key_value_heads();
-  const at::Tensor grouped = qkv_out.view({b, t, -1, per_group + 2, hd});  // [B, T, G, rep + 2, hd]
-  const int64_t groups = grouped.size(2);
-  QkvHeads out;
-  out.q = grouped.narrow(3, 0, per_group).reshape({b, t, groups * per_group, hd}).transpose(1, 2);
-  out.k = grouped.select(3, per_group).transpose(1, 2);
-  out.v = grouped.select(3, per_group + 1).transpose(1, 2);
-  return out;
+  const auto [q, k, v] = split_qkv_heads(qkv_out, 2, config);  // [B, T, H, hd] each
+  return {q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)};
 }
 
 at::Tensor repeat_kv(const at::Tensor& x, int64_t times) {

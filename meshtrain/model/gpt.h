@@ -70,13 +70,7 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // (Note [Packed documents]; a KV cache's decode positions).
 at::Tensor apply_rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 
-// Note [Grouped-query layout]
-// The fused qkv projection's outputs are [q | k | v] (a third each) with
-// multi-head attention. With grouped-query attention (kv_heads < heads) they
-// go by key/value group: for each group, the q of its heads / kv_heads query
-// heads, then its k, then its v. Either way a contiguous share of the
-// outputs holds whole heads with their keys and values, so tensor parallel
-// splits them by rows (in thirds for MHA, in one piece for GQA).
+// q, k and v of the fused qkv projection's outputs [B, T, n] (Note [Grouped-query layout] in qkv_layout.h), as heads.
 struct QkvHeads {
   at::Tensor q, k, v;  // q [B, Hq, T, hd]; k, v [B, Hkv, T, hd] (this rank's heads)
 };

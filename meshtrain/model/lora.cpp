@@ -1,5 +1,7 @@
 #include "meshtrain/model/lora.h"
 
+#include "meshtrain/model/qkv_layout.h"
+
 #include "meshtrain/interop/safetensors.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -69,23 +71,7 @@ bool target_site(Gpt& model, int64_t i, const std::string& t, TargetSite& site) 
 // The sizes are the local ones: tensor parallel's share of the heads.
 at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& like,
                     const GptConfig& c) {
-  std::vector<int64_t> lead = like.sizes().vec();
-  const int64_t n = lead.back();
-  lead.pop_back();
-  auto part = [&](const at::Tensor& t, int64_t size) {
-    if (t.defined()) return t;
-    std::vector<int64_t> shape = lead;
-    shape.push_back(size);
-    return at::zeros(shape, like.options());
-  };
-  if (!c.grouped_query()) return at::cat({part(q, n / 3), part(k, n / 3), part(v, n / 3)}, -1);
-  const int64_t hd = c.head_dim(), rep = c.heads / c.key_value_heads(), groups = n / ((rep + 2) * hd);
-  auto grouped = [&](const at::Tensor& t, int64_t heads) {
-    std::vector<int64_t> shape = lead;
-    shape.insert(shape.end(), {groups, heads, hd});
-    return part(t, groups * heads * hd).reshape(shape);
-  };
-  return at::cat({grouped(q, rep), grouped(k, 1), grouped(v, 1)}, -2).reshape(like.sizes());
+  return model::fuse_qkv(q, k, v, -1, like.sizes(), like.options(), c);
 }
 
 class LoraHooks : public ForwardHooks {

@@ -1,0 +1,50 @@
+#include "meshtrain/model/qkv_layout.h"
+
+#include <vector>
+
+namespace meshtrain::model {
+
+namespace {
+
+// `sizes` with dimension `dim` replaced by `inner`.
+std::vector<int64_t> replaced(at::IntArrayRef sizes, int64_t dim, std::initializer_list<int64_t> inner) {
+  std::vector<int64_t> out(sizes.begin(), sizes.begin() + dim);
+  out.insert(out.end(), inner);
+  out.insert(out.end(), sizes.begin() + dim + 1, sizes.end());
+  return out;
+}
+
+}  // namespace
+
+std::array<at::Tensor, 3> split_qkv_heads(const at::Tensor& fused, int64_t dim, const GptConfig& config) {
+  dim = at::maybe_wrap_dim(dim, fused.dim());
+  const int64_t n = fused.size(dim), hd = config.head_dim();
+  if (!config.grouped_query()) {
+    std::vector<at::Tensor> parts = fused.split(n / 3, dim);
+    auto heads = [&](const at::Tensor& part) { return part.view(replaced(part.sizes(), dim, {-1, hd})); };
+    return {heads(parts[0]), heads(parts[1]), heads(parts[2])};
+  }
+  const int64_t per_group = config.heads / config.key_value_heads();
+  const at::Tensor grouped = fused.view(replaced(fused.sizes(), dim, {-1, per_group + 2, hd}));  // [.., G, rep + 2, hd, ..]
+  const at::Tensor q = grouped.narrow(dim + 1, 0, per_group);                                    // [.., G, rep, hd, ..]
+  return {q.reshape(replaced(fused.sizes(), dim, {-1, hd})), grouped.select(dim + 1, per_group),
+          grouped.select(dim + 1, per_group + 1)};
+}
+
+at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t dim,
+                    at::IntArrayRef fused_sizes, const at::TensorOptions& options, const GptConfig& config) {
+  dim = at::maybe_wrap_dim(dim, static_cast<int64_t>(fused_sizes.size()));
+  const int64_t n = fused_sizes[dim];
+  auto part = [&](const at::Tensor& t, int64_t size) {
+    return t.defined() ? t : at::zeros(replaced(fused_sizes, dim, {size}), options);
+  };
+  if (!config.grouped_query()) return at::cat({part(q, n / 3), part(k, n / 3), part(v, n / 3)}, dim);
+  const int64_t hd = config.head_dim(), per_group = config.heads / config.key_value_heads();
+  const int64_t groups = n / ((per_group + 2) * hd);
+  auto grouped = [&](const at::Tensor& t, int64_t heads) {
+    return part(t, groups * heads * hd).reshape(replaced(fused_sizes, dim, {groups, heads, hd}));
+  };
+  return at::cat({grouped(q, per_group), grouped(k, 1), grouped(v, 1)}, dim + 1).reshape(fused_sizes);
+}
+
+}  // namespace meshtrain::model
