@@ -54,7 +54,8 @@ void bench_inference(const OffloadBenchOptions& options, const TierBandwidth& ba
   std::map<int64_t, double> resident;
   for (const std::string weights : {"none", "cpu", "nvme"}) {
     serve::InferenceOffload offload;
-    offload.weights = weights, offload.nvme_dir = options.nvme_dir, offload.prefetch = 1;
+    offload.weights = offload::parse_tier(weights, "offload.weights");
+    offload.nvme_dir = options.nvme_dir, offload.prefetch = 1;
     model::Gpt gpt{nullptr};
     {
       std::optional<memory::HostScope> host;

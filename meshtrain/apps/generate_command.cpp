@@ -73,7 +73,9 @@ void check_layout(const comm::Runtime& runtime, const GenerateOptions& options) 
                      std::to_string(asked) + " generate --parallel." + flag + "=" + std::to_string(asked) +
                      " ...)");
   }
-  if (options.cp > 1 && (options.no_kv_cache || options.offload.weights != "none" || options.offload.kv != "device")) {
+  const serve::InferenceOffload offload = inference_offload(options.offload);
+  if (options.cp > 1 &&
+      (options.no_kv_cache || offload.weights != offload::Tier::kDevice || offload.kv != offload::Tier::kDevice)) {
     throw UsageError("generate: --parallel.cp splits the KV cache on the device; it does not combine with "
                      "--no-kv-cache, --offload.weights or --offload.kv");
   }

@@ -30,10 +30,10 @@ void add_offload_flags(CLI::App& command, InferenceOffloadFlags& flags) {
 
 serve::InferenceOffload inference_offload(const InferenceOffloadFlags& flags) {
   serve::InferenceOffload offload;
-  offload.weights = flags.weights;
+  offload.weights = offload::parse_tier(flags.weights, "offload.weights");
   offload.nvme_dir = flags.nvme_dir;
   offload.prefetch = flags.prefetch;
-  offload.kv = flags.kv;
+  offload.kv = offload::parse_tier(flags.kv, "offload.kv");
   return offload;
 }
 

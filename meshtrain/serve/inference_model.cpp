@@ -18,8 +18,7 @@
 namespace meshtrain::serve {
 
 void InferenceOffload::validate() const {
-  offload::parse_tier(weights, "offload.weights");
-  if (kv != "device" && kv != "cpu") throw std::invalid_argument("offload.kv = \"" + kv + "\": must be \"device\" or \"cpu\"");
+  if (kv == offload::Tier::kNvme) throw std::invalid_argument("offload.kv = \"nvme\": use \"device\" or \"cpu\"");
   if (prefetch < 0) throw std::invalid_argument("offload.prefetch = " + std::to_string(prefetch) + ": must be >= 0");
 }
 
@@ -62,7 +61,7 @@ InferenceModel::InferenceModel(const std::string& checkpoint, parallel::CommPtr 
   offload_.validate();
   // Offloaded weights are loaded in host memory, then streamed (Note [Host scope]).
   std::optional<memory::HostScope> host;
-  if (offload_.weights != "none") host.emplace();
+  if (offload_.weights != offload::Tier::kDevice) host.emplace();
   const std::string folder = checkpoint::CheckpointStore::resolve(checkpoint);
   checkpoint::CheckpointReader reader(folder);
   name_ = std::filesystem::path(folder).filename().string();
@@ -97,7 +96,7 @@ InferenceModel::InferenceModel(model::Gpt gpt, parallel::CommPtr tp_group, std::
   check_tokenizer();
   {
     std::optional<memory::HostScope> host;
-    if (offload_.weights != "none") host.emplace();
+    if (offload_.weights != offload::Tier::kDevice) host.emplace();
     split();
   }
   stream_weights();
@@ -116,7 +115,7 @@ void InferenceModel::check_tokenizer() {
 }
 
 void InferenceModel::stream_weights() {
-  const offload::Tier tier = offload::parse_tier(offload_.weights, "offload.weights");
+  const offload::Tier tier = offload_.weights;
   if (tier == offload::Tier::kDevice) return;
   torch::NoGradGuard no_grad;
   for (auto& p : gpt_->parameters()) p.set_requires_grad(false);
@@ -137,7 +136,7 @@ void InferenceModel::stream_weights() {
 }
 
 model::KvCacheStorage InferenceModel::kv_storage() const {
-  if (offload_.kv != "cpu") return {};
+  if (offload_.kv != offload::Tier::kHost) return {};
   return [](at::IntArrayRef sizes, const at::TensorOptions& options) {
     int64_t numel = 1;
     for (int64_t s : sizes) numel *= s;

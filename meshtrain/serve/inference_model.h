@@ -31,10 +31,10 @@ namespace meshtrain::serve {
 // broadcast.
 // ZeRO-Inference (Note [Weight streaming]): where the weights and the KV cache live.
 struct InferenceOffload {
-  std::string weights = "none";  // "none" | "cpu" | "nvme": the blocks' weights streamed from that tier
+  offload::Tier weights = offload::Tier::kDevice;  // kHost, kNvme: the blocks' weights streamed from that tier
   std::string nvme_dir = "/tmp";
-  int prefetch = 1;              // blocks fetched ahead of the one computing
-  std::string kv = "device";     // "device" | "cpu": where the KV cache is kept
+  int prefetch = 1;                                // blocks fetched ahead of the one computing
+  offload::Tier kv = offload::Tier::kDevice;       // where the KV cache is kept: the device or kHost
   // Throws std::invalid_argument naming the option.
   void validate() const;
 };

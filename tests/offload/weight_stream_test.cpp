@@ -67,7 +67,8 @@ TEST(WeightStream, AModelFourTimesTheLimitGeneratesTheResidentTokens) {
     for (const char* tier : {"cpu", "nvme"}) {
       for (const char* kv : {"device", "cpu"}) {
         serve::InferenceOffload offload;
-        offload.weights = tier, offload.kv = kv, offload.nvme_dir = nvme_dir, offload.prefetch = 1;
+        offload.weights = parse_tier(tier, "offload.weights"), offload.kv = parse_tier(kv, "offload.kv");
+        offload.nvme_dir = nvme_dir, offload.prefetch = 1;
         const int64_t host_before = tier_stats(Tier::kHost).current, nvme_before = tier_stats(Tier::kNvme).current;
         model::Gpt gpt{nullptr};
         {
@@ -125,24 +126,24 @@ TEST(WeightStream, ContinuousBatchingWithStreamedWeightsGivesTheResidentTokens) 
   };
   const auto resident = run({});
   serve::InferenceOffload offload;
-  offload.weights = "cpu", offload.kv = "cpu", offload.prefetch = 2;
+  offload.weights = Tier::kHost, offload.kv = Tier::kHost, offload.prefetch = 2;
   EXPECT_EQ(run(offload), resident);
 }
 
 TEST(WeightStream, BadOptionsAreRefusedByName) {
-  serve::InferenceOffload offload;
-  offload.weights = "disk";
+  // A tier's name is read once, into the typed tier (offload::parse_tier), naming the key when it is none.
   EXPECT_THROW(
       {
         try {
-          offload.validate();
+          parse_tier("disk", "offload.weights");
         } catch (const std::invalid_argument& e) {
           EXPECT_NE(std::string(e.what()).find("offload.weights"), std::string::npos) << e.what();
           throw;
         }
       },
       std::invalid_argument);
-  offload.weights = "cpu", offload.kv = "nvme";
+  serve::InferenceOffload offload;
+  offload.weights = Tier::kHost, offload.kv = Tier::kNvme;
   EXPECT_THROW(offload.validate(), std::invalid_argument);
 }
 
