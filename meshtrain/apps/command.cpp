@@ -1,5 +1,7 @@
 #include "meshtrain/apps/command.h"
 
+#include <map>
+
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/comm/job_environment.h"
 #include "meshtrain/plan/layout.h"
@@ -181,6 +183,22 @@ int refuse_unknown_command(const CLI::App& app, const std::vector<std::string>& 
     path += " " + a;
   }
   return 0;
+}
+
+namespace {
+
+std::map<std::string, LaunchNeeds>& declared_needs() {
+  static std::map<std::string, LaunchNeeds> needs;
+  return needs;
+}
+
+}  // namespace
+
+void declare_launch_needs(const std::string& command, LaunchNeeds needs) { declared_needs()[command] = needs; }
+
+LaunchNeeds launch_needs_of(const std::string& command) {
+  const auto found = declared_needs().find(command);
+  return found == declared_needs().end() ? LaunchNeeds{} : found->second;
 }
 
 int run_chosen(const Commands& commands, int& argc, char**& argv) {

@@ -46,6 +46,22 @@ class Command {
 using CommandPtr = std::unique_ptr<Command>;
 using Commands = std::vector<CommandPtr>;
 
+// What `meshtrain run` must know of a command it launches, as the command
+// declares it when it is added (declare_launch_needs), not by the launcher
+// knowing commands by name: what Ctrl-C and SIGTERM mean to its ranks, and
+// whether a lost rank may be answered by relaunching it.
+struct LaunchNeeds {
+  enum class OnStop {
+    kEnd,    // forwarded as it is: the ranks end
+    kDrain,  // the requests in flight are finished first (serve)
+    kSave,   // a preemption: a checkpoint at the next step, then exit 0 (train)
+  };
+  OnStop on_stop = OnStop::kEnd;
+  bool restartable = false;  // it resumes where it stopped: --max-restarts may relaunch it
+};
+void declare_launch_needs(const std::string& command, LaunchNeeds needs);
+LaunchNeeds launch_needs_of(const std::string& command);  // the declared needs, else the defaults
+
 // A command line that does not parse as the command wants: exit status 2.
 class UsageError : public std::invalid_argument {
  public:

@@ -434,9 +434,12 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
                               const std::vector<std::string>& args) {
   if (ranks < 1) throw std::invalid_argument("run -n needs at least 1 rank, got " + std::to_string(ranks));
   if (args.empty()) throw std::invalid_argument("run -n N needs a subcommand to run, e.g. `meshtrain run -n 2 selfcheck`");
-  const bool server = args.front() == "serve", trainer = args.front() == "train";
-  if ((supervision.max_restarts > 0 || supervision.restart_on_hang) && !trainer) {
-    throw std::invalid_argument("run --max-restarts and --restart-on-hang supervise `train` only");
+  // What the command declared (Note [Commands]): what a stop means to it, and whether it may be relaunched.
+  const LaunchNeeds needs = launch_needs_of(args.front());
+  const bool server = needs.on_stop == LaunchNeeds::OnStop::kDrain, trainer = needs.on_stop == LaunchNeeds::OnStop::kSave;
+  if ((supervision.max_restarts > 0 || supervision.restart_on_hang) && !needs.restartable) {
+    throw std::invalid_argument("run --max-restarts and --restart-on-hang supervise a command that resumes where it "
+                                "stopped (train), not `" + args.front() + "`");
   }
   check_hosts(hosts);
   // The compute threads fill every core, so a rank waiting inside MPI must yield

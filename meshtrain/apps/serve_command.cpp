@@ -198,6 +198,7 @@ ServeCommand::ServeCommand(CLI::App& app) {
       ->check(CLI::ExistingFile);
   sub_->add_option("--ssl-keyfile", o_.ssl_keyfile, "The private key of --ssl-certfile (PEM)")->check(CLI::ExistingFile);
   add_offload_flags(*sub_, o_.offload);
+  declare_launch_needs("serve", {LaunchNeeds::OnStop::kDrain, /*restartable=*/false});  // SIGTERM drains
 }
 
 }  // namespace

@@ -90,6 +90,8 @@ CommandPtr add_train(CLI::App& app) {
                "defaults train `small` on /usr/share/common-licenses.");
   sub->add_option("config", *config, "TOML config file (sections as listed below)")->check(CLI::ExistingFile);
   allow_config_overrides(*sub);
+  // SIGTERM is a preemption (a checkpoint, then exit 0), and a run resumes from its latest checkpoint.
+  declare_launch_needs("train", {LaunchNeeds::OnStop::kSave, /*restartable=*/true});
   sub->footer("Overrides: --section.key=value, e.g. --training.steps=20 --model.preset=tiny\n"
               "Keys and defaults:" + train::TrainConfig::describe_keys());
   return command(sub, [config, sub](comm::Runtime& runtime) { return run_train(runtime, *config, config_overrides(*sub)); });

@@ -64,5 +64,5 @@ status=0
 [ "$(grep -c "launching 2 ranks" "$run/c.log")" = 1 ] || { cat "$run/c.log"; exit 1; }
 status=0
 "$meshtrain" run -n 2 --max-restarts 1 selfcheck > "$run/d.log" 2>&1 || status=$?
-[ "$status" != 0 ] && grep -q "supervise \`train\` only" "$run/d.log" || { cat "$run/d.log"; exit 1; }
+[ "$status" != 0 ] && grep -q "supervise a command that resumes where it stopped (train), not \`selfcheck\`" "$run/d.log" || { cat "$run/d.log"; exit 1; }
 echo "ok: a killed rank and a hung rank are restarted and the run ends as an uninterrupted one; errors are not"
