@@ -6,6 +6,7 @@
 
 #include "meshtrain/apps/command.h"
 #include "meshtrain/comm/runtime.h"
+#include "meshtrain/train/progress.h"
 
 #include <cstdint>
 #include <string>
@@ -58,7 +59,13 @@ int run_comm_bench(comm::Runtime& runtime, const CommBenchOptions& options);
 int run_selfcheck(comm::Runtime& runtime, int64_t bench_max_bytes);
 
 // meshtrain train CONFIG [--section.key=value ...]: validates, then trains on all ranks.
-int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides);
+// `relaunch`: what `meshtrain run --max-restarts` said of this launch (Note [Restarts]).
+int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides,
+              const train::Relaunch& relaunch = {});
+// The options through which the launcher tells a relaunched `train` its attempt, the cause and the ranks before.
+constexpr const char* kRelaunchAttempt = "relaunch-attempt";
+constexpr const char* kRelaunchCause = "relaunch-cause";
+constexpr const char* kRelaunchRanksBefore = "relaunch-ranks-before";
 
 // meshtrain prepare TEXT... --out DIR: text -> train.bin / val.bin (no MPI needed).
 int run_prepare(const std::vector<std::string>& inputs, const std::string& out_dir, double val_fraction,

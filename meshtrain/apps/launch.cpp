@@ -338,7 +338,8 @@ Launch launch_once(const std::vector<std::string>& command, bool server, bool tr
 // same command is launched again, up to K times; train resumes from the
 // newest intact checkpoint (Note [Resume]) and writes a "restart" line to
 // metrics.jsonl with the attempt, the cause, the step it resumed at and the
-// logged steps it will redo. An error every rank agreed on (a bad config, a
+// logged steps it will redo, which the relaunched command line tells it
+// (--relaunch-attempt, --relaunch-cause, --relaunch-ranks-before). An error every rank agreed on (a bad config, a
 // refused save) exits 1 and would only repeat, so it is not restarted, nor
 // is a run stopped on purpose (Ctrl-C, SIGTERM). A daemon mpirun lost (its
 // host down or cut off) counts as a rank's death.
@@ -452,9 +453,10 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);
   Job job = plan_job(ranks, hosts, supervision);
+  std::vector<std::string> launched = args;  // a relaunch is told so on its command line (Note [Restarts])
   for (int attempt = 0;; ++attempt) {
     const std::vector<std::string> command =
-        launch_command(job.ranks, job.hosts, args, is_open_mpi(), geteuid() == 0, passed_variables());
+        launch_command(job.ranks, job.hosts, launched, is_open_mpi(), geteuid() == 0, passed_variables());
     // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
     const char* threads = std::getenv("OMP_NUM_THREADS");
     std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", job.ranks,
@@ -486,10 +488,12 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
     std::fprintf(stderr, "meshtrain: restart %d of %d after: %s\n", attempt + 1, supervision.max_restarts,
                  launch.cause.c_str());
     std::fflush(stderr);
-    setenv("MESHTRAIN_RESTART_RANKS_BEFORE", std::to_string(job.ranks).c_str(), 1);
+    const int ranks_before = job.ranks;
     if (!drop_lost_hosts(job, supervision, ranks)) std::exit(launch.status);
-    setenv("MESHTRAIN_RESTART", std::to_string(attempt + 1).c_str(), 1);
-    setenv("MESHTRAIN_RESTART_CAUSE", launch.cause.c_str(), 1);
+    launched = args;
+    launched.insert(launched.begin() + 1, {std::string("--") + kRelaunchAttempt, std::to_string(attempt + 1),
+                                           std::string("--") + kRelaunchCause, launch.cause,
+                                           std::string("--") + kRelaunchRanksBefore, std::to_string(ranks_before)});
     std::this_thread::sleep_for(std::chrono::seconds(1));  // the dead job's ports and locks go
     if (stops_forwarded > 0) {  // Ctrl-C or SIGTERM while the job was down
       std::fprintf(stderr, "meshtrain: stopped before restart %d; the same command resumes from the latest checkpoint\n",

@@ -46,12 +46,13 @@ void install_stop_handlers() {
 
 }  // namespace
 
-int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides) {
+int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides,
+              const train::Relaunch& relaunch) {
   train::TrainConfig config = train::TrainConfig::load(config_path, overrides);
   config.validate(runtime.size());
   install_stop_handlers();
   const auto locks = train::lock_run_folders(*runtime.world(), config);  // Note [Run lock]
-  train::Trainer trainer(std::move(config), runtime.world());
+  train::Trainer trainer(std::move(config), runtime.world(), relaunch);
   trainer.run(&g_stop);
   return 0;
 }
@@ -92,9 +93,16 @@ CommandPtr add_train(CLI::App& app) {
   allow_config_overrides(*sub);
   // SIGTERM is a preemption (a checkpoint, then exit 0), and a run resumes from its latest checkpoint.
   declare_launch_needs("train", {LaunchNeeds::OnStop::kSave, /*restartable=*/true});
+  // What `meshtrain run --max-restarts` tells a relaunched job (Note [Restarts]); not listed in --help.
+  auto relaunch = std::make_shared<train::Relaunch>();
+  sub->add_option(std::string("--") + kRelaunchAttempt, relaunch->attempt)->group("");
+  sub->add_option(std::string("--") + kRelaunchCause, relaunch->cause)->group("");
+  sub->add_option(std::string("--") + kRelaunchRanksBefore, relaunch->ranks_before)->group("");
   sub->footer("Overrides: --section.key=value, e.g. --training.steps=20 --model.preset=tiny\n"
               "Keys and defaults:" + train::TrainConfig::describe_keys());
-  return command(sub, [config, sub](comm::Runtime& runtime) { return run_train(runtime, *config, config_overrides(*sub)); });
+  return command(sub, [config, sub, relaunch](comm::Runtime& runtime) {
+    return run_train(runtime, *config, config_overrides(*sub), *relaunch);
+  });
 }
 
 CommandPtr add_prepare(CLI::App& app) {

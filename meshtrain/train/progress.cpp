@@ -142,16 +142,13 @@ int64_t Progress::resumed(int64_t step, const std::string& checkpoint) {
   return superseded;
 }
 
-void Progress::restarted(int64_t step, int64_t steps_redone, int ranks) {
-  const char* attempt = std::getenv("MESHTRAIN_RESTART");
-  if (!leader() || !attempt) return;
-  const char* cause = std::getenv("MESHTRAIN_RESTART_CAUSE");
-  const char* before = std::getenv("MESHTRAIN_RESTART_RANKS_BEFORE");
-  const int ranks_before = before && std::atoi(before) > 0 ? std::atoi(before) : ranks;
-  event(nlohmann::json{{"event", "restart"}, {"attempt", std::atoi(attempt)}, {"cause", cause ? cause : ""},
+void Progress::restarted(int64_t step, int64_t steps_redone, int ranks, const Relaunch& relaunch) {
+  if (!leader() || relaunch.attempt <= 0) return;
+  const int ranks_before = relaunch.ranks_before > 0 ? relaunch.ranks_before : ranks;
+  event(nlohmann::json{{"event", "restart"}, {"attempt", relaunch.attempt}, {"cause", relaunch.cause},
                        {"step", step}, {"steps_redone", steps_redone}, {"ranks", ranks},
                        {"ranks_before", ranks_before}}.dump());
-  say("restart " + std::string(attempt) + ": resumed at step " + std::to_string(step) + ", " +
+  say("restart " + std::to_string(relaunch.attempt) + ": resumed at step " + std::to_string(step) + ", " +
       std::to_string(steps_redone) + " logged step(s) to redo" +
       (ranks_before != ranks ? ", on " + std::to_string(ranks) + " ranks (" + std::to_string(ranks_before) + " before)"
                              : ""));

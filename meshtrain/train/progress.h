@@ -40,6 +40,14 @@ std::string human_duration(double seconds);
 // This process's peak resident memory so far, in MiB.
 double peak_rss_mib();
 
+// A job `meshtrain run --max-restarts` launched again (Note [Restarts]): told
+// on the relaunched command line, not in the environment.
+struct Relaunch {
+  int attempt = 0;        // 0: the first launch
+  std::string cause;      // "rank 1 (host a) exited on signal 9"
+  int ranks_before = 0;   // the ranks of the job before (0: as many as now)
+};
+
 class Progress {
  public:
   // Collective-free. Rank 0 opens <out_dir>/metrics.jsonl (appending when `append`).
@@ -60,8 +68,8 @@ class Progress {
   // the run before wrote, which the rows below it now replace; returns that count.
   int64_t resumed(int64_t step, const std::string& checkpoint);
   // Rank 0: the "restart" line and its progress line, when `meshtrain run`
-  // relaunched the job (MESHTRAIN_RESTART, MESHTRAIN_RESTART_CAUSE: Note [Restarts]).
-  void restarted(int64_t step, int64_t steps_redone, int ranks);
+  // relaunched the job (relaunch.attempt > 0: Note [Restarts]).
+  void restarted(int64_t step, int64_t steps_redone, int ranks, const Relaunch& relaunch);
   // Collective (every rank's memory and RSS): the step's metrics line, and the
   // progress line when `print`. `mfu` at `tokens_per_second`.
   void step(const StepResult& result, std::optional<double> val_loss, double tokens_per_second, double mfu,

@@ -91,7 +91,7 @@ parallel::ParallelizeOptions parallelize_options(const TrainConfig& c, at::Devic
   return o;
 }
 
-Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
+Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world, Relaunch relaunch)
     : config_(std::move(config)), world_(std::move(world)), device_(config_.torch_device(comm::node_local_rank())) {
   std::vector<SharedFolder> shared{{"run.out", config_.out}};
   if (!config_.checkpoint_local) shared.push_back({"checkpoint.dir", config_.checkpoint_path()});
@@ -119,7 +119,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world)
   log_resume_events();
   // A finished run trains nothing (run() says so): its metrics gain no "resumed" line.
   const int64_t redone = resumed_ && step_ < config_.steps ? progress_->resumed(step_, resumed_from_) : 0;
-  progress_->restarted(step_, redone, world_->size());
+  progress_->restarted(step_, redone, world_->size(), relaunch);
 
   const bool bf16 = config_.bfloat16() || config_.parallel.param_dtype == at::kBFloat16;
   // MFU is against the peak of the dtype the matmuls run in.

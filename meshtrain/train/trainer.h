@@ -50,7 +50,8 @@ class Trainer {
   // parallelize()s it, and resumes from the latest usable checkpoint when
   // config.resume and one exists (Note [Resume]). Installs the counting
   // allocator and, with memory.limit_mb, the per-rank limit (until destruction).
-  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world);
+  // `relaunch`: this is a relaunch by `meshtrain run --max-restarts` (Note [Restarts]).
+  Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> world, Relaunch relaunch = {});
   ~Trainer();
 
   // One optimizer step; a step whose loss or gradient norm is not finite is
