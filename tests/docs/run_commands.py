@@ -41,6 +41,10 @@ from check_commands import BINARIES  # noqa: E402
 # clients' local steps to 1. Everything else (the layout, the ranks, the data,
 # the model family) is the page's.
 SETUP_SCRIPTS = {"scripts/main.sh", "scripts/test.sh"}
+# Files a page names as the reader's own, made in the scratch folder before the pages run.
+READER_FILES = {
+    "my-run.toml": "[model]\npreset = \"tiny\"\n[training]\nbatch = 16\nmicro_batch = 2\n[parallel]\ntp = 2\n",
+}
 PAGE_PORT = "8000"
 
 
@@ -222,6 +226,8 @@ def main():
         for name in ("examples", "tests", "docs", "scripts", ".venv"):
             if (root / name).exists():
                 (work / name).symlink_to(root / name)
+        for name, text in READER_FILES.items():
+            (work / name).write_text(text)
         for page_name in pages:
             page = Page(meshtrain, root, work)
             try:
