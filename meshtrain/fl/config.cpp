@@ -19,22 +19,6 @@ using config::Kind;
 using config::Value;
 using FlKey = config::Key<FlConfig>;
 
-template <typename T>
-T as(const toml::node& node, const std::string& key) {
-  if constexpr (std::is_same_v<T, bool>) {
-    if (auto v = node.value<bool>()) return *v;
-  } else if constexpr (std::is_same_v<T, std::string>) {
-    if (auto v = node.value<std::string>()) return *v;
-  } else if constexpr (std::is_floating_point_v<T>) {
-    if (auto v = node.value<double>()) return static_cast<T>(*v);
-  } else {
-    if (auto v = node.value<int64_t>()) return static_cast<T>(*v);
-  }
-  const char* wanted = std::is_same_v<T, bool> ? "true or false" : std::is_same_v<T, std::string> ? "a string" :
-                       std::is_floating_point_v<T> ? "a number" : "an integer";
-  throw FlConfigError(key + ": wrong type, expected " + std::string(wanted));
-}
-
 template <typename Access>
 FlKey key(std::string section, std::string name, std::string help, Access access) {
   return config::key<FlConfig>(std::move(section), std::move(name), std::move(help), access);
@@ -148,7 +132,13 @@ void set(FlConfig& c, const FlKey& k, const toml::node& node, const std::string&
 
 // [model]: a preset, then the model's keys (Note [Model keys]) over it.
 void apply_model(FlConfig& c, const toml::table& model) {
-  if (auto p = model["preset"]) c.preset = as<std::string>(*p.node(), "model.preset");
+  if (auto p = model["preset"]) {
+    try {
+      c.preset = config::read_value("model.preset", Kind::kString, *p.node(), "config").s;
+    } catch (const std::invalid_argument& e) {
+      throw FlConfigError(e.what());
+    }
+  }
   try {
     c.model = model::GptConfig::preset(c.preset);
   } catch (const std::exception& e) {

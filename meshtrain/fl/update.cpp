@@ -2,7 +2,6 @@
 
 #include "meshtrain/offload/cpu_adam.h"
 
-#include <cmath>
 #include <cstring>
 #include <functional>
 #include <stdexcept>

@@ -99,18 +99,23 @@ def sh_lines(path):
     return lines
 
 
-def toml_blocks(path):
+def fenced_blocks(path, language):
+    """(first line number, text) of each ```LANGUAGE block of the file."""
     blocks, fence, text, start = [], None, [], 0
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip().startswith("```"):
-            if fence == "toml":
+            if fence == language:
                 blocks.append((start, "\n".join(text)))
             fence = None if fence else line.strip()[3:].strip()
             text, start = [], number + 1
             continue
-        if fence == "toml":
+        if fence == language:
             text.append(line)
     return blocks
+
+
+def toml_blocks(path):
+    return fenced_blocks(path, "toml")
 
 
 def toml_value(text):

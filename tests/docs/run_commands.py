@@ -29,7 +29,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from check_commands import BINARIES  # noqa: E402
+from check_commands import BINARIES, fenced_blocks, sh_lines  # noqa: E402
 
 # Note [Tiny sizes]
 # ~~~~~~~~~~~~~~~~~
@@ -49,29 +49,11 @@ PAGE_PORT = "8000"
 
 
 def page_blocks(path):
-    """(line number, "sh" or "python", text) of each runnable item: a ```sh line (continuations joined) or a
-    whole ```python block."""
-    items, fence, pending, start, block = [], None, "", 0, []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        stripped = line.strip()
-        if stripped.startswith("```"):
-            if fence == "python" and block:
-                items.append((start, "python", "\n".join(block)))
-            fence = None if fence else stripped[3:].strip()
-            block, start = [], number + 1
-            continue
-        if fence == "python":
-            block.append(line)
-        elif fence == "sh":
-            if not pending:
-                start = number
-            if stripped.endswith("\\"):
-                pending += stripped[:-1] + " "
-                continue
-            command, pending = pending + stripped, ""
-            if command and not command.startswith("#"):
-                items.append((start, "sh", command))
-    return items
+    """(line number, "sh" or "python", text) of each runnable item, in page order: a ```sh line (continuations
+    joined) or a whole ```python block."""
+    items = [(number, "sh", command) for number, command in sh_lines(path)]
+    items += [(number, "python", text) for number, text in fenced_blocks(path, "python") if text.strip()]
+    return sorted(items)
 
 
 def free_port():
