@@ -89,7 +89,7 @@ AttentionRun measure(const std::string& impl, const CommPtr& group, const Shape&
     const auto start = BenchClock::now();
     {
       parallel::RingProfileScope scope(profile);
-      const parallel::AttentionRule rule{scale, true};
+      const model::AttentionSpec rule{scale, true};
       const at::Tensor out = impl == "all_to_all" ? parallel::all_to_all_attention(q, k, v, pos, group, rule)
                              : impl == "hybrid"   ? parallel::hybrid_attention(q, k, v, pos, a2a, ring, rule)
                                                   : parallel::ring_attention(q, k, v, pos, group, rule);

@@ -14,19 +14,18 @@ namespace meshtrain::model {
 
 namespace {
 
-// Installs a cache on the model for the length of a generation.
+// A cache attached to the model for the length of a generation.
 class CacheScope {
  public:
-  CacheScope(Gpt& model, const SampleOptions& options) : model_(model), cache_(std::make_shared<KvCache>(model)) {
-    if (options.kv_storage) cache_->set_storage(options.kv_storage);
-    model_->add_forward_hooks(cache_);
+  CacheScope(Gpt& model, const SampleOptions& options) : cache_(model) {
+    if (options.kv_storage) cache_.set_storage(options.kv_storage);
+    attached_ = cache_.attach(*model);
   }
-  ~CacheScope() { model_->remove_forward_hooks(cache_.get()); }
-  KvCache& cache() { return *cache_; }
+  KvCache& cache() { return cache_; }
 
  private:
-  Gpt& model_;
-  std::shared_ptr<KvCache> cache_;
+  KvCache cache_;
+  std::unique_ptr<AttentionSwap> attached_;
 };
 
 }  // namespace
@@ -90,11 +89,12 @@ at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& o
   auto last_logits = [&](bool fresh) {
     at::Tensor logits;
     if (scope && !fresh && scope->cache().length() < context) {
-      logits = model->forward(sequence.narrow(1, sequence.size(1) - 1, 1)).select(1, 0);
+      logits = model->forward(scope->cache().next(sequence.narrow(1, sequence.size(1) - 1, 1))).select(1, 0);
     } else {
       if (scope) scope->cache().clear();
       const int64_t t = std::min(context, sequence.size(1));
-      logits = model->forward(sequence.narrow(1, sequence.size(1) - t, t)).select(1, t - 1);
+      const at::Tensor window = sequence.narrow(1, sequence.size(1) - t, t);
+      logits = model->forward(scope ? scope->cache().next(window) : Batch(window)).select(1, t - 1);
     }
     return options.full_vocabulary ? options.full_vocabulary(logits) : logits;
   };
@@ -134,14 +134,14 @@ std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>
   CacheScope scope(model, options);
   scope.cache().set_padding(pads);
   auto whole = [&](const at::Tensor& logits) { return options.full_vocabulary ? options.full_vocabulary(logits) : logits; };
-  at::Tensor logits = whole(model->forward(tokens).select(1, longest - 1));
+  at::Tensor logits = whole(model->forward(scope.cache().next(tokens)).select(1, longest - 1));
   std::vector<at::Tensor> out(b);
   for (int64_t i = 0; i < options.tokens; ++i) {
     std::vector<at::Tensor> next;
     for (int64_t r = 0; r < b; ++r) next.push_back(pick_next(logits.narrow(0, r, 1), options, generators[r]));
     const at::Tensor step = at::cat(next, 0);  // [B, 1]
     for (int64_t r = 0; r < b; ++r) out[r] = out[r].defined() ? at::cat({out[r], next[r].view({1})}) : next[r].view({1});
-    if (i + 1 < options.tokens) logits = whole(model->forward(step).select(1, 0));
+    if (i + 1 < options.tokens) logits = whole(model->forward(scope.cache().next(step)).select(1, 0));
   }
   model->train(was_training);
   return out;

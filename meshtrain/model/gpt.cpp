@@ -1,9 +1,7 @@
 #include "meshtrain/model/gpt.h"
 
-#include "meshtrain/model/qkv_layout.h"
-
-#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/model/fused/ops.h"
+#include "meshtrain/model/qkv_layout.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -98,7 +96,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
       dropout_(config.dropout),
       rope_(config.position == PositionStyle::kRope),
       fused_(config.fused),
-      window_(config.window_of(block)),
+      spec_(attention_spec(config, block)),
+      attention_(std::make_shared<LocalAttention>(config.fused)),
       chain_(std::move(chain)),
       qkv_name_(name + ".qkv"),
       core_name_(name + ".core"),
@@ -130,10 +129,10 @@ std::pair<at::Tensor, at::Tensor> CausalSelfAttentionImpl::normalize_qk(const at
   return {normalize(q_norm, q), normalize(k_norm, k)};
 }
 
-QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out) const {
+QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out, const Batch& batch) const {
   auto [q, k, v] = split_qkv(qkv_out, config_);
   const bool fused = fused_ && fused::eligible(q);
-  const at::Tensor& positions = document_positions();  // Note [Packed documents]
+  const at::Tensor& positions = batch.positions;  // Note [Batch]
   std::tie(q, k) = normalize_qk(q, k);
   if (rope_ && positions.defined()) {
     q = apply_rope_at(q, cos_, sin_, positions);
@@ -146,40 +145,22 @@ QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out) const {
   return {q, k, v};
 }
 
-AttentionVariant CausalSelfAttentionImpl::variant() const {
-  AttentionVariant variant = attention_variant(config_, 0);
-  variant.window = window_;
-  return variant;
+std::shared_ptr<Attention> CausalSelfAttentionImpl::set_attention(std::shared_ptr<Attention> attention) {
+  TORCH_CHECK(attention, "a block's attention object must be set");
+  std::swap(attention_, attention);
+  return attention;
 }
 
-at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out) {
+at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out, const Batch& batch) {
   const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
-  auto [q, k, v] = heads(qkv_out);
-  const int64_t w = q.size(1) * head_dim_;
-  const bool fused = fused_ && fused::eligible(q);
-  const at::Tensor& positions = document_positions();
-  const double p = is_training() ? dropout_ : 0.0;
-  const AttentionVariant variant = this->variant();
-  if (positions.defined()) {  // documents side by side: a block-diagonal mask, ATen's kernels
-    return variant_attention(q, k, v, variant, dropout_, is_training(), document_mask(positions.to(q.device())))
-        .transpose(1, 2)
-        .reshape({b, t, w});
-  }
-  if (variant.softcap > 0 || (!fused && !variant.plain())) {  // a soft-cap sits inside the softmax: ATen's ops
-    return variant_attention(q, k, v, variant, dropout_, is_training()).transpose(1, 2).reshape({b, t, w});
-  }
-  const int64_t times = q.size(1) / k.size(1);
-  k = repeat_kv(k, times);
-  v = repeat_kv(v, times);
-  const at::Tensor y = fused ? fused::attention(q, k, v, p, /*causal=*/true, variant.window, variant.scale)
-                             : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
-  return y.transpose(1, 2).reshape({b, t, w});
+  const QkvHeads h = heads(qkv_out, batch);
+  return attention_->forward(h, spec_, batch, is_training()).transpose(1, 2).reshape({b, t, -1});
 }
 
-at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const Batch& batch) {
   const HookChain& c = *chain_;
   const at::Tensor qkv_out = c.call(qkv_name_, x, [this](const at::Tensor& in) { return apply_linear(qkv.get(), in); });
-  const at::Tensor y = c.call(core_name_, qkv_out, [this](const at::Tensor& in) { return attend(in); });
+  const at::Tensor y = c.call(core_name_, qkv_out, [this, batch](const at::Tensor& in) { return attend(in, batch); });
   const at::Tensor out = c.call(proj_name_, y, [this](const at::Tensor& in) { return apply_linear(proj.get(), in); });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
@@ -274,25 +255,29 @@ at::Tensor BlockImpl::feed_forward(const at::Tensor& m) {
 // "post" (OLMo 2): h = x + norm1(attn(x)), y = h + norm2(ff(h)): the norm
 // of each sublayer's output, inside the residual branch.
 // "sandwich" (Gemma 2): h = x + post1(attn(norm1(x))), y = h + post2(ff(norm2(h))).
-at::Tensor BlockImpl::forward_post(const at::Tensor& x) {
+at::Tensor BlockImpl::attend(const at::Tensor& a, const Batch& batch) {
+  return chain_->call(attn_name_, a, [this, batch](const at::Tensor& in) { return attn->forward(in, batch); });
+}
+
+at::Tensor BlockImpl::forward_post(const at::Tensor& x, const Batch& batch) {
   const HookChain& c = *chain_;
   const bool sandwich = placement_ == NormPlacement::kSandwich;
   auto through = [&](const std::string& name, Norm& norm, const at::Tensor& in) {
     return c.call(name, in, [&norm](const at::Tensor& y) { return norm->forward(y); });
   };
   const at::Tensor a = sandwich ? through(norm1_name_, norm1, x) : x;
-  const at::Tensor attended = c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
+  const at::Tensor attended = attend(a, batch);
   const at::Tensor h = x + (sandwich ? through(post1_name_, post1, attended) : through(norm1_name_, norm1, attended));
   const at::Tensor m = sandwich ? through(norm2_name_, norm2, h) : h;
   const at::Tensor fed = feed_forward(m);
   return h + (sandwich ? through(post2_name_, post2, fed) : through(norm2_name_, norm2, fed));
 }
 
-at::Tensor BlockImpl::forward(const at::Tensor& x) {
-  if (placement_ != NormPlacement::kPre) return forward_post(x);
+at::Tensor BlockImpl::forward(const at::Tensor& x, const Batch& batch) {
+  if (placement_ != NormPlacement::kPre) return forward_post(x, batch);
   const HookChain& c = *chain_;
   const at::Tensor a = c.call(norm1_name_, x, [this](const at::Tensor& in) { return norm1->forward(in); });
-  const at::Tensor attended = c.call(attn_name_, a, [this](const at::Tensor& in) { return attn->forward(in); });
+  const at::Tensor attended = attend(a, batch);
   if (!fused_) {
     const at::Tensor h = x + attended;
     return h + feed_forward(c.call(norm2_name_, h, [this](const at::Tensor& in) { return norm2->forward(in); }));
@@ -332,6 +317,17 @@ std::vector<Moe> GptImpl::moe_layers() const {
   return out;
 }
 
+CausalSelfAttentionImpl& GptImpl::attention(int64_t i) { return *blocks->ptr(i)->as<BlockImpl>()->attn; }
+
+AttentionSwap::AttentionSwap(GptImpl& model, const std::function<std::shared_ptr<Attention>(int64_t block)>& make)
+    : model_(&model) {
+  for (int64_t i = 0; i < model.config().layers; ++i) previous_.push_back(model.attention(i).set_attention(make(i)));
+}
+
+AttentionSwap::~AttentionSwap() {
+  for (size_t i = 0; i < previous_.size(); ++i) model_->attention(static_cast<int64_t>(i)).set_attention(previous_[i]);
+}
+
 void GptImpl::remove_forward_hooks(const ForwardHooks* hooks) {
   auto& list = chain_->hooks;
   list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& h) { return h.get() == hooks; }), list.end());
@@ -364,7 +360,8 @@ void GptImpl::initialise(uint64_t seed) {
   }
 }
 
-at::Tensor GptImpl::embed(const at::Tensor& tokens) {
+at::Tensor GptImpl::embed(const Batch& batch) {
+  const at::Tensor& tokens = batch.tokens;
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= config_.context, "sequence of ", t, " tokens is longer than the model's context ", config_.context);
   const HookChain& c = *chain_;
@@ -372,17 +369,17 @@ at::Tensor GptImpl::embed(const at::Tensor& tokens) {
   // Gemma: times sqrt(width), rounded to the activations' dtype as Hugging Face does.
   if (config_.embed_scale) x = x * at::scalar_tensor(std::sqrt(static_cast<double>(config_.width)), x.options());
   if (wpe) {
-    // Packed rows restart positions at each document (Note [Packed documents]).
-    const at::Tensor positions = document_positions().defined() ? document_positions().to(tokens.device())
-                                                                : at::arange(t, tokens.options());
+    // Packed rows restart positions at each document, a KV cache's continue (Note [Batch]).
+    const at::Tensor positions = batch.positions.defined() ? batch.positions.to(tokens.device())
+                                                           : at::arange(t, tokens.options());
     x = x + c.call("wpe", positions, [this](const at::Tensor& in) { return wpe->forward(in); });
   }
   return c.call("drop", x, [this](const at::Tensor& in) { return at::dropout(in, config_.dropout, is_training()); });
 }
 
-at::Tensor GptImpl::block(int64_t i, const at::Tensor& x) {
+at::Tensor GptImpl::block(int64_t i, const at::Tensor& x, const Batch& batch) {
   BlockImpl* block = blocks->ptr(i)->as<BlockImpl>();
-  return chain_->call(block_names_[i], x, [block](const at::Tensor& in) { return block->forward(in); });
+  return chain_->call(block_names_[i], x, [block, batch](const at::Tensor& in) { return block->forward(in, batch); });
 }
 
 at::Tensor GptImpl::project(const at::Tensor& x) {
@@ -390,14 +387,15 @@ at::Tensor GptImpl::project(const at::Tensor& x) {
   const at::Tensor y = c.call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
   const at::Tensor logits =
       c.call("head", y, [this](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
-  const double cap = config_.logit_softcap;
-  return cap > 0 ? at::tanh(logits / cap) * cap : logits;  // Gemma 2
+  return soft_cap(logits, config_.logit_softcap);  // Gemma 2
 }
 
-at::Tensor GptImpl::forward(const at::Tensor& tokens) {
-  return chain_->call("", tokens, [this](const at::Tensor& input) {
-    at::Tensor x = embed(input);
-    for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x);
+at::Tensor GptImpl::forward(const Batch& batch) {
+  return chain_->call("", batch.tokens, [this, batch](const at::Tensor& input) {
+    Batch b = batch;
+    b.tokens = input;  // as a hook around the whole model passed it on
+    at::Tensor x = embed(b);
+    for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x, b);
     return project(x);
   });
 }
@@ -410,19 +408,21 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   }
   // In fp32 whatever the logits' dtype: the log-softmax over the vocabulary
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
-  if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets);
-  // Targets of -100 count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
+  if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
+  // Ignored targets count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
   // Annotations' distributed logits (PrivateUse1) are divided by a number, which their rules cover;
   // plain ones by a tensor (no wait for the device).
-  const at::Tensor summed = at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum);
+  const at::Tensor summed =
+      at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum, kIgnoredTarget);
   if (flat.key_set().has(c10::DispatchKey::PrivateUse1) || flat_targets.key_set().has(c10::DispatchKey::PrivateUse1)) {
-    return summed / std::max(1.0, (flat_targets != -100).sum().item<double>());
+    return summed / std::max(1.0, (flat_targets != kIgnoredTarget).sum().item<double>());
   }
-  return summed / (flat_targets != -100).sum().clamp_min(1);
+  return summed / (flat_targets != kIgnoredTarget).sum().clamp_min(1);
 }
 
-at::Tensor GptImpl::loss(const at::Tensor& tokens, const at::Tensor& targets) {
-  return cross_entropy(forward(tokens), targets);
+at::Tensor GptImpl::loss(const Batch& batch) {
+  TORCH_CHECK(batch.targets.defined(), "a loss needs the batch's targets");
+  return cross_entropy(forward(batch), batch.targets);
 }
 
 }  // namespace meshtrain::model

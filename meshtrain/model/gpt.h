@@ -4,9 +4,11 @@
 // wte, wpe, head).
 #pragma once
 
-#include "meshtrain/model/attention_variants.h"
+#include "meshtrain/model/attention.h"
+#include "meshtrain/model/batch.h"
 #include "meshtrain/model/gpt_config.h"
 #include "meshtrain/model/moe.h"
+#include "meshtrain/model/rope.h"
 
 #include <torch/torch.h>
 
@@ -23,12 +25,14 @@ namespace meshtrain::model {
 // dotted name, in execution order:
 //   ""                    the whole model: tokens [B, T] -> logits [B, T, V]
 //   wte, wpe, drop        token embedding, position embedding (input: the
-//                         positions 0..T-1), embedding dropout
+//                         Batch's positions), embedding dropout
 //   blocks.N              a transformer block, and inside it
 //     .norm1 .attn .norm2 .mlp (.post1 .post2: norm_placement "sandwich")
 //     .attn.qkv .attn.core .attn.proj .attn.drop
 //                         core is attention proper: qkv's output [B, T, 3w]
-//                         -> [B, T, w] before proj (w: the width qkv produced)
+//                         -> [B, T, w] before proj (w: the width qkv produced),
+//                         computed by the block's Attention object (Note
+//                         [Attention object])
 //     .mlp.fc .mlp.proj (gelu) | .mlp.gate .mlp.up .mlp.down (swiglu,
 //                         geglu), .mlp.drop
 //     .moe                in a mixture-of-experts block, instead of .mlp
@@ -42,8 +46,9 @@ namespace meshtrain::model {
 // tensor parallel puts its collectives around the linears and embeddings).
 // Attention takes its head count from the width qkv produces, so heads split
 // across ranks need no change here.
-// `forward` owns what it calls: a hook may keep it and run it again later
-// (activation checkpointing recomputes a block in backward this way).
+// `forward` owns what it calls, the micro-batch's Batch included: a hook may
+// keep it and run it again later (activation checkpointing recomputes a
+// block in backward this way, with the Batch of its forward).
 class ForwardHooks {
  public:
   using Forward = std::function<at::Tensor(const at::Tensor&)>;
@@ -67,13 +72,10 @@ class ForwardHooks {
 // rotates a fraction of each head).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
 // The same rotation of x [B, H, t, d] at each row's own positions [B, t]
-// (Note [Packed documents]; a KV cache's decode positions).
+// (Note [Batch]; a KV cache's decode positions).
 at::Tensor apply_rope_at(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions);
 
 // q, k and v of the fused qkv projection's outputs [B, T, n] (Note [Grouped-query layout] in qkv_layout.h), as heads.
-struct QkvHeads {
-  at::Tensor q, k, v;  // q [B, Hq, T, hd]; k, v [B, Hkv, T, hd] (this rank's heads)
-};
 QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config);
 // Keys or values [B, Hkv, T, hd] repeated for the query heads sharing them: [B, Hq, T, hd].
 at::Tensor repeat_kv(const at::Tensor& x, int64_t times);
@@ -110,30 +112,31 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   // its block's index (sliding windows go by block).
   CausalSelfAttentionImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name,
                           int64_t block = 0);
-  at::Tensor forward(const at::Tensor& x);  // [B, T, width] -> [B, T, width]
+  at::Tensor forward(const at::Tensor& x, const Batch& batch);  // [B, T, width] -> [B, T, width]
 
-  // q, k [B, H, T, hd] through model.qk_norm (as they are without it); the KV cache calls it too.
-  std::pair<at::Tensor, at::Tensor> normalize_qk(const at::Tensor& q, const at::Tensor& k) const;
-  int64_t window() const { return window_; }  // this block's sliding window (0: none)
   // The core's queries, keys and values for qkv's output [B, T, 3w]: split by
-  // heads, through qk_norm, rotated at the rows' positions (Note [Packed
-  // documents]: the scope's positions where there is one, else 0..T-1).
-  // Context parallel computes attention on them itself.
-  QkvHeads heads(const at::Tensor& qkv_out) const;
-  // How this block's attention differs from plain causal attention, its window included.
-  AttentionVariant variant() const;
+  // heads, through qk_norm, rotated at the batch's positions.
+  QkvHeads heads(const at::Tensor& qkv_out, const Batch& batch) const;
+  const AttentionSpec& spec() const { return spec_; }
+  // The object that computes attention proper (Note [Attention object]);
+  // set_attention installs another and returns the one it replaces.
+  const std::shared_ptr<Attention>& attention() const { return attention_; }
+  std::shared_ptr<Attention> set_attention(std::shared_ptr<Attention> attention);
 
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   Norm q_norm{nullptr}, k_norm{nullptr};  // model.qk_norm
 
  private:
-  at::Tensor attend(const at::Tensor& qkv_out);  // the "core" call
+  at::Tensor attend(const at::Tensor& qkv_out, const Batch& batch);  // the "core" call
+  // q, k [B, H, T, hd] through model.qk_norm (as they are without it).
+  std::pair<at::Tensor, at::Tensor> normalize_qk(const at::Tensor& q, const at::Tensor& k) const;
 
   GptConfig config_;
   int64_t head_dim_;
   double dropout_;
   bool rope_, fused_;
-  int64_t window_;        // this block's sliding window (0: none)
+  AttentionSpec spec_;
+  std::shared_ptr<Attention> attention_;
   at::Tensor cos_, sin_;  // rope tables [context, rotary dims / 2]
   std::shared_ptr<HookChain> chain_;
   std::string qkv_name_, core_name_, proj_name_, drop_name_;
@@ -164,7 +167,7 @@ class BlockImpl : public torch::nn::Module {
   // MLP; `index`: the block's place in the model.
   BlockImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name, bool experts = false,
             int64_t index = 0);
-  at::Tensor forward(const at::Tensor& x);
+  at::Tensor forward(const at::Tensor& x, const Batch& batch);
 
   // norm_placement "pre": norm1 and norm2 before attention and the MLP;
   // "post": after them; "sandwich": before, and post1 / post2 after.
@@ -176,7 +179,8 @@ class BlockImpl : public torch::nn::Module {
  private:
   at::Tensor feed_forward(const at::Tensor& m);
 
-  at::Tensor forward_post(const at::Tensor& x);  // norm_placement "post" and "sandwich"
+  at::Tensor attend(const at::Tensor& a, const Batch& batch);  // the attn call
+  at::Tensor forward_post(const at::Tensor& x, const Batch& batch);  // norm_placement "post" and "sandwich"
 
   bool fused_;
   NormPlacement placement_;
@@ -192,14 +196,17 @@ class GptImpl : public torch::nn::Module {
   // biases 0, norm weights 1), so every rank building it gets the same model.
   GptImpl(const GptConfig& config, uint64_t seed);
 
-  at::Tensor forward(const at::Tensor& tokens);  // [B, T] int64 -> logits [B, T, vocab]
-  // Mean next-token cross-entropy of `targets` [B, T].
-  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets);
+  at::Tensor forward(const Batch& batch);  // tokens [B, T] int64 -> logits [B, T, vocab]
+  // Mean next-token cross-entropy of the batch's targets [B, T] (not times its weight).
+  at::Tensor loss(const Batch& batch);
+  // Rows that are one sequence each from position 0: Batch(tokens, targets).
+  at::Tensor forward(const at::Tensor& tokens) { return forward(Batch(tokens)); }
+  at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) { return loss(Batch(tokens, targets)); }
   // forward() is these pieces in order, each through its hooks (pipeline
   // stages run a range of them): tokens -> hidden [B, T, width] (wte, wpe,
   // drop); block i; hidden -> logits (norm_f, head). Not through "".
-  at::Tensor embed(const at::Tensor& tokens);
-  at::Tensor block(int64_t i, const at::Tensor& x);
+  at::Tensor embed(const Batch& batch);
+  at::Tensor block(int64_t i, const at::Tensor& x, const Batch& batch);
   at::Tensor project(const at::Tensor& x);
   // Mean cross-entropy of logits [B, T, V'] against targets [B, T], in fp32.
   at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
@@ -209,6 +216,8 @@ class GptImpl : public torch::nn::Module {
   void remove_forward_hooks(const ForwardHooks* hooks);
   // The mixture-of-experts layers, in block order (none in a dense model).
   std::vector<Moe> moe_layers() const;
+  // Block i's attention (its spec, its Attention object: Note [Attention object]).
+  CausalSelfAttentionImpl& attention(int64_t i);
 
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -223,5 +232,19 @@ class GptImpl : public torch::nn::Module {
   std::vector<std::string> block_names_;
 };
 TORCH_MODULE(Gpt);
+
+// Every block's Attention object replaced by make(block) while this object
+// lives; the ones it replaced are put back when it goes (Note [Attention object]).
+class AttentionSwap {
+ public:
+  AttentionSwap(GptImpl& model, const std::function<std::shared_ptr<Attention>(int64_t block)>& make);
+  ~AttentionSwap();
+  AttentionSwap(const AttentionSwap&) = delete;
+  AttentionSwap& operator=(const AttentionSwap&) = delete;
+
+ private:
+  GptImpl* model_;
+  std::vector<std::shared_ptr<Attention>> previous_;
+};
 
 }  // namespace meshtrain::model

@@ -1,42 +1,67 @@
 #include "meshtrain/model/kv_cache.h"
 
-#include "meshtrain/model/attention_variants.h"
-#include "meshtrain/model/fused/ops.h"
-
 #include <algorithm>
 #include <stdexcept>
 
 namespace meshtrain::model {
 
+// Block `block`'s attention object: the cache's layer of that block.
+class KvCache::LayerAttention final : public Attention {
+ public:
+  LayerAttention(KvCache* cache, int64_t block) : cache_(cache), block_(block) {}
+  at::Tensor forward(const QkvHeads& heads, const AttentionSpec& spec, const Batch& batch, bool training) override {
+    (void)batch;  // its positions placed the heads; the cache knows its slots
+    (void)training;
+    return cache_->attend(block_, heads, spec);
+  }
+
+ private:
+  KvCache* cache_;
+  int64_t block_;
+};
+
 KvCache::KvCache(const Gpt& model) : config_(model->config()) {
-  auto buffers = model->named_buffers();
   for (int64_t i = 0; i < config_.layers; ++i) {
-    const std::string prefix = "blocks." + std::to_string(i) + ".attn.";
     Layer layer;
-    if (const at::Tensor* cos = buffers.find(prefix + "rope_cos")) layer.cos = *cos, layer.sin = buffers[prefix + "rope_sin"];
-    layer.attention = model->blocks->ptr(i)->as<BlockImpl>()->attn.ptr().get();
-    layer.variant = attention_variant(config_, i);
-    layers_[prefix + "core"] = layer;
+    layer.window = config_.window_of(i);
+    layers_.push_back(layer);
   }
 }
 
+std::unique_ptr<AttentionSwap> KvCache::attach(GptImpl& model) {
+  return std::make_unique<AttentionSwap>(model,
+                                         [this](int64_t block) { return std::make_shared<LayerAttention>(this, block); });
+}
+
+Batch KvCache::next(const at::Tensor& tokens) const {
+  const int64_t b = tokens.size(0), t = tokens.size(1);
+  check_room(t);
+  Batch batch(tokens);
+  // Slots length_ .. length_ + t − 1, counted per row from its first real token.
+  batch.positions = pads_.defined() ? positions(t) : (at::arange(t, at::kLong) + length_).view({1, t}).expand({b, t});
+  return batch;
+}
+
 void KvCache::clear() {
-  for (auto& [name, layer] : layers_) layer.set({}, {}), layer.dropped = 0;
+  for (Layer& layer : layers_) layer.set({}, {}), layer.dropped = 0;
   pads_ = at::Tensor();
   length_ = 0;
   blocks_done_ = 0;
 }
 
 void KvCache::check_not_rolled() const {
-  for (const auto& [name, layer] : layers_) {
-    if (layer.dropped > 0) throw std::logic_error("kv cache: " + name + " rolled its window; its rows cannot be rearranged");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].dropped > 0) {
+      throw std::logic_error("kv cache: block " + std::to_string(i) +
+                             " rolled its window; its rows cannot be rearranged");
+    }
   }
 }
 
 void KvCache::roll(Layer& layer) {
   // Compacted once twice the window is held, so the copy is amortised over
   // `keep` tokens; the attention mask hides the older keys meanwhile.
-  const int64_t keep = layer.variant.window - 1, have = layer.k.size(2);
+  const int64_t keep = layer.window - 1, have = layer.k.size(2);
   if (have <= std::max<int64_t>(2 * keep, 1)) return;
   auto shift = [&](at::Tensor& cached, at::Tensor& room) {
     const at::Tensor tail = cached.narrow(2, have - keep, keep).clone();
@@ -56,7 +81,7 @@ void KvCache::set_padding(const std::vector<int64_t>& pads) {
 }
 
 int64_t KvCache::rows() const {
-  const Layer& first = layers_.begin()->second;
+  const Layer& first = layers_.front();
   return first.k.defined() ? first.k.size(0) : 0;
 }
 
@@ -64,7 +89,7 @@ at::Tensor KvCache::pads_or_zeros() const { return pads_.defined() ? pads_ : at:
 
 void KvCache::pad_left(int64_t slots) {
   if (slots == 0) return;
-  for (auto& [name, layer] : layers_) {
+  for (Layer& layer : layers_) {
     auto padded = [&](const at::Tensor& x) {
       std::vector<int64_t> shape = x.sizes().vec();
       shape[2] = slots;
@@ -82,7 +107,7 @@ void KvCache::append_rows(const KvCache& other) {
   if (blocks_done_ != 0 || other.blocks_done_ != 0) throw std::logic_error("kv cache: append_rows inside a forward");
   if (other.rows() == 0) return;
   if (rows() == 0) {
-    for (auto& [name, layer] : layers_) layer.set(other.layers_.at(name).k, other.layers_.at(name).v);
+    for (size_t i = 0; i < layers_.size(); ++i) layers_[i].set(other.layers_[i].k, other.layers_[i].v);
     pads_ = other.pads_or_zeros();
     length_ = other.length_;
     return;
@@ -90,8 +115,9 @@ void KvCache::append_rows(const KvCache& other) {
   KvCache joining = other;
   if (joining.length_ < length_) joining.pad_left(length_ - joining.length_);
   if (length_ < joining.length_) pad_left(joining.length_ - length_);
-  for (auto& [name, layer] : layers_) {
-    const Layer& theirs = joining.layers_.at(name);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& layer = layers_[i];
+    const Layer& theirs = joining.layers_[i];
     layer.set(at::cat({layer.k, theirs.k}, 0), at::cat({layer.v, theirs.v}, 0));
   }
   pads_ = at::cat({pads_or_zeros(), joining.pads_or_zeros()});
@@ -104,7 +130,7 @@ void KvCache::keep_rows(const std::vector<int64_t>& rows) {
   const at::Tensor index = at::tensor(rows, at::kLong);
   pads_ = pads_or_zeros().index_select(0, index);
   const int64_t unused = pads_.min().item<int64_t>();  // slots before every row's first token
-  for (auto& [name, layer] : layers_) {
+  for (Layer& layer : layers_) {
     layer.set(layer.k.index_select(0, index).narrow(2, unused, length_ - unused),
               layer.v.index_select(0, index).narrow(2, unused, length_ - unused));
   }
@@ -137,21 +163,6 @@ void KvCache::check_room(int64_t t) const {
   }
 }
 
-at::Tensor KvCache::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
-  if (module == "wpe") {  // positions length_, length_ + 1, ... (per row with padding)
-    check_room(input.size(0));
-    return forward(pads_.defined() ? positions(input.size(0)) : input + length_);
-  }
-  auto it = layers_.find(module);
-  if (it == layers_.end()) return forward(input);
-  const at::Tensor out = attend(it->second, input);
-  if (++blocks_done_ == config_.layers) {
-    length_ = it->second.dropped + it->second.k.size(2);
-    blocks_done_ = 0;
-  }
-  return out;
-}
-
 void KvCache::append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fresh) const {
   const int64_t used = cached.defined() ? cached.size(2) : 0, t = fresh.size(2);
   if (!room.defined() || room.size(2) < used + t) {
@@ -166,44 +177,40 @@ void KvCache::append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fre
   cached = room.narrow(2, 0, used + t);
 }
 
-at::Tensor KvCache::attend(Layer& layer, const at::Tensor& qkv_out) {
-  const int64_t b = qkv_out.size(0), t = qkv_out.size(1);
+at::Tensor KvCache::attend(int64_t block, const QkvHeads& heads, const AttentionSpec& spec) {
+  Layer& layer = layers_[block];
+  const at::Tensor& q = heads.q;
+  const int64_t t = q.size(2);
   check_room(t);
-  auto [q, k, v] = split_qkv(qkv_out, config_);
-  const int64_t w = q.size(1) * config_.head_dim();
-  std::tie(q, k) = layer.attention->normalize_qk(q, k);
-  if (layer.cos.defined() && pads_.defined()) {
-    const at::Tensor at_positions = positions(t);
-    q = apply_rope_at(q, layer.cos, layer.sin, at_positions);
-    k = apply_rope_at(k, layer.cos, layer.sin, at_positions);
-  } else if (layer.cos.defined()) {
-    q = apply_rope(q, layer.cos, layer.sin, length_);
-    k = apply_rope(k, layer.cos, layer.sin, length_);
-  }
-  append(layer.k, layer.k_room, k);
-  append(layer.v, layer.v_room, v);
+  append(layer.k, layer.k_room, heads.k);
+  append(layer.v, layer.v_room, heads.v);
   // Keys and values are kept per key/value head (a grouped-query model's
   // cache is heads / kv_heads times smaller); attention's grouped-query mode
   // reads them without repeating them for each query head.
-  const bool grouped = q.size(1) != k.size(1);
+  const bool grouped = q.size(1) != layer.k.size(1);
   const at::Tensor keys = layer.k.device() == q.device() ? layer.k : layer.k.to(q.device());
   const at::Tensor values = layer.v.device() == q.device() ? layer.v : layer.v.to(q.device());
   at::Tensor y;
-  if (!layer.variant.plain()) {
+  if (!spec.plain()) {
     const at::Tensor allowed = pads_.defined() ? padding_allowed(pads_, length_, t).to(q.device()) : at::Tensor();
-    y = variant_attention(q, keys, values, layer.variant, 0.0, false, allowed);
+    y = variant_attention(q, keys, values, spec, /*training=*/false, allowed);
   } else if (length_ == 0 && !pads_.defined()) {
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/{}, 0.0, /*is_causal=*/true, std::nullopt, grouped);
   } else {
     // New query i (slot length_ + i) sees every cached key and the new ones up
     // to itself, a row's padding never (a padding query sees itself alone).
-    at::Tensor mask = fused::causal_window_mask(t, length_ + t, 0, at::kCPU);
+    const at::Tensor query_slots = at::arange(length_, length_ + t, at::kLong);
+    at::Tensor mask = allowed_pairs(query_slots, at::arange(length_ + t, at::kLong), spec);
     if (pads_.defined()) mask = mask.logical_and(padding_allowed(pads_, length_, t));
     y = at::scaled_dot_product_attention(q, keys, values, /*attn_mask=*/mask, 0.0, /*is_causal=*/false, std::nullopt,
                                          grouped);
   }
-  if (rolling_ && layer.variant.window > 0 && !pads_.defined()) roll(layer);
-  return y.transpose(1, 2).reshape({b, t, w});
+  if (rolling_ && layer.window > 0 && !pads_.defined()) roll(layer);
+  if (++blocks_done_ == config_.layers) {
+    length_ = layer.dropped + layer.k.size(2);
+    blocks_done_ = 0;
+  }
+  return y;
 }
 
 }  // namespace meshtrain::model

@@ -1,26 +1,26 @@
-// A key/value cache for generation, as forward hooks on an unchanged model.
-// See Note [KV cache].
+// A key/value cache for generation, as every block's attention object on an
+// unchanged model. See Note [KV cache].
 #pragma once
 
-#include "meshtrain/model/attention_variants.h"
+#include "meshtrain/model/attention.h"
 #include "meshtrain/model/gpt.h"
 
 #include <functional>
-#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace meshtrain::model {
 
 // Note [KV cache]
-// Installed on a Gpt, the cache replaces each block's attention core (the
-// "blocks.N.attn.core" call site): it splits the qkv output into heads,
-// rotates q and k at their true positions (RoPE), appends k and v to what
-// the block saw before, and attends the new queries to all of it (causally
-// among themselves). The learned position embedding ("wpe") is looked up at
-// the true positions too. So a forward over the prompt (prefill) and then
-// over one new token at a time gives the logits a full forward over the whole
-// sequence gives, at a fraction of the work. clear() before a new sequence;
+// Attached to a Gpt, the cache is each block's attention object (Note
+// [Attention object]): it appends the block's keys and values to what the
+// block saw before and attends the new queries to all of it (causally among
+// themselves). The forwards run on next(tokens), whose Batch places the new
+// tokens after what the cache holds, so RoPE and a learned position
+// embedding see their true positions. A forward over the prompt (prefill)
+// and then over one new token at a time gives the logits a full forward over
+// the whole sequence gives, at a fraction of the work. clear() before a new sequence;
 // the cache holds at most the model's context. A batch of prompts of
 // different lengths is left-padded (set_padding): each row's positions start
 // at its own first token and its padding is masked out, so each row's logits
@@ -38,10 +38,15 @@ namespace meshtrain::model {
 // Allocates room for keys or values of these sizes and options.
 using KvCacheStorage = std::function<at::Tensor(at::IntArrayRef sizes, const at::TensorOptions& options)>;
 
-class KvCache : public ForwardHooks {
+class KvCache {
  public:
   explicit KvCache(const Gpt& model);
-  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override;
+  // Makes the cache every block's attention on `model` until the returned object goes.
+  std::unique_ptr<AttentionSwap> attach(GptImpl& model);
+  // The Batch of `tokens` [B, t] that come next: positions after the cache's
+  // (per row, from its first real token). Throws std::invalid_argument when
+  // they exceed the model's context.
+  Batch next(const at::Tensor& tokens) const;
   void clear();
   // Rows of a batch whose prompts are left-padded: row r's first `pads[r]`
   // slots are padding, never attended to, and its positions count from its
@@ -69,15 +74,14 @@ class KvCache : public ForwardHooks {
   void set_rolling(bool rolling) { rolling_ = rolling; }
 
  private:
+  class LayerAttention;
   struct Layer {
     // [B, Hkv, T, head_dim]: views of the first T slots of k_room / v_room
     // when those are defined (room to append without copying what is cached).
     at::Tensor k, v;
     at::Tensor k_room, v_room;
     int64_t dropped = 0;  // slots before the first one k holds, left behind by the rolling window
-    at::Tensor cos, sin;  // the block's rope tables (undefined: learned positions)
-    const CausalSelfAttentionImpl* attention = nullptr;  // its q/k norms
-    AttentionVariant variant;                            // its window, scale, soft-cap
+    int64_t window = 0;   // the block's sliding window (0: none)
     void set(at::Tensor keys, at::Tensor values) {  // new contents, without room
       k = std::move(keys), v = std::move(values);
       k_room = v_room = at::Tensor();
@@ -86,7 +90,8 @@ class KvCache : public ForwardHooks {
   // Appends `fresh` [B, Hkv, t, hd] after `cached` in `room`, which grows
   // (doubling, up to the context) when full: O(t) per call, not O(length).
   void append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fresh) const;
-  at::Tensor attend(Layer& layer, const at::Tensor& qkv_out);
+  // The block's attention on the new tokens' heads, after their keys and values join the cache.
+  at::Tensor attend(int64_t block, const QkvHeads& heads, const AttentionSpec& spec);
   void check_room(int64_t t) const;  // throws when t more tokens exceed the context
   at::Tensor positions(int64_t t) const;  // [B, t] positions of the next t slots, with padding
   void pad_left(int64_t slots);           // `slots` empty slots before every row's tokens
@@ -96,7 +101,7 @@ class KvCache : public ForwardHooks {
 
   GptConfig config_;
   KvCacheStorage storage_;
-  std::map<std::string, Layer> layers_;  // by call site
+  std::vector<Layer> layers_;  // by block
   at::Tensor pads_;  // [B] int64, or undefined: no padding
   int64_t length_ = 0;
   int64_t blocks_done_ = 0;  // blocks that appended in the current forward

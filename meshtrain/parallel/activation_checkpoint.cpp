@@ -1,7 +1,5 @@
 #include "meshtrain/parallel/activation_checkpoint.h"
 
-#include "meshtrain/model/attention_variants.h"
-
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -12,14 +10,14 @@ namespace meshtrain::parallel {
 
 namespace {
 
-// Autograd keeps IValues only: the call to repeat travels in a capsule.
+// Autograd keeps IValues only: the call to repeat travels in a capsule. The
+// call owns its inputs beside the tensor, the micro-batch's Batch (Note [Batch]) included.
 struct Recompute : torch::CustomClassHolder {
   model::ForwardHooks::Forward forward;
   std::vector<RandomStream> streams;
   std::vector<at::Tensor> random_states;  // default generator first, then `streams`
   bool autocast = false;
   at::ScalarType autocast_dtype = at::kBFloat16;
-  at::Tensor documents;  // the forward's packed-document positions (Note [Packed documents])
 };
 
 std::vector<at::Tensor> random_states(at::Device device, const std::vector<RandomStream>& streams) {
@@ -51,7 +49,6 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     recompute->random_states = random_states(input.device(), recompute->streams);
     recompute->autocast = at::autocast::is_autocast_enabled(autocast_device(input));
     recompute->autocast_dtype = at::autocast::get_autocast_dtype(autocast_device(input));
-    recompute->documents = model::document_positions();
     at::Tensor output = recompute->forward(input);  // grad mode is off here
     ctx->save_for_backward({input});
     ctx->saved_data["recompute"] = at::IValue::make_capsule(std::move(recompute));
@@ -71,7 +68,6 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     at::Tensor output;
     {
       torch::AutoGradMode grad(true);
-      model::DocumentScope documents(recompute->documents);
       at::autocast::set_autocast_enabled(type, recompute->autocast);
       at::autocast::set_autocast_dtype(type, recompute->autocast_dtype);
       output = recompute->forward(input);

@@ -13,7 +13,7 @@ constexpr float kHidden = -std::numeric_limits<float>::infinity();
 // after every query, or every key out of every query's window: the product
 // is skipped), all, or some.
 enum class Cover { kNone, kAll, kSome };
-Cover cover(const Segment& q, const Segment& k, const AttentionRule& rule) {
+Cover cover(const Segment& q, const Segment& k, const model::AttentionSpec& rule) {
   if (!rule.causal) return Cover::kAll;
   if (q.last < k.first || (rule.window > 0 && q.first - k.last >= rule.window)) return Cover::kNone;
   const bool all = q.first >= k.last && (rule.window == 0 || q.last - k.first < rule.window);
@@ -21,16 +21,17 @@ Cover cover(const Segment& q, const Segment& k, const AttentionRule& rule) {
 }
 
 // [lq, lk], made on `device` (no host-to-device copy per tile).
-at::Tensor allowed_of(const Segment& q, const Segment& k, const AttentionRule& rule, at::Device device) {
+at::Tensor allowed_of(const Segment& q, const Segment& k, const model::AttentionSpec& rule, at::Device device) {
   const at::TensorOptions o = at::TensorOptions(at::kLong).device(device);
-  return allowed_pairs(at::arange(q.first, q.last + 1, o), at::arange(k.first, k.last + 1, o), rule);
+  return model::allowed_pairs(at::arange(q.first, q.last + 1, o), at::arange(k.first, k.last + 1, o), rule);
 }
 
 // The scores of a tile, soft-capped where the rule says, and masked where
 // `allowed` (if defined) is false: one tile-sized tensor, computed in place.
-at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const AttentionRule& rule, const at::Tensor& allowed) {
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const model::AttentionSpec& rule,
+                  const at::Tensor& allowed) {
   at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(rule.scale);
-  if (rule.softcap > 0) s.div_(rule.softcap).tanh_().mul_(rule.softcap);
+  model::soft_cap_(s, rule.softcap);
   if (allowed.defined()) s.masked_fill_(allowed.logical_not(), kHidden);
   return s;
 }
@@ -71,8 +72,8 @@ Documents::Documents(const at::Tensor& starts) : device(starts) {
   if (starts.defined()) host = starts.cpu();
 }
 
-Tile tile_of(const Segment& q, const Segment& k, const AttentionRule& rule, const Documents& dq, const Documents& dk,
-             int64_t groups, at::Device device) {
+Tile tile_of(const Segment& q, const Segment& k, const model::AttentionSpec& rule, const Documents& dq,
+             const Documents& dk, int64_t groups, at::Device device) {
   Tile t;
   const Cover c = cover(q, k, rule);
   if (c == Cover::kNone) return t;
@@ -126,10 +127,10 @@ at::Tensor rows_of(const at::Tensor& stacked, const Segment& s, int64_t groups) 
   return stacked.narrow(2, groups * s.begin, groups * s.length);
 }
 
-bool fused(const at::Tensor& q, const AttentionRule& rule) { return q.device().is_cpu() && rule.softcap == 0; }
+bool fused(const at::Tensor& q, const model::AttentionSpec& rule) { return q.device().is_cpu() && rule.softcap == 0; }
 
 Partial forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Tile& tile,
-                const AttentionRule& rule, bool use_fused) {
+                const model::AttentionSpec& rule, bool use_fused) {
   if (use_fused) {
     auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, additive(tile), rule.scale);
     lse = lse.unsqueeze(-1);
@@ -158,7 +159,7 @@ void merge(Partial& acc, const Partial& tile) {
 
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
               const at::Tensor& lse, const at::Tensor& d_out, const at::Tensor& delta, const Tile& tile,
-              const AttentionRule& rule, bool use_fused, Grads into) {
+              const model::AttentionSpec& rule, bool use_fused, Grads into) {
   if (use_fused) {  // P from the merged lse, D from the merged output: the whole sequence's
     const auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         d_out, q, k, v, out, lse.squeeze(-1), 0.0, false, additive(tile), rule.scale);

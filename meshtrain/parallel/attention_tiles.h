@@ -61,8 +61,8 @@ struct Tile {
 // Two rows share a document when their starts are equal; starts rise along a
 // segment, so a tile whose query and key starts do not overlap in any row is
 // skipped, and one whose rows all share one start needs no document mask.
-Tile tile_of(const Segment& q, const Segment& k, const AttentionRule& rule, const Documents& dq, const Documents& dk,
-             int64_t groups, at::Device device);
+Tile tile_of(const Segment& q, const Segment& k, const model::AttentionSpec& rule, const Documents& dq,
+             const Documents& dk, int64_t groups, at::Device device);
 
 // [B, H, T, D] -> [B, Hkv, G·T, D] in float32 (Note [Attention tiles]), and back.
 at::Tensor stack_groups(const at::Tensor& x, int64_t kv_heads, const std::vector<Segment>& segments);
@@ -71,14 +71,14 @@ at::Tensor unstack_groups(const at::Tensor& stacked, int64_t heads, const std::v
 at::Tensor rows_of(const at::Tensor& stacked, const Segment& s, int64_t groups);
 
 // Whether tiles run through the fused kernel for queries on this device under this rule.
-bool fused(const at::Tensor& q, const AttentionRule& rule);
+bool fused(const at::Tensor& q, const model::AttentionSpec& rule);
 
 // A tile's normalised output [B, Hkv, G·lq, D] and its rows' log-sum-exp [.., 1].
 struct Partial {
   at::Tensor out, lse;
 };
 Partial forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Tile& tile,
-                const AttentionRule& rule, bool use_fused);
+                const model::AttentionSpec& rule, bool use_fused);
 // Merges a tile's result into the running one: L = log(e^L₁ + e^L₂),
 // O = O₁·e^(L₁−L) + O₂·e^(L₂−L).
 void merge(Partial& acc, const Partial& tile);
@@ -90,6 +90,6 @@ struct Grads {
 };
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
               const at::Tensor& lse, const at::Tensor& d_out, const at::Tensor& delta, const Tile& tile,
-              const AttentionRule& rule, bool use_fused, Grads into);
+              const model::AttentionSpec& rule, bool use_fused, Grads into);
 
 }  // namespace meshtrain::parallel::tiles

@@ -7,63 +7,30 @@
 
 namespace meshtrain::parallel {
 
-namespace {
-
-constexpr int64_t kIgnored = -100;  // a target that counts toward no loss (train/data.h)
-
-const std::string kCore = ".attn.core";
-
-bool is_core(const std::string& module) {
-  return module.size() > kCore.size() && module.compare(module.size() - kCore.size(), kCore.size(), kCore) == 0;
-}
-
-}  // namespace
-
-std::optional<CoreCall> attention_core(model::GptImpl& model, const std::string& module, const at::Tensor& input) {
-  if (!is_core(module)) return std::nullopt;
-  const int64_t block = std::stoll(module.substr(module.find('.') + 1));  // "blocks.N.attn.core"
-  const model::CausalSelfAttentionImpl& attn = *model.blocks->ptr(block)->as<model::BlockImpl>()->attn;
-  model::QkvHeads h = attn.heads(input);
-  const model::AttentionVariant variant = attn.variant();
-  const AttentionRule rule{variant.scale > 0 ? variant.scale : 1.0 / std::sqrt(static_cast<double>(h.q.size(-1))),
-                           /*causal=*/true, variant.window, variant.softcap};
-  return CoreCall{block, std::move(h), rule};
-}
-
-// Replaces every block's attention core with attention across the cp group.
-class ContextParallel::Hooks : public model::ForwardHooks {
+// Every block's attention across the cp group, on the batch's columns.
+class ContextParallel::SplitAttention final : public model::Attention {
  public:
-  Hooks(model::GptImpl* model, const ContextParallel* owner) : model_(model), owner_(owner) {}
+  explicit SplitAttention(const ContextParallel* owner) : owner_(owner) {}
 
-  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
-    const std::optional<CoreCall> call = attention_core(*model_, module, input);
-    if (!call) return forward(input);
-    const model::QkvHeads& h = call->heads;
-    const AttentionRule& rule = call->rule;
-    const int64_t b = input.size(0), t = input.size(1);
-    const at::Tensor rows = owner_->positions(t * owner_->size());
-    // Packed rows: each row's document start, its global position less its position in its document.
-    const at::Tensor& in_document = model::document_positions();
-    const at::Tensor starts = owner_->packed_ && in_document.defined()
-                                  ? rows.to(in_document.device()).unsqueeze(0) - in_document
-                                  : at::Tensor();
-    at::Tensor y;
+  at::Tensor forward(const model::QkvHeads& h, const model::AttentionSpec& spec, const model::Batch& batch,
+                     bool training) override {
+    (void)training;  // no dropout: refused with cp
+    model::AttentionSpec rule = spec;
+    rule.scale = spec.scale_for(h.q.size(-1));
+    TORCH_CHECK(batch.columns.defined(), "context parallel attention needs a batch cut by ContextParallel::shard");
+    const at::Tensor& columns = batch.columns;
+    const at::Tensor& starts = batch.documents;  // packed rows: each token's document start
     switch (owner_->impl_) {
-      case mesh::ContextParallelImpl::kRing:
-        y = ring_attention(h.q, h.k, h.v, rows, owner_->cp_, rule, starts);
-        break;
+      case mesh::ContextParallelImpl::kRing: return ring_attention(h.q, h.k, h.v, columns, owner_->cp_, rule, starts);
       case mesh::ContextParallelImpl::kAllToAll:
-        y = all_to_all_attention(h.q, h.k, h.v, rows, owner_->cp_, rule, starts);
-        break;
+        return all_to_all_attention(h.q, h.k, h.v, columns, owner_->cp_, rule, starts);
       case mesh::ContextParallelImpl::kHybrid:
-        y = hybrid_attention(h.q, h.k, h.v, rows, owner_->a2a_comm_, owner_->ring_comm_, rule, starts);
-        break;
+        return hybrid_attention(h.q, h.k, h.v, columns, owner_->a2a_comm_, owner_->ring_comm_, rule, starts);
     }
-    return y.transpose(1, 2).reshape({b, t, -1});
+    throw std::logic_error("context parallel: unknown attention");
   }
 
  private:
-  model::GptImpl* model_;
   const ContextParallel* owner_;
 };
 
@@ -78,35 +45,24 @@ ContextParallel::ContextParallel(model::Gpt model, std::shared_ptr<comm::Communi
     a2a_comm_ = cp_->split(r / a, r, cp_->name() + ":a2a");
     ring_comm_ = cp_->split(r % a, r, cp_->name() + ":ring");
   }
-  hooks_ = std::make_shared<Hooks>(model_.get(), this);
-  model_->add_forward_hooks(hooks_);
+  auto attention = std::make_shared<SplitAttention>(this);
+  swap_ = std::make_unique<model::AttentionSwap>(*model_, [&](int64_t) { return attention; });
 }
 
-ContextParallel::~ContextParallel() { model_->remove_forward_hooks(hooks_.get()); }
+ContextParallel::~ContextParallel() = default;
 
 at::Tensor ContextParallel::positions(int64_t length) const { return zigzag_positions(length, size(), cp_->rank()); }
 
-ContextParallel::Rows ContextParallel::rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                                            const std::vector<double>& weights,
-                                            const std::vector<at::Tensor>& documents) {
-  packed_ = !documents.empty();
-  Rows out;
-  const double cp = static_cast<double>(size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const int64_t b = inputs[i].size(0), t = inputs[i].size(1);
-    const at::Tensor rows = positions(t).to(inputs[i].device());
-    const at::Tensor y = targets[i].index_select(1, rows);
-    // cp × this rank's share of the counted targets: the losses' average over cp is the whole rows' mean.
-    // Both counts in one read from the device.
-    const at::Tensor counts = at::stack({(targets[i] != kIgnored).sum(), (y != kIgnored).sum()}).cpu();
-    const double all = static_cast<double>(counts[0].item<int64_t>()), mine = static_cast<double>(counts[1].item<int64_t>());
-    out.inputs.push_back(inputs[i].index_select(1, rows));
-    out.targets.push_back(y);
-    out.weights.push_back(all > 0 ? weights[i] * cp * mine / all : weights[i]);
-    // Packed rows: positions inside each document (RoPE rotates by them; attention finds the documents' starts).
-    out.positions.push_back(documents.empty() ? rows.unsqueeze(0).expand({b, rows.size(0)}).contiguous()
-                                              : documents[i].index_select(1, rows));
-  }
+model::Batch ContextParallel::shard(const model::Batch& batch) const {
+  const at::Tensor columns = positions(batch.length());
+  model::Batch out = batch.select(columns);
+  // cp × this rank's share of the counted targets: the losses' average over cp is the whole rows' mean.
+  // Both counts in one read from the device.
+  const at::Tensor counts =
+      at::stack({(batch.targets != model::kIgnoredTarget).sum(), (out.targets != model::kIgnoredTarget).sum()}).cpu();
+  const double all = static_cast<double>(counts[0].item<int64_t>());
+  const double mine = static_cast<double>(counts[1].item<int64_t>());
+  if (all > 0) out.weight = batch.weight * static_cast<double>(size()) * mine / all;
   return out;
 }
 

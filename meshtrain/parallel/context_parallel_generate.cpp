@@ -1,8 +1,6 @@
 #include "meshtrain/parallel/context_parallel_generate.h"
 
 #include "meshtrain/comm/agree.h"
-#include "meshtrain/model/attention_variants.h"
-#include "meshtrain/parallel/context_parallel.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -32,42 +30,62 @@ void append(at::Tensor& cached, at::Tensor& room, const at::Tensor& fresh) {
   cached = room.narrow(2, 0, n + t);
 }
 
-// Removes a cache from the model when generation ends, however it ends.
-struct Installed {
-  model::Gpt& model;
-  const model::ForwardHooks* hooks;
-  ~Installed() { model->remove_forward_hooks(hooks); }
-};
-
 }  // namespace
 
-ContextParallelCache::ContextParallelCache(model::Gpt& model, std::shared_ptr<comm::Communicator> cp)
-    : model_(model.get()), cp_(std::move(cp)), counts_(cp_->size(), 0), positions_(at::empty({0}, at::kLong)) {}
+// Block `block`'s attention object: the cache's layer of that block.
+class ContextParallelCache::LayerAttention final : public model::Attention {
+ public:
+  LayerAttention(ContextParallelCache* cache, int64_t block) : cache_(cache), block_(block) {}
+  at::Tensor forward(const model::QkvHeads& heads, const model::AttentionSpec& spec, const model::Batch& batch,
+                     bool training) override {
+    (void)batch;  // the cache knows the prefill's rows and the decoded position
+    (void)training;
+    model::AttentionSpec rule = spec;
+    rule.scale = spec.scale_for(heads.q.size(-1));
+    return cache_->attend(block_, heads, rule);
+  }
 
-void ContextParallelCache::prefill(const at::Tensor& rows, int64_t length) {
+ private:
+  ContextParallelCache* cache_;
+  int64_t block_;
+};
+
+ContextParallelCache::ContextParallelCache(std::shared_ptr<comm::Communicator> cp)
+    : cp_(std::move(cp)), counts_(cp_->size(), 0), positions_(at::empty({0}, at::kLong)) {}
+
+std::unique_ptr<model::AttentionSwap> ContextParallelCache::attach(model::GptImpl& model) {
+  return std::make_unique<model::AttentionSwap>(
+      model, [this](int64_t block) { return std::make_shared<LayerAttention>(this, block); });
+}
+
+model::Batch ContextParallelCache::prefill(const at::Tensor& tokens, const at::Tensor& rows, int64_t length,
+                                           int64_t context) {
   const int64_t cp = cp_->size(), padded = rows.size(0) * cp;
   for (int64_t r = 0; r < cp; ++r) counts_[r] += (zigzag_positions(padded, cp, r) < length).sum().item<int64_t>();
   rows_ = rows;
   keep_ = length;
   positions_ = at::cat({positions_, rows.masked_select(rows < length)});
+  model::Batch batch(tokens);
+  batch.columns = rows;
+  // The padding's positions may pass the context's tables; no real row sees them.
+  batch.positions = rows.clamp_max(context - 1).unsqueeze(0);
+  return batch;
 }
 
-void ContextParallelCache::decode(int64_t position) {
+model::Batch ContextParallelCache::decode(const at::Tensor& token, int64_t position) {
   const int64_t owner = std::min_element(counts_.begin(), counts_.end()) - counts_.begin();
   ++counts_[owner];
   owner_ = owner == cp_->rank();
   if (owner_) positions_ = at::cat({positions_, at::full({1}, position, at::kLong)});
   rows_ = at::Tensor();
   position_ = position;
+  model::Batch batch(token);
+  batch.positions = at::full({1, 1}, position, at::kLong);
+  return batch;
 }
 
-at::Tensor ContextParallelCache::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
-  const std::optional<CoreCall> call = attention_core(*model_, module, input);  // rotated at the scope's positions
-  if (!call) return forward(input);
-  const model::QkvHeads& h = call->heads;
-  const AttentionRule& rule = call->rule;
-  const int64_t b = input.size(0), t = input.size(1);
-  Layer& layer = layers_[call->block];
+at::Tensor ContextParallelCache::attend(int64_t block, const model::QkvHeads& h, const model::AttentionSpec& rule) {
+  Layer& layer = layers_[block];
   at::Tensor y;
   if (rows_.defined()) {
     y = ring_attention(h.q, h.k, h.v, rows_, cp_, rule);
@@ -81,10 +99,11 @@ at::Tensor ContextParallelCache::around(const std::string& module, const at::Ten
     }
     y = decode_attention(layer, h, rule);
   }
-  return y.transpose(1, 2).reshape({b, t, -1});
+  return y;
 }
 
-at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::QkvHeads& h, const AttentionRule& rule) {
+at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::QkvHeads& h,
+                                                  const model::AttentionSpec& rule) {
   const int64_t b = h.q.size(0), heads = h.q.size(1), d = h.q.size(3), kv = h.k.size(1), g = heads / kv;
   const at::TensorOptions fp32 = h.q.options().dtype(at::kFloat);
   // This rank's part: an output and a log-sum-exp per head (−inf, output 0, where it holds no key).
@@ -93,8 +112,9 @@ at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::Qkv
     // Products in the cache's dtype (no copy of the cache per token), the softmax in fp32.
     const at::Tensor q = h.q.to(layer.k.scalar_type()).reshape({b, kv, g, 1, d});
     at::Tensor s = at::matmul(q, layer.k.unsqueeze(2).transpose(-2, -1)).to(at::kFloat).mul_(rule.scale);
-    if (rule.softcap > 0) s.div_(rule.softcap).tanh_().mul_(rule.softcap);
-    if (rule.window > 0) s.masked_fill_((position_ - positions_).ge(rule.window).to(s.device()), kHidden);
+    model::soft_cap_(s, rule.softcap);
+    const at::Tensor seen = model::allowed_pairs(at::full({1}, position_, at::kLong), positions_, rule).view({-1});
+    s.masked_fill_(seen.logical_not().to(s.device()), kHidden);
     lse = at::logsumexp(s, -1, /*keepdim=*/true);
     const at::Tensor p = s.sub_(lse).exp_().masked_fill_(at::isfinite(lse).logical_not(), 0);
     out = at::matmul(p.to(layer.v.scalar_type()), layer.v.unsqueeze(2)).to(at::kFloat);
@@ -128,9 +148,8 @@ at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt
   const bool was_training = model->is_training();
   model->eval();
   const at::Device device = model->parameters().front().device();
-  auto cache = std::make_shared<ContextParallelCache>(model, cp);
-  model->add_forward_hooks(cache);
-  const Installed installed{model, cache.get()};
+  ContextParallelCache cache(cp);
+  const std::unique_ptr<model::AttentionSwap> attached = cache.attach(*model);
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
   // Prefill: all but the last prompt token, padded at the end to a multiple of 2·cp.
   const int64_t prefix = length - 1, chunk = 2 * cp->size();
@@ -139,29 +158,22 @@ at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt
     at::Tensor tokens = at::zeros({1, padded}, at::kLong);
     tokens.narrow(1, 0, prefix).copy_(sequence.narrow(0, 0, prefix).view({1, -1}));
     const at::Tensor rows = zigzag_positions(padded, cp->size(), cp->rank());
-    cache->prefill(rows, prefix);
-    // The padding's positions may pass the context's tables; no real row sees them.
-    const model::DocumentScope scope(rows.clamp_max(context - 1).unsqueeze(0).to(device));
-    at::Tensor x = model->embed(tokens.index_select(1, rows).to(device));  // no logits: none is sampled from
-    for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x);
+    const model::Batch batch = cache.prefill(tokens.index_select(1, rows), rows, prefix, context).to(device);
+    at::Tensor x = model->embed(batch);  // no logits: none is sampled from
+    for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x, batch);
   }
   std::vector<at::Tensor> out;
   at::Tensor last = sequence.narrow(0, length - 1, 1).view({1, 1});
   for (int64_t i = 0; i < options.tokens; ++i) {
     const int64_t position = length - 1 + i;
-    cache->decode(position);
-    at::Tensor logits;
-    {
-      const model::DocumentScope scope(at::full({1, 1}, position, at::kLong).to(device));
-      logits = model->forward(last.to(device)).select(1, 0);
-    }
+    const at::Tensor logits = model->forward(cache.decode(last, position).to(device)).select(1, 0);
     const at::Tensor next = model::pick_next(logits, options, generator).cpu();
     out.push_back(next.view({1}));
     if (options.on_token && !options.on_token(next.item<int64_t>())) break;
     last = next.view({1, 1});
   }
   model->train(was_training);
-  if (cached) *cached = cache->counts();
+  if (cached) *cached = cache.counts();
   return at::cat(out);
 }
 

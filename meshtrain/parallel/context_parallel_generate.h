@@ -39,30 +39,35 @@ namespace meshtrain::parallel {
 // rank's prefill rows, padding included, so it can drop other assignments
 // than one process; dropless routing gives one process's tokens. The prefill
 // runs the blocks only: no logits for its rows.
-class ContextParallelCache : public model::ForwardHooks {
+// The cache is every block's attention object while generation runs (Note
+// [Attention object]).
+class ContextParallelCache {
  public:
-  // Installed by generate_context_parallel on `model` (it must outlive this object).
-  ContextParallelCache(model::Gpt& model, std::shared_ptr<comm::Communicator> cp);
+  explicit ContextParallelCache(std::shared_ptr<comm::Communicator> cp);
+  // Makes the cache every block's attention on `model` until the returned object goes.
+  std::unique_ptr<model::AttentionSwap> attach(model::GptImpl& model);
 
-  at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override;
-
-  // The next forward is the prefill of `rows` (this rank's global positions,
-  // [t]), keeping those before `length`; or the decode of one token at `position`.
-  void prefill(const at::Tensor& rows, int64_t length);
-  void decode(int64_t position);
+  // The Batch of the next forward: the prefill of `tokens` [1, t] at `rows`
+  // (this rank's global positions, [t]), keeping those before `length` (the
+  // padding's positions held within the model's `context`); or the decode of
+  // `token` [1, 1] at `position`.
+  model::Batch prefill(const at::Tensor& tokens, const at::Tensor& rows, int64_t length, int64_t context);
+  model::Batch decode(const at::Tensor& token, int64_t position);
 
   // Tokens this rank's cache holds (every block holds as many), and every rank's.
   int64_t cached() const { return counts_[cp_->rank()]; }
   const std::vector<int64_t>& counts() const { return counts_; }
 
  private:
+  class LayerAttention;
   struct Layer {
     at::Tensor k, v;            // [B, Hkv, n, head size]: views of the first n rows of the rooms
     at::Tensor k_room, v_room;  // room to append without copying what is cached
   };
-  at::Tensor decode_attention(Layer& layer, const model::QkvHeads& h, const AttentionRule& rule);
+  // Block `block`'s attention on the forward's heads (the spec's scale resolved).
+  at::Tensor attend(int64_t block, const model::QkvHeads& h, const model::AttentionSpec& rule);
+  at::Tensor decode_attention(Layer& layer, const model::QkvHeads& h, const model::AttentionSpec& rule);
 
-  model::GptImpl* model_;
   std::shared_ptr<comm::Communicator> cp_;
   std::map<int64_t, Layer> layers_;  // by block
   std::vector<int64_t> counts_;      // tokens cached on each rank

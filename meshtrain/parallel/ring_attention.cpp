@@ -73,7 +73,7 @@ at::Tensor present(const at::Tensor& documents) { return documents.numel() > 0 ?
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, const at::Tensor& positions, const at::Tensor& documents_in,
-                            const CommPtr& comm, const AttentionRule& rule) {
+                            const CommPtr& comm, const model::AttentionSpec& rule) {
     // float32 under autocast too: backward recomputes the scores in fp32 from this forward's lse.
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor documents = present(documents_in);
@@ -125,8 +125,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const at::Tensor &q_in = saved[0], &k_in = saved[1], &v_in = saved[2], &positions = saved[3];
     const at::Tensor &out = saved[4], &lse = saved[5], documents = present(saved[6]);
     const CommPtr comm = saved_comm(ctx);
-    const AttentionRule rule{ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-                             ctx->saved_data["window"].toInt(), ctx->saved_data["softcap"].toDouble()};
+    const model::AttentionSpec rule{ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+                                    ctx->saved_data["window"].toInt(), ctx->saved_data["softcap"].toDouble()};
     const int64_t kv_heads = k_in.size(1), groups = q_in.size(1) / kv_heads;
     const std::vector<Segment> mine = tiles::segments_of(positions);
     const at::Tensor q = tiles::stack_groups(q_in, kv_heads, mine);
@@ -177,7 +177,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 }  // namespace
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                          const std::shared_ptr<comm::Communicator>& comm, const AttentionRule& rule,
+                          const std::shared_ptr<comm::Communicator>& comm, const model::AttentionSpec& rule,
                           const at::Tensor& documents) {
   if (q.dim() != 4 || k.dim() != 4 || v.sizes() != k.sizes() || q.size(0) != k.size(0) || q.size(2) != k.size(2) ||
       q.size(3) != k.size(3) || k.size(1) == 0 || q.size(1) % k.size(1) != 0) {
@@ -185,8 +185,9 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   }
   if (positions.dim() != 1 || positions.size(0) != q.size(2) || positions.scalar_type() != at::kLong)
     throw std::invalid_argument("ring_attention: positions must be int64 [T], one per local row");
-  if (rule.window < 0 || (rule.window > 0 && !rule.causal) || rule.softcap < 0) {
-    throw std::invalid_argument("ring_attention: a window >= 0 (with causal attention only) and a soft-cap >= 0");
+  if (rule.window < 0 || (rule.window > 0 && !rule.causal) || rule.softcap < 0 || !(rule.scale > 0)) {
+    throw std::invalid_argument(
+        "ring_attention: a window >= 0 (with causal attention only), a soft-cap >= 0 and a resolved scale > 0");
   }
   if (documents.defined() && (documents.dim() != 2 || documents.size(0) != q.size(0) ||
                               documents.size(1) != q.size(2) || documents.scalar_type() != at::kLong)) {
@@ -195,13 +196,6 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // An autograd function's tensor arguments must be defined: no documents travel as an empty tensor.
   const at::Tensor none = at::empty({0}, positions.options());
   return RingAttention::apply(q, k, v, positions, documents.defined() ? documents : none, comm, rule);
-}
-
-at::Tensor allowed_pairs(const at::Tensor& queries, const at::Tensor& keys, const AttentionRule& rule) {
-  if (!rule.causal) return at::ones({queries.size(0), keys.size(0)}, queries.options().dtype(at::kBool));
-  const at::Tensor distance = queries.unsqueeze(1) - keys.unsqueeze(0);  // query position − key position
-  const at::Tensor seen = distance >= 0;
-  return rule.window > 0 ? seen.logical_and(distance < rule.window) : seen;
 }
 
 RingProfileScope::RingProfileScope(RingProfile& profile) : previous_(current_profile) { current_profile = &profile; }

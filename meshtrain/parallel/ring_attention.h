@@ -3,6 +3,7 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/model/attention.h"
 
 #include <ATen/ATen.h>
 
@@ -41,11 +42,11 @@ namespace meshtrain::parallel {
 // Grouped-query attention: the queries of one key/value head's group are
 // stacked as rows, so blocks travel with the key/value heads only, and no
 // tile copies k or v per query head.
-// A sliding window and soft-capped scores (AttentionRule) change which pairs
+// A sliding window and soft-capped scores (model::AttentionSpec) change which pairs
 // are kept and the scores' function, not the ring: the window hides more
 // pairs (whole ones skipped the same way), the cap's derivative 1 − tanh²
 // joins dS in backward.
-// Packed rows (documents side by side, Note [Packed documents]): each row
+// Packed rows (documents side by side, Note [Batch]): each row
 // carries its document's start, the global position where the document
 // begins, and travels with it; a query sees only the keys of its own
 // document (equal starts), and a tile whose rows share no document is
@@ -57,17 +58,9 @@ namespace meshtrain::parallel {
 // documents (optional): [B, T] int64, each row's document start. Differentiable
 // in q, k and v. Every rank of `comm` must call it with the same B, H, Hkv,
 // D, T and rule, and all with documents or none.
-//
-// What attention computes beside softmax over every key: the scores' scale,
-// the causal mask, a sliding window and a soft-cap (model/attention_variants.h).
-struct AttentionRule {
-  double scale = 1.0;
-  bool causal = true;
-  int64_t window = 0;  // with causal: a query sees its own position and the window − 1 before it; 0: all before it
-  double softcap = 0;  // scores c·tanh(s/c) before the mask; 0: none
-};
+// The spec's scale must be resolved (AttentionSpec::scale_for); dropout is not applied.
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                          const std::shared_ptr<comm::Communicator>& comm, const AttentionRule& rule,
+                          const std::shared_ptr<comm::Communicator>& comm, const model::AttentionSpec& rule,
                           const at::Tensor& documents = {});
 
 // The global positions rank `rank` of `cp` holds under the zigzag split of a
@@ -101,8 +94,5 @@ class RingProfileScope {
 // The (query, key) pairs a rank computes for its rows `positions` in a
 // sequence of `length` (causal: key ≤ query): its share of the attention FLOPs.
 int64_t attention_pairs(const at::Tensor& positions, int64_t length, bool causal);
-// Which keys (global positions `keys`) each query (`queries`) may see under
-// `rule`: [queries, keys] bool.
-at::Tensor allowed_pairs(const at::Tensor& queries, const at::Tensor& keys, const AttentionRule& rule);
 
 }  // namespace meshtrain::parallel

@@ -1,7 +1,6 @@
 #include "meshtrain/parallel/step_engine.h"
 
 #include "meshtrain/annotate/dist_tensor.h"
-#include "meshtrain/model/attention_variants.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/util/memory.h"
 
@@ -43,21 +42,18 @@ void StepEngine::set_aux_loss_scale(double scale) {
   for (model::Moe& layer : parts_.model->moe_layers()) layer->set_aux_loss_scale(scale);
 }
 
-double StepEngine::forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                                    std::vector<double> weights, const std::vector<at::Tensor>& documents) {
-  const int64_t count = static_cast<int64_t>(inputs.size());
-  if (weights.empty()) weights.assign(count, 1.0 / static_cast<double>(count));
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == count, "a weight per micro-batch");
-  set_aux_loss_scale(1.0 / static_cast<double>(count));
-  if (!parts_.context) return forward_backward_rows(inputs, targets, weights, documents);
-  const ContextParallel::Rows rows = parts_.context->rows(inputs, targets, weights, documents);
-  return forward_backward_rows(rows.inputs, rows.targets, rows.weights, rows.positions);
+std::vector<model::Batch> StepEngine::local(const std::vector<model::Batch>& batches) const {
+  if (!parts_.context) return batches;
+  std::vector<model::Batch> out;
+  for (const model::Batch& b : batches) out.push_back(parts_.context->shard(b));
+  return out;
 }
 
-double StepEngine::forward_backward_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                                         const std::vector<double>& weights, const std::vector<at::Tensor>& documents) {
-  const int64_t count = static_cast<int64_t>(inputs.size());
-  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), inputs, targets, weights, documents);
+double StepEngine::forward_backward(const std::vector<model::Batch>& all) {
+  const int64_t count = static_cast<int64_t>(all.size());
+  set_aux_loss_scale(1.0 / static_cast<double>(count));
+  const std::vector<model::Batch> batches = local(all);
+  if (parts_.pipeline) return run_pipeline(parts_.pipeline->schedule(), batches);
   const ParallelizeOptions& o = parts_.options;
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
   for (int64_t a = 0; a < count; ++a) {
@@ -66,8 +62,7 @@ double StepEngine::forward_backward_rows(const std::vector<at::Tensor>& inputs, 
     {
       memory::PhaseScope phase(memory::Phase::kForward);
       Autocast autocast(o.bfloat16_autocast, o.device);
-      model::DocumentScope scope(documents.empty() ? at::Tensor() : documents[a]);
-      loss = parts_.model->loss(inputs[a], targets[a]) * weights[a];
+      loss = parts_.model->loss(batches[a]) * batches[a].weight;
     }
     {
       memory::PhaseScope phase(memory::Phase::kBackward);
@@ -80,38 +75,26 @@ double StepEngine::forward_backward_rows(const std::vector<at::Tensor>& inputs, 
   return loss_sum.item<double>();  // once per step: on a GPU each item() waits for the queue
 }
 
-double StepEngine::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                            std::vector<double> weights, const std::vector<at::Tensor>& documents) {
-  if (weights.empty()) weights.assign(inputs.size(), 1.0);
-  if (!parts_.context) return evaluate_rows(inputs, targets, weights, documents);
-  const ContextParallel::Rows rows = parts_.context->rows(inputs, targets, weights, documents);
-  return evaluate_rows(rows.inputs, rows.targets, rows.weights, rows.positions);
-}
-
-double StepEngine::evaluate_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                                 const std::vector<double>& weights, const std::vector<at::Tensor>& documents) {
+double StepEngine::evaluate(const std::vector<model::Batch>& all) {
+  const std::vector<model::Batch> batches = local(all);
   memory::PhaseScope phase(memory::Phase::kEval);
   torch::NoGradGuard no_grad;
   const ParallelizeOptions& o = parts_.options;
   parts_.model->eval();
   at::Tensor total = at::zeros({}, at::TensorOptions(at::kDouble).device(o.device));
   if (parts_.pipeline) {
-    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(inputs.size())), inputs, targets, weights,
-                          documents);
+    total += run_pipeline(parts_.pipeline->forward_schedule(static_cast<int>(batches.size())), batches);
   } else {
-    for (size_t i = 0; i < inputs.size(); ++i) {
+    for (const model::Batch& b : batches) {
       Autocast autocast(o.bfloat16_autocast, o.device);
-      model::DocumentScope scope(documents.empty() ? at::Tensor() : documents[i]);
-      total += plain(parts_.model->loss(inputs[i], targets[i]).detach()) * weights[i];
+      total += plain(parts_.model->loss(b).detach()) * b.weight;
     }
   }
   parts_.model->train();
   return total.item<double>();
 }
 
-double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
-                                const std::vector<at::Tensor>& targets, const std::vector<double>& weights,
-                                const std::vector<at::Tensor>& documents) {
+double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::vector<model::Batch>& batches) {
   const ParallelizeOptions& o = parts_.options;
   model::Gpt& model = parts_.model;
   pipeline::StagedModel& staged = *parts_.pipeline;
@@ -121,9 +104,9 @@ double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::v
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
     Autocast autocast(o.bfloat16_autocast, o.device);
     const pipeline::StageSpec& spec = staged.stages()[stage];
-    model::DocumentScope scope(documents.empty() ? at::Tensor() : documents[mb]);
-    const at::Tensor out = pipeline::run_stage(model, spec, spec.embed ? inputs[mb] : input);
-    return spec.head ? model->cross_entropy(out, targets[mb]) * weights[mb] : out;
+    const model::Batch& batch = batches[mb];
+    const at::Tensor out = pipeline::run_stage(model, spec, input, batch);
+    return spec.head ? model->cross_entropy(out, batch.targets) * batch.weight : out;
   };
   callbacks.before_backward = [&](bool last) {
     backward_phase.emplace(memory::Phase::kBackward);
@@ -137,7 +120,7 @@ double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::v
   const int64_t context = model->config().context;
   const int64_t rows = context / dims.cp / (dims.sequence_parallel ? dims.tp : 1);
   const at::ScalarType dtype = parts_.sharded() ? parts_.spec().param_dtype : at::kFloat;
-  return staged.executor().run(schedule, callbacks, {inputs.front().size(0), rows, model->config().width}, dtype);
+  return staged.executor().run(schedule, callbacks, {batches.front().rows(), rows, model->config().width}, dtype);
 }
 
 double StepEngine::mean_loss(double local) {

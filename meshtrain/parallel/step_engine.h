@@ -4,6 +4,7 @@
 // the collectives a training loop reads its numbers from.
 #pragma once
 
+#include "meshtrain/model/batch.h"
 #include "meshtrain/model/moe.h"
 #include "meshtrain/parallel/parallelize.h"
 
@@ -22,18 +23,15 @@ class StepEngine {
 
   // One step's forward and backward over this rank's micro-batches (tokens
   // and targets [micro_batch, context]), each micro-batch's loss multiplied by
-  // its weight (none given: 1 / their count; with targets that count toward no
-  // loss, the trainer's weights make the step's loss the mean over the global
-  // batch's counted targets). Returns the summed weighted loss where it is
-  // computed (the last pipeline stage; 0 elsewhere). Gradients are then reduced.
-  // `documents`: each micro-batch's packed-document positions (Note [Packed documents]), or none.
-  // Under context parallel each micro-batch is cut to this rank's rows first
-  // (ContextParallel::rows).
-  double forward_backward(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                          std::vector<double> weights = {}, const std::vector<at::Tensor>& documents = {});
-  // The summed loss of evaluation micro-batches (no gradients), each times its weight (none: 1).
-  double evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                  std::vector<double> weights = {}, const std::vector<at::Tensor>& documents = {});
+  // its weight (the trainer's: 1 / their count, or, with targets that count
+  // toward no loss, the share that makes the step's loss the mean over the
+  // global batch's counted targets). Returns the summed weighted loss where
+  // it is computed (the last pipeline stage; 0 elsewhere). Gradients are then
+  // reduced. Under context parallel each micro-batch is cut to this rank's
+  // columns first (ContextParallel::shard).
+  double forward_backward(const std::vector<model::Batch>& batches);
+  // The summed loss of evaluation micro-batches (no gradients), each times its weight.
+  double evaluate(const std::vector<model::Batch>& batches);
   // The mean over data ranks and their context-parallel peers of a per-rank
   // loss sum `local` (taken from the last pipeline stage; tensor-parallel
   // ranks hold the same).
@@ -53,14 +51,9 @@ class StepEngine {
  private:
   // The auxiliary losses' share of the loss gradient (the main loss is divided by the micro-batches).
   void set_aux_loss_scale(double scale);
-  // forward_backward() and evaluate() on the rows this rank computes, with their weights.
-  double forward_backward_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                               const std::vector<double>& weights, const std::vector<at::Tensor>& documents);
-  double evaluate_rows(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
-                       const std::vector<double>& weights, const std::vector<at::Tensor>& documents);
-  double run_pipeline(const pipeline::Schedule& schedule, const std::vector<at::Tensor>& inputs,
-                      const std::vector<at::Tensor>& targets, const std::vector<double>& weights,
-                      const std::vector<at::Tensor>& documents);
+  // The batches this rank computes: cut to its columns under context parallel.
+  std::vector<model::Batch> local(const std::vector<model::Batch>& batches) const;
+  double run_pipeline(const pipeline::Schedule& schedule, const std::vector<model::Batch>& batches);
 
   Parallelized parts_;
 };

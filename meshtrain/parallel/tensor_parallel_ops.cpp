@@ -1,5 +1,6 @@
 #include "meshtrain/parallel/tensor_parallel_ops.h"
 
+#include "meshtrain/model/batch.h"
 #include "meshtrain/parallel/saved_comm.h"
 
 #include <ATen/autocast_mode.h>
@@ -185,8 +186,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     sums[0] = exp.sum(-1);
     sums[1] = (logits.gather(1, index.unsqueeze(1)).squeeze(1) - max) * mine;
     comm->all_reduce(sums).wait();
-    // Targets of -100 count toward no loss (the mean is over those that count; 0 when none does).
-    const at::Tensor counted = targets != -100;
+    // Ignored targets count toward no loss (the mean is over those that count; 0 when none does).
+    const at::Tensor counted = targets != model::kIgnoredTarget;
     const at::Tensor count = counted.sum().clamp_min(1).to(at::kFloat);
     const at::Tensor loss = ((sums[0].log() - sums[1]) * counted).sum() / count;
     exp.div_(sums[0].unsqueeze(1));  // now the softmax

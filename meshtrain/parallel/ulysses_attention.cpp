@@ -1,6 +1,6 @@
 #include "meshtrain/parallel/ulysses_attention.h"
 
-#include "meshtrain/model/attention_variants.h"
+#include "meshtrain/model/attention.h"
 #include "meshtrain/parallel/saved_comm.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -91,17 +91,16 @@ Gathered gather_sequence(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // [B, 1, T, T]: whether two rows share a document (equal starts), or undefined for one document per row.
 at::Tensor same_document(const at::Tensor& starts) {
   if (!starts.defined() || !starts.ne(0).any().item<bool>()) return at::Tensor();
-  return (starts.unsqueeze(2) == starts.unsqueeze(1)).unsqueeze(1);
+  return model::same_document(starts, starts);
 }
 
 // Attention over the gathered rows in rank order, by scores formed explicitly under a
 // mask from their positions (and documents): any positions.
-at::Tensor explicit_attention(const Gathered& g, const AttentionRule& rule, int64_t group) {
+at::Tensor explicit_attention(const Gathered& g, const model::AttentionSpec& rule, int64_t group) {
   const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
-  at::Tensor s = at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale;
-  if (rule.softcap > 0) s = at::tanh(s / rule.softcap) * rule.softcap;
+  at::Tensor s = model::soft_cap(at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale, rule.softcap);
   at::Tensor allowed;
-  if (rule.causal) allowed = allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
+  if (rule.causal) allowed = model::allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
   if (const at::Tensor same = same_document(g.documents); same.defined()) {
     allowed = allowed.defined() ? same.logical_and(allowed) : same;
   }
@@ -114,13 +113,14 @@ at::Tensor explicit_attention(const Gathered& g, const AttentionRule& rule, int6
 // (model::variant_attention: ATen's causal flash kernel, or a mask for a window
 // or documents), which keeps no T x T softmax (a window's or the documents' mask is T x T,
 // kept by the kernel as floats for backward); then back in rank order.
-at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const AttentionRule& rule, int64_t group) {
+at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const model::AttentionSpec& rule,
+                             int64_t group) {
   const at::Tensor back = at::argsort(order);
   const at::Tensor q = g.q.index_select(2, order), k = g.k.index_select(2, order), v = g.v.index_select(2, order);
   const at::Tensor same = same_document(g.documents.defined() ? g.documents.index_select(1, order) : at::Tensor());
   at::Tensor out;
   if (rule.causal) {
-    out = model::variant_attention(q, k, v, {rule.window, rule.scale, rule.softcap}, 0.0, false, same);
+    out = model::variant_attention(q, k, v, rule, /*training=*/false, same);
   } else {
     out = at::scaled_dot_product_attention(q, k, v, same.defined() ? std::optional<at::Tensor>(same) : std::nullopt,
                                            0.0, false, rule.scale, /*enable_gqa=*/group > 1);
@@ -132,7 +132,7 @@ at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const A
 
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
-                                const AttentionRule& rule, const at::Tensor& documents) {
+                                const model::AttentionSpec& rule, const at::Tensor& documents) {
   check_shapes(q, k, v, comm->size());
   const Gathered g = gather_sequence(q, k, v, positions, documents, comm);
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // float32 arithmetic
@@ -146,7 +146,7 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
 
 at::Tensor hybrid_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                             const std::shared_ptr<comm::Communicator>& a2a,
-                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule,
+                            const std::shared_ptr<comm::Communicator>& ring, const model::AttentionSpec& rule,
                             const at::Tensor& documents) {
   check_shapes(q, k, v, a2a->size());
   const Gathered g = gather_sequence(q, k, v, positions, documents, a2a);

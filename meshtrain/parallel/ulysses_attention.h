@@ -33,7 +33,7 @@ namespace meshtrain::parallel {
 // of cp.
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions, const std::shared_ptr<comm::Communicator>& comm,
-                                const AttentionRule& rule, const at::Tensor& documents = {});
+                                const model::AttentionSpec& rule, const at::Tensor& documents = {});
 
 // Hybrid context parallel: the all-to-all over `a2a` (a group of cp_a2a
 // ranks) gathers that group's rows for heads / cp_a2a heads, then ring
@@ -44,7 +44,7 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
 // same bytes per hop and makes cp_a2a times fewer hops.
 at::Tensor hybrid_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                             const std::shared_ptr<comm::Communicator>& a2a,
-                            const std::shared_ptr<comm::Communicator>& ring, const AttentionRule& rule,
+                            const std::shared_ptr<comm::Communicator>& ring, const model::AttentionSpec& rule,
                             const at::Tensor& documents = {});
 
 }  // namespace meshtrain::parallel

@@ -23,10 +23,10 @@ BatchEngine::BatchEngine(InferenceModel& model, int64_t max_batch)
     : model_(model), max_batch_(max_batch), cache_(std::make_shared<model::KvCache>(model.gpt())) {
   if (max_batch < 1) throw std::invalid_argument("the batch must hold at least one sequence");
   cache_->set_storage(model_.kv_storage());
-  model_.gpt()->add_forward_hooks(cache_);
+  attached_ = cache_->attach(*model_.gpt());
 }
 
-BatchEngine::~BatchEngine() { model_.gpt()->remove_forward_hooks(cache_.get()); }
+BatchEngine::~BatchEngine() = default;
 
 void BatchEngine::check(const GenerationRequest& request) const {
   model::SampleOptions options = request.options;
@@ -120,19 +120,12 @@ std::vector<TokenEvent> BatchEngine::prefill(const std::vector<GenerationRequest
   }
   auto fresh = std::make_shared<model::KvCache>(model_.gpt());
   fresh->set_storage(model_.kv_storage());
-  model_.gpt()->remove_forward_hooks(cache_.get());
-  model_.gpt()->add_forward_hooks(fresh);
   at::Tensor all_logits;
-  try {
+  {
+    const std::unique_ptr<model::AttentionSwap> attached = fresh->attach(*model_.gpt());  // over the running cache
     if (b > 1) fresh->set_padding(pads);
-    all_logits = model_.gpt()->forward(tokens);
-  } catch (...) {
-    model_.gpt()->remove_forward_hooks(fresh.get());
-    model_.gpt()->add_forward_hooks(cache_);
-    throw;
+    all_logits = model_.gpt()->forward(fresh->next(tokens));
   }
-  model_.gpt()->remove_forward_hooks(fresh.get());
-  model_.gpt()->add_forward_hooks(cache_);
   // Joining changes the running batch's cache layer by layer: what it held
   // (tensor handles: joining builds new tensors) comes back if anything
   // after this point throws (Note [Forward failures]).
@@ -209,7 +202,7 @@ std::vector<TokenEvent> BatchEngine::step() {
   std::vector<int64_t> last;
   std::vector<size_t> all;
   for (size_t i = 0; i < rows_.size(); ++i) last.push_back(rows_[i].last_token), all.push_back(i);
-  const at::Tensor logits = model_.gpt()->forward(at::tensor(last, at::kLong).view({-1, 1})).select(1, 0);
+  const at::Tensor logits = model_.gpt()->forward(cache_->next(at::tensor(last, at::kLong).view({-1, 1}))).select(1, 0);
   std::vector<TokenEvent> events = sample(logits, all);
   drop_finished();
   return events;
@@ -282,10 +275,10 @@ std::vector<uint64_t> BatchEngine::reset() {
   std::vector<uint64_t> ids;
   for (const Row& row : rows_) ids.push_back(row.id);
   rows_.clear();
-  model_.gpt()->remove_forward_hooks(cache_.get());
+  attached_.reset();
   cache_ = std::make_shared<model::KvCache>(model_.gpt());
   cache_->set_storage(model_.kv_storage());
-  model_.gpt()->add_forward_hooks(cache_);
+  attached_ = cache_->attach(*model_.gpt());
   return ids;
 }
 

@@ -82,7 +82,8 @@ class BatchEngine {
 
   InferenceModel& model_;
   int64_t max_batch_;
-  std::shared_ptr<model::KvCache> cache_;  // the running batch's, installed on the model
+  std::shared_ptr<model::KvCache> cache_;  // the running batch's, attached to the model
+  std::unique_ptr<model::AttentionSwap> attached_;  // cache_ as the model's attention
   std::vector<Row> rows_;                   // in cache row order
 };
 

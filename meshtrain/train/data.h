@@ -4,6 +4,7 @@
 // batch. `prepare` (sources -> token files) is prepare.h.
 #pragma once
 
+#include "meshtrain/model/batch.h"
 #include "meshtrain/train/data_error.h"
 #include "meshtrain/train/data_options.h"
 
@@ -113,8 +114,7 @@ struct SamplerSource {
   double weight = 1;
 };
 
-// The target that counts toward no loss (cross-entropy's ignore index).
-constexpr int64_t kIgnoredTarget = -100;
+using model::kIgnoredTarget;  // a target that counts toward no loss (model/batch.h)
 
 // Note [Sampler]
 // A token file of N tokens holds W = (N - 1) / T windows of T + 1 tokens at
@@ -144,7 +144,7 @@ class Sampler {
   // The targets of those rows that count toward the loss.
   int64_t counted_targets(int64_t cursor, int64_t rows);
   // Packing::kPacked: each input token's position inside its document
-  // [rows, context] (Note [Packed documents]); undefined otherwise.
+  // [rows, context] (Note [Batch]); undefined otherwise.
   at::Tensor positions(int64_t cursor, int64_t rows);
   // The source of each of the stream positions [cursor, cursor + rows).
   std::vector<int> sources_of(int64_t cursor, int64_t rows);

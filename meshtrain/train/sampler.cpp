@@ -14,7 +14,7 @@ namespace meshtrain::train {
 // one document from its start, cut at context + 1 tokens; a shorter one is
 // padded, and the padding's targets count toward no loss. packing = "packed":
 // windows as concat, with each token's position inside its document (Note
-// [Packed documents]) and no target across a document end. Always a target
+// [Batch]) and no target across a document end. Always a target
 // whose token's mask flag is 0 counts toward no loss, and the loss of a step
 // is the mean over the targets that count in the whole global batch
 // (Trainer::micro_batches weights each micro-batch by its share).

@@ -153,10 +153,10 @@ StepResult Trainer::step() {
   result.lr = learning_rate(config_, step_);
 
   engine_->zero_grad();
-  const MicroBatches batches = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
+  const std::vector<model::Batch> batches = micro_batches(*train_sampler_, cursor_, config_.grad_accum);
   std::optional<annotate::ReportScope> report;
   if (!config_.sharding_report.empty() && !reported_) report.emplace();
-  const double loss_sum = engine_->forward_backward(batches.inputs, batches.targets, batches.weights, batches.documents);
+  const double loss_sum = engine_->forward_backward(batches);
   if (parts().pipeline && config_.trace_step == step_ + 1) write_trace();
   cursor_ += config_.batch;
   result.loss = engine_->mean_loss(loss_sum);
@@ -213,11 +213,7 @@ void Trainer::stop_or_skip_nonfinite(const StepResult& result) {
 }
 
 double Trainer::evaluate() {
-  const MicroBatches batches = micro_batches(*val_sampler_, 0, config_.eval_batches);
-  if (batches.weights.empty()) {
-    return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets) / config_.eval_batches);
-  }
-  return engine_->mean_loss(engine_->evaluate(batches.inputs, batches.targets, batches.weights, batches.documents));
+  return engine_->mean_loss(engine_->evaluate(micro_batches(*val_sampler_, 0, config_.eval_batches)));
 }
 
 void Trainer::write_sharding_report(const annotate::ShardingReport& report) {

@@ -102,14 +102,10 @@ class Trainer {
  private:
   void open_data();
   // This data rank's `count` micro-batches of `sampler`'s stream from
-  // `start`, and each one's loss weight (none when every target counts;
-  // else its counted targets' share of the global batch's, Note [Packing]).
-  struct MicroBatches {
-    std::vector<at::Tensor> inputs, targets;
-    std::vector<double> weights;
-    std::vector<at::Tensor> documents;  // packed rows: positions inside documents (Note [Packed documents])
-  };
-  MicroBatches micro_batches(Sampler& sampler, int64_t start, int64_t count) const;
+  // `start`, on this rank's device, each with its loss weight: 1 / count
+  // when every target counts, else its counted targets' share of the global
+  // batch's (Note [Packing]).
+  std::vector<model::Batch> micro_batches(Sampler& sampler, int64_t start, int64_t count) const;
   // The prepared data of [data] (text or sources): the token files of each source.
   std::vector<std::string> prepare_sources();
   void resume();

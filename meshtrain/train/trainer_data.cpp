@@ -85,26 +85,27 @@ void Trainer::open_data() {
   });
 }
 
-Trainer::MicroBatches Trainer::micro_batches(Sampler& sampler, int64_t start, int64_t count) const {
+std::vector<model::Batch> Trainer::micro_batches(Sampler& sampler, int64_t start, int64_t count) const {
   // Data rank r reads micro-batches r, r + ranks, ... of the stream from `start`.
   const auto& data = parts().data;
   const int64_t micro = config_.micro_batch, ranks = data->size();
-  MicroBatches out;
+  std::vector<model::Batch> out;
   const bool weighted = sampler.ignores_targets();
   // The counted targets of the whole global batch: every rank reads them alike, no collective needed.
   const int64_t global = weighted ? sampler.counted_targets(start, count * ranks * micro) : 0;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t cursor = start + (i * ranks + data->rank()) * micro;
     auto [x, y] = sampler.rows(cursor, micro);
+    double weight = 1.0 / static_cast<double>(count);
     if (weighted) {
       // Gradients are averaged over the data ranks: a share of `global`, times the ranks.
       const double counted = static_cast<double>((y != kIgnoredTarget).sum().item<int64_t>());
-      out.weights.push_back(global > 0 ? counted * static_cast<double>(ranks) / static_cast<double>(global) : 0.0);
+      weight = global > 0 ? counted * static_cast<double>(ranks) / static_cast<double>(global) : 0.0;
     }
-    out.inputs.push_back(x.to(device_));
-    out.targets.push_back(y.to(device_));
     const at::Tensor positions = sampler.positions(cursor, micro);
-    if (positions.defined()) out.documents.push_back(positions.to(device_));
+    const model::Batch batch =
+        positions.defined() ? model::Batch::packed(x, y, positions, weight) : model::Batch(x, y, weight);
+    out.push_back(batch.to(device_));
   }
   return out;
 }

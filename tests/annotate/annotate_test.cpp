@@ -289,15 +289,15 @@ TEST(Annotations, TheTrainersAnnotatedTensorParallelEqualsThePlan) {
         const auto& tp_comm = model->parts().tensor->comm();
         at::Generator g = at::make_generator<at::CPUGeneratorImpl>(31 + model->parts().data->rank());
         for (int step = 0; step < 3; ++step) {
-          std::vector<at::Tensor> inputs, targets;
+          std::vector<model::Batch> batches;
           for (int m = 0; m < 2; ++m) {
             const at::Tensor tokens = at::randint(0, config.vocab_size, {2, config.context + 1}, g, at::kLong);
-            inputs.push_back(tokens.narrow(1, 0, config.context).contiguous());
-            targets.push_back(tokens.narrow(1, 1, config.context).contiguous());
+            batches.emplace_back(tokens.narrow(1, 0, config.context).contiguous(),
+                                 tokens.narrow(1, 1, config.context).contiguous(), 0.5);
           }
           const int64_t before = wire_bytes(*tp_comm);
           model->zero_grad();
-          const double loss = model->forward_backward(inputs, targets);
+          const double loss = model->forward_backward(batches);
           model->clip_grad_norm(1.0);
           model->step(1e-3);
           if (step == 0) bytes[impl] = wire_bytes(*tp_comm) - before;

@@ -64,14 +64,16 @@ TEST(Families, KvCacheGivesTheFullForwardsLogits) {
     const at::Tensor tokens = at::randint(0, config.vocab_size, {2, 20}, g, at::kLong);
     const at::Tensor want = gpt->forward(tokens);
     for (bool rolling : {false, true}) {
-      auto cache = std::make_shared<KvCache>(gpt);
-      cache->set_rolling(rolling);
-      gpt->add_forward_hooks(cache);
-      std::vector<at::Tensor> got = {gpt->forward(tokens.narrow(1, 0, 7))};  // prefill 7
-      got.push_back(gpt->forward(tokens.narrow(1, 7, 3)));                    // 3 at once
-      for (int64_t t = 10; t < 20; ++t) got.push_back(gpt->forward(tokens.narrow(1, t, 1)));
-      gpt->remove_forward_hooks(cache.get());
-      EXPECT_EQ(cache->length(), 20) << name;
+      KvCache cache(gpt);
+      cache.set_rolling(rolling);
+      std::vector<at::Tensor> got;
+      {
+        const std::unique_ptr<AttentionSwap> attached = cache.attach(*gpt);
+        got.push_back(gpt->forward(cache.next(tokens.narrow(1, 0, 7))));  // prefill 7
+        got.push_back(gpt->forward(cache.next(tokens.narrow(1, 7, 3))));  // 3 at once
+        for (int64_t t = 10; t < 20; ++t) got.push_back(gpt->forward(cache.next(tokens.narrow(1, t, 1))));
+      }
+      EXPECT_EQ(cache.length(), 20) << name;
       const double diff = (at::cat(got, 1) - want).abs().max().item<double>();
       EXPECT_LE(diff, 1e-5) << name << (rolling ? ", rolling window" : "");
     }

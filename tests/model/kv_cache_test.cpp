@@ -26,18 +26,17 @@ TEST(KvCache, PrefillThenOneTokenAtATimeGivesTheFullForwardsLogits) {
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);
     const at::Tensor tokens = at::randint(0, gpt->config().vocab_size, {2, 16}, g, at::kLong);
     const at::Tensor want = gpt->forward(tokens);
-    auto cache = std::make_shared<KvCache>(gpt);
-    gpt->add_forward_hooks(cache);
-    std::vector<at::Tensor> got = {gpt->forward(tokens.narrow(1, 0, 5))};  // prefill 5
-    got.push_back(gpt->forward(tokens.narrow(1, 5, 3)));                    // 3 at once
-    for (int64_t t = 8; t < 16; ++t) got.push_back(gpt->forward(tokens.narrow(1, t, 1)));
-    EXPECT_EQ(cache->length(), 16);
+    KvCache cache(gpt);
+    const std::unique_ptr<AttentionSwap> attached = cache.attach(*gpt);
+    std::vector<at::Tensor> got = {gpt->forward(cache.next(tokens.narrow(1, 0, 5)))};  // prefill 5
+    got.push_back(gpt->forward(cache.next(tokens.narrow(1, 5, 3))));                    // 3 at once
+    for (int64_t t = 8; t < 16; ++t) got.push_back(gpt->forward(cache.next(tokens.narrow(1, t, 1))));
+    EXPECT_EQ(cache.length(), 16);
     EXPECT_TRUE(at::allclose(at::cat(got, 1), want, 1e-5, 1e-5)) << (llama ? "llama" : "gpt2") << ": differs by "
         << (at::cat(got, 1) - want).abs().max().item<double>();
-    EXPECT_THROW(gpt->forward(tokens.narrow(1, 0, 1)), std::invalid_argument);  // beyond the context
-    cache->clear();
-    EXPECT_TRUE(at::allclose(gpt->forward(tokens), want, 1e-5, 1e-5));  // cleared: a fresh sequence
-    gpt->remove_forward_hooks(cache.get());
+    EXPECT_THROW(cache.next(tokens.narrow(1, 0, 1)), std::invalid_argument);  // beyond the context
+    cache.clear();
+    EXPECT_TRUE(at::allclose(gpt->forward(cache.next(tokens)), want, 1e-5, 1e-5));  // cleared: a fresh sequence
   }
 }
 

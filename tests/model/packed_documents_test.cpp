@@ -1,9 +1,9 @@
-// Packed rows (Note [Packed documents]): several documents side by side in one
+// Packed rows (Note [Batch]): several documents side by side in one
 // row, each with positions from 0 and attention kept inside it, give every
 // document the logits and the parameter gradients it has alone in a row —
 // with RoPE (and GQA, a sliding window, partial rotary) and with learned
 // positions, through the fused and the reference operators.
-#include "meshtrain/model/attention_variants.h"
+#include "meshtrain/model/attention.h"
 #include "meshtrain/model/gpt.h"
 
 #include <gtest/gtest.h>
@@ -43,11 +43,7 @@ TEST(PackedDocuments, EachDocumentComputesAsIfAlone) {
     }
     // Packed: one forward, a loss per document summed.
     model->zero_grad();
-    at::Tensor packed_logits;
-    {
-      DocumentScope scope(positions);
-      packed_logits = model->forward(tokens);
-    }
+    const at::Tensor packed_logits = model->forward(Batch::packed(tokens, {}, positions));
     at::Tensor packed_loss = at::zeros({});
     for (int64_t begin = 0, d = 0; d < static_cast<int64_t>(lengths.size()); begin += lengths[d++]) {
       packed_loss = packed_loss + packed_logits.narrow(1, begin, lengths[d]).logsumexp(-1).sum();
@@ -70,7 +66,7 @@ TEST(PackedDocuments, EachDocumentComputesAsIfAlone) {
       EXPECT_TRUE(at::allclose(p.value().grad(), packed_grads.at(p.key()), 1e-4, 1e-5))
           << style.name << ": gradient of " << p.key();
     }
-    // Without the scope the documents see each other: the test can tell.
+    // Without the documents they see each other: the test can tell.
     EXPECT_FALSE(at::allclose(model->forward(tokens), packed_logits, 1e-3, 1e-3)) << style.name;
   }
 }

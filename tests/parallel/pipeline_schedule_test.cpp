@@ -109,9 +109,10 @@ TEST(PipelineStages, BalanceAndUserSplits) {
     EXPECT_TRUE(name.rfind("blocks.3.", 0) == 0 || name.rfind("norm_f.", 0) == 0 || name == "wte.weight") << name;
   }
   const at::Tensor tokens = at::randint(0, config.vocab_size, {2, 8}, at::kLong);
-  at::Tensor x = whole->embed(tokens);
-  for (int i = 0; i < 3; ++i) x = whole->block(i, x);
-  EXPECT_TRUE(at::allclose(run_stage(last, specs[2], x), whole->forward(tokens), 1e-6, 1e-6));
+  const model::Batch batch(tokens);
+  at::Tensor x = whole->embed(batch);
+  for (int i = 0; i < 3; ++i) x = whole->block(i, x, batch);
+  EXPECT_TRUE(at::allclose(run_stage(last, specs[2], x, batch), whole->forward(tokens), 1e-6, 1e-6));
 }
 
 TEST(PipelineTrace, ChromeTraceRoundTripsAndDraws) {

@@ -34,7 +34,7 @@ using testing::same;
 
 // softmax(QKᵀ·scale, causal, window, soft-cap)·V over the whole sequence, k and v repeated per query group;
 // `starts` (if defined, [B, T]): each row's document start, a query sees its own document only.
-at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionRule& rule,
+at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const model::AttentionSpec& rule,
                      const at::Tensor& starts = {}) {
   const int64_t group = q.size(1) / k.size(1), t = q.size(2);
   const at::Tensor kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
@@ -82,14 +82,14 @@ struct Case {
 };
 
 using Attention = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const CommPtr&, const AttentionRule&, const at::Tensor&)>;
+                                           const CommPtr&, const model::AttentionSpec&, const at::Tensor&)>;
 
 // `rows`: per rank (beyond 1024 the ring's products run in tiles of 512).
 void check(const CommPtr& comm, const Case& c, const std::string& what, Attention attention = ring_attention,
            int64_t rows = 8) {
   const int cp = comm->size(), r = comm->rank();
   const int64_t b = rows > 8 ? 1 : 2, t = rows * cp, d = 8;
-  const AttentionRule rule{1.0 / std::sqrt(static_cast<double>(d)), c.causal, c.window, c.softcap};
+  const model::AttentionSpec rule{1.0 / std::sqrt(static_cast<double>(d)), c.causal, c.window, c.softcap};
   const at::Tensor q = same({b, c.heads, t, d}, 1).to(c.dtype), k = same({b, c.kv_heads, t, d}, 2).to(c.dtype),
                    v = same({b, c.kv_heads, t, d}, 3).to(c.dtype), w = same({b, c.heads, t, d}, 4);
   // The oracle: the whole sequence, in fp32.
@@ -175,7 +175,7 @@ TEST(HybridAttention, EqualsWholeSequenceAttention) {
       const int r = comm->rank();
       const CommPtr group = comm->split(r / a2a, r, "test:a2a"), ring = comm->split(r % a2a, r, "test:ring");
       auto hybrid = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
-                        const CommPtr&, const AttentionRule& rule, const at::Tensor& documents) {
+                        const CommPtr&, const model::AttentionSpec& rule, const at::Tensor& documents) {
         return hybrid_attention(q, k, v, pos, group, ring, rule, documents);
       };
       for (const Case& c : {Case{8, 8, true, true, at::kFloat}, Case{8, 4, true, true, at::kFloat, 7, 2.0},

@@ -1,4 +1,5 @@
 // Causal or full scaled-dot-product attention on the CPU (Note [CPU attention]).
+#include "meshtrain/model/attention.h"
 #include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/fused/tensor_args.h"
@@ -153,14 +154,6 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
 
 }  // namespace
 
-at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device) {
-  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  const at::Tensor query = at::arange(keys - t, keys, options).view({t, 1}), key = at::arange(keys, options).view({1, keys});
-  at::Tensor allowed = key <= query;
-  if (window > 0) allowed = allowed.logical_and(query - key < window);
-  return allowed;
-}
-
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout) {
   return cpu && dropout == 0.0 && keys <= 4 * head_dim && !(bf16 && util::cpu_has_amx());
 }
@@ -178,7 +171,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale);
   }
   // ATen's: a sliding window as a boolean mask.
-  const at::Tensor mask = causal && window > 0 ? causal_window_mask(q.size(2), k.size(2), window, q.device()) : at::Tensor();
+  at::Tensor mask;
+  if (causal && window > 0) {  // queries at the last of the keys' columns
+    const at::TensorOptions columns = at::TensorOptions(at::kLong).device(q.device());
+    const int64_t t = q.size(2), keys = k.size(2);
+    AttentionSpec spec;
+    spec.window = window;
+    mask = allowed_pairs(at::arange(keys - t, keys, columns), at::arange(keys, columns), spec);
+  }
   const bool is_causal = causal && !mask.defined();
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;

@@ -4,6 +4,8 @@
 // tensors of fp32 or bf16; otherwise it composes the reference ATen operators.
 #pragma once
 
+#include "meshtrain/model/batch.h"
+
 #include <ATen/ATen.h>
 
 #include <utility>
@@ -46,7 +48,7 @@ at::Tensor bias_gelu(const at::Tensor& a, const at::Tensor& bias);
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
 // Mean cross-entropy of logits [N, V] (fp32 or bf16) against targets [N]
 // (entries equal to ignore_index are left out), in fp32.
-at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = -100);
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = kIgnoredTarget);
 // Rotary embedding of x [B, H, T, d] with tables cos / sin [context, d/2] (fp32)
 // at positions offset..offset+T-1; the result is contiguous.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
@@ -55,10 +57,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // before it; scale > 0 replaces 1/sqrt(d).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
                      int64_t window = 0, double scale = 0);
-// The causal mask of t queries at positions S - t .. S - 1 over S keys
-// [t, S] bool (true: attended), each query seeing the window - 1 keys
-// before it and itself with window > 0.
-at::Tensor causal_window_mask(int64_t t, int64_t keys, int64_t window, const at::Device& device);
 // Whether attention() takes its batched path (Note [CPU attention]), which
 // keeps the softmax for backward: on the CPU (bf16 only without AMX), without
 // dropout, keys <= 4 * head_dim.

@@ -45,8 +45,9 @@ std::vector<StageSpec> stage_specs(const std::vector<int64_t>& blocks_per_stage)
 // under their names in the whole model. A tied embedding stays with the head.
 void keep_stages(model::Gpt& model, const std::vector<StageSpec>& kept);
 
-// Runs `stage` of the model: tokens -> hidden on the first, hidden -> hidden,
-// hidden -> logits on the last (through the model's hooks).
-at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor& input);
+// Runs `stage` of the model on micro-batch `batch`: its tokens -> hidden on
+// the first (`hidden` unused), hidden -> hidden, hidden -> logits on the
+// last (through the model's hooks).
+at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor& hidden, const model::Batch& batch);
 
 }  // namespace meshtrain::parallel::pipeline

@@ -1,0 +1,97 @@
+#include "meshtrain/model/attention.h"
+
+#include "meshtrain/model/fused/ops.h"
+
+#include <cmath>
+#include <limits>
+
+namespace meshtrain::model {
+
+double AttentionSpec::scale_for(int64_t head_dim) const {
+  return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
+AttentionSpec attention_spec(const GptConfig& c, int64_t block) {
+  AttentionSpec s;
+  s.window = c.window_of(block);
+  s.scale = c.query_scale > 0 ? 1.0 / std::sqrt(c.query_scale) : 0.0;
+  s.softcap = c.attn_softcap;
+  s.dropout = c.dropout;
+  return s;
+}
+
+at::Tensor allowed_pairs(const at::Tensor& queries, const at::Tensor& keys, const AttentionSpec& spec) {
+  if (!spec.causal) return at::ones({queries.size(0), keys.size(0)}, queries.options().dtype(at::kBool));
+  const at::Tensor distance = queries.unsqueeze(1) - keys.unsqueeze(0);  // query column − key column
+  const at::Tensor seen = distance >= 0;
+  return spec.window > 0 ? seen.logical_and(distance < spec.window) : seen;
+}
+
+at::Tensor same_document(const at::Tensor& query_starts, const at::Tensor& key_starts) {
+  return (query_starts.unsqueeze(2) == key_starts.unsqueeze(1)).unsqueeze(1);
+}
+
+at::Tensor soft_cap(const at::Tensor& scores, double cap) { return cap > 0 ? at::tanh(scores / cap) * cap : scores; }
+
+void soft_cap_(at::Tensor& scores, double cap) {
+  if (cap > 0) scores.div_(cap).tanh_().mul_(cap);
+}
+
+// Note [Attention variants]
+// Sliding windows (Mistral, Gemma 2's local blocks): query i sees keys
+// i − W + 1 .. i. Gemma 2 scales the scores by 1/sqrt(query_pre_attn_scalar)
+// instead of 1/sqrt(head size) and soft-caps them, c·tanh(s/c), before the
+// mask and the softmax (in fp32). In training, windows and scales go
+// through the fused CPU attention (its softmax skips the keys before the
+// window) or ATen's with a mask; the KV cache, packed documents and a
+// soft-cap come here: without a soft-cap ATen's scaled-dot-product attention
+// with a boolean mask, with one, scores formed explicitly (the cap sits
+// between the product and the softmax). Either way the softmax sees -inf
+// where a key is hidden, so these paths equal the plain causal one where the
+// window covers the sequence. Memory: the explicit path keeps the
+// [B, H, t, S] scores for backward, as ATen's math attention does.
+at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSpec& spec,
+                             bool training, const at::Tensor& allowed) {
+  const int64_t t = q.size(2), keys = k.size(2);
+  const int64_t times = q.size(1) / k.size(1);
+  const double p = training ? spec.dropout : 0.0;
+  const double scale = spec.scale_for(q.size(-1));
+  if (spec.causal && spec.softcap == 0 && spec.window == 0 && !allowed.defined() && t == keys) {
+    // Only the scale differs: the causal kernel, with its flash path (and no [t, S] mask).
+    return at::scaled_dot_product_attention(q, k, v, {}, p, /*is_causal=*/true, scale, /*enable_gqa=*/times > 1);
+  }
+  const at::TensorOptions columns = at::TensorOptions(at::kLong).device(q.device());
+  at::Tensor mask = allowed_pairs(at::arange(keys - t, keys, columns), at::arange(keys, columns), spec);
+  if (allowed.defined()) mask = mask.logical_and(allowed);
+  if (spec.softcap == 0) {
+    return at::scaled_dot_product_attention(q, k, v, mask, p, /*is_causal=*/false, scale, /*enable_gqa=*/times > 1);
+  }
+  const at::Tensor keys_all = times > 1 ? k.repeat_interleave(times, 1) : k;
+  const at::Tensor values_all = times > 1 ? v.repeat_interleave(times, 1) : v;
+  at::Tensor scores = soft_cap(at::matmul(q, keys_all.transpose(-2, -1)).to(at::kFloat) * scale, spec.softcap);
+  scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  at::Tensor weights = at::softmax(scores, -1).to(q.scalar_type());
+  if (p > 0) weights = at::dropout(weights, p, true);
+  return at::matmul(weights, values_all);
+}
+
+at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& spec, const Batch& batch,
+                                   bool training) {
+  const at::Tensor& q = heads.q;
+  const bool fused = fused_ && fused::eligible(q);
+  if (batch.documents.defined()) {  // documents side by side: a block-diagonal mask, ATen's kernels
+    const at::Tensor starts = batch.documents.to(q.device());
+    return variant_attention(q, heads.k, heads.v, spec, training, same_document(starts, starts));
+  }
+  if (spec.softcap > 0 || (!fused && !spec.plain())) {  // a soft-cap sits inside the softmax: ATen's ops
+    return variant_attention(q, heads.k, heads.v, spec, training);
+  }
+  const int64_t times = q.size(1) / heads.k.size(1);
+  const at::Tensor k = times > 1 ? heads.k.repeat_interleave(times, 1) : heads.k;
+  const at::Tensor v = times > 1 ? heads.v.repeat_interleave(times, 1) : heads.v;
+  const double p = training ? spec.dropout : 0.0;
+  return fused ? fused::attention(q, k, v, p, /*causal=*/true, spec.window, spec.scale)
+               : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+}
+
+}  // namespace meshtrain::model
