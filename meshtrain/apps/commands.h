@@ -6,6 +6,7 @@
 
 #include "meshtrain/apps/command.h"
 #include "meshtrain/comm/runtime.h"
+#include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/train/progress.h"
 
 #include <cstdint>
@@ -100,15 +101,15 @@ struct GenerateOptions {
   double top_p = 1.0;
   uint64_t seed = 1;
   std::vector<std::string> stop;  // the text ends before the first of these
-  int tp = 1;                     // ranks splitting the model (all ranks of the job)
-  int cp = 1;                     // ranks splitting the KV cache (all ranks of the job)
+  // parallel.tp: ranks splitting the model; parallel.cp: the KV cache (Note [Inference layout]).
+  parallel::ParallelSpec parallel;
   bool no_kv_cache = false;
   bool timing = false;
   std::string prompt_ids;  // token ids "1,2,3" in place of the prompt's text; the output is ids too
   InferenceOffloadFlags offload;
 };
 // meshtrain generate: prints the prompt and the text sampled after it, as it comes.
-int run_generate(comm::Runtime& runtime, const GenerateOptions& options);
+int run_generate(comm::Runtime& runtime, GenerateOptions options);
 
 struct ServeOptions {
   std::string checkpoint;
@@ -117,7 +118,7 @@ struct ServeOptions {
   int port = 8000;                     // 0: any free port (printed)
   int64_t max_batch = 16;
   int64_t queue = 64;
-  int tp = 1;
+  parallel::ParallelSpec parallel;  // parallel.tp: ranks splitting the model (Note [Inference layout])
   int threads = 0;                     // HTTP handler threads; 0: max_batch + queue + 4
   std::string model_name = "meshtrain";
   bool log = false;
@@ -127,7 +128,7 @@ struct ServeOptions {
 };
 // meshtrain serve: the OpenAI completions API until SIGTERM/SIGINT, which
 // drains the requests in flight and returns 0.
-int run_serve(comm::Runtime& runtime, const ServeOptions& options);
+int run_serve(comm::Runtime& runtime, ServeOptions options);
 // Blocks SIGTERM and SIGINT in this thread and those it starts (call before
 // MPI starts its threads): serve waits for them with sigwait.
 void block_stop_signals();

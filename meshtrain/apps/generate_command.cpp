@@ -49,7 +49,7 @@ std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
 // job's ranks with --parallel.cp (Note [Context-parallel generation]).
 void sample_after(serve::InferenceModel& inference, const std::vector<int64_t>& prompt,
                   const model::SampleOptions& sample, const GenerateOptions& options, comm::Runtime& runtime) {
-  if (options.cp > 1) {
+  if (options.parallel.dims.cp > 1) {
     parallel::generate_context_parallel(inference.gpt(), at::tensor(prompt, at::kLong), inference.with_split(sample),
                                         runtime.world());
   } else {
@@ -57,24 +57,16 @@ void sample_after(serve::InferenceModel& inference, const std::vector<int64_t>& 
   }
 }
 
-// What --parallel.tp and --parallel.cp ask of the job, refused with the flag to change (a usage
-// error: every rank parses the same line, rank 0 says it once).
-void check_layout(const comm::Runtime& runtime, const GenerateOptions& options) {
-  const int ranks = runtime.size();
-  if (options.tp > 1 && options.cp > 1) {
-    throw UsageError("generate: --parallel.tp and --parallel.cp split the model and the KV cache over "
-                     "all ranks of the job; use one of them");
-  }
-  const int asked = std::max(options.tp, options.cp);
-  const std::string flag = options.cp > 1 ? "cp" : "tp";
-  if (asked != ranks) {
-    throw UsageError("generate: --parallel." + flag + "=" + std::to_string(asked) + " but " +
-                     std::to_string(ranks) + " rank(s) run; launch " + flag + " ranks (meshtrain run -n " +
-                     std::to_string(asked) + " generate --parallel." + flag + "=" + std::to_string(asked) +
-                     " ...)");
+// What --parallel.tp and --parallel.cp ask of the job (Note [Inference layout]), refused with
+// the flag to change (a usage error: every rank parses the same line, rank 0 says it once).
+void check_layout(const comm::Runtime& runtime, GenerateOptions& options) {
+  try {
+    options.parallel.check_inference(runtime.size(), "generate");
+  } catch (const config::ConfigError& e) {
+    throw UsageError(std::string("generate: ") + e.what());
   }
   const serve::InferenceOffload offload = inference_offload(options.offload);
-  if (options.cp > 1 &&
+  if (options.parallel.dims.cp > 1 &&
       (options.no_kv_cache || offload.weights != offload::Tier::kDevice || offload.kv != offload::Tier::kDevice)) {
     throw UsageError("generate: --parallel.cp splits the KV cache on the device; it does not combine with "
                      "--no-kv-cache, --offload.weights or --offload.kv");
@@ -99,11 +91,12 @@ int generate_ids(serve::InferenceModel& inference, const GenerateOptions& option
 
 }  // namespace
 
-int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
+int run_generate(comm::Runtime& runtime, GenerateOptions options) {
   check_layout(runtime, options);
+  const int64_t cp = options.parallel.dims.cp;
   memory::install();
   // Under cp every rank holds the whole model.
-  serve::InferenceModel inference(options.checkpoint, options.cp > 1 ? nullptr : runtime.world(),
+  serve::InferenceModel inference(options.checkpoint, cp > 1 ? nullptr : runtime.world(),
                                   inference_offload(options.offload), options.lora);
   const bool speaker = runtime.rank() == 0;
   const std::string offload_line = apply_memory_limit(options.offload, inference);
@@ -118,7 +111,7 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   sample.validate();
   if (!options.prompt_ids.empty()) return generate_ids(inference, options, sample, speaker, runtime);
   const std::vector<int64_t> prompt = inference.encode(options.prompt);
-  if (static_cast<int64_t>(prompt.size()) > inference.config().context && sample.kv_cache && options.cp == 1) {
+  if (static_cast<int64_t>(prompt.size()) > inference.config().context && sample.kv_cache && cp == 1) {
     // The sliding window keeps the last `context` tokens; say so once.
     if (speaker) std::fprintf(stderr, "meshtrain: the prompt is longer than the context; its last %lld tokens are used\n",
                               static_cast<long long>(inference.config().context));
@@ -141,9 +134,10 @@ int run_generate(comm::Runtime& runtime, const GenerateOptions& options) {
   std::fflush(stdout);
   const int64_t made = static_cast<int64_t>(text.tokens().size());
   if (speaker && options.timing) {
-    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %d, cp %d), peak counted memory %s\n",
+    std::fprintf(stderr, "meshtrain: %lld tokens in %.3f s (%.1f tokens/s, %s, tp %lld, cp %lld), peak counted memory %s\n",
                  static_cast<long long>(made), seconds, made / seconds, sample.kv_cache ? "kv cache" : "full recompute",
-                 options.tp, options.cp, memory::format_mib(memory::peak_bytes()).c_str());
+                 static_cast<long long>(options.parallel.dims.tp), static_cast<long long>(cp),
+                 memory::format_mib(memory::peak_bytes()).c_str());
   }
   return 0;
 }
@@ -183,13 +177,13 @@ CommandPtr add_generate(CLI::App& app) {
   sub->add_option("--stop", o->stop,
                             "End the text before this string (repeat for several; the stop string is not printed)");
   sub
-      ->add_option("--parallel.tp", o->tp,
+      ->add_option("--parallel.tp", o->parallel.dims.tp,
                    "Split the model over this many ranks by tensor parallelism (all ranks of the job: "
                    "meshtrain run -n 2 generate --parallel.tp=2 ...)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub
-      ->add_option("--parallel.cp", o->cp,
+      ->add_option("--parallel.cp", o->parallel.dims.cp,
                    "Split the KV cache over this many ranks (all ranks of the job): the prompt is prefilled by ring "
                    "attention, each new token attends to every rank's part, so a sequence whose keys and values do "
                    "not fit one rank generates (meshtrain run -n 2 generate --parallel.cp=2 ...)")

@@ -81,12 +81,8 @@ void keep_request_memory_returnable() {
 
 }  // namespace
 
-int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
-  if (options.tp != runtime.size()) {
-    throw std::invalid_argument("serve: --parallel.tp=" + std::to_string(options.tp) + " but " +
-                                std::to_string(runtime.size()) + " rank(s) run; launch tp ranks (meshtrain run -n " +
-                                std::to_string(options.tp) + " serve --parallel.tp=" + std::to_string(options.tp) + " ...)");
-  }
+int run_serve(comm::Runtime& runtime, ServeOptions options) {
+  options.parallel.check_inference(runtime.size(), "serve");  // Note [Inference layout]
   if (options.ssl_certfile.empty() != options.ssl_keyfile.empty()) {
     throw UsageError("serve: HTTPS takes both --ssl-certfile and --ssl-keyfile (PEM files); " +
                      std::string(options.ssl_certfile.empty() ? "--ssl-certfile" : "--ssl-keyfile") + " is missing");
@@ -117,10 +113,10 @@ int run_serve(comm::Runtime& runtime, const ServeOptions& options) {
   const int port = frontend.bind(options.host, options.port);
   std::thread http([&] { frontend.listen(); });
   if (!inference.adapter().empty()) std::printf("meshtrain serve: %s\n", inference.adapter().c_str());
-  std::printf("meshtrain serve: %s (step %lld) on %s://%s:%d, tp %d, batches of up to %lld, queue %lld, %s%s\n",
+  std::printf("meshtrain serve: %s (step %lld) on %s://%s:%d, tp %lld, batches of up to %lld, queue %lld, %s%s\n",
               options.model_name.c_str(), static_cast<long long>(inference.step()), https ? "https" : "http",
               options.host.c_str(), port,
-              options.tp, static_cast<long long>(options.max_batch), static_cast<long long>(options.queue),
+              static_cast<long long>(options.parallel.dims.tp), static_cast<long long>(options.max_batch), static_cast<long long>(options.queue),
               chat ? "chat template" : "no chat template (completions only)",
               options.api_key.empty() ? "" : ", API key required");
   std::fflush(stdout);
@@ -179,7 +175,7 @@ ServeCommand::ServeCommand(CLI::App& app) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   sub_
-      ->add_option("--parallel.tp", o_.tp,
+      ->add_option("--parallel.tp", o_.parallel.dims.tp,
                    "Split the model over this many ranks (all ranks of the job: meshtrain run -n 2 serve "
                    "--parallel.tp=2 ...)")
       ->check(CLI::PositiveNumber)

@@ -290,6 +290,28 @@ void ParallelSpec::check(int64_t world, const mesh::ModelDims& model, const Comp
   if (first_bucket_mb < 1) refuse("parallel.first_bucket_mb", n(first_bucket_mb), "must be >= 1");
 }
 
+void ParallelSpec::check_inference(int64_t world, const std::string& command) {
+  if (dims.tp > 1 && dims.cp > 1) {
+    refuse("parallel.cp", n(dims.cp),
+           command + " splits the model (parallel.tp) or the KV cache (parallel.cp) over all ranks of the job; "
+           "use one of them");
+  }
+  const std::string degree = dims.cp > 1 ? "cp" : "tp";
+  const int64_t asked = std::max(dims.tp, dims.cp);
+  if (asked != world) {
+    refuse("parallel." + degree, n(asked),
+           "the job runs " + n(world) + " rank(s) and " + command + " puts every rank on " + degree +
+               "; launch " + n(asked) + " (meshtrain run -n " + n(asked) + " " + command + " --parallel." + degree +
+               "=" + n(asked) + " ...)");
+  }
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"parallel.pp", dims.pp}, {"parallel.ep", dims.ep},
+                                   {"parallel.zero_stage", dims.zero_stage + 1},
+                                   {"parallel.sequence_parallel", dims.sequence_parallel ? 2 : 1}}) {
+    if (value != 1) refuse(key, "(set)", command + " splits only by parallel.tp or parallel.cp");
+  }
+  dims.dp = dims.fsdp = 1;
+}
+
 ParallelSpec::BatchShape ParallelSpec::batch_shape(int64_t batch, int64_t micro_batch) const {
   const int64_t ranks = dims.data_ranks();
   const std::string ep_factor = dims.ep > 1 ? " x ep (" + n(dims.ep) + ")" : "";

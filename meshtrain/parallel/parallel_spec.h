@@ -119,6 +119,17 @@ struct ParallelSpec {
   BatchShape batch_shape(int64_t batch, int64_t micro_batch) const;
   // The rules on the micro-batches per data rank per step (the pipeline's m).
   void check_microbatches(int64_t microbatches) const;
+  // Note [Inference layout]
+  // generate and serve read the same parallel.* keys as train, and this
+  // checks them for `command` on `world` ranks: every rank of the job splits
+  // the model (tp: tensor parallel, the Megatron layers of training) or,
+  // generating, the KV cache (cp: Note [Context-parallel generation]), not
+  // both, and no other degree is set; dp and fsdp resolve to 1. The model's
+  // rules (tp divides heads, key/value heads, MLP and vocabulary) are
+  // training's, checked when the checkpoint is loaded
+  // (check_tensor_parallel). Throws config::ConfigError naming the key and
+  // the command to type.
+  void check_inference(int64_t world, const std::string& command);
 
   bool offloaded() const { return offload_optimizer != offload::Tier::kDevice; }
   bool annotated() const { return tp_impl == TensorParallelImpl::kAnnotations; }

@@ -73,6 +73,26 @@ TEST(ParallelSpec, CheckHoldsTheRulesOfEveryKnob) {
             "parallel.dp = 3: dp(3) * fsdp(1) = 3 != the 4 data ranks (world size 4 / (pp(1) * ep(1) * tp(1)))");
 }
 
+// Note [Inference layout]: generate and serve read the same keys, every rank on tp or cp.
+TEST(ParallelSpec, InferenceLayoutPutsEveryRankOnTpOrCp) {
+  auto inference = [](const std::vector<std::string>& overrides, int64_t world) {
+    return error_of([&] { spec_of(overrides).check_inference(world, "generate"); });
+  };
+  EXPECT_EQ(inference({}, 1), "no error");
+  EXPECT_EQ(inference({"parallel.tp=2"}, 2), "no error");
+  EXPECT_EQ(inference({"parallel.cp=4"}, 4), "no error");
+  EXPECT_EQ(inference({"parallel.tp=2"}, 4),
+            "parallel.tp = 2: the job runs 4 rank(s) and generate puts every rank on tp; launch 2 "
+            "(meshtrain run -n 2 generate --parallel.tp=2 ...)");
+  EXPECT_EQ(inference({"parallel.tp=2", "parallel.cp=2"}, 4),
+            "parallel.cp = 2: generate splits the model (parallel.tp) or the KV cache (parallel.cp) over all ranks "
+            "of the job; use one of them");
+  EXPECT_EQ(inference({"parallel.pp=2"}, 1), "parallel.pp = (set): generate splits only by parallel.tp or parallel.cp");
+  ParallelSpec s = spec_of({"parallel.tp=2"});
+  s.check_inference(2, "serve");
+  EXPECT_EQ(s.dims.world(), 2);
+}
+
 TEST(ParallelSpec, BatchShapeFollowsTheDataRanks) {
   ParallelSpec s = spec_of({"parallel.pp=2", "parallel.microbatches=4"});
   s.check(4, tiny());
