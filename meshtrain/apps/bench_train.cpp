@@ -8,6 +8,7 @@
 #include "meshtrain/train/op_profile.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/util/cpu_features.h"
 #include "meshtrain/util/files.h"
 
 #include <ATen/Parallel.h>
@@ -123,6 +124,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
                            {"counted_peak_mib", counted_peak},
                            {"counted_model_states_mib", counted_states},
                            {"device", trainer.device().str()},
+                           {"cpu_kernels", util::cpu_kernels_name()},  // Note [Kernel copies]
                            {"dtype", config::name_of(parallel::state_dtype_names(), config.dtype)},
                            {"device_peak_mib", device_peak},
                            {"planned_peak_mib", planned_peak}};

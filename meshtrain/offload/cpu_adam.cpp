@@ -9,7 +9,7 @@
 
 namespace meshtrain::offload {
 
-const char* cpu_adamw_kernel() { return util::cpu_has_avx512() ? "avx512" : "default"; }
+const char* cpu_adamw_kernel() { return util::cpu_kernels_name(); }
 
 void cpu_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamWStep& step,
                at::BFloat16* bf16_out) {
@@ -26,7 +26,11 @@ void cpu_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_s
                           static_cast<float>(step.eps),
                           static_cast<float>(step.lr / bias1)};
 #if defined(__x86_64__)
-  if (util::cpu_has_avx512()) return kernel::adamw_avx512(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
+  switch (util::cpu_kernels()) {
+    case util::CpuKernels::kAvx512: return kernel::adamw_avx512(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
+    case util::CpuKernels::kAvx2: return kernel::adamw_avx2(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
+    case util::CpuKernels::kDefault: break;
+  }
 #endif
   kernel::adamw_default(param, grad, exp_avg, exp_avg_sq, n, s, bf16_out);
 }

@@ -14,6 +14,7 @@ struct Scalars {
 };
 
 void adamw_avx512(float* p, const float* g, float* m, float* v, int64_t n, const Scalars& s, c10::BFloat16* out);
+void adamw_avx2(float* p, const float* g, float* m, float* v, int64_t n, const Scalars& s, c10::BFloat16* out);
 void adamw_default(float* p, const float* g, float* m, float* v, int64_t n, const Scalars& s, c10::BFloat16* out);
 
 }  // namespace meshtrain::offload::kernel

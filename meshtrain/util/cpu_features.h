@@ -1,5 +1,6 @@
 // What this CPU can run: the kernels compiled once per instruction set
-// (offload/cpu_adam*, model/fused/kernels*) pick their copy by these.
+// (offload/cpu_adam*, model/fused/kernels*) pick their copy by these
+// (Note [Kernel copies]).
 #pragma once
 
 #include <cstdlib>
@@ -8,22 +9,47 @@
 
 namespace meshtrain::util {
 
-// AVX-512 F, BW, VL and DQ: what the copies built with CPU_CAPABILITY=AVX512 use.
-// ATEN_CPU_CAPABILITY (libtorch's own cap: "default", "avx2", "avx512") caps
-// meshtrain's copies too, so that one variable runs an AVX-512 machine as one
-// without it (docs/testing.md).
-inline bool cpu_has_avx512() {
+// Note [Kernel copies]
+// The fused model kernels and the CPU AdamW are compiled once per instruction
+// set with ATen's CPU_CAPABILITY (so at::vec::Vectorized is that set's):
+// AVX-512 (F, BW, VL, DQ), AVX2 (+ FMA, F16C: ATen's own AVX2 level) and the
+// portable default. The best copy the CPU runs is taken once, at the first
+// call, as ATen picks its own kernels; ATEN_CPU_CAPABILITY ("default",
+// "avx2", "avx512": libtorch's variable) caps both, so one variable runs an
+// AVX-512 machine as one with AVX2 only, or with neither (docs/testing.md).
+// MESHTRAIN_CPU_KERNELS (the same names) caps meshtrain's copies alone, so
+// that a benchmark can set one copy against the same ATen.
+enum class CpuKernels { kDefault, kAvx2, kAvx512 };
+
+inline CpuKernels cpu_kernels() {
 #if defined(__x86_64__)
-  static const bool yes = [] {
-    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-    if (cap != nullptr && *cap != '\0' && std::string(cap).rfind("avx512", 0) != 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const CpuKernels best = [] {
+    const char* ours = std::getenv("MESHTRAIN_CPU_KERNELS");
+    const char* cap = ours != nullptr && *ours != '\0' ? ours : std::getenv("ATEN_CPU_CAPABILITY");
+    const std::string capped = cap != nullptr ? cap : "";
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    if (capped == "default") return CpuKernels::kDefault;
+    if (avx512 && (capped.empty() || capped.rfind("avx512", 0) == 0)) return CpuKernels::kAvx512;
+    if (avx2) return CpuKernels::kAvx2;
+    return CpuKernels::kDefault;
   }();
-  return yes;
+  return best;
 #else
-  return false;
+  return CpuKernels::kDefault;
 #endif
+}
+
+// "avx512", "avx2" or "default": the copy cpu_kernels() takes, for logs and benchmarks.
+inline const char* cpu_kernels_name() {
+  switch (cpu_kernels()) {
+    case CpuKernels::kAvx512: return "avx512";
+    case CpuKernels::kAvx2: return "avx2";
+    case CpuKernels::kDefault: break;
+  }
+  return "default";
 }
 
 // AMX tiles (the matrix units ATen's bf16 kernels use where present), from /proc/cpuinfo.

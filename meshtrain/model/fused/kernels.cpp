@@ -5,10 +5,13 @@
 namespace meshtrain::model::fused::kernel {
 
 const Table& table() {
+  switch (util::cpu_kernels()) {
 #if defined(__x86_64__)
-  if (util::cpu_has_avx512()) return avx512_table;
+    case util::CpuKernels::kAvx512: return avx512_table;
+    case util::CpuKernels::kAvx2: return avx2_table;
 #endif
-  return default_table;
+    default: return default_table;
+  }
 }
 
 }  // namespace meshtrain::model::fused::kernel

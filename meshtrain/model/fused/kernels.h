@@ -59,6 +59,7 @@ struct Table {
 };
 
 extern const Table avx512_table;   // built on x86-64
+extern const Table avx2_table;     // built on x86-64
 extern const Table default_table;  // any CPU
 
 // The table for this CPU.

@@ -2,6 +2,7 @@
 
 #include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/tensor_args.h"
+#include "meshtrain/util/cpu_features.h"
 
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
@@ -220,6 +221,6 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return Rope::apply(x, cos, sin, offset);
 }
 
-const char* kernel_set() { return &kernel::table() == &kernel::default_table ? "default" : "avx512"; }
+const char* kernel_set() { return util::cpu_kernels_name(); }
 
 }  // namespace meshtrain::model::fused

@@ -65,7 +65,7 @@ bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_d
 // with q_len = k_len = T, h² + (T − h)·T for h = T/2 (3T²/4 for even T).
 int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal);
 
-// Which kernel set runs: "avx512" or "default".
+// Which kernel copy runs: "avx512", "avx2" or "default" (Note [Kernel copies]).
 const char* kernel_set();
 
 }  // namespace meshtrain::model::fused
