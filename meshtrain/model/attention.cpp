@@ -2,6 +2,8 @@
 
 #include "meshtrain/model/fused/ops.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <cmath>
 #include <limits>
 
@@ -41,12 +43,14 @@ void soft_cap_(at::Tensor& scores, double cap) {
 // Sliding windows (Mistral, Gemma 2's local blocks): query i sees keys
 // i − W + 1 .. i. Gemma 2 scales the scores by 1/sqrt(query_pre_attn_scalar)
 // instead of 1/sqrt(head size) and soft-caps them, c·tanh(s/c), before the
-// mask and the softmax (in fp32). In training, windows and scales go
-// through the fused CPU attention (its softmax skips the keys before the
-// window) or ATen's with a mask; the KV cache, packed documents and a
-// soft-cap come here: without a soft-cap ATen's scaled-dot-product attention
-// with a boolean mask, with one, scores formed explicitly (the cap sits
-// between the product and the softmax). Either way the softmax sees -inf
+// mask and the softmax (in fp32). In training, windows, scales and
+// soft-caps go through the fused CPU attention where its batched path
+// applies (its softmax skips the keys before the window and caps the
+// scores; Note [CPU attention]), windows elsewhere through ATen's with a
+// mask; the KV cache, packed documents and the other soft-capped cases come
+// here: without a soft-cap ATen's scaled-dot-product attention with a
+// boolean mask, with one, scores formed explicitly (the cap sits between the
+// product and the softmax). Either way the softmax sees -inf
 // where a key is hidden, so these paths equal the plain causal one where the
 // window covers the sequence. Memory: the explicit path keeps the
 // [B, H, t, S] scores for backward, as ATen's math attention does.
@@ -83,14 +87,20 @@ at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& s
     const at::Tensor starts = batch.documents.to(q.device());
     return variant_attention(q, heads.k, heads.v, spec, training, same_document(starts, starts));
   }
-  if (spec.softcap > 0 || (!fused && !spec.plain())) {  // a soft-cap sits inside the softmax: ATen's ops
+  const double p = training ? spec.dropout : 0.0;
+  // A soft-cap sits inside the softmax: the fused kernel's batched path has it, ATen's kernels do not.
+  const at::ScalarType compute =
+      at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : q.scalar_type();
+  const bool bf16 = compute == at::kBFloat16;
+  const bool capped_fused = fused && fused::batched_attention_applies(q.device().is_cpu(), bf16, heads.k.size(2),
+                                                                      q.size(3), p);
+  if ((spec.softcap > 0 && !capped_fused) || (!fused && !spec.plain())) {
     return variant_attention(q, heads.k, heads.v, spec, training);
   }
   const int64_t times = q.size(1) / heads.k.size(1);
   const at::Tensor k = times > 1 ? heads.k.repeat_interleave(times, 1) : heads.k;
   const at::Tensor v = times > 1 ? heads.v.repeat_interleave(times, 1) : heads.v;
-  const double p = training ? spec.dropout : 0.0;
-  return fused ? fused::attention(q, k, v, p, /*causal=*/true, spec.window, spec.scale)
+  return fused ? fused::attention(q, k, v, p, /*causal=*/true, spec.window, spec.scale, spec.softcap)
                : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
 }
 

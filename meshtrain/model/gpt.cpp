@@ -202,8 +202,8 @@ at::Tensor MlpImpl::activation(const at::Tensor& x) {
   }
   if (fc) return at::gelu(call(fc_name_, fc, x), "tanh");
   const at::Tensor g = call(gate_name_, gate, x), u = call(up_name_, up, x);
+  if (fused_ && fused::eligible(g) && fused::eligible(u)) return gelu_gate_ ? fused::geglu(g, u) : fused::swiglu(g, u);
   if (gelu_gate_) return at::gelu(g, "tanh") * u;  // GeGLU (Gemma)
-  if (fused_ && fused::eligible(g) && fused::eligible(u)) return fused::swiglu(g, u);
   return at::silu(g) * u;
 }
 

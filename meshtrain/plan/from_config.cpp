@@ -31,13 +31,14 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   // On CUDA the memory-efficient kernel takes dropout, and dropout keeps byte masks.
   // The fused operators' batched attention keeps contiguous q, k, v and its softmax (Note [CPU attention]).
   const bool bf16 = config.bfloat16() || config.parallel.param_dtype == at::kBFloat16;
-  // A soft-capped attention (Note [Attention variants]) goes through ATen's ops and keeps its scores;
-  // windows and scales take the fused path.
+  // Windows, scales and soft-caps take the fused path where it applies (a soft-cap's backward computes
+  // the scores again, one block at a time); elsewhere a soft-capped attention goes through ATen's ops
+  // and keeps its scores (Note [Attention variants]).
   const bool capped = config.model.attn_softcap > 0;
-  const bool batched = !capped && config.model.fused && !config.parallel.annotated() &&
+  const bool batched = config.model.fused && !config.parallel.annotated() &&
                        model::fused::batched_attention_applies(!gpu, bf16, config.model.context,
                                                                config.model.head_dim(), config.model.dropout);
-  const bool math = (config.model.dropout > 0 && !gpu) || capped;
+  const bool math = (config.model.dropout > 0 && !gpu) || (capped && !batched);
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
   run.workload.fused_loss = config.model.fused && !gpu && !config.parallel.annotated();
   if (gpu) run.workload.precision.mask = 1;

@@ -112,7 +112,7 @@ TEST(FusedOps, OnlyTheSumUsedStillGetsItsGradient) {
   EXPECT_TRUE(r.grad().allclose(at::full({4, 8}, 3.0)));
 }
 
-TEST(FusedOps, BiasGeluAndSwigluMatchTheReference) {
+TEST(FusedOps, BiasGeluSwigluAndGegluMatchTheReference) {
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     const double tol = dtype == at::kFloat ? kFp32 : kBf16;
     for (int64_t width : {5, 16, 100, 1536}) {
@@ -124,6 +124,8 @@ TEST(FusedOps, BiasGeluAndSwigluMatchTheReference) {
                   {in[0]}, dtype, tol, "gelu" + w);
       expect_same([](auto& t) { return fused::swiglu(t[0], t[1]); }, [](auto& t) { return at::silu(t[0]) * t[1]; },
                   {in[0], in[2]}, dtype, tol, "swiglu" + w);
+      expect_same([](auto& t) { return fused::geglu(t[0], t[1]); },
+                  [](auto& t) { return at::gelu(t[0], "tanh") * t[1]; }, {in[0], in[2]}, dtype, tol, "geglu" + w);
     }
   }
 }
@@ -234,13 +236,45 @@ TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
     const fused::kernel::Table& kernels = fused::kernel::table();
     constexpr fused::kernel::Dt f32 = fused::kernel::Dt::kFloat;
     const at::Tensor p = s.clone();
-    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, causal, key_offset, 0,
+    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, 0, causal, key_offset, 0,
                                       p.data_ptr(), f32);
     EXPECT_LT(relative_error(p, expected.detach()), 1e-6);
     const at::Tensor ds = dp.clone();
-    kernels.attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), f32, ds.data_ptr(), f32, scale, causal,
-                                       key_offset, 0, ds.data_ptr(), f32);
+    kernels.attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), f32, ds.data_ptr(), f32, nullptr, f32, scale,
+                                       0, causal, key_offset, 0, ds.data_ptr(), f32);
     EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
+    // Soft-capped scores (Gemma 2): softmax of c·tanh(scale·s/c), its gradient through the cap.
+    const float cap = 2.5f;
+    const at::Tensor capped_leaf = s.clone().requires_grad_(true);
+    const at::Tensor z = at::tanh(capped_leaf * scale / cap) * cap;
+    const at::Tensor capped_expected = at::softmax(causal ? z.masked_fill(mask, -INFINITY) : z, -1);
+    capped_expected.backward(dp);
+    const at::Tensor pc = s.clone();
+    kernels.attention_softmax_forward(rows, q_len, k_len, pc.data_ptr(), f32, scale, cap, causal, key_offset, 0,
+                                      pc.data_ptr(), f32);
+    EXPECT_LT(relative_error(pc, capped_expected.detach()), 1e-6);
+    const at::Tensor dsc = dp.clone();
+    kernels.attention_softmax_backward(rows, q_len, k_len, pc.data_ptr(), f32, dsc.data_ptr(), f32, s.data_ptr(), f32,
+                                       scale, cap, causal, key_offset, 0, dsc.data_ptr(), f32);
+    EXPECT_LT(relative_error(dsc, capped_leaf.grad()), 1e-5);
+  }
+}
+
+// The batched attention with soft-capped scores against the explicit reference, windows and groups too.
+TEST(FusedOps, SoftCappedAttentionMatchesTheReference) {
+  for (auto [t, window] : std::vector<std::pair<int64_t, int64_t>>{{40, 0}, {41, 16}}) {
+    SCOPED_TRACE("t " + std::to_string(t) + " window " + std::to_string(window));
+    const std::vector<at::Tensor> in = {randn({2, 3, t, 16}, 23, 2.0), randn({2, 3, t, 16}, 24, 2.0),
+                                        randn({2, 3, t, 16}, 25)};
+    AttentionSpec spec;
+    spec.window = window;
+    spec.softcap = 3.0;
+    spec.scale = 0.3;
+    const Op reference = [spec](auto& x) { return variant_attention(x[0], x[1], x[2], spec, false); };
+    const Op ours = [spec](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, true, spec.window, 0.3, 3.0); };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "soft-capped attention");
+    }
   }
 }
 

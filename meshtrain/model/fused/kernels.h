@@ -32,9 +32,10 @@ struct Table {
   // da = dy · gelu'(a + bias); dbias (may be null) accumulates the column sums of da.
   void (*bias_gelu_backward)(int64_t rows, int64_t width, const void* a, Dt at, const float* bias, const void* dy,
                              Dt dyt, void* da, Dt dat, float* dbias);
-  // y = silu(g) · u over n elements; backward gives dg, du.
-  void (*swiglu_forward)(int64_t n, const void* g, const void* u, void* y, Dt t);
-  void (*swiglu_backward)(int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du, Dt t);
+  // y = act(g) · u over n elements, act silu (SwiGLU) or, with `gelu`,
+  // gelu_tanh (GeGLU); backward gives dg, du.
+  void (*glu_forward)(int64_t n, const void* g, const void* u, void* y, Dt t, bool gelu);
+  void (*glu_backward)(int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du, Dt t, bool gelu);
   // Per row: lse = logsumexp(logits), loss = lse - logits[target] (0 where
   // target == ignore). Backward: dlogits = (softmax - onehot) · scale (0 rows where ignored).
   void (*cross_entropy_forward)(int64_t rows, int64_t vocab, const void* logits, Dt lt, const int64_t* targets,
@@ -46,16 +47,18 @@ struct Table {
   // positions offset + t (cos, sin [*, d/2]). sign -1 is the backward.
   void (*rope)(const int64_t* sizes, const int64_t* strides, const void* x, const float* cos, const float* sin,
                int64_t offset, float sign, void* y, Dt t);
-  // Softmax of scale · s over each row of attention scores [rows, k_len] (row r
-  // is query i = r % q_len, at key position i + key_offset; causal: it sees
-  // keys 0..i + key_offset, and with window > 0 only the last `window` of
-  // those; the rest of its row is 0). Backward:
-  // ds = scale · p · (dp - rowsum(p · dp)). p may be s, ds may be dp.
+  // Softmax of z = scale · s over each row of attention scores [rows, k_len]
+  // (row r is query i = r % q_len, at key position i + key_offset; causal: it
+  // sees keys 0..i + key_offset, and with window > 0 only the last `window` of
+  // those; the rest of its row is 0); softcap > 0: of c·tanh(z/c) (Gemma 2).
+  // Backward: ds = scale · p · (dp - rowsum(p · dp)), times 1 - tanh²(z/c)
+  // under a soft-cap, for which it reads the scores s again (else s is
+  // unused). p may be s, ds may be dp.
   void (*attention_softmax_forward)(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                                    bool causal, int64_t key_offset, int64_t window, void* p, Dt pt);
+                                    float softcap, bool causal, int64_t key_offset, int64_t window, void* p, Dt pt);
   void (*attention_softmax_backward)(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                     Dt dpt, float scale, bool causal, int64_t key_offset, int64_t window, void* ds,
-                                     Dt dst);
+                                     Dt dpt, const void* s, Dt st, float scale, float softcap, bool causal,
+                                     int64_t key_offset, int64_t window, void* ds, Dt dst);
 };
 
 extern const Table avx512_table;   // built on x86-64

@@ -211,7 +211,22 @@ void bias_gelu_backward(int64_t rows, int64_t width, const void* a, Dt at, const
 
 constexpr int64_t kBlock = 4096;
 
-void swiglu_forward(int64_t n, const void* g, const void* u, void* y, Dt t) {
+// The gate's activation: silu(g) = g·sigmoid(g) (SwiGLU), or gelu_tanh(g) =
+// g·sigmoid(2u) (GeGLU), and its derivative.
+inline Vec gate(const Vec& g, bool gelu) {
+  return gelu ? g * sigmoid(Vec(2 * kK0) * (g + Vec(kK1) * g * g * g)) : g * sigmoid(g);
+}
+inline Vec gate_derivative(const Vec& g, bool gelu) {
+  if (!gelu) {
+    const Vec s = sigmoid(g);
+    return s * (Vec(1.0f) + g * (Vec(1.0f) - s));
+  }
+  const Vec g2 = g * g;
+  const Vec s = sigmoid(Vec(2 * kK0) * (g + Vec(kK1) * g2 * g));
+  return s + g * s * (Vec(1.0f) - s) * Vec(2 * kK0) * (Vec(1.0f) + Vec(3 * kK1) * g2);
+}
+
+void glu_forward(int64_t n, const void* g, const void* u, void* y, Dt t, bool gelu) {
   at::parallel_for(0, n, kBlock, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(3 * kBlock);
     for (int64_t b = begin; b < end; b += kBlock) {
@@ -220,15 +235,14 @@ void swiglu_forward(int64_t n, const void* g, const void* u, void* y, Dt t) {
       const float* ur = read_row(u, t, b, m, scratch.data() + kBlock);
       float* out = work_row(y, t, b, scratch.data() + 2 * kBlock);
       each_vec(m, [&](int64_t i, int64_t c) {
-        const Vec gv = Vec::loadu(gr + i, c);
-        (gv * sigmoid(gv) * Vec::loadu(ur + i, c)).store(out + i, c);
+        (gate(Vec::loadu(gr + i, c), gelu) * Vec::loadu(ur + i, c)).store(out + i, c);
       });
       write_row(out, y, t, b, m);
     }
   });
 }
 
-void swiglu_backward(int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du, Dt t) {
+void glu_backward(int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du, Dt t, bool gelu) {
   at::parallel_for(0, n, kBlock, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(5 * kBlock);
     float* s = scratch.data();
@@ -241,9 +255,8 @@ void swiglu_backward(int64_t n, const void* g, const void* u, const void* dy, vo
       float* duw = work_row(du, t, b, s + 4 * kBlock);
       each_vec(m, [&](int64_t i, int64_t c) {
         const Vec gv = Vec::loadu(gr + i, c), dyv = Vec::loadu(dyr + i, c);
-        const Vec sig = sigmoid(gv);
-        (dyv * Vec::loadu(ur + i, c) * sig * (Vec(1.0f) + gv * (Vec(1.0f) - sig))).store(dgw + i, c);
-        (dyv * gv * sig).store(duw + i, c);
+        (dyv * Vec::loadu(ur + i, c) * gate_derivative(gv, gelu)).store(dgw + i, c);
+        (dyv * gate(gv, gelu)).store(duw + i, c);
       });
       write_row(dgw, dg, t, b, m);
       write_row(duw, du, t, b, m);
@@ -349,8 +362,14 @@ inline int64_t first_visible_key(int64_t row, int64_t q_len, bool causal, int64_
   return causal && window > 0 ? std::max<int64_t>(0, row % q_len + key_offset - window + 1) : 0;
 }
 
+// tanh(y) = 2·sigmoid(2y) − 1 (ATen's exp, as the GELU above).
+inline Vec tanh_of(const Vec& y) { return Vec(2.0f) * sigmoid(Vec(2.0f) * y) - Vec(1.0f); }
+
+// A soft-capped score c·tanh(z/c) (c > 0), or z.
+inline Vec capped(const Vec& z, float cap) { return cap > 0 ? Vec(cap) * tanh_of(z * Vec(1.0f / cap)) : z; }
+
 void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                               bool causal, int64_t key_offset, int64_t window, void* p, Dt pt) {
+                               float softcap, bool causal, int64_t key_offset, int64_t window, void* p, Dt pt) {
   at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * k_len);
     const Vec vscale(scale);
@@ -359,10 +378,13 @@ void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const
       const int64_t lo = first_visible_key(row, q_len, causal, key_offset, window), m = n - lo;
       const float* x = read_row(s, st, offset + lo, m, scratch.data());
       float* e = work_row(p, pt, offset, scratch.data() + k_len);
-      const Vec vmax(row_max(x, m) * scale);  // scale > 0
+      // scale > 0 and the cap rises with z: the row's largest score gives its largest capped one.
+      float top = row_max(x, m) * scale;
+      if (softcap > 0) top = softcap * std::tanh(top / softcap);
+      const Vec vmax(top);
       Vec acc(0);
       each_vec(m, [&](int64_t i, int64_t c) {
-        const Vec v = (Vec::loadu(x + i, c) * vscale - vmax).exp_u20();
+        const Vec v = (capped(Vec::loadu(x + i, c) * vscale, softcap) - vmax).exp_u20();
         v.store(e + lo + i, c);
         acc += Vec::set(Vec(0), v, c);
       });
@@ -376,10 +398,10 @@ void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const
 }
 
 void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                Dt dpt, float scale, bool causal, int64_t key_offset, int64_t window, void* ds,
-                                Dt dst) {
+                                Dt dpt, const void* s, Dt st, float scale, float softcap, bool causal,
+                                int64_t key_offset, int64_t window, void* ds, Dt dst) {
   at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(3 * k_len);
+    std::vector<float> scratch(4 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
@@ -392,9 +414,18 @@ void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, cons
       });
       const Vec dot(horizontal_sum(acc));
       float* out = work_row(ds, dst, offset, scratch.data() + 2 * k_len);
-      each_vec(m, [&](int64_t i, int64_t c) {
-        (Vec::loadu(pr + i, c) * (Vec::loadu(gr + i, c) - dot) * vscale).store(out + lo + i, c);
-      });
+      if (softcap > 0) {  // d(c·tanh(z/c))/dz = 1 − tanh²(z/c)
+        const float* x = read_row(s, st, offset + lo, m, scratch.data() + 3 * k_len);
+        const Vec inverse_cap(1.0f / softcap);
+        each_vec(m, [&](int64_t i, int64_t c) {
+          const Vec t = tanh_of(Vec::loadu(x + i, c) * vscale * inverse_cap);
+          (Vec::loadu(pr + i, c) * (Vec::loadu(gr + i, c) - dot) * vscale * (Vec(1.0f) - t * t)).store(out + lo + i, c);
+        });
+      } else {
+        each_vec(m, [&](int64_t i, int64_t c) {
+          (Vec::loadu(pr + i, c) * (Vec::loadu(gr + i, c) - dot) * vscale).store(out + lo + i, c);
+        });
+      }
       std::fill(out, out + lo, 0.0f);
       std::fill(out + n, out + k_len, 0.0f);
       write_row(out, ds, dst, offset, k_len);
@@ -405,8 +436,8 @@ void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, cons
 }  // namespace
 
 constexpr Table make_table() {
-  return {add_norm_forward,      add_norm_backward,      bias_gelu_forward, bias_gelu_backward, swiglu_forward,
-          swiglu_backward,       cross_entropy_forward,  cross_entropy_backward, rope,
+  return {add_norm_forward,      add_norm_backward,      bias_gelu_forward, bias_gelu_backward, glu_forward,
+          glu_backward,       cross_entropy_forward,  cross_entropy_backward, rope,
           attention_softmax_forward, attention_softmax_backward};
 }
 

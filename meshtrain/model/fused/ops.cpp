@@ -106,25 +106,29 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
   }
 };
 
-struct Swiglu : torch::autograd::Function<Swiglu> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
-    RECORD_FUNCTION("meshtrain::fused_swiglu", std::vector<c10::IValue>());
+// act(g) · u: SwiGLU, or GeGLU with `gelu`.
+struct Glu : torch::autograd::Function<Glu> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u, bool gelu) {
+    RECORD_FUNCTION(gelu ? "meshtrain::fused_geglu" : "meshtrain::fused_swiglu", std::vector<c10::IValue>());
     const at::Tensor gc = g.contiguous(), uc = u.to(g.scalar_type()).contiguous();
     const at::Tensor y = at::empty_like(gc);
-    kernel::table().swiglu_forward(gc.numel(), ptr(gc), ptr(uc), mut(y), dt(gc));
+    kernel::table().glu_forward(gc.numel(), ptr(gc), ptr(uc), mut(y), dt(gc), gelu);
     ctx->save_for_backward({gc, uc});
     ctx->saved_data["u_type"] = u.scalar_type();
+    ctx->saved_data["gelu"] = gelu;
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    RECORD_FUNCTION("meshtrain::fused_swiglu_backward", std::vector<c10::IValue>());
+    const bool gelu = ctx->saved_data["gelu"].toBool();
+    RECORD_FUNCTION(gelu ? "meshtrain::fused_geglu_backward" : "meshtrain::fused_swiglu_backward",
+                    std::vector<c10::IValue>());
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &g = saved[0], &u = saved[1];
     const at::Tensor dy = grads[0].to(g.scalar_type()).contiguous();
     const at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
-    kernel::table().swiglu_backward(g.numel(), ptr(g), ptr(u), ptr(dy), mut(dg), mut(du), dt(g));
-    return {dg, du.to(ctx->saved_data["u_type"].toScalarType())};
+    kernel::table().glu_backward(g.numel(), ptr(g), ptr(u), ptr(dy), mut(dg), mut(du), dt(g), gelu);
+    return {dg, du.to(ctx->saved_data["u_type"].toScalarType()), at::Tensor()};
   }
 };
 
@@ -211,7 +215,9 @@ at::Tensor bias_gelu(const at::Tensor& a, const at::Tensor& bias) {
   return BiasGelu::apply(a, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
 }
 
-at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) { return Swiglu::apply(g, u); }
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) { return Glu::apply(g, u, false); }
+
+at::Tensor geglu(const at::Tensor& g, const at::Tensor& u) { return Glu::apply(g, u, true); }
 
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
   return CrossEntropy::apply(logits, targets, ignore_index);

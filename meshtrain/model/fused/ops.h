@@ -22,7 +22,7 @@ namespace meshtrain::model::fused {
 //                  autocast dtype when autocast is on (no cast before the next
 //                  linear); backward adds the residual's gradient in the same pass
 //   bias_gelu      gelu_tanh(a + bias), with the bias' gradient as column sums
-//   swiglu         silu(g) · u
+//   swiglu, geglu  silu(g) · u, gelu_tanh(g) · u
 //   cross_entropy  mean over rows of logsumexp - target logit, row by row: no
 //                  fp32 copy of the logits, no log-softmax materialised
 //   rope           the rotation, reading q/k through their strides
@@ -46,6 +46,8 @@ std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor
 at::Tensor bias_gelu(const at::Tensor& a, const at::Tensor& bias);
 // silu(g) · u, in g's dtype.
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
+// gelu_tanh(g) · u, in g's dtype (Gemma's GeGLU).
+at::Tensor geglu(const at::Tensor& g, const at::Tensor& u);
 // Mean cross-entropy of logits [N, V] (fp32 or bf16) against targets [N]
 // (entries equal to ignore_index are left out), in fp32.
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = kIgnoredTarget);
@@ -54,9 +56,10 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, in
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
 // Causal or full scaled-dot-product attention of q, k, v [B, H, T, d];
 // causal with window > 0: each query sees itself and the window - 1 keys
-// before it; scale > 0 replaces 1/sqrt(d).
+// before it; scale > 0 replaces 1/sqrt(d); softcap > 0 caps the scores,
+// c·tanh(s/c), and needs the batched path (batched_attention_applies).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
-                     int64_t window = 0, double scale = 0);
+                     int64_t window = 0, double scale = 0, double softcap = 0);
 // Whether attention() takes its batched path (Note [CPU attention]), which
 // keeps the softmax for backward: on the CPU (bf16 only without AMX), without
 // dropout, keys <= 4 * head_dim.
