@@ -1,5 +1,6 @@
 #include "meshtrain/model/gpt.h"
 
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/qkv_layout.h"
 
@@ -420,9 +421,30 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   return summed / (flat_targets != kIgnoredTarget).sum().clamp_min(1);
 }
 
+bool GptImpl::chunks_loss(const at::Tensor& x) const {
+  if (!config_.chunked_loss || !fused::plain(x)) return false;
+  return std::none_of(chain_->hooks.begin(), chain_->hooks.end(), [](const auto& h) { return h->wraps_head(); });
+}
+
+at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
+  if (!chunks_loss(x)) return cross_entropy(project(x), targets);
+  const at::Tensor y = chain_->call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
+  return chunked_cross_entropy(y, head ? head->weight : wte->weight, targets, config_.logit_softcap);
+}
+
 at::Tensor GptImpl::loss(const Batch& batch) {
   TORCH_CHECK(batch.targets.defined(), "a loss needs the batch's targets");
-  return cross_entropy(forward(batch), batch.targets);
+  // Through "" as forward() goes, so that hooks around the whole model (ZeRO-3's root unit) see the
+  // loss's computation; it returns the loss itself where the loss is chunked, else the logits.
+  const bool chunked = chunks_loss(batch.tokens);
+  const at::Tensor out = chain_->call("", batch.tokens, [this, batch, chunked](const at::Tensor& input) {
+    Batch b = batch;
+    b.tokens = input;
+    at::Tensor x = embed(b);
+    for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x, b);
+    return chunked ? head_loss(x, b.targets) : project(x);
+  });
+  return chunked ? out : cross_entropy(out, batch.targets);
 }
 
 }  // namespace meshtrain::model

@@ -24,6 +24,7 @@ namespace meshtrain::model {
 // The model calls each of its modules through the hooks installed on it, by
 // dotted name, in execution order:
 //   ""                    the whole model: tokens [B, T] -> logits [B, T, V]
+//                         (in loss(), the loss itself where it is chunked)
 //   wte, wpe, drop        token embedding, position embedding (input: the
 //                         Batch's positions), embedding dropout
 //   blocks.N              a transformer block, and inside it
@@ -55,6 +56,11 @@ class ForwardHooks {
   virtual ~ForwardHooks() = default;
   // Returns the output of `module` on `input`; `forward` is its own computation.
   virtual at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) = 0;
+  // Whether these hooks change norm_f, head or the loss (tensor parallel's
+  // vocabulary-split head does): then the loss goes through them on whole
+  // logits; hooks that answer false let the model compute it in chunks
+  // (Note [Chunked loss]). Unknown hooks are taken to.
+  virtual bool wraps_head() const { return true; }
   // The mean cross-entropy of logits [N, V'] (in the dtype the head computed
   // them, bf16 under autocast; fp32 is the hook's to choose) against targets [N], or an
   // undefined tensor to leave it to the model (tensor parallel computes it
@@ -210,6 +216,10 @@ class GptImpl : public torch::nn::Module {
   at::Tensor project(const at::Tensor& x);
   // Mean cross-entropy of logits [B, T, V'] against targets [B, T], in fp32.
   at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
+  // The loss of the last block's output x against targets: norm_f, head and
+  // cross_entropy, or, where model.chunked_loss holds for these hooks and
+  // tensors, the chunked loss (Note [Chunked loss]) without the logits.
+  at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets);
   const GptConfig& config() const { return config_; }
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }
@@ -226,6 +236,8 @@ class GptImpl : public torch::nn::Module {
 
  private:
   void initialise(uint64_t seed);
+  // Whether head_loss may chunk for input `x` (plain tensors, no hook around the head).
+  bool chunks_loss(const at::Tensor& x) const;
 
   GptConfig config_;
   std::shared_ptr<HookChain> chain_ = std::make_shared<HookChain>();

@@ -87,6 +87,8 @@ struct GptConfig {
   // The fused CPU operators (model/fused/ops.h) where the tensors allow;
   // false: the reference composition of ATen operators everywhere.
   bool fused = true;
+  // The loss without the [tokens, vocabulary] logits (Note [Chunked loss]).
+  bool chunked_loss = true;
 
   // Mixture of experts (model/moe.h): the feed-forward of every moe_every-th
   // block (blocks moe_every-1, 2·moe_every-1, ...) is moe_experts experts of

@@ -53,6 +53,9 @@ std::vector<ModelKey> build() {
       MODEL_KEY(norm_eps, kAlways, "epsilon of the norms"),
       MODEL_KEY(fused, kNotStored,
                 "fused CPU kernels for norms, GELU/SwiGLU, RoPE, cross-entropy (false: reference ATen operators)"),
+      MODEL_KEY(chunked_loss, kNotStored,
+                "output projection and cross-entropy over chunks of rows: no [tokens, vocabulary] logits "
+                "(false: the logits whole)"),
       MODEL_KEY(context, kRequired, "sequence length in tokens"),
       MODEL_KEY(vocab_size, kRequired, "vocabulary (the byte tokenizer needs 256)"),
       MODEL_KEY(dropout, kRequired, "dropout probability"),

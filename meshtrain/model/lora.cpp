@@ -82,6 +82,7 @@ class LoraHooks : public ForwardHooks {
   };
 
   LoraHooks(GptConfig model, const LoraConfig& config) : model_(std::move(model)), scale_(config.scale()), dropout_(config.dropout) {}
+  bool wraps_head() const override { return false; }  // adapters sit in the blocks' linears
 
   at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
     auto it = sites.find(module);

@@ -31,6 +31,7 @@ class WeightStream : public model::ForwardHooks {
   WeightStream(model::Gpt& model, std::shared_ptr<TieredStore> store, Tier tier, int prefetch = 1);
   ~WeightStream() override;
   at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override;
+  bool wraps_head() const override { return false; }  // blocks only
 
   int64_t streamed_bytes() const;   // the blocks' bytes: moved once per forward
   int64_t largest_block_bytes() const;

@@ -34,6 +34,7 @@ class ActivationCheckpoint : public model::ForwardHooks {
   ActivationCheckpoint(int64_t blocks, const std::function<CheckpointMode(int64_t)>& mode,
                        std::vector<RandomStream> streams = {});
   at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override;
+  bool wraps_head() const override { return false; }  // blocks only
 
  private:
   std::vector<std::string> names_;  // call sites to checkpoint, sorted

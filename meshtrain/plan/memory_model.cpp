@@ -1,5 +1,6 @@
 #include "meshtrain/plan/memory_model.h"
 
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/stages.h"
@@ -52,7 +53,25 @@ double norm_saved(const model::GptConfig& model, const Sizes& z, double activati
 struct OutputBytes {
   double kept, forward, backward;
 };
-OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss) {
+// The chunked loss (Note [Chunked loss]) keeps the final norm's input and
+// what it saves, and dh and dW from its forward to its backward; its forward
+// holds one chunk's fp32 logits and the log-sum-exp's work space of their
+// size (with a soft-cap one more; a 16-bit copy under autocast, and dW's
+// product before it is added), and the chunk's dh product; its backward
+// scales dh and dW into new tensors.
+OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p) {
+  const double e = p.activation, vocab = static_cast<double>(model.vocab_size);
+  const double weight = 4 * vocab * static_cast<double>(model.width);
+  const double rows = std::min(z.tokens, std::max(1.0, static_cast<double>(model::kChunkBytes) / (4 * vocab)));
+  const double low_precision = e < 4 ? 1 : 0;
+  const double chunk = rows * vocab * (4 * (model.logit_softcap > 0 ? 3 : 2) + low_precision * e) +
+                       4 * rows * static_cast<double>(model.width);
+  return {2 * e * z.u + z.region(norm_saved(model, z, e)) + weight, chunk + low_precision * weight, 4 * z.u + weight};
+}
+
+OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
+                         bool chunked_loss) {
+  if (chunked_loss) return chunked_output_bytes(model, z, p);
   const double e = p.activation;
   const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
@@ -300,7 +319,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   options.recompute = parallel::CheckpointMode::kNone;
   a.full_layer = std::max(layer_activation_bytes(model, options),
                           model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
-  a.out = output_bytes(model, z, p, w.fused_loss);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss && l.dims.tp == 1 && l.dims.pp == 1);
   a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }

@@ -18,6 +18,7 @@ namespace {
 class UnitHooks : public model::ForwardHooks {
  public:
   explicit UnitHooks(std::weak_ptr<ShardedState> state) : state_(std::move(state)) {}
+  bool wraps_head() const override { return false; }  // units are "" and blocks
 
   at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) override {
     auto state = state_.lock();

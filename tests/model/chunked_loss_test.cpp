@@ -1,0 +1,130 @@
+// The chunked loss (Note [Chunked loss]): the loss and gradients of the
+// materialised logits, soft-capped, with ignored targets, under autocast and
+// in a whole model; its peak memory without the [tokens, vocabulary] logits.
+#include "meshtrain/model/chunked_loss.h"
+
+#include "meshtrain/model/attention.h"
+#include "meshtrain/model/gpt.h"
+#include "meshtrain/util/memory.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+
+namespace meshtrain::model {
+namespace {
+
+at::Tensor randn(at::IntArrayRef sizes, uint64_t seed, double std = 1.0) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(sizes, g, at::kFloat) * std;
+}
+
+// The loss through the logits, as GptImpl::cross_entropy's reference path computes it.
+at::Tensor materialised(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double cap) {
+  const at::Tensor z = soft_cap(at::linear(h, w).reshape({-1, w.size(0)}).to(at::kFloat), cap);
+  const at::Tensor flat = targets.reshape({-1});
+  return at::cross_entropy_loss(z, flat, {}, at::Reduction::Sum, kIgnoredTarget) /
+         (flat != kIgnoredTarget).sum().clamp_min(1);
+}
+
+double relative(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
+  at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
+  targets.narrow(1, 0, 5).fill_(kIgnoredTarget);  // masked targets count toward nothing
+  for (double cap : {0.0, 5.0}) {
+    for (int64_t rows : {int64_t{7}, int64_t{0}}) {  // uneven chunks; one chunk
+      SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows));
+      const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true), w = randn({50, 16}, 2).requires_grad_(true);
+      const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+      const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows) * 0.7;
+      const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
+      EXPECT_LT(relative(ours, want), 1e-6);
+      ours.backward();
+      want.backward();
+      EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
+      EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
+      EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
+    }
+  }
+  // Every target ignored: 0, as the materialised loss.
+  const at::Tensor none = at::full({2, 4}, kIgnoredTarget, at::kLong);
+  EXPECT_EQ(chunked_cross_entropy(randn({2, 4, 8}, 4), randn({10, 8}, 5), none).item<double>(), 0.0);
+}
+
+TEST(ChunkedLoss, UnderAutocastItComputesInBfloat16AsTheHeadWould) {
+  const at::Tensor targets = at::randint(0, 64, {2, 24}, at::make_generator<at::CPUGeneratorImpl>(6), at::kLong);
+  const at::Tensor h = randn({2, 24, 32}, 7).requires_grad_(true), w = randn({64, 32}, 8).requires_grad_(true);
+  const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+  at::Tensor ours, want;
+  {
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    ours = chunked_cross_entropy(h, w, targets, 0, 11);
+    want = materialised(hr, wr, targets, 0);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+  EXPECT_LT(relative(ours, want), 1e-5);
+  ours.backward();
+  want.backward();
+  EXPECT_EQ(h.grad().scalar_type(), at::kFloat);
+  EXPECT_LT(relative(h.grad(), hr.grad()), 2e-2);  // bf16 products
+  EXPECT_LT(relative(w.grad(), wr.grad()), 2e-2);
+}
+
+// A whole model's step with model.chunked_loss on and off: the same loss and
+// gradients (Gemma 2's tied embedding and logit soft-cap; a Llama-style head).
+TEST(ChunkedLoss, AModelsLossAndGradientsAreThoseOfTheLogits) {
+  GptConfig llama = GptConfig::preset("llama-tiny");
+  llama.layers = 2, llama.width = 64, llama.heads = 4, llama.kv_heads = 2, llama.context = 32, llama.dropout = 0;
+  llama.vocab_size = 300;
+  GptConfig gemma = llama;
+  gemma.tie_embeddings = true, gemma.logit_softcap = 3.0;
+  for (const GptConfig& config : {llama, gemma}) {
+    SCOPED_TRACE(config.tie_embeddings ? "tied, soft-capped" : "untied");
+    GptConfig whole = config;
+    whole.chunked_loss = false;
+    Gpt chunked(config, 5), reference(whole, 5);
+    const at::Tensor tokens = at::randint(0, config.vocab_size, {2, 33}, at::make_generator<at::CPUGeneratorImpl>(9), at::kLong);
+    const Batch batch(tokens.narrow(1, 0, 32).contiguous(), tokens.narrow(1, 1, 32).contiguous());
+    const at::Tensor ours = chunked->loss(batch), want = reference->loss(batch);
+    EXPECT_LT(relative(ours, want), 1e-6);
+    ours.backward();
+    want.backward();
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : reference->named_parameters()) grads[p.key()] = p.value().grad();
+    for (const auto& p : chunked->named_parameters()) EXPECT_LT(relative(p.value().grad(), grads.at(p.key())), 1e-5) << p.key();
+    torch::NoGradGuard no_grad;  // evaluation: the loss alone
+    EXPECT_LT(relative(chunked->loss(batch), reference->loss(batch)), 1e-6);
+  }
+}
+
+// The counting allocator's peak over a loss and its backward: the logits
+// [1024, 4096] (16 MiB in fp32, and their gradient) never exist whole.
+TEST(ChunkedLoss, PeakMemoryHoldsNoWholeLogits) {
+  memory::install();
+  const at::Tensor targets = at::randint(0, 4096, {1024}, at::make_generator<at::CPUGeneratorImpl>(10), at::kLong);
+  auto peak = [&](bool chunked) {
+    const at::Tensor h = randn({1024, 64}, 11).requires_grad_(true), w = randn({4096, 64}, 12).requires_grad_(true);
+    memory::reset_peaks();
+    const int64_t before = memory::current_bytes();
+    const at::Tensor loss = chunked ? chunked_cross_entropy(h, w, targets, 0, 128) : materialised(h, w, targets, 0);
+    loss.backward();
+    return memory::peak_bytes() - before;
+  };
+  const double logits = 1024.0 * 4096 * 4;
+  const int64_t ours = peak(true), whole = peak(false);
+  EXPECT_GT(whole, 2 * logits);  // logits and their gradient at least
+  EXPECT_LT(ours, logits / 2) << "chunked " << ours << " bytes against " << whole;
+  std::printf("loss peak: chunked %.1f MiB, logits whole %.1f MiB\n", ours / 1048576.0, whole / 1048576.0);
+}
+
+}  // namespace
+}  // namespace meshtrain::model
