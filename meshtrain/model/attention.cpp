@@ -1,8 +1,7 @@
 #include "meshtrain/model/attention.h"
 
 #include "meshtrain/model/fused/ops.h"
-
-#include <ATen/autocast_mode.h>
+#include "meshtrain/model/fused/tensor_args.h"
 
 #include <cmath>
 #include <limits>
@@ -89,9 +88,7 @@ at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& s
   }
   const double p = training ? spec.dropout : 0.0;
   // A soft-cap sits inside the softmax: the fused kernel's batched path has it, ATen's kernels do not.
-  const at::ScalarType compute =
-      at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : q.scalar_type();
-  const bool bf16 = compute == at::kBFloat16;
+  const bool bf16 = fused::detail::compute_dtype(q.scalar_type()) == at::kBFloat16;
   const bool capped_fused = fused && fused::batched_attention_applies(q.device().is_cpu(), bf16, heads.k.size(2),
                                                                       q.size(3), p);
   if ((spec.softcap > 0 && !capped_fused) || (!fused && !spec.plain())) {

@@ -391,15 +391,23 @@ at::Tensor GptImpl::project(const at::Tensor& x) {
   return soft_cap(logits, config_.logit_softcap);  // Gemma 2
 }
 
-at::Tensor GptImpl::forward(const Batch& batch) {
-  return chain_->call("", batch.tokens, [this, batch](const at::Tensor& input) {
+namespace {
+
+// The whole model's call ("") on `batch`: embed, the blocks, then the logits,
+// or with `loss` the loss of head_loss (forward() and loss() share it).
+ForwardHooks::Forward whole_model(GptImpl* model, Batch batch, bool loss) {
+  return [model, batch = std::move(batch), loss](const at::Tensor& input) {
     Batch b = batch;
     b.tokens = input;  // as a hook around the whole model passed it on
-    at::Tensor x = embed(b);
-    for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x, b);
-    return project(x);
-  });
+    at::Tensor x = model->embed(b);
+    for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x, b);
+    return loss ? model->head_loss(x, b.targets) : model->project(x);
+  };
 }
+
+}  // namespace
+
+at::Tensor GptImpl::forward(const Batch& batch) { return chain_->call("", batch.tokens, whole_model(this, batch, false)); }
 
 at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
   const at::Tensor flat = logits.reshape({-1, logits.size(-1)}), flat_targets = targets.reshape({-1});
@@ -437,13 +445,7 @@ at::Tensor GptImpl::loss(const Batch& batch) {
   // Through "" as forward() goes, so that hooks around the whole model (ZeRO-3's root unit) see the
   // loss's computation; it returns the loss itself where the loss is chunked, else the logits.
   const bool chunked = chunks_loss(batch.tokens);
-  const at::Tensor out = chain_->call("", batch.tokens, [this, batch, chunked](const at::Tensor& input) {
-    Batch b = batch;
-    b.tokens = input;
-    at::Tensor x = embed(b);
-    for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x, b);
-    return chunked ? head_loss(x, b.targets) : project(x);
-  });
+  const at::Tensor out = chain_->call("", batch.tokens, whole_model(this, batch, chunked));
   return chunked ? out : cross_entropy(out, batch.targets);
 }
 
