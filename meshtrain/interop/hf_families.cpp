@@ -1,7 +1,9 @@
 #include "meshtrain/interop/hf_families.h"
 
 #include "meshtrain/interop/safetensors.h"
+#include "meshtrain/model/config_json.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -81,6 +83,18 @@ class Reader {
   template <typename T>
   void expect(const std::string& key, T value) {
     if (has(key) && convert<T>(c_[key], key) != value) refuse_import(where_, "\"" + key + "\": " + c_[key].dump());
+  }
+  // A key of the model's table by its Hugging Face name: required, or absent keeping what `m` holds.
+  void read(const model::ModelKey& k, model::GptConfig& m) {
+    if (!has(k.hf)) {
+      if (k.hf_required) throw FormatError(where_ + ": \"" + k.hf + "\" is missing");
+      return;
+    }
+    try {
+      model::read_json(k, c_[k.hf], m, "\"" + k.hf + "\"");
+    } catch (const std::invalid_argument& e) {
+      throw FormatError(where_ + ": " + e.what());
+    }
   }
   const json& raw(const std::string& key) {
     used_.insert(key);
@@ -236,16 +250,15 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
   Reader r(c, where);
   r.has("model_type");
   model::GptConfig m = model::GptConfig::preset("llama-tiny");
-  m.vocab_size = r.get<int64_t>("vocab_size");
-  m.context = r.get<int64_t>("max_position_embeddings");
-  m.width = r.get<int64_t>("hidden_size");
-  m.layers = r.get<int64_t>("num_hidden_layers");
-  m.heads = r.get<int64_t>("num_attention_heads");
+  // The families' defaults for the keys a config.json may leave out.
+  m.norm_eps = 1e-6;
+  m.tie_embeddings = type == "gemma2";
+  for (const model::ModelKey& k : model::model_keys()) {
+    if (!k.hf.empty()) r.read(k, m);  // the keys spelled one to one (Note [Model keys])
+  }
   m.kv_heads = r.get_or<int64_t>("num_key_value_heads", m.heads);
   if (m.kv_heads == m.heads) m.kv_heads = 0;
   m.ffn_hidden = r.get<int64_t>("intermediate_size");
-  m.norm_eps = r.get_or<double>("rms_norm_eps", 1e-6);
-  m.tie_embeddings = r.get_or<bool>("tie_word_embeddings", type == "gemma2");
   m.dropout = 0;
   const int64_t head_dim = r.get_or<int64_t>("head_dim", type == "qwen3" ? 128 : m.width / m.heads);
   if (head_dim * m.heads != m.width) m.head_size = head_dim;
@@ -298,42 +311,43 @@ model::GptConfig config_from_family(const json& c, const std::string& type, cons
 
 namespace {
 
-// The fields two configs must share to compute the same thing.
+// The model as it computes: every "0: the default" resolved, and what its
+// setting leaves unused (the scaling's parameters without scaling, the
+// experts' keys without experts, windows the context fits in) reset.
+model::GptConfig as_computed(model::GptConfig c) {
+  const model::GptConfig d;
+  c.kv_heads = c.key_value_heads();
+  c.head_size = c.head_dim();
+  c.qkv_bias = c.qkv_has_bias();
+  if (c.query_scale <= 0) c.query_scale = static_cast<double>(c.head_dim());
+  c.ffn_hidden = c.moe_blocks() < c.layers ? c.mlp_hidden() : 0;
+  if (c.sliding_window >= c.context) c.sliding_window = 0;
+  c.sliding_every = c.sliding_window == 0 ? d.sliding_every : std::min(c.sliding_every, c.layers);
+  if (c.rope_scaling == model::RopeScaling::kNone) {
+    c.rope_factor = d.rope_factor, c.rope_original_context = d.rope_original_context;
+    c.rope_low_freq_factor = d.rope_low_freq_factor, c.rope_high_freq_factor = d.rope_high_freq_factor;
+    c.rope_beta_fast = d.rope_beta_fast, c.rope_beta_slow = d.rope_beta_slow;
+    c.rope_attention_factor = d.rope_attention_factor;
+  }
+  if (c.moe()) {
+    c.moe_hidden = c.expert_hidden();
+    if (c.moe_top_k != 2) c.moe_second_expert = model::SecondExpert::kAlways;  // only top-2 has a second
+  } else {
+    c.moe_every = d.moe_every, c.moe_top_k = d.moe_top_k, c.moe_capacity_factor = d.moe_capacity_factor;
+    c.moe_second_expert = d.moe_second_expert, c.moe_hidden = d.moe_hidden, c.moe_norm_topk = d.moe_norm_topk;
+    c.moe_shared_hidden = d.moe_shared_hidden;
+  }
+  return c;
+}
+
+// The first key of the table (Note [Model keys]) whose computing value differs, as "model.key = value"; "".
 std::string first_difference(const model::GptConfig& a, const model::GptConfig& b) {
-  std::vector<std::pair<std::string, std::pair<json, json>>> fields;
-  auto field = [&](const std::string& name, auto get) { fields.push_back({name, {json(get(a)), json(get(b))}}); };
-#define MESHTRAIN_FIELD(f) field(#f, [](const model::GptConfig& c) { return c.f; })
-  MESHTRAIN_FIELD(vocab_size), MESHTRAIN_FIELD(context), MESHTRAIN_FIELD(layers), MESHTRAIN_FIELD(heads);
-  MESHTRAIN_FIELD(width), MESHTRAIN_FIELD(norm), MESHTRAIN_FIELD(position), MESHTRAIN_FIELD(mlp);
-  MESHTRAIN_FIELD(tie_embeddings), MESHTRAIN_FIELD(bias), MESHTRAIN_FIELD(rope_theta);
-  field("qkv_bias", [](const model::GptConfig& c) { return c.qkv_has_bias(); });
-  MESHTRAIN_FIELD(norm_eps), MESHTRAIN_FIELD(attention_bias), MESHTRAIN_FIELD(mlp_bias), MESHTRAIN_FIELD(qk_norm);
-  MESHTRAIN_FIELD(norm_placement), MESHTRAIN_FIELD(norm_plus_one), MESHTRAIN_FIELD(embed_scale);
-  MESHTRAIN_FIELD(attn_softcap), MESHTRAIN_FIELD(logit_softcap), MESHTRAIN_FIELD(rope_scaling);
-  MESHTRAIN_FIELD(rotary_fraction), MESHTRAIN_FIELD(moe_experts);
-  field("kv_heads", [](const model::GptConfig& c) { return c.key_value_heads(); });
-  if (a.moe_blocks() < a.layers) field("ffn_hidden", [](const model::GptConfig& c) { return c.mlp_hidden(); });
-  field("head_size", [](const model::GptConfig& c) { return c.head_dim(); });
-  field("query_scale", [](const model::GptConfig& c) { return c.query_scale > 0 ? c.query_scale : double(c.head_dim()); });
-  for (int64_t i = 0; i < a.layers; ++i) {
-    field("sliding_window", [i](const model::GptConfig& c) { return c.window_of(i) < c.context ? c.window_of(i) : 0; });
+  const model::GptConfig x = as_computed(a), y = as_computed(b);
+  for (const model::ModelKey& k : model::model_keys()) {
+    if (k.computes && k.stored != model::ModelKey::Stored::kNotStored && model::differs(k, x, y)) {
+      return "model." + k.key.name + " = " + k.key.show(x);
+    }
   }
-  if (a.rope_scaling != model::RopeScaling::kNone) {
-    MESHTRAIN_FIELD(rope_factor), MESHTRAIN_FIELD(rope_original_context), MESHTRAIN_FIELD(rope_low_freq_factor);
-    MESHTRAIN_FIELD(rope_high_freq_factor), MESHTRAIN_FIELD(rope_beta_fast), MESHTRAIN_FIELD(rope_beta_slow);
-    MESHTRAIN_FIELD(rope_attention_factor);
-  }
-  if (a.moe()) {
-    MESHTRAIN_FIELD(moe_every), MESHTRAIN_FIELD(moe_top_k), MESHTRAIN_FIELD(moe_norm_topk);
-    MESHTRAIN_FIELD(moe_shared_hidden);
-    field("moe_hidden", [](const model::GptConfig& c) { return c.expert_hidden(); });
-  }
-#undef MESHTRAIN_FIELD
-  for (const auto& [name, values] : fields) {
-    if (values.first != values.second) return "model." + name + " = " + values.first.dump();
-  }
-  if (a.moe() && a.moe_capacity_factor != 0) return "model.moe_capacity_factor = " + std::to_string(a.moe_capacity_factor);
-  if (a.moe() && a.moe_top_k == 2 && a.moe_second_expert != model::SecondExpert::kAlways) return "model.moe_second_expert = \"random\"";
   return "";
 }
 
@@ -382,16 +396,17 @@ json family_config(const model::GptConfig& c, const std::string& type, const std
       {"qwen3", "Qwen3ForCausalLM"},     {"mixtral", "MixtralForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"},
       {"gemma2", "Gemma2ForCausalLM"},   {"phi3", "Phi3ForCausalLM"},       {"olmo2", "Olmo2ForCausalLM"}};
   const int64_t intermediate = type == "mixtral" ? c.expert_hidden() : c.mlp_hidden();  // Mixtral: experts only
-  json j = {{"architectures", {classes.at(type)}}, {"model_type", type}, {"vocab_size", c.vocab_size},
-            {"max_position_embeddings", c.context}, {"hidden_size", c.width}, {"intermediate_size", intermediate},
-            {"num_hidden_layers", c.layers}, {"num_attention_heads", c.heads},
-            {"num_key_value_heads", c.key_value_heads()}, {"head_dim", c.head_dim()}, {"rms_norm_eps", c.norm_eps},
-            {"rope_parameters", rope_json(c)}, {"tie_word_embeddings", c.tie_embeddings},
+  json j = {{"architectures", {classes.at(type)}}, {"model_type", type}, {"intermediate_size", intermediate},
+            {"num_key_value_heads", c.key_value_heads()}, {"head_dim", c.head_dim()},
+            {"rope_parameters", rope_json(c)},
             // transformers 4 reads these instead of rope_parameters.
             {"rope_theta", c.rope_theta}, {"rope_scaling", scaling_json(c)},
             {"initializer_range", 0.02}, {"torch_dtype", torch_dtype}, {"attention_dropout", 0.0},
             // Token ids are the tokenizer's business; a family's default one may lie outside a small vocabulary.
             {"pad_token_id", nullptr}};
+  for (const model::ModelKey& k : model::model_keys()) {
+    if (!k.hf.empty()) j[k.hf] = model::json_of(k, c);  // the keys spelled one to one (Note [Model keys])
+  }
   if (c.rotary_fraction != 1.0) j["partial_rotary_factor"] = c.rotary_fraction;  // transformers 4
   if (type == "gemma2") {
     j["hidden_activation"] = "gelu_pytorch_tanh";

@@ -8,8 +8,6 @@
 
 namespace meshtrain::model {
 
-namespace {
-
 using config::Kind;
 using config::Value;
 using Stored = ModelKey::Stored;
@@ -24,14 +22,13 @@ nlohmann::json json_of(const ModelKey& k, const GptConfig& c) {
   }
 }
 
-// The key's value from its JSON; throws std::invalid_argument naming it when the type is wrong.
-void read(const ModelKey& k, const nlohmann::json& j, GptConfig& c) {
+void read_json(const ModelKey& k, const nlohmann::json& j, GptConfig& c, const std::string& named) {
   Value v;
   const bool ok = k.key.kind == Kind::kInt     ? j.is_number_integer()
                   : k.key.kind == Kind::kFloat ? j.is_number()
                   : k.key.kind == Kind::kBool  ? j.is_boolean()
                                                : j.is_string();
-  if (!ok) throw std::invalid_argument("model config: " + k.json + " = " + j.dump() + " must be " + config::kind_name(k.key.kind));
+  if (!ok) throw std::invalid_argument(named + " = " + j.dump() + " must be " + config::kind_name(k.key.kind));
   switch (k.key.kind) {
     case Kind::kInt: v.i = j.get<int64_t>(); break;
     case Kind::kFloat: v.f = j.get<double>(); break;
@@ -40,6 +37,8 @@ void read(const ModelKey& k, const nlohmann::json& j, GptConfig& c) {
   }
   k.key.set(c, v);
 }
+
+namespace {
 
 // The keys of Note [Model families] that differ from their defaults.
 nlohmann::json family_keys(const GptConfig& c) {
@@ -103,7 +102,7 @@ GptConfig config_from_json(const std::string& text) {
     if (expert && !j.contains("moe")) continue;
     const nlohmann::json& where = expert ? j.at("moe") : j;
     if (where.contains(k.json)) {
-      read(k, where.at(k.json), c);
+      read_json(k, where.at(k.json), c, "model config: " + k.json);
     } else if (k.stored == Stored::kRequired || k.stored == Stored::kExperts) {
       throw std::invalid_argument("model config: " + std::string(expert ? "moe." : "") + k.json + " is missing");
     }

@@ -23,19 +23,35 @@ ModelKey entry(std::string name_in_toml, std::string help, Stored stored, std::s
   const std::string stored_as = json.empty() ? name_in_toml : json;
   if constexpr (std::is_enum_v<T>) {
     return ModelKey{config::enum_key<GptConfig>("model", std::move(name_in_toml), std::move(help), names(T{}), access),
-                    stored, stored_as, [access](const GptConfig& c) {
+                    stored, stored_as,
+                    [access](const GptConfig& c) {
                       Value v;
                       v.s = name(access(const_cast<GptConfig&>(c)));
                       return v;
-                    }};
+                    },
+                    "", false, true};
   } else {
     return ModelKey{config::key<GptConfig>("model", std::move(name_in_toml), std::move(help), access), stored,
-                    stored_as, [access](const GptConfig& c) {
+                    stored_as,
+                    [access](const GptConfig& c) {
                       Value v;
                       put(v, access(const_cast<GptConfig&>(c)));
                       return v;
-                    }};
+                    },
+                    "", false, true};
   }
+}
+
+// The key as Hugging Face's config.json names it (Note [Model keys]).
+ModelKey hf(ModelKey k, std::string name, bool required) {
+  k.hf = std::move(name);
+  k.hf_required = required;
+  return k;
+}
+// A key that shapes training, not what the model computes.
+ModelKey training_only(ModelKey k) {
+  k.computes = false;
+  return k;
 }
 
 #define MESHTRAIN_MODEL_MEMBER(field) [](GptConfig& c) -> auto& { return c.field; }
@@ -44,25 +60,25 @@ ModelKey entry(std::string name_in_toml, std::string help, Stored stored, std::s
 
 std::vector<ModelKey> build() {
   return {
-      MODEL_KEY(layers, kRequired, "transformer blocks"),
-      MODEL_KEY(heads, kRequired, "attention heads (must divide width)"),
-      MODEL_KEY(width, kRequired, "model dimension"),
+      hf(MODEL_KEY(layers, kRequired, "transformer blocks"), "num_hidden_layers", true),
+      hf(MODEL_KEY(heads, kRequired, "attention heads (must divide width)"), "num_attention_heads", true),
+      hf(MODEL_KEY(width, kRequired, "model dimension"), "hidden_size", true),
       MODEL_KEY(kv_heads, kAlways, "key/value heads for grouped-query attention (0: as many as heads)"),
       MODEL_KEY(ffn_hidden, kAlways, "the MLP's hidden size (0: 4 x width for gelu, 8/3 x width for swiglu)"),
       MODEL_KEY(rope_theta, kAlways, "rotary position base"),
-      MODEL_KEY(norm_eps, kAlways, "epsilon of the norms"),
+      hf(MODEL_KEY(norm_eps, kAlways, "epsilon of the norms"), "rms_norm_eps", false),
       MODEL_KEY(fused, kNotStored,
                 "fused CPU kernels for norms, GELU/SwiGLU, RoPE, cross-entropy (false: reference ATen operators)"),
       MODEL_KEY(chunked_loss, kNotStored,
                 "output projection and cross-entropy over chunks of rows: no [tokens, vocabulary] logits "
                 "(false: the logits whole)"),
-      MODEL_KEY(context, kRequired, "sequence length in tokens"),
-      MODEL_KEY(vocab_size, kRequired, "vocabulary (the byte tokenizer needs 256)"),
-      MODEL_KEY(dropout, kRequired, "dropout probability"),
+      hf(MODEL_KEY(context, kRequired, "sequence length in tokens"), "max_position_embeddings", true),
+      hf(MODEL_KEY(vocab_size, kRequired, "vocabulary (the byte tokenizer needs 256)"), "vocab_size", true),
+      training_only(MODEL_KEY(dropout, kRequired, "dropout probability")),
       MODEL_KEY(norm, kRequired, "\"layernorm\" or \"rmsnorm\""),
       MODEL_KEY(position, kRequired, "\"learned\" or \"rope\""),
       MODEL_KEY(mlp, kRequired, "\"gelu\", \"swiglu\" or \"geglu\""),
-      MODEL_KEY(tie_embeddings, kRequired, "LM head shares the token embedding"),
+      hf(MODEL_KEY(tie_embeddings, kRequired, "LM head shares the token embedding"), "tie_word_embeddings", false),
       MODEL_KEY(bias, kRequired, "biases in linear layers and norms"),
       MODEL_KEY(qkv_bias, kAlways, "biases on the attention's q, k and v projections alone (Qwen2)"),
       EXPERT_KEY(moe_experts, "experts", kExperts, "experts per mixture-of-experts block (0: dense)"),
@@ -72,8 +88,8 @@ std::vector<ModelKey> build() {
                  "capacity = ceil(tokens x top_k x factor / experts); 0: dropless"),
       EXPERT_KEY(moe_second_expert, "second_expert", kExperts,
                  "top_k 2: \"random\" (kept with probability min(1, 2 x gate), GShard) or \"always\""),
-      EXPERT_KEY(moe_aux_loss, "aux_loss", kExperts, "load-balancing loss weight (Switch's alpha)"),
-      EXPERT_KEY(moe_z_loss, "z_loss", kExperts, "router z-loss weight"),
+      training_only(EXPERT_KEY(moe_aux_loss, "aux_loss", kExperts, "load-balancing loss weight (Switch's alpha)")),
+      training_only(EXPERT_KEY(moe_z_loss, "z_loss", kExperts, "router z-loss weight")),
       EXPERT_KEY(moe_hidden, "hidden", kExperts, "an expert's hidden size (0: the dense MLP's)"),
       EXPERT_KEY(moe_norm_topk, "norm_topk", kExpertsOptional,
                  "top_k >= 2: the chosen gates renormalised to sum 1 (false: softmax probabilities, Qwen2-MoE)"),

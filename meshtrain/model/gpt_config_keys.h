@@ -1,6 +1,7 @@
 // The model's keys, listed once (Note [Model keys]): the TOML [model] section
-// and --help, the checkpoint's JSON, the fingerprint's family part and the
-// federated [model] section all derive from this table.
+// and --help, the checkpoint's JSON, the fingerprint's family part, the
+// federated [model] section and the Hugging Face config's plain keys all
+// derive from this table.
 #pragma once
 
 #include "meshtrain/model/gpt_config.h"
@@ -24,6 +25,15 @@ namespace meshtrain::model {
 // written only where they differ from the default, so that a plain model's
 // JSON, and its fingerprint, are what they were. Adding a knob is: the field,
 // its line here, its rule in GptConfig::validate.
+//
+// A key the Llama-style families' config.json holds under a name of its own
+// with the same value carries that name (`hf`): import reads it and export
+// writes it from the table. The keys Hugging Face spells another way (kv_heads
+// 0 for "as many as heads", the rope parameters, windows per layer, the
+// experts' sizes) or only some families carry are written out in
+// interop/hf_families.cpp. Whether an exported model reads back as the same
+// model is asked of every key here that changes what it computes (`computes`:
+// not dropout or the router's training losses).
 struct ModelKey {
   enum class Stored {
     kRequired,   // written always, required on reading (the format's first keys)
@@ -37,6 +47,9 @@ struct ModelKey {
   Stored stored;
   std::string json;            // its name in the JSON (under "moe" for the experts' keys)
   std::function<config::Value(const GptConfig&)> get;
+  std::string hf;            // its name in a Llama-style config.json ("": none, or not one to one)
+  bool hf_required = false;  // config.json must hold it (else: absent keeps the family's default)
+  bool computes = true;      // false: it shapes training only (dropout, the router's losses)
 };
 
 // Every key, in the order --help lists them.
