@@ -2,6 +2,7 @@
 // and the adapters in and out of PEFT's format. See Note [LoRA].
 #pragma once
 
+#include "meshtrain/model/adapter.h"
 #include "meshtrain/model/gpt.h"
 
 #include <torch/torch.h>
@@ -39,10 +40,12 @@ struct LoraConfig {
 // The targets LoRA knows, in the order adapters are made.
 const std::vector<std::string>& lora_targets();
 
-// One adapter: x -> scale·B·A·x, A [rank, in], B [out, rank].
-class LoraAdapterImpl : public torch::nn::Module {
+// One adapter: x -> scale·B·A·x, A [rank, in], B [out, rank] (Note [Adapters]).
+class LoraAdapterImpl : public LinearAdapter {
  public:
   LoraAdapterImpl(int64_t in, int64_t out, int64_t rank);
+  const char* input_factor() const override { return "A"; }
+  const char* output_factor() const override { return "B"; }
   at::Tensor A, B;
 };
 TORCH_MODULE(LoraAdapter);
@@ -51,18 +54,15 @@ TORCH_MODULE(LoraAdapter);
 bool is_lora_parameter(const std::string& name);
 
 // Note [LoRA]
-// apply_lora registers an adapter under each targeted linear, named
-// lora_<target> ("blocks.N.attn.qkv.lora_q", "blocks.N.mlp.down.lora_down"),
-// so it lives in its block (pipeline stages, fully sharded units and
-// activation checkpointing take it with the block), and freezes every other
-// parameter (requires_grad false: no gradient, no optimizer state). A is
-// drawn as PEFT draws it (uniform, ±1/sqrt(in), from the seed), B is zero, so
-// training starts from the base model exactly. A forward hook on the linear's
-// call site (Note [Forward hooks]) adds scale·B·A·dropout(x) to its output;
-// installed before any parallelism, it is the innermost hook, so tensor
-// parallel sees the adapted linear as one linear: a column-parallel base
-// splits B by rows (A whole, its gradient summed over the group), a
-// row-parallel base splits A by columns (B whole, likewise). q, k and v share
+// apply_lora registers an adapter (Note [Adapters]) under each targeted
+// linear, named lora_<target> ("blocks.N.attn.qkv.lora_q",
+// "blocks.N.mlp.down.lora_down": the names PEFT's files map to), and freezes
+// every other parameter. A is drawn as PEFT draws it (uniform, ±1/sqrt(in),
+// from the seed), B is zero, so training starts from the base model exactly.
+// A forward hook on the linear's call site (Note [Forward hooks]) adds
+// scale·B·A·dropout(x) to its output; installed before any parallelism, it is
+// the innermost hook, so tensor parallel sees the adapted linear as one
+// linear and splits A or B with it (Note [Adapters]). q, k and v share
 // the fused qkv: their three updates are laid out as its outputs are (Note
 // [Grouped-query layout]), so their B's split with the heads. Mixture-of-
 // experts blocks take adapters on attention only. With base_dtype bfloat16

@@ -1,5 +1,6 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 
+#include "meshtrain/model/adapter.h"
 #include "meshtrain/parallel/parallel_spec.h"
 
 #include <cmath>
@@ -109,7 +110,7 @@ struct TensorParallel::Hooks : model::ForwardHooks {
   std::vector<TensorParallelRule> plan;
   std::unordered_map<std::string, at::Tensor> weights, biases;  // by module name
   std::unordered_map<std::string, Site> sites;                  // by call-site name, filled on first use
-  std::set<std::string> adapted;  // linears carrying LoRA adapters (Note [LoRA])
+  std::set<std::string> adapted;  // linears carrying adapters (Note [Adapters])
   int64_t vocab_start = 0;
   bool split_head = false;
 
@@ -265,19 +266,20 @@ TensorParallel::TensorParallel(model::Gpt model, CommPtr comm, const TensorParal
         break;
     }
     if (rule->style == Style::kColwise || rule->style == Style::kRowwise) {
-      // LoRA adapters (Note [LoRA]): B splits as a column-parallel weight's
-      // rows, A as a row-parallel weight's columns; the other factor is whole
-      // on every rank and its gradient a partial sum.
-      for (const auto& child : module.named_children()) {
-        if (child.key().rfind("lora_", 0) != 0) continue;
-        auto factors = child.value()->named_parameters(/*recurse=*/false);
-        const std::string adapter = prefix + child.key() + ".";
+      // Adapters split with their linear (Note [Adapters]): the output factor
+      // as a column-parallel weight's rows, the input factor as a row-parallel
+      // weight's columns; the other factor is whole, its gradient a partial sum.
+      for (const auto& [child, adapter] : model::adapters_of(module)) {
+        auto factors = adapter->named_parameters(/*recurse=*/false);
+        at::Tensor& in = *factors.find(adapter->input_factor());
+        at::Tensor& out = *factors.find(adapter->output_factor());
+        const std::string named = prefix + child + ".";
         if (rule->style == Style::kColwise) {
-          set_split(adapter + "B", *factors.find("B"), 0, 1);
-          reduce_gradient(*factors.find("A"));
+          set_split(named + adapter->output_factor(), out, 0, 1);
+          reduce_gradient(in);
         } else {
-          set_split(adapter + "A", *factors.find("A"), 1, 1);
-          reduce_gradient(*factors.find("B"));
+          set_split(named + adapter->input_factor(), in, 1, 1);
+          reduce_gradient(out);
         }
         hooks_->adapted.insert(name);
       }
