@@ -118,6 +118,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
  protected:
   Communicator(int rank, int size, std::string name, CommOptions options);
+  static void run_locally(const Op& op);  // a collective of one rank (Note [One-rank communicators])
 
   // Runs a validated op asynchronously, in issue order.
   virtual Work submit(Op op) = 0;
@@ -132,7 +133,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   Op prepare(Op op);  // numbers the op and counts it in stats
   Work issue(Op op);
-  static void run_locally(const Op& op);  // see Note [One-rank communicators]
   void check_tensor(const at::Tensor& t, const char* what, bool reduce, const Op& op) const;
   void check_counts(const std::vector<int64_t>& counts, int64_t rows, const char* what, const Op& op) const;
   void check_peer(int peer, const char* what, const Op& op) const;

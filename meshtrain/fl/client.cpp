@@ -212,10 +212,10 @@ class Participant {
     if (task.model_json() != model_json_) {
       model_json_ = task.model_json();
       const model::GptConfig config = model::config_from_json(model_json_);
-      model_ = model::Gpt(config, 0);
+      engine_ = client_engine(model::Gpt(config, 0));
       sampler_ = std::make_unique<train::Sampler>(file_, config.context, client_sampler_seed(o_.id));
     }
-    std::vector<at::Tensor> params = parameters_of(*model_);
+    std::vector<at::Tensor> params = parameters_of(*engine_->parts().model);
     if (static_cast<size_t>(task.weights_size()) != params.size())
       throw ClientError("the server sent " + std::to_string(task.weights_size()) + " tensors for a model of " +
                         std::to_string(params.size()));
@@ -232,9 +232,9 @@ class Participant {
     const wire::FitConfig& fit = task.fit();
     const CompressionSpec spec = CompressionSpec::from_wire(fit.compression());
     std::vector<std::vector<int64_t>> shapes;
-    for (const auto& p : parameters_of(*model_)) shapes.push_back(p.sizes().vec());
+    for (const auto& p : parameters_of(*engine_->parts().model)) shapes.push_back(p.sizes().vec());
     const std::vector<Structure> structures = round_structures(spec, shapes, fit.seed());
-    LocalFit local = fit_locally(*model_, *sampler_, fit, structures);
+    LocalFit local = fit_locally(*engine_, *sampler_, fit, structures);
     // The server's bound, kept here too; under distributed DP, this client's share of the noise.
     if (fit.clip_norm() > 0) clip_update(local.payloads, fit.clip_norm());
     add_gaussian_noise(local.payloads, fit.noise_stddev());
@@ -262,7 +262,7 @@ class Participant {
   std::unique_ptr<train::Sampler> sampler_;
   at::Generator rng_;
   std::string model_json_;
-  model::Gpt model_{nullptr};
+  std::unique_ptr<parallel::StepEngine> engine_;  // the model and its local steps (fit_locally)
   std::unique_ptr<secagg::ClientSession> secure_;
   std::unique_ptr<grpc::ClientContext> presence_context_;
   std::thread presence_;

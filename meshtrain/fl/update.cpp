@@ -1,5 +1,6 @@
 #include "meshtrain/fl/update.h"
 
+#include "meshtrain/comm/backend/self/self_communicator.h"
 #include "meshtrain/offload/cpu_adam.h"
 
 #include <cstring>
@@ -28,8 +29,14 @@ uint64_t sketch_seed(uint64_t round_seed, uint32_t index, const std::string& cli
   return shared ? base : mix_seed(base, client_hash(client_id));
 }
 
-LocalFit fit_locally(model::GptImpl& model, train::Sampler& sampler, const wire::FitConfig& fit,
+std::unique_ptr<parallel::StepEngine> client_engine(model::Gpt model) {
+  return std::make_unique<parallel::StepEngine>(
+      parallel::parallelize(std::move(model), comm::SelfCommunicator::create("client"), parallel::ParallelizeOptions{}));
+}
+
+LocalFit fit_locally(parallel::StepEngine& engine, train::Sampler& sampler, const wire::FitConfig& fit,
                      const std::vector<Structure>& structures) {
+  model::GptImpl& model = *engine.parts().model;
   std::vector<at::Tensor> params = parameters_of(model);
   std::vector<at::Tensor> start, payloads, m, v;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -52,10 +59,8 @@ LocalFit fit_locally(model::GptImpl& model, train::Sampler& sampler, const wire:
   model.train();
   for (uint32_t k = 0; k < fit.local_steps(); ++k) {
     auto [inputs, targets] = sampler.rows(static_cast<int64_t>(fit.data_offset()) + int64_t{k} * fit.batch(), fit.batch());
-    model.zero_grad();
-    at::Tensor loss = model.loss(inputs, targets);
-    loss.backward();
-    loss_sum += loss.item<double>();
+    engine.zero_grad();
+    loss_sum += engine.forward_backward({model::Batch(inputs, targets)});
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       at::Tensor grad = params[i].grad().defined() ? params[i].grad() : at::zeros_like(params[i]);

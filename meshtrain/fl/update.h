@@ -6,10 +6,12 @@
 #include "meshtrain/fl/codec.h"
 #include "meshtrain/fl/federation.pb.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/step_engine.h"
 #include "meshtrain/train/data.h"
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,13 +29,17 @@ struct LocalFit {
   std::vector<at::Tensor> payloads;  // per parameter, the trained vector (Note [Update encoding])
   double mean_loss = 0;
 };
-// Trains `model` from its current weights (the round's global model) for
-// fit.local_steps() steps of fit.batch() sequences, sequence positions
-// fit.data_offset() + k·batch of `sampler`, optimising each parameter's
-// payload (SGD or AdamW without decay, fresh each round) with FedProx's
-// μ/2·‖w - w_global‖² when prox_mu > 0. Leaves the trained weights in `model`.
-LocalFit fit_locally(model::GptImpl& model, train::Sampler& sampler, const wire::FitConfig& fit,
+// Trains the engine's model from its current weights (the round's global
+// model) for fit.local_steps() steps of fit.batch() sequences, sequence
+// positions fit.data_offset() + k·batch of `sampler`: each step's forward and
+// backward through the step engine (a client's is one rank, Note [Self
+// communicator]), then each parameter's payload optimised (SGD or the one
+// AdamW without decay, fresh each round) with FedProx's μ/2·‖w - w_global‖²
+// when prox_mu > 0. Leaves the trained weights in the model.
+LocalFit fit_locally(parallel::StepEngine& engine, train::Sampler& sampler, const wire::FitConfig& fit,
                      const std::vector<Structure>& structures);
+// The step engine a client trains with: `model` on a one-rank world, no parallelism.
+std::unique_ptr<parallel::StepEngine> client_engine(model::Gpt model);
 
 std::vector<wire::EncodedTensor> encode_update(const std::vector<at::Tensor>& payloads, const CompressionSpec& spec,
                                                uint64_t round_seed, const std::string& client_id, bool shared_seeds,
