@@ -72,79 +72,113 @@ at::Tensor pick_next(at::Tensor logits, const SampleOptions& options, at::Genera
   return at::multinomial(at::softmax(logits, -1), 1, false, generator);
 }
 
-at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options) {
-  options.validate();
+std::vector<at::Tensor> decode(Gpt& model, Decoder& decoder, int64_t rows, const SampleOptions& options) {
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
   model->eval();
-  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
-  const int64_t context = model->config().context;
-  at::Tensor sequence = prompt.numel() ? prompt.to(at::kLong).view({1, -1}) : at::zeros({1, 1}, at::kLong);
-  const int64_t start = prompt.numel() ? sequence.size(1) : 1;
-  std::optional<CacheScope> scope;
-  if (options.kv_cache) scope.emplace(model, options);
-  if (scope) scope->cache().set_rolling(true);  // one sequence: windowed blocks keep only their window
-  // The logits after the last `context` tokens: from the cache while the
-  // sequence fits, else (a sliding window) a forward over the window.
-  auto last_logits = [&](bool fresh) {
-    at::Tensor logits;
-    if (scope && !fresh && scope->cache().length() < context) {
-      logits = model->forward(scope->cache().next(sequence.narrow(1, sequence.size(1) - 1, 1))).select(1, 0);
-    } else {
-      if (scope) scope->cache().clear();
-      const int64_t t = std::min(context, sequence.size(1));
-      const at::Tensor window = sequence.narrow(1, sequence.size(1) - t, t);
-      logits = model->forward(scope ? scope->cache().next(window) : Batch(window)).select(1, t - 1);
-    }
-    return options.full_vocabulary ? options.full_vocabulary(logits) : logits;
-  };
+  std::vector<at::Generator> generators;
+  for (int64_t r = 0; r < rows; ++r) generators.push_back(at::make_generator<at::CPUGeneratorImpl>(options.seed));
+  auto whole = [&](const at::Tensor& logits) { return options.full_vocabulary ? options.full_vocabulary(logits) : logits; };
+  at::Tensor logits = whole(decoder.prefill(model));
+  std::vector<std::vector<at::Tensor>> picked(rows);
   for (int64_t i = 0; i < options.tokens; ++i) {
-    const at::Tensor next = pick_next(last_logits(i == 0), options, generator);
-    sequence = at::cat({sequence, next}, 1);
-    if (options.on_token && !options.on_token(next.item<int64_t>())) break;
+    std::vector<at::Tensor> next;
+    for (int64_t r = 0; r < rows; ++r) {
+      next.push_back(pick_next(logits.narrow(0, r, 1), options, generators[r]).cpu());
+      picked[r].push_back(next.back().view({1}));
+    }
+    if (options.on_token && !options.on_token(next.front().item<int64_t>())) break;
+    if (i + 1 < options.tokens) logits = whole(decoder.next(model, at::cat(next, 0)));
   }
   model->train(was_training);
-  return sequence.narrow(1, start, sequence.size(1) - start).view({-1});
+  std::vector<at::Tensor> out;
+  for (auto& row : picked) out.push_back(row.empty() ? at::empty({0}, at::kLong) : at::cat(row));
+  return out;
+}
+
+namespace {
+
+// One sequence (Note [Decode loop]): the cache rolls in windowed blocks; once
+// the sequence outgrows the context, or without a cache, each token is a
+// forward over the last `context` tokens.
+class SequenceDecoder final : public Decoder {
+ public:
+  SequenceDecoder(Gpt& model, const at::Tensor& prompt, const SampleOptions& options)
+      : sequence_(prompt.numel() ? prompt.to(at::kLong).view({1, -1}) : at::zeros({1, 1}, at::kLong)),
+        context_(model->config().context) {
+    if (!options.kv_cache) return;
+    scope_.emplace(model, options);
+    scope_->cache().set_rolling(true);  // one sequence: windowed blocks keep only their window
+  }
+  at::Tensor prefill(Gpt& model) override { return window(model); }
+  at::Tensor next(Gpt& model, const at::Tensor& tokens) override {
+    sequence_ = at::cat({sequence_, tokens}, 1);
+    if (!scope_ || scope_->cache().length() >= context_) return window(model);
+    return model->forward(scope_->cache().next(tokens)).select(1, 0);
+  }
+
+ private:
+  // The logits after the last `context` tokens by a fresh forward over them.
+  at::Tensor window(Gpt& model) {
+    if (scope_) scope_->cache().clear();
+    const int64_t t = std::min(context_, sequence_.size(1));
+    const at::Tensor tokens = sequence_.narrow(1, sequence_.size(1) - t, t);
+    return model->forward(scope_ ? scope_->cache().next(tokens) : Batch(tokens)).select(1, t - 1);
+  }
+
+  at::Tensor sequence_;  // [1, n]: the prompt and every token since
+  int64_t context_;
+  std::optional<CacheScope> scope_;
+};
+
+// Prompts of any lengths, left-padded into one batch with the KV cache.
+class PaddedDecoder final : public Decoder {
+ public:
+  PaddedDecoder(Gpt& model, const std::vector<at::Tensor>& prompts, const SampleOptions& options)
+      : scope_(model, options) {
+    int64_t longest = 1;
+    for (const at::Tensor& p : prompts) longest = std::max<int64_t>(longest, p.numel());
+    if (longest + options.tokens > model->config().context) {
+      throw std::invalid_argument("generate_batch: the longest prompt (" + std::to_string(longest) + ") and " +
+                                  std::to_string(options.tokens) + " new tokens exceed the context " +
+                                  std::to_string(model->config().context));
+    }
+    // An empty prompt is a single 0 token, as in generate().
+    tokens_ = at::zeros({static_cast<int64_t>(prompts.size()), longest}, at::kLong);
+    std::vector<int64_t> pads;
+    for (size_t r = 0; r < prompts.size(); ++r) {
+      const at::Tensor p = prompts[r].numel() ? prompts[r].to(at::kLong).view({-1}) : at::zeros({1}, at::kLong);
+      pads.push_back(longest - p.numel());
+      tokens_[static_cast<int64_t>(r)].narrow(0, pads.back(), p.numel()).copy_(p);
+    }
+    scope_.cache().set_padding(pads);
+  }
+  at::Tensor prefill(Gpt& model) override {
+    return model->forward(scope_.cache().next(tokens_)).select(1, tokens_.size(1) - 1);
+  }
+  at::Tensor next(Gpt& model, const at::Tensor& tokens) override {
+    return model->forward(scope_.cache().next(tokens)).select(1, 0);
+  }
+
+ private:
+  CacheScope scope_;
+  at::Tensor tokens_;  // [B, longest]: the prompts, left-padded
+};
+
+}  // namespace
+
+at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options) {
+  options.validate();
+  SequenceDecoder decoder(model, prompt, options);
+  return decode(model, decoder, 1, options).front();
 }
 
 std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>& prompts, const SampleOptions& options) {
   options.validate();
   if (prompts.empty()) return {};
   torch::NoGradGuard no_grad;
-  const bool was_training = model->is_training();
-  model->eval();
-  const int64_t b = static_cast<int64_t>(prompts.size());
-  int64_t longest = 1;
-  for (const at::Tensor& p : prompts) longest = std::max<int64_t>(longest, p.numel());
-  if (longest + options.tokens > model->config().context) {
-    throw std::invalid_argument("generate_batch: the longest prompt (" + std::to_string(longest) + ") and " +
-                                std::to_string(options.tokens) + " new tokens exceed the context " +
-                                std::to_string(model->config().context));
-  }
-  // Left-padded prompts; an empty prompt is a single 0 token, as in generate().
-  at::Tensor tokens = at::zeros({b, longest}, at::kLong);
-  std::vector<int64_t> pads;
-  for (int64_t r = 0; r < b; ++r) {
-    const at::Tensor p = prompts[r].numel() ? prompts[r].to(at::kLong).view({-1}) : at::zeros({1}, at::kLong);
-    pads.push_back(longest - p.numel());
-    tokens[r].narrow(0, pads.back(), p.numel()).copy_(p);
-  }
-  std::vector<at::Generator> generators;
-  for (int64_t r = 0; r < b; ++r) generators.push_back(at::make_generator<at::CPUGeneratorImpl>(options.seed));
-  CacheScope scope(model, options);
-  scope.cache().set_padding(pads);
-  auto whole = [&](const at::Tensor& logits) { return options.full_vocabulary ? options.full_vocabulary(logits) : logits; };
-  at::Tensor logits = whole(model->forward(scope.cache().next(tokens)).select(1, longest - 1));
-  std::vector<at::Tensor> out(b);
-  for (int64_t i = 0; i < options.tokens; ++i) {
-    std::vector<at::Tensor> next;
-    for (int64_t r = 0; r < b; ++r) next.push_back(pick_next(logits.narrow(0, r, 1), options, generators[r]));
-    const at::Tensor step = at::cat(next, 0);  // [B, 1]
-    for (int64_t r = 0; r < b; ++r) out[r] = out[r].defined() ? at::cat({out[r], next[r].view({1})}) : next[r].view({1});
-    if (i + 1 < options.tokens) logits = whole(model->forward(scope.cache().next(step)).select(1, 0));
-  }
-  model->train(was_training);
-  return out;
+  PaddedDecoder decoder(model, prompts, options);
+  return decode(model, decoder, static_cast<int64_t>(prompts.size()), options);
 }
 
 }  // namespace meshtrain::model

@@ -46,6 +46,28 @@ struct SampleOptions {
 // sampling]). Throws std::runtime_error when a row's logits are not finite.
 at::Tensor pick_next(at::Tensor logits, const SampleOptions& options, at::Generator& generator);
 
+// Note [Decode loop]
+// One loop samples every generation but the server's: a Decoder says where
+// the keys and values live and gives the logits after the prompt, then after
+// each batch of new tokens; the loop samples each row with its own generator
+// (seeded alike from options.seed), gathers a split vocabulary, and stops at
+// options.tokens or when on_token says so. The decoders: one sequence with a
+// KV cache that rolls in windowed blocks (and a full forward over the last
+// `context` tokens once the sequence outgrows it, or without a cache),
+// left-padded prompts in one batch, and the cache split over a
+// context-parallel group (parallel/context_parallel_generate.h). The server's
+// batch engine keeps a loop of its own (docs/inference.md says why).
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  // The last position's logits [B, V'] after the prompts.
+  virtual at::Tensor prefill(Gpt& model) = 0;
+  // The logits [B, V'] after `tokens` [B, 1], the newest of each row.
+  virtual at::Tensor next(Gpt& model, const at::Tensor& tokens) = 0;
+};
+// The new tokens of each of `rows` rows: up to options.tokens each (Note [Decode loop]).
+std::vector<at::Tensor> decode(Gpt& model, Decoder& decoder, int64_t rows, const SampleOptions& options);
+
 // Extends `prompt` (int64 token ids, 1-D) by up to options.tokens sampled
 // tokens and returns only the new ones. Deterministic for a seed.
 at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options);

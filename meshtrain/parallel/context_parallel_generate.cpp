@@ -2,7 +2,6 @@
 
 #include "meshtrain/comm/agree.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -131,6 +130,54 @@ at::Tensor ContextParallelCache::decode_attention(Layer& layer, const model::Qkv
   return (outs * at::exp(lses - total)).sum(0).reshape({b, heads, 1, d}).to(h.q.scalar_type());
 }
 
+namespace {
+
+// The cache split over the cp group as a decode loop's decoder (Note [Decode loop]): the prompt but its
+// last token prefilled by ring attention, then every token decoded at its position.
+class SplitCacheDecoder final : public model::Decoder {
+ public:
+  SplitCacheDecoder(const std::shared_ptr<comm::Communicator>& cp, const at::Tensor& sequence)
+      : cp_(cp), cache_(cp), sequence_(sequence) {}
+  ContextParallelCache& cache() { return cache_; }
+
+  at::Tensor prefill(model::Gpt& model) override {
+    attached_ = cache_.attach(*model);
+    device_ = model->parameters().front().device();
+    const int64_t length = sequence_.size(0), context = model->config().context;
+    // All but the last prompt token, padded at the end to a multiple of 2·cp.
+    const int64_t prefix = length - 1, chunk = 2 * cp_->size();
+    if (prefix > 0) {
+      const int64_t padded = (prefix + chunk - 1) / chunk * chunk;
+      at::Tensor tokens = at::zeros({1, padded}, at::kLong);
+      tokens.narrow(1, 0, prefix).copy_(sequence_.narrow(0, 0, prefix).view({1, -1}));
+      const at::Tensor rows = zigzag_positions(padded, cp_->size(), cp_->rank());
+      const model::Batch batch = cache_.prefill(tokens.index_select(1, rows), rows, prefix, context).to(device_);
+      at::Tensor x = model->embed(batch);  // no logits: none is sampled from
+      for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x, batch);
+    }
+    position_ = length - 1;
+    return step(model, sequence_.narrow(0, length - 1, 1).view({1, 1}));
+  }
+  at::Tensor next(model::Gpt& model, const at::Tensor& tokens) override {
+    ++position_;
+    return step(model, tokens);
+  }
+
+ private:
+  at::Tensor step(model::Gpt& model, const at::Tensor& token) {
+    return model->forward(cache_.decode(token, position_).to(device_)).select(1, 0);
+  }
+
+  std::shared_ptr<comm::Communicator> cp_;
+  ContextParallelCache cache_;
+  std::unique_ptr<model::AttentionSwap> attached_;  // the cache is every block's attention while it lives
+  at::Tensor sequence_;                             // the prompt [n]
+  at::Device device_ = at::kCPU;
+  int64_t position_ = 0;                            // of the newest token
+};
+
+}  // namespace
+
 at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt, const model::SampleOptions& options,
                                      const std::shared_ptr<comm::Communicator>& cp, std::vector<int64_t>* cached) {
   const at::Tensor sequence = prompt.numel() ? prompt.to(at::kLong).view({-1}) : at::zeros({1}, at::kLong);
@@ -144,37 +191,10 @@ at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt
                                   std::to_string(context) + " (the cache split over cp keeps every token)");
     }
   });
-  torch::NoGradGuard no_grad;
-  const bool was_training = model->is_training();
-  model->eval();
-  const at::Device device = model->parameters().front().device();
-  ContextParallelCache cache(cp);
-  const std::unique_ptr<model::AttentionSwap> attached = cache.attach(*model);
-  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
-  // Prefill: all but the last prompt token, padded at the end to a multiple of 2·cp.
-  const int64_t prefix = length - 1, chunk = 2 * cp->size();
-  if (prefix > 0) {
-    const int64_t padded = (prefix + chunk - 1) / chunk * chunk;
-    at::Tensor tokens = at::zeros({1, padded}, at::kLong);
-    tokens.narrow(1, 0, prefix).copy_(sequence.narrow(0, 0, prefix).view({1, -1}));
-    const at::Tensor rows = zigzag_positions(padded, cp->size(), cp->rank());
-    const model::Batch batch = cache.prefill(tokens.index_select(1, rows), rows, prefix, context).to(device);
-    at::Tensor x = model->embed(batch);  // no logits: none is sampled from
-    for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x, batch);
-  }
-  std::vector<at::Tensor> out;
-  at::Tensor last = sequence.narrow(0, length - 1, 1).view({1, 1});
-  for (int64_t i = 0; i < options.tokens; ++i) {
-    const int64_t position = length - 1 + i;
-    const at::Tensor logits = model->forward(cache.decode(last, position).to(device)).select(1, 0);
-    const at::Tensor next = model::pick_next(logits, options, generator).cpu();
-    out.push_back(next.view({1}));
-    if (options.on_token && !options.on_token(next.item<int64_t>())) break;
-    last = next.view({1, 1});
-  }
-  model->train(was_training);
-  if (cached) *cached = cache.counts();
-  return at::cat(out);
+  SplitCacheDecoder decoder(cp, sequence);
+  const at::Tensor out = model::decode(model, decoder, 1, options).front();
+  if (cached) *cached = decoder.cache().counts();
+  return out;
 }
 
 }  // namespace meshtrain::parallel
