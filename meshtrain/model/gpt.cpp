@@ -337,7 +337,7 @@ void GptImpl::remove_forward_hooks(const ForwardHooks* hooks) {
 void GptImpl::initialise(uint64_t seed) {
   torch::NoGradGuard no_grad;
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const double residual_std = 0.02 / std::sqrt(2.0 * config_.layers);
+  const double residual_std = config_.init_std / std::sqrt(2.0 * config_.layers);
   for (auto& item : named_parameters()) {
     const std::string& name = item.key();
     at::Tensor& p = item.value();
@@ -355,7 +355,7 @@ void GptImpl::initialise(uint64_t seed) {
                             name.find("moe.down_weight") != std::string::npos;
       // Drawn on the CPU in parameter order, then copied: same values on any device.
       at::Tensor values = at::empty(p.sizes(), at::kFloat);
-      values.normal_(0.0, residual ? residual_std : 0.02, generator);
+      values.normal_(0.0, residual ? residual_std : config_.init_std, generator);
       p.copy_(values);
     }
   }

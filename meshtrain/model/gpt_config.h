@@ -40,6 +40,7 @@ struct GptConfig {
   int64_t heads = 4;
   int64_t width = 256;    // model dimension
   double dropout = 0.0;
+  double init_std = 0.02;  // weights drawn from N(0, init_std²); residual projections / sqrt(2·layers)
   // GPT-2 style by default; Llama style is rmsnorm + rope + swiglu + untied head.
   NormStyle norm = NormStyle::kLayerNorm;
   PositionStyle position = PositionStyle::kLearned;

@@ -75,6 +75,7 @@ std::vector<ModelKey> build() {
       hf(MODEL_KEY(context, kRequired, "sequence length in tokens"), "max_position_embeddings", true),
       hf(MODEL_KEY(vocab_size, kRequired, "vocabulary (the byte tokenizer needs 256)"), "vocab_size", true),
       training_only(MODEL_KEY(dropout, kRequired, "dropout probability")),
+      training_only(hf(MODEL_KEY(init_std, kWhenSet, "standard deviation of the initial weights (residual projections: / sqrt(2 x layers))"), "initializer_range", false)),
       MODEL_KEY(norm, kRequired, "\"layernorm\" or \"rmsnorm\""),
       MODEL_KEY(position, kRequired, "\"learned\" or \"rope\""),
       MODEL_KEY(mlp, kRequired, "\"gelu\", \"swiglu\" or \"geglu\""),

@@ -39,7 +39,10 @@ TEST(HfFamilyConfig, PlainKeysAreTheTablesBothWays) {
   model::GptConfig c = model::GptConfig::preset("llama-tiny");
   c.norm_eps = 1e-5;
   c.tie_embeddings = true;
+  c.init_std = 0.01;  // a model knob added with its Hugging Face name and nothing here
   const nlohmann::json j = family_config(c, "llama", "float32");
+  EXPECT_EQ(j.at("initializer_range"), 0.01);
+  EXPECT_EQ(config_from_family(j, "llama", "config.json").init_std, 0.01);
   EXPECT_EQ(j.at("hidden_size"), c.width);
   EXPECT_EQ(j.at("num_hidden_layers"), c.layers);
   EXPECT_EQ(j.at("num_attention_heads"), c.heads);

@@ -119,6 +119,14 @@ TEST(Gpt, SameSeedSameModelDifferentSeedDifferent) {
   EXPECT_TRUE(any_different);
   EXPECT_NEAR(pa["blocks.0.attn.qkv.weight"].std().item<double>(), 0.02, 0.002);
   EXPECT_NEAR(pa["blocks.0.mlp.proj.weight"].std().item<double>(), 0.02 / std::sqrt(8.0), 0.001);
+  // model.init_std scales both.
+  GptConfig wider = GptConfig::preset("tiny");
+  wider.init_std = 0.05;
+  auto pw = Gpt(wider, 7)->named_parameters();
+  EXPECT_NEAR(pw["blocks.0.attn.qkv.weight"].std().item<double>(), 0.05, 0.005);
+  EXPECT_NEAR(pw["blocks.0.mlp.proj.weight"].std().item<double>(), 0.05 / std::sqrt(8.0), 0.0025);
+  wider.init_std = 0;
+  EXPECT_THROW(wider.validate(), std::invalid_argument);
 }
 
 TEST(Gpt, LogitsAreCausalAndLossStartsNearUniform) {
@@ -165,6 +173,10 @@ TEST(ModelKeys, JsonAndFingerprintAreTheFormatsCheckpointsHold) {
 }
 
 TEST(ModelKeys, EveryStoredKeyRoundTripsAndARequiredOneIsNamedWhenMissing) {
+  GptConfig set = GptConfig::preset("tiny");
+  set.init_std = 0.01;  // a key written where it differs from the default
+  EXPECT_NE(to_json(set).find("\"init_std\":0.01"), std::string::npos) << to_json(set);
+  EXPECT_EQ(config_from_json(to_json(set)).init_std, 0.01);
   for (const std::string& name : GptConfig::preset_names()) {
     const GptConfig c = GptConfig::preset(name);
     const GptConfig back = config_from_json(to_json(c));
