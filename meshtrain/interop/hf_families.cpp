@@ -37,7 +37,7 @@ namespace {
 
 const std::set<std::string>& harmless_keys() {
   static const std::set<std::string> keys = {
-      "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range",
+      "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
       "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
       "_name_or_path", "auto_map", "tokenizer_class", "id2label", "label2id", "return_dict", "output_attentions",
       "output_hidden_states", "torchscript", "use_return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
@@ -401,7 +401,7 @@ json family_config(const model::GptConfig& c, const std::string& type, const std
             {"rope_parameters", rope_json(c)},
             // transformers 4 reads these instead of rope_parameters.
             {"rope_theta", c.rope_theta}, {"rope_scaling", scaling_json(c)},
-            {"initializer_range", 0.02}, {"torch_dtype", torch_dtype}, {"attention_dropout", 0.0},
+            {"torch_dtype", torch_dtype}, {"attention_dropout", 0.0},
             // Token ids are the tokenizer's business; a family's default one may lie outside a small vocabulary.
             {"pad_token_id", nullptr}};
   for (const model::ModelKey& k : model::model_keys()) {
