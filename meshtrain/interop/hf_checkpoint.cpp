@@ -197,7 +197,7 @@ json hf_config(const model::GptConfig& c, const std::string& arch, at::ScalarTyp
     return {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", c.vocab_size},
             {"n_positions", c.context}, {"n_embd", c.width}, {"n_layer", c.layers}, {"n_head", c.heads},
             {"n_inner", c.mlp_hidden()}, {"activation_function", "gelu_new"}, {"layer_norm_epsilon", c.norm_eps},
-            {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"attn_pdrop", 0.0}, {"initializer_range", 0.02},
+            {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"attn_pdrop", 0.0}, {"initializer_range", c.init_std},
             {"tie_word_embeddings", c.tie_embeddings}, {"torch_dtype", torch_dtype}};
   }
   return family_config(c, arch, torch_dtype);

@@ -90,8 +90,13 @@ class Reader {
       if (k.hf_required) throw FormatError(where_ + ": \"" + k.hf + "\" is missing");
       return;
     }
+    json value = c_[k.hf];
+    // A whole number written as a float ("hidden_size": 4096.0) is read as before, as the integer.
+    if (k.key.kind == config::Kind::kInt && value.is_number_float() && value.get<double>() == std::floor(value.get<double>())) {
+      value = static_cast<int64_t>(value.get<double>());
+    }
     try {
-      model::read_json(k, c_[k.hf], m, "\"" + k.hf + "\"");
+      model::read_json(k, value, m, "\"" + k.hf + "\"");
     } catch (const std::invalid_argument& e) {
       throw FormatError(where_ + ": " + e.what());
     }

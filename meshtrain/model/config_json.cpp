@@ -40,11 +40,13 @@ void read_json(const ModelKey& k, const nlohmann::json& j, GptConfig& c, const s
 
 namespace {
 
-// The keys of Note [Model families] that differ from their defaults.
-nlohmann::json family_keys(const GptConfig& c) {
+// The keys stored where they differ from their defaults (Note [Model keys]) that do; for the
+// fingerprint, only those that change what the model computes (not model.init_std).
+nlohmann::json keys_when_set(const GptConfig& c, bool computing_only) {
   nlohmann::json j = nlohmann::json::object();
   const GptConfig defaults;
   for (const ModelKey& k : model_keys()) {
+    if (computing_only && !k.computes) continue;
     if (k.stored == Stored::kWhenSet && differs(k, c, defaults)) j[k.json] = json_of(k, c);
   }
   return j;
@@ -60,12 +62,12 @@ std::string to_json(const GptConfig& c) {
   }
   // The families' keys (Note [Model families]), written only where they differ
   // from the defaults, so older readers still read a plain model.
-  j.update(family_keys(c));
+  j.update(keys_when_set(c, false));
   return j.dump();
 }
 
 std::string fingerprint(const GptConfig& m) {
-  const nlohmann::json families = family_keys(m);
+  const nlohmann::json families = keys_when_set(m, true);
   return "gpt layers=" + std::to_string(m.layers) + " heads=" + std::to_string(m.heads) + " width=" +
          std::to_string(m.width) + " context=" + std::to_string(m.context) + " vocab=" + std::to_string(m.vocab_size) +
          " " + name(m.norm) + "/" + name(m.position) + "/" + name(m.mlp) + (m.tie_embeddings ? "/tied" : "/untied") +

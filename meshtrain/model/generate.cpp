@@ -84,7 +84,7 @@ std::vector<at::Tensor> decode(Gpt& model, Decoder& decoder, int64_t rows, const
   for (int64_t i = 0; i < options.tokens; ++i) {
     std::vector<at::Tensor> next;
     for (int64_t r = 0; r < rows; ++r) {
-      next.push_back(pick_next(logits.narrow(0, r, 1), options, generators[r]).cpu());
+      next.push_back(pick_next(logits.narrow(0, r, 1), options, generators[r]));
       picked[r].push_back(next.back().view({1}));
     }
     if (options.on_token && !options.on_token(next.front().item<int64_t>())) break;
@@ -170,7 +170,7 @@ class PaddedDecoder final : public Decoder {
 at::Tensor generate(Gpt& model, const at::Tensor& prompt, const SampleOptions& options) {
   options.validate();
   SequenceDecoder decoder(model, prompt, options);
-  return decode(model, decoder, 1, options).front();
+  return decode(model, decoder, 1, options).front().to(prompt.numel() ? prompt.device() : at::Device(at::kCPU));
 }
 
 std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>& prompts, const SampleOptions& options) {
@@ -178,7 +178,9 @@ std::vector<at::Tensor> generate_batch(Gpt& model, const std::vector<at::Tensor>
   if (prompts.empty()) return {};
   torch::NoGradGuard no_grad;
   PaddedDecoder decoder(model, prompts, options);
-  return decode(model, decoder, static_cast<int64_t>(prompts.size()), options);
+  SampleOptions rows = options;
+  rows.on_token = nullptr;  // a callback sees one sequence; each row here is generated whole
+  return decode(model, decoder, static_cast<int64_t>(prompts.size()), rows);
 }
 
 }  // namespace meshtrain::model

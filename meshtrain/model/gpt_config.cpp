@@ -225,7 +225,7 @@ void GptConfig::validate() const {
   if (!(rope_theta > 0)) reject("rope_theta", std::to_string(rope_theta), "must be > 0");
   if (!(norm_eps > 0 && norm_eps < 1)) reject("norm_eps", std::to_string(norm_eps), "must be in (0, 1)");
   if (!(dropout >= 0.0 && dropout < 1.0)) reject("dropout", std::to_string(dropout), "must be in [0, 1)");
-  if (!(init_std > 0.0 && init_std < 1.0)) reject("init_std", std::to_string(init_std), "must be in (0, 1)");
+  if (!(init_std > 0.0 && std::isfinite(init_std))) reject("init_std", std::to_string(init_std), "must be a number > 0");
   validate_families();
   if (moe_experts < 0) reject("moe_experts", std::to_string(moe_experts), "must be >= 0 (0: dense)");
   if (!moe()) return;

@@ -138,9 +138,12 @@ class SplitCacheDecoder final : public model::Decoder {
  public:
   SplitCacheDecoder(const std::shared_ptr<comm::Communicator>& cp, const at::Tensor& sequence)
       : cp_(cp), cache_(cp), sequence_(sequence) {}
+  SplitCacheDecoder(const SplitCacheDecoder&) = delete;  // the attached cache holds `this` of cache_
+  SplitCacheDecoder& operator=(const SplitCacheDecoder&) = delete;
   ContextParallelCache& cache() { return cache_; }
 
   at::Tensor prefill(model::Gpt& model) override {
+    TORCH_CHECK(!attached_, "SplitCacheDecoder: one prefill per generation");
     attached_ = cache_.attach(*model);
     device_ = model->parameters().front().device();
     const int64_t length = sequence_.size(0), context = model->config().context;
@@ -165,7 +168,7 @@ class SplitCacheDecoder final : public model::Decoder {
 
  private:
   at::Tensor step(model::Gpt& model, const at::Tensor& token) {
-    return model->forward(cache_.decode(token, position_).to(device_)).select(1, 0);
+    return model->forward(cache_.decode(token.cpu(), position_).to(device_)).select(1, 0);
   }
 
   std::shared_ptr<comm::Communicator> cp_;
@@ -192,7 +195,7 @@ at::Tensor generate_context_parallel(model::Gpt& model, const at::Tensor& prompt
     }
   });
   SplitCacheDecoder decoder(cp, sequence);
-  const at::Tensor out = model::decode(model, decoder, 1, options).front();
+  const at::Tensor out = model::decode(model, decoder, 1, options).front().cpu();
   if (cached) *cached = decoder.cache().counts();
   return out;
 }

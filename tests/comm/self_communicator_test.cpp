@@ -69,6 +69,18 @@ TEST(SelfCommunicator, SendsAreReceivedByTagInOrderAndAnUnansweredReceiveFails) 
   world->recv(again, 0, 5).wait();
   EXPECT_TRUE(again.equal(c));
   EXPECT_TRUE(never.equal(at::zeros({3})));
+  // A send that does not fit fails its receive, and is consumed by it.
+  world->send(at::zeros({4}), 0, 2).wait();
+  at::Tensor small = at::zeros({3});
+  try {
+    world->recv(small, 0, 2).wait();
+    FAIL() << "a receive of 3 values took a send of 4";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("does not fit"), std::string::npos) << e.what();
+  }
+  world->send(c, 0, 2).wait();
+  world->recv(small, 0, 2).wait();
+  EXPECT_TRUE(small.equal(c));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "meshtrain/comm/backend/self/self_communicator.h"
 
+#include <algorithm>
 #include <condition_variable>
 
 namespace meshtrain::comm {
@@ -12,6 +13,7 @@ class SelfCommunicator::Receive final : public WorkImpl {
 
   void wait() override {
     std::unique_lock<std::mutex> lock(mutex_);
+    if (error_) std::rethrow_exception(error_);
     if (!done_cv_.wait_for(lock, timeout_, [&] { return done_; })) {
       abandoned_ = true;  // a later send of the tag is not delivered into it
       throw CommError(prefix_ + op_.describe() + ": no send of tag " + std::to_string(op_.tag) + " within " +
@@ -22,11 +24,20 @@ class SelfCommunicator::Receive final : public WorkImpl {
     std::lock_guard<std::mutex> lock(mutex_);
     return done_;
   }
-  // Copies `send`'s buffered tensor in and wakes the waiter; false when the waiter has given up.
-  bool deliver(const Op& send) {
+  bool abandoned() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return abandoned_;
+  }
+  // Copies `send`'s buffered tensor in and wakes the waiter, or (`error`) fails the receive with it;
+  // false when the waiter has given up.
+  bool deliver(const Op& send, const std::string& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (abandoned_) return false;
-    op_.output.copy_(send.input.view(op_.output.sizes()));
+    if (!error.empty()) {
+      error_ = std::make_exception_ptr(CommError(prefix_ + op_.describe() + ": " + error));
+    } else {
+      op_.output.copy_(send.input.view(op_.output.sizes()));
+    }
     done_ = true;
     done_cv_.notify_all();
     return true;
@@ -41,6 +52,7 @@ class SelfCommunicator::Receive final : public WorkImpl {
   std::condition_variable done_cv_;
   bool done_ = false;
   bool abandoned_ = false;
+  std::exception_ptr error_;  // a send that does not fit
 };
 
 SelfCommunicator::SelfCommunicator(const std::string& name, CommOptions options)
@@ -53,11 +65,14 @@ std::shared_ptr<SelfCommunicator> SelfCommunicator::create(const std::string& na
 bool SelfCommunicator::match_locked(Receive& receive) {
   for (auto it = sent_.begin(); it != sent_.end(); ++it) {
     if (it->tag != receive.op().tag) continue;
-    if (it->input.numel() != receive.op().output.numel()) {
-      fail(receive.op().describe() + ": " + std::to_string(receive.op().output.numel()) + " elements for a send of " +
-           std::to_string(it->input.numel()));
+    const at::Tensor& out = receive.op().output;
+    // As MPI's truncation error: the receive fails, and the send is consumed by it.
+    std::string error;
+    if (it->input.numel() != out.numel() || it->input.scalar_type() != out.scalar_type()) {
+      error = "a send of " + std::to_string(it->input.numel()) + " " + std::string(c10::toString(it->input.scalar_type())) +
+              " values does not fit " + std::to_string(out.numel()) + " " + std::string(c10::toString(out.scalar_type()));
     }
-    if (!receive.deliver(*it)) return true;  // given up: leaves the queue, the send stays for another
+    if (!receive.deliver(*it, error)) return true;  // given up: leaves the queue, the send stays for another
     sent_.erase(it);
     return true;
   }
@@ -70,6 +85,8 @@ Work SelfCommunicator::submit(Op op) {
     return Work();
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), [](const auto& r) { return r->abandoned(); }),
+                 waiting_.end());
   if (op.kind == OpKind::kSend) {
     op.input = op.input.clone();  // buffered: the caller may reuse its tensor at once
     sent_.push_back(std::move(op));

@@ -17,9 +17,10 @@ namespace meshtrain::comm {
 // (Note [One-rank communicators]); a split gives another self communicator
 // (or none, for a negative color). A send to oneself is buffered (the tensor
 // copied when it is issued, the send complete at once) and a receive takes the
-// oldest buffered send of its tag; a receive whose send has not been issued
-// when it is waited on waits up to options().timeout and then fails naming
-// the tag, as the watchdog would end a stuck op.
+// oldest buffered send of its tag (a send of another size or dtype fails the
+// receive, as MPI's truncation error does); a receive whose send has not been
+// issued when it is waited on waits up to options().timeout and then fails
+// naming the tag, as the watchdog would end a stuck op.
 class SelfCommunicator final : public Communicator {
  public:
   static std::shared_ptr<SelfCommunicator> create(const std::string& name = "self", CommOptions options = {});
