@@ -28,6 +28,7 @@ CommandPtr add_bench_offload(CLI::App& bench);       // bench_offload.cpp
 CommandPtr add_bench_generate(CLI::App& bench);      // bench_generate.cpp
 CommandPtr add_timeline(CLI::App& app);              // timeline_command.cpp
 CommandPtr add_plan(CLI::App& app);                  // plan_command.cpp
+CommandPtr add_verify(CLI::App& app);                // verify_command.cpp
 CommandPtr add_train(CLI::App& app);                 // train_commands.cpp
 CommandPtr add_prepare(CLI::App& app);               // train_commands.cpp
 CommandPtr add_generate(CLI::App& app);              // generate_command.cpp

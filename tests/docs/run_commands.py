@@ -39,7 +39,7 @@ from check_commands import BINARIES, fenced_blocks, sh_lines  # noqa: E402
 # blocks unless the command sets them or starts from a checkpoint; contexts
 # above 512 cut to 512; short samples; a federation's rounds cut to 2 and its
 # clients' local steps to 1; selfcheck's bandwidth table up to 64 KiB (every
-# collective is still checked). Everything else (the layout, the ranks, the
+# collective is still checked); verify's steps to 2. Everything else (the layout, the ranks, the
 # data, the model family) is the page's.
 SETUP_SCRIPTS = {"scripts/main.sh", "scripts/test.sh"}
 # Files a page names as the reader's own, made in the scratch folder before the pages run.
@@ -96,6 +96,8 @@ def scaled(words):
         command += extra
     elif command[:2] == ["fl", "simulate"]:
         command += ["--fl.rounds=2", "--fl.client.local_steps=1"]
+    elif command[:1] == ["verify"] and option(command, "--steps") is None:
+        command += ["--steps", "2"]
     elif command[:1] == ["selfcheck"] and option(command, "--bench-max-size") is None:
         command += ["--bench-max-size", "64K"]
     return head + command

@@ -2,6 +2,7 @@
 // pair on disk, a tiny model config, and the one-process oracle.
 #pragma once
 
+#include "meshtrain/train/one_process.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 #include "tests/harness/mpi_env.h"
@@ -23,27 +24,15 @@ inline std::string describe(const Overrides& overrides) {
   return text;
 }
 
-// Note [One-process oracle]
-// Every layout is compared with one process reading the same micro-batches
-// (DESIGN.md's oracle). That run is the same on every rank, so rank 0 computes
-// it alone, on a one-rank communicator, while the other ranks wait on a receive
-// (polled with sleeps in between: Note [MPI progress thread]), and sends them
-// its record. Every rank used to compute it: at 8 ranks on 2 cores that was
-// 8/9 of such a test's work. A test whose layouts share one single-process
-// config asks for its run once: before its loop over layouts, or through
-// TrainingTest::one_process_of().
-struct OneProcessRun {
-  std::vector<StepResult> steps;                 // loss, gradient norm, MoE statistics of each step
-  std::map<std::string, at::Tensor> parameters;  // after the last step: fp32, by name
-  double val_loss = 0;                           // after the last step, when asked for
-
-  std::vector<double> losses() const;
-};
-
-// Collective over world(): `config` (validated for one rank) trained for
-// `steps` steps by rank 0 alone, then (`evaluate`) its validation loss. An
-// error on rank 0 is thrown on every rank.
-OneProcessRun one_process(const TrainConfig& config, int steps, bool evaluate = false);
+// The one-process oracle (Note [One-process oracle], train/one_process.h), computed by rank 0 for every
+// rank. A test whose layouts share one single-process config asks for its run once: before its loop over
+// layouts, or through TrainingTest::one_process_of().
+inline OneProcessRun one_process(const TrainConfig& config, int steps, bool evaluate = false) {
+  OneProcessOptions options;
+  options.steps = steps;
+  options.evaluate = evaluate;
+  return one_process(world(), config, options);
+}
 
 class TrainingTest : public ::testing::Test {
  protected:

@@ -1,10 +1,11 @@
-// The one-process oracle, computed once: Note [One-process oracle].
-#include "tests/parallel/training_fixture.h"
+#include "meshtrain/train/one_process.h"
 
 #include <torch/serialize.h>
 
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
 namespace meshtrain::train {
 
@@ -56,6 +57,18 @@ OneProcessRun unpack(const std::vector<char>& bytes) {
   return run;
 }
 
+// fp32 CPU copies.
+std::map<std::string, at::Tensor> cpu(std::map<std::string, at::Tensor> parameters) {
+  for (auto& [name, value] : parameters) value = value.to(at::kFloat).cpu();
+  return parameters;
+}
+
+// Waits for `work` with sleeps between polls, so a waiting rank leaves the cores to rank 0.
+void wait_polling(const comm::Work& work) {
+  while (!work.completed()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  work.wait();
+}
+
 }  // namespace
 
 std::vector<double> OneProcessRun::losses() const {
@@ -64,14 +77,15 @@ std::vector<double> OneProcessRun::losses() const {
   return out;
 }
 
-OneProcessRun one_process(const TrainConfig& config, int steps, bool evaluate) {
-  const auto& everyone = world();
-  const std::shared_ptr<comm::Communicator> self = everyone->split(everyone->rank(), 0, "test:one-process");
+OneProcessRun one_process(const std::shared_ptr<comm::Communicator>& everyone, const TrainConfig& config,
+                          const OneProcessOptions& options) {
+  const std::shared_ptr<comm::Communicator> self = everyone->split(everyone->rank(), 0, "one-process");
   const int kTag = 7301;
   at::Tensor size = at::full({1}, -1, at::kLong);
   if (everyone->rank() != 0) {
-    everyone->recv(size, 0, kTag).wait();
+    wait_polling(everyone->recv(size, 0, kTag));
     if (size.item<int64_t>() < 0) throw std::runtime_error("the one-process run failed on rank 0 (its error is there)");
+    if (!options.send_to_every_rank) return OneProcessRun{};
     at::Tensor bytes = at::empty({size.item<int64_t>()}, at::kByte);
     everyone->recv(bytes, 0, kTag).wait();
     const auto* data = static_cast<const char*>(bytes.data_ptr());
@@ -81,21 +95,23 @@ OneProcessRun one_process(const TrainConfig& config, int steps, bool evaluate) {
   std::vector<char> packed;
   try {
     Trainer single(config, self);
-    for (int s = 0; s < steps; ++s) run.steps.push_back(single.step());
-    run.parameters = single.full_parameters();
-    for (auto& [name, value] : run.parameters) value = value.cpu();
-    if (evaluate) run.val_loss = single.evaluate();
-    packed = pack(run);
+    for (int s = 0; s < options.steps; ++s) {
+      run.steps.push_back(single.step());
+      if (options.each_step) run.each_step.push_back(cpu(single.full_parameters()));
+    }
+    run.parameters = options.each_step && !run.each_step.empty() ? run.each_step.back() : cpu(single.full_parameters());
+    if (options.evaluate) run.val_loss = single.evaluate();
+    if (options.send_to_every_rank) packed = pack(run);
   } catch (...) {
     for (int r = 1; r < everyone->size(); ++r) everyone->send(size, r, kTag).wait();
     throw;
   }
   size.fill_(static_cast<int64_t>(packed.size()));
   at::Tensor bytes = at::empty({static_cast<int64_t>(packed.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), packed.data(), packed.size());
+  if (!packed.empty()) std::memcpy(bytes.data_ptr(), packed.data(), packed.size());
   for (int r = 1; r < everyone->size(); ++r) {
     everyone->send(size, r, kTag).wait();
-    everyone->send(bytes, r, kTag).wait();
+    if (options.send_to_every_rank) everyone->send(bytes, r, kTag).wait();
   }
   return run;
 }
