@@ -252,6 +252,7 @@ struct PlanOptions {
   std::string machine = "this";     // this machine, a preset (h100, h200, a100) or a profile file (Note [This machine])
   double peak_tflops = 0, mfu = 0, intra_gbps = 0, inter_gbps = 0, latency_us = 0;  // 0: the profile's
   std::string save;                 // --calibrate: write the profile here
+  std::string auto_path;            // --auto: write the fastest layout that fits here, as a train config
 };
 
 // meshtrain plan: evaluates one layout or searches all of them (no MPI).

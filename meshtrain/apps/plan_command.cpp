@@ -1,6 +1,7 @@
 // meshtrain plan: will it fit, and which layout is fastest? See plan/.
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/plan_auto.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/interop/hf_checkpoint.h"
 #include "meshtrain/plan/from_config.h"
@@ -188,12 +189,15 @@ void print_detail(const plan::Candidate& c, const plan::Machine& machine) {
 int run_plan(const PlanOptions& o) {
   const auto start = Clock::now();
   if (o.world < 1) throw std::invalid_argument("--world must be >= 1");
+  if (!o.auto_path.empty() && !o.layout.empty()) throw UsageError("--auto searches every layout; give it without --layout");
   model::GptConfig model;
   std::string name = o.model;
   plan::Workload workload;
   std::optional<plan::PlannedRun> configured;
+  std::optional<train::TrainConfig> source;  // the config file's, for --auto
   if (is_config_file(o.model)) {
     train::TrainConfig config = train::TrainConfig::load(o.model, {});
+    source = config;
     if (o.layout == "config") {
       config.validate(static_cast<int>(o.world));
       configured = plan::planned_run(config);
@@ -242,6 +246,13 @@ int run_plan(const PlanOptions& o) {
 
   const plan::SearchResult result = plan::search(model, workload, machine, o.world);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!o.auto_path.empty()) {
+    const bool preset = !source && !std::filesystem::is_directory(o.model);
+    std::printf("%s", auto_plan({name, preset, model, workload, machine, result, source}, o.world, o.auto_path).c_str());
+    std::printf("meshtrain: wrote %s (searched %lld layouts in %.2f s)\n", o.auto_path.c_str(),
+                static_cast<long long>(result.examined), seconds);
+    return 0;
+  }
   if (o.json) {
     nlohmann::json fitting = nlohmann::json::array(), rejected = nlohmann::json::array();
     for (size_t i = 0; i < result.fitting.size() && i < static_cast<size_t>(o.top); ++i) fitting.push_back(candidate_json(result.fitting[i]));
@@ -394,12 +405,16 @@ PlanCommand::PlanCommand(CLI::App& app) {
   p->add_option("--intra-gbps", o_.intra_gbps, "Collective bus bandwidth inside a node, GB/s (default: --machine's; h100: 360)");
   p->add_option("--inter-gbps", o_.inter_gbps, "... across nodes, per device, GB/s (default: --machine's; h100: 45)");
   p->add_option("--latency-us", o_.latency_us, "Latency per collective step, microseconds (default: --machine's; h100: 10)");
+  p->add_option("--auto", o_.auto_path,
+                "Write the fastest layout that fits to this file as a config train takes as it is (with the "
+                "runners-up and why they lost as comments); the --model config file's other keys are kept");
   p->add_flag("--calibrate", calibrate_, "Measure this machine (run under `meshtrain run -n N` for bandwidth)");
   p->add_option("--save", o_.save, "With --calibrate: write the profile to this file");
   p->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --machine h100\n"
             "  meshtrain plan --model runs/default/checkpoints --world 2\n"
             "  meshtrain plan --model gpt3-175b --world 1024 --layout \"pp=8 1f1b tp=8 sp dp=16 zero=1 mb=1 "
             "recompute=selective\"\n"
+            "  meshtrain plan --model my-run.toml --world 4 --auto my-run-4.toml\n"
             "  meshtrain run -n 2 plan --calibrate --save machine.json");
 }
 

@@ -463,6 +463,26 @@ at::Device TrainConfig::torch_device(int local_rank) const {
 
 std::string TrainConfig::checkpoint_path() const { return checkpoint_dir.empty() ? out + "/checkpoints" : checkpoint_dir; }
 
+std::string TrainConfig::to_toml(bool every_key) const {
+  // What the keys are compared with: the defaults, and for [model] the preset's model (from
+  // init_from, the model it brings; a shape of no preset, the default preset's, as a reader starts).
+  TrainConfig base;
+  const auto& presets = model::GptConfig::preset_names();
+  const bool named = std::find(presets.begin(), presets.end(), preset) != presets.end();
+  if (named) base.model = model::GptConfig::preset(preset);
+  if (preset == "init_from") base.model = model;
+  std::vector<std::pair<std::string, std::string>> sections;  // in the order --help lists them
+  for (const Field& f : fields()) {
+    if (f.name == "preset" ? !named : !every_key && f.show(*this) == f.show(base)) continue;
+    auto it = std::find_if(sections.begin(), sections.end(), [&](const auto& s) { return s.first == f.section; });
+    if (it == sections.end()) it = sections.insert(sections.end(), {f.section, ""});
+    it->second += f.name + " = " + f.show(*this) + "\n";
+  }
+  std::string out;
+  for (const auto& [section, lines] : sections) out += (out.empty() ? "" : "\n") + ("[" + section + "]\n") + lines;
+  return out;
+}
+
 std::string TrainConfig::describe_keys() {
   const TrainConfig defaults;
   std::ostringstream out;

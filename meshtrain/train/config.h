@@ -118,6 +118,10 @@ struct TrainConfig {
   std::string checkpoint_path() const;
   // One line per key: "[section] key = default   help".
   static std::string describe_keys();
+  // The config as a TOML file `train` reads back as the same config: [model]
+  // as its preset and the keys that differ from it, every other section's keys
+  // that differ from the defaults (`every_key`: all of them).
+  std::string to_toml(bool every_key = false) const;
 };
 
 }  // namespace meshtrain::train

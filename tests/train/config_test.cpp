@@ -66,6 +66,28 @@ TEST(TrainConfig, FileThenOverridesPresetFirst) {
   std::remove(path.c_str());
 }
 
+TEST(TrainConfig, ToTomlReadsBackAsTheSameConfig) {
+  const std::vector<std::vector<std::string>> configs = {
+      {},
+      {"model.preset=tiny", "model.layers=3", "training.batch=12", "training.micro_batch=2", "parallel.tp=2",
+       "parallel.zero_stage=3", "parallel.sequence_parallel=true", "data.text=[\"/tmp/a\", \"/tmp/b\"]"},
+      {"model.preset=llama3.2-1b", "model.init_std=0.01", "lora.rank=4", "lora.targets=[\"q\", \"v\"]",
+       "training.dtype=bfloat16", "offload.optimizer=cpu", "parallel.zero_stage=2"},
+      {"model.layers=2", "model.width=64", "model.heads=2", "run.out=runs/x"},  // the default preset's shape, edited
+  };
+  for (const auto& overrides : configs) {
+    const TrainConfig c = TrainConfig::load("", overrides);
+    const std::string toml = c.to_toml();
+    const std::string path = write_config(toml);
+    const TrainConfig back = TrainConfig::load(path, {});
+    std::remove(path.c_str());
+    EXPECT_EQ(back.to_toml(), toml);
+    EXPECT_EQ(back.to_toml(/*every_key=*/true), c.to_toml(true)) << toml;
+  }
+  // Only what differs is written: a preset's own shape is its name.
+  EXPECT_EQ(TrainConfig::load("", {"model.preset=tiny"}).to_toml(), "[model]\npreset = \"tiny\"\n");
+}
+
 TEST(TrainConfig, UnknownKeysAndWrongTypesAreRejectedWithTheKey) {
   const std::string path = write_config("[training]\nstepz = 3\n");
   EXPECT_NE(testing::error_of<ConfigError>([&] { TrainConfig::load(path, {}); }).find(": unknown key training.stepz (did you mean training.steps?); keys of [training] are steps, batch"),
