@@ -63,13 +63,12 @@ std::map<std::string, at::Tensor> cpu(std::map<std::string, at::Tensor> paramete
   return parameters;
 }
 
-// Waits for `work` with sleeps between polls, so a waiting rank leaves the cores to rank 0.
+}  // namespace
+
 void wait_polling(const comm::Work& work) {
   while (!work.completed()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   work.wait();
 }
-
-}  // namespace
 
 std::vector<double> OneProcessRun::losses() const {
   std::vector<double> out;

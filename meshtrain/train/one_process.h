@@ -33,6 +33,9 @@ struct OneProcessRun {
   std::vector<double> losses() const;
 };
 
+// Waits for `work` with sleeps between polls, so a rank waiting on rank 0 leaves it the cores.
+void wait_polling(const comm::Work& work);
+
 struct OneProcessOptions {
   int steps = 1;
   bool evaluate = false;          // the validation loss after the last step

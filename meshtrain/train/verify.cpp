@@ -9,9 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <chrono>
 #include <map>
-#include <thread>
 
 namespace meshtrain::train {
 
@@ -86,13 +84,6 @@ std::string difference_at(const VerifyStep& s, const VerifyReport& r) {
     return text;
   }
   return "";
-}
-
-// Waits for rank 0 with sleeps between polls (the one-process run is rank 0's alone).
-void barrier_polling(comm::Communicator& world) {
-  const comm::Work work = world.barrier();
-  while (!work.completed()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  work.wait();
 }
 
 }  // namespace
@@ -173,7 +164,7 @@ VerifyReport verify(const std::shared_ptr<comm::Communicator>& world, TrainConfi
   report.parameter_tolerance = options.tolerance > 0 ? options.tolerance : bf16 ? 2e-2 : 1e-4;
   const TrainConfig single = one_process_config(c);
   if (world->rank() == 0) util::remove_tree(scratch);  // an earlier verify's
-  barrier_polling(*world);
+  wait_polling(world->barrier());
 
   const double bytes = 2.0 * 4.0 * static_cast<double>(c.model.parameter_count()) * options.steps;
   OneProcessOptions o;
@@ -206,7 +197,7 @@ VerifyReport verify(const std::shared_ptr<comm::Communicator>& world, TrainConfi
       }
     }
   }
-  barrier_polling(*world);
+  wait_polling(world->barrier());
   if (world->rank() == 0) util::remove_tree(scratch);
   return report;
 }
