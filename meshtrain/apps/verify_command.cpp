@@ -23,9 +23,7 @@ void print_report(const train::VerifyReport& r, int ranks) {
                                           : (s.first_block + " (" + s.first_parameter + ")").c_str());
     }
     std::printf("%4lld  %9.6f / %9.6f (%7.1e)  %8.4f / %8.4f (%7.1e)  %s\n", static_cast<long long>(s.step), s.loss,
-                s.one_loss, std::abs(s.loss - s.one_loss) / std::max(std::abs(s.one_loss), 1e-12), s.grad_norm,
-                s.one_grad_norm, std::abs(s.grad_norm - s.one_grad_norm) / std::max(std::abs(s.one_grad_norm), 1e-12),
-                params);
+                s.one_loss, s.loss_difference, s.grad_norm, s.one_grad_norm, s.grad_difference, params);
   }
   if (r.first_different == 0) {
     std::printf("verdict: the same computation: every step's loss within %.0e, gradient norm within %.0e and "

@@ -134,8 +134,8 @@ void StepEngine::zero_grad() { parts_.data_parallelism->zero_grad(); }
 
 double StepEngine::clip_grad_norm(double max_norm) {
   const pipeline::StagedModel* staged = parts_.pipeline.get();
-  const at::Tensor* embedding = parts_.model->named_parameters().find(pipeline::StagedModel::tied_embedding_name());
-  if (staged && staged->tied_embedding_group() && embedding && embedding->requires_grad()) {
+  if (staged && staged->tied_embedding_group() && !parts_.model->wte.is_empty() &&
+      parts_.model->wte->weight.requires_grad()) {
     // The tied embedding's gradient (a frozen one has none): the sum of its first- and last-stage copies.
     at::Tensor grad = parts_.data_parallelism->reduced_gradient(pipeline::StagedModel::tied_embedding_name());
     staged->tied_embedding_group()->all_reduce(grad).wait();

@@ -41,6 +41,7 @@ struct VerifyOptions {
 struct VerifyStep {
   int64_t step = 0;
   double loss = 0, one_loss = 0, grad_norm = 0, one_grad_norm = 0;
+  double loss_difference = 0, grad_difference = 0;  // relative to one process
   bool parameters_compared = false;
   double parameter_relative = 0, parameter_largest = 0;
   std::string first_block;      // "" when every parameter is within the tolerance

@@ -5,6 +5,7 @@
 // tests/interop/families_test.py's.
 #include "meshtrain/interop/hf_families.h"
 #include "meshtrain/interop/safetensors.h"
+#include "tests/harness/error_of.h"
 
 #include <gtest/gtest.h>
 
@@ -25,14 +26,11 @@ model::GptConfig mixtral_tiny() {
   return c;
 }
 
-// What family_config throws, or "" when it writes the config.
+using testing::error_of;
+
+// What family_config throws, or "no error" when it writes the config.
 std::string refusal(const model::GptConfig& c, const std::string& type) {
-  try {
-    family_config(c, type, "float32");
-  } catch (const FormatError& e) {
-    return e.what();
-  }
-  return "";
+  return error_of<FormatError>([&] { family_config(c, type, "float32"); });
 }
 
 TEST(HfFamilyConfig, PlainKeysAreTheTablesBothWays) {
@@ -62,35 +60,27 @@ TEST(HfFamilyConfig, PlainKeysAreTheTablesBothWays) {
   EXPECT_EQ(config_from_family(partial, "llama", "config.json").norm_eps, 1e-6);
   EXPECT_FALSE(config_from_family(partial, "llama", "config.json").tie_embeddings);
   partial.erase("hidden_size");
-  EXPECT_THROW(
-      try { config_from_family(partial, "llama", "config.json"); } catch (const FormatError& e) {
-        EXPECT_STREQ(e.what(), "config.json: \"hidden_size\" is missing");
-        throw;
-      },
-      FormatError);
+  EXPECT_EQ(error_of<FormatError>([&] { config_from_family(partial, "llama", "config.json"); }),
+            "config.json: \"hidden_size\" is missing");
   nlohmann::json wrong = j;
   wrong["rms_norm_eps"] = "small";
-  EXPECT_THROW(
-      try { config_from_family(wrong, "llama", "config.json"); } catch (const FormatError& e) {
-        EXPECT_NE(std::string(e.what()).find("\"rms_norm_eps\" = \"small\" must be"), std::string::npos) << e.what();
-        throw;
-      },
-      FormatError);
+  const std::string wrong_type = error_of<FormatError>([&] { config_from_family(wrong, "llama", "config.json"); });
+  EXPECT_NE(wrong_type.find("\"rms_norm_eps\" = \"small\" must be"), std::string::npos) << wrong_type;
 }
 
 TEST(HfFamilyConfig, ExportRefusesTheFirstKeyThatWouldNotReadBack) {
   model::GptConfig c = model::GptConfig::preset("llama-tiny");
-  EXPECT_EQ(refusal(c, "llama"), "");
+  EXPECT_EQ(refusal(c, "llama"), "no error");
   c.dropout = 0.1;  // training only: the exported model computes the same
-  EXPECT_EQ(refusal(c, "llama"), "");
+  EXPECT_EQ(refusal(c, "llama"), "no error");
   c.query_scale = 3;  // Gemma 2 has query_pre_attn_scalar; Llama has none
   EXPECT_EQ(refusal(c, "llama"), "model.query_scale = 3 has no equivalent in Hugging Face's llama");
   EXPECT_EQ(refusal(c, "gemma2").find("model.query_scale"), std::string::npos) << refusal(c, "gemma2");
 
   model::GptConfig m = mixtral_tiny();
-  EXPECT_EQ(refusal(m, "mixtral"), "");
+  EXPECT_EQ(refusal(m, "mixtral"), "no error");
   m.moe_aux_loss = 0.5;  // the router's training loss: exported as router_aux_loss_coef, never refused
-  EXPECT_EQ(refusal(m, "mixtral"), "");
+  EXPECT_EQ(refusal(m, "mixtral"), "no error");
   m.moe_capacity_factor = 1.25;  // Mixtral is dropless
   EXPECT_EQ(refusal(m, "mixtral"), "model.moe_capacity_factor = 1.25 has no equivalent in Hugging Face's mixtral");
   m.moe_capacity_factor = 0;
@@ -99,7 +89,7 @@ TEST(HfFamilyConfig, ExportRefusesTheFirstKeyThatWouldNotReadBack) {
   m.moe_top_k = 1;  // only top-2 has a second expert to keep or drop
   m.moe_norm_topk = false;
   m.qk_norm = model::QkNorm::kHead;
-  EXPECT_EQ(refusal(m, "qwen3_moe"), "");
+  EXPECT_EQ(refusal(m, "qwen3_moe"), "no error");
 }
 
 }  // namespace
