@@ -165,6 +165,18 @@ class StderrFilter {
   bool framed_ = false;
 };
 
+// Note [Naming the stop signal]
+// The ranks see a stop the launcher passes on as SIGUSR2; so that they can say
+// which signal was sent, the launcher first writes its name to a file whose
+// path every rank gets in MESHTRAIN_STOP_SIGNAL_FILE (Note [Job environment]).
+// A rank on another host, which cannot read it, names SIGUSR2.
+int stop_name_fd = -1;
+
+void write_stop_name(int signal) {
+  const char* name = signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "SIGUSR2";
+  if (stop_name_fd >= 0) (void)!pwrite(stop_name_fd, name, std::strlen(name), 0);
+}
+
 void forward_signal(int signal) {
   if (child_pid > 0) kill(child_pid, signal);
 }
@@ -174,7 +186,8 @@ void forward_signal(int signal) {
 // requests a server has in flight. So for `serve` the launcher passes Ctrl-C
 // and SIGTERM on as SIGUSR2, which mpirun forwards to the ranks as it is;
 // serve takes it as its signal to drain (rank 0), then tells the group to stop.
-void forward_as_drain(int) {
+void forward_as_drain(int signal) {
+  write_stop_name(signal);
   if (child_pid > 0) kill(child_pid, SIGUSR2);
 }
 
@@ -188,7 +201,8 @@ void forward_as_drain(int) {
 volatile sig_atomic_t stops_forwarded = 0;
 
 void forward_as_preempt(int signal) {
-  if (child_pid <= 0) {  // between two launches (a restart): none is begun
+  if (stops_forwarded == 0) write_stop_name(signal);
+  if (child_pid <= 0) {  // before the first launch or between two (a restart): none is begun
     ++stops_forwarded;
     return;
   }
@@ -211,6 +225,20 @@ void forward_as_preempt(int signal) {
 // serve: the ranks save or drain and exit; SIGTERM otherwise). Ranks that
 // still run (mpirun itself killed with SIGKILL) hold the run folder's lock,
 // so a second run on it is refused by name (Note [Run lock]).
+
+void remove_stop_name_file() {
+  if (const char* path = std::getenv("MESHTRAIN_STOP_SIGNAL_FILE")) unlink(path);
+}
+
+// Note [Naming the stop signal]: the file, empty until a stop comes.
+void open_stop_name_file() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-stop-XXXXXX";
+  stop_name_fd = mkostemp(path.data(), O_CLOEXEC);
+  if (stop_name_fd < 0) return;  // the ranks then name SIGUSR2
+  setenv("MESHTRAIN_STOP_SIGNAL_FILE", path.c_str(), 1);
+  std::atexit(remove_stop_name_file);
+}
 
 }  // namespace
 
@@ -450,11 +478,16 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
   setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
+  if (server || trainer) open_stop_name_file();
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);
   Job job = plan_job(ranks, hosts, supervision);
   std::vector<std::string> launched = args;  // a relaunch is told so on its command line (Note [Restarts])
   for (int attempt = 0;; ++attempt) {
+    if (attempt == 0 && stops_forwarded > 0) {
+      std::fprintf(stderr, "meshtrain: stopped before the ranks were launched; nothing to save\n");
+      std::exit(0);
+    }
     const std::vector<std::string> command =
         launch_command(job.ranks, job.hosts, launched, is_open_mpi(), geteuid() == 0, passed_variables());
     // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
@@ -473,6 +506,12 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
     std::fflush(stderr);
     const Launch launch = launch_once(command, server, trainer);
     std::fflush(stdout);
+    if (trainer && stops_forwarded > 0 && launch.status == 128 + SIGUSR2) {
+      // Note [Stopping ranks under mpirun]: a rank ends on the stop only before it has set its handlers, which is
+      // before its first step.
+      std::fprintf(stderr, "meshtrain: stopped before the ranks began training; nothing to save\n");
+      std::exit(0);
+    }
     const bool again = worth_restarting(launch, supervision);
     if (!again || attempt >= supervision.max_restarts) {
       if (again) {

@@ -48,9 +48,9 @@ void install_stop_handlers() {
 
 int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides,
               const train::Relaunch& relaunch) {
+  install_stop_handlers();  // first: a stop that comes while the config loads is kept for the first step
   train::TrainConfig config = train::TrainConfig::load(config_path, overrides);
   config.validate(runtime.size());
-  install_stop_handlers();
   const auto locks = train::lock_run_folders(*runtime.world(), config);  // Note [Run lock]
   train::Trainer trainer(std::move(config), runtime.world(), relaunch);
   trainer.run(&g_stop);

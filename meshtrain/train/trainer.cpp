@@ -7,6 +7,8 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <optional>
 
 #include "meshtrain/comm/agree.h"
@@ -260,6 +262,26 @@ void Trainer::write_trace() {
 // The same all-reduce tells whether a background save has ended on every
 // rank: its error (a full disk, say) is then raised at this step, not at the
 // next save (Note [Failed saves] in checkpoint/writer.cpp).
+namespace {
+
+// The signal that was sent: SIGUSR2 from `meshtrain run` stands for the one the
+// launcher received, which it wrote down (Note [Naming the stop signal]).
+std::string stop_signal_name(int signal) {
+  const char* file = std::getenv("MESHTRAIN_STOP_SIGNAL_FILE");
+  if (signal == SIGUSR2 && file) {
+    std::ifstream in(file);
+    std::string name;
+    if (in >> name && name.rfind("SIG", 0) == 0) return name;
+  }
+  return signal == SIGTERM   ? "SIGTERM"
+         : signal == SIGINT  ? "SIGINT"
+         : signal == SIGUSR1 ? "SIGUSR1"
+         : signal == SIGUSR2 ? "SIGUSR2"
+                             : "signal " + std::to_string(signal);
+}
+
+}  // namespace
+
 int Trainer::agreed_stop(const std::atomic<int>* stop) {
   const double running = writer_->in_flight() && !writer_->finished() ? 1.0 : 0.0;
   const std::vector<double> agreed = comm::agree_values(
@@ -287,11 +309,7 @@ void Trainer::preempt(int signal, double step_seconds) {
     finish_checkpoints();
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  const std::string what = signal == SIGTERM   ? "SIGTERM"
-                           : signal == SIGINT  ? "SIGINT"
-                           : signal == SIGUSR1 ? "SIGUSR1"
-                           : signal == SIGUSR2 ? "SIGUSR2"
-                                               : "signal " + std::to_string(signal);
+  const std::string what = stop_signal_name(signal);
   progress_->event(nlohmann::json{{"event", "preempted"}, {"signal", what}, {"step", step_}, {"saved", save},
                                   {"resume_step", saved_step_}, {"save_seconds", seconds}}.dump());
   char line[512];

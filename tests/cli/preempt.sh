@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Preemption (Note [Preemption]): SIGTERM to `meshtrain run -n 2 train` makes
-# both ranks finish their step, save a checkpoint and exit 0; the same
+# both ranks finish their step, save a checkpoint, name SIGTERM and exit 0 (so does
+# SIGTERM to its process group as the ranks start); the same
 # command resumes from it and continues bit-exactly (every later step's loss
 # equals an uninterrupted run's); SIGUSR1 (Slurm's --signal) to a single
 # process does the same.
@@ -26,7 +27,7 @@ status=0
 wait "$launcher" || status=$?
 [ "$status" = 0 ] || { echo "exit status $status after SIGTERM"; cat "$run/a.log"; exit 1; }
 n=$(preempted_step "$run/a")
-grep -q "SIGUSR2: stopped after step $n of 100000, checkpoint written" "$run/a.log" || { cat "$run/a.log"; exit 1; }
+grep -q "SIGTERM: stopped after step $n of 100000, checkpoint written" "$run/a.log" || { cat "$run/a.log"; exit 1; }
 [ "$(cat "$run/a/checkpoints/latest")" = "$(printf 'step-%08d' "$n")" ]
 "$meshtrain" run -n 2 train "${common[@]}" --training.steps=$((n + 3)) --run.out="$run/a" > "$run/resumed.log" 2>&1
 grep -q "resumed from .*step-$(printf '%08d' "$n") at step $n" "$run/resumed.log" || { cat "$run/resumed.log"; exit 1; }
@@ -35,6 +36,17 @@ resumed=$(grep '"step":' "$run/a/metrics.jsonl" | grep -v event | tail -3 | sed 
 reference=$(grep '"step":' "$run/ref/metrics.jsonl" | grep -v event | tail -3 | sed -E 's/.*"loss":([^,]+),.*/\1/')
 [ -n "$resumed" ] && [ "$resumed" = "$reference" ] || {
   echo "after the resume: $resumed"; echo "uninterrupted: $reference"; exit 1; }
+
+# SIGTERM to the launcher's whole process group while the ranks start (Note [Naming the stop signal]): exit 0,
+# whether they had set their handlers yet or not.
+setsid "$meshtrain" run -n 2 train "${common[@]}" --training.steps=100000 --run.out="$run/early" > "$run/early.log" 2>&1 &
+launcher=$!
+sleep 0.5
+kill -TERM -- "-$launcher"
+status=0
+wait "$launcher" || status=$?
+[ "$status" = 0 ] && grep -q "stopped before the ranks\|SIGTERM: stopped after step" "$run/early.log" || {
+  echo "SIGTERM to the group at start: status $status"; cat "$run/early.log"; exit 1; }
 
 # One process, Slurm's way: SIGUSR1.
 "$meshtrain" train "${common[@]}" --training.steps=100000 --run.out="$run/b" > "$run/b.log" 2>&1 &
@@ -74,7 +86,7 @@ if script -qec true /dev/null > /dev/null 2>&1 < /dev/null; then
   status=0
   wait "$terminal" || status=$?
   exec 3>&-
-  [ "$status" = 0 ] && grep -q "SIGUSR2: stopped after step" "$run/e.log" || {
+  [ "$status" = 0 ] && grep -q "SIGINT: stopped after step" "$run/e.log" || {
     echo "Ctrl-C at a terminal: status $status"; cat "$run/e.log"; exit 1; }
 else
   echo "no pseudo-terminal here (script(1) failed): the Ctrl-C case is not run"
