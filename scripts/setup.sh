@@ -5,7 +5,8 @@
 #                      Open MPI, CLI11, toml++, nlohmann-json, gRPC, protobuf, OpenSSL, GoogleTest,
 #                      Google Benchmark, ...) and the Python packages of scripts/requirements/main.txt
 #                      (the torch wheel, which carries libtorch, and pyarrow, which carries Arrow C++)
-#   setup.sh --tests   and the packages the tests check against (requirements/test.txt)
+#   setup.sh --tests   and the packages the tests check against (requirements/test.txt), and
+#                      Slurm and MUNGE for the tests' own cluster (their services are not configured)
 #   setup.sh --bench   and the benchmarks' peers (requirements/bench.txt)
 #
 # The Python environment is kept per machine, outside the clone, keyed by what it pins:
@@ -36,6 +37,8 @@ debian_packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pip
 )
+# The tests' own Slurm cluster (tests/cli/slurm.sh): controller, node daemon, client, MUNGE.
+test_debian_packages=(slurmctld slurmd slurm-client munge)
 
 log() { printf 'setup: %s\n' "$*"; }
 
@@ -132,6 +135,7 @@ install_python_packages() {
   fi
 }
 
+[[ " ${stages[*]} " == *" test "* ]] && debian_packages+=("${test_debian_packages[@]}")
 install_debian_packages
 install_python_packages
 log "done; libtorch CMake prefix: $("$root_dir/.venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

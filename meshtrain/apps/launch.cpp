@@ -471,11 +471,6 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
                                 "stopped (train), not `" + args.front() + "`");
   }
   check_hosts(hosts);
-  // The compute threads fill every core, so a rank waiting inside MPI must yield
-  // its core rather than spin on it, or it slows the backward pass that its
-  // all-reduce is meant to overlap (measured: docs/BENCHMARKS.md). Open MPI
-  // forwards OMPI_MCA_* variables to every rank.
-  setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   if (server || trainer) open_stop_name_file();

@@ -57,6 +57,12 @@ Runtime::Runtime(int* argc, char*** argv, CommOptions options) {
     if (initialized) {
       MPI_Query_thread(&provided);
     } else {
+      // The compute threads fill every core, so a rank waiting inside MPI must
+      // yield its core rather than spin on it, or it slows the backward pass
+      // its all-reduce is meant to overlap (measured: docs/BENCHMARKS.md). Set
+      // here, before Open MPI reads it, so that ranks srun or mpirun start
+      // directly yield too; a value set outside wins.
+      setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
       mpi::check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread", "");
       owns_mpi_ = true;
     }

@@ -136,8 +136,10 @@ int64_t Progress::resumed(int64_t step, const std::string& checkpoint) {
   event(nlohmann::json{{"event", "resumed"}, {"step", step}, {"checkpoint", checkpoint}, {"superseded_rows", superseded}}
             .dump());
   if (superseded > 0) {
-    warn(metrics_path_ + ": " + std::to_string(superseded) + " rows after step " + std::to_string(step) +
-         " are from the run before this resume; the rows after its \"resumed\" line replace them");
+    warn("the run before logged " + std::to_string(superseded) + " step(s) after step " + std::to_string(step) +
+         " that no checkpoint kept: they are lost and trained again (in " + metrics_path_ + ", " +
+         std::to_string(superseded) + " rows after step " + std::to_string(step) +
+         " are from the run before this resume; the rows after its \"resumed\" line replace them)");
   }
   return superseded;
 }

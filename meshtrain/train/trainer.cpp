@@ -339,13 +339,20 @@ bool Trainer::run(const std::atomic<int>* stop) {
   const std::string ranks = static_cast<int>(placement.host_of_rank.size()) == world_->size()
                                 ? placement.summary()
                                 : std::to_string(world_->size()) + " rank(s)";
+  // Threads per rank, and the Slurm job when srun started the ranks (docs/clusters.md#slurm).
+  const int threads = at::get_num_threads();
+  const char* slurm_job = std::getenv("SLURM_JOB_ID");
+  const char* slurm_step = std::getenv("SLURM_STEP_ID");
+  const std::string started = std::to_string(threads) + (threads == 1 ? " thread" : " threads") + " each" +
+                              (slurm_job && slurm_step ? std::string(", Slurm job ") + slurm_job + " step " + slurm_step
+                                                       : std::string());
   // "training tiny (gpt2: layers=2 ...)", "training runs/a/checkpoints (llama: ...)": what is trained and its family.
   const std::string what = config_.init_from.empty() ? config_.preset : config_.init_from;
   const std::string family = config_.model.family().empty() ? "a mix of GPT-2 and Llama" : config_.model.family();
   std::string shape = model_fingerprint();
   if (shape.rfind("gpt ", 0) == 0) shape.erase(0, 4);
-  std::snprintf(line, sizeof line, "training %s (%s: %s, %.2fM parameters) on %s, ", what.c_str(), family.c_str(),
-                shape.c_str(), config_.model.parameter_count() / 1e6, ranks.c_str());
+  std::snprintf(line, sizeof line, "training %s (%s: %s, %.2fM parameters) on %s, %s, ", what.c_str(), family.c_str(),
+                shape.c_str(), config_.model.parameter_count() / 1e6, ranks.c_str(), started.c_str());
   progress_->say(line + parts().describe());
   if (config_.lora.enabled()) {
     const int64_t adapters = config_.lora.parameter_count(config_.model);

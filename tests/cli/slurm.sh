@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# A Slurm cluster on one machine (tests/cli/slurm_cluster.sh: slurmctld, a
+# slurmd per simulated host, MUNGE): examples/slurm/train.sbatch submitted as
+# users submit it, its ranks started by `srun --mpi=pmix` across the hosts.
+# Data parallel, ZeRO-3 (uneven, 3 ranks) and tensor parallel split across
+# hosts equal one process (losses every step, parameters after); the job's
+# output names its ranks, hosts, threads and job once. A job preempted by a
+# higher partition (PreemptMode=REQUEUE) saves on Slurm's SIGTERM within the
+# grace, is requeued and resumes; killed outright (no grace) and requeued, it
+# resumes from its last periodic checkpoint, saying which logged steps are
+# redone; it ends with the uninterrupted run's losses and parameters.
+# Skipped (77) where namespaces or the Slurm daemons are missing.
+set -euo pipefail
+meshtrain=$1
+python=$2
+here=$(dirname "$0")
+root=$(cd "$here/../.." && pwd)
+# shellcheck source=slurm_cluster.sh
+source "$here/slurm_cluster.sh"
+why=$(slurm_can_run) || { echo "skipped: $why"; exit 77; }
+run=$(mktemp -d)
+trap 'slurm_down; rm -rf "$run"' EXIT
+slurm_up 2 "$run" "PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF"
+# The partition preempted jobs leave: main, PriorityTier 1, its jobs requeued after a 30 s grace.
+sed -i 's/^PartitionName=main .*/& PriorityTier=1 GraceTime=30/' "$SLURM_CONF"
+on_cluster scontrol reconfigure
+export MESHTRAIN=$meshtrain OMP_NUM_THREADS=1  # the hosts share this machine's cores
+# shellcheck source=same_as.sh
+source "$here/same_as.sh"
+# shellcheck source=steps.sh
+source "$here/steps.sh"
+
+# A flat learning rate, so that a resumed run and an uninterrupted one agree step for step.
+common=(--model.preset=tiny --model.layers=2 --training.batch=12 --training.micro_batch=1 --training.sample_tokens=0
+        --training.lr=1e-3 --training.min_lr=1e-3 --training.warmup=0 --training.eval_every=0 --training.steps=6
+        --checkpoint.async=false)
+
+submit() {  # name, sbatch options, then -- and train's options; prints the job id
+  local name=$1
+  shift
+  local options=()
+  while [ "$1" != -- ]; do options+=("$1"); shift; done
+  shift
+  on_cluster sbatch --parsable --output="$run/$name.out" "${options[@]}" "$root/examples/slurm/train.sbatch" \
+    "${common[@]}" "$@" --run.out="$run/$name"
+}
+finished() {  # name, job: waits for the job to end and checks it completed
+  wait_job "$2" COMPLETED FAILED CANCELLED TIMEOUT NODE_FAIL -t 180
+  [ "$(job_state "$2")" = COMPLETED ] || { echo "$1: job $2 $(job_state "$2")"; cat "$run/$1.out"; exit 1; }
+}
+
+dp=$(unset OMP_NUM_THREADS; submit dp --)  # threads from the host's cores and its tasks
+zero3=$(submit zero3 --nodes=2 --ntasks=3 -- --parallel.zero_stage=3)
+tp=$(submit tp --nodes=2 --ntasks-per-node=1 -- --parallel.tp=2)
+"$meshtrain" train "${common[@]}" --run.out="$run/ref" > "$run/ref.log" 2>&1 || { cat "$run/ref.log"; exit 1; }
+finished dp "$dp"
+finished zero3 "$zero3"
+finished tp "$tp"
+grep -q "on 4 ranks on 2 hosts (node1: 0-1, node2: 2-3), 1 thread each, Slurm job $dp step 0" "$run/dp.out" ||
+  { cat "$run/dp.out"; exit 1; }
+grep -q "on 3 ranks on 2 hosts (node1: 0-1, node2: 2), .*Slurm job $zero3 step 0, ZeRO stage 3" "$run/zero3.out" ||
+  { cat "$run/zero3.out"; exit 1; }
+grep -q "on 2 ranks on 2 hosts (node1: 0, node2: 1), 1 thread each, Slurm job $tp step 0" "$run/tp.out" ||
+  { cat "$run/tp.out"; exit 1; }
+same_as ref dp
+same_as ref zero3
+same_as ref tp
+
+# Preempted: a job of the urgent partition needs every node; the training job gets SIGTERM, saves, and is requeued.
+long=(--training.steps=40 --training.batch=4 --checkpoint.every=8)
+"$meshtrain" train "${common[@]}" "${long[@]}" --run.out="$run/ref40" > "$run/ref40.log" 2>&1 || { cat "$run/ref40.log"; exit 1; }
+job=$(submit preempted -- "${long[@]}")
+wait_for_steps "$run/preempted" 3
+preempted_at=$(date +%s%N)
+urgent=$(on_cluster sbatch --parsable -p urgent --nodes=2 --ntasks-per-node=2 --output=/dev/null --wrap true)
+for _ in $(seq 600); do grep -q '"event":"preempted"' "$run/preempted/metrics.jsonl" && break; sleep 0.1; done
+saved_ms=$(( ($(date +%s%N) - preempted_at) / 1000000 ))
+wait_job "$urgent" COMPLETED -t 120
+start_requeued "$job"
+for _ in $(seq 600); do grep -q "resumed from" "$run/preempted.out" && break; sleep 0.1; done
+n=$(grep '"event":"preempted"' "$run/preempted/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/')
+grep -q "SIGTERM: stopped after step $n of 40, checkpoint written" "$run/preempted.out" &&
+  grep -q "resumed from .*step-$(printf '%08d' "$n") at step $n" "$run/preempted.out" &&
+  grep -q "meshtrain job $job (restart 1)" "$run/preempted.out" || { cat "$run/preempted.out"; exit 1; }
+echo "preempted at step $n: the checkpoint was saved $saved_ms ms after the urgent job was submitted"
+
+# Killed outright (SIGKILL, no grace) past a periodic checkpoint, then requeued: it resumes from that checkpoint
+# and says which logged steps it redoes.
+wait_for_steps "$run/preempted" 18  # the checkpoint of step 16, and two steps after it
+pkill -KILL -f "^[^ ]*meshtrain train .*--run.out=$run/preempted\$"  # every rank, as a node's crash would
+wait_job "$job" FAILED -t 60
+on_cluster scontrol requeue "$job"
+start_requeued "$job"
+finished preempted "$job"
+grep -q "the run before logged [2-9] step(s) after step 16 that no checkpoint kept: they are lost and trained again" \
+  "$run/preempted.out" || {
+  cat "$run/preempted.out"; exit 1; }
+same_as ref40 preempted
+compare_all
+echo "ok: under Slurm, dp, ZeRO-3 and tp across 2 hosts equal one process; preempted and killed jobs resume to it"
