@@ -40,6 +40,7 @@ CommandPtr add_tokenizer(CLI::App& app);             // tokenizer_command.cpp
 CommandPtr add_logits(CLI::App& app);                // interop_command.cpp
 CommandPtr add_checkpoint(CLI::App& app);            // checkpoint_command.cpp
 CommandPtr add_run(CLI::App& app);                   // launch.cpp
+CommandPtr add_submit(CLI::App& app);                // launch_slurm.cpp
 CommandPtr add_fl(CLI::App& app, const char* self);  // fl_command.cpp (self: this executable)
 
 struct CommBenchOptions {
@@ -204,8 +205,14 @@ struct Supervision {
   int min_ranks = 0;             // > 0: relaunch on the hosts that answer, if they hold this many ranks
 };
 
+// launcher: "auto" (srun inside a Slurm allocation, else mpirun), "mpirun" or "srun" (Note [Launching under Slurm]).
 [[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const Supervision& supervision,
-                              const std::vector<std::string>& args);
+                              const std::vector<std::string>& args, const std::string& launcher = "auto");
+
+// launch_slurm.cpp: whether `meshtrain run` starts its ranks with srun, and the srun command line.
+bool use_srun(const std::string& launcher, const Hosts& hosts);
+std::vector<std::string> srun_command(int ranks, const std::vector<std::string>& args, const std::string& self);
+std::string self_executable();  // this executable's path (/proc/self/exe)
 
 // The mpirun command line run_launcher uses (exposed for tests).
 // `variables`: the names passed on to every rank.

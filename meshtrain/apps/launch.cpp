@@ -41,14 +41,14 @@ bool is_open_mpi() {
   return std::string(version, length).find("Open MPI") != std::string::npos;
 }
 
+}  // namespace
+
 std::string self_executable() {
   std::vector<char> path(4096);
   const ssize_t n = readlink("/proc/self/exe", path.data(), path.size() - 1);
   if (n <= 0) throw std::runtime_error("cannot find this executable's path (/proc/self/exe)");
   return std::string(path.data(), n);
 }
-
-}  // namespace
 
 std::string mpirun_path() {
   const char* mpirun = std::getenv("MESHTRAIN_MPIRUN");
@@ -460,7 +460,7 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
 }  // namespace
 
 [[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const Supervision& supervision,
-                              const std::vector<std::string>& args) {
+                              const std::vector<std::string>& args, const std::string& launcher) {
   if (ranks < 1) throw std::invalid_argument("run -n needs at least 1 rank, got " + std::to_string(ranks));
   if (args.empty()) throw std::invalid_argument("run -n N needs a subcommand to run, e.g. `meshtrain run -n 2 selfcheck`");
   // What the command declared (Note [Commands]): what a stop means to it, and whether it may be relaunched.
@@ -471,6 +471,11 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
                                 "stopped (train), not `" + args.front() + "`");
   }
   check_hosts(hosts);
+  const bool srun = use_srun(launcher, hosts);  // Note [Launching under Slurm]
+  if (srun && supervision.min_ranks > 0) {
+    throw std::invalid_argument("run --min-ranks relaunches on hosts it names; under Slurm, --requeue and a job "
+                                "asking --nodes=MIN-MAX do that (docs/clusters.md#slurm)");
+  }
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   if (server || trainer) open_stop_name_file();
@@ -484,7 +489,8 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
       std::exit(0);
     }
     const std::vector<std::string> command =
-        launch_command(job.ranks, job.hosts, launched, is_open_mpi(), geteuid() == 0, passed_variables());
+        srun ? srun_command(job.ranks, launched, self_executable())
+             : launch_command(job.ranks, job.hosts, launched, is_open_mpi(), geteuid() == 0, passed_variables());
     // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
     const char* threads = std::getenv("OMP_NUM_THREADS");
     std::fprintf(stderr, "meshtrain: launching %d ranks%s, %s:", job.ranks,
@@ -542,9 +548,9 @@ CommandPtr add_run(CLI::App& app) {
   auto hosts = std::make_shared<Hosts>();
   auto supervision = std::make_shared<Supervision>();
   CLI::App* run = app.add_subcommand(
-      "run", "Launch N ranks of meshtrain through mpirun, on this host or on others (--hostfile, --hosts). Passes every "
-             "MESHTRAIN_* variable set here on to the ranks; each rank uses its host's cores / its host's ranks as "
-             "threads. Plain mpirun and srun --mpi=pmix work too.");
+      "run", "Launch N ranks of meshtrain through mpirun, on this host or on others (--hostfile, --hosts), or through "
+             "srun inside a Slurm allocation. Passes every MESHTRAIN_* variable set here on to the ranks; each rank "
+             "uses its host's cores / its host's ranks as threads. Plain mpirun and srun --mpi=pmix work too.");
   run->add_option("-n,--ranks", *ranks, "Number of ranks")->required()->check(CLI::PositiveNumber);
   run->add_option("--hostfile", hosts->hostfile, "Open MPI hostfile: a line per host, e.g. `hostA slots=2`");
   run->add_option("--hosts", hosts->list, "Hosts and their slots, e.g. hostA:2,hostB:2");
@@ -557,12 +563,17 @@ CommandPtr add_run(CLI::App& app) {
                   "train with --hosts/--hostfile: when a host is lost, relaunch on the hosts that still answer if their "
                   "slots hold at least M ranks (the layout is derived again, training.batch kept)")
       ->check(CLI::PositiveNumber);
+  auto launcher = std::make_shared<std::string>("auto");
+  run->add_option("--launcher", *launcher,
+                  "auto: srun inside a Slurm allocation (SLURM_JOB_ID set), else mpirun; or mpirun, srun")
+      ->check(CLI::IsMember({"auto", "mpirun", "srun"}))
+      ->capture_default_str();
   run->prefix_command();  // everything after the options is the command every rank runs
   run->footer("Examples:\n  meshtrain run -n 4 bench comm --max-size 64M\n"
               "  meshtrain run -n 4 --hosts hostA:2,hostB:2 train --run.out=/shared/runs/a\n"
               "  meshtrain run -n 4 --hostfile hosts --max-restarts 3 --min-ranks 2 train --run.out=/shared/runs/a");
-  return plain_command(run, [ranks, hosts, supervision, run] {
-    return run_launcher(*ranks, *hosts, *supervision, run->remaining());
+  return plain_command(run, [ranks, hosts, supervision, launcher, run] {
+    return run_launcher(*ranks, *hosts, *supervision, run->remaining(), *launcher);
   });
 }
 

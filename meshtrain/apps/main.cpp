@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
   }
   for (auto* add : {apps::add_timeline, apps::add_plan, apps::add_verify, apps::add_train, apps::add_prepare, apps::add_generate,
                     apps::add_serve, apps::add_import, apps::add_export, apps::add_export_peft, apps::add_tokenizer, apps::add_logits,
-                    apps::add_checkpoint, apps::add_run}) {
+                    apps::add_checkpoint, apps::add_run, apps::add_submit}) {
     commands.push_back(add(app));
   }
   commands.push_back(apps::add_fl(app, argv[0]));

@@ -46,23 +46,31 @@ submit() {  # name, sbatch options, then -- and train's options; prints the job 
   on_cluster sbatch --parsable --output="$run/$name.out" "${options[@]}" "$root/examples/slurm/train.sbatch" \
     "${common[@]}" "$@" --run.out="$run/$name"
 }
-finished() {  # name, job: waits for the job to end and checks it completed
+finished() {  # name, job, its output: waits for the job to end and checks it completed
   wait_job "$2" COMPLETED FAILED CANCELLED TIMEOUT NODE_FAIL -t 180
-  [ "$(job_state "$2")" = COMPLETED ] || { echo "$1: job $2 $(job_state "$2")"; cat "$run/$1.out"; exit 1; }
+  [ "$(job_state "$2")" = COMPLETED ] || { echo "$1: job $2 $(job_state "$2")"; cat "${3:-$run/$1.out}"; exit 1; }
 }
 
-dp=$(unset OMP_NUM_THREADS; submit dp --)  # threads from the host's cores and its tasks
+# dp by `meshtrain submit` (its script: Note [Submitting a job]), threads from the host's cores and its tasks.
+printf '[training]\nsteps = 6\n' > "$run/dp.toml"
+on_cluster env -u OMP_NUM_THREADS "$meshtrain" submit "$run/dp.toml" --nodes 2 --ranks-per-node 2 --grace 20 \
+  "${common[@]}" --run.out="$run/dp" > "$run/submit.log" 2>&1 || { cat "$run/submit.log"; exit 1; }
+dp=$(sed -nE 's/^submitted Slurm job ([0-9]+): 2 node\(s\) x 2 rank\(s\), script .*/\1/p' "$run/submit.log")
+[ -n "$dp" ] && grep -q "stop with a checkpoint:  scancel --signal=TERM $dp" "$run/submit.log" || { cat "$run/submit.log"; exit 1; }
 zero3=$(submit zero3 --nodes=2 --ntasks=3 -- --parallel.zero_stage=3)
-tp=$(submit tp --nodes=2 --ntasks-per-node=1 -- --parallel.tp=2)
+# tp by `meshtrain run` inside the allocation, which starts its ranks with srun (Note [Launching under Slurm]).
+tp=$(on_cluster sbatch --parsable --output="$run/tp.out" --nodes=2 --ntasks-per-node=1 \
+  --wrap "$(printf '%q ' "$meshtrain" run -n 2 train "${common[@]}" --parallel.tp=2 --run.out="$run/tp")")
 "$meshtrain" train "${common[@]}" --run.out="$run/ref" > "$run/ref.log" 2>&1 || { cat "$run/ref.log"; exit 1; }
-finished dp "$dp"
+finished dp "$dp" "$run/dp/slurm-$dp.out"
 finished zero3 "$zero3"
 finished tp "$tp"
-grep -q "on 4 ranks on 2 hosts (node1: 0-1, node2: 2-3), 1 thread each, Slurm job $dp step 0" "$run/dp.out" ||
-  { cat "$run/dp.out"; exit 1; }
+grep -q "on 4 ranks on 2 hosts (node1: 0-1, node2: 2-3), 1 thread each, Slurm job $dp step 0" "$run/dp/slurm-$dp.out" ||
+  { cat "$run/dp/slurm-$dp.out"; exit 1; }
 grep -q "on 3 ranks on 2 hosts (node1: 0-1, node2: 2), .*Slurm job $zero3 step 0, ZeRO stage 3" "$run/zero3.out" ||
   { cat "$run/zero3.out"; exit 1; }
-grep -q "on 2 ranks on 2 hosts (node1: 0, node2: 1), 1 thread each, Slurm job $tp step 0" "$run/tp.out" ||
+grep -q "launching 2 ranks, OMP_NUM_THREADS=1 threads each: srun --ntasks=2 --kill-on-bad-exit=1 --mpi=pmix" "$run/tp.out" &&
+  grep -q "on 2 ranks on 2 hosts (node1: 0, node2: 1), 1 thread each, Slurm job $tp step 0" "$run/tp.out" ||
   { cat "$run/tp.out"; exit 1; }
 same_as ref dp
 same_as ref zero3

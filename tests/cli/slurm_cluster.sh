@@ -119,4 +119,5 @@ slurm_down() {
   hosts_down
   [ -z "$slurm_munged" ] || kill "$slurm_munged" 2> /dev/null || true
   slurm_munged=""
+  wait 2> /dev/null || true  # the daemons gone before the caller removes their folders
 }

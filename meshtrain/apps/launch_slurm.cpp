@@ -1,0 +1,201 @@
+// Slurm: `meshtrain run` inside an allocation starts its ranks with srun
+// (Note [Launching under Slurm]); `meshtrain submit CONFIG` writes the job
+// script and submits it (Note [Submitting a job]).
+#include "meshtrain/apps/command.h"
+#include "meshtrain/apps/commands.h"
+#include "meshtrain/train/config.h"
+#include "meshtrain/util/files.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace meshtrain::apps {
+
+namespace {
+
+bool on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "";
+  for (size_t start = 0; start <= dirs.size();) {
+    const size_t end = dirs.find(':', start);
+    const std::string dir = dirs.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    if (!dir.empty() && access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  return false;
+}
+
+// A word for a shell script, quoted when it needs to be.
+std::string shell_word(const std::string& word) {
+  if (!word.empty() && word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,/=:@%+") ==
+                           std::string::npos) {
+    return word;
+  }
+  std::string quoted = "'";
+  for (char c : word) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+}  // namespace
+
+// Note [Launching under Slurm]
+// Inside an allocation (SLURM_JOB_ID set: sbatch, salloc) `meshtrain run`
+// starts the ranks with `srun --mpi=pmix` rather than mpirun: Slurm then
+// places, signals and accounts for them, and each rank reads its rank, its
+// node's ranks and its host from PMIx as under mpirun. --launcher mpirun
+// keeps mpirun (e.g. for --hosts), --launcher srun insists. SLURM_MPI_TYPE,
+// when set, chooses the plugin instead of pmix.
+bool use_srun(const std::string& launcher, const Hosts& hosts) {
+  const bool allocation = std::getenv("SLURM_JOB_ID") != nullptr;
+  if (launcher == "mpirun") return false;
+  if (launcher == "srun") {
+    if (!allocation) {
+      throw std::invalid_argument("run --launcher srun: not inside a Slurm allocation (SLURM_JOB_ID is unset); run it "
+                                  "from a job script (sbatch) or salloc, or submit with `meshtrain submit CONFIG`");
+    }
+    if (!hosts.empty()) throw std::invalid_argument("run --launcher srun places ranks on the allocation's nodes: drop "
+                                                    "--hosts/--hostfile");
+    return true;
+  }
+  return allocation && hosts.empty() && on_path("srun");
+}
+
+std::vector<std::string> srun_command(int ranks, const std::vector<std::string>& args, const std::string& self) {
+  std::vector<std::string> command{"srun", "--ntasks=" + std::to_string(ranks), "--kill-on-bad-exit=1"};
+  if (!std::getenv("SLURM_MPI_TYPE")) command.push_back("--mpi=pmix");
+  command.push_back(self);
+  command.insert(command.end(), args.begin(), args.end());
+  return command;
+}
+
+// Note [Submitting a job]
+// `meshtrain submit CONFIG` writes RUN_OUT/job.sbatch and gives it to sbatch:
+// one rank per task (per GPU on a GPU partition), started by srun with PMIx;
+// --requeue, so that a preemption (PreemptMode=REQUEUE) or a node failure
+// queues it again and train resumes from its latest checkpoint, resharded
+// to the ranks it then has; the ranks save on Slurm's SIGTERM
+// (Note [Preemption]); with --time, SIGTERM comes `grace` seconds before the
+// limit, so that the last steps are saved. A job that ends by itself within
+// a preemption's grace counts as completed, so the script requeues itself
+// when Slurm recorded a preemption (examples/slurm/train.sbatch does the same).
+struct SubmitOptions {
+  std::string config;
+  int nodes = 1;
+  int ranks_per_node = 1;
+  int gpus_per_node = 0;
+  std::string time;  // Slurm's --time, e.g. 2:00:00
+  std::string partition;
+  std::string account;
+  int grace_s = 120;
+  bool script_only = false;
+};
+
+std::string job_script(const SubmitOptions& o, const std::vector<std::string>& overrides, const std::string& out,
+                       const std::string& self) {
+  const int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : o.ranks_per_node;
+  std::string s = "#!/usr/bin/env bash\n# Written by `meshtrain submit` (Note [Submitting a job]); sbatch this file to run it again.\n";
+  s += "#SBATCH --job-name=meshtrain\n#SBATCH --nodes=" + std::to_string(o.nodes) + "\n";
+  s += "#SBATCH --ntasks-per-node=" + std::to_string(per_node) + "\n";
+  if (o.gpus_per_node > 0) s += "#SBATCH --gpus-per-node=" + std::to_string(o.gpus_per_node) + "\n";
+  if (!o.partition.empty()) s += "#SBATCH --partition=" + o.partition + "\n";
+  if (!o.account.empty()) s += "#SBATCH --account=" + o.account + "\n";
+  if (!o.time.empty()) {
+    s += "#SBATCH --time=" + o.time + "\n#SBATCH --signal=TERM@" + std::to_string(o.grace_s) + "\n";
+  }
+  s += "#SBATCH --requeue\n#SBATCH --open-mode=append\n#SBATCH --output=" + out + "/slurm-%j.out\n";
+  s += "set -uo pipefail\n";
+  if (o.gpus_per_node > 0) {
+    s += "# One rank per GPU. NCCL picks its network itself; name it when it picks wrong:\n"
+         "# export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5\n"
+         "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}\n";
+  }
+  s += "echo \"meshtrain job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${SLURM_NTASKS} ranks on "
+       "${SLURM_JOB_NODELIST}\"\nstatus=0\nsrun --mpi=pmix --kill-on-bad-exit=1 " +
+       shell_word(self) + " train " + shell_word(o.config);
+  for (const std::string& word : overrides) s += " " + shell_word("--" + word);
+  s += " --checkpoint.preempt_grace_s=" + std::to_string(o.grace_s) + " || status=$?\n";
+  s += "# Preempted: the ranks saved and exited 0 within the grace; queue the job again to resume.\n"
+       "if [ \"$status\" = 0 ] && ! scontrol show job \"${SLURM_JOB_ID}\" | grep -q \"PreemptTime=None\"; then\n"
+       "  echo \"meshtrain job ${SLURM_JOB_ID}: preempted, stopped after a checkpoint; requeued to resume\"\n"
+       "  scontrol requeue \"${SLURM_JOB_ID}\"\nfi\nexit \"$status\"\n";
+  return s;
+}
+
+int submit(const SubmitOptions& o, const std::vector<std::string>& overrides) {
+  const train::TrainConfig config = train::TrainConfig::load(o.config, overrides);  // refuses a bad config here
+  const std::string out = std::filesystem::absolute(config.out).lexically_normal().string();
+  SubmitOptions absolute = o;
+  absolute.config = std::filesystem::absolute(o.config).lexically_normal().string();
+  const std::string script = job_script(absolute, overrides, out, self_executable());
+  if (o.script_only) {
+    std::fputs(script.c_str(), stdout);
+    return 0;
+  }
+  if (!on_path("sbatch")) {
+    throw std::invalid_argument("submit: sbatch is not on PATH (this is not a Slurm login node?); --script-only "
+                                "prints the job script instead");
+  }
+  std::filesystem::create_directories(out);
+  const std::string path = out + "/job.sbatch";
+  util::write_text_file(path, script);
+  const std::string command = "sbatch --parsable " + shell_word(path);
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
+  if (!pipe) throw std::runtime_error("submit: cannot run sbatch");
+  char line[256] = "";
+  const bool read = std::fgets(line, sizeof line, pipe.get()) != nullptr;
+  const int status = pclose(pipe.release());
+  std::string job = read ? std::string(line).substr(0, std::string(line).find_first_of(";\n")) : "";
+  if (status != 0 || job.empty()) {
+    std::fprintf(stderr, "meshtrain: submit: sbatch refused %s (its message is above)\n", path.c_str());
+    return 1;
+  }
+  const int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : o.ranks_per_node;
+  std::printf("submitted Slurm job %s: %d node(s) x %d rank(s), script %s\n"
+              "  follow:  tail -f %s/slurm-%s.out   (squeue -j %s; metrics: %s/metrics.jsonl)\n"
+              "  stop with a checkpoint:  scancel --signal=TERM %s   (the same command resumes it)\n",
+              job.c_str(), o.nodes, per_node, path.c_str(), out.c_str(), job.c_str(), job.c_str(), out.c_str(),
+              job.c_str());
+  return 0;
+}
+
+CommandPtr add_submit(CLI::App& app) {
+  auto o = std::make_shared<SubmitOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "submit",
+      "Submit a training run to Slurm: writes the job script (srun with PMIx, one rank per task or GPU, requeued on "
+      "preemption or a node failure, the ranks saving on Slurm's SIGTERM) to the config's run.out/job.sbatch, "
+      "runs sbatch, and prints how to follow and stop the job");
+  sub->add_option("config", o->config, "TOML config file, as for train")->required()->check(CLI::ExistingFile);
+  sub->add_option("--nodes", o->nodes, "Nodes")->check(CLI::PositiveNumber)->capture_default_str();
+  sub->add_option("--ranks-per-node", o->ranks_per_node, "Ranks per node on a CPU partition")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per node: one rank each (a GPU partition)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--time", o->time, "Time limit, as Slurm writes it (e.g. 2:00:00); SIGTERM comes --grace seconds "
+                                     "before it, so the last steps are saved");
+  sub->add_option("--partition", o->partition, "Partition");
+  sub->add_option("--account", o->account, "Account");
+  sub->add_option("--grace", o->grace_s,
+                  "Seconds between Slurm's SIGTERM and its SIGKILL (the cluster's KillWait or GraceTime): "
+                  "checkpoint.preempt_grace_s")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_flag("--script-only", o->script_only, "Print the job script instead of submitting it");
+  allow_config_overrides(*sub);
+  sub->footer("Overrides: --section.key=value, as for train; they go into the job script.\n"
+              "Example:\n  meshtrain submit my_model.toml --nodes 4 --gpus-per-node 8 --time 24:00:00 "
+              "--run.out=/shared/runs/a");
+  return plain_command(sub, [o, sub] { return submit(*o, config_overrides(*sub)); });
+}
+
+}  // namespace meshtrain::apps
