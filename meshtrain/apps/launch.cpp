@@ -402,10 +402,11 @@ double probe_seconds() {
 }
 
 // Drops the hosts that no longer start a process; false (said why) when the job cannot go on.
-bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ranks) {
+bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ranks, bool srun) {
   if (job.named.empty()) return true;
   const double seconds = probe_seconds();
-  const std::vector<bool> answered = probe_hosts(job.named, mpirun_path(), is_open_mpi() && geteuid() == 0, seconds);
+  const std::vector<bool> answered =
+      probe_hosts(job.named, srun ? "srun" : mpirun_path(), is_open_mpi() && geteuid() == 0, seconds);
   std::vector<HostSlots> kept;
   std::string lost;
   int slots = 0;
@@ -418,8 +419,8 @@ bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ran
     }
   }
   if (lost.empty()) return true;
-  std::fprintf(stderr, "meshtrain: lost host(s) %s: no process started there within %.0f s (mpirun -np 1 --host HOST:1 "
-               "true)\n", lost.c_str(), seconds);
+  std::fprintf(stderr, "meshtrain: lost host(s) %s: no process started there within %.0f s (%s)\n", lost.c_str(),
+               seconds, srun ? "srun --nodes=1 --nodelist=HOST true" : "mpirun -np 1 --host HOST:1 true");
   const int ranks = std::min(requested_ranks, slots);
   if (supervision.min_ranks == 0) {
     std::fprintf(stderr, "meshtrain: not restarting: a host is lost (--min-ranks M relaunches on the hosts that answer)\n");
@@ -436,9 +437,10 @@ bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ran
   return true;
 }
 
-Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
+Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision, bool srun) {
   Job job{ranks, hosts, hosts.empty() ? std::vector<HostSlots>{} : parse_hosts(hosts.hostfile, hosts.list)};
   if (supervision.min_ranks == 0) return job;
+  if (srun) job.named = slurm_allocation(ranks);  // Note [Launching under Slurm]
   if (job.named.empty()) {
     throw std::invalid_argument("run --min-ranks needs --hosts or --hostfile: it relaunches on the hosts that still "
                                 "answer, and this host alone cannot be lost while the launcher runs");
@@ -472,16 +474,12 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
   }
   check_hosts(hosts);
   const bool srun = use_srun(launcher, hosts);  // Note [Launching under Slurm]
-  if (srun && supervision.min_ranks > 0) {
-    throw std::invalid_argument("run --min-ranks relaunches on hosts it names; under Slurm, --requeue and a job "
-                                "asking --nodes=MIN-MAX do that (docs/clusters.md#slurm)");
-  }
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   if (server || trainer) open_stop_name_file();
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);
-  Job job = plan_job(ranks, hosts, supervision);
+  Job job = plan_job(ranks, hosts, supervision, srun);
   std::vector<std::string> launched = args;  // a relaunch is told so on its command line (Note [Restarts])
   for (int attempt = 0;; ++attempt) {
     if (attempt == 0 && stops_forwarded > 0) {
@@ -489,7 +487,7 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
       std::exit(0);
     }
     const std::vector<std::string> command =
-        srun ? srun_command(job.ranks, launched, self_executable())
+        srun ? srun_command(job.ranks, job.named, launched, self_executable())
              : launch_command(job.ranks, job.hosts, launched, is_open_mpi(), geteuid() == 0, passed_variables());
     // Each rank sets its threads to its host's cores / that host's ranks (apps/command.cpp).
     const char* threads = std::getenv("OMP_NUM_THREADS");
@@ -514,6 +512,7 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
       std::exit(0);
     }
     const bool again = worth_restarting(launch, supervision);
+    if (srun && launch.status == 0 && trainer) requeue_if_preempted();
     if (!again || attempt >= supervision.max_restarts) {
       if (again) {
         std::fprintf(stderr, "meshtrain: not restarting: all %d restart(s) of --max-restarts are used\n",
@@ -529,7 +528,7 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision) {
                  launch.cause.c_str());
     std::fflush(stderr);
     const int ranks_before = job.ranks;
-    if (!drop_lost_hosts(job, supervision, ranks)) std::exit(launch.status);
+    if (!drop_lost_hosts(job, supervision, ranks, srun)) std::exit(launch.status);
     launched = args;
     launched.insert(launched.begin() + 1, {std::string("--") + kRelaunchAttempt, std::to_string(attempt + 1),
                                            std::string("--") + kRelaunchCause, launch.cause,

@@ -75,7 +75,11 @@ std::vector<HostSlots> parse_hostfile(const std::string& path) {
 
 pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root) {
   std::vector<std::string> command{mpirun, "-np", "1", "--host", host.name + ":1"};
-  if (root) command.push_back("--allow-run-as-root");
+  if (mpirun == "srun") {  // a step of the allocation, beside any other (Note [Launching under Slurm])
+    command = {"srun", "--nodes=1", "--ntasks=1", "--overlap", "--quiet", "--nodelist=" + host.name};
+  } else if (root) {
+    command.push_back("--allow-run-as-root");
+  }
   command.push_back("true");
   std::vector<char*> argv;
   for (auto& word : command) argv.push_back(word.data());

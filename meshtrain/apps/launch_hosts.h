@@ -22,7 +22,8 @@ std::string host_list(const std::vector<HostSlots>& hosts);
 
 // Whether each host starts a process within `seconds`: `mpirun -np 1 --host
 // NAME:1 true` for every host at once; one that fails or does not finish in
-// time (a host down, a link cut) does not answer.
+// time (a host down, a link cut) does not answer. With mpirun "srun", a
+// one-task step on each node of the Slurm allocation instead.
 std::vector<bool> probe_hosts(const std::vector<HostSlots>& hosts, const std::string& mpirun, bool root,
                               double seconds);
 

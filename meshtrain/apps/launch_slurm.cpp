@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,6 +46,16 @@ std::string shell_word(const std::string& word) {
   return quoted + "'";
 }
 
+// What `command` prints (through /bin/sh), "" when it cannot run.
+std::string command_output(const std::string& command) {
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
+  if (!pipe) return "";
+  std::string text;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe.get())) > 0;) text.append(buffer, n);
+  return text;
+}
+
 }  // namespace
 
 // Note [Launching under Slurm]
@@ -69,24 +80,65 @@ bool use_srun(const std::string& launcher, const Hosts& hosts) {
   return allocation && hosts.empty() && on_path("srun");
 }
 
-std::vector<std::string> srun_command(int ranks, const std::vector<std::string>& args, const std::string& self) {
+std::vector<std::string> srun_command(int ranks, const std::vector<HostSlots>& nodes, const std::vector<std::string>& args,
+                                      const std::string& self) {
   std::vector<std::string> command{"srun", "--ntasks=" + std::to_string(ranks), "--kill-on-bad-exit=1"};
   if (!std::getenv("SLURM_MPI_TYPE")) command.push_back("--mpi=pmix");
+  if (!nodes.empty()) {  // a relaunch on the nodes left (Note [Elastic restarts])
+    std::string list;
+    for (const HostSlots& node : nodes) list += (list.empty() ? "" : ",") + node.name;
+    // --overlap: the lost step may hold its CPUs until Slurm marks the node down.
+    command.insert(command.end(), {"--nodes=" + std::to_string(nodes.size()), "--nodelist=" + list, "--overlap"});
+    if (nodes.front().slots > 0) command.push_back("--ntasks-per-node=" + std::to_string(nodes.front().slots));
+  }
   command.push_back(self);
   command.insert(command.end(), args.begin(), args.end());
   return command;
 }
 
+// Under --min-ranks, `meshtrain run` keeps the allocation's nodes with their
+// ranks (SLURM_NTASKS_PER_NODE, else an even share) to probe them after a
+// rank's death and relaunch on those that answer (Note [Elastic restarts]);
+// the job must be submitted with --no-kill, or Slurm ends it when it marks
+// the node down.
+std::vector<HostSlots> slurm_allocation(int ranks) {
+  const char* list = std::getenv("SLURM_JOB_NODELIST");
+  if (!list) throw std::invalid_argument("run --min-ranks under Slurm: SLURM_JOB_NODELIST is unset");
+  std::vector<HostSlots> nodes;
+  std::istringstream names(command_output("scontrol show hostnames " + shell_word(list)));
+  for (std::string name; names >> name;) nodes.push_back(HostSlots{name, 0});
+  if (nodes.empty()) throw std::runtime_error(std::string("cannot expand SLURM_JOB_NODELIST=") + list);
+  const char* per_node = std::getenv("SLURM_NTASKS_PER_NODE");
+  const int slots = per_node ? std::atoi(per_node) : (ranks + int(nodes.size()) - 1) / int(nodes.size());
+  for (HostSlots& node : nodes) node.slots = slots;
+  return nodes;
+}
+
+// A job that ends by itself within a preemption's grace (the ranks saved and
+// exited 0) counts as completed: queue it again, to resume (Note [Preemption]).
+void requeue_if_preempted() {
+  const char* job = std::getenv("SLURM_JOB_ID");
+  if (!job || !std::getenv("SLURM_JOB_NODELIST")) return;
+  const std::string state = command_output("scontrol show job " + shell_word(job));
+  if (state.find("PreemptTime=") == std::string::npos || state.find("PreemptTime=None") != std::string::npos) return;
+  std::fprintf(stderr, "meshtrain: Slurm job %s was preempted and stopped after a checkpoint; requeued to resume\n", job);
+  std::fflush(stderr);
+  if (std::system(("scontrol requeue " + shell_word(job)).c_str()) != 0) {
+    std::fprintf(stderr, "meshtrain: scontrol requeue %s failed: resubmit the job to resume\n", job);
+  }
+}
+
 // Note [Submitting a job]
-// `meshtrain submit CONFIG` writes RUN_OUT/job.sbatch and gives it to sbatch:
-// one rank per task (per GPU on a GPU partition), started by srun with PMIx;
-// --requeue, so that a preemption (PreemptMode=REQUEUE) or a node failure
-// queues it again and train resumes from its latest checkpoint, resharded
-// to the ranks it then has; the ranks save on Slurm's SIGTERM
-// (Note [Preemption]); with --time, SIGTERM comes `grace` seconds before the
-// limit, so that the last steps are saved. A job that ends by itself within
-// a preemption's grace counts as completed, so the script requeues itself
-// when Slurm recorded a preemption (examples/slurm/train.sbatch does the same).
+// `meshtrain submit CONFIG` writes RUN_OUT/job.sbatch and gives it to sbatch.
+// The script runs `meshtrain run ... train` in the allocation, which starts
+// one rank per task (per GPU on a GPU partition) with srun and PMIx, and
+// supervises them: a lost node (--no-kill keeps the allocation) is left
+// behind and training relaunched on the nodes that answer, resharded, down
+// to half the ranks (Note [Elastic restarts]); a preempted job, its ranks
+// saved on Slurm's SIGTERM (Note [Preemption]), is queued again (--requeue)
+// and resumes. With --time, SIGTERM comes `grace` seconds before the limit,
+// so that the last steps are saved. examples/slurm/train.sbatch is the same
+// script written by hand.
 struct SubmitOptions {
   std::string config;
   int nodes = 1;
@@ -111,22 +163,20 @@ std::string job_script(const SubmitOptions& o, const std::vector<std::string>& o
   if (!o.time.empty()) {
     s += "#SBATCH --time=" + o.time + "\n#SBATCH --signal=TERM@" + std::to_string(o.grace_s) + "\n";
   }
-  s += "#SBATCH --requeue\n#SBATCH --open-mode=append\n#SBATCH --output=" + out + "/slurm-%j.out\n";
-  s += "set -uo pipefail\n";
+  s += "#SBATCH --requeue\n#SBATCH --no-kill\n#SBATCH --open-mode=append\n#SBATCH --output=" + out + "/slurm-%j.out\n";
+  s += "set -euo pipefail\n";
   if (o.gpus_per_node > 0) {
     s += "# One rank per GPU. NCCL picks its network itself; name it when it picks wrong:\n"
          "# export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5\n"
          "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}\n";
   }
   s += "echo \"meshtrain job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${SLURM_NTASKS} ranks on "
-       "${SLURM_JOB_NODELIST}\"\nstatus=0\nsrun --mpi=pmix --kill-on-bad-exit=1 " +
-       shell_word(self) + " train " + shell_word(o.config);
+       "${SLURM_JOB_NODELIST}\"\n"
+       "# srun starts the ranks; a lost node: relaunched on the nodes left; preempted: requeued (Note [Submitting a job])\n"
+       "exec " + shell_word(self) + " run -n \"${SLURM_NTASKS}\" --max-restarts 3 --restart-on-hang --min-ranks "
+       "$(( (SLURM_NTASKS + 1) / 2 )) train " + shell_word(o.config);
   for (const std::string& word : overrides) s += " " + shell_word("--" + word);
-  s += " --checkpoint.preempt_grace_s=" + std::to_string(o.grace_s) + " || status=$?\n";
-  s += "# Preempted: the ranks saved and exited 0 within the grace; queue the job again to resume.\n"
-       "if [ \"$status\" = 0 ] && ! scontrol show job \"${SLURM_JOB_ID}\" | grep -q \"PreemptTime=None\"; then\n"
-       "  echo \"meshtrain job ${SLURM_JOB_ID}: preempted, stopped after a checkpoint; requeued to resume\"\n"
-       "  scontrol requeue \"${SLURM_JOB_ID}\"\nfi\nexit \"$status\"\n";
+  s += " --checkpoint.preempt_grace_s=" + std::to_string(o.grace_s) + "\n";
   return s;
 }
 

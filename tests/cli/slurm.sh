@@ -6,9 +6,10 @@
 # hosts equal one process (losses every step, parameters after); the job's
 # output names its ranks, hosts, threads and job once. A job preempted by a
 # higher partition (PreemptMode=REQUEUE) saves on Slurm's SIGTERM within the
-# grace, is requeued and resumes; killed outright (no grace) and requeued, it
-# resumes from its last periodic checkpoint, saying which logged steps are
-# redone; it ends with the uninterrupted run's losses and parameters.
+# grace, is requeued and resumes; when a node dies, the job ends naming it, is
+# requeued and resumes on the node left from its last periodic checkpoint,
+# saying which logged steps are redone; it ends with the uninterrupted run's
+# losses and parameters.
 # Skipped (77) where namespaces or the Slurm daemons are missing.
 set -euo pipefail
 meshtrain=$1
@@ -79,7 +80,7 @@ same_as ref tp
 # Preempted: a job of the urgent partition needs every node; the training job gets SIGTERM, saves, and is requeued.
 long=(--training.steps=40 --training.batch=4 --checkpoint.every=8)
 "$meshtrain" train "${common[@]}" "${long[@]}" --run.out="$run/ref40" > "$run/ref40.log" 2>&1 || { cat "$run/ref40.log"; exit 1; }
-job=$(submit preempted -- "${long[@]}")
+job=$(MESHTRAIN_COMM_TIMEOUT=5 MESHTRAIN_HOST_PROBE_S=8 submit preempted -- "${long[@]}")
 wait_for_steps "$run/preempted" 3
 preempted_at=$(date +%s%N)
 urgent=$(on_cluster sbatch --parsable -p urgent --nodes=2 --ntasks-per-node=2 --output=/dev/null --wrap true)
@@ -94,17 +95,22 @@ grep -q "SIGTERM: stopped after step $n of 40, checkpoint written" "$run/preempt
   grep -q "meshtrain job $job (restart 1)" "$run/preempted.out" || { cat "$run/preempted.out"; exit 1; }
 echo "preempted at step $n: the checkpoint was saved $saved_ms ms after the urgent job was submitted"
 
-# Killed outright (SIGKILL, no grace) past a periodic checkpoint, then requeued: it resumes from that checkpoint
-# and says which logged steps it redoes.
-wait_for_steps "$run/preempted" 18  # the checkpoint of step 16, and two steps after it
-pkill -KILL -f "^[^ ]*meshtrain train .*--run.out=$run/preempted\$"  # every rank, as a node's crash would
-wait_job "$job" FAILED -t 60
-on_cluster scontrol requeue "$job"
-start_requeued "$job"
+# A node lost (node2's slurmd and ranks killed, its link cut) past a periodic checkpoint: the ranks left end on the
+# watchdog naming node2; meshtrain run probes the allocation's nodes and relaunches on node1's 2 ranks, which resume
+# from that checkpoint, resharded, saying which logged steps they redo.
+wait_for_steps "$run/preempted" 26  # the checkpoint of step 24, and two steps after it
+kill_host 2
+lost_at=$(date +%s%N)
+for _ in $(seq 900); do [ "$(grep -c "resumed from" "$run/preempted.out")" = 2 ] && break; sleep 0.1; done
+training_ms=$(( ($(date +%s%N) - lost_at) / 1000000 ))
 finished preempted "$job"
-grep -q "the run before logged [2-9] step(s) after step 16 that no checkpoint kept: they are lost and trained again" \
-  "$run/preempted.out" || {
-  cat "$run/preempted.out"; exit 1; }
+grep -q "watchdog: .*ranks 2-3 on node2" "$run/preempted.out" &&
+  grep -q "lost host(s) node2: no process started there" "$run/preempted.out" &&
+  grep -q "on 2 ranks on 1 host (node1: 0-1)" "$run/preempted.out" &&
+  grep -q "restart 1: resumed at step 24, [2-9] logged step(s) to redo, on 2 ranks (4 before)" "$run/preempted.out" ||
+  { cat "$run/preempted.out"; exit 1; }
+echo "node2 lost: training again on node1 $training_ms ms after (watchdog 5 s, probe limit 8 s)"
 same_as ref40 preempted
 compare_all
-echo "ok: under Slurm, dp, ZeRO-3 and tp across 2 hosts equal one process; preempted and killed jobs resume to it"
+echo "ok: under Slurm, dp, ZeRO-3 and tp across 2 hosts equal one process; a preempted job and one that lost a node" \
+  "resume to it"
