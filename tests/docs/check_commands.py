@@ -28,7 +28,7 @@ import tomllib
 
 BINARIES = {"meshtrain", "build/bin/meshtrain", "./build/bin/meshtrain"}
 LAUNCHERS = {"mpirun": "-np", "mpiexec": "-np", "srun": "-n"}
-TRAIN_OVERRIDES = {("train",), ("bench", "train"), ("bench", "graph"), ("bench", "tp"), ("bench", "moe"),
+TRAIN_OVERRIDES = {("train",), ("submit",), ("bench", "train"), ("bench", "graph"), ("bench", "tp"), ("bench", "moe"),
                    ("bench", "pp"), ("bench", "checkpoint")}
 FL_OVERRIDES = {("fl", "server"), ("fl", "simulate")}
 
