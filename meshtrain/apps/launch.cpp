@@ -186,8 +186,7 @@ void forward_signal(int signal) {
 // requests a server has in flight. So for `serve` the launcher passes Ctrl-C
 // and SIGTERM on as SIGUSR2, which mpirun forwards to the ranks as it is;
 // serve takes it as its signal to drain (rank 0), then tells the group to stop.
-void forward_as_drain(int signal) {
-  write_stop_name(signal);
+void forward_as_drain(int) {
   if (child_pid > 0) kill(child_pid, SIGUSR2);
 }
 
@@ -389,7 +388,9 @@ bool worth_restarting(const Launch& launch, const Supervision& supervision) {
 // checkpoints reshard on load (Note [Resume]), so the run goes on from its
 // last checkpoint on fewer ranks along the same loss curve; its "restart"
 // row in metrics.jsonl gives the ranks before and after. A host that comes
-// back is not taken in again.
+// back is not taken in again. Inside a Slurm allocation the hosts are the
+// allocation's nodes and the probe a one-task srun step on each
+// (Note [Launching under Slurm]).
 struct Job {
   int ranks = 0;
   Hosts hosts;
@@ -442,8 +443,9 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision, bool
   if (supervision.min_ranks == 0) return job;
   if (srun) job.named = slurm_allocation(ranks);  // Note [Launching under Slurm]
   if (job.named.empty()) {
-    throw std::invalid_argument("run --min-ranks needs --hosts or --hostfile: it relaunches on the hosts that still "
-                                "answer, and this host alone cannot be lost while the launcher runs");
+    throw std::invalid_argument("run --min-ranks needs --hosts, --hostfile or a Slurm allocation: it relaunches on "
+                                "the hosts that still answer, and this host alone cannot be lost while the launcher "
+                                "runs");
   }
   if (supervision.max_restarts == 0) throw std::invalid_argument("run --min-ranks needs --max-restarts K (K >= 1)");
   if (supervision.min_ranks > ranks) {
@@ -476,7 +478,7 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision, bool
   const bool srun = use_srun(launcher, hosts);  // Note [Launching under Slurm]
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
-  if (server || trainer) open_stop_name_file();
+  if (trainer) open_stop_name_file();
   std::signal(SIGINT, on_stop);
   std::signal(SIGTERM, on_stop);
   Job job = plan_job(ranks, hosts, supervision, srun);
@@ -559,8 +561,9 @@ CommandPtr add_run(CLI::App& app) {
   run->add_flag("--restart-on-hang", supervision->restart_on_hang,
                 "train: restart after a watchdog timeout too (counts against --max-restarts)");
   run->add_option("--min-ranks", supervision->min_ranks,
-                  "train with --hosts/--hostfile: when a host is lost, relaunch on the hosts that still answer if their "
-                  "slots hold at least M ranks (the layout is derived again, training.batch kept)")
+                  "train with --hosts/--hostfile or in a Slurm allocation: when a host is lost, relaunch on the hosts "
+                  "that still answer if their slots hold at least M ranks (the layout is derived again, training.batch "
+                  "kept)")
       ->check(CLI::PositiveNumber);
   auto launcher = std::make_shared<std::string>("auto");
   run->add_option("--launcher", *launcher,

@@ -41,7 +41,21 @@ min_ranks_refused() {  # expected message, then run's options
   [ "$status" != 0 ] && grep -qF -- "$expected" "$run/min.log" && [ ! -e "$run/never" ] || {
     echo "status $status"; cat "$run/min.log"; exit 1; }
 }
-min_ranks_refused "run --min-ranks needs --hosts or --hostfile" -n 2 --max-restarts 1 --min-ranks 1
+min_ranks_refused "run --min-ranks needs --hosts, --hostfile or a Slurm allocation" -n 2 --max-restarts 1 --min-ranks 1
+# The job script `submit` writes for a GPU partition (Note [Submitting a job]); cli.slurm runs a CPU one.
+printf '[training]\nsteps = 2\n' > "$run/gpu.toml"
+"$meshtrain" submit "$run/gpu.toml" --nodes 4 --gpus-per-node 8 --time 24:00:00 --partition gpu --script-only \
+  --run.out="$run/gpu" > "$run/gpu.sbatch"
+for line in "#SBATCH --nodes=4" "#SBATCH --ntasks-per-node=8" "#SBATCH --gpus-per-node=8" "#SBATCH --partition=gpu" \
+    "#SBATCH --time=24:00:00" "#SBATCH --signal=TERM@120" "#SBATCH --requeue" "#SBATCH --no-kill" \
+    "export NCCL_DEBUG=" " run -n \"\${SLURM_NTASKS}\" --max-restarts 3 --restart-on-hang --min-ranks" \
+    "train $run/gpu.toml --run.out=$run/gpu --checkpoint.preempt_grace_s=120"; do
+  grep -qF -- "$line" "$run/gpu.sbatch" || { echo "no '$line' in:"; cat "$run/gpu.sbatch"; exit 1; }
+done
+bash -n "$run/gpu.sbatch"
+# srun asked for outside an allocation (Note [Launching under Slurm]).
+(unset SLURM_JOB_ID; min_ranks_refused "run --launcher srun: not inside a Slurm allocation (SLURM_JOB_ID is unset)" \
+  -n 2 --launcher srun)
 min_ranks_refused "run --min-ranks needs --max-restarts K" -n 2 --hosts "$host:2" --min-ranks 1
 min_ranks_refused "run --min-ranks 3 is more than -n 2" -n 2 --hosts "$host:2" --max-restarts 1 --min-ranks 3
 printf '%s\n' "$host" > "$run/noslots"

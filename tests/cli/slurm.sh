@@ -79,8 +79,9 @@ same_as ref tp
 
 # Preempted: a job of the urgent partition needs every node; the training job gets SIGTERM, saves, and is requeued.
 long=(--training.steps=40 --training.batch=4 --checkpoint.every=8)
-"$meshtrain" train "${common[@]}" "${long[@]}" --run.out="$run/ref40" > "$run/ref40.log" 2>&1 || { cat "$run/ref40.log"; exit 1; }
-job=$(MESHTRAIN_COMM_TIMEOUT=5 MESHTRAIN_HOST_PROBE_S=8 submit preempted -- "${long[@]}")
+job=$(MESHTRAIN_COMM_TIMEOUT=5 MESHTRAIN_HOST_PROBE_S=5 submit preempted -- "${long[@]}")
+"$meshtrain" train "${common[@]}" "${long[@]}" --run.out="$run/ref40" > "$run/ref40.log" 2>&1 &  # while the job starts
+reference=$!
 wait_for_steps "$run/preempted" 3
 preempted_at=$(date +%s%N)
 urgent=$(on_cluster sbatch --parsable -p urgent --nodes=2 --ntasks-per-node=2 --output=/dev/null --wrap true)
@@ -109,7 +110,8 @@ grep -q "watchdog: .*ranks 2-3 on node2" "$run/preempted.out" &&
   grep -q "on 2 ranks on 1 host (node1: 0-1)" "$run/preempted.out" &&
   grep -q "restart 1: resumed at step 24, [2-9] logged step(s) to redo, on 2 ranks (4 before)" "$run/preempted.out" ||
   { cat "$run/preempted.out"; exit 1; }
-echo "node2 lost: training again on node1 $training_ms ms after (watchdog 5 s, probe limit 8 s)"
+echo "node2 lost: training again on node1 $training_ms ms after (watchdog 5 s, probe limit 5 s)"
+wait "$reference" || { cat "$run/ref40.log"; exit 1; }
 same_as ref40 preempted
 compare_all
 echo "ok: under Slurm, dp, ZeRO-3 and tp across 2 hosts equal one process; a preempted job and one that lost a node" \
