@@ -5,7 +5,6 @@
 #pragma once
 
 #include "meshtrain/apps/command.h"
-#include "meshtrain/apps/launch_hosts.h"
 #include "meshtrain/comm/runtime.h"
 #include "meshtrain/parallel/parallel_spec.h"
 #include "meshtrain/train/progress.h"
@@ -210,13 +209,7 @@ struct Supervision {
 [[noreturn]] int run_launcher(int ranks, const Hosts& hosts, const Supervision& supervision,
                               const std::vector<std::string>& args, const std::string& launcher = "auto");
 
-// launch_slurm.cpp: whether `meshtrain run` starts its ranks with srun, and the srun command line.
-bool use_srun(const std::string& launcher, const Hosts& hosts);
-std::vector<std::string> srun_command(int ranks, const std::vector<HostSlots>& nodes, const std::vector<std::string>& args,
-                                      const std::string& self);
-std::vector<HostSlots> slurm_allocation(int ranks);  // the allocation's nodes and ranks per node
-void requeue_if_preempted();                         // scontrol requeue, when Slurm recorded a preemption
-std::string self_executable();  // this executable's path (/proc/self/exe)
+std::string self_executable();  // this executable's path (/proc/self/exe), launch.cpp
 
 // The mpirun command line run_launcher uses (exposed for tests).
 // `variables`: the names passed on to every rank.

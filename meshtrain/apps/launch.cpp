@@ -1,7 +1,9 @@
-// meshtrain run -n N <subcommand ...>: start N local ranks of this executable through mpirun.
+// meshtrain run -n N <subcommand ...>: start N ranks of this executable through mpirun, or srun in a Slurm
+// allocation, and supervise them.
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/launch_hosts.h"
+#include "meshtrain/apps/launch_slurm.h"
 
 #include <mpi.h>
 
@@ -169,11 +171,15 @@ class StderrFilter {
 // The ranks see a stop the launcher passes on as SIGUSR2; so that they can say
 // which signal was sent, the launcher first writes its name to a file whose
 // path every rank gets in MESHTRAIN_STOP_SIGNAL_FILE (Note [Job environment]).
-// A rank on another host, which cannot read it, names SIGUSR2.
+// A rank on another host, which cannot read it, names SIGUSR2. A stop that
+// comes before the ranks have set their handlers ends them (SIGUSR2's default
+// action), which is before their first step: the launcher then exits 0 with
+// "nothing to save". A launcher killed with SIGKILL leaves the file in TMPDIR.
 int stop_name_fd = -1;
 
 void write_stop_name(int signal) {
-  const char* name = signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "SIGUSR2";
+  // A line: a second signal inside this handler may write over the first, and the ranks read one word.
+  const char* name = signal == SIGINT ? "SIGINT\n" : signal == SIGTERM ? "SIGTERM\n" : "SIGUSR2\n";
   if (stop_name_fd >= 0) (void)!pwrite(stop_name_fd, name, std::strlen(name), 0);
 }
 
@@ -475,7 +481,10 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision, bool
                                 "stopped (train), not `" + args.front() + "`");
   }
   check_hosts(hosts);
-  const bool srun = use_srun(launcher, hosts);  // Note [Launching under Slurm]
+  const bool srun = use_srun(launcher, hosts, ranks);  // Note [Launching under Slurm]
+  // Open MPI's daemons set mpi_yield_when_idle=0 for ranks that do not
+  // oversubscribe unless it is set here; the ranks set it too (comm/runtime.cpp).
+  setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
   // Ctrl-C and termination reach mpirun, which ends the ranks (a server drains, a trainer saves, first).
   void (*on_stop)(int) = server ? forward_as_drain : trainer ? forward_as_preempt : forward_signal;
   if (trainer) open_stop_name_file();
@@ -507,14 +516,15 @@ Job plan_job(int ranks, const Hosts& hosts, const Supervision& supervision, bool
     std::fflush(stderr);
     const Launch launch = launch_once(command, server, trainer);
     std::fflush(stdout);
+    // Preempted (the ranks saved, or died of SIGTERM before their handlers): queued again, to resume.
+    if (srun && trainer && requeue_if_preempted()) std::exit(0);
     if (trainer && stops_forwarded > 0 && launch.status == 128 + SIGUSR2) {
-      // Note [Stopping ranks under mpirun]: a rank ends on the stop only before it has set its handlers, which is
+      // Note [Naming the stop signal]: a rank ends on the stop only before it has set its handlers, which is
       // before its first step.
       std::fprintf(stderr, "meshtrain: stopped before the ranks began training; nothing to save\n");
       std::exit(0);
     }
     const bool again = worth_restarting(launch, supervision);
-    if (srun && launch.status == 0 && trainer) requeue_if_preempted();
     if (!again || attempt >= supervision.max_restarts) {
       if (again) {
         std::fprintf(stderr, "meshtrain: not restarting: all %d restart(s) of --max-restarts are used\n",

@@ -3,12 +3,14 @@
 // script and submits it (Note [Submitting a job]).
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/apps/launch_slurm.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/files.h"
 
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -65,9 +67,10 @@ std::string command_output(const std::string& command) {
 // node's ranks and its host from PMIx as under mpirun. --launcher mpirun
 // keeps mpirun (e.g. for --hosts), --launcher srun insists. SLURM_MPI_TYPE,
 // when set, chooses the plugin instead of pmix.
-bool use_srun(const std::string& launcher, const Hosts& hosts) {
+bool use_srun(const std::string& launcher, const Hosts& hosts, int ranks) {
   const bool allocation = std::getenv("SLURM_JOB_ID") != nullptr;
   if (launcher == "mpirun") return false;
+  const char* tasks = std::getenv("SLURM_NTASKS");
   if (launcher == "srun") {
     if (!allocation) {
       throw std::invalid_argument("run --launcher srun: not inside a Slurm allocation (SLURM_JOB_ID is unset); run it "
@@ -75,21 +78,35 @@ bool use_srun(const std::string& launcher, const Hosts& hosts) {
     }
     if (!hosts.empty()) throw std::invalid_argument("run --launcher srun places ranks on the allocation's nodes: drop "
                                                     "--hosts/--hostfile");
+    if (!on_path("srun")) throw std::invalid_argument("run --launcher srun: srun is not on PATH");
     return true;
   }
-  return allocation && hosts.empty() && on_path("srun");
+  if (!allocation || !hosts.empty()) return false;
+  // An allocation of fewer tasks than ranks (a one-task job with many CPUs, say) keeps mpirun.
+  if (!tasks || std::atoi(tasks) < ranks) {
+    std::fprintf(stderr, "meshtrain: in Slurm job %s with %s task(s) for %d rank(s): launching with mpirun "
+                 "(--launcher srun to insist)\n", std::getenv("SLURM_JOB_ID"), tasks ? tasks : "no", ranks);
+    return false;
+  }
+  if (!on_path("srun")) {
+    std::fprintf(stderr, "meshtrain: in Slurm job %s but srun is not on PATH: launching with mpirun\n",
+                 std::getenv("SLURM_JOB_ID"));
+    return false;
+  }
+  return true;
 }
 
 std::vector<std::string> srun_command(int ranks, const std::vector<HostSlots>& nodes, const std::vector<std::string>& args,
                                       const std::string& self) {
   std::vector<std::string> command{"srun", "--ntasks=" + std::to_string(ranks), "--kill-on-bad-exit=1"};
   if (!std::getenv("SLURM_MPI_TYPE")) command.push_back("--mpi=pmix");
-  if (!nodes.empty()) {  // a relaunch on the nodes left (Note [Elastic restarts])
+  if (!nodes.empty()) {  // the allocation's nodes (--min-ranks), or after a loss those left (Note [Elastic restarts])
     std::string list;
     for (const HostSlots& node : nodes) list += (list.empty() ? "" : ",") + node.name;
     // --overlap: the lost step may hold its CPUs until Slurm marks the node down.
     command.insert(command.end(), {"--nodes=" + std::to_string(nodes.size()), "--nodelist=" + list, "--overlap"});
-    if (nodes.front().slots > 0) command.push_back("--ntasks-per-node=" + std::to_string(nodes.front().slots));
+    const bool even = std::all_of(nodes.begin(), nodes.end(), [&](const HostSlots& n) { return n.slots == nodes[0].slots; });
+    if (even && nodes.front().slots > 0) command.push_back("--ntasks-per-node=" + std::to_string(nodes.front().slots));
   }
   command.push_back(self);
   command.insert(command.end(), args.begin(), args.end());
@@ -108,24 +125,32 @@ std::vector<HostSlots> slurm_allocation(int ranks) {
   std::istringstream names(command_output("scontrol show hostnames " + shell_word(list)));
   for (std::string name; names >> name;) nodes.push_back(HostSlots{name, 0});
   if (nodes.empty()) throw std::runtime_error(std::string("cannot expand SLURM_JOB_NODELIST=") + list);
-  const char* per_node = std::getenv("SLURM_NTASKS_PER_NODE");
-  const int slots = per_node ? std::atoi(per_node) : (ranks + int(nodes.size()) - 1) / int(nodes.size());
-  for (HostSlots& node : nodes) node.slots = slots;
+  // SLURM_TASKS_PER_NODE: "2(x3),1" is 2 tasks on each of the first three nodes, 1 on the fourth.
+  const char* per_node = std::getenv("SLURM_TASKS_PER_NODE");
+  std::istringstream counts(per_node ? per_node : "");
+  size_t next = 0;
+  for (std::string item; std::getline(counts, item, ',') && next < nodes.size();) {
+    const int tasks = std::atoi(item.c_str());
+    const size_t repeat = item.find("(x") != std::string::npos ? std::stoul(item.substr(item.find("(x") + 2)) : 1;
+    for (size_t i = 0; i < repeat && next < nodes.size(); ++i) nodes[next++].slots = tasks;
+  }
+  for (; next < nodes.size(); ++next) nodes[next].slots = (ranks + int(nodes.size()) - 1) / int(nodes.size());
   return nodes;
 }
 
 // A job that ends by itself within a preemption's grace (the ranks saved and
 // exited 0) counts as completed: queue it again, to resume (Note [Preemption]).
-void requeue_if_preempted() {
+bool requeue_if_preempted() {
   const char* job = std::getenv("SLURM_JOB_ID");
-  if (!job || !std::getenv("SLURM_JOB_NODELIST")) return;
+  if (!job || !std::getenv("SLURM_JOB_NODELIST")) return false;
   const std::string state = command_output("scontrol show job " + shell_word(job));
-  if (state.find("PreemptTime=") == std::string::npos || state.find("PreemptTime=None") != std::string::npos) return;
+  if (state.find("PreemptTime=") == std::string::npos || state.find("PreemptTime=None") != std::string::npos) return false;
   std::fprintf(stderr, "meshtrain: Slurm job %s was preempted and stopped after a checkpoint; requeued to resume\n", job);
   std::fflush(stderr);
   if (std::system(("scontrol requeue " + shell_word(job)).c_str()) != 0) {
     std::fprintf(stderr, "meshtrain: scontrol requeue %s failed: resubmit the job to resume\n", job);
   }
+  return true;
 }
 
 // Note [Submitting a job]
@@ -164,6 +189,7 @@ std::string job_script(const SubmitOptions& o, const std::vector<std::string>& o
     s += "#SBATCH --time=" + o.time + "\n#SBATCH --signal=TERM@" + std::to_string(o.grace_s) + "\n";
   }
   s += "#SBATCH --requeue\n#SBATCH --no-kill\n#SBATCH --open-mode=append\n#SBATCH --output=" + out + "/slurm-%j.out\n";
+  s += "#SBATCH --chdir=" + std::filesystem::current_path().string() + "\n";  // relative paths in the overrides
   s += "set -euo pipefail\n";
   if (o.gpus_per_node > 0) {
     s += "# One rank per GPU. NCCL picks its network itself; name it when it picks wrong:\n"
@@ -175,14 +201,30 @@ std::string job_script(const SubmitOptions& o, const std::vector<std::string>& o
        "# srun starts the ranks; a lost node: relaunched on the nodes left; preempted: requeued (Note [Submitting a job])\n"
        "exec " + shell_word(self) + " run -n \"${SLURM_NTASKS}\" --max-restarts 3 --restart-on-hang --min-ranks "
        "$(( (SLURM_NTASKS + 1) / 2 )) train " + shell_word(o.config);
-  for (const std::string& word : overrides) s += " " + shell_word("--" + word);
-  s += " --checkpoint.preempt_grace_s=" + std::to_string(o.grace_s) + "\n";
+  bool grace_given = false;
+  for (const std::string& word : overrides) {
+    s += " " + shell_word("--" + word);
+    grace_given = grace_given || word.rfind("checkpoint.preempt_grace_s=", 0) == 0;
+  }
+  if (!grace_given) s += " --checkpoint.preempt_grace_s=" + std::to_string(o.grace_s);
+  s += "\n";
   return s;
+}
+
+// An #SBATCH value and the output folder must stay one word on one line.
+void check_sbatch_word(const std::string& what, const std::string& value) {
+  if (value.find_first_of(" \t\n\r%'\"\\") != std::string::npos) {
+    throw std::invalid_argument("submit: " + what + " '" + value + "' may not hold spaces, quotes, '%' or new lines");
+  }
 }
 
 int submit(const SubmitOptions& o, const std::vector<std::string>& overrides) {
   const train::TrainConfig config = train::TrainConfig::load(o.config, overrides);  // refuses a bad config here
   const std::string out = std::filesystem::absolute(config.out).lexically_normal().string();
+  for (const auto& [what, value] : {std::pair<std::string, std::string>{"--time", o.time}, {"--partition", o.partition},
+                                    {"--account", o.account}, {"run.out", out}}) {
+    check_sbatch_word(what, value);
+  }
   SubmitOptions absolute = o;
   absolute.config = std::filesystem::absolute(o.config).lexically_normal().string();
   const std::string script = job_script(absolute, overrides, out, self_executable());
@@ -211,9 +253,9 @@ int submit(const SubmitOptions& o, const std::vector<std::string>& overrides) {
   const int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : o.ranks_per_node;
   std::printf("submitted Slurm job %s: %d node(s) x %d rank(s), script %s\n"
               "  follow:  tail -f %s/slurm-%s.out   (squeue -j %s; metrics: %s/metrics.jsonl)\n"
-              "  stop with a checkpoint:  scancel --signal=TERM %s   (the same command resumes it)\n",
+              "  stop with a checkpoint:  scancel --signal=TERM %s   (resume: sbatch %s)\n",
               job.c_str(), o.nodes, per_node, path.c_str(), out.c_str(), job.c_str(), job.c_str(), out.c_str(),
-              job.c_str());
+              job.c_str(), path.c_str());
   return 0;
 }
 
@@ -221,9 +263,9 @@ CommandPtr add_submit(CLI::App& app) {
   auto o = std::make_shared<SubmitOptions>();
   CLI::App* sub = app.add_subcommand(
       "submit",
-      "Submit a training run to Slurm: writes the job script (srun with PMIx, one rank per task or GPU, requeued on "
-      "preemption or a node failure, the ranks saving on Slurm's SIGTERM) to the config's run.out/job.sbatch, "
-      "runs sbatch, and prints how to follow and stop the job");
+      "Submit a training run to Slurm: writes the job script (srun with PMIx, one rank per task or GPU, the ranks "
+      "saving on Slurm's SIGTERM, requeued after a preemption, relaunched on the nodes left after a node failure) to "
+      "the config's run.out/job.sbatch, runs sbatch, and prints how to follow and stop the job");
   sub->add_option("config", o->config, "TOML config file, as for train")->required()->check(CLI::ExistingFile);
   sub->add_option("--nodes", o->nodes, "Nodes")->check(CLI::PositiveNumber)->capture_default_str();
   sub->add_option("--ranks-per-node", o->ranks_per_node, "Ranks per node on a CPU partition")
@@ -237,7 +279,7 @@ CommandPtr add_submit(CLI::App& app) {
   sub->add_option("--account", o->account, "Account");
   sub->add_option("--grace", o->grace_s,
                   "Seconds between Slurm's SIGTERM and its SIGKILL (the cluster's KillWait or GraceTime): "
-                  "checkpoint.preempt_grace_s")
+                  "checkpoint.preempt_grace_s, unless an override sets it")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->add_flag("--script-only", o->script_only, "Print the job script instead of submitting it");

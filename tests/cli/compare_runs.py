@@ -9,7 +9,6 @@ import json
 import os
 import sys
 
-import torch
 from safetensors.torch import load_file
 
 
@@ -43,7 +42,6 @@ def compare(first, second):
     worst = max((q[k] - p[k]).abs().max().item() for k in p)
     assert worst <= 1e-4, f"{name}: parameters differ by up to {worst:.2e}"
     print(f"{name}: {len(want)} losses, {len(p)} tensors equal (within {worst:.1e})")
-
 
 
 for k in range(1, len(sys.argv), 2):

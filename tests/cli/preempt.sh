@@ -41,7 +41,7 @@ reference=$(grep '"step":' "$run/ref/metrics.jsonl" | grep -v event | tail -3 | 
 # whether they had set their handlers yet or not.
 setsid "$meshtrain" run -n 2 train "${common[@]}" --training.steps=100000 --run.out="$run/early" > "$run/early.log" 2>&1 &
 launcher=$!
-sleep 0.5
+for _ in $(seq 300); do grep -q "meshtrain: launching" "$run/early.log" 2> /dev/null && break; sleep 0.05; done
 kill -TERM -- "-$launcher"
 status=0
 wait "$launcher" || status=$?
