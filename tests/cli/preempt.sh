@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Preemption (Note [Preemption]): SIGTERM to `meshtrain run -n 2 train` makes
-# both ranks finish their step, save a checkpoint, name SIGTERM and exit 0 (so does
-# SIGTERM to its process group as the ranks start); the same
+# both ranks finish their step, save a checkpoint, name SIGTERM and exit 0; the same
 # command resumes from it and continues bit-exactly (every later step's loss
 # equals an uninterrupted run's); SIGUSR1 (Slurm's --signal) to a single
 # process does the same.
@@ -36,17 +35,6 @@ resumed=$(grep '"step":' "$run/a/metrics.jsonl" | grep -v event | tail -3 | sed 
 reference=$(grep '"step":' "$run/ref/metrics.jsonl" | grep -v event | tail -3 | sed -E 's/.*"loss":([^,]+),.*/\1/')
 [ -n "$resumed" ] && [ "$resumed" = "$reference" ] || {
   echo "after the resume: $resumed"; echo "uninterrupted: $reference"; exit 1; }
-
-# SIGTERM to the launcher's whole process group while the ranks start (Note [Naming the stop signal]): exit 0,
-# whether they had set their handlers yet or not.
-setsid "$meshtrain" run -n 2 train "${common[@]}" --training.steps=100000 --run.out="$run/early" > "$run/early.log" 2>&1 &
-launcher=$!
-for _ in $(seq 300); do grep -q "meshtrain: launching" "$run/early.log" 2> /dev/null && break; sleep 0.05; done
-kill -TERM -- "-$launcher"
-status=0
-wait "$launcher" || status=$?
-[ "$status" = 0 ] && grep -q "stopped before the ranks\|SIGTERM: stopped after step" "$run/early.log" || {
-  echo "SIGTERM to the group at start: status $status"; cat "$run/early.log"; exit 1; }
 
 # One process, Slurm's way: SIGUSR1.
 "$meshtrain" train "${common[@]}" --training.steps=100000 --run.out="$run/b" > "$run/b.log" 2>&1 &
