@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -48,13 +47,16 @@ std::string shell_word(const std::string& word) {
   return quoted + "'";
 }
 
-// What `command` prints (through /bin/sh), "" when it cannot run.
-std::string command_output(const std::string& command) {
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
+// What `command` prints (through /bin/sh), "" when it cannot run; its exit status to `status`.
+std::string command_output(const std::string& command, int* status = nullptr) {
+  FILE* pipe = popen(command.c_str(), "r");
+  if (status) *status = -1;
   if (!pipe) return "";
   std::string text;
   char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe.get())) > 0;) text.append(buffer, n);
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) text.append(buffer, n);
+  const int ended = pclose(pipe);
+  if (status) *status = ended;
   return text;
 }
 
@@ -176,9 +178,11 @@ struct SubmitOptions {
   bool script_only = false;
 };
 
+int ranks_per_node(const SubmitOptions& o) { return o.gpus_per_node > 0 ? o.gpus_per_node : o.ranks_per_node; }
+
 std::string job_script(const SubmitOptions& o, const std::vector<std::string>& overrides, const std::string& out,
                        const std::string& self) {
-  const int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : o.ranks_per_node;
+  const int per_node = ranks_per_node(o);
   std::string s = "#!/usr/bin/env bash\n# Written by `meshtrain submit` (Note [Submitting a job]); sbatch this file to run it again.\n";
   s += "#SBATCH --job-name=meshtrain\n#SBATCH --nodes=" + std::to_string(o.nodes) + "\n";
   s += "#SBATCH --ntasks-per-node=" + std::to_string(per_node) + "\n";
@@ -239,18 +243,14 @@ int submit(const SubmitOptions& o, const std::vector<std::string>& overrides) {
   std::filesystem::create_directories(out);
   const std::string path = out + "/job.sbatch";
   util::write_text_file(path, script);
-  const std::string command = "sbatch --parsable " + shell_word(path);
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
-  if (!pipe) throw std::runtime_error("submit: cannot run sbatch");
-  char line[256] = "";
-  const bool read = std::fgets(line, sizeof line, pipe.get()) != nullptr;
-  const int status = pclose(pipe.release());
-  std::string job = read ? std::string(line).substr(0, std::string(line).find_first_of(";\n")) : "";
+  int status = 0;
+  const std::string printed = command_output("sbatch --parsable " + shell_word(path), &status);
+  const std::string job = printed.substr(0, printed.find_first_of(";\n"));  // "ID" or "ID;cluster"
   if (status != 0 || job.empty()) {
     std::fprintf(stderr, "meshtrain: submit: sbatch refused %s (its message is above)\n", path.c_str());
     return 1;
   }
-  const int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : o.ranks_per_node;
+  const int per_node = ranks_per_node(o);
   std::printf("submitted Slurm job %s: %d node(s) x %d rank(s), script %s\n"
               "  follow:  tail -f %s/slurm-%s.out   (squeue -j %s; metrics: %s/metrics.jsonl)\n"
               "  stop with a checkpoint:  scancel --signal=TERM %s   (resume: sbatch %s)\n",
