@@ -174,7 +174,10 @@ class StderrFilter {
 // A rank on another host, which cannot read it, names SIGUSR2. A stop that
 // comes before the ranks have set their handlers ends them (SIGUSR2's default
 // action), which is before their first step: the launcher then exits 0 with
-// "nothing to save". A launcher killed with SIGKILL leaves the file in TMPDIR.
+// "nothing to save". One that comes while mpirun is being started, before the
+// launcher knows its process, is not passed on: each rank finds it in the file
+// when it sets its handlers and stops after its first step, as if it had been.
+// A launcher killed with SIGKILL leaves the file in TMPDIR.
 int stop_name_fd = -1;
 
 void write_stop_name(int signal) {

@@ -15,6 +15,9 @@
 #include <csignal>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
 
 namespace meshtrain::apps {
 
@@ -42,6 +45,14 @@ void install_stop_handlers() {
   // A file size limit (ulimit -f) makes a write fail with EFBIG, which a save
   // reports and cleans up after (Note [Failed saves]), instead of killing the rank.
   std::signal(SIGXFSZ, SIG_IGN);
+  // A stop `meshtrain run` received before this rank could hear it, e.g. while
+  // it was starting mpirun, is written down there (Note [Naming the stop
+  // signal]): taken now, as if it had been passed on.
+  if (const char* file = std::getenv("MESHTRAIN_STOP_SIGNAL_FILE")) {
+    std::ifstream in(file);
+    std::string name;
+    if (in >> name && name.rfind("SIG", 0) == 0) request_stop(SIGUSR2);
+  }
 }
 
 }  // namespace

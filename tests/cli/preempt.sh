@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Preemption (Note [Preemption]): SIGTERM to `meshtrain run -n 2 train` makes
-# both ranks finish their step, save a checkpoint, name SIGTERM and exit 0; the same
+# both ranks finish their step, save a checkpoint, name SIGTERM and exit 0 (so does
+# SIGTERM to its process group as the ranks start, or one written down before they
+# could hear it: Note [Naming the stop signal]); the same
 # command resumes from it and continues bit-exactly (every later step's loss
 # equals an uninterrupted run's); SIGUSR1 (Slurm's --signal) to a single
 # process does the same.
@@ -35,6 +37,24 @@ resumed=$(grep '"step":' "$run/a/metrics.jsonl" | grep -v event | tail -3 | sed 
 reference=$(grep '"step":' "$run/ref/metrics.jsonl" | grep -v event | tail -3 | sed -E 's/.*"loss":([^,]+),.*/\1/')
 [ -n "$resumed" ] && [ "$resumed" = "$reference" ] || {
   echo "after the resume: $resumed"; echo "uninterrupted: $reference"; exit 1; }
+
+# SIGTERM to the launcher's whole process group while the ranks start: exit 0, whenever it lands.
+setsid "$meshtrain" run -n 2 train "${common[@]}" --training.steps=100000 --run.out="$run/early" > "$run/early.log" 2>&1 &
+launcher=$!
+for _ in $(seq 300); do grep -q "meshtrain: launching" "$run/early.log" 2> /dev/null && break; sleep 0.05; done
+kill -TERM -- "-$launcher"
+status=0
+for _ in $(seq 1200); do kill -0 "$launcher" 2> /dev/null || break; sleep 0.1; done
+kill -0 "$launcher" 2> /dev/null && { echo "SIGTERM to the group at start: still training after 120 s"; status=124; }
+[ "$status" = 0 ] && wait "$launcher" || status=$?
+[ "$status" = 0 ] && grep -q "stopped before the ranks\|SIGTERM: stopped after step" "$run/early.log" || {
+  echo "SIGTERM to the group at start: status $status"; cat "$run/early.log"; exit 1; }
+
+# A stop the launcher received before mpirun was started, which it could not pass on: found when the handlers are set.
+echo SIGTERM > "$run/stop-name"
+MESHTRAIN_STOP_SIGNAL_FILE="$run/stop-name" timeout 120 "$meshtrain" train "${common[@]}" --training.steps=100000 \
+  --run.out="$run/written" > "$run/written.log" 2>&1 || { cat "$run/written.log"; exit 1; }
+grep -q "SIGTERM: stopped after step 1 of 100000, checkpoint written" "$run/written.log" || { cat "$run/written.log"; exit 1; }
 
 # One process, Slurm's way: SIGUSR1.
 "$meshtrain" train "${common[@]}" --training.steps=100000 --run.out="$run/b" > "$run/b.log" 2>&1 &
