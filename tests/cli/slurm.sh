@@ -4,7 +4,8 @@
 # users submit it, its ranks started by `srun --mpi=pmix` across the hosts.
 # Data parallel, ZeRO-3 (uneven, 3 ranks) and tensor parallel split across
 # hosts equal one process (losses every step, parameters after); the job's
-# output names its ranks, hosts, threads and job once. A job preempted by a
+# output names its ranks, hosts, threads and job once. A job stopped with
+# `scancel --signal=TERM` saves and resumes when submitted again; one preempted by a
 # higher partition (PreemptMode=REQUEUE) saves on Slurm's SIGTERM within the
 # grace, is requeued and resumes; when a node dies, the watchdog names it and
 # meshtrain run relaunches in the allocation on the node left, from the last
@@ -53,10 +54,12 @@ finished() {  # name, job, its output: waits for the job to end and checks it co
   [ "$(job_state "$2")" = COMPLETED ] || { echo "$1: job $2 $(job_state "$2")"; cat "${3:-$run/$1.out}"; exit 1; }
 }
 
-# dp by `meshtrain submit` (its script: Note [Submitting a job]), threads from the host's cores and its tasks.
-printf '[training]\nsteps = 6\n' > "$run/dp.toml"
+# dp by `meshtrain submit` (its script: Note [Submitting a job]), threads from the host's cores and its tasks;
+# stopped as its output says, `scancel --signal=TERM`, and resumed as it says, by submitting the script again.
+long=(--training.steps=40 --training.batch=4 --checkpoint.every=8)
+printf '[training]\nsteps = 40\n' > "$run/dp.toml"
 on_cluster env -u OMP_NUM_THREADS "$meshtrain" submit "$run/dp.toml" --nodes 2 --ranks-per-node 2 --grace 20 \
-  "${common[@]}" --run.out="$run/dp" > "$run/submit.log" 2>&1 || { cat "$run/submit.log"; exit 1; }
+  "${common[@]}" "${long[@]}" --run.out="$run/dp" > "$run/submit.log" 2>&1 || { cat "$run/submit.log"; exit 1; }
 dp=$(sed -nE 's/^submitted Slurm job ([0-9]+): 2 node\(s\) x 2 rank\(s\), script .*/\1/p' "$run/submit.log")
 [ -n "$dp" ] && grep -q "stop with a checkpoint:  scancel --signal=TERM $dp   (resume: sbatch $run/dp/job.sbatch)" \
   "$run/submit.log" || { cat "$run/submit.log"; exit 1; }
@@ -65,7 +68,14 @@ zero3=$(submit zero3 --nodes=2 --ntasks=3 -- --parallel.zero_stage=3)
 tp=$(on_cluster sbatch --parsable --output="$run/tp.out" --nodes=2 --ntasks-per-node=1 \
   --wrap "$(printf '%q ' "$meshtrain" run -n 2 train "${common[@]}" --parallel.tp=2 --run.out="$run/tp")")
 "$meshtrain" train "${common[@]}" --run.out="$run/ref" > "$run/ref.log" 2>&1 || { cat "$run/ref.log"; exit 1; }
+wait_for_steps "$run/dp" 3
+on_cluster scancel --signal=TERM "$dp"
 finished dp "$dp" "$run/dp/slurm-$dp.out"
+n=$(grep '"event":"preempted"' "$run/dp/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/') || true
+[ -n "$n" ] && [ "$n" -lt 40 ] && grep -q "SIGTERM: stopped after step $n of 40, checkpoint written" "$run/dp/slurm-$dp.out" ||
+  { echo "scancel --signal=TERM: no stop with a checkpoint"; cat "$run/dp/slurm-$dp.out"; exit 1; }
+echo "scancel --signal=TERM: stopped after step $n with a checkpoint"
+dp2=$(on_cluster sbatch --parsable "$run/dp/job.sbatch")
 finished zero3 "$zero3"
 finished tp "$tp"
 grep -q "on 4 ranks on 2 hosts (node1: 0-1, node2: 2-3), 1 thread each, Slurm job $dp step 0" "$run/dp/slurm-$dp.out" ||
@@ -75,12 +85,12 @@ grep -q "on 3 ranks on 2 hosts (node1: 0-1, node2: 2), .*Slurm job $zero3 step 0
 grep -q "launching 2 ranks, OMP_NUM_THREADS=1 threads each: srun --ntasks=2 --kill-on-bad-exit=1 --mpi=pmix" "$run/tp.out" &&
   grep -q "on 2 ranks on 2 hosts (node1: 0, node2: 1), 1 thread each, Slurm job $tp step 0" "$run/tp.out" ||
   { cat "$run/tp.out"; exit 1; }
-same_as ref dp
+finished dp "$dp2" "$run/dp/slurm-$dp2.out"
+grep -q "resumed from .*step-$(printf '%08d' "$n") at step $n" "$run/dp/slurm-$dp2.out" || { cat "$run/dp/slurm-$dp2.out"; exit 1; }
 same_as ref zero3
 same_as ref tp
 
 # Preempted: a job of the urgent partition needs every node; the training job gets SIGTERM, saves, and is requeued.
-long=(--training.steps=40 --training.batch=4 --checkpoint.every=8)
 job=$(MESHTRAIN_COMM_TIMEOUT=5 MESHTRAIN_HOST_PROBE_S=8 submit preempted -- "${long[@]}")
 "$meshtrain" train "${common[@]}" "${long[@]}" --run.out="$run/ref40" > "$run/ref40.log" 2>&1 &  # while the job starts
 reference=$!
@@ -117,6 +127,7 @@ echo "node2 lost: training again on node1 $training_ms ms after (watchdog 5 s, p
 wait "$reference" || { cat "$run/ref40.log"; exit 1; }
 reference=""
 same_as ref40 preempted
+same_as ref40 dp
 compare_all
-echo "ok: under Slurm, dp, ZeRO-3 and tp across 2 hosts equal one process; a preempted job and one that lost a node" \
-  "resume to it"
+echo "ok: under Slurm, dp, ZeRO-3 and tp across 2 hosts equal one process; a job stopped by scancel, a preempted" \
+  "one and one that lost a node resume to it"
