@@ -3,6 +3,7 @@
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
 #include "meshtrain/apps/launch_hosts.h"
+#include "meshtrain/apps/launch_output.h"
 #include "meshtrain/apps/launch_slurm.h"
 
 #include <mpi.h>
@@ -78,23 +79,6 @@ std::vector<std::string> launch_command(int ranks, const Hosts& hosts, const std
 
 namespace {
 
-// Note [Launcher output]
-// meshtrain says what went wrong itself: an error every rank agreed on once
-// (exit status 1 on every rank), an error of one rank naming it (then
-// MPI_Abort). Open MPI adds banners about non-zero exit codes and MPI_Abort
-// that only repeat it, so the launcher drops those dash-framed blocks (and
-// their "more processes have sent help message" echoes) from mpirun's
-// stderr and passes everything else — "mpirun noticed that process rank 1
-// ... exited on signal 9 (Killed)" included — and mpirun's exit status.
-bool repeats_meshtrain(const std::string& block) {
-  for (const char* marker : {"non-zero exit code", "non-zero status", "MPI_ABORT was invoked"}) {
-    if (block.find(marker) != std::string::npos) return true;
-  }
-  return false;
-}
-
-bool is_frame(const std::string& line) { return line.size() > 20 && line.find_first_not_of('-') == std::string::npos; }
-
 pid_t child_pid = 0;
 
 // Note [Ending a stuck mpirun]
@@ -112,60 +96,6 @@ double abort_bound_seconds() {
   return text && *text ? std::max(0.0, std::atof(text)) : 30.0;
 }
 
-// Open MPI's stderr, a line at a time: passed on without the banners that
-// repeat meshtrain's own errors; what ended the job is kept.
-class StderrFilter {
- public:
-  void feed(const char* data, size_t n) {
-    pending_.append(data, n);
-    for (size_t end; (end = pending_.find('\n')) != std::string::npos; pending_.erase(0, end + 1)) {
-      line(pending_.substr(0, end));
-    }
-  }
-  void finish() {
-    if (!pending_.empty()) line(pending_);
-    pending_.clear();
-    if (framed_) std::fprintf(stderr, "%s", block_.c_str());
-    framed_ = false;
-  }
-  const std::string& watchdog_line() const { return watchdog_; }
-  const std::string& rank_death() const { return death_; }
-  const std::string& lost_daemon() const { return lost_daemon_; }  // "on node NAME", or empty
-
- private:
-  void line(const std::string& text) {
-    if (watchdog_.empty() && text.rfind("meshtrain: rank ", 0) == 0 && text.find(": watchdog: ") != std::string::npos) {
-      watchdog_ = text.substr(11);
-    }
-    if (death_.empty() && text.find("noticed that process rank") != std::string::npos) death_ = text;
-    // A host lost: mpirun's daemon there stopped answering, or the process that
-    // started it (ssh, the rsh agent) ended; the banner may name the node a few lines on.
-    for (const char* lost : {"lost communication with a remote daemon", "unable to reliably start one or more daemons"}) {
-      if (death_.empty() && text.find(lost) != std::string::npos) death_ = "mpirun lost a host's daemon: " + text;
-    }
-    if (lost_daemon_.empty() && text.find("Remote daemon:") != std::string::npos) {
-      lost_daemon_ = text.substr(text.find("on node") == std::string::npos ? text.size() : text.find("on node"));
-    }
-    if (is_frame(text)) {
-      if (framed_ && !repeats_meshtrain(block_)) std::fprintf(stderr, "%s\n%s%s\n", text.c_str(), block_.c_str(), text.c_str());
-      framed_ = !framed_;
-      block_.clear();
-      return;
-    }
-    if (framed_) {
-      block_ += text + "\n";
-      return;
-    }
-    if (text.find("sent help message") != std::string::npos || text.find("orte_base_help_aggregate") != std::string::npos) {
-      return;
-    }
-    std::fprintf(stderr, "%s\n", text.c_str());
-    std::fflush(stderr);
-  }
-
-  std::string pending_, block_, watchdog_, death_, lost_daemon_;
-  bool framed_ = false;
-};
 
 // Note [Naming the stop signal]
 // The ranks see a stop the launcher passes on as SIGUSR2; so that they can say
@@ -318,6 +248,7 @@ Launch launch_once(const std::vector<std::string>& command, bool server, bool tr
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("cannot create a pipe: ") + std::strerror(errno));
   child_pid = start_mpirun(command, pipe_fds[1], server, trainer);
   close(pipe_fds[1]);
+  const std::string program = command.front().substr(command.front().rfind('/') + 1);  // mpirun or srun
   using Clock = std::chrono::steady_clock;
   const double bound = abort_bound_seconds();
   StderrFilter filter;
@@ -340,8 +271,8 @@ Launch launch_once(const std::vector<std::string>& command, bool server, bool tr
     const auto now = Clock::now();
     if (watchdog_seen == Clock::time_point{}) watchdog_seen = now;
     if (!ended_stuck && now - watchdog_seen > std::chrono::duration<double>(bound)) {
-      std::fprintf(stderr, "meshtrain: mpirun has not ended the job %.0f s after the watchdog's report (a host it "
-                   "cannot reach?); ending it\n", bound);
+      std::fprintf(stderr, "meshtrain: %s has not ended the job %.0f s after the watchdog's report (a host it "
+                   "cannot reach?); ending it\n", program.c_str(), bound);
       std::fflush(stderr);
       kill(child_pid, SIGTERM);
       ended_stuck = true;
@@ -359,7 +290,7 @@ Launch launch_once(const std::vector<std::string>& command, bool server, bool tr
   result.rank_died = !result.hang && (!filter.rank_death().empty() || result.status >= 128);
   result.cause = !filter.watchdog_line().empty() ? filter.watchdog_line()
                  : !filter.rank_death().empty()  ? filter.rank_death()
-                                                 : "mpirun exited with status " + std::to_string(result.status);
+                                                 : program + " exited with status " + std::to_string(result.status);
   if (!filter.lost_daemon().empty() && result.cause.find("remote daemon") != std::string::npos) {
     result.cause += " (" + filter.lost_daemon() + ")";
   }
