@@ -162,7 +162,7 @@ int FlCli::run_server() const {
   else if (config.clip_auto) std::snprintf(clip, sizeof clip, "%g x the round's median norm", config.clip_factor);
   else if (config.clip_norm > 0) std::snprintf(clip, sizeof clip, "%g", config.clip_norm);
   else std::snprintf(clip, sizeof clip, "(none)");
-  std::fprintf(stderr, "fl server: bounds: messages <= %.1f MiB, updates clipped to %s, %s, rounds raising the "
+  std::fprintf(stderr, "fl server: bounds: results <= %.1f MiB, updates clipped to %s, %s, rounds raising the "
                "validation loss by > %g rolled back%s\n",
                static_cast<double>(config.max_message_bytes()) / (1 << 20), clip, config.aggregation.name.c_str(),
                config.max_regression, config.dp() ? (", DP-FedAvg z = " + std::to_string(config.noise_multiplier)).c_str() : "");

@@ -1,5 +1,6 @@
 #include "meshtrain/fl/client.h"
 
+#include "meshtrain/fl/chunks.h"
 #include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/federation.grpc.pb.h"
 #include "meshtrain/fl/robust.h"
@@ -16,6 +17,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -37,8 +39,8 @@ class Participant {
   explicit Participant(const ClientOptions& o)
       : o_(o), file_(token_file_of(o.data)), rng_(at::make_generator<at::CPUGeneratorImpl>(std::random_device{}())) {
     grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(kMaxMessageBytes);
-    args.SetMaxSendMessageSize(kMaxMessageBytes);
+    args.SetMaxReceiveMessageSize(kWireMessageBytes);  // a chunk (Note [Messages in chunks])
+    args.SetMaxSendMessageSize(kWireMessageBytes);
     // gRPC backs off up to 120 s between connection attempts by default: a
     // client started before its server, or a server restarting, would be
     // rejoined minutes late. Retry every 0.25-2 s instead.
@@ -57,12 +59,7 @@ class Participant {
         return 0;
       }
       wire::Task task;
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-      wire::PollRequest request;
-      request.set_client_id(o_.id);
-      request.set_session(session_);
-      const grpc::Status status = stub_->Poll(&context, request, &task);
+      const grpc::Status status = poll(&task);
       if (!status.ok()) {
         log("lost the server (%s); rejoining", status.error_message().c_str());
         join();
@@ -117,6 +114,7 @@ class Participant {
       request.set_client_id(o_.id);
       request.set_tokens(static_cast<uint64_t>(file_.size()));  // the server counts them at the model's context
       request.set_resume_session(session_);  // rejoining after a lost link: the session is ours
+      request.set_protocol(kProtocol);
       wire::JoinReply reply;
       const grpc::Status status = stub_->Join(&context, request, &reply);
       if (status.ok()) {
@@ -134,6 +132,23 @@ class Participant {
                       std::to_string(static_cast<int>(o_.connect_timeout_s)) + " s (" + last +
                       "). Is it running? With TLS: does --ca hold the CA of the server's certificate? With mutual TLS: "
                       "is this client's certificate signed by the server's client CA?");
+  }
+
+  // The next task, as its chunks come (Note [Messages in chunks]).
+  grpc::Status poll(wire::Task* task) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    wire::PollRequest request;
+    request.set_client_id(o_.id);
+    request.set_session(session_);
+    auto reader = stub_->PollChunks(&context, request);
+    wire::Chunk first;
+    if (!reader->Read(&first)) return reader->Finish();
+    const grpc::Status read = read_chunks(std::move(first), [&](wire::Chunk* chunk) { return reader->Read(chunk); },
+                                          std::numeric_limits<int32_t>::max(), "a task", task);
+    if (!read.ok()) context.TryCancel();
+    const grpc::Status finished = reader->Finish();
+    return read.ok() ? finished : read;
   }
 
   // Note [Client sessions]: one Presence call held open per session, so that
@@ -176,7 +191,10 @@ class Participant {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
     wire::Ack ack;
-    const grpc::Status status = stub_->Submit(&context, result, &ack);
+    auto writer = stub_->SubmitChunks(&context, &ack);
+    write_chunks(result, o_.id, session_, [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
+    writer->WritesDone();
+    const grpc::Status status = writer->Finish();
     if (!status.ok()) log("round %llu: result not taken: %s", static_cast<unsigned long long>(task.round()),
                           status.error_message().c_str());
     else log("round %llu: sent %s, %zu bytes", static_cast<unsigned long long>(task.round()),

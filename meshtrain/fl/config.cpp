@@ -31,6 +31,10 @@ const std::vector<FlKey>& keys() {
   static const std::vector<FlKey> k = {
       key("fl", "rounds", "rounds to run", MEMBER(rounds)),
       key("fl", "fraction", "fraction of the available clients sampled per round", MEMBER(fraction)),
+      key("fl", "clients_per_round", "results a round waits for, its target (0: fl.fraction of the connected clients, "
+             "at least min_fit); the round closes when they are in", MEMBER(clients_per_round)),
+      key("fl", "over_select", "sample this share more clients than the target, so that dropouts still leave it "
+             "(0.3: 30% more); the round closes at the target, the others' results refused", MEMBER(over_select)),
       key("fl", "min_available", "clients that must be connected before a round starts", MEMBER(min_available)),
       key("fl", "min_fit", "results a round needs to count (else it is discarded)", MEMBER(min_fit)),
       key("fl", "deadline_s", "seconds per round phase; later results are dropped as stragglers", MEMBER(deadline_s)),
@@ -58,8 +62,8 @@ const std::vector<FlKey>& keys() {
             },
             [](const FlConfig& c) { return c.clip_auto ? std::string("\"auto\"") : config::FieldType<double>::show(c.clip_norm); }},
       key("fl", "clip_factor", "fl.clip_norm = \"auto\": the bound as a multiple of the round's median update norm", MEMBER(clip_factor)),
-      key("fl", "max_message_mb", "a client message larger than this is refused before it is read (0: a full update "
-             "plus a quarter and 4 MiB)", MEMBER(max_message_mb)),
+      key("fl", "max_message_mb", "a client's result larger than this is refused at the chunk that passes it (0: a "
+             "full update plus a quarter and 4 MiB)", MEMBER(max_message_mb)),
       key("fl", "max_examples_per_client", "a client's FedAvg weight is at most this (0: the training sequences it "
              "declared at Join, which cannot grow within its session)", MEMBER(max_examples_per_client)),
       key("fl", "max_regression", "a round that raises the validation loss by more than this (or makes it or the "
@@ -104,6 +108,8 @@ const std::vector<FlKey>& keys() {
             },
             [](const FlConfig& c) { return config::FieldType<std::vector<std::string>>::show(c.tls.allow); }},
       key("fl.server", "insecure", "plaintext (only on a loopback address)", MEMBER(tls.insecure)),
+      key("fl.server", "grpc_memory_mb", "the memory gRPC may hold for all connections; a message that would pass it "
+             "(one larger than a chunk, sent whole) is cut off", MEMBER(grpc_memory_mb)),
   };
   return k;
 }
@@ -193,6 +199,8 @@ std::map<std::string, std::string> FlConfig::result_settings() const {
           {"fl.byzantine", std::to_string(aggregation.byzantine)},
           {"fl.krum_keep", std::to_string(aggregation.keep)},
           {"fl.fraction", number(fraction)},
+          {"fl.clients_per_round", std::to_string(clients_per_round)},
+          {"fl.over_select", number(over_select)},
           {"fl.seed", std::to_string(seed)},
           {"fl.dp.noise_multiplier", number(noise_multiplier)},
           {"fl.client.local_steps", std::to_string(local_steps)},
@@ -264,12 +272,17 @@ void FlConfig::validate() const {
   if (rounds < 1) fail("fl.rounds = " + std::to_string(rounds) + ": must be at least 1");
   if (!(fraction > 0 && fraction <= 1)) fail("fl.fraction must be in (0, 1]");
   if (min_fit < 1 || min_available < min_fit) fail("fl.min_fit must be >= 1 and <= fl.min_available");
+  if (clients_per_round < 0 || (clients_per_round > 0 && clients_per_round < min_fit))
+    fail("fl.clients_per_round = " + std::to_string(clients_per_round) + ": 0 (from fl.fraction), or at least "
+         "fl.min_fit = " + std::to_string(min_fit));
+  if (!(over_select >= 0)) fail("fl.over_select must be >= 0 (0.3: sample 30% more clients than the target)");
   if (!(deadline_s > 0) || !(wait_clients_s > 0)) fail("fl.deadline_s and fl.wait_clients_s must be positive");
   if (local_steps < 1 || batch < 1) fail("fl.client.local_steps and fl.client.batch must be >= 1");
   if (!(lr > 0)) fail("fl.client.lr must be positive");
   if (!(clip_norm >= 0)) fail("fl.clip_norm must be >= 0 (0: none), or \"auto\"");
   if (!(clip_factor > 0)) fail("fl.clip_factor must be positive");
   if (!(max_message_mb >= 0)) fail("fl.max_message_mb must be >= 0 (0: from the model)");
+  if (!(grpc_memory_mb >= 16)) fail("fl.server.grpc_memory_mb must be at least 16 (gRPC's buffers for every connection)");
   if (max_examples_per_client < 0) fail("fl.max_examples_per_client must be >= 0 (0: what each client declared)");
   if (!(max_regression > 0)) fail("fl.max_regression must be positive");
   if (keep_states < 1) fail("fl.keep_states must be at least 1");
@@ -281,6 +294,9 @@ void FlConfig::validate() const {
     if (aggregation.name != "mean")
       fail("fl.dp.noise_multiplier: DP-FedAvg adds its noise to the mean; fl.aggregation = \"" + aggregation.name +
            "\" is not covered by its guarantee");
+    if (over_select > 0)
+      fail("fl.over_select with fl.dp.noise_multiplier: the accountant counts every sampled client as taking part, "
+           "and a round that closes at a target of them is not what it accounts for; set fl.over_select = 0");
   }
   if (optimizer != "sgd" && optimizer != "adamw") fail("fl.client.optimizer = \"" + optimizer + "\": use sgd or adamw");
   try {
@@ -296,6 +312,7 @@ void FlConfig::validate() const {
            "the server sees only their sum: use fl.aggregation = \"mean\" with fl.secagg, or turn fl.secagg off");
     }
     if (threshold < 2) fail("fl.secagg.threshold must be at least 2");
+    if (over_select > 0) fail("fl.over_select with fl.secagg: not supported (secure rounds wait for every sampled client)");
     if (threshold > min_fit) fail("fl.secagg.threshold must not exceed fl.min_fit (a round below t cannot unmask)");
     if (secagg_bits < 1 || secagg_bits > 24) fail("fl.secagg.bits must be in 1..24 (the sum lives in Z_2^32)");
     if (!(clip > 0)) fail("fl.secagg.clip must be positive");

@@ -38,6 +38,8 @@ struct FlConfig {
   // [fl]
   int64_t rounds = 10;
   double fraction = 1.0;        // of the available clients sampled each round
+  int64_t clients_per_round = 0;  // results a round waits for (0: fraction of the available, at least min_fit)
+  double over_select = 0;       // sampled: clients_per_round x (1 + over_select), so that dropouts leave the target
   int64_t min_available = 1;    // clients connected before a round starts
   int64_t min_fit = 1;          // results needed for the round to count
   double deadline_s = 120;      // per round phase: later results are dropped
@@ -50,7 +52,7 @@ struct FlConfig {
   double clip_norm = 0;      // a fixed bound on each update's global L2 norm (0: none), when not clip_auto
   bool clip_auto = true;     // fl.clip_norm = "auto": clip_factor times the round's median update norm
   double clip_factor = 3;
-  double max_message_mb = 0;             // a message larger than this is refused unread (0: from the model)
+  double max_message_mb = 0;             // a result larger than this is refused (0: from the model)
   int64_t max_examples_per_client = 0;   // a client's weight at most this (0: what it declared at Join)
   double max_regression = 0.5;  // a round that raises the validation loss more than this is rolled back
   int64_t keep_states = 3;      // the last good states kept in out/states/
@@ -75,6 +77,7 @@ struct FlConfig {
   int64_t eval_batches = 4;
   // [fl.server]
   std::string listen = "127.0.0.1:0";  // port 0: any free port (printed, and written to --port-file)
+  double grpc_memory_mb = 256;  // gRPC's own buffers for all connections (Note [Messages in chunks])
   std::string out = "runs/fl";         // metrics.jsonl, state.safetensors, loss.svg
   bool resume = true;
   TlsConfig tls;

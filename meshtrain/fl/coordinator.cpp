@@ -106,6 +106,17 @@ std::string Coordinator::poll(const wire::PollRequest& request, wire::Task* task
   return {};
 }
 
+std::string Coordinator::may_submit(const std::string& id, const std::string& session) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (std::string e = check_session(id, session); !e.empty()) return e;
+  if (!phase_open_ || !expected_.count(id) || results_.count(id)) {
+    return std::string("result refused: the server awaits none from '") + id + "' now; it is at round " +
+           std::to_string(round_) + " " +
+           kind_name(kind_) + (phase_open_ ? "" : " (closed: past the deadline)");
+  }
+  return {};
+}
+
 std::string Coordinator::submit(const wire::Result& result) {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::string& id = result.client_id();
@@ -190,11 +201,11 @@ void Coordinator::open(uint64_t round, wire::Task::Kind kind, std::map<std::stri
   changed_.notify_all();
 }
 
-std::map<std::string, wire::Result> Coordinator::close(double seconds) {
+std::map<std::string, wire::Result> Coordinator::close(double seconds, size_t enough) {
   std::unique_lock<std::mutex> lock(mutex_);
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   changed_.wait_until(lock, deadline, [&] {
-    if (results_.size() == expected_.size()) return true;
+    if (results_.size() == expected_.size() || results_.size() >= enough) return true;
     // A client that left cannot answer: do not wait for it.
     for (const auto& id : expected_)
       if (!results_.count(id) && !clients_[id].left) return false;

@@ -35,6 +35,9 @@ class Coordinator {
   // quotes that session or mutual TLS proved the name (Note [Client sessions]).
   std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session, bool* in_use);
   std::string poll(const wire::PollRequest& request, wire::Task* task);
+  // Whether `id` may upload a result now (its session live, a phase open that
+  // waits for its answer): asked at an upload's first chunk.
+  std::string may_submit(const std::string& id, const std::string& session);
   std::string submit(const wire::Result& result);
   std::string leave(const wire::LeaveRequest& request);
   // Presence: checks the session; then `ended` tells its handler when to let
@@ -51,9 +54,10 @@ class Coordinator {
   std::vector<std::string> wait_for_clients(size_t count, double seconds);  // connected ids, sorted
   // Opens a phase: each client in `tasks` receives its task at its next poll.
   void open(uint64_t round, wire::Task::Kind kind, std::map<std::string, wire::Task> tasks);
-  // Waits until every client of the phase answered or `seconds` passed, closes
-  // the phase (later results are refused) and returns the results in.
-  std::map<std::string, wire::Result> close(double seconds);
+  // Waits until `enough` results are in, every client of the phase answered
+  // or left, or `seconds` passed; closes the phase (later results are
+  // refused) and returns the results in.
+  std::map<std::string, wire::Result> close(double seconds, size_t enough = SIZE_MAX);
   std::map<std::string, Traffic> take_traffic();
   // From now on every poll answers STOP with `message`; waits up to `seconds`
   // for the connected clients to have heard it.

@@ -1,5 +1,6 @@
 #include "meshtrain/fl/server.h"
 
+#include "meshtrain/fl/chunks.h"
 #include "meshtrain/fl/coordinator.h"
 #include "meshtrain/fl/server_rounds.h"
 #include "meshtrain/fl/transport.h"
@@ -32,16 +33,22 @@ grpc::Status serve_unary(grpc::ServerUnaryStreamer<Request, Reply>* streamer, co
 }
 
 using StreamedUnary = wire::Federation::WithStreamedUnaryMethod_Join<wire::Federation::WithStreamedUnaryMethod_Poll<
-    wire::Federation::WithStreamedUnaryMethod_Submit<wire::Federation::WithStreamedUnaryMethod_Leave<wire::Federation::Service>>>>;
+    wire::Federation::WithStreamedUnaryMethod_Submit<wire::Federation::WithStreamedUnaryMethod_Leave<
+        wire::Federation::WithSplitStreamingMethod_PollChunks<wire::Federation::Service>>>>>;
 
-// The RPCs: each checks its request and hands it to the coordinator.
 class FederationService final : public StreamedUnary {
  public:
-  explicit FederationService(Coordinator& coordinator) : coordinator_(coordinator) {}
+  // `cap`: the most bytes of one result (Note [Messages in chunks]).
+  FederationService(Coordinator& coordinator, int64_t cap) : coordinator_(coordinator), cap_(cap) {}
 
   grpc::Status StreamedJoin(grpc::ServerContext* context,
                             grpc::ServerUnaryStreamer<wire::JoinRequest, wire::JoinReply>* streamer) override {
     return serve_unary(streamer, "Join", [&](const wire::JoinRequest& request, wire::JoinReply& reply) {
+      if (request.protocol() != kProtocol) {
+        std::fprintf(stderr, "fl server: refused client '%s': it speaks federation protocol %u\n",
+                     request.client_id().c_str(), request.protocol() == 0 ? 1u : request.protocol());
+        return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, protocol_error(request.protocol()));
+      }
       std::string session;
       bool in_use = false;
       const std::string why = coordinator_.join(request, peer_common_name(*context), &session, &in_use);
@@ -55,15 +62,45 @@ class FederationService final : public StreamedUnary {
       return grpc::Status::OK;
     });
   }
-  grpc::Status StreamedPoll(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::PollRequest, wire::Task>* streamer) override {
-    return serve_unary(streamer, "Poll", [&](const wire::PollRequest& request, wire::Task& task) {
-      return refused(coordinator_.poll(request, &task));
-    });
+  // Version 1's calls: refused before a byte of the message is read.
+  grpc::Status StreamedPoll(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::PollRequest, wire::Task>*) override {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "Poll: " + protocol_error(1));
   }
-  grpc::Status StreamedSubmit(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::Result, wire::Ack>* streamer) override {
-    return serve_unary(streamer, "Submit", [&](const wire::Result& result, wire::Ack&) {
-      return refused(coordinator_.submit(result));
-    });
+  grpc::Status StreamedSubmit(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::Result, wire::Ack>*) override {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "Submit: " + protocol_error(1));
+  }
+  grpc::Status StreamedPollChunks(grpc::ServerContext*,
+                                  grpc::ServerSplitStreamer<wire::PollRequest, wire::Chunk>* streamer) override {
+    wire::PollRequest request;
+    if (!streamer->Read(&request)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "PollChunks: the request is not a valid meshtrain.fl.wire.PollRequest message (federation.proto)");
+    }
+    wire::Task task;
+    if (std::string why = coordinator_.poll(request, &task); !why.empty()) return refused(why);
+    write_chunks(task, "", "", [&](const wire::Chunk& chunk) { return streamer->Write(chunk); });
+    return grpc::Status::OK;
+  }
+  // Note [Messages in chunks]: refused at the first chunk that shows it cannot be taken.
+  grpc::Status SubmitChunks(grpc::ServerContext*, grpc::ServerReader<wire::Chunk>* reader, wire::Ack*) override {
+    wire::Chunk first;
+    if (!reader->Read(&first)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "SubmitChunks: no chunk, or bytes that are no meshtrain.fl.wire.Chunk message (federation.proto)");
+    }
+    const std::string id = first.client_id(), session = first.session();
+    if (std::string why = coordinator_.may_submit(id, session); !why.empty()) return refused(why);
+    wire::Result result;
+    const grpc::Status status = read_chunks(std::move(first), [&](wire::Chunk* chunk) { return reader->Read(chunk); },
+                                            cap_, "a result", &result);
+    if (!status.ok()) {
+      std::fprintf(stderr, "fl server: refused a result from '%s': %s\n", id.c_str(), status.error_message().c_str());
+      return status;
+    }
+    if (result.client_id() != id || result.session() != session) {
+      return refused("the result names client '" + result.client_id() + "', its first chunk '" + id + "'");
+    }
+    return refused(coordinator_.submit(result));
   }
   grpc::Status StreamedLeave(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::LeaveRequest, wire::Ack>* streamer) override {
     return serve_unary(streamer, "Leave", [&](const wire::LeaveRequest& request, wire::Ack&) {
@@ -87,6 +124,7 @@ class FederationService final : public StreamedUnary {
 
  private:
   Coordinator& coordinator_;
+  int64_t cap_;
 };
 
 }  // namespace
@@ -96,18 +134,22 @@ Server::Server(FlConfig config)
       coordinator_(std::make_unique<Coordinator>(config_.tls.mutual,
                                                  config_.tls.mutual ? config_.tls.allow : std::vector<std::string>{},
                                                  config_.model.context)),
-      service_(std::make_unique<FederationService>(*coordinator_)),
+      service_(std::make_unique<FederationService>(*coordinator_, config_.max_message_bytes())),
       rounds_(std::make_unique<Rounds>(config_, *coordinator_)) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config_.listen, server_credentials(config_.tls, config_.listen), &port_);
   builder.RegisterService(service_.get());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(config_.max_message_bytes()));
+  builder.SetMaxReceiveMessageSize(kWireMessageBytes);  // a chunk (Note [Messages in chunks])
   // Pings on every connection: a client cut off by a partition has its Presence call
   // broken within ~15 s rather than at the 30 s liveness limit (Note [Client sessions]).
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kWireMessageBytes);
+  // Note [Messages in chunks]: what bounds a message sent whole, past the per-message limit.
+  grpc::ResourceQuota quota("meshtrain-fl");
+  quota.Resize(static_cast<size_t>(config_.grpc_memory_mb * (1 << 20)));
+  builder.SetResourceQuota(quota);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0)
     throw std::runtime_error("fl server: cannot listen on " + config_.listen + " (address in use or invalid)");

@@ -76,6 +76,25 @@ wire::Task Rounds::fit_task(uint64_t round) const {
   return task;
 }
 
+// Note [Sampling clients]
+// A round aims at a target of results: fl.clients_per_round, or else
+// fl.fraction of the connected clients (at least min_fit). It samples the
+// target times 1 + fl.over_select of them, a seeded shuffle of the sorted ids
+// (the seed, fl.seed mixed with the round, is in the metrics row, so that a
+// round's choice can be made again), and closes as soon as the target's
+// results are in, or every sampled client has answered or left, or at the
+// deadline: dropouts cost the over-selected clients' work, not the round's
+// time. Results that come after it closed are refused and the senders listed
+// as dropped. Under DP the shuffle's seed is random (the choice must be secret).
+std::vector<std::string> sample_clients(std::vector<std::string> ids, size_t count, uint64_t seed) {
+  std::sort(ids.begin(), ids.end());
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(std::min(ids.size(), count));
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
 Rounds::Outcome Rounds::run_round(uint64_t round) {
   Outcome outcome;
   std::vector<std::string> available =
@@ -86,16 +105,18 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
                     std::to_string(config_.min_available);
     return outcome;
   }
-  const auto wanted = std::max<size_t>(static_cast<size_t>(config_.min_fit),
-                                       static_cast<size_t>(std::ceil(config_.fraction * available.size())));
+  // Note [Sampling clients]
   outcome.available = available.size();
+  outcome.target = std::min(available.size(), config_.clients_per_round > 0
+                                                  ? static_cast<size_t>(config_.clients_per_round)
+                                                  : std::max<size_t>(static_cast<size_t>(config_.min_fit),
+                                                                     static_cast<size_t>(std::ceil(config_.fraction * available.size()))));
+  const size_t sampled = std::min(available.size(), static_cast<size_t>(std::ceil(outcome.target * (1 + config_.over_select))));
   // Under DP the choice must be secret for the sampling to hide anyone (Note [Differential privacy]).
-  std::mt19937_64 rng(config_.dp() ? (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}()
-                                   : mix_seed(config_.seed, round + 0x5a));
-  std::shuffle(available.begin(), available.end(), rng);
-  available.resize(std::min(available.size(), wanted));
-  std::sort(available.begin(), available.end());
-  outcome.sampled = available;
+  outcome.sample_seed = mix_seed(config_.seed, round + 0x5a);
+  outcome.sampled = sample_clients(std::move(available), sampled,
+                                   config_.dp() ? (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}()
+                                                : outcome.sample_seed);
 
   wire::Task task = fit_task(round);
   // Distributed DP: the clients add the noise, a 1/m share of its variance each.
@@ -105,7 +126,7 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
   std::map<std::string, wire::Task> tasks;
   for (const auto& id : outcome.sampled) tasks[id] = task;
   coordinator_.open(round, wire::Task::FIT, std::move(tasks));
-  const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s);
+  const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s, outcome.target);
   for (const auto& id : outcome.sampled)
     if (!results.count(id)) outcome.dropped.push_back(id);
   if (static_cast<int64_t>(results.size()) < config_.min_fit) {
@@ -344,6 +365,8 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
   row["clip_norm"] = o.clip_norm;
   row["clipped"] = o.clipped;
   if (config_.dp()) row["epsilon"] = privacy_.epsilon(config_.dp_delta);
+  row["target"] = o.target;
+  row["sample_seed"] = config_.dp() ? nlohmann::json(nullptr) : nlohmann::json(o.sample_seed);  // DP's is secret
   row["sampled"] = o.sampled;
   row["participants"] = o.participants;
   row["dropped"] = o.dropped;

@@ -17,8 +17,9 @@
 // Note [Client bounds]
 // What one broken or hostile client can do to a plain round is bounded
 // before any aggregation rule (robust.h) is applied:
-// - size: a message over fl.max_message_mb (default: a full float32 update
-//   plus a quarter and 4 MiB) is refused by gRPC from its length prefix;
+// - size: a result over fl.max_message_mb (default: a full float32 update
+//   plus a quarter and 4 MiB) is refused at the chunk that passes it, or at
+//   its first if it declares more (Note [Messages in chunks] in chunks.h);
 // - weight: a result's examples count at most what the client declared at
 //   Join (its session cannot grow it) and fl.max_examples_per_client;
 // - norm: each decoded update is clipped to fl.clip_norm, by default "auto",
@@ -49,6 +50,10 @@
 
 namespace meshtrain::fl {
 
+// `count` of `ids`, chosen by a shuffle seeded with `seed`, sorted (Note
+// [Sampling clients] in server_rounds.cpp); the same for the same ids and seed.
+std::vector<std::string> sample_clients(std::vector<std::string> ids, size_t count, uint64_t seed);
+
 class Rounds {
  public:
   Rounds(const FlConfig& config, Coordinator& coordinator);
@@ -58,6 +63,8 @@ class Rounds {
  private:
   struct Outcome {
     size_t available = 0;  // clients connected when the round sampled
+    size_t target = 0;     // results the round waits for (Note [Sampling clients])
+    uint64_t sample_seed = 0;
     std::vector<std::string> sampled, participants, dropped, clipped;
     double train_loss = 0;
     double clip_norm = 0;          // the bound applied this round (0: none)

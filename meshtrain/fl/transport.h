@@ -17,7 +17,4 @@ std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const TlsConfig& t
 // The verified client certificate's common name ("" without mutual TLS).
 std::string peer_common_name(const grpc::ServerContext& context);
 
-// A message too large for gRPC's default 4 MiB: models are bigger than that.
-constexpr int kMaxMessageBytes = 1 << 30;
-
 }  // namespace meshtrain::fl

@@ -5,12 +5,15 @@ excerpt each) and one attacker written here in Python from stubs that
 grpc_tools generates from meshtrain/fl/federation.proto, as anyone could:
 - huge: finite values of 1e30 claiming 2^62 examples;
 - signflip: minus ten times the global model's last change;
-- bigmsg: one 900 MiB update.
+- bigmsg: one 900 MiB update, sent four ways (its size declared, a small size
+  declared, as one chunk, and as version 1's whole-message Submit).
 With the defaults (FedAvg's mean; examples capped at what the client declared
 at Join; norms clipped to 3x the round's median; a message cap from the model)
 the validation loss stays finite and within MEAN_MARGIN of the attack-free
-run; under Krum and the trimmed mean within ROBUST_MARGIN. The 900 MiB message
-is refused (RESOURCE_EXHAUSTED) and the round goes on without it. With the
+run; under Krum and the trimmed mean within ROBUST_MARGIN. The 900 MiB update
+is refused each way, at its first chunk past the cap (Note [Messages in
+chunks]), the server's peak memory barely moves, and the round goes on without
+it. With the
 bounds off a 1e30 round is
 rolled back: state.safetensors keeps the last good round and a restarted
 server resumes from it. An id that is live cannot be taken by another Join,
@@ -71,19 +74,25 @@ def malformed_and_duplicate(pb, pb_grpc, fed):
     stub = pb_grpc.FederationStub(channel)
     fed.wait_joined(len(HONEST))
     try:
-        stub.Join(pb.JoinRequest(client_id=HONEST[0], examples=100), timeout=10)
+        stub.Join(pb.JoinRequest(client_id=HONEST[0], examples=100, protocol=2), timeout=10)
         check(False, "a Join with a live client's id is refused")
     except grpc.RpcError as e:
         check(e.code() == grpc.StatusCode.ALREADY_EXISTS and "live session" in e.details(),
               f"a Join with a live client's id is refused: {e.code().name}: {e.details()}")
-    raw = channel.unary_unary("/meshtrain.fl.wire.Federation/Submit", request_serializer=None,
-                              response_deserializer=None)
+    raw = channel.stream_unary("/meshtrain.fl.wire.Federation/SubmitChunks", request_serializer=None,
+                               response_deserializer=None)
     try:
-        raw(b"\xff\xff\xff\xff\x0f not a message", timeout=10)
+        raw(iter([b"\xff\xff\xff\xff\x0f not a message"]), timeout=10)
         check(False, "bytes that are no message are refused")
     except grpc.RpcError as e:
-        check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid meshtrain.fl.wire.Result" in e.details(),
+        check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "meshtrain.fl.wire.Chunk" in e.details(),
               f"bytes that are no message: {e.code().name}: {e.details()}")
+    try:
+        stub.Join(pb.JoinRequest(client_id="old", examples=100), timeout=10)
+        check(False, "a version 1 client is refused at Join")
+    except grpc.RpcError as e:
+        check(e.code() == grpc.StatusCode.PERMISSION_DENIED and "protocol 2" in e.details(),
+              f"a version 1 client is refused at Join: {e.code().name}: {e.details()}")
 
 
 def main():
@@ -123,11 +132,23 @@ def main():
                 check(all("mallory" in r["clipped"] for r in rows[1:]), "huge: its update clipped every round")
 
         # The 900 MiB update in round 2 only: that round waits out its deadline for it (10 s), the rest do not.
-        fed, rows, attacker = attacked(work, pb, pb_grpc, "bigmsg_mean", "bigmsg", ["--fl.deadline_s=10"], {2})
-        big = [s for s in attacker.statuses if s[0] == 2][0]
-        print(f"900 MiB message: {big[1]} after {big[3]:.2f} s ({big[2]}); server peak RSS {fed.peak_rss:.0f} MiB "
-              f"against {free_rss:.0f} MiB without it", flush=True)
-        check(big[1] == "RESOURCE_EXHAUSTED", f"900 MiB: refused as too large ({big[1]}: {big[2]})")
+        quota = 64  # MiB of gRPC's buffers: what a message sent whole, past the protocol, may cost
+        fed, rows, attacker = attacked(work, pb, pb_grpc, "bigmsg_mean", "bigmsg",
+                                       ["--fl.deadline_s=10", f"--fl.server.grpc_memory_mb={quota}"], {2})
+        big = [s for s in attacker.statuses if s[0] == 2]
+        for _, how, code, details, seconds, rss in big:
+            print(f"900 MiB update, {how}: {code} after {seconds:.2f} s ({details}); server peak RSS {rss:.0f} MiB",
+                  flush=True)
+        print(f"server peak RSS {fed.peak_rss:.0f} MiB against {free_rss:.0f} MiB without them", flush=True)
+        codes = {how: code for _, how, code, _, _, _ in big}
+        check(codes == {"declared": "RESOURCE_EXHAUSTED", "lying": "RESOURCE_EXHAUSTED",
+                        "one chunk": "RESOURCE_EXHAUSTED", "version 1": "FAILED_PRECONDITION"},
+              f"900 MiB: refused as too large, or as version 1's call ({codes})")
+        rss = {how: peak for _, how, _, _, _, peak in big}
+        check(rss["lying"] <= free_rss + 8, f"900 MiB in chunks: the server's peak RSS {rss['lying']:.0f} MiB within "
+              f"8 MiB of the attack-free {free_rss:.0f} MiB (Note [Messages in chunks])")
+        check(fed.peak_rss <= free_rss + quota + 16, f"900 MiB sent whole: the server's peak RSS {fed.peak_rss:.0f} MiB "
+              f"within fl.server.grpc_memory_mb = {quota} (and 16) of the attack-free {free_rss:.0f} MiB")
         check(rows[2]["status"] == "ok" and rows[2]["dropped"] == ["mallory"] and len(rows[2]["participants"]) == 4,
               "900 MiB: round 2 ends with the 4 honest updates")
         check(all(r["status"] == "ok" for r in rows[1:]), "900 MiB: every round ok")

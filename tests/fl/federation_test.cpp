@@ -1,10 +1,12 @@
 // The federation end to end in one process: a real gRPC server on loopback
 // and clients on threads. Federated averaging is checked against centralised
 // training, and the server against stragglers, restarts and malformed calls.
+#include "meshtrain/fl/chunks.h"
 #include "meshtrain/fl/client.h"
 #include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/federation.grpc.pb.h"
 #include "meshtrain/fl/server.h"
+#include "meshtrain/fl/server_rounds.h"
 #include "meshtrain/fl/update.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/train/data.h"
@@ -16,8 +18,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 namespace meshtrain::fl {
@@ -229,6 +233,43 @@ TEST(FlFederation, StragglersAreDroppedAndTheRoundCompletes) {
   EXPECT_FALSE(rows[1]["bytes_per_client"].contains("c2") && rows[1]["bytes_per_client"]["c2"]["up"].get<int64_t>() > 0);
 }
 
+// Note [Sampling clients]: two of four sampled clients are slow; the round
+// closes at its target of two results instead of taking theirs (which come
+// well before the deadline), and says whom it sampled with which seed.
+TEST(FlFederation, AnOverSelectedRoundClosesAtItsTarget) {
+  const std::string dir = ::testing::TempDir() + "/fl_over_select";
+  util::remove_tree(dir);
+  const auto files = client_files(dir, 4);
+  FlConfig config = tiny_config(dir + "/out");
+  config.rounds = 1;
+  config.min_available = 4;
+  config.min_fit = 2;
+  config.clients_per_round = 2;
+  config.over_select = 1;
+  federate(config, files, {0, 0, 4.0, 4.0});
+  const auto rows = metrics(config.out);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[1]["status"], "ok");
+  EXPECT_EQ(rows[1]["target"], 2);
+  EXPECT_EQ(rows[1]["sampled"].size(), 4u);
+  EXPECT_EQ(rows[1]["participants"], nlohmann::json::array({"c0", "c1"}));
+  EXPECT_EQ(rows[1]["dropped"], nlohmann::json::array({"c2", "c3"}));
+  EXPECT_TRUE(rows[1]["sample_seed"].is_number_unsigned());
+}
+
+TEST(FlSampling, AChoiceIsMadeAgainFromItsSeed) {
+  std::vector<std::string> ids;
+  for (int i = 0; i < 1000; ++i) ids.push_back("client" + std::to_string(i));
+  const auto chosen = sample_clients(ids, 100, 42);
+  ASSERT_EQ(chosen.size(), 100u);
+  EXPECT_TRUE(std::is_sorted(chosen.begin(), chosen.end()));
+  EXPECT_EQ(std::set<std::string>(chosen.begin(), chosen.end()).size(), 100u);
+  std::reverse(ids.begin(), ids.end());  // the order the ids come in does not matter
+  EXPECT_EQ(sample_clients(ids, 100, 42), chosen);
+  EXPECT_NE(sample_clients(ids, 100, 43), chosen);
+  EXPECT_EQ(sample_clients(ids, 2000, 42).size(), 1000u);
+}
+
 TEST(FlFederation, AClientThatLeavesIsNoLongerCounted) {
   const std::string dir = ::testing::TempDir() + "/fl_leave";
   util::remove_tree(dir);
@@ -275,6 +316,88 @@ TEST(FlFederation, ARestartedServerResumesWhereItStopped) {
   EXPECT_EQ(rows.back()["cumulative_uplink_bytes"], metrics(whole.out).back()["cumulative_uplink_bytes"]);
 }
 
+// Note [Messages in chunks]: a Result through write_chunks and read_chunks, and
+// the refusals, each at the chunk that shows it.
+TEST(FlChunks, ARoundTripAndRefusalsAtTheChunkThatShowsThem) {
+  wire::Result result;
+  result.set_client_id("c0");
+  result.set_session("s");
+  result.add_update()->set_values(std::string((7 << 20) / 2, '\x01'));  // 3.5 MiB: four chunks
+  std::vector<wire::Chunk> chunks;
+  ASSERT_TRUE(write_chunks(result, "c0", "s", [&](const wire::Chunk& c) { chunks.push_back(c); return true; }));
+  ASSERT_EQ(chunks.size(), 4u);
+  EXPECT_EQ(chunks[0].total(), result.ByteSizeLong());
+  EXPECT_EQ(chunks[0].client_id(), "c0");
+  EXPECT_EQ(chunks[1].total(), 0u);
+  size_t next = 1, ends_after = chunks.size();
+  auto read = [&](wire::Chunk* c) {
+    if (next >= ends_after) return false;
+    *c = chunks[next++];
+    return true;
+  };
+  wire::Result back;
+  ASSERT_TRUE(read_chunks(chunks[0], read, 8 << 20, "a result", &back).ok());
+  EXPECT_EQ(back.SerializeAsString(), result.SerializeAsString());
+
+  next = 1;  // declared over the cap: not one more chunk read
+  grpc::Status s = read_chunks(chunks[0], read, 2 << 20, "a result", &back);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("over the limit of 2.0 MiB (fl.max_message_mb): refused unread"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(next, 1u);
+
+  next = 1;  // 1.5 MiB declared, more sent: refused at the second chunk
+  wire::Chunk lying = chunks[0];
+  lying.set_total(3 << 19);
+  s = read_chunks(lying, read, 8 << 20, "a result", &back);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("more bytes came than the 1572864 its first chunk declared"), std::string::npos);
+  EXPECT_EQ(next, 2u);
+
+  next = 1, ends_after = 2;  // cut off
+  s = read_chunks(chunks[0], read, 8 << 20, "a result", &back);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("the stream ended after 2097152 of its"), std::string::npos) << s.error_message();
+
+  wire::Result empty;  // one empty chunk
+  chunks.clear();
+  write_chunks(empty, "", "", [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_TRUE(read_chunks(chunks[0], read, 8 << 20, "a result", &back).ok());
+}
+
+// Sends `result` as an upload's chunks (Note [Messages in chunks]).
+grpc::Status submit(wire::Federation::Stub& stub, const wire::Result& result) {
+  grpc::ClientContext context;
+  wire::Ack ack;
+  auto writer = stub.SubmitChunks(&context, &ack);
+  write_chunks(result, result.client_id(), result.session(), [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+// A unary call of `method` with `bytes` as its message, whatever they are.
+grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::string& method, const std::string& bytes) {
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext context;
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::Status status;
+  std::mutex mutex;
+  std::condition_variable done;
+  bool finished = false;
+  generic.UnaryCall(&context, "/meshtrain.fl.wire.Federation/" + method, grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> lock(mutex);
+                      status = s;
+                      finished = true;
+                      done.notify_all();
+                    });
+  std::unique_lock<std::mutex> lock(mutex);
+  done.wait(lock, [&] { return finished; });
+  return status;
+}
+
 TEST(FlFederation, MalformedCallsAreRejectedNotCrashes) {
   const std::string dir = ::testing::TempDir() + "/fl_malformed";
   util::remove_tree(dir);
@@ -282,12 +405,10 @@ TEST(FlFederation, MalformedCallsAreRejectedNotCrashes) {
   Server server(config);
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server.port()), grpc::InsecureChannelCredentials());
   auto stub = wire::Federation::NewStub(channel);
+  wire::Result r;
+  r.set_client_id("nobody");
   {  // Not joined.
-    grpc::ClientContext context;
-    wire::Result r;
-    r.set_client_id("nobody");
-    wire::Ack ack;
-    const grpc::Status s = stub->Submit(&context, r, &ack);
+    const grpc::Status s = submit(*stub, r);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
     EXPECT_NE(s.error_message().find("Join"), std::string::npos) << s.error_message();
   }
@@ -295,47 +416,46 @@ TEST(FlFederation, MalformedCallsAreRejectedNotCrashes) {
     grpc::ClientContext context;
     wire::JoinRequest j;
     j.set_client_id("../etc/passwd");
+    j.set_protocol(kProtocol);
     wire::JoinReply reply;
     EXPECT_EQ(stub->Join(&context, j, &reply).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   }
-  {  // Bytes that are no protobuf message at all.
-    grpc::GenericStub generic(channel);
+  {  // A version 1 client: refused at Join, and its whole-message calls unread, each with the reason.
     grpc::ClientContext context;
+    wire::JoinRequest j;
+    j.set_client_id("old");
+    wire::JoinReply reply;
+    const grpc::Status s = stub->Join(&context, j, &reply);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_NE(s.error_message().find("speaks federation protocol 2"), std::string::npos) << s.error_message();
+    const grpc::Status old_submit = raw_call(channel, "Submit", r.SerializeAsString());
+    EXPECT_EQ(old_submit.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(old_submit.error_message().find("the client speaks protocol 1"), std::string::npos)
+        << old_submit.error_message();
+  }
+  {  // Bytes that are no protobuf message at all: as a chunk, and as a poll.
     const std::string junk = "\xff\xff\xff\xff\x0f not a message";
-    grpc::Slice slice(junk);
-    grpc::ByteBuffer request(&slice, 1), response;
-    grpc::Status status;
-    std::mutex mutex;
-    std::condition_variable done;
-    bool finished = false;
-    generic.UnaryCall(&context, "/meshtrain.fl.wire.Federation/Submit", grpc::StubOptions(), &request, &response,
-                      [&](grpc::Status s) {
-                        std::lock_guard<std::mutex> lock(mutex);
-                        status = s;
-                        finished = true;
-                        done.notify_all();
-                      });
-    std::unique_lock<std::mutex> lock(mutex);
-    done.wait(lock, [&] { return finished; });
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_NE(status.error_message().find("not a valid meshtrain.fl.wire.Result message"), std::string::npos)
-        << status.error_message();
+    const grpc::Status chunk = raw_call(channel, "SubmitChunks", junk);
+    EXPECT_EQ(chunk.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(chunk.error_message().find("meshtrain.fl.wire.Chunk"), std::string::npos) << chunk.error_message();
+    const grpc::Status poll = raw_call(channel, "PollChunks", junk);
+    EXPECT_EQ(poll.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(poll.error_message().find("not a valid meshtrain.fl.wire.PollRequest message"), std::string::npos)
+        << poll.error_message();
   }
   {  // A joined client answering a round that is not open.
     grpc::ClientContext join_context;
     wire::JoinRequest j;
     j.set_client_id("c0");
     j.set_examples(10);
+    j.set_protocol(kProtocol);
     wire::JoinReply reply;
     ASSERT_TRUE(stub->Join(&join_context, j, &reply).ok());
-    grpc::ClientContext context;
-    wire::Result r;
     r.set_client_id("c0");
     r.set_session(reply.session());
     r.set_round(7);
     r.set_kind(wire::Task::FIT);
-    wire::Ack ack;
-    const grpc::Status s = stub->Submit(&context, r, &ack);
+    const grpc::Status s = submit(*stub, r);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
     EXPECT_NE(s.error_message().find("refused"), std::string::npos) << s.error_message();
   }
@@ -371,6 +491,12 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
                            "\n[fl.server]\n", "  out = \"runs/fl\" "}) {
     EXPECT_NE(listed.find(line), std::string::npos) << line;
   }
+  EXPECT_NE(message({"fl.server.insecure=true", "fl.clients_per_round=1", "fl.min_fit=2", "fl.min_available=3"})
+                .find("fl.clients_per_round = 1: 0 (from fl.fraction), or at least fl.min_fit = 2"),
+            std::string::npos);
+  EXPECT_NE(message({"fl.server.insecure=true", "fl.over_select=0.3", "fl.dp.noise_multiplier=1", "fl.clip_norm=1"})
+                .find("not what it accounts for"),
+            std::string::npos);
   EXPECT_NE(message({"fl.server.insecure=true", "fl.secagg.enabled=true", "fl.min_fit=1", "fl.min_available=3"})
                 .find("threshold"),
             std::string::npos);
@@ -393,6 +519,7 @@ struct RawClient {
     j.set_client_id(id);
     j.set_examples(examples);
     j.set_resume_session(resume);
+    j.set_protocol(kProtocol);
     wire::JoinReply reply;
     const grpc::Status s = stub->Join(&context, j, &reply);
     if (s.ok()) session = reply.session();
@@ -403,7 +530,12 @@ struct RawClient {
     wire::PollRequest p;
     p.set_client_id(id);
     p.set_session(session);
-    return stub->Poll(&context, p, task);
+    auto reader = stub->PollChunks(&context, p);
+    std::string bytes;
+    for (wire::Chunk chunk; reader->Read(&chunk);) bytes += chunk.data();
+    const grpc::Status status = reader->Finish();
+    if (status.ok() && !task->ParseFromString(bytes)) return grpc::Status(grpc::StatusCode::INTERNAL, "not a Task");
+    return status;
   }
   std::unique_ptr<wire::Federation::Stub> stub;
   std::string session;

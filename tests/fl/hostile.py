@@ -47,6 +47,27 @@ def sketch_seed(round_seed, index, client_id):  # update.h: a client's own seeds
     return mix_seed(mix_seed(mix_seed(round_seed, 0x534B), index), fnv1a(client_id))
 
 
+CHUNK = 1 << 20  # federation.proto: a Task or a Result travels in pieces of at most 1 MiB
+PROTOCOL = 2
+
+
+def chunks(data, pb, client_id="", session="", total=None):
+    """`data`, serialized, as the protocol's Chunk stream; `total` may lie."""
+    yield pb.Chunk(data=data[:CHUNK], total=len(data) if total is None else total, client_id=client_id, session=session)
+    for at in range(CHUNK, len(data), CHUNK):
+        yield pb.Chunk(data=data[at:at + CHUNK])
+
+
+def poll(stub, pb, request, timeout):
+    task = pb.Task()
+    task.ParseFromString(b"".join(c.data for c in stub.PollChunks(request, timeout=timeout)))
+    return task
+
+
+def submit(stub, pb, result, timeout):
+    return stub.SubmitChunks(chunks(result.SerializeToString(), pb, result.client_id, result.session), timeout=timeout)
+
+
 def peak_rss_mib(pid):
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -69,16 +90,16 @@ class Attacker(threading.Thread):
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
         self.stub = pb_grpc.FederationStub(self.channel)
         self.previous = None
-        self.statuses = []  # (round, status code name, message, seconds)
+        self.statuses = []  # (round, how it was sent, status code name, message, seconds, server's peak RSS after)
         self.peak_rss = 0.0
         self.on_round = None  # called with the round number before the attack is sent
 
     def run(self):
         pb = self.pb
-        session = self.stub.Join(pb.JoinRequest(client_id=self.name, examples=self.declared), wait_for_ready=True,
-                                 timeout=60).session
+        session = self.stub.Join(pb.JoinRequest(client_id=self.name, examples=self.declared, protocol=PROTOCOL),
+                                 wait_for_ready=True, timeout=60).session
         while True:
-            task = self.stub.Poll(pb.PollRequest(client_id=self.name, session=session), timeout=30)
+            task = poll(self.stub, pb, pb.PollRequest(client_id=self.name, session=session), timeout=30)
             if task.kind == pb.Task.STOP:
                 return
             if task.kind != pb.Task.FIT:
@@ -89,23 +110,41 @@ class Attacker(threading.Thread):
             result = pb.Result(client_id=self.name, session=session, round=task.round, kind=pb.Task.FIT,
                                examples=self.declared, train_loss=1.0)
             attacking = self.attack_rounds is None or task.round in self.attack_rounds
-            self.fill(result, task, weights, attacking)
-            start = time.time()
-            try:
-                self.stub.Submit(result, timeout=120)
-                self.statuses.append((task.round, "OK", "", time.time() - start))
-            except grpc.RpcError as e:
-                self.statuses.append((task.round, e.code().name, e.details(), time.time() - start))
-            rss = peak_rss_mib(self.server_pid)
-            self.peak_rss = max(self.peak_rss, rss or 0)
+            if self.kind == "bigmsg" and attacking:
+                self.big(result, task)
+            else:
+                self.fill(result, task, weights, attacking)
+                self.send(task.round, "", lambda: submit(self.stub, pb, result, timeout=120))
             self.previous = weights
+
+    def send(self, round, how, call):
+        start = time.time()
+        try:
+            call()
+            code, details = "OK", ""
+        except grpc.RpcError as e:
+            code, details = e.code().name, e.details()
+        self.peak_rss = max(self.peak_rss, peak_rss_mib(self.server_pid) or 0)
+        self.statuses.append((round, how, code, details, time.time() - start, self.peak_rss))
+
+    def big(self, result, task):
+        """A 900 MiB update sent four ways: its size declared; 1.5 MiB declared, then all of it; as one chunk; and
+        as version 1's whole-message Submit."""
+        pb = self.pb
+        result.update.add(index=0, seed=sketch_seed(task.fit.seed, 0, self.name), length=(900 << 20) // 4,
+                          values=bytes(900 << 20))
+        data = result.SerializeToString()
+        result.ClearField("update")
+        id, session = result.client_id, result.session
+        self.send(task.round, "declared", lambda: self.stub.SubmitChunks(chunks(data, pb, id, session), timeout=120))
+        self.send(task.round, "lying", lambda: self.stub.SubmitChunks(
+            chunks(data, pb, id, session, total=CHUNK + CHUNK // 2), timeout=120))
+        self.send(task.round, "one chunk", lambda: self.stub.SubmitChunks(
+            iter([pb.Chunk(data=data, total=len(data), client_id=id, session=session)]), timeout=120))
+        self.send(task.round, "version 1", lambda: self.stub.Submit(pb.Result.FromString(data), timeout=120))
 
     def fill(self, result, task, weights, attacking):
         seed = task.fit.seed
-        if self.kind == "bigmsg" and attacking:
-            blob = bytes(900 << 20)
-            result.update.add(index=0, seed=sketch_seed(seed, 0, self.name), length=len(blob) // 4, values=blob)
-            return
         for i, w in enumerate(weights):
             if not attacking:
                 values = np.zeros(w.size, np.float32)

@@ -1,0 +1,118 @@
+#include "meshtrain/fl/chunks.h"
+
+#include <google/protobuf/io/zero_copy_stream.h>
+
+#include <algorithm>
+#include <deque>
+#include <cstdio>
+
+namespace meshtrain::fl {
+namespace {
+
+std::string mib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return text;
+}
+
+// The received chunks as one input to the parser; each is freed once the
+// parser has moved past it (Note [Messages in chunks]).
+class ChunkInput final : public google::protobuf::io::ZeroCopyInputStream {
+ public:
+  explicit ChunkInput(std::deque<std::string> chunks) : chunks_(std::move(chunks)) {}
+
+  bool Next(const void** data, int* size) override {
+    while (!chunks_.empty() && offset_ == chunks_.front().size()) {  // the parser is past it
+      chunks_.pop_front();
+      offset_ = 0;
+    }
+    if (chunks_.empty()) return false;
+    *data = chunks_.front().data() + offset_;
+    *size = static_cast<int>(chunks_.front().size() - offset_);
+    offset_ = chunks_.front().size();
+    read_ += *size;
+    return true;
+  }
+  void BackUp(int count) override {
+    offset_ -= count;
+    read_ -= count;
+  }
+  bool Skip(int count) override {
+    const void* data;
+    int size;
+    while (count > 0 && Next(&data, &size)) {
+      const int used = std::min(count, size);
+      BackUp(size - used);
+      count -= used;
+    }
+    return count == 0;
+  }
+  int64_t ByteCount() const override { return read_; }
+
+ private:
+  std::deque<std::string> chunks_;
+  size_t offset_ = 0;  // in the front chunk: what the parser has been given
+  int64_t read_ = 0;
+};
+
+}  // namespace
+
+std::string protocol_error(uint32_t client_protocol) {
+  return "this server speaks federation protocol " + std::to_string(kProtocol) +
+         " (tasks and results in chunks of 1 MiB); the client speaks protocol " +
+         std::to_string(client_protocol == 0 ? 1 : client_protocol) +
+         ": run the same meshtrain version on the server and its clients";
+}
+
+bool write_chunks(const google::protobuf::MessageLite& message, const std::string& id, const std::string& session,
+                  const std::function<bool(const wire::Chunk&)>& write) {
+  const std::string bytes = message.SerializeAsString();
+  wire::Chunk chunk;
+  chunk.set_total(bytes.size());
+  chunk.set_client_id(id);
+  chunk.set_session(session);
+  size_t at = 0;
+  do {  // an empty message is one empty chunk
+    const size_t n = std::min<size_t>(kChunkBytes, bytes.size() - at);
+    chunk.set_data(bytes.data() + at, n);
+    if (!write(chunk)) return false;
+    at += n;
+    chunk.clear_total();
+    chunk.clear_client_id();
+    chunk.clear_session();
+  } while (at < bytes.size());
+  return true;
+}
+
+grpc::Status read_chunks(wire::Chunk chunk, const std::function<bool(wire::Chunk*)>& read, int64_t cap,
+                         const char* what, google::protobuf::MessageLite* message) {
+  const uint64_t total = chunk.total();
+  const std::string limit = " is over the limit of " + mib(cap) + " (fl.max_message_mb)";
+  if (total > static_cast<uint64_t>(cap)) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        std::string(what) + " of " + mib(static_cast<int64_t>(total)) + limit + ": refused unread");
+  }
+  std::deque<std::string> chunks;
+  for (uint64_t received = 0;;) {
+    received += chunk.data().size();
+    if (received > total) {  // total <= cap: an upload past the cap ends here too
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(what) + ": more bytes came than the " +
+                                                                    std::to_string(total) + " its first chunk declared");
+    }
+    chunks.push_back(std::move(*chunk.mutable_data()));
+    if (received == total) break;
+    if (!read(&chunk)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(what) + ": the stream ended after " +
+                                                                  std::to_string(received) + " of its " +
+                                                                  std::to_string(total) + " bytes");
+    }
+  }
+  ChunkInput input(std::move(chunks));
+  if (!message->ParseFromZeroCopyStream(&input)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(what) + ": the bytes are not a valid " +
+                                                                message->GetTypeName() + " message (federation.proto)");
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace meshtrain::fl
