@@ -69,7 +69,9 @@ tp=$(on_cluster sbatch --parsable --output="$run/tp.out" --nodes=2 --ntasks-per-
   --wrap "$(printf '%q ' "$meshtrain" run -n 2 train "${common[@]}" --parallel.tp=2 --run.out="$run/tp")")
 "$meshtrain" train "${common[@]}" --run.out="$run/ref" > "$run/ref.log" 2>&1 || { cat "$run/ref.log"; exit 1; }
 wait_for_steps "$run/dp" 3
-on_cluster scancel --signal=TERM "$dp"
+on_cluster scancel --signal=TERM "$dp" || {
+  echo "scancel --signal=TERM $dp failed: the job is $(job_state "$dp") after $(steps_logged "$run/dp") steps"
+  cat "$run/dp/slurm-$dp.out"; exit 1; }
 finished dp "$dp" "$run/dp/slurm-$dp.out"
 n=$(grep '"event":"preempted"' "$run/dp/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/') || true
 [ -n "$n" ] && [ "$n" -lt 40 ] && grep -q "SIGTERM: stopped after step $n of 40, checkpoint written" "$run/dp/slurm-$dp.out" ||
