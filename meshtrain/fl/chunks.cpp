@@ -66,7 +66,11 @@ std::string protocol_error(uint32_t client_protocol) {
 
 bool write_chunks(const google::protobuf::MessageLite& message, const std::string& id, const std::string& session,
                   const std::function<bool(const wire::Chunk&)>& write) {
-  const std::string bytes = message.SerializeAsString();
+  return write_chunks(message.SerializeAsString(), id, session, write);
+}
+
+bool write_chunks(const std::string& bytes, const std::string& id, const std::string& session,
+                  const std::function<bool(const wire::Chunk&)>& write) {
   wire::Chunk chunk;
   chunk.set_total(bytes.size());
   chunk.set_client_id(id);

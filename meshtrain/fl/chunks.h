@@ -39,6 +39,9 @@ std::string protocol_error(uint32_t client_protocol);
 // carries the total, `id` and `session`); false as soon as `write` is.
 bool write_chunks(const google::protobuf::MessageLite& message, const std::string& id, const std::string& session,
                   const std::function<bool(const wire::Chunk&)>& write);
+// The same for a message serialized already.
+bool write_chunks(const std::string& bytes, const std::string& id, const std::string& session,
+                  const std::function<bool(const wire::Chunk&)>& write);
 
 // Reads one message's chunks: `first` has been read already, `read` gives the
 // next (false: the stream ended); a chunk past the declared total is refused. More than `cap` bytes, declared or sent, is

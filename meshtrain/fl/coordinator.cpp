@@ -84,7 +84,7 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
   return {};
 }
 
-std::string Coordinator::poll(const wire::PollRequest& request, wire::Task* task) {
+std::string Coordinator::poll(const wire::PollRequest& request, std::shared_ptr<const std::string>* task) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (std::string e = check_session(request.client_id(), request.session()); !e.empty()) return e;
   const std::string& id = request.client_id();
@@ -94,15 +94,19 @@ std::string Coordinator::poll(const wire::PollRequest& request, wire::Task* task
   if (it != pending_.end()) {
     *task = std::move(it->second);
     pending_.erase(it);
-    traffic_[id].down += static_cast<int64_t>(task->ByteSizeLong());
-  } else if (stopping_) {
-    task->set_kind(wire::Task::STOP);
-    task->set_message(stop_message_);
+    traffic_[id].down += static_cast<int64_t>((*task)->size());
+    return {};
+  }
+  wire::Task answer;
+  if (stopping_) {
+    answer.set_kind(wire::Task::STOP);
+    answer.set_message(stop_message_);
     clients_[id].stopped = true;
     changed_.notify_all();
   } else {
-    task->set_kind(wire::Task::WAIT);
+    answer.set_kind(wire::Task::WAIT);
   }
+  *task = std::make_shared<const std::string>(answer.SerializeAsString());
   return {};
 }
 
@@ -192,12 +196,27 @@ void Coordinator::open(uint64_t round, wire::Task::Kind kind, std::map<std::stri
   phase_open_ = true;
   expected_.clear();
   results_.clear();
+  pending_.clear();
   for (auto& [id, task] : tasks) {
     task.set_round(round);
     task.set_kind(kind);
     expected_.insert(id);
+    pending_[id] = std::make_shared<const std::string>(task.SerializeAsString());
   }
-  pending_ = std::move(tasks);
+  changed_.notify_all();
+}
+
+void Coordinator::open(uint64_t round, wire::Task task, const std::vector<std::string>& ids) {
+  task.set_round(round);
+  const auto bytes = std::make_shared<const std::string>(task.SerializeAsString());
+  std::lock_guard<std::mutex> lock(mutex_);
+  round_ = round;
+  kind_ = task.kind();
+  phase_open_ = true;
+  expected_ = std::set<std::string>(ids.begin(), ids.end());
+  results_.clear();
+  pending_.clear();
+  for (const auto& id : ids) pending_[id] = bytes;
   changed_.notify_all();
 }
 

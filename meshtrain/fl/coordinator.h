@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -34,7 +35,8 @@ class Coordinator {
   // Join: an id that is live is refused (`*in_use` set) unless the request
   // quotes that session or mutual TLS proved the name (Note [Client sessions]).
   std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session, bool* in_use);
-  std::string poll(const wire::PollRequest& request, wire::Task* task);
+  // Poll: the next task, serialized (a FIT task is one string every sampled client shares).
+  std::string poll(const wire::PollRequest& request, std::shared_ptr<const std::string>* task);
   // Whether `id` may upload a result now (its session live, a phase open that
   // waits for its answer): asked at an upload's first chunk.
   std::string may_submit(const std::string& id, const std::string& session);
@@ -54,6 +56,8 @@ class Coordinator {
   std::vector<std::string> wait_for_clients(size_t count, double seconds);  // connected ids, sorted
   // Opens a phase: each client in `tasks` receives its task at its next poll.
   void open(uint64_t round, wire::Task::Kind kind, std::map<std::string, wire::Task> tasks);
+  // The same, one task for every client of `ids`: held once, serialized once.
+  void open(uint64_t round, wire::Task task, const std::vector<std::string>& ids);
   // Waits until `enough` results are in, every client of the phase answered
   // or left, or `seconds` passed; closes the phase (later results are
   // refused) and returns the results in.
@@ -82,7 +86,7 @@ class Coordinator {
   uint64_t round_ = 0;
   wire::Task::Kind kind_ = wire::Task::WAIT;
   bool phase_open_ = false;
-  std::map<std::string, wire::Task> pending_;       // not yet polled
+  std::map<std::string, std::shared_ptr<const std::string>> pending_;  // serialized tasks not yet polled
   std::set<std::string> expected_;
   std::map<std::string, wire::Result> results_;
   std::map<std::string, Traffic> traffic_;

@@ -76,9 +76,9 @@ class FederationService final : public StreamedUnary {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           "PollChunks: the request is not a valid meshtrain.fl.wire.PollRequest message (federation.proto)");
     }
-    wire::Task task;
+    std::shared_ptr<const std::string> task;
     if (std::string why = coordinator_.poll(request, &task); !why.empty()) return refused(why);
-    write_chunks(task, "", "", [&](const wire::Chunk& chunk) { return streamer->Write(chunk); });
+    write_chunks(*task, "", "", [&](const wire::Chunk& chunk) { return streamer->Write(chunk); });
     return grpc::Status::OK;
   }
   // Note [Messages in chunks]: refused at the first chunk that shows it cannot be taken.

@@ -123,9 +123,8 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
   if (config_.dp() && config_.secagg)
     task.mutable_fit()->set_noise_stddev(static_cast<float>(config_.noise_multiplier * config_.clip_norm /
                                                             std::sqrt(static_cast<double>(outcome.sampled.size()))));
-  std::map<std::string, wire::Task> tasks;
-  for (const auto& id : outcome.sampled) tasks[id] = task;
-  coordinator_.open(round, wire::Task::FIT, std::move(tasks));
+  task.set_kind(wire::Task::FIT);
+  coordinator_.open(round, std::move(task), outcome.sampled);  // one copy of the model for every sampled client
   const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s, outcome.target);
   for (const auto& id : outcome.sampled)
     if (!results.count(id)) outcome.dropped.push_back(id);

@@ -63,20 +63,24 @@ on_cluster env -u OMP_NUM_THREADS "$meshtrain" submit "$run/dp.toml" --nodes 2 -
 dp=$(sed -nE 's/^submitted Slurm job ([0-9]+): 2 node\(s\) x 2 rank\(s\), script .*/\1/p' "$run/submit.log")
 [ -n "$dp" ] && grep -q "stop with a checkpoint:  scancel --signal=TERM $dp   (resume: sbatch $run/dp/job.sbatch)" \
   "$run/submit.log" || { cat "$run/submit.log"; exit 1; }
+wait_for_steps "$run/dp" 3  # stopped at once: the 40 steps take 4-10 s
+stopped_at=$(date +%s%N)
+on_cluster scancel --signal=TERM "$dp" || {
+  echo "scancel --signal=TERM $dp failed: the job is $(job_state "$dp") after $(steps_logged "$run/dp") steps"
+  cat "$run/dp/slurm-$dp.out"; exit 1; }
+for _ in $(seq 600); do grep -q '"event":"preempted"' "$run/dp/metrics.jsonl" && break; sleep 0.05; done
+stop_ms=$(( ($(date +%s%N) - stopped_at) / 1000000 ))
+n=$(grep '"event":"preempted"' "$run/dp/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/') || true
+# The metrics row, not the job's output: Slurm may drop a step's last lines once the step is signalled.
+[ -n "$n" ] && [ "$n" -lt 40 ] && grep '"event":"preempted"' "$run/dp/metrics.jsonl" | grep -q '"signal":"SIGTERM"' ||
+  { echo "scancel --signal=TERM: no stop with a checkpoint"; cat "$run/dp/slurm-$dp.out"; exit 1; }
+echo "scancel --signal=TERM: stopped after step $n, the checkpoint saved $stop_ms ms after scancel"
 zero3=$(submit zero3 --nodes=2 --ntasks=3 -- --parallel.zero_stage=3)
 # tp by `meshtrain run` inside the allocation, which starts its ranks with srun (Note [Launching under Slurm]).
 tp=$(on_cluster sbatch --parsable --output="$run/tp.out" --nodes=2 --ntasks-per-node=1 \
   --wrap "$(printf '%q ' "$meshtrain" run -n 2 train "${common[@]}" --parallel.tp=2 --run.out="$run/tp")")
 "$meshtrain" train "${common[@]}" --run.out="$run/ref" > "$run/ref.log" 2>&1 || { cat "$run/ref.log"; exit 1; }
-wait_for_steps "$run/dp" 3
-on_cluster scancel --signal=TERM "$dp" || {
-  echo "scancel --signal=TERM $dp failed: the job is $(job_state "$dp") after $(steps_logged "$run/dp") steps"
-  cat "$run/dp/slurm-$dp.out"; exit 1; }
 finished dp "$dp" "$run/dp/slurm-$dp.out"
-n=$(grep '"event":"preempted"' "$run/dp/metrics.jsonl" | sed -E 's/.*"step":([0-9]+).*/\1/') || true
-[ -n "$n" ] && [ "$n" -lt 40 ] && grep -q "SIGTERM: stopped after step $n of 40, checkpoint written" "$run/dp/slurm-$dp.out" ||
-  { echo "scancel --signal=TERM: no stop with a checkpoint"; cat "$run/dp/slurm-$dp.out"; exit 1; }
-echo "scancel --signal=TERM: stopped after step $n with a checkpoint"
 dp2=$(on_cluster sbatch --parsable "$run/dp/job.sbatch")
 finished zero3 "$zero3"
 finished tp "$tp"
