@@ -5,7 +5,14 @@
 #include "meshtrain/fl/server_rounds.h"
 #include "meshtrain/fl/transport.h"
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
 #include <stdexcept>
 
 namespace meshtrain::fl {
@@ -32,9 +39,100 @@ grpc::Status serve_unary(grpc::ServerUnaryStreamer<Request, Reply>* streamer, co
   return status;
 }
 
-using StreamedUnary = wire::Federation::WithStreamedUnaryMethod_Join<wire::Federation::WithStreamedUnaryMethod_Poll<
-    wire::Federation::WithStreamedUnaryMethod_Submit<wire::Federation::WithStreamedUnaryMethod_Leave<
-        wire::Federation::WithSplitStreamingMethod_PollChunks<wire::Federation::Service>>>>>;
+using StreamedUnary = wire::Federation::WithCallbackMethod_Presence<wire::Federation::WithStreamedUnaryMethod_Join<
+    wire::Federation::WithStreamedUnaryMethod_Poll<wire::Federation::WithStreamedUnaryMethod_Submit<
+        wire::Federation::WithStreamedUnaryMethod_Leave<
+            wire::Federation::WithSplitStreamingMethod_PollChunks<wire::Federation::Service>>>>>>;
+
+class Presences;
+
+// Note [Client sessions]: one open Presence call. It holds no thread: it
+// ends when its session does (Presences' sweep) or when the client's
+// connection breaks (gRPC's OnCancel). Deleted once gRPC is done with it and
+// no sweep holds it.
+class PresenceCall final : public grpc::ServerWriteReactor<wire::Ack> {
+ public:
+  PresenceCall(Coordinator& coordinator, Presences& presences, std::string id, std::string session)
+      : coordinator_(coordinator), presences_(presences), id_(std::move(id)), session_(std::move(session)) {}
+  const std::string& id() const { return id_; }
+  const std::string& session() const { return session_; }
+  void end(const grpc::Status& status) {
+    if (!ended_.exchange(true)) Finish(status);
+  }
+  void hold() { ++refs_; }
+  void release() {
+    if (--refs_ == 0) delete this;
+  }
+  void OnCancel() override {
+    if (ended_) return;  // ended by the server first: nothing was lost
+    std::fprintf(stderr, "fl server: client '%s' disconnected\n", id_.c_str());
+    coordinator_.gone(id_, session_);
+    end(grpc::Status::CANCELLED);
+  }
+  void OnDone() override;
+
+ private:
+  Coordinator& coordinator_;
+  Presences& presences_;
+  const std::string id_, session_;
+  std::atomic<bool> ended_{false};
+  std::atomic<int> refs_{1};  // gRPC's, until OnDone
+};
+
+// The open Presence calls, and a thread that ends those whose session has
+// ended (replaced, left, the federation stopped), every 0.2 s: bytes per
+// client, one thread for all.
+class Presences {
+ public:
+  explicit Presences(Coordinator& coordinator) : coordinator_(coordinator), sweeper_([this] { sweep(); }) {}
+  ~Presences() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    sweeper_.join();
+  }
+  void add(PresenceCall* call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    calls_.insert(call);
+  }
+  void remove(PresenceCall* call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    calls_.erase(call);
+  }
+
+ private:
+  void sweep() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(200), [&] { return stopping_; })) {
+      std::vector<PresenceCall*> ended;
+      for (PresenceCall* call : calls_) {
+        if (!coordinator_.ended(call->id(), call->session(), 0)) continue;
+        call->hold();  // alive until ended below, even if gRPC is done with it first
+        ended.push_back(call);
+      }
+      lock.unlock();  // Finish may call OnDone, which removes the call, at once
+      for (PresenceCall* call : ended) {
+        call->end(grpc::Status::OK);
+        call->release();
+      }
+      lock.lock();
+    }
+  }
+
+  Coordinator& coordinator_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::set<PresenceCall*> calls_;
+  bool stopping_ = false;
+  std::thread sweeper_;
+};
+
+void PresenceCall::OnDone() {
+  presences_.remove(this);
+  release();
+}
 
 class FederationService final : public StreamedUnary {
  public:
@@ -109,22 +207,20 @@ class FederationService final : public StreamedUnary {
     });
   }
   // Note [Client sessions]: held until the session ends; a broken call means the client is gone.
-  grpc::Status Presence(grpc::ServerContext* context, const wire::PollRequest* request,
-                        grpc::ServerWriter<wire::Ack>*) override {
-    if (std::string why = coordinator_.presence(*request); !why.empty()) return refused(why);
-    while (!coordinator_.ended(request->client_id(), request->session(), 0.2)) {
-      if (context->IsCancelled()) {
-        std::fprintf(stderr, "fl server: client '%s' disconnected\n", request->client_id().c_str());
-        coordinator_.gone(request->client_id(), request->session());
-        return grpc::Status::CANCELLED;
-      }
+  grpc::ServerWriteReactor<wire::Ack>* Presence(grpc::CallbackServerContext*, const wire::PollRequest* request) override {
+    auto* call = new PresenceCall(coordinator_, presences_, request->client_id(), request->session());
+    if (std::string why = coordinator_.presence(*request); !why.empty()) {
+      call->end(refused(why));
+      return call;
     }
-    return grpc::Status::OK;
+    presences_.add(call);
+    return call;
   }
 
  private:
   Coordinator& coordinator_;
   int64_t cap_;
+  Presences presences_{coordinator_};
 };
 
 }  // namespace

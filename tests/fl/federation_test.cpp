@@ -560,6 +560,38 @@ TEST(FlFederation, ALiveIdCannotBeTakenButItsOwnerCanRejoin) {
   EXPECT_NE(none.error_message().find("0 training sequences"), std::string::npos) << none.error_message();
 }
 
+int threads_of_this_process() {
+  return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                                        std::filesystem::directory_iterator{}));
+}
+
+// Note [Client sessions]: an open Presence call is a few bytes on the server,
+// not a thread (64 calls held open add fewer than 16 threads to the process).
+TEST(FlFederation, PresenceCallsHoldNoServerThread) {
+  const std::string dir = ::testing::TempDir() + "/fl_presence_threads";
+  util::remove_tree(dir);
+  Server server(tiny_config(dir + "/out"));
+  RawClient client(server.port());
+  const int before = threads_of_this_process();
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReader<wire::Ack>>> calls;
+  for (int i = 0; i < 64; ++i) {
+    const std::string id = "p" + std::to_string(i);
+    ASSERT_TRUE(client.join(id, 10).ok());
+    wire::PollRequest request;
+    request.set_client_id(id);
+    request.set_session(client.session);
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    calls.push_back(client.stub->Presence(contexts.back().get(), request));
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // every call reached the server
+  const int during = threads_of_this_process();
+  for (auto& context : contexts) context->TryCancel();
+  for (auto& call : calls) call->Finish();
+  std::printf("%d threads before, %d with 64 Presence calls open\n", before, during);
+  EXPECT_LT(during - before, 16) << before << " threads before, " << during << " with 64 Presence calls open";
+}
+
 TEST(FlFederation, AClientWhoseConnectionDiesIsNotWaitedFor) {
   const std::string dir = ::testing::TempDir() + "/fl_presence";
   util::remove_tree(dir);
