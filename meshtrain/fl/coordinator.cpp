@@ -49,8 +49,7 @@ std::string Coordinator::check_session(const std::string& id, const std::string&
 // TLS the certificate proves the name, so a new Join replaces the session (a
 // restarted process). A client whose Presence call breaks is gone at once:
 // the round in progress stops waiting for it. The server holds a Presence
-// call as a callback reactor, not a thread (PresenceCall in server.cpp); one
-// thread ends, every 0.2 s, the calls whose session has ended.
+// call without a thread (Note [Calls without threads] in server_calls.h).
 std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session,
                               bool* in_use) {
   *in_use = false;
@@ -86,12 +85,12 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
   return {};
 }
 
-std::string Coordinator::poll(const wire::PollRequest& request, std::shared_ptr<const std::string>* task) {
-  std::unique_lock<std::mutex> lock(mutex_);
+std::string Coordinator::poll(const wire::PollRequest& request, Clock::time_point since,
+                              std::shared_ptr<const std::string>* task) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (std::string e = check_session(request.client_id(), request.session()); !e.empty()) return e;
   const std::string& id = request.client_id();
-  changed_.wait_for(lock, kLongPoll, [&] { return stopping_ || pending_.count(id) > 0; });
-  clients_[id].seen = Clock::now();
+  task->reset();
   auto it = pending_.find(id);
   if (it != pending_.end()) {
     *task = std::move(it->second);
@@ -105,11 +104,23 @@ std::string Coordinator::poll(const wire::PollRequest& request, std::shared_ptr<
     answer.set_message(stop_message_);
     clients_[id].stopped = true;
     changed_.notify_all();
-  } else {
+  } else if (Clock::now() - since >= kLongPoll) {
     answer.set_kind(wire::Task::WAIT);
+  } else {
+    return {};  // no answer yet
   }
   *task = std::make_shared<const std::string>(answer.SerializeAsString());
   return {};
+}
+
+void Coordinator::on_change(std::function<void()> listener) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  listeners_.push_back(std::move(listener));
+}
+
+void Coordinator::changed() {
+  changed_.notify_all();
+  for (const auto& listener : listeners_) listener();
 }
 
 std::string Coordinator::may_submit(const std::string& id, const std::string& session) {
@@ -205,7 +216,7 @@ void Coordinator::open(uint64_t round, wire::Task::Kind kind, std::map<std::stri
     expected_.insert(id);
     pending_[id] = std::make_shared<const std::string>(task.SerializeAsString());
   }
-  changed_.notify_all();
+  changed();
 }
 
 void Coordinator::open(uint64_t round, wire::Task task, const std::vector<std::string>& ids) {
@@ -219,7 +230,7 @@ void Coordinator::open(uint64_t round, wire::Task task, const std::vector<std::s
   results_.clear();
   pending_.clear();
   for (const auto& id : ids) pending_[id] = bytes;
-  changed_.notify_all();
+  changed();
 }
 
 std::map<std::string, wire::Result> Coordinator::close(double seconds, size_t enough) {
@@ -246,7 +257,7 @@ void Coordinator::stop(const std::string& message, double seconds) {
   std::unique_lock<std::mutex> lock(mutex_);
   stopping_ = true;
   stop_message_ = message;
-  changed_.notify_all();
+  changed();
   changed_.wait_for(lock, std::chrono::duration<double>(seconds), [&] {
     const auto now = Clock::now();
     for (const auto& [id, c] : clients_)

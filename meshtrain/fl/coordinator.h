@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -35,8 +36,14 @@ class Coordinator {
   // Join: an id that is live is refused (`*in_use` set) unless the request
   // quotes that session or mutual TLS proved the name (Note [Client sessions]).
   std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session, bool* in_use);
-  // Poll: the next task, serialized (a FIT task is one string every sampled client shares).
-  std::string poll(const wire::PollRequest& request, std::shared_ptr<const std::string>* task);
+  // Poll, without waiting: the client's task if one is open for it (serialized;
+  // a FIT task is one string every sampled client shares), STOP, or WAIT when
+  // the poll began (`since`) a long-poll time (1 s) ago; else `*task` is null
+  // and the caller asks again later (Note [Calls without threads]).
+  std::string poll(const wire::PollRequest& request, Clock::time_point since, std::shared_ptr<const std::string>* task);
+  // Called (under the coordinator's lock: it must take none) when a phase
+  // opens or the federation stops, so that waiting polls are answered at once.
+  void on_change(std::function<void()> listener);
   // Whether `id` may upload a result now (its session live, a phase open that
   // waits for its answer): asked at an upload's first chunk.
   std::string may_submit(const std::string& id, const std::string& session);
@@ -75,6 +82,7 @@ class Coordinator {
     uint64_t examples = 0;  // declared at Join
   };
   bool live(const Client& c, Clock::time_point now) const;
+  void changed();  // with mutex_ held: wakes waiters and listeners
   std::string check_session(const std::string& id, const std::string& session);
 
   std::mutex mutex_;
@@ -92,6 +100,7 @@ class Coordinator {
   std::map<std::string, Traffic> traffic_;
   bool stopping_ = false;
   std::string stop_message_;
+  std::vector<std::function<void()>> listeners_;
 };
 
 }  // namespace meshtrain::fl

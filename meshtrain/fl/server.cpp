@@ -2,16 +2,13 @@
 
 #include "meshtrain/fl/chunks.h"
 #include "meshtrain/fl/coordinator.h"
+#include "meshtrain/fl/server_calls.h"
 #include "meshtrain/fl/server_rounds.h"
 #include "meshtrain/fl/transport.h"
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
-#include <mutex>
-#include <set>
-#include <thread>
+#include <string>
 #include <vector>
 #include <stdexcept>
 
@@ -42,102 +39,18 @@ grpc::Status serve_unary(grpc::ServerUnaryStreamer<Request, Reply>* streamer, co
 using StreamedUnary = wire::Federation::WithCallbackMethod_Presence<wire::Federation::WithStreamedUnaryMethod_Join<
     wire::Federation::WithStreamedUnaryMethod_Poll<wire::Federation::WithStreamedUnaryMethod_Submit<
         wire::Federation::WithStreamedUnaryMethod_Leave<
-            wire::Federation::WithSplitStreamingMethod_PollChunks<wire::Federation::Service>>>>>>;
+            wire::Federation::WithRawCallbackMethod_PollChunks<wire::Federation::Service>>>>>>;
 
-class Presences;
-
-// Note [Client sessions]: one open Presence call. It holds no thread: it
-// ends when its session does (Presences' sweep) or when the client's
-// connection breaks (gRPC's OnCancel). Deleted once gRPC is done with it and
-// no sweep holds it.
-class PresenceCall final : public grpc::ServerWriteReactor<wire::Ack> {
- public:
-  PresenceCall(Coordinator& coordinator, Presences& presences, std::string id, std::string session)
-      : coordinator_(coordinator), presences_(presences), id_(std::move(id)), session_(std::move(session)) {}
-  const std::string& id() const { return id_; }
-  const std::string& session() const { return session_; }
-  void end(const grpc::Status& status) {
-    if (!ended_.exchange(true)) Finish(status);
-  }
-  void hold() { ++refs_; }
-  void release() {
-    if (--refs_ == 0) delete this;
-  }
-  void OnCancel() override {
-    if (ended_) return;  // ended by the server first: nothing was lost
-    std::fprintf(stderr, "fl server: client '%s' disconnected\n", id_.c_str());
-    coordinator_.gone(id_, session_);
-    end(grpc::Status::CANCELLED);
-  }
-  void OnDone() override;
-
- private:
-  Coordinator& coordinator_;
-  Presences& presences_;
-  const std::string id_, session_;
-  std::atomic<bool> ended_{false};
-  std::atomic<int> refs_{1};  // gRPC's, until OnDone
-};
-
-// The open Presence calls, and a thread that ends those whose session has
-// ended (replaced, left, the federation stopped), every 0.2 s: bytes per
-// client, one thread for all.
-class Presences {
- public:
-  explicit Presences(Coordinator& coordinator) : coordinator_(coordinator), sweeper_([this] { sweep(); }) {}
-  ~Presences() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    sweeper_.join();
-  }
-  void add(PresenceCall* call) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    calls_.insert(call);
-  }
-  void remove(PresenceCall* call) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    calls_.erase(call);
-  }
-
- private:
-  void sweep() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!wake_.wait_for(lock, std::chrono::milliseconds(200), [&] { return stopping_; })) {
-      std::vector<PresenceCall*> ended;
-      for (PresenceCall* call : calls_) {
-        if (!coordinator_.ended(call->id(), call->session(), 0)) continue;
-        call->hold();  // alive until ended below, even if gRPC is done with it first
-        ended.push_back(call);
-      }
-      lock.unlock();  // Finish may call OnDone, which removes the call, at once
-      for (PresenceCall* call : ended) {
-        call->end(grpc::Status::OK);
-        call->release();
-      }
-      lock.lock();
-    }
-  }
-
-  Coordinator& coordinator_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::set<PresenceCall*> calls_;
-  bool stopping_ = false;
-  std::thread sweeper_;
-};
-
-void PresenceCall::OnDone() {
-  presences_.remove(this);
-  release();
-}
 
 class FederationService final : public StreamedUnary {
  public:
   // `cap`: the most bytes of one result (Note [Messages in chunks]).
-  FederationService(Coordinator& coordinator, int64_t cap) : coordinator_(coordinator), cap_(cap) {}
+  FederationService(Coordinator& coordinator, int64_t cap) : coordinator_(coordinator), cap_(cap) {
+    coordinator_.on_change([this] {  // a phase opened or the federation stops: answer at once
+      polls_.wake();
+      presences_.wake();
+    });
+  }
 
   grpc::Status StreamedJoin(grpc::ServerContext* context,
                             grpc::ServerUnaryStreamer<wire::JoinRequest, wire::JoinReply>* streamer) override {
@@ -167,17 +80,24 @@ class FederationService final : public StreamedUnary {
   grpc::Status StreamedSubmit(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::Result, wire::Ack>*) override {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "Submit: " + protocol_error(1));
   }
-  grpc::Status StreamedPollChunks(grpc::ServerContext*,
-                                  grpc::ServerSplitStreamer<wire::PollRequest, wire::Chunk>* streamer) override {
+  // Note [Calls without threads]: a long poll waits in polls_, not on a thread.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* PollChunks(grpc::CallbackServerContext*, const grpc::ByteBuffer* bytes) override {
     wire::PollRequest request;
-    if (!streamer->Read(&request)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "PollChunks: the request is not a valid meshtrain.fl.wire.PollRequest message (federation.proto)");
+    std::vector<grpc::Slice> slices;
+    std::string data;
+    if (bytes->Dump(&slices).ok())
+      for (const grpc::Slice& slice : slices) data.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    const bool parsed = request.ParseFromString(data);
+    auto* call = new PollCall(coordinator_, std::move(request));
+    if (!parsed) {
+      call->refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "PollChunks: the request is not a valid "
+                                "meshtrain.fl.wire.PollRequest message (federation.proto)"));
+    } else if (call->ready()) {
+      call->answer();
+    } else {
+      polls_.add(call);
     }
-    std::shared_ptr<const std::string> task;
-    if (std::string why = coordinator_.poll(request, &task); !why.empty()) return refused(why);
-    write_chunks(*task, "", "", [&](const wire::Chunk& chunk) { return streamer->Write(chunk); });
-    return grpc::Status::OK;
+    return call;
   }
   // Note [Messages in chunks]: refused at the first chunk that shows it cannot be taken.
   grpc::Status SubmitChunks(grpc::ServerContext*, grpc::ServerReader<wire::Chunk>* reader, wire::Ack*) override {
@@ -208,19 +128,24 @@ class FederationService final : public StreamedUnary {
   }
   // Note [Client sessions]: held until the session ends; a broken call means the client is gone.
   grpc::ServerWriteReactor<wire::Ack>* Presence(grpc::CallbackServerContext*, const wire::PollRequest* request) override {
-    auto* call = new PresenceCall(coordinator_, presences_, request->client_id(), request->session());
+    auto* call = new PresenceCall(coordinator_, *request);
     if (std::string why = coordinator_.presence(*request); !why.empty()) {
       call->end(refused(why));
-      return call;
+    } else {
+      presences_.add(call);
     }
-    presences_.add(call);
     return call;
   }
 
  private:
   Coordinator& coordinator_;
   int64_t cap_;
-  Presences presences_{coordinator_};
+  // Note [Calls without threads]: the open Presence calls, ended with their session; the waiting polls.
+  Sweep presences_{std::chrono::milliseconds(200),
+                   [](SweptCall* call) { return static_cast<PresenceCall*>(call)->ended_session(); },
+                   [](SweptCall* call) { static_cast<PresenceCall*>(call)->end(grpc::Status::OK); }};
+  Sweep polls_{std::chrono::milliseconds(100), [](SweptCall* call) { return static_cast<PollCall*>(call)->ready(); },
+               [](SweptCall* call) { static_cast<PollCall*>(call)->answer(); }};
 };
 
 }  // namespace

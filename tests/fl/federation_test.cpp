@@ -565,16 +565,20 @@ int threads_of_this_process() {
                                         std::filesystem::directory_iterator{}));
 }
 
-// Note [Client sessions]: an open Presence call is a few bytes on the server,
-// not a thread (64 calls held open add fewer than 16 threads to the process).
-TEST(FlFederation, PresenceCallsHoldNoServerThread) {
+// Note [Calls without threads]: a client's open Presence call and its waiting
+// long poll are a few bytes on the server, not threads: 64 clients with both
+// open add fewer than 16 threads to the process (the client side holds none:
+// the polls are asynchronous calls on one completion queue).
+TEST(FlFederation, OpenCallsHoldNoServerThread) {
   const std::string dir = ::testing::TempDir() + "/fl_presence_threads";
   util::remove_tree(dir);
   Server server(tiny_config(dir + "/out"));
   RawClient client(server.port());
   const int before = threads_of_this_process();
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
-  std::vector<std::unique_ptr<grpc::ClientReader<wire::Ack>>> calls;
+  std::vector<std::unique_ptr<grpc::ClientReader<wire::Ack>>> presences;
+  std::vector<std::unique_ptr<grpc::ClientAsyncReader<wire::Chunk>>> polls;
+  grpc::CompletionQueue queue;
   for (int i = 0; i < 64; ++i) {
     const std::string id = "p" + std::to_string(i);
     ASSERT_TRUE(client.join(id, 10).ok());
@@ -582,14 +586,24 @@ TEST(FlFederation, PresenceCallsHoldNoServerThread) {
     request.set_client_id(id);
     request.set_session(client.session);
     contexts.push_back(std::make_unique<grpc::ClientContext>());
-    calls.push_back(client.stub->Presence(contexts.back().get(), request));
+    presences.push_back(client.stub->Presence(contexts.back().get(), request));
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    polls.push_back(client.stub->PrepareAsyncPollChunks(contexts.back().get(), request, &queue));
+    polls.back()->StartCall(nullptr);
   }
-  std::this_thread::sleep_for(std::chrono::seconds(1));  // every call reached the server
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // within the 1 s long poll
   const int during = threads_of_this_process();
+  std::printf("%d threads before, %d with 64 Presence calls and 64 polls open\n", before, during);
   for (auto& context : contexts) context->TryCancel();
-  for (auto& call : calls) call->Finish();
-  std::printf("%d threads before, %d with 64 Presence calls open\n", before, during);
-  EXPECT_LT(during - before, 16) << before << " threads before, " << during << " with 64 Presence calls open";
+  for (auto& presence : presences) presence->Finish();
+  std::vector<grpc::Status> statuses(polls.size());
+  for (size_t i = 0; i < polls.size(); ++i) polls[i]->Finish(&statuses[i], nullptr);
+  queue.Shutdown();
+  void* tag;
+  bool ok;
+  while (queue.Next(&tag, &ok)) {
+  }
+  EXPECT_LT(during - before, 16) << before << " threads before, " << during << " with 64 clients' calls open";
 }
 
 TEST(FlFederation, AClientWhoseConnectionDiesIsNotWaitedFor) {

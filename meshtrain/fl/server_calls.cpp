@@ -1,0 +1,136 @@
+#include "meshtrain/fl/server_calls.h"
+
+#include "meshtrain/fl/chunks.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+namespace meshtrain::fl {
+
+Sweep::Sweep(std::chrono::milliseconds period, std::function<bool(SweptCall*)> due, std::function<void(SweptCall*)> act)
+    : period_(period), due_(std::move(due)), act_(std::move(act)), thread_([this] { run(); }) {}
+
+Sweep::~Sweep() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+  for (SweptCall* call : calls_) call->release();
+}
+
+void Sweep::add(SweptCall* call) {
+  call->hold();
+  std::lock_guard<std::mutex> lock(mutex_);
+  calls_.insert(call);
+}
+
+void Sweep::wake() {
+  woken_ = true;
+  wake_.notify_all();
+}
+
+void Sweep::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    wake_.wait_for(lock, period_, [&] { return stopping_ || woken_.load(); });
+    if (stopping_) return;
+    woken_ = false;
+    std::vector<SweptCall*> due, gone;
+    for (auto it = calls_.begin(); it != calls_.end();) {
+      if ((*it)->is_done()) {
+        gone.push_back(*it);
+      } else if (due_(*it)) {
+        due.push_back(*it);
+      } else {
+        ++it;
+        continue;
+      }
+      it = calls_.erase(it);
+    }
+    lock.unlock();
+    for (SweptCall* call : due) act_(call);
+    for (SweptCall* call : due) call->release();
+    for (SweptCall* call : gone) call->release();
+    lock.lock();
+  }
+}
+
+PresenceCall::PresenceCall(Coordinator& coordinator, wire::PollRequest request)
+    : coordinator_(coordinator), request_(std::move(request)) {}
+
+void PresenceCall::end(const grpc::Status& status) {
+  if (!ended_.exchange(true)) Finish(status);
+}
+
+void PresenceCall::OnCancel() {
+  if (ended_) return;  // ended by the server first: nothing was lost
+  std::fprintf(stderr, "fl server: client '%s' disconnected\n", request_.client_id().c_str());
+  coordinator_.gone(request_.client_id(), request_.session());
+  end(grpc::Status::CANCELLED);
+}
+
+void PresenceCall::OnDone() { done(); }
+
+PollCall::PollCall(Coordinator& coordinator, wire::PollRequest request)
+    : coordinator_(coordinator), request_(std::move(request)) {}
+
+bool PollCall::ready() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (ended_) return true;  // cancelled while it waited: answer() does nothing
+  refusal_ = coordinator_.poll(request_, started_, &task_);
+  return !refusal_.empty() || task_ != nullptr;
+}
+
+void PollCall::answer() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (ended_) return;
+  if (!refusal_.empty()) return finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, refusal_));
+  write_next();
+}
+
+void PollCall::refuse(const grpc::Status& status) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  finish(status);
+}
+
+void PollCall::write_next() {
+  if (cancelled_) return finish(grpc::Status::CANCELLED);
+  const std::string& bytes = *task_;
+  if (at_ >= bytes.size() && (at_ > 0 || bytes.empty()) && writing_) return finish(grpc::Status::OK);
+  wire::Chunk chunk;
+  const size_t n = std::min<size_t>(kChunkBytes, bytes.size() - at_);
+  if (at_ == 0) chunk.set_total(bytes.size());
+  chunk.set_data(bytes.data() + at_, n);
+  at_ += n;
+  grpc::Slice slice(chunk.SerializeAsString());
+  buffer_ = grpc::ByteBuffer(&slice, 1);
+  writing_ = true;
+  StartWrite(&buffer_);
+}
+
+void PollCall::OnWriteDone(bool ok) {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  if (ended_) return;
+  if (!ok) return finish(grpc::Status::CANCELLED);  // the client went away mid-task
+  write_next();
+}
+
+void PollCall::OnCancel() {
+  std::lock_guard<std::recursive_mutex> lock(mutex_);
+  cancelled_ = true;
+  // A write in flight completes (not ok) and finishes the call; one that waits is finished here.
+  if (!writing_ && !ended_) finish(grpc::Status::CANCELLED);
+}
+
+void PollCall::OnDone() { done(); }
+
+void PollCall::finish(const grpc::Status& status) {
+  if (ended_) return;
+  ended_ = true;
+  Finish(status);
+}
+
+}  // namespace meshtrain::fl
