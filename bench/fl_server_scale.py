@@ -11,6 +11,10 @@ process, speaking the protocol from stubs generated from federation.proto
 
     .venv/bin/python bench/fl_server_scale.py [--clients 100,1000,5000] [--per-round 100,1000] [--rounds 3]
 
+With --check (CTest fl.server_scale: 1,000 clients, 100 a round, 2 rounds) it
+exits 1 unless every round completed with its target and the server kept
+fewer than 64 threads (Note [Calls without threads]).
+
 Writes <work>/scale.json and prints a table (docs/BENCHMARKS.md, "Federated server at scale").
 """
 import argparse
@@ -130,6 +134,7 @@ def main():
     parser.add_argument("--clients", default="100,1000")
     parser.add_argument("--per-round", default="100,1000")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--check", action="store_true", help="exit 1 unless every round is ok on < 64 server threads")
     parser.add_argument("--model", default="--model.preset=tiny --model.layers=1 --model.width=64 --model.heads=2 "
                         "--model.context=64", help="server flags that choose the model (its size sets the bytes)")
     args = parser.parse_args()
@@ -147,6 +152,13 @@ def main():
     with open(os.path.join(work, "scale.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"results: {work}/scale.json")
+    if args.check:
+        bad = [r for r in results if r["rounds_ok"] != args.rounds or r["server_threads"] >= 64]
+        shutil.rmtree(work, ignore_errors=True)
+        if bad:
+            print(f"FAIL: {bad}")
+            sys.exit(1)
+        print("ok: every round took its target's results; the server's threads stayed below 64")
 
 
 if __name__ == "__main__":

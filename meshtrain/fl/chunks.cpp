@@ -88,35 +88,50 @@ bool write_chunks(const std::string& bytes, const std::string& id, const std::st
   return true;
 }
 
-grpc::Status read_chunks(wire::Chunk chunk, const std::function<bool(wire::Chunk*)>& read, int64_t cap,
-                         const char* what, google::protobuf::MessageLite* message) {
-  const uint64_t total = chunk.total();
-  const std::string limit = " is over the limit of " + mib(cap) + " (fl.max_message_mb)";
-  if (total > static_cast<uint64_t>(cap)) {
+ChunkAssembler::ChunkAssembler(int64_t cap, std::string what) : cap_(cap), what_(std::move(what)) {}
+
+grpc::Status ChunkAssembler::add(wire::Chunk&& chunk) {
+  if (!started_) {
+    started_ = true;
+    total_ = chunk.total();
+    if (total_ > static_cast<uint64_t>(cap_)) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, what_ + " of " + mib(static_cast<int64_t>(total_)) +
+                                                                    " is over the limit of " + mib(cap_) +
+                                                                    " (fl.max_message_mb): refused unread");
+    }
+  }
+  received_ += chunk.data().size();
+  if (received_ > total_) {  // total <= cap: an upload past the cap ends here too
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        std::string(what) + " of " + mib(static_cast<int64_t>(total)) + limit + ": refused unread");
+                        what_ + ": more bytes came than the " + std::to_string(total_) + " its first chunk declared");
   }
-  std::deque<std::string> chunks;
-  for (uint64_t received = 0;;) {
-    received += chunk.data().size();
-    if (received > total) {  // total <= cap: an upload past the cap ends here too
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(what) + ": more bytes came than the " +
-                                                                    std::to_string(total) + " its first chunk declared");
-    }
-    chunks.push_back(std::move(*chunk.mutable_data()));
-    if (received == total) break;
-    if (!read(&chunk)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(what) + ": the stream ended after " +
-                                                                  std::to_string(received) + " of its " +
-                                                                  std::to_string(total) + " bytes");
-    }
-  }
-  ChunkInput input(std::move(chunks));
+  chunks_.push_back(std::move(*chunk.mutable_data()));
+  return grpc::Status::OK;
+}
+
+grpc::Status ChunkAssembler::ended_early() const {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what_ + ": the stream ended after " + std::to_string(received_) +
+                                                              " of its " + std::to_string(total_) + " bytes");
+}
+
+grpc::Status ChunkAssembler::parse(google::protobuf::MessageLite* message) {
+  ChunkInput input(std::move(chunks_));
+  chunks_.clear();
   if (!message->ParseFromZeroCopyStream(&input)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(what) + ": the bytes are not a valid " +
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what_ + ": the bytes are not a valid " +
                                                                 message->GetTypeName() + " message (federation.proto)");
   }
   return grpc::Status::OK;
+}
+
+grpc::Status read_chunks(wire::Chunk chunk, const std::function<bool(wire::Chunk*)>& read, int64_t cap,
+                         const char* what, google::protobuf::MessageLite* message) {
+  ChunkAssembler assembler(cap, what);
+  while (true) {
+    if (grpc::Status added = assembler.add(std::move(chunk)); !added.ok()) return added;
+    if (assembler.complete()) return assembler.parse(message);
+    if (!read(&chunk)) return assembler.ended_early();
+  }
 }
 
 }  // namespace meshtrain::fl

@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 
@@ -42,6 +43,25 @@ bool write_chunks(const google::protobuf::MessageLite& message, const std::strin
 // The same for a message serialized already.
 bool write_chunks(const std::string& bytes, const std::string& id, const std::string& session,
                   const std::function<bool(const wire::Chunk&)>& write);
+
+// One message's chunks as they come: each refused where it shows the message
+// cannot be taken (Note [Messages in chunks]).
+class ChunkAssembler {
+ public:
+  ChunkAssembler(int64_t cap, std::string what);  // `what` names the message in errors
+  grpc::Status add(wire::Chunk&& chunk);
+  bool complete() const { return started_ && received_ == total_; }
+  grpc::Status ended_early() const;  // the error for a stream that ended before complete()
+  // Once complete: the message, built while the chunks it has read are freed.
+  grpc::Status parse(google::protobuf::MessageLite* message);
+
+ private:
+  int64_t cap_;
+  std::string what_;
+  bool started_ = false;
+  uint64_t total_ = 0, received_ = 0;
+  std::deque<std::string> chunks_;
+};
 
 // Reads one message's chunks: `first` has been read already, `read` gives the
 // next (false: the stream ended); a chunk past the declared total is refused. More than `cap` bytes, declared or sent, is

@@ -21,25 +21,33 @@ grpc::Status refused(const std::string& why) {
 
 // Reads a unary call's request itself, so that bytes that are no message of
 // the method's type get a status that says so (gRPC's own parse answers
-// INTERNAL with an empty message).
+// INTERNAL with an empty message). A callback method (Note [Calls without
+// threads]): no thread waits on it.
 template <typename Request, typename Reply, typename Handle>
-grpc::Status serve_unary(grpc::ServerUnaryStreamer<Request, Reply>* streamer, const char* method, Handle handle) {
+grpc::ServerUnaryReactor* serve_unary(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+                                      grpc::ByteBuffer* response, const char* method, Handle handle) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   Request request;
-  if (!streamer->Read(&request)) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        std::string(method) + ": the request is not a valid " + Request::descriptor()->full_name() +
-                            " message (federation.proto)");
+  if (!parse_message(*bytes, &request)) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(method) + ": the request is not a valid " +
+                                                                         Request::descriptor()->full_name() +
+                                                                         " message (federation.proto)"));
+    return reactor;
   }
   Reply reply;
   const grpc::Status status = handle(request, reply);
-  if (status.ok()) streamer->Write(reply);
-  return status;
+  grpc::Slice serialized(reply.SerializeAsString());
+  *response = grpc::ByteBuffer(&serialized, 1);
+  reactor->Finish(status);
+  return reactor;
 }
 
-using StreamedUnary = wire::Federation::WithCallbackMethod_Presence<wire::Federation::WithStreamedUnaryMethod_Join<
+// Every call a callback but version 1's Poll and Submit, which are refused
+// unread (a callback method reads the request first).
+using StreamedUnary = wire::Federation::WithCallbackMethod_Presence<wire::Federation::WithRawCallbackMethod_Join<
     wire::Federation::WithStreamedUnaryMethod_Poll<wire::Federation::WithStreamedUnaryMethod_Submit<
-        wire::Federation::WithStreamedUnaryMethod_Leave<
-            wire::Federation::WithRawCallbackMethod_PollChunks<wire::Federation::Service>>>>>>;
+        wire::Federation::WithRawCallbackMethod_Leave<wire::Federation::WithRawCallbackMethod_PollChunks<
+            wire::Federation::WithRawCallbackMethod_SubmitChunks<wire::Federation::Service>>>>>>>;
 
 
 class FederationService final : public StreamedUnary {
@@ -52,9 +60,10 @@ class FederationService final : public StreamedUnary {
     });
   }
 
-  grpc::Status StreamedJoin(grpc::ServerContext* context,
-                            grpc::ServerUnaryStreamer<wire::JoinRequest, wire::JoinReply>* streamer) override {
-    return serve_unary(streamer, "Join", [&](const wire::JoinRequest& request, wire::JoinReply& reply) {
+  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override {
+    return serve_unary<wire::JoinRequest, wire::JoinReply>(context, request, response, "Join",
+                                                           [&](const wire::JoinRequest& request, wire::JoinReply& reply) {
       if (request.protocol() != kProtocol) {
         std::fprintf(stderr, "fl server: refused client '%s': it speaks federation protocol %u\n",
                      request.client_id().c_str(), request.protocol() == 0 ? 1u : request.protocol());
@@ -83,11 +92,7 @@ class FederationService final : public StreamedUnary {
   // Note [Calls without threads]: a long poll waits in polls_, not on a thread.
   grpc::ServerWriteReactor<grpc::ByteBuffer>* PollChunks(grpc::CallbackServerContext*, const grpc::ByteBuffer* bytes) override {
     wire::PollRequest request;
-    std::vector<grpc::Slice> slices;
-    std::string data;
-    if (bytes->Dump(&slices).ok())
-      for (const grpc::Slice& slice : slices) data.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-    const bool parsed = request.ParseFromString(data);
+    const bool parsed = parse_message(*bytes, &request);
     auto* call = new PollCall(coordinator_, std::move(request));
     if (!parsed) {
       call->refuse(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "PollChunks: the request is not a valid "
@@ -100,28 +105,14 @@ class FederationService final : public StreamedUnary {
     return call;
   }
   // Note [Messages in chunks]: refused at the first chunk that shows it cannot be taken.
-  grpc::Status SubmitChunks(grpc::ServerContext*, grpc::ServerReader<wire::Chunk>* reader, wire::Ack*) override {
-    wire::Chunk first;
-    if (!reader->Read(&first)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "SubmitChunks: no chunk, or bytes that are no meshtrain.fl.wire.Chunk message (federation.proto)");
-    }
-    const std::string id = first.client_id(), session = first.session();
-    if (std::string why = coordinator_.may_submit(id, session); !why.empty()) return refused(why);
-    wire::Result result;
-    const grpc::Status status = read_chunks(std::move(first), [&](wire::Chunk* chunk) { return reader->Read(chunk); },
-                                            cap_, "a result", &result);
-    if (!status.ok()) {
-      std::fprintf(stderr, "fl server: refused a result from '%s': %s\n", id.c_str(), status.error_message().c_str());
-      return status;
-    }
-    if (result.client_id() != id || result.session() != session) {
-      return refused("the result names client '" + result.client_id() + "', its first chunk '" + id + "'");
-    }
-    return refused(coordinator_.submit(result));
+  grpc::ServerReadReactor<grpc::ByteBuffer>* SubmitChunks(grpc::CallbackServerContext*, grpc::ByteBuffer* ack) override {
+    return new SubmitCall(coordinator_, cap_, ack);
   }
-  grpc::Status StreamedLeave(grpc::ServerContext*, grpc::ServerUnaryStreamer<wire::LeaveRequest, wire::Ack>* streamer) override {
-    return serve_unary(streamer, "Leave", [&](const wire::LeaveRequest& request, wire::Ack&) {
+
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override {
+    return serve_unary<wire::LeaveRequest, wire::Ack>(context, request, response, "Leave",
+                                                      [&](const wire::LeaveRequest& request, wire::Ack&) {
       std::fprintf(stderr, "fl server: client '%s' left\n", request.client_id().c_str());
       return refused(coordinator_.leave(request));
     });

@@ -133,4 +133,52 @@ void PollCall::finish(const grpc::Status& status) {
   Finish(status);
 }
 
+bool parse_message(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* message) {
+  std::vector<grpc::Slice> slices;
+  if (!bytes.Dump(&slices).ok()) return false;
+  std::string data;
+  for (const grpc::Slice& slice : slices) data.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  return message->ParseFromString(data);
+}
+
+SubmitCall::SubmitCall(Coordinator& coordinator, int64_t cap, grpc::ByteBuffer* response)
+    : coordinator_(coordinator), assembler_(cap, "a result") {
+  grpc::Slice empty("");  // the Ack: no fields
+  *response = grpc::ByteBuffer(&empty, 1);
+  StartRead(&buffer_);
+}
+
+void SubmitCall::refuse(const grpc::Status& status) {
+  std::fprintf(stderr, "fl server: refused a result from '%s': %s\n", id_.c_str(), status.error_message().c_str());
+  Finish(status);
+}
+
+void SubmitCall::OnReadDone(bool ok) {
+  const bool first = id_.empty() && session_.empty();
+  wire::Chunk chunk;
+  if (!ok || !parse_message(buffer_, &chunk)) {
+    if (ok || first) {
+      return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SubmitChunks: no chunk, or bytes that are no "
+                                 "meshtrain.fl.wire.Chunk message (federation.proto)"));
+    }
+    return refuse(assembler_.ended_early());
+  }
+  if (first) {
+    id_ = chunk.client_id();
+    session_ = chunk.session();
+    if (std::string why = coordinator_.may_submit(id_, session_); !why.empty())
+      return Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
+  }
+  if (grpc::Status added = assembler_.add(std::move(chunk)); !added.ok()) return refuse(added);
+  if (!assembler_.complete()) return StartRead(&buffer_);
+  wire::Result result;
+  if (grpc::Status parsed = assembler_.parse(&result); !parsed.ok()) return refuse(parsed);
+  if (result.client_id() != id_ || result.session() != session_) {
+    return Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                               "the result names client '" + result.client_id() + "', its first chunk '" + id_ + "'"));
+  }
+  const std::string why = coordinator_.submit(result);
+  Finish(why.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
+}
+
 }  // namespace meshtrain::fl

@@ -3,6 +3,7 @@
 // without threads]).
 #pragma once
 
+#include "meshtrain/fl/chunks.h"
 #include "meshtrain/fl/coordinator.h"
 
 #include <grpcpp/grpcpp.h>
@@ -113,5 +114,26 @@ class PollCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public
   grpc::ByteBuffer buffer_;
   bool writing_ = false, ended_ = false, cancelled_ = false;
 };
+
+// An upload (SubmitChunks): each chunk read as it comes and refused where it
+// shows the result cannot be taken (Note [Messages in chunks]); the result,
+// once whole, handed to the coordinator.
+class SubmitCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  SubmitCall(Coordinator& coordinator, int64_t cap, grpc::ByteBuffer* response);
+  void OnReadDone(bool ok) override;
+  void OnDone() override { delete this; }
+
+ private:
+  void refuse(const grpc::Status& status);
+
+  Coordinator& coordinator_;
+  ChunkAssembler assembler_;
+  grpc::ByteBuffer buffer_;
+  std::string id_, session_;
+};
+
+// `bytes` as `message`; false if they are not one.
+bool parse_message(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* message);
 
 }  // namespace meshtrain::fl

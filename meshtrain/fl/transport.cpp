@@ -43,7 +43,7 @@ std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const TlsConfig& t
   return grpc::SslCredentials(options);
 }
 
-std::string peer_common_name(const grpc::ServerContext& context) {
+std::string peer_common_name(const grpc::ServerContextBase& context) {
   const auto auth = context.auth_context();
   if (!auth) return {};
   const auto names = auth->FindPropertyValues("x509_common_name");

@@ -15,6 +15,6 @@ namespace meshtrain::fl {
 std::shared_ptr<grpc::ServerCredentials> server_credentials(const TlsConfig& tls, const std::string& listen);
 std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const TlsConfig& tls, const std::string& server);
 // The verified client certificate's common name ("" without mutual TLS).
-std::string peer_common_name(const grpc::ServerContext& context);
+std::string peer_common_name(const grpc::ServerContextBase& context);
 
 }  // namespace meshtrain::fl
