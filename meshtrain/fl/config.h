@@ -39,7 +39,7 @@ struct FlConfig {
   int64_t rounds = 10;
   double fraction = 1.0;        // of the available clients sampled each round
   int64_t clients_per_round = 0;  // results a round waits for (0: fraction of the available, at least min_fit)
-  double over_select = 0;       // sampled: clients_per_round x (1 + over_select), so that dropouts leave the target
+  double over_select = 0;       // sampled: the target x (1 + over_select), so that dropouts still leave the target
   int64_t min_available = 1;    // clients connected before a round starts
   int64_t min_fit = 1;          // results needed for the round to count
   double deadline_s = 120;      // per round phase: later results are dropped

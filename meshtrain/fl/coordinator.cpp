@@ -123,29 +123,41 @@ void Coordinator::changed() {
   for (const auto& listener : listeners_) listener();
 }
 
-std::string Coordinator::may_submit(const std::string& id, const std::string& session) {
+bool Coordinator::awaits(const std::string& id) const {
+  return phase_open_ && expected_.count(id) && !results_.count(id) && results_.size() < enough_;
+}
+
+std::string Coordinator::may_submit(const std::string& id, const std::string& session, bool first) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (std::string e = check_session(id, session); !e.empty()) return e;
-  if (!phase_open_ || !expected_.count(id) || results_.count(id)) {
-    return std::string("result refused: the server awaits none from '") + id + "' now; it is at round " +
-           std::to_string(round_) + " " +
-           kind_name(kind_) + (phase_open_ ? "" : " (closed: past the deadline)");
+  if (first) {
+    if (std::string e = check_session(id, session); !e.empty()) return e;
+    if (awaits(id) && uploading_.count(id)) return "result refused: '" + id + "' is uploading one already";
   }
+  if (!awaits(id)) {
+    return std::string("result refused: the server awaits none from '") + id + "' now; it is at round " +
+           std::to_string(round_) + " " + kind_name(kind_) + (phase_open_ ? "" : " (closed)");
+  }
+  uploading_.insert(id);
   return {};
 }
 
-std::string Coordinator::submit(const wire::Result& result) {
+void Coordinator::upload_ended(const std::string& id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::string& id = result.client_id();
+  uploading_.erase(id);
+}
+
+std::string Coordinator::submit(wire::Result&& result) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::string id = result.client_id();
   if (std::string e = check_session(id, result.session()); !e.empty()) return e;
-  if (!phase_open_ || result.round() != round_ || result.kind() != kind_ || !expected_.count(id) || results_.count(id)) {
+  if (!awaits(id) || result.round() != round_ || result.kind() != kind_) {
     std::ostringstream why;
     why << "result for round " << result.round() << " " << kind_name(result.kind()) << " refused: the server is at round "
-        << round_ << " " << kind_name(kind_) << (phase_open_ ? "" : " (closed: past the deadline)");
+        << round_ << " " << kind_name(kind_) << (phase_open_ ? "" : " (closed)");
     return why.str();
   }
   traffic_[id].up += static_cast<int64_t>(result.ByteSizeLong());
-  results_[id] = result;
+  results_[id] = std::move(result);
   changed_.notify_all();
   return {};
 }
@@ -210,6 +222,7 @@ void Coordinator::open(uint64_t round, wire::Task::Kind kind, std::map<std::stri
   expected_.clear();
   results_.clear();
   pending_.clear();
+  enough_ = SIZE_MAX;
   for (auto& [id, task] : tasks) {
     task.set_round(round);
     task.set_kind(kind);
@@ -219,7 +232,7 @@ void Coordinator::open(uint64_t round, wire::Task::Kind kind, std::map<std::stri
   changed();
 }
 
-void Coordinator::open(uint64_t round, wire::Task task, const std::vector<std::string>& ids) {
+void Coordinator::open(uint64_t round, wire::Task task, const std::vector<std::string>& ids, size_t enough) {
   task.set_round(round);
   const auto bytes = std::make_shared<const std::string>(task.SerializeAsString());
   std::lock_guard<std::mutex> lock(mutex_);
@@ -230,14 +243,15 @@ void Coordinator::open(uint64_t round, wire::Task task, const std::vector<std::s
   results_.clear();
   pending_.clear();
   for (const auto& id : ids) pending_[id] = bytes;
+  enough_ = enough;
   changed();
 }
 
-std::map<std::string, wire::Result> Coordinator::close(double seconds, size_t enough) {
+std::map<std::string, wire::Result> Coordinator::close(double seconds) {
   std::unique_lock<std::mutex> lock(mutex_);
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   changed_.wait_until(lock, deadline, [&] {
-    if (results_.size() == expected_.size() || results_.size() >= enough) return true;
+    if (results_.size() == expected_.size() || results_.size() >= enough_) return true;
     // A client that left cannot answer: do not wait for it.
     for (const auto& id : expected_)
       if (!results_.count(id) && !clients_[id].left) return false;

@@ -44,14 +44,18 @@ class Coordinator {
   // Called (under the coordinator's lock: it must take none) when a phase
   // opens or the federation stops, so that waiting polls are answered at once.
   void on_change(std::function<void()> listener);
-  // Whether `id` may upload a result now (its session live, a phase open that
-  // waits for its answer): asked at an upload's first chunk.
-  std::string may_submit(const std::string& id, const std::string& session);
-  std::string submit(const wire::Result& result);
+  // Whether `id` may upload a result now: asked at each chunk of an upload
+  // (`first`: its session too, and no other upload of its in progress), so
+  // that one the round no longer awaits (closed, or its target in) stops
+  // there. upload_ended: the upload's call is over, however it ended.
+  std::string may_submit(const std::string& id, const std::string& session, bool first);
+  void upload_ended(const std::string& id);
+  std::string submit(wire::Result&& result);
   std::string leave(const wire::LeaveRequest& request);
-  // Presence: checks the session; then `ended` tells its handler when to let
-  // the call go (the session replaced, left, or the federation stopped), and
-  // `gone` records that the client's call broke (its process or link died).
+  // Presence: checks the session; then `ended` tells the sweep when to let the
+  // call go (the session replaced, left, or the federation stopped; wait_s 0:
+  // at once), and `gone` records that the client's call broke (its process or
+  // link died).
   std::string presence(const wire::PollRequest& request);
   bool ended(const std::string& id, const std::string& session, double wait_s);
   void gone(const std::string& id, const std::string& session);
@@ -63,12 +67,13 @@ class Coordinator {
   std::vector<std::string> wait_for_clients(size_t count, double seconds);  // connected ids, sorted
   // Opens a phase: each client in `tasks` receives its task at its next poll.
   void open(uint64_t round, wire::Task::Kind kind, std::map<std::string, wire::Task> tasks);
-  // The same, one task for every client of `ids`: held once, serialized once.
-  void open(uint64_t round, wire::Task task, const std::vector<std::string>& ids);
-  // Waits until `enough` results are in, every client of the phase answered
-  // or left, or `seconds` passed; closes the phase (later results are
+  // The same, one task (its kind set) for every client of `ids`: held once,
+  // serialized once; results past `enough` are refused (Note [Sampling clients]).
+  void open(uint64_t round, wire::Task task, const std::vector<std::string>& ids, size_t enough = SIZE_MAX);
+  // Waits until the phase's `enough` results are in, every client of the phase
+  // answered or left, or `seconds` passed; closes the phase (later results are
   // refused) and returns the results in.
-  std::map<std::string, wire::Result> close(double seconds, size_t enough = SIZE_MAX);
+  std::map<std::string, wire::Result> close(double seconds);
   std::map<std::string, Traffic> take_traffic();
   // From now on every poll answers STOP with `message`; waits up to `seconds`
   // for the connected clients to have heard it.
@@ -82,6 +87,7 @@ class Coordinator {
     uint64_t examples = 0;  // declared at Join
   };
   bool live(const Client& c, Clock::time_point now) const;
+  bool awaits(const std::string& id) const;  // with mutex_ held: a result of `id` would be taken now
   void changed();  // with mutex_ held: wakes waiters and listeners
   std::string check_session(const std::string& id, const std::string& session);
 
@@ -97,6 +103,8 @@ class Coordinator {
   std::map<std::string, std::shared_ptr<const std::string>> pending_;  // serialized tasks not yet polled
   std::set<std::string> expected_;
   std::map<std::string, wire::Result> results_;
+  size_t enough_ = SIZE_MAX;                        // the phase's target of results
+  std::set<std::string> uploading_;                 // clients with an upload in progress
   std::map<std::string, Traffic> traffic_;
   bool stopping_ = false;
   std::string stop_message_;

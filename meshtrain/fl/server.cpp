@@ -44,13 +44,13 @@ grpc::ServerUnaryReactor* serve_unary(grpc::CallbackServerContext* context, cons
 
 // Every call a callback but version 1's Poll and Submit, which are refused
 // unread (a callback method reads the request first).
-using StreamedUnary = wire::Federation::WithCallbackMethod_Presence<wire::Federation::WithRawCallbackMethod_Join<
+using Methods = wire::Federation::WithCallbackMethod_Presence<wire::Federation::WithRawCallbackMethod_Join<
     wire::Federation::WithStreamedUnaryMethod_Poll<wire::Federation::WithStreamedUnaryMethod_Submit<
         wire::Federation::WithRawCallbackMethod_Leave<wire::Federation::WithRawCallbackMethod_PollChunks<
             wire::Federation::WithRawCallbackMethod_SubmitChunks<wire::Federation::Service>>>>>>>;
 
 
-class FederationService final : public StreamedUnary {
+class FederationService final : public Methods {
  public:
   // `cap`: the most bytes of one result (Note [Messages in chunks]).
   FederationService(Coordinator& coordinator, int64_t cap) : coordinator_(coordinator), cap_(cap) {

@@ -1,5 +1,6 @@
 // `meshtrain fl server`: the federation's coordinator. A gRPC service
-// (Join/Poll/Submit/Leave, federation.proto) in front of a round loop that
+// (Join, PollChunks, SubmitChunks, Leave, Presence: federation.proto; every
+// one a callback, Note [Calls without threads]) in front of a round loop that
 // samples clients, hands out tasks, waits for results until each phase's
 // deadline (stragglers are dropped), aggregates with the strategy, evaluates
 // on the validation data, writes one metrics row and checkpoints its state

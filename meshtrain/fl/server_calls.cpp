@@ -99,7 +99,7 @@ void PollCall::refuse(const grpc::Status& status) {
 void PollCall::write_next() {
   if (cancelled_) return finish(grpc::Status::CANCELLED);
   const std::string& bytes = *task_;
-  if (at_ >= bytes.size() && (at_ > 0 || bytes.empty()) && writing_) return finish(grpc::Status::OK);
+  if (at_ >= bytes.size() && (at_ > 0 || bytes.empty()) && started_writing_) return finish(grpc::Status::OK);
   wire::Chunk chunk;
   const size_t n = std::min<size_t>(kChunkBytes, bytes.size() - at_);
   if (at_ == 0) chunk.set_total(bytes.size());
@@ -107,7 +107,7 @@ void PollCall::write_next() {
   at_ += n;
   grpc::Slice slice(chunk.SerializeAsString());
   buffer_ = grpc::ByteBuffer(&slice, 1);
-  writing_ = true;
+  started_writing_ = true;
   StartWrite(&buffer_);
 }
 
@@ -122,7 +122,7 @@ void PollCall::OnCancel() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   cancelled_ = true;
   // A write in flight completes (not ok) and finishes the call; one that waits is finished here.
-  if (!writing_ && !ended_) finish(grpc::Status::CANCELLED);
+  if (!started_writing_ && !ended_) finish(grpc::Status::CANCELLED);
 }
 
 void PollCall::OnDone() { done(); }
@@ -148,9 +148,22 @@ SubmitCall::SubmitCall(Coordinator& coordinator, int64_t cap, grpc::ByteBuffer* 
   StartRead(&buffer_);
 }
 
+void SubmitCall::OnDone() {
+  if (registered_) coordinator_.upload_ended(id_);  // a call gRPC ended itself
+  delete this;
+}
+
+// The upload is over before the client hears so: its next upload (the next
+// phase's) must not find this one still in progress.
+void SubmitCall::end(const grpc::Status& status) {
+  if (registered_) coordinator_.upload_ended(id_);
+  registered_ = false;
+  Finish(status);
+}
+
 void SubmitCall::refuse(const grpc::Status& status) {
   std::fprintf(stderr, "fl server: refused a result from '%s': %s\n", id_.c_str(), status.error_message().c_str());
-  Finish(status);
+  end(status);
 }
 
 void SubmitCall::OnReadDone(bool ok) {
@@ -158,7 +171,7 @@ void SubmitCall::OnReadDone(bool ok) {
   wire::Chunk chunk;
   if (!ok || !parse_message(buffer_, &chunk)) {
     if (ok || first) {
-      return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SubmitChunks: no chunk, or bytes that are no "
+      return end(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "SubmitChunks: no chunk, or bytes that are no "
                                  "meshtrain.fl.wire.Chunk message (federation.proto)"));
     }
     return refuse(assembler_.ended_early());
@@ -166,19 +179,21 @@ void SubmitCall::OnReadDone(bool ok) {
   if (first) {
     id_ = chunk.client_id();
     session_ = chunk.session();
-    if (std::string why = coordinator_.may_submit(id_, session_); !why.empty())
-      return Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
   }
+  // Every chunk: an upload the round no longer awaits (closed, its target in) stops here.
+  if (std::string why = coordinator_.may_submit(id_, session_, first); !why.empty())
+    return end(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
+  registered_ = true;
   if (grpc::Status added = assembler_.add(std::move(chunk)); !added.ok()) return refuse(added);
   if (!assembler_.complete()) return StartRead(&buffer_);
   wire::Result result;
   if (grpc::Status parsed = assembler_.parse(&result); !parsed.ok()) return refuse(parsed);
   if (result.client_id() != id_ || result.session() != session_) {
-    return Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+    return end(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                                "the result names client '" + result.client_id() + "', its first chunk '" + id_ + "'"));
   }
-  const std::string why = coordinator_.submit(result);
-  Finish(why.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
+  const std::string why = coordinator_.submit(std::move(result));
+  end(why.empty() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
 }
 
 }  // namespace meshtrain::fl

@@ -1,6 +1,6 @@
-// The federation server's long-lived calls, Presence and PollChunks, as gRPC
-// callback reactors: an open call is a few bytes, not a thread (Note [Calls
-// without threads]).
+// The federation server's calls that last, Presence, PollChunks and
+// SubmitChunks, as gRPC callback reactors: an open call is a few bytes, not a
+// thread (Note [Calls without threads]).
 #pragma once
 
 #include "meshtrain/fl/chunks.h"
@@ -26,8 +26,8 @@ namespace meshtrain::fl {
 // took a server thread: two per client. As callback reactors they take none.
 // A Sweep is the one thread for each kind: it looks at its waiting calls
 // every period, or at once when the coordinator opens a phase or stops, and
-// acts on those that are due outside its lock (Finish or a write may call
-// back at once). A call is counted (hold/release): gRPC holds it until
+// acts on those that are due outside its lock (gRPC 1.51 runs reactions on
+// its own threads, but nothing here relies on that). A call is counted (hold/release): gRPC holds it until
 // OnDone, the sweep while it is in its set, so OnDone takes no lock.
 class SweptCall {
  public:
@@ -107,12 +107,12 @@ class PollCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public
   Coordinator& coordinator_;
   const wire::PollRequest request_;
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
-  std::recursive_mutex mutex_;  // a write's completion may come on the thread that starts it
+  std::recursive_mutex mutex_;  // recursive in case a reaction ever runs on the thread that starts it
   std::string refusal_;
   std::shared_ptr<const std::string> task_;
   size_t at_ = 0;
   grpc::ByteBuffer buffer_;
-  bool writing_ = false, ended_ = false, cancelled_ = false;
+  bool started_writing_ = false, ended_ = false, cancelled_ = false;  // once writing, completions drive the end
 };
 
 // An upload (SubmitChunks): each chunk read as it comes and refused where it
@@ -122,15 +122,17 @@ class SubmitCall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   SubmitCall(Coordinator& coordinator, int64_t cap, grpc::ByteBuffer* response);
   void OnReadDone(bool ok) override;
-  void OnDone() override { delete this; }
+  void OnDone() override;
 
  private:
-  void refuse(const grpc::Status& status);
+  void end(const grpc::Status& status);
+  void refuse(const grpc::Status& status);  // end, said in the server's log
 
   Coordinator& coordinator_;
   ChunkAssembler assembler_;
   grpc::ByteBuffer buffer_;
   std::string id_, session_;
+  bool registered_ = false;  // the coordinator counts this upload as in progress
 };
 
 // `bytes` as `message`; false if they are not one.

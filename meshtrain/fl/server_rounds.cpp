@@ -111,7 +111,9 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
                                                   ? static_cast<size_t>(config_.clients_per_round)
                                                   : std::max<size_t>(static_cast<size_t>(config_.min_fit),
                                                                      static_cast<size_t>(std::ceil(config_.fraction * available.size()))));
-  const size_t sampled = std::min(available.size(), static_cast<size_t>(std::ceil(outcome.target * (1 + config_.over_select))));
+  // The target plus its over-selected share, rounded up (100 x 0.1 is 10, not 10.000000000000002).
+  const size_t sampled = std::min(available.size(), outcome.target + static_cast<size_t>(std::ceil(
+                                                                          outcome.target * config_.over_select - 1e-9)));
   // Under DP the choice must be secret for the sampling to hide anyone (Note [Differential privacy]).
   outcome.sample_seed = mix_seed(config_.seed, round + 0x5a);
   outcome.sampled = sample_clients(std::move(available), sampled,
@@ -124,8 +126,8 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
     task.mutable_fit()->set_noise_stddev(static_cast<float>(config_.noise_multiplier * config_.clip_norm /
                                                             std::sqrt(static_cast<double>(outcome.sampled.size()))));
   task.set_kind(wire::Task::FIT);
-  coordinator_.open(round, std::move(task), outcome.sampled);  // one copy of the model for every sampled client
-  const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s, outcome.target);
+  coordinator_.open(round, std::move(task), outcome.sampled, outcome.target);  // one copy of the model for all
+  const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s);
   for (const auto& id : outcome.sampled)
     if (!results.count(id)) outcome.dropped.push_back(id);
   if (static_cast<int64_t>(results.size()) < config_.min_fit) {

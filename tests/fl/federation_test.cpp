@@ -560,6 +560,48 @@ TEST(FlFederation, ALiveIdCannotBeTakenButItsOwnerCanRejoin) {
   EXPECT_NE(none.error_message().find("0 training sequences"), std::string::npos) << none.error_message();
 }
 
+// Note [Messages in chunks]: one upload at a time per client, so that a client
+// cannot make the server hold the cap several times over.
+TEST(FlFederation, AClientUploadsOneResultAtATime) {
+  const std::string dir = ::testing::TempDir() + "/fl_one_upload";
+  util::remove_tree(dir);
+  FlConfig config = tiny_config(dir + "/out");
+  config.rounds = 1;
+  config.min_available = 1;
+  config.deadline_s = 5;
+  Server server(config);
+  RawClient client(server.port());
+  ASSERT_TRUE(client.join("c0", 100).ok());
+  std::thread rounds([&] { server.run(); });
+  wire::Task task;
+  while (task.kind() != wire::Task::FIT) ASSERT_TRUE(client.poll("c0", &task).ok());
+  wire::Result result;
+  result.set_client_id("c0");
+  result.set_session(client.session);
+  result.set_round(task.round());
+  result.set_kind(wire::Task::FIT);
+  result.add_update()->set_values(std::string(3 << 19, '\0'));  // 1.5 MiB: two chunks
+  std::vector<wire::Chunk> chunks;
+  write_chunks(result, "c0", client.session, [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
+  ASSERT_EQ(chunks.size(), 2u);
+  grpc::ClientContext first_context, second_context;
+  wire::Ack ack;
+  auto first = client.stub->SubmitChunks(&first_context, &ack);
+  ASSERT_TRUE(first->Write(chunks[0]));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the server has taken the first chunk
+  auto second = client.stub->SubmitChunks(&second_context, &ack);
+  second->Write(chunks[0]);
+  second->WritesDone();
+  const grpc::Status refused = second->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("is uploading one already"), std::string::npos) << refused.error_message();
+  ASSERT_TRUE(first->Write(chunks[1]));
+  first->WritesDone();
+  EXPECT_TRUE(first->Finish().ok());
+  while (task.kind() != wire::Task::STOP) ASSERT_TRUE(client.poll("c0", &task).ok());  // the server ends at once
+  rounds.join();
+}
+
 int threads_of_this_process() {
   return static_cast<int>(std::distance(std::filesystem::directory_iterator("/proc/self/task"),
                                         std::filesystem::directory_iterator{}));
