@@ -15,9 +15,6 @@
 #include <csignal>
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <string>
 
 namespace meshtrain::apps {
 
@@ -48,11 +45,7 @@ void install_stop_handlers() {
   // A stop `meshtrain run` received before this rank could hear it, e.g. while
   // it was starting mpirun, is written down there (Note [Naming the stop
   // signal]): taken now, as if it had been passed on.
-  if (const char* file = std::getenv("MESHTRAIN_STOP_SIGNAL_FILE")) {
-    std::ifstream in(file);
-    std::string name;
-    if (in >> name && name.rfind("SIG", 0) == 0) request_stop(SIGUSR2);
-  }
+  if (!train::launcher_stop_signal().empty()) request_stop(SIGUSR2);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "meshtrain/fl/chunks.h"
 
+#include "meshtrain/util/memory.h"
+
 #include <google/protobuf/io/zero_copy_stream.h>
 
 #include <algorithm>
@@ -8,12 +10,6 @@
 
 namespace meshtrain::fl {
 namespace {
-
-std::string mib(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  return text;
-}
 
 // The received chunks as one input to the parser; each is freed once the
 // parser has moved past it (Note [Messages in chunks]).
@@ -69,21 +65,24 @@ bool write_chunks(const google::protobuf::MessageLite& message, const std::strin
   return write_chunks(message.SerializeAsString(), id, session, write);
 }
 
+wire::Chunk chunk_at(const std::string& bytes, size_t* at, const std::string& id, const std::string& session) {
+  wire::Chunk chunk;
+  if (*at == 0) {
+    chunk.set_total(bytes.size());
+    chunk.set_client_id(id);
+    chunk.set_session(session);
+  }
+  const size_t n = std::min<size_t>(kChunkBytes, bytes.size() - *at);
+  chunk.set_data(bytes.data() + *at, n);
+  *at += n;
+  return chunk;
+}
+
 bool write_chunks(const std::string& bytes, const std::string& id, const std::string& session,
                   const std::function<bool(const wire::Chunk&)>& write) {
-  wire::Chunk chunk;
-  chunk.set_total(bytes.size());
-  chunk.set_client_id(id);
-  chunk.set_session(session);
   size_t at = 0;
   do {  // an empty message is one empty chunk
-    const size_t n = std::min<size_t>(kChunkBytes, bytes.size() - at);
-    chunk.set_data(bytes.data() + at, n);
-    if (!write(chunk)) return false;
-    at += n;
-    chunk.clear_total();
-    chunk.clear_client_id();
-    chunk.clear_session();
+    if (!write(chunk_at(bytes, &at, id, session))) return false;
   } while (at < bytes.size());
   return true;
 }
@@ -95,8 +94,8 @@ grpc::Status ChunkAssembler::add(wire::Chunk&& chunk) {
     started_ = true;
     total_ = chunk.total();
     if (total_ > static_cast<uint64_t>(cap_)) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, what_ + " of " + mib(static_cast<int64_t>(total_)) +
-                                                                    " is over the limit of " + mib(cap_) +
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, what_ + " of " + memory::format_mib(static_cast<int64_t>(total_)) +
+                                                                    " is over the limit of " + memory::format_mib(cap_) +
                                                                     " (fl.max_message_mb): refused unread");
     }
   }

@@ -40,7 +40,11 @@ std::string protocol_error(uint32_t client_protocol);
 // carries the total, `id` and `session`); false as soon as `write` is.
 bool write_chunks(const google::protobuf::MessageLite& message, const std::string& id, const std::string& session,
                   const std::function<bool(const wire::Chunk&)>& write);
-// The same for a message serialized already.
+// The chunk of `bytes` that starts at `*at` (the first carries the total, `id`
+// and `session`); moves `*at` past it. An empty message is one empty chunk.
+wire::Chunk chunk_at(const std::string& bytes, size_t* at, const std::string& id, const std::string& session);
+
+// The same as write_chunks for a message serialized already.
 bool write_chunks(const std::string& bytes, const std::string& id, const std::string& session,
                   const std::function<bool(const wire::Chunk&)>& write);
 

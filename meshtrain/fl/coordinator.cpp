@@ -175,14 +175,10 @@ std::string Coordinator::presence(const wire::PollRequest& request) {
   return check_session(request.client_id(), request.session());
 }
 
-bool Coordinator::ended(const std::string& id, const std::string& session, double wait_s) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  auto over = [&] {
-    auto it = clients_.find(id);
-    return stopping_ || it == clients_.end() || it->second.session != session || it->second.left;
-  };
-  changed_.wait_for(lock, std::chrono::duration<double>(wait_s), over);
-  return over();
+bool Coordinator::ended(const std::string& id, const std::string& session) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = clients_.find(id);
+  return stopping_ || it == clients_.end() || it->second.session != session || it->second.left;
 }
 
 void Coordinator::gone(const std::string& id, const std::string& session) {

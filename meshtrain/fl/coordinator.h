@@ -53,11 +53,10 @@ class Coordinator {
   std::string submit(wire::Result&& result);
   std::string leave(const wire::LeaveRequest& request);
   // Presence: checks the session; then `ended` tells the sweep when to let the
-  // call go (the session replaced, left, or the federation stopped; wait_s 0:
-  // at once), and `gone` records that the client's call broke (its process or
-  // link died).
+  // call go (the session replaced, left, or the federation stopped), and
+  // `gone` records that the client's call broke (its process or link died).
   std::string presence(const wire::PollRequest& request);
-  bool ended(const std::string& id, const std::string& session, double wait_s);
+  bool ended(const std::string& id, const std::string& session);
   void gone(const std::string& id, const std::string& session);
   // The training sequences a client declared at Join, counted at the model's
   // context where it declared tokens (0: unknown id).

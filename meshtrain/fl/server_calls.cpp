@@ -2,7 +2,6 @@
 
 #include "meshtrain/fl/chunks.h"
 
-#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -100,12 +99,7 @@ void PollCall::write_next() {
   if (cancelled_) return finish(grpc::Status::CANCELLED);
   const std::string& bytes = *task_;
   if (at_ >= bytes.size() && (at_ > 0 || bytes.empty()) && started_writing_) return finish(grpc::Status::OK);
-  wire::Chunk chunk;
-  const size_t n = std::min<size_t>(kChunkBytes, bytes.size() - at_);
-  if (at_ == 0) chunk.set_total(bytes.size());
-  chunk.set_data(bytes.data() + at_, n);
-  at_ += n;
-  grpc::Slice slice(chunk.SerializeAsString());
+  grpc::Slice slice(chunk_at(bytes, &at_, "", "").SerializeAsString());
   buffer_ = grpc::ByteBuffer(&slice, 1);
   started_writing_ = true;
   StartWrite(&buffer_);

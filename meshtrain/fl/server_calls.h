@@ -75,7 +75,7 @@ class Sweep {
 class PresenceCall final : public grpc::ServerWriteReactor<wire::Ack>, public SweptCall {
  public:
   PresenceCall(Coordinator& coordinator, wire::PollRequest request);
-  bool ended_session() { return coordinator_.ended(request_.client_id(), request_.session(), 0); }
+  bool ended_session() { return coordinator_.ended(request_.client_id(), request_.session()); }
   void end(const grpc::Status& status);
   void OnCancel() override;
   void OnDone() override;

@@ -262,16 +262,21 @@ void Trainer::write_trace() {
 // The same all-reduce tells whether a background save has ended on every
 // rank: its error (a full disk, say) is then raised at this step, not at the
 // next save (Note [Failed saves] in checkpoint/writer.cpp).
+std::string launcher_stop_signal() {
+  const char* file = std::getenv("MESHTRAIN_STOP_SIGNAL_FILE");
+  if (!file) return {};
+  std::ifstream in(file);
+  std::string name;
+  return in >> name && name.rfind("SIG", 0) == 0 ? name : std::string();
+}
+
 namespace {
 
 // The signal that was sent: SIGUSR2 from `meshtrain run` stands for the one the
 // launcher received, which it wrote down (Note [Naming the stop signal]).
 std::string stop_signal_name(int signal) {
-  const char* file = std::getenv("MESHTRAIN_STOP_SIGNAL_FILE");
-  if (signal == SIGUSR2 && file) {
-    std::ifstream in(file);
-    std::string name;
-    if (in >> name && name.rfind("SIG", 0) == 0) return name;
+  if (signal == SIGUSR2) {
+    if (std::string name = launcher_stop_signal(); !name.empty()) return name;
   }
   return signal == SIGTERM   ? "SIGTERM"
          : signal == SIGINT  ? "SIGINT"

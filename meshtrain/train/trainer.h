@@ -43,6 +43,10 @@ double learning_rate(const TrainConfig& config, int64_t step);
 // The parallelize() options a config asks for, on `device` (its torch_device for this rank).
 parallel::ParallelizeOptions parallelize_options(const TrainConfig& config, at::Device device);
 
+// The stop `meshtrain run` received and wrote down for its ranks ("SIGTERM",
+// "SIGINT"), or "" when there was none (Note [Naming the stop signal]).
+std::string launcher_stop_signal();
+
 class Trainer {
  public:
   // `config` must be validated for world->size() ranks. Collective over
