@@ -55,7 +55,8 @@ TEST_F(ContextParallelTest, EveryImplementationEqualsOneProcess) {
   const int n = world()->size();
   if (n < 2) GTEST_SKIP() << "run at 2 or more ranks";
   for (int cp : {2, 4, 8}) {
-    if (n % cp != 0) continue;
+    // At 8 ranks only cp 8: cp 2 and 4 beside data parallel are the 4-rank runs again, slower.
+    if (n % cp != 0 || (n == 8 && cp != 8)) continue;
     // cp 8 splits the context of 16 into 16 chunks of one row; 8 heads let all-to-all split them.
     const Overrides heads = cp == 8 ? Overrides{"model.heads=8"} : Overrides{};
     for (const auto& [name, style] : {std::pair<std::string, Overrides>{"gpt-2", kGpt2Style}, {"llama", kLlamaStyle}}) {

@@ -98,6 +98,14 @@ class PlanMemory : public TrainingTest {
   }
 };
 
+// The widths the i-th layout is checked at: both at one and two ranks, where a
+// term that scales wrongly with the width shows; one at 3 and 4 ranks, taking
+// turns, so that their slower runs still see both widths across the layouts.
+static std::vector<int64_t> widths(size_t i) {
+  if (world()->size() <= 2) return {64, 128};
+  return {i % 2 == 0 ? 128 : 64};
+}
+
 TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
   memory::install();
   const int n = world()->size();
@@ -134,9 +142,9 @@ TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
     layouts.push_back({"parallel.cp=4", "parallel.cp_impl=hybrid"});
     layouts.push_back({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"});
   }
-  for (const Overrides& layout : layouts) {
-    for (int64_t width : {64, 128}) {
-      const double error = relative_error_of(layout, width);
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    for (int64_t width : widths(i)) {
+      const double error = relative_error_of(layouts[i], width);
       EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " width " << width;
     }
   }
@@ -174,9 +182,9 @@ TEST_F(PlanMemory, MixtureOfExpertsPeakWithinTenPercentOfMeasured) {
   if (n == 4) layouts.push_back(moe(experts, {"parallel.zero_stage=3", "parallel.ep=2"}));
   if (n % 2 == 0) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.pp_schedule=1f1b"}));
   if (n == 4) layouts.push_back(moe(experts, {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=gpipe"}));
-  for (const Overrides& layout : layouts) {
-    for (int64_t width : {64, 128}) {
-      const double error = relative_error_of(layout, width);
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    for (int64_t width : widths(i)) {
+      const double error = relative_error_of(layouts[i], width);
       EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " width " << width;
     }
   }
