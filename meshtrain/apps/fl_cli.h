@@ -38,6 +38,7 @@ class FlCli : public Command {
   int simulate_clients_ = 4;
   std::string simulate_text_;
   double simulate_timeout_ = 3600;
+  double simulate_slow_fraction_ = 0, simulate_slow_factor_ = 10;  // --slow-clients, --slow-factor
   std::string split_text_, split_out_;
   fl::SplitOptions split_options_;
   std::vector<std::string> plot_inputs_;

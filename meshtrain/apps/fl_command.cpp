@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -83,6 +84,9 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
       ->capture_default_str();
   client_->add_option("--straggle", client_options_.straggle_s,
                       "Testing: wait this many seconds before sending each training result");
+  client_->add_option("--slow-factor", client_options_.slow_factor,
+                      "Testing and benchmarks: take this many times as long per training task (a slow device)")
+      ->check(CLI::Range(1.0, 1000.0));
   client_->add_option("--leave-after", client_options_.leave_after,
                       "Leave the federation after this many rounds (0: stay until the server stops)");
   client_->add_option("--drop-after", client_options_.drop_after,
@@ -96,6 +100,12 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
       ->capture_default_str();
   simulate_->add_option("--split-text", simulate_text_,
                         "Split this play script by speaker into <out>/clients first (and validate on its val.bin)");
+  simulate_->add_option("--slow-clients", simulate_slow_fraction_,
+                        "This share of the clients, spread over the list, run --slow-factor times slower (stragglers)")
+      ->check(CLI::Range(0.0, 1.0));
+  simulate_->add_option("--slow-factor", simulate_slow_factor_, "How much slower the --slow-clients are")
+      ->check(CLI::Range(1.0, 1000.0))
+      ->capture_default_str();
   simulate_->add_option("--timeout", simulate_timeout_, "Seconds before everything is stopped")->capture_default_str();
   simulate_->allow_extras();
   simulate_->footer("Overrides, as for fl server (`meshtrain fl server --help-config` lists the keys): --fl.rounds=3 "
@@ -221,8 +231,12 @@ int FlCli::run_simulate(const char* argv0) const {
   const std::string address = "127.0.0.1:" + std::to_string(std::stoi(util::read_text_file(port_file)));
   std::vector<pid_t> clients;
   for (int i = 0; i < simulate_clients_; ++i) {
-    clients.push_back(spawn({self, "fl", "client", "--server", address, "--insecure", "--id", dirs[i], "--data",
-                             config.clients_dir + "/" + dirs[i]}));
+    std::vector<std::string> args{self, "fl", "client", "--server", address, "--insecure", "--id", dirs[i], "--data",
+                                  config.clients_dir + "/" + dirs[i]};
+    // Every 1/fraction-th client is slow: floor((i + 1) f) > floor(i f).
+    if (std::floor((i + 1) * simulate_slow_fraction_) > std::floor(i * simulate_slow_fraction_))
+      args.insert(args.end(), {"--slow-factor", std::to_string(simulate_slow_factor_)});
+    clients.push_back(spawn(args));
   }
   // The server ends the federation; the clients follow at its STOP.
   while (waitpid(server, &status, WNOHANG) != server) {

@@ -72,6 +72,7 @@ class Participant {
       }
       wire::Result result;
       std::string phase;
+      const auto began = Clock::now();
       try {
         phase = handle(task, result);
       } catch (const secagg::SecAggError& e) {
@@ -80,6 +81,7 @@ class Participant {
       }
       if (phase == "fit" && o_.straggle_s > 0)
         std::this_thread::sleep_for(std::chrono::duration<double>(o_.straggle_s));
+      if (phase == "fit" && o_.slow_factor > 1) std::this_thread::sleep_for((Clock::now() - began) * (o_.slow_factor - 1));
       submit(task, result);
       if (!o_.drop_after.empty() && phase == o_.drop_after) {
         log("dropping out after %s, as asked (--drop-after)", phase.c_str());

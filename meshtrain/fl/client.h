@@ -26,6 +26,7 @@ struct ClientOptions {
   // sending each training result; stop answering after this phase
   // ("fit", "share", "mask") of the first round that gets there.
   double straggle_s = 0;
+  double slow_factor = 1;  // take this many times as long per training task (sleeping the difference)
   std::string drop_after;
   int leave_after = 0;  // > 0: leave the federation (Leave) after this many rounds
   bool leave_on_signal = false;  // SIGINT/SIGTERM: leave the federation (Leave) at the next poll, return 0

@@ -35,6 +35,8 @@ const std::vector<FlKey>& keys() {
              "at least min_fit); the round closes when they are in", MEMBER(clients_per_round)),
       key("fl", "over_select", "sample this share more clients than the target, so that dropouts still leave it "
              "(0.3: 30% more); the round closes at the target, the others' results refused", MEMBER(over_select)),
+      key("fl", "mode", "sync: rounds that wait for their clients | async: buffered asynchronous aggregation (FedBuff), "
+             "the model updated every fl.async.buffer results, each weighted by its staleness", MEMBER(mode)),
       key("fl", "min_available", "clients that must be connected before a round starts", MEMBER(min_available)),
       key("fl", "min_fit", "results a round needs to count (else it is discarded)", MEMBER(min_fit)),
       key("fl", "deadline_s", "seconds per round phase; later results are dropped as stragglers", MEMBER(deadline_s)),
@@ -69,6 +71,12 @@ const std::vector<FlKey>& keys() {
       key("fl", "max_regression", "a round that raises the validation loss by more than this (or makes it or the "
              "model non-finite) is rolled back", MEMBER(max_regression)),
       key("fl", "keep_states", "the last good server states kept in out/states/", MEMBER(keep_states)),
+      key("fl.async", "buffer", "K: the results that make one aggregation (a new model version)", MEMBER(async_buffer)),
+      key("fl.async", "concurrency", "clients training at once (0: every connected client)", MEMBER(async_concurrency)),
+      key("fl.async", "max_staleness", "a result trained from a model this many versions old still counts; "
+             "older ones are refused", MEMBER(max_staleness)),
+      key("fl.async", "staleness_exponent", "a result s versions old is scaled by (1 + s)^-exponent (0: not at all)",
+          MEMBER(staleness_exponent)),
       key("fl.dp", "noise_multiplier", "DP-FedAvg: Gaussian noise of std z·clip_norm on the sum of clipped updates (0: "
              "off; needs a fixed fl.clip_norm)", MEMBER(noise_multiplier)),
       key("fl.dp", "delta", "DP-FedAvg: the delta of the (epsilon, delta) the accountant reports", MEMBER(dp_delta)),
@@ -202,6 +210,11 @@ std::map<std::string, std::string> FlConfig::result_settings() const {
           {"fl.clients_per_round", std::to_string(clients_per_round)},
           {"fl.over_select", number(over_select)},
           {"fl.seed", std::to_string(seed)},
+          {"fl.mode", mode},
+          {"fl.async.buffer", std::to_string(async_buffer)},
+          {"fl.async.concurrency", std::to_string(async_concurrency)},
+          {"fl.async.max_staleness", std::to_string(max_staleness)},
+          {"fl.async.staleness_exponent", number(staleness_exponent)},
           {"fl.dp.noise_multiplier", number(noise_multiplier)},
           {"fl.client.local_steps", std::to_string(local_steps)},
           {"fl.client.batch", std::to_string(batch)},
@@ -298,6 +311,8 @@ void FlConfig::validate() const {
       fail("fl.over_select with fl.dp.noise_multiplier: the accountant counts every sampled client as taking part, "
            "and a round that closes at a target of them is not what it accounts for; set fl.over_select = 0");
   }
+  if (mode != "sync" && mode != "async") fail("fl.mode = \"" + mode + "\": use sync or async");
+  if (async()) validate_async();
   if (optimizer != "sgd" && optimizer != "adamw") fail("fl.client.optimizer = \"" + optimizer + "\": use sgd or adamw");
   try {
     strategy.validate();
@@ -331,6 +346,29 @@ void FlConfig::validate() const {
   if (!tls.insecure && (tls.cert.empty() || tls.key.empty()))
     fail("fl.server: set cert and key (PEM files) for TLS, or insecure = true on a loopback address");
   if (tls.mutual && tls.ca.empty()) fail("fl.server.mutual_tls needs client_ca");
+}
+
+// Note [Buffered asynchronous rounds]: what an async federation cannot combine with.
+void FlConfig::validate_async() const {
+  auto fail = [](const std::string& m) { throw FlConfigError(m); };
+  if (async_buffer < 1) fail("fl.async.buffer must be at least 1");
+  if (async_concurrency < 0) fail("fl.async.concurrency must be >= 0 (0: every connected client)");
+  if (async_concurrency > 0 && async_concurrency < async_buffer)
+    fail("fl.async.concurrency = " + std::to_string(async_concurrency) + " is below fl.async.buffer = " +
+         std::to_string(async_buffer) + ": an aggregation could never fill");
+  if (max_staleness < 0) fail("fl.async.max_staleness must be >= 0");
+  if (!(staleness_exponent >= 0)) fail("fl.async.staleness_exponent must be >= 0");
+  if (min_fit > async_buffer) fail("fl.min_fit must not exceed fl.async.buffer under fl.mode = \"async\"");
+  if (dp())
+    fail("fl.dp.noise_multiplier with fl.mode = \"async\": the accountant's analysis is of rounds that sample "
+         "clients independently, and a buffer fills with whoever finishes first, stale updates included; it cannot "
+         "account for that. Use fl.mode = \"sync\" for DP-FedAvg");
+  if (secagg)
+    fail("fl.secagg with fl.mode = \"async\": secure aggregation masks one round's clients against each other, "
+         "and a buffer's results come from different model versions; use fl.mode = \"sync\"");
+  if (clients_per_round > 0 || over_select > 0)
+    fail("fl.clients_per_round and fl.over_select choose a synchronous round's clients; under fl.mode = \"async\" "
+         "set fl.async.concurrency (clients training at once) and fl.async.buffer instead");
 }
 
 int64_t FlConfig::max_message_bytes() const {

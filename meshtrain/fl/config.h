@@ -40,6 +40,8 @@ struct FlConfig {
   double fraction = 1.0;        // of the available clients sampled each round
   int64_t clients_per_round = 0;  // results a round waits for (0: fraction of the available, at least min_fit)
   double over_select = 0;       // sampled: the target x (1 + over_select), so that dropouts still leave the target
+  // "sync": rounds; "async": buffered asynchronous aggregation (Note [Buffered asynchronous rounds]).
+  std::string mode = "sync";
   int64_t min_available = 1;    // clients connected before a round starts
   int64_t min_fit = 1;          // results needed for the round to count
   double deadline_s = 120;      // per round phase: later results are dropped
@@ -56,6 +58,11 @@ struct FlConfig {
   int64_t max_examples_per_client = 0;   // a client's weight at most this (0: what it declared at Join)
   double max_regression = 0.5;  // a round that raises the validation loss more than this is rolled back
   int64_t keep_states = 3;      // the last good states kept in out/states/
+  // [fl.async]: fl.mode = "async" (Note [Buffered asynchronous rounds] in server_async.cpp).
+  int64_t async_buffer = 10;          // K: updates per aggregation
+  int64_t async_concurrency = 0;      // clients training at once (0: every connected client)
+  int64_t max_staleness = 4;          // versions an update may lag the model and still count
+  double staleness_exponent = 0.5;    // an update of staleness s is scaled by (1 + s)^-exponent
   // [fl.dp]: DP-FedAvg (Note [Differential privacy] in dp.h).
   double noise_multiplier = 0;  // z: Gaussian noise of std z·clip_norm on the sum (0: off)
   double dp_delta = 1e-5;       // δ of the (ε, δ) reported
@@ -86,11 +93,13 @@ struct FlConfig {
   // e.g. "fl.rounds=3"), validates. Throws FlConfigError naming the key.
   static FlConfig load(const std::string& path, const std::vector<std::string>& overrides);
   void validate() const;
+  void validate_async() const;
   std::string display_label() const { return label.empty() ? compression.describe() : label; }
   // fl.max_message_mb in bytes; 0 means a full float32 update plus a quarter
   // and 4 MiB (never above gRPC's 2 GiB).
   int64_t max_message_bytes() const;
   bool dp() const { return noise_multiplier > 0; }
+  bool async() const { return mode == "async"; }
   static std::string describe_keys();
   // The keys whose values change what a federation computes (the rule that
   // combines updates, the clients' training, the compression, secure

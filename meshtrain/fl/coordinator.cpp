@@ -98,6 +98,11 @@ std::string Coordinator::poll(const wire::PollRequest& request, Clock::time_poin
     traffic_[id].down += static_cast<int64_t>((*task)->size());
     return {};
   }
+  if (assign_async(id)) {
+    *task = async_task_;
+    traffic_[id].down += static_cast<int64_t>((*task)->size());
+    return {};
+  }
   wire::Task answer;
   if (stopping_) {
     answer.set_kind(wire::Task::STOP);
@@ -124,7 +129,31 @@ void Coordinator::changed() {
 }
 
 bool Coordinator::awaits(const std::string& id) const {
+  if (async_) return phase_open_ && !stopping_ && in_flight_.count(id);
   return phase_open_ && expected_.count(id) && !results_.count(id) && results_.size() < enough_;
+}
+
+std::string Coordinator::refusal(const std::string& id) {
+  if (async_ && !stopping_ && last_version_.count(id) && !in_flight_.count(id) &&
+      round_ - last_version_[id] > max_staleness_) {
+    too_stale_.push_back(id);
+    return "result refused as too stale: '" + id + "' trained from model version " +
+           std::to_string(last_version_[id]) + ", the server is at version " + std::to_string(round_) +
+           ", more than fl.async.max_staleness = " + std::to_string(max_staleness_) + " behind";
+  }
+  return std::string("result refused: the server awaits none from '") + id + "' now; it is at round " +
+         std::to_string(round_) + " " + kind_name(kind_) + (phase_open_ ? "" : " (closed)");
+}
+
+bool Coordinator::assign_async(const std::string& id) {
+  if (!async_ || !phase_open_ || stopping_ || in_flight_.count(id) || in_flight_.size() >= concurrency_) return false;
+  if (auto it = last_version_.find(id); it != last_version_.end() && it->second == round_) return false;
+  for (const wire::Result& r : buffer_)  // its last result not yet aggregated: one per aggregation
+    if (r.client_id() == id) return false;
+  in_flight_[id] = round_;
+  last_version_[id] = round_;
+  assigned_.push_back(id);
+  return true;
 }
 
 std::string Coordinator::may_submit(const std::string& id, const std::string& session, bool first) {
@@ -133,10 +162,7 @@ std::string Coordinator::may_submit(const std::string& id, const std::string& se
     if (std::string e = check_session(id, session); !e.empty()) return e;
     if (awaits(id) && uploading_.count(id)) return "result refused: '" + id + "' is uploading one already";
   }
-  if (!awaits(id)) {
-    return std::string("result refused: the server awaits none from '") + id + "' now; it is at round " +
-           std::to_string(round_) + " " + kind_name(kind_) + (phase_open_ ? "" : " (closed)");
-  }
+  if (!awaits(id)) return refusal(id);
   uploading_.insert(id);
   return {};
 }
@@ -150,6 +176,17 @@ std::string Coordinator::submit(wire::Result&& result) {
   std::lock_guard<std::mutex> lock(mutex_);
   const std::string id = result.client_id();
   if (std::string e = check_session(id, result.session()); !e.empty()) return e;
+  if (async_) {  // Note [Buffered asynchronous rounds]
+    if (!awaits(id)) return refusal(id);
+    if (result.kind() != wire::Task::FIT || result.round() != in_flight_[id])
+      return "result for version " + std::to_string(result.round()) + " refused: '" + id + "' was handed version " +
+             std::to_string(in_flight_[id]);
+    in_flight_.erase(id);
+    traffic_[id].up += static_cast<int64_t>(result.ByteSizeLong());
+    buffer_.push_back(std::move(result));
+    changed();  // a slot is free: a waiting poll may take it
+    return {};
+  }
   if (!awaits(id) || result.round() != round_ || result.kind() != kind_) {
     std::ostringstream why;
     why << "result for round " << result.round() << " " << kind_name(result.kind()) << " refused: the server is at round "
@@ -166,6 +203,7 @@ std::string Coordinator::leave(const wire::LeaveRequest& request) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (std::string e = check_session(request.client_id(), request.session()); !e.empty()) return e;
   clients_[request.client_id()].left = true;
+  if (in_flight_.erase(request.client_id())) changed();
   changed_.notify_all();
   return {};
 }
@@ -186,6 +224,7 @@ void Coordinator::gone(const std::string& id, const std::string& session) {
   auto it = clients_.find(id);
   if (it == clients_.end() || it->second.session != session || it->second.left) return;
   it->second.left = true;
+  if (in_flight_.erase(id)) changed();
   changed_.notify_all();
 }
 
@@ -256,6 +295,38 @@ std::map<std::string, wire::Result> Coordinator::close(double seconds) {
   phase_open_ = false;
   pending_.clear();
   return std::move(results_);
+}
+
+void Coordinator::open_async(uint64_t version, wire::Task task, size_t concurrency, uint64_t max_staleness) {
+  task.set_round(version);
+  task.set_kind(wire::Task::FIT);
+  auto bytes = std::make_shared<const std::string>(task.SerializeAsString());
+  std::lock_guard<std::mutex> lock(mutex_);
+  async_ = true;
+  phase_open_ = true;
+  round_ = version;
+  kind_ = wire::Task::FIT;
+  concurrency_ = concurrency == 0 ? SIZE_MAX : concurrency;
+  max_staleness_ = max_staleness;
+  async_task_ = std::move(bytes);
+  for (auto it = in_flight_.begin(); it != in_flight_.end();)  // too old to count: the slot is free
+    it = version - it->second > max_staleness ? in_flight_.erase(it) : std::next(it);
+  changed();
+}
+
+Coordinator::Buffered Coordinator::take_buffered(size_t count, double seconds) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  changed_.wait_until(lock, deadline, [&] { return buffer_.size() >= count || stopping_; });
+  Buffered out;
+  const size_t n = std::min(count, buffer_.size());
+  out.results.assign(std::make_move_iterator(buffer_.begin()), std::make_move_iterator(buffer_.begin() + n));
+  buffer_.erase(buffer_.begin(), buffer_.begin() + n);
+  out.assigned = std::exchange(assigned_, {});
+  out.too_stale = std::exchange(too_stale_, {});
+  std::sort(out.too_stale.begin(), out.too_stale.end());  // refused at each chunk it sent: once each
+  out.too_stale.erase(std::unique(out.too_stale.begin(), out.too_stale.end()), out.too_stale.end());
+  return out;
 }
 
 std::map<std::string, Traffic> Coordinator::take_traffic() {

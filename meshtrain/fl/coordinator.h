@@ -73,6 +73,22 @@ class Coordinator {
   // answered or left, or `seconds` passed; closes the phase (later results are
   // refused) and returns the results in.
   std::map<std::string, wire::Result> close(double seconds);
+  // Asynchronous mode (Note [Buffered asynchronous rounds] in server_async.cpp).
+  // Opens model version `version`: from now on a client polling with no task
+  // in flight, not yet handed this version, is handed `task` while fewer than
+  // `concurrency` clients train. A result is taken when it answers the
+  // client's task in flight; it joins a buffer that outlives versions. At each
+  // version, tasks more than `max_staleness` versions old stop counting: their
+  // results will be refused.
+  void open_async(uint64_t version, wire::Task task, size_t concurrency, uint64_t max_staleness);
+  struct Buffered {
+    std::vector<wire::Result> results;  // oldest first, each its version in round()
+    std::vector<std::string> assigned;  // handed a task since the last take
+    std::vector<std::string> too_stale; // results refused as too stale since the last take
+  };
+  // Waits until `count` results are buffered, or `seconds` passed, or the
+  // federation stops; takes up to `count` of them, oldest first.
+  Buffered take_buffered(size_t count, double seconds);
   std::map<std::string, Traffic> take_traffic();
   // From now on every poll answers STOP with `message`; waits up to `seconds`
   // for the connected clients to have heard it.
@@ -87,6 +103,8 @@ class Coordinator {
   };
   bool live(const Client& c, Clock::time_point now) const;
   bool awaits(const std::string& id) const;  // with mutex_ held: a result of `id` would be taken now
+  bool assign_async(const std::string& id);  // with mutex_ held: hands `id` the version's task if it may train now
+  std::string refusal(const std::string& id);  // with mutex_ held: why a result of `id` is not taken now
   void changed();  // with mutex_ held: wakes waiters and listeners
   std::string check_session(const std::string& id, const std::string& session);
 
@@ -105,6 +123,15 @@ class Coordinator {
   size_t enough_ = SIZE_MAX;                        // the phase's target of results
   std::set<std::string> uploading_;                 // clients with an upload in progress
   std::map<std::string, Traffic> traffic_;
+  // Asynchronous mode.
+  bool async_ = false;
+  size_t concurrency_ = SIZE_MAX;
+  uint64_t max_staleness_ = 0;
+  std::shared_ptr<const std::string> async_task_;
+  std::map<std::string, uint64_t> in_flight_;     // client -> the version it trains
+  std::map<std::string, uint64_t> last_version_;  // client -> the last version it was handed
+  std::vector<wire::Result> buffer_;
+  std::vector<std::string> assigned_, too_stale_;
   bool stopping_ = false;
   std::string stop_message_;
   std::vector<std::function<void()>> listeners_;

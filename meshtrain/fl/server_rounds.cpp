@@ -142,35 +142,10 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
 }
 
 void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome) {
-  const uint64_t seed = mix_seed(config_.seed, round);
-  const std::vector<Structure> structures = round_structures(config_.compression, shapes_, seed);
+  const std::vector<Structure> structures = round_structures(config_.compression, shapes_, mix_seed(config_.seed, round));
   std::vector<std::vector<at::Tensor>> updates;
   std::vector<double> weights, losses;
-  for (const auto& [id, r] : results) {
-    // Note [Client bounds]: a client's weight is at most what it declared at Join.
-    uint64_t cap = coordinator_.declared_examples(id);
-    if (config_.max_examples_per_client > 0) cap = std::min(cap, static_cast<uint64_t>(config_.max_examples_per_client));
-    const uint64_t examples = std::min<uint64_t>(r.examples(), cap);
-    try {
-      if (examples == 0) throw std::runtime_error("0 examples");
-      if (!std::isfinite(r.train_loss())) throw std::runtime_error("train loss not finite");
-      updates.push_back(decode_update({r.update().begin(), r.update().end()}, config_.compression, structures, seed, id,
-                                      /*shared_seeds=*/false));
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "fl server: round %llu: the update of '%s' is rejected: %s\n",
-                   static_cast<unsigned long long>(round), id.c_str(), e.what());
-      outcome.dropped.push_back(id);
-      continue;
-    }
-    if (r.examples() > cap && overclaimed_.insert(id).second) {
-      std::fprintf(stderr, "fl server: '%s' claims %llu examples; counted as %llu (what it declared at Join, and "
-                   "fl.max_examples_per_client)\n", id.c_str(), static_cast<unsigned long long>(r.examples()),
-                   static_cast<unsigned long long>(cap));
-    }
-    weights.push_back(static_cast<double>(examples));
-    losses.push_back(r.train_loss());
-    outcome.participants.push_back(id);
-  }
+  for (const auto& [id, r] : results) take_result(round, structures, id, r, updates, weights, losses, outcome);
   bound_updates(round, updates, weights, losses, outcome);
   if (config_.dp() && !updates.empty()) account(outcome, config_.noise_multiplier);
   if (static_cast<int64_t>(updates.size()) < config_.min_fit) {
@@ -196,6 +171,36 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
   } catch (const std::invalid_argument& e) {  // too few updates for the rule: the round does not count
     outcome.error = e.what();
   }
+}
+
+void Rounds::take_result(uint64_t round, const std::vector<Structure>& structures, const std::string& id,
+                         const wire::Result& r,
+                         std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
+                         std::vector<double>& losses, Outcome& outcome) {
+  const uint64_t seed = mix_seed(config_.seed, round);
+  // Note [Client bounds]: a client's weight is at most what it declared at Join.
+  uint64_t cap = coordinator_.declared_examples(id);
+  if (config_.max_examples_per_client > 0) cap = std::min(cap, static_cast<uint64_t>(config_.max_examples_per_client));
+  const uint64_t examples = std::min<uint64_t>(r.examples(), cap);
+  try {
+    if (examples == 0) throw std::runtime_error("0 examples");
+    if (!std::isfinite(r.train_loss())) throw std::runtime_error("train loss not finite");
+    updates.push_back(decode_update({r.update().begin(), r.update().end()}, config_.compression, structures, seed, id,
+                                    /*shared_seeds=*/false));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fl server: round %llu: the update of '%s' is rejected: %s\n",
+                 static_cast<unsigned long long>(round), id.c_str(), e.what());
+    outcome.dropped.push_back(id);
+    return;
+  }
+  if (r.examples() > cap && overclaimed_.insert(id).second) {
+    std::fprintf(stderr, "fl server: '%s' claims %llu examples; counted as %llu (what it declared at Join, and "
+                 "fl.max_examples_per_client)\n", id.c_str(), static_cast<unsigned long long>(r.examples()),
+                 static_cast<unsigned long long>(cap));
+  }
+  weights.push_back(static_cast<double>(examples));
+  losses.push_back(r.train_loss());
+  outcome.participants.push_back(id);
 }
 
 // Note [Client bounds]: the norm bound, then a non-finite norm rejects the update.
@@ -366,6 +371,8 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
   row["clip_norm"] = o.clip_norm;
   row["clipped"] = o.clipped;
   if (config_.dp()) row["epsilon"] = privacy_.epsilon(config_.dp_delta);
+  row["mode"] = config_.mode;
+  if (config_.async()) row["staleness"] = o.staleness;  // versions behind, per participant
   row["target"] = o.target;
   row["sample_seed"] = config_.dp() ? nlohmann::json(nullptr) : nlohmann::json(o.sample_seed);  // DP's is secret
   row["sampled"] = o.sampled;
@@ -393,6 +400,17 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
     std::fprintf(stderr, "fl server: round 0 (the starting model): val loss %.4f\n", val_loss);
     return;
   }
+  if (config_.async()) {
+    uint64_t stalest = 0;
+    for (const auto& [id, s] : o.staleness) stalest = std::max(stalest, s);
+    std::fprintf(stderr, "fl server: version %llu/%lld %s: %zu results (staleness up to %llu), %zu clients handed the "
+                 "model, train loss %.4f, val loss %.4f, up %lld B, down %lld B, %.2f s%s%s\n",
+                 static_cast<unsigned long long>(round), static_cast<long long>(config_.rounds),
+                 o.error.empty() ? "done" : "FAILED", o.participants.size(), static_cast<unsigned long long>(stalest),
+                 o.sampled.size(), o.train_loss, val_loss, static_cast<long long>(up), static_cast<long long>(down),
+                 seconds, o.error.empty() ? "" : ": ", o.error.c_str());
+    return;
+  }
   std::fprintf(stderr, "fl server: round %llu/%lld %s: %zu of %zu clients, train loss %.4f, val loss %.4f, up %lld B, "
                "down %lld B, %.2f s%s%s\n",
                static_cast<unsigned long long>(round), static_cast<long long>(config_.rounds),
@@ -410,7 +428,7 @@ int Rounds::run() {
   for (uint64_t round = next_round_; round <= static_cast<uint64_t>(config_.rounds); ++round) {
     const auto start = std::chrono::steady_clock::now();
     const Snapshot before = snapshot();
-    Outcome outcome = run_round(round);
+    Outcome outcome = config_.async() ? run_async_version(round) : run_round(round);
     double val_loss = evaluate();
     if (const std::string why = regression(val_loss); !why.empty()) {  // Note [Client bounds]
       restore(before);

@@ -43,6 +43,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <cmath>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -66,6 +67,7 @@ class Rounds {
     size_t target = 0;     // results the round waits for (Note [Sampling clients])
     uint64_t sample_seed = 0;
     std::vector<std::string> sampled, participants, dropped, clipped;
+    std::map<std::string, uint64_t> staleness;  // async: each participant's versions behind
     double train_loss = 0;
     double clip_norm = 0;          // the bound applied this round (0: none)
     double rejected_val_loss = 0;  // rolled back: the validation loss of the undone model
@@ -79,6 +81,14 @@ class Rounds {
   wire::Task fit_task(uint64_t round) const;
   void aggregate_plain(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
   void aggregate_secure(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
+  // server_async.cpp: one model version of an async federation (Note [Buffered asynchronous rounds]).
+  Outcome run_async_version(uint64_t version);
+  // Decodes the result of `id`, trained from the model of `round` (whose `structures` these are), into `updates`,
+  // `weights` (its examples, at most what it declared) and `losses`, and names it a participant; a result that
+  // does not decode is dropped.
+  void take_result(uint64_t round, const std::vector<Structure>& structures, const std::string& id, const wire::Result& r,
+                   std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
+                   std::vector<double>& losses, Outcome& outcome);
   // The updates after the bounds (Note [Client bounds]); weights: their examples (1 each under DP).
   void bound_updates(uint64_t round, std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
                      std::vector<double>& losses, Outcome& outcome);

@@ -11,6 +11,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/util/files.h"
+#include "tests/fl/raw_client.h"
 #include "tests/harness/test_env.h"
 
 #include <grpcpp/generic/generic_stub.h>
@@ -367,15 +368,6 @@ TEST(FlChunks, ARoundTripAndRefusalsAtTheChunkThatShowsThem) {
 }
 
 // Sends `result` as an upload's chunks (Note [Messages in chunks]).
-grpc::Status submit(wire::Federation::Stub& stub, const wire::Result& result) {
-  grpc::ClientContext context;
-  wire::Ack ack;
-  auto writer = stub.SubmitChunks(&context, &ack);
-  write_chunks(result, result.client_id(), result.session(), [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
-  writer->WritesDone();
-  return writer->Finish();
-}
-
 // A unary call of `method` with `bytes` as its message, whatever they are.
 grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::string& method, const std::string& bytes) {
   grpc::GenericStub generic(channel);
@@ -507,39 +499,6 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
 
 namespace meshtrain::fl {
 namespace {
-
-// A client speaking the protocol by hand.
-struct RawClient {
-  explicit RawClient(int port)
-      : stub(wire::Federation::NewStub(
-            grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()))) {}
-  grpc::Status join(const std::string& id, uint64_t examples, const std::string& resume = "") {
-    grpc::ClientContext context;
-    wire::JoinRequest j;
-    j.set_client_id(id);
-    j.set_examples(examples);
-    j.set_resume_session(resume);
-    j.set_protocol(kProtocol);
-    wire::JoinReply reply;
-    const grpc::Status s = stub->Join(&context, j, &reply);
-    if (s.ok()) session = reply.session();
-    return s;
-  }
-  grpc::Status poll(const std::string& id, wire::Task* task) {
-    grpc::ClientContext context;
-    wire::PollRequest p;
-    p.set_client_id(id);
-    p.set_session(session);
-    auto reader = stub->PollChunks(&context, p);
-    std::string bytes;
-    for (wire::Chunk chunk; reader->Read(&chunk);) bytes += chunk.data();
-    const grpc::Status status = reader->Finish();
-    if (status.ok() && !task->ParseFromString(bytes)) return grpc::Status(grpc::StatusCode::INTERNAL, "not a Task");
-    return status;
-  }
-  std::unique_ptr<wire::Federation::Stub> stub;
-  std::string session;
-};
 
 TEST(FlFederation, ALiveIdCannotBeTakenButItsOwnerCanRejoin) {
   const std::string dir = ::testing::TempDir() + "/fl_duplicate";
