@@ -33,7 +33,7 @@ class FlCli : public Command {
   std::string config_, port_file_;
   bool help_config_ = false;
   fl::ClientOptions client_options_;
-  std::string client_ca_, client_cert_, client_key_;
+  std::string client_ca_, client_cert_, client_key_, client_token_file_;
   bool client_insecure_ = false;
   int simulate_clients_ = 4;
   std::string simulate_text_;

@@ -1,6 +1,7 @@
 // meshtrain fl server | client | simulate | split | plot.
 #include "meshtrain/apps/fl_cli.h"
 
+#include "meshtrain/fl/admission.h"
 #include "meshtrain/fl/config.h"
 #include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/metrics.h"
@@ -79,6 +80,8 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
   client_->add_option("--cert", client_cert_, "Mutual TLS: this client's certificate (PEM)");
   client_->add_option("--key", client_key_, "Mutual TLS: this client's private key (PEM)");
   client_->add_flag("--insecure", client_insecure_, "Plaintext (only to a loopback address)");
+  client_->add_option("--join-token-file", client_token_file_,
+                      "The federation's join token, where its server asks for one (fl.server.join_token_file)");
   client_->add_option("--connect-timeout", client_options_.connect_timeout_s, "Seconds to reach the server")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->capture_default_str();
@@ -233,6 +236,7 @@ int FlCli::run_simulate(const char* argv0) const {
   for (int i = 0; i < simulate_clients_; ++i) {
     std::vector<std::string> args{self, "fl", "client", "--server", address, "--insecure", "--id", dirs[i], "--data",
                                   config.clients_dir + "/" + dirs[i]};
+    if (!config.join_token_file.empty()) args.insert(args.end(), {"--join-token-file", config.join_token_file});
     // Every 1/fraction-th client is slow: floor((i + 1) f) > floor(i f).
     if (std::floor((i + 1) * simulate_slow_fraction_) > std::floor(i * simulate_slow_fraction_))
       args.insert(args.end(), {"--slow-factor", std::to_string(simulate_slow_factor_)});
@@ -274,6 +278,7 @@ int FlCli::dispatch(const char* self) const {
     options.tls.key = client_key_;
     options.tls.mutual = !client_cert_.empty();
     options.tls.insecure = client_insecure_;
+    if (!client_token_file_.empty()) options.join_token = fl::read_join_token(client_token_file_);
     options.leave_on_signal = true;  // Ctrl-C or SIGTERM: say goodbye to the server, exit 0
     if (!options.tls.insecure && options.tls.ca.empty())
       throw std::invalid_argument("fl client: give --ca (the server's CA certificate) for TLS, or --insecure to a "

@@ -117,6 +117,7 @@ class Participant {
       request.set_tokens(static_cast<uint64_t>(file_.size()));  // the server counts them at the model's context
       request.set_resume_session(session_);  // rejoining after a lost link: the session is ours
       request.set_protocol(kProtocol);
+      request.set_join_token(o_.join_token);
       wire::JoinReply reply;
       const grpc::Status status = stub_->Join(&context, request, &reply);
       if (status.ok()) {
@@ -127,7 +128,8 @@ class Participant {
       }
       if (status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
         throw ClientError("the server at " + o_.server + " refused this client: " + status.error_message());
-      last = status.error_message();  // ALREADY_EXISTS too: that session may be ending; retried until the timeout
+      // ALREADY_EXISTS (that session may be ending) and RESOURCE_EXHAUSTED (joins limited): retried until the timeout.
+      last = status.error_message();
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
     }
     throw ClientError("could not reach the federation server at " + o_.server + " within " +

@@ -21,6 +21,7 @@ struct ClientOptions {
   std::string server = "127.0.0.1:50051";
   std::string data;               // a directory holding train.bin (fl split), or a token file
   TlsConfig tls;                  // ca: verifies the server; cert/key: this client's, for mutual TLS
+  std::string join_token;         // the federation's join token, where it has one (Note [Admission without mutual TLS])
   double connect_timeout_s = 60;  // to reach (or reach again) the server
   // For exercising the server's fault handling: wait this long before
   // sending each training result; stop answering after this phase

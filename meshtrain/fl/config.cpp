@@ -115,6 +115,11 @@ const std::vector<FlKey>& keys() {
               }
             },
             [](const FlConfig& c) { return config::FieldType<std::vector<std::string>>::show(c.tls.allow); }},
+      key("fl.server", "join_token_file", "without mutual TLS: a Join must quote the secret in this file (clients: "
+             "--join-token-file)", MEMBER(join_token_file)),
+      key("fl.server", "joins_per_minute", "Joins one source address may make a minute (0: no limit)",
+          MEMBER(joins_per_minute)),
+      key("fl.server", "ids_per_address", "live client ids from one source address (0: no limit)", MEMBER(ids_per_address)),
       key("fl.server", "insecure", "plaintext (only on a loopback address)", MEMBER(tls.insecure)),
       key("fl.server", "grpc_memory_mb", "the memory gRPC may hold for all connections; a message that would pass it "
              "(one larger than a chunk, sent whole) is cut off", MEMBER(grpc_memory_mb)),
@@ -346,6 +351,8 @@ void FlConfig::validate() const {
   if (!tls.insecure && (tls.cert.empty() || tls.key.empty()))
     fail("fl.server: set cert and key (PEM files) for TLS, or insecure = true on a loopback address");
   if (tls.mutual && tls.ca.empty()) fail("fl.server.mutual_tls needs client_ca");
+  if (!(joins_per_minute == 0 || joins_per_minute >= 1)) fail("fl.server.joins_per_minute must be 0 (no limit) or >= 1");
+  if (ids_per_address < 0) fail("fl.server.ids_per_address must be >= 0 (0: no limit)");
 }
 
 // Note [Buffered asynchronous rounds]: what an async federation cannot combine with.

@@ -84,6 +84,10 @@ struct FlConfig {
   int64_t eval_batches = 4;
   // [fl.server]
   std::string listen = "127.0.0.1:0";  // port 0: any free port (printed, and written to --port-file)
+  // Note [Admission without mutual TLS] (admission.h): each 0 or "" for none.
+  std::string join_token_file;
+  double joins_per_minute = 0;  // per source address
+  int64_t ids_per_address = 0;  // live ids per source address
   double grpc_memory_mb = 256;  // gRPC's own buffers for all connections (Note [Messages in chunks])
   std::string out = "runs/fl";         // metrics.jsonl, state.safetensors, loss.svg
   bool resume = true;

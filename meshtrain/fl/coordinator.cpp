@@ -50,9 +50,9 @@ std::string Coordinator::check_session(const std::string& id, const std::string&
 // restarted process). A client whose Presence call breaks is gone at once:
 // the round in progress stops waiting for it. The server holds a Presence
 // call without a thread (Note [Calls without threads] in server_calls.h).
-std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session,
-                              bool* in_use) {
-  *in_use = false;
+std::string Coordinator::join(const wire::JoinRequest& request, const std::string& peer_name, const std::string& address,
+                              std::string* session, Refusal* refusal) {
+  *refusal = Refusal::kDenied;
   const std::string& id = request.client_id();
   if (!valid_id(id)) return "client id '" + id + "': use 1 to 128 letters, digits, '_', '-' or '.'";
   uint64_t examples = request.tokens() > 0 ? (request.tokens() - 1) / static_cast<uint64_t>(std::max<int64_t>(1, context_))
@@ -68,7 +68,7 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
   const auto now = Clock::now();
   if (auto it = clients_.find(id); it != clients_.end() && live(it->second, now) && !mutual_ &&
                                    request.resume_session() != it->second.session) {
-    *in_use = true;
+    *refusal = Refusal::kInUse;
     const auto quiet = std::chrono::duration_cast<std::chrono::seconds>(now - it->second.seen).count();
     return "client id '" + id + "' belongs to a live session (heard from " + std::to_string(quiet) +
            " s ago): use another id, or join again once that client has left or been silent for " +
@@ -76,13 +76,48 @@ std::string Coordinator::join(const wire::JoinRequest& request, const std::strin
            " s (under mutual TLS the certificate proves the id and the new session replaces the old)";
   }
   // A rejoin (the old session quoted) cannot raise the examples declared (Note [Client bounds]).
-  if (auto it = clients_.find(id); it != clients_.end() && request.resume_session() == it->second.session)
-    examples = std::min(examples, it->second.examples);
+  const auto known = clients_.find(id);
+  const bool rejoin = known != clients_.end() && request.resume_session() == known->second.session;
+  if (rejoin) examples = std::min(examples, known->second.examples);
+  // Note [Admission without mutual TLS]: live ids per source address.
+  if (ids_per_address_ > 0 && !(known != clients_.end() && live(known->second, now))) {
+    int64_t from_there = 0;
+    for (const auto& [other, c] : clients_) from_there += c.address == address && live(c, now);
+    if (from_there >= ids_per_address_) {
+      *refusal = Refusal::kBusy;
+      return std::to_string(from_there) + " live clients have joined from " + address +
+             ", fl.server.ids_per_address = " + std::to_string(ids_per_address_) + ": join again once one leaves";
+    }
+  }
+  forget_idle(now);
   Client& c = clients_[id];
-  c = Client{new_session(), now, false, false, examples};
+  c = Client{new_session(), now, false, false, examples, address};
   *session = c.session;
   changed_.notify_all();
   return {};
+}
+
+// Note [Admission without mutual TLS]: ids neither live nor awaited, once
+// they outnumber the live ones by 4,096.
+void Coordinator::forget_idle(Clock::time_point now) {
+  constexpr size_t kSlack = 4096;
+  if (clients_.size() < kSlack) return;
+  size_t alive = 0;
+  for (const auto& [id, c] : clients_) alive += live(c, now);
+  if (clients_.size() < alive + kSlack) return;
+  std::set<std::string> buffered;
+  for (const wire::Result& r : buffer_) buffered.insert(r.client_id());
+  for (auto it = clients_.begin(); it != clients_.end();) {
+    const std::string& id = it->first;
+    const bool awaited = expected_.count(id) || results_.count(id) || in_flight_.count(id) || uploading_.count(id) ||
+                         buffered.count(id);
+    if (live(it->second, now) || awaited) {
+      ++it;
+      continue;
+    }
+    last_version_.erase(id);
+    it = clients_.erase(it);
+  }
 }
 
 std::string Coordinator::poll(const wire::PollRequest& request, Clock::time_point since,

@@ -33,9 +33,14 @@ class Coordinator {
       : mutual_(mutual), allow_(std::move(allow)), context_(context) {}
 
   // Handlers. Each returns "" or the reason the call is refused.
-  // Join: an id that is live is refused (`*in_use` set) unless the request
-  // quotes that session or mutual TLS proved the name (Note [Client sessions]).
-  std::string join(const wire::JoinRequest& request, const std::string& peer_name, std::string* session, bool* in_use);
+  // Join: an id that is live is refused (kInUse) unless the request quotes
+  // that session or mutual TLS proved the name (Note [Client sessions]); one
+  // more live id from `address` than ids_per_address is refused (kBusy, Note
+  // [Admission without mutual TLS]).
+  enum class Refusal { kDenied, kInUse, kBusy };
+  std::string join(const wire::JoinRequest& request, const std::string& peer_name, const std::string& address,
+                   std::string* session, Refusal* refusal);
+  void limit_ids_per_address(int64_t limit) { ids_per_address_ = limit; }
   // Poll, without waiting: the client's task if one is open for it (serialized;
   // a FIT task is one string every sampled client shares), STOP, or WAIT when
   // the poll began (`since`) a long-poll time (1 s) ago; else `*task` is null
@@ -100,7 +105,9 @@ class Coordinator {
     Clock::time_point seen;
     bool left = false, stopped = false;
     uint64_t examples = 0;  // declared at Join
+    std::string address;    // the source IP it joined from
   };
+  void forget_idle(Clock::time_point now);  // with mutex_ held (Note [Admission without mutual TLS])
   bool live(const Client& c, Clock::time_point now) const;
   bool awaits(const std::string& id) const;  // with mutex_ held: a result of `id` would be taken now
   bool assign_async(const std::string& id);  // with mutex_ held: hands `id` the version's task if it may train now
@@ -113,6 +120,7 @@ class Coordinator {
   bool mutual_;
   std::vector<std::string> allow_;
   int64_t context_;
+  int64_t ids_per_address_ = 0;  // 0: no limit
   std::map<std::string, Client> clients_;
   uint64_t round_ = 0;
   wire::Task::Kind kind_ = wire::Task::WAIT;

@@ -1,5 +1,6 @@
 #include "meshtrain/fl/server.h"
 
+#include "meshtrain/fl/admission.h"
 #include "meshtrain/fl/chunks.h"
 #include "meshtrain/fl/coordinator.h"
 #include "meshtrain/fl/server_calls.h"
@@ -53,7 +54,9 @@ using Methods = wire::Federation::WithCallbackMethod_Presence<wire::Federation::
 class FederationService final : public Methods {
  public:
   // `cap`: the most bytes of one result (Note [Messages in chunks]).
-  FederationService(Coordinator& coordinator, int64_t cap) : coordinator_(coordinator), cap_(cap) {
+  // `admission`: the bounds on who joins without mutual TLS (Note [Admission without mutual TLS]).
+  FederationService(Coordinator& coordinator, int64_t cap, std::unique_ptr<Admission> admission)
+      : coordinator_(coordinator), cap_(cap), admission_(std::move(admission)) {
     coordinator_.on_change([this] {  // a phase opened or the federation stops: answer at once
       polls_.wake();
       presences_.wake();
@@ -69,12 +72,23 @@ class FederationService final : public Methods {
                      request.client_id().c_str(), request.protocol() == 0 ? 1u : request.protocol());
         return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, protocol_error(request.protocol()));
       }
+      const std::string address = peer_ip(context->peer());
+      bool busy = false;
+      if (std::string why = admission_->admit(address, request.join_token(), &busy); !why.empty()) {
+        std::fprintf(stderr, "fl server: refused client '%s' from %s: %s\n", request.client_id().c_str(),
+                     address.c_str(), why.c_str());
+        return grpc::Status(busy ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::PERMISSION_DENIED, why);
+      }
       std::string session;
-      bool in_use = false;
-      const std::string why = coordinator_.join(request, peer_common_name(*context), &session, &in_use);
+      Coordinator::Refusal refusal;
+      const std::string why = coordinator_.join(request, peer_common_name(*context), address, &session, &refusal);
       if (!why.empty()) {
-        std::fprintf(stderr, "fl server: refused client '%s': %s\n", request.client_id().c_str(), why.c_str());
-        return grpc::Status(in_use ? grpc::StatusCode::ALREADY_EXISTS : grpc::StatusCode::PERMISSION_DENIED, why);
+        std::fprintf(stderr, "fl server: refused client '%s' from %s: %s\n", request.client_id().c_str(),
+                     address.c_str(), why.c_str());
+        return grpc::Status(refusal == Coordinator::Refusal::kInUse  ? grpc::StatusCode::ALREADY_EXISTS
+                            : refusal == Coordinator::Refusal::kBusy ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                                                                     : grpc::StatusCode::PERMISSION_DENIED,
+                            why);
       }
       std::fprintf(stderr, "fl server: client '%s' joined (%llu examples)\n", request.client_id().c_str(),
                    static_cast<unsigned long long>(coordinator_.declared_examples(request.client_id())));
@@ -131,6 +145,7 @@ class FederationService final : public Methods {
  private:
   Coordinator& coordinator_;
   int64_t cap_;
+  std::unique_ptr<Admission> admission_;
   // Note [Calls without threads]: the open Presence calls, ended with their session; the waiting polls.
   Sweep presences_{std::chrono::milliseconds(200),
                    [](SweptCall* call) { return static_cast<PresenceCall*>(call)->ended_session(); },
@@ -146,8 +161,12 @@ Server::Server(FlConfig config)
       coordinator_(std::make_unique<Coordinator>(config_.tls.mutual,
                                                  config_.tls.mutual ? config_.tls.allow : std::vector<std::string>{},
                                                  config_.model.context)),
-      service_(std::make_unique<FederationService>(*coordinator_, config_.max_message_bytes())),
+      service_(std::make_unique<FederationService>(
+          *coordinator_, config_.max_message_bytes(),
+          std::make_unique<Admission>(config_.join_token_file.empty() ? "" : read_join_token(config_.join_token_file),
+                                      config_.joins_per_minute))),
       rounds_(std::make_unique<Rounds>(config_, *coordinator_)) {
+  coordinator_->limit_ids_per_address(config_.ids_per_address);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config_.listen, server_credentials(config_.tls, config_.listen), &port_);
   builder.RegisterService(service_.get());

@@ -395,6 +395,7 @@ void Rounds::record(uint64_t round, const Outcome& o, double seconds, double val
   row["cumulative_downlink_bytes"] = cumulative_down_;
   row["bytes_per_client"] = per_client;
   row["seconds"] = seconds;
+  row["elapsed_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
   append_jsonl(config_.out + "/metrics.jsonl", row);
   if (round == 0) {
     std::fprintf(stderr, "fl server: round 0 (the starting model): val loss %.4f\n", val_loss);

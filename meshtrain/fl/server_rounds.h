@@ -42,6 +42,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -123,6 +124,7 @@ class Rounds {
   double good_val_loss_ = std::nan("");  // of the last model that stood
   std::set<std::string> overclaimed_;    // clients told once that their examples were capped
   PrivacyLedger privacy_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();  // metrics' elapsed_s
 };
 
 }  // namespace meshtrain::fl

@@ -26,13 +26,15 @@ struct RawClient {
   explicit RawClient(int port)
       : stub(wire::Federation::NewStub(
             grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()))) {}
-  grpc::Status join(const std::string& id, uint64_t examples, const std::string& resume = "") {
+  grpc::Status join(const std::string& id, uint64_t examples, const std::string& resume = "",
+                    const std::string& token = "") {
     grpc::ClientContext context;
     wire::JoinRequest j;
     j.set_client_id(id);
     j.set_examples(examples);
     j.set_resume_session(resume);
     j.set_protocol(kProtocol);
+    j.set_join_token(token);
     wire::JoinReply reply;
     const grpc::Status s = stub->Join(&context, j, &reply);
     if (s.ok()) session = reply.session();
@@ -49,6 +51,14 @@ struct RawClient {
     const grpc::Status status = reader->Finish();
     if (status.ok() && !task->ParseFromString(bytes)) return grpc::Status(grpc::StatusCode::INTERNAL, "not a Task");
     return status;
+  }
+  grpc::Status leave(const std::string& id) {
+    grpc::ClientContext context;
+    wire::LeaveRequest l;
+    l.set_client_id(id);
+    l.set_session(session);
+    wire::Ack ack;
+    return stub->Leave(&context, l, &ack);
   }
   std::unique_ptr<wire::Federation::Stub> stub;
   std::string session;
