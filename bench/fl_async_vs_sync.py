@@ -48,15 +48,15 @@ def simulate(work, name, args):
     return rows(out)
 
 
-def trial(work, a):
+def trial(work, a, t):
     split = os.path.join(work, "split")
     if not os.path.exists(split):
         subprocess.run([MESHTRAIN, "fl", "split", corpus(), "--out", split, "--by", "speaker"], check=True,
                        stdout=subprocess.DEVNULL)
     data = [f"--fl.data.clients_dir={split}", f"--fl.data.val_file={split}/val.bin"]
-    sync = simulate(work, "sync", data + [f"--fl.rounds={a.rounds}"])
+    sync = simulate(work, f"sync{t}", data + [f"--fl.rounds={a.rounds}"])
     target, sync_s = sync[-1]["val_loss"], sync[-1]["elapsed_s"]
-    run = simulate(work, "async", data + [f"--fl.rounds={a.versions}", "--fl.mode=async", f"--fl.async.buffer={a.buffer}"])
+    run = simulate(work, f"async{t}", data + [f"--fl.rounds={a.versions}", "--fl.mode=async", f"--fl.async.buffer={a.buffer}"])
     reached = next((r for r in run if r["round"] > 0 and r["val_loss"] is not None and r["val_loss"] <= target), None)
     refused = sum(len(r["dropped"]) for r in run)
     return {"sync_loss": target, "sync_s": sync_s, "async_version": reached["round"] if reached else None,
@@ -74,7 +74,7 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as work:
         for t in range(a.trials):
-            r = trial(work, a)
+            r = trial(work, a, t)
             results.append(r)
             print(json.dumps(r), flush=True)
     reached = [r for r in results if r["async_s"] is not None]

@@ -126,10 +126,12 @@ void Rounds::keep_state(uint64_t round) const {
 
 // A fresh run (nothing to resume, or fl.server.resume = false) starts with no
 // kept states, so that an older run's files can neither be pruned in place of
-// this run's nor resumed from.
+// this run's nor resumed from, and with a new metrics.jsonl, so that its rows
+// are not read as continuing an older run's.
 void Rounds::clear_states() const {
   std::error_code error;
   fs::remove_all(states_dir(config_), error);
+  fs::remove(config_.out + "/metrics.jsonl", error);
 }
 
 // state.safetensors, or when it cannot be read, the newest readable state in
