@@ -66,7 +66,7 @@ async def client(pb, stub, name, joined):
                 zero.setdefault(size, bytes(4 * size))
                 result.update.add(index=i, seed=sketch_seed(task.fit.seed, i, name), length=size, values=zero[size])
             data = result.SerializeToString()
-            await stub.SubmitChunks(chunks(data, pb, name, reply.session))
+            await stub.SubmitChunks(chunks(data, pb, name, reply.session, round=task.round, kind=pb.Task.FIT))
     finally:
         presence.cancel()
 

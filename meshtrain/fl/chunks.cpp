@@ -87,6 +87,21 @@ bool write_chunks(const std::string& bytes, const std::string& id, const std::st
   return true;
 }
 
+bool write_result_chunks(const wire::Result& result, const std::function<bool(const wire::Chunk&)>& write) {
+  const std::string bytes = result.SerializeAsString();
+  size_t at = 0;
+  do {
+    const bool first = at == 0;
+    wire::Chunk chunk = chunk_at(bytes, &at, result.client_id(), result.session());
+    if (first) {
+      chunk.set_round(result.round());
+      chunk.set_kind(result.kind());
+    }
+    if (!write(chunk)) return false;
+  } while (at < bytes.size());
+  return true;
+}
+
 ChunkAssembler::ChunkAssembler(int64_t cap, std::string what) : cap_(cap), what_(std::move(what)) {}
 
 grpc::Status ChunkAssembler::add(wire::Chunk&& chunk) {

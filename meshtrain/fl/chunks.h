@@ -21,7 +21,9 @@ namespace meshtrain::fl {
 // bytes, gRPC's own limit on one message is a chunk (kWireMessageBytes), and
 // the server counts an upload as it comes: it refuses one whose declared
 // total, or whose running count, passes fl.max_message_mb at that chunk, and
-// one from a client that has no result to give. An upload it takes costs the
+// one from a client that has no result to give, or whose first chunk says it
+// answers another round or phase (a client that does not say is checked once
+// the result is whole). An upload it takes costs the
 // chunks held until the last arrives, then the parsed Result, which is built
 // while the chunks it has read are freed: at most the cap plus a chunk.
 // Version 1's whole-message Poll and Submit are refused without being read,
@@ -43,6 +45,9 @@ bool write_chunks(const google::protobuf::MessageLite& message, const std::strin
 // The chunk of `bytes` that starts at `*at` (the first carries the total, `id`
 // and `session`); moves `*at` past it. An empty message is one empty chunk.
 wire::Chunk chunk_at(const std::string& bytes, size_t* at, const std::string& id, const std::string& session);
+
+// A Result's chunks: the first also names the round and phase it answers.
+bool write_result_chunks(const wire::Result& result, const std::function<bool(const wire::Chunk&)>& write);
 
 // The same as write_chunks for a message serialized already.
 bool write_chunks(const std::string& bytes, const std::string& id, const std::string& session,

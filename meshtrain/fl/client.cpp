@@ -196,7 +196,7 @@ class Participant {
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
     wire::Ack ack;
     auto writer = stub_->SubmitChunks(&context, &ack);
-    write_chunks(result, o_.id, session_, [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
+    write_result_chunks(result, [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
     writer->WritesDone();
     const grpc::Status status = writer->Finish();
     if (!status.ok()) log("round %llu: result not taken: %s", static_cast<unsigned long long>(task.round()),

@@ -181,7 +181,9 @@ std::string Coordinator::refusal(const std::string& id) {
 }
 
 bool Coordinator::assign_async(const std::string& id) {
-  if (!async_ || !phase_open_ || stopping_ || in_flight_.count(id) || in_flight_.size() >= concurrency_) return false;
+  if (!async_ || !phase_open_ || stopping_ || !async_task_ || in_flight_.count(id) || in_flight_.size() >= concurrency_ ||
+      buffer_.size() >= async_buffer_)  // the version is full: the next one is coming
+    return false;
   if (auto it = last_version_.find(id); it != last_version_.end() && it->second == round_) return false;
   for (const wire::Result& r : buffer_)  // its last result not yet aggregated: one per aggregation
     if (r.client_id() == id) return false;
@@ -191,13 +193,22 @@ bool Coordinator::assign_async(const std::string& id) {
   return true;
 }
 
-std::string Coordinator::may_submit(const std::string& id, const std::string& session, bool first) {
+std::string Coordinator::may_submit(const std::string& id, const std::string& session, bool first, uint64_t round,
+                                    wire::Task::Kind kind) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (first) {
     if (std::string e = check_session(id, session); !e.empty()) return e;
     if (awaits(id) && uploading_.count(id)) return "result refused: '" + id + "' is uploading one already";
   }
   if (!awaits(id)) return refusal(id);
+  if (first && round != 0) {  // what the result answers, from its first chunk (checked again whole, in submit)
+    if (async_ && round != in_flight_[id])
+      return "result for version " + std::to_string(round) + " refused: '" + id + "' was handed version " +
+             std::to_string(in_flight_[id]);
+    if (!async_ && (round != round_ || kind != kind_))
+      return "result for round " + std::to_string(round) + " " + kind_name(kind) + " refused: the server is at round " +
+             std::to_string(round_) + " " + kind_name(kind_);
+  }
   uploading_.insert(id);
   return {};
 }
@@ -332,7 +343,8 @@ std::map<std::string, wire::Result> Coordinator::close(double seconds) {
   return std::move(results_);
 }
 
-void Coordinator::open_async(uint64_t version, wire::Task task, size_t concurrency, uint64_t max_staleness) {
+void Coordinator::open_async(uint64_t version, wire::Task task, size_t buffer, size_t concurrency,
+                             uint64_t max_staleness) {
   task.set_round(version);
   task.set_kind(wire::Task::FIT);
   auto bytes = std::make_shared<const std::string>(task.SerializeAsString());
@@ -341,6 +353,7 @@ void Coordinator::open_async(uint64_t version, wire::Task task, size_t concurren
   phase_open_ = true;
   round_ = version;
   kind_ = wire::Task::FIT;
+  async_buffer_ = buffer;
   concurrency_ = concurrency == 0 ? SIZE_MAX : concurrency;
   max_staleness_ = max_staleness;
   async_task_ = std::move(bytes);
@@ -354,6 +367,7 @@ Coordinator::Buffered Coordinator::take_buffered(size_t count, double seconds) {
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   changed_.wait_until(lock, deadline, [&] { return buffer_.size() >= count || stopping_; });
   Buffered out;
+  async_task_.reset();  // until the next version opens
   const size_t n = std::min(count, buffer_.size());
   out.results.assign(std::make_move_iterator(buffer_.begin()), std::make_move_iterator(buffer_.begin() + n));
   buffer_.erase(buffer_.begin(), buffer_.begin() + n);

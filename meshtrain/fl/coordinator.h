@@ -53,7 +53,9 @@ class Coordinator {
   // (`first`: its session too, and no other upload of its in progress), so
   // that one the round no longer awaits (closed, or its target in) stops
   // there. upload_ended: the upload's call is over, however it ended.
-  std::string may_submit(const std::string& id, const std::string& session, bool first);
+  // `round` and `kind`: what the upload's first chunk says it answers (round 0: not said).
+  std::string may_submit(const std::string& id, const std::string& session, bool first, uint64_t round = 0,
+                         wire::Task::Kind kind = wire::Task::WAIT);
   void upload_ended(const std::string& id);
   std::string submit(wire::Result&& result);
   std::string leave(const wire::LeaveRequest& request);
@@ -84,8 +86,9 @@ class Coordinator {
   // `concurrency` clients train. A result is taken when it answers the
   // client's task in flight; it joins a buffer that outlives versions. At each
   // version, tasks more than `max_staleness` versions old stop counting: their
-  // results will be refused.
-  void open_async(uint64_t version, wire::Task task, size_t concurrency, uint64_t max_staleness);
+  // results will be refused. Once `buffer` results are in, no task is handed
+  // out until the next version opens: it would be stale at once.
+  void open_async(uint64_t version, wire::Task task, size_t buffer, size_t concurrency, uint64_t max_staleness);
   struct Buffered {
     std::vector<wire::Result> results;  // oldest first, each its version in round()
     std::vector<std::string> assigned;  // handed a task since the last take
@@ -133,7 +136,7 @@ class Coordinator {
   std::map<std::string, Traffic> traffic_;
   // Asynchronous mode.
   bool async_ = false;
-  size_t concurrency_ = SIZE_MAX;
+  size_t concurrency_ = SIZE_MAX, async_buffer_ = 1;
   uint64_t max_staleness_ = 0;
   std::shared_ptr<const std::string> async_task_;
   std::map<std::string, uint64_t> in_flight_;     // client -> the version it trains

@@ -19,7 +19,8 @@ namespace meshtrain::fl {
 //   clients train (0: no limit), and whose last result is not still waiting
 //   in the buffer (a client has at most one result in an aggregation). A
 //   client trains each version at most once, at the data offset of that
-//   version, so two of its results never repeat.
+//   version, so two of its results never repeat. Once K results are in, no
+//   task is handed out until the next version opens (it would be stale at once).
 // - A result is taken when it answers the task its client has in flight, and
 //   joins a buffer that outlives versions: results that arrive while the
 //   server aggregates wait for the next version.
@@ -51,7 +52,7 @@ Rounds::Outcome Rounds::run_async_version(uint64_t version) {
     return outcome;
   }
   outcome.target = static_cast<size_t>(config_.async_buffer);
-  coordinator_.open_async(version, fit_task(version), static_cast<size_t>(config_.async_concurrency),
+  coordinator_.open_async(version, fit_task(version), outcome.target, static_cast<size_t>(config_.async_concurrency),
                           static_cast<uint64_t>(config_.max_staleness));
   Coordinator::Buffered buffered = coordinator_.take_buffered(outcome.target, config_.deadline_s);
   outcome.sampled = std::move(buffered.assigned);

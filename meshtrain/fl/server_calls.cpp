@@ -174,8 +174,9 @@ void SubmitCall::OnReadDone(bool ok) {
     id_ = chunk.client_id();
     session_ = chunk.session();
   }
-  // Every chunk: an upload the round no longer awaits (closed, its target in) stops here.
-  if (std::string why = coordinator_.may_submit(id_, session_, first); !why.empty())
+  // Every chunk: an upload the round no longer awaits (closed, its target in) stops here; the first, one
+  // that answers another round or phase than the server awaits of it.
+  if (std::string why = coordinator_.may_submit(id_, session_, first, chunk.round(), chunk.kind()); !why.empty())
     return end(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, why));
   registered_ = true;
   if (grpc::Status added = assembler_.add(std::move(chunk)); !added.ok()) return refuse(added);

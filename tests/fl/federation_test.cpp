@@ -317,56 +317,6 @@ TEST(FlFederation, ARestartedServerResumesWhereItStopped) {
   EXPECT_EQ(rows.back()["cumulative_uplink_bytes"], metrics(whole.out).back()["cumulative_uplink_bytes"]);
 }
 
-// Note [Messages in chunks]: a Result through write_chunks and read_chunks, and
-// the refusals, each at the chunk that shows it.
-TEST(FlChunks, ARoundTripAndRefusalsAtTheChunkThatShowsThem) {
-  wire::Result result;
-  result.set_client_id("c0");
-  result.set_session("s");
-  result.add_update()->set_values(std::string((7 << 20) / 2, '\x01'));  // 3.5 MiB: four chunks
-  std::vector<wire::Chunk> chunks;
-  ASSERT_TRUE(write_chunks(result, "c0", "s", [&](const wire::Chunk& c) { chunks.push_back(c); return true; }));
-  ASSERT_EQ(chunks.size(), 4u);
-  EXPECT_EQ(chunks[0].total(), result.ByteSizeLong());
-  EXPECT_EQ(chunks[0].client_id(), "c0");
-  EXPECT_EQ(chunks[1].total(), 0u);
-  size_t next = 1, ends_after = chunks.size();
-  auto read = [&](wire::Chunk* c) {
-    if (next >= ends_after) return false;
-    *c = chunks[next++];
-    return true;
-  };
-  wire::Result back;
-  ASSERT_TRUE(read_chunks(chunks[0], read, 8 << 20, "a result", &back).ok());
-  EXPECT_EQ(back.SerializeAsString(), result.SerializeAsString());
-
-  next = 1;  // declared over the cap: not one more chunk read
-  grpc::Status s = read_chunks(chunks[0], read, 2 << 20, "a result", &back);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_NE(s.error_message().find("over the limit of 2.0 MiB (fl.max_message_mb): refused unread"), std::string::npos)
-      << s.error_message();
-  EXPECT_EQ(next, 1u);
-
-  next = 1;  // 1.5 MiB declared, more sent: refused at the second chunk
-  wire::Chunk lying = chunks[0];
-  lying.set_total(3 << 19);
-  s = read_chunks(lying, read, 8 << 20, "a result", &back);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_NE(s.error_message().find("more bytes came than the 1572864 its first chunk declared"), std::string::npos);
-  EXPECT_EQ(next, 2u);
-
-  next = 1, ends_after = 2;  // cut off
-  s = read_chunks(chunks[0], read, 8 << 20, "a result", &back);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(s.error_message().find("the stream ended after 2097152 of its"), std::string::npos) << s.error_message();
-
-  wire::Result empty;  // one empty chunk
-  chunks.clear();
-  write_chunks(empty, "", "", [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
-  ASSERT_EQ(chunks.size(), 1u);
-  EXPECT_TRUE(read_chunks(chunks[0], read, 8 << 20, "a result", &back).ok());
-}
-
 // Sends `result` as an upload's chunks (Note [Messages in chunks]).
 // A unary call of `method` with `bytes` as its message, whatever they are.
 grpc::Status raw_call(const std::shared_ptr<grpc::Channel>& channel, const std::string& method, const std::string& bytes) {
@@ -517,48 +467,6 @@ TEST(FlFederation, ALiveIdCannotBeTakenButItsOwnerCanRejoin) {
   const grpc::Status none = impostor.join("c1", 0);
   EXPECT_EQ(none.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_NE(none.error_message().find("0 training sequences"), std::string::npos) << none.error_message();
-}
-
-// Note [Messages in chunks]: one upload at a time per client, so that a client
-// cannot make the server hold the cap several times over.
-TEST(FlFederation, AClientUploadsOneResultAtATime) {
-  const std::string dir = ::testing::TempDir() + "/fl_one_upload";
-  util::remove_tree(dir);
-  FlConfig config = tiny_config(dir + "/out");
-  config.rounds = 1;
-  config.min_available = 1;
-  config.deadline_s = 5;
-  Server server(config);
-  RawClient client(server.port());
-  ASSERT_TRUE(client.join("c0", 100).ok());
-  std::thread rounds([&] { server.run(); });
-  wire::Task task;
-  while (task.kind() != wire::Task::FIT) ASSERT_TRUE(client.poll("c0", &task).ok());
-  wire::Result result;
-  result.set_client_id("c0");
-  result.set_session(client.session);
-  result.set_round(task.round());
-  result.set_kind(wire::Task::FIT);
-  result.add_update()->set_values(std::string(3 << 19, '\0'));  // 1.5 MiB: two chunks
-  std::vector<wire::Chunk> chunks;
-  write_chunks(result, "c0", client.session, [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
-  ASSERT_EQ(chunks.size(), 2u);
-  grpc::ClientContext first_context, second_context;
-  wire::Ack ack;
-  auto first = client.stub->SubmitChunks(&first_context, &ack);
-  ASSERT_TRUE(first->Write(chunks[0]));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the server has taken the first chunk
-  auto second = client.stub->SubmitChunks(&second_context, &ack);
-  second->Write(chunks[0]);
-  second->WritesDone();
-  const grpc::Status refused = second->Finish();
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_NE(refused.error_message().find("is uploading one already"), std::string::npos) << refused.error_message();
-  ASSERT_TRUE(first->Write(chunks[1]));
-  first->WritesDone();
-  EXPECT_TRUE(first->Finish().ok());
-  while (task.kind() != wire::Task::STOP) ASSERT_TRUE(client.poll("c0", &task).ok());  // the server ends at once
-  rounds.join();
 }
 
 int threads_of_this_process() {

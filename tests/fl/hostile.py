@@ -51,9 +51,11 @@ CHUNK = 1 << 20  # federation.proto: a Task or a Result travels in pieces of at 
 PROTOCOL = 2
 
 
-def chunks(data, pb, client_id="", session="", total=None):
-    """`data`, serialized, as the protocol's Chunk stream; `total` may lie."""
-    yield pb.Chunk(data=data[:CHUNK], total=len(data) if total is None else total, client_id=client_id, session=session)
+def chunks(data, pb, client_id="", session="", total=None, round=0, kind=0):
+    """`data`, serialized, as the protocol's Chunk stream; `total` may lie; `round` and `kind` name what a result
+    answers (0: not said)."""
+    yield pb.Chunk(data=data[:CHUNK], total=len(data) if total is None else total, client_id=client_id, session=session,
+                   round=round, kind=kind)
     for at in range(CHUNK, len(data), CHUNK):
         yield pb.Chunk(data=data[at:at + CHUNK])
 
@@ -65,7 +67,8 @@ def poll(stub, pb, request, timeout):
 
 
 def submit(stub, pb, result, timeout):
-    return stub.SubmitChunks(chunks(result.SerializeToString(), pb, result.client_id, result.session), timeout=timeout)
+    return stub.SubmitChunks(chunks(result.SerializeToString(), pb, result.client_id, result.session,
+                                    round=result.round, kind=result.kind), timeout=timeout)
 
 
 def peak_rss_mib(pid):

@@ -17,7 +17,7 @@ inline grpc::Status submit(wire::Federation::Stub& stub, const wire::Result& res
   grpc::ClientContext context;
   wire::Ack ack;
   auto writer = stub.SubmitChunks(&context, &ack);
-  write_chunks(result, result.client_id(), result.session(), [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
+  write_result_chunks(result, [&](const wire::Chunk& chunk) { return writer->Write(chunk); });
   writer->WritesDone();
   return writer->Finish();
 }
