@@ -39,6 +39,7 @@ class FlCli : public Command {
   std::string simulate_text_;
   double simulate_timeout_ = 3600;
   double simulate_slow_fraction_ = 0, simulate_slow_factor_ = 10;  // --slow-clients, --slow-factor
+  int simulate_pool_ = 0;  // --pool: trainers shared by clients on threads (0: a process per client)
   std::string split_text_, split_out_;
   fl::SplitOptions split_options_;
   std::vector<std::string> plot_inputs_;

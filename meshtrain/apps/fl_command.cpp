@@ -2,6 +2,7 @@
 #include "meshtrain/apps/fl_cli.h"
 
 #include "meshtrain/fl/admission.h"
+#include "meshtrain/fl/client_pool.h"
 #include "meshtrain/fl/config.h"
 #include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/metrics.h"
@@ -98,11 +99,16 @@ FlCli::FlCli(CLI::App& app, const char* self) : self_(self) {
   simulate_ = fl_->add_subcommand("simulate", "Start a server and N client processes on loopback (plaintext), run "
                                               "the rounds, stop everything");
   simulate_->add_option("config", config_, "TOML config (as for fl server)")->required();
-  simulate_->add_option("--clients", simulate_clients_, "Client processes (the largest client directories)")
-      ->check(CLI::Range(1, 250))
+  simulate_->add_option("--clients", simulate_clients_, "Clients (the largest client directories): processes, or "
+                                                         "with --pool threads of one process")
+      ->check(CLI::Range(1, 100000))
       ->capture_default_str();
   simulate_->add_option("--split-text", simulate_text_,
                         "Split this play script by speaker into <out>/clients first (and validate on its val.bin)");
+  simulate_->add_option("--pool", simulate_pool_,
+                        "Run the clients as threads of this process sharing this many trainers, each client's data "
+                        "read only while it trains (thousands of clients; 0: a process per client, at most 250)")
+      ->check(CLI::Range(0, 1024));
   simulate_->add_option("--slow-clients", simulate_slow_fraction_,
                         "This share of the clients, spread over the list, run --slow-factor times slower (stragglers)")
       ->check(CLI::Range(0.0, 1.0));
@@ -207,6 +213,9 @@ int FlCli::run_simulate(const char* argv0) const {
     throw std::invalid_argument("fl simulate: set [fl.data] clients_dir (a directory from `meshtrain fl split`) or "
                                 "pass --split-text FILE");
   const std::vector<std::string> dirs = client_dirs(config.clients_dir);
+  if (simulate_pool_ == 0 && simulate_clients_ > 250)
+    throw std::invalid_argument("fl simulate: --clients " + std::to_string(simulate_clients_) + " is more than 250 "
+                                "client processes: add --pool 2 to run them as threads sharing 2 trainers");
   if (static_cast<int>(dirs.size()) < simulate_clients_)
     throw std::invalid_argument("fl simulate: --clients " + std::to_string(simulate_clients_) + " but " +
                                 config.clients_dir + " holds " + std::to_string(dirs.size()) + " client directories");
@@ -219,7 +228,8 @@ int FlCli::run_simulate(const char* argv0) const {
   // oversubscribed OpenMP pools spin against each other.
   if (!std::getenv("OMP_NUM_THREADS")) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    setenv("OMP_NUM_THREADS", std::to_string(std::max(1u, cores / (simulate_clients_ + 1u))).c_str(), 1);
+    const unsigned processes = simulate_pool_ > 0 ? static_cast<unsigned>(simulate_pool_) : simulate_clients_;
+    setenv("OMP_NUM_THREADS", std::to_string(std::max(1u, cores / (processes + 1u))).c_str(), 1);
   }
   const pid_t server = spawn(server_args);
   const auto start = std::chrono::steady_clock::now();
@@ -233,14 +243,34 @@ int FlCli::run_simulate(const char* argv0) const {
   }
   const std::string address = "127.0.0.1:" + std::to_string(std::stoi(util::read_text_file(port_file)));
   std::vector<pid_t> clients;
+  std::vector<fl::ClientOptions> pooled;
   for (int i = 0; i < simulate_clients_; ++i) {
+    // Every 1/fraction-th client is slow: floor((i + 1) f) > floor(i f).
+    const bool slow = std::floor((i + 1) * simulate_slow_fraction_) > std::floor(i * simulate_slow_fraction_);
+    if (simulate_pool_ > 0) {  // Note [A pool of clients]
+      fl::ClientOptions o;
+      o.id = dirs[i];
+      o.server = address;
+      o.data = config.clients_dir + "/" + dirs[i];
+      o.tls.insecure = true;
+      o.quiet = true;
+      if (!config.join_token_file.empty()) o.join_token = fl::read_join_token(config.join_token_file);
+      if (slow) o.slow_factor = simulate_slow_factor_;
+      pooled.push_back(std::move(o));
+      continue;
+    }
     std::vector<std::string> args{self, "fl", "client", "--server", address, "--insecure", "--id", dirs[i], "--data",
                                   config.clients_dir + "/" + dirs[i]};
     if (!config.join_token_file.empty()) args.insert(args.end(), {"--join-token-file", config.join_token_file});
-    // Every 1/fraction-th client is slow: floor((i + 1) f) > floor(i f).
-    if (std::floor((i + 1) * simulate_slow_fraction_) > std::floor(i * simulate_slow_fraction_))
-      args.insert(args.end(), {"--slow-factor", std::to_string(simulate_slow_factor_)});
+    if (slow) args.insert(args.end(), {"--slow-factor", std::to_string(simulate_slow_factor_)});
     clients.push_back(spawn(args));
+  }
+  int pool_status = 0;
+  std::thread pool;
+  if (!pooled.empty()) {
+    std::fprintf(stderr, "fl simulate: %zu clients as threads of this process, sharing %d trainers\n", pooled.size(),
+                 simulate_pool_);
+    pool = std::thread([&] { pool_status = fl::run_client_pool(std::move(pooled), simulate_pool_); });
   }
   // The server ends the federation; the clients follow at its STOP.
   while (waitpid(server, &status, WNOHANG) != server) {
@@ -262,7 +292,8 @@ int FlCli::run_simulate(const char* argv0) const {
       waitpid(c, &client_status, 0);
     }
   }
-  const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  if (pool.joinable()) pool.join();  // the clients end at the server's STOP, or when they cannot reach it
+  const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0 && pool_status == 0;
   std::fprintf(stderr, "fl simulate: %s in %.1f s; metrics in %s/metrics.jsonl, picture in %s/loss.svg\n",
                ok ? "finished" : "FAILED", elapsed(), config.out.c_str(), config.out.c_str());
   return ok ? 0 : 1;

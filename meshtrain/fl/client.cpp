@@ -1,6 +1,7 @@
 #include "meshtrain/fl/client.h"
 
 #include "meshtrain/fl/chunks.h"
+#include "meshtrain/fl/client_pool.h"
 #include "meshtrain/fl/dp.h"
 #include "meshtrain/fl/federation.grpc.pb.h"
 #include "meshtrain/fl/robust.h"
@@ -37,17 +38,10 @@ std::string token_file_of(const std::string& data) {
 class Participant {
  public:
   explicit Participant(const ClientOptions& o)
-      : o_(o), file_(token_file_of(o.data)), rng_(at::make_generator<at::CPUGeneratorImpl>(std::random_device{}())) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(kWireMessageBytes);  // a chunk (Note [Messages in chunks])
-    args.SetMaxSendMessageSize(kWireMessageBytes);
-    // gRPC backs off up to 120 s between connection attempts by default: a
-    // client started before its server, or a server restarting, would be
-    // rejoined minutes late. Retry every 0.25-2 s instead.
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-    stub_ = wire::Federation::NewStub(grpc::CreateCustomChannel(o.server, channel_credentials(o.tls, o.server), args));
+      : o_(o), file_(std::make_unique<train::TokenFile>(token_file_of(o.data))), tokens_(file_->size()),
+        rng_(at::make_generator<at::CPUGeneratorImpl>(std::random_device{}())) {
+    if (o_.engines) file_.reset();  // opened again while it trains
+    stub_ = wire::Federation::NewStub(o.channel ? o.channel : client_channel(o.server, o.tls));
   }
   ~Participant() { end_presence(); }
 
@@ -114,7 +108,7 @@ class Participant {
       context.set_wait_for_ready(true);  // wait for a connection rather than fail at once
       wire::JoinRequest request;
       request.set_client_id(o_.id);
-      request.set_tokens(static_cast<uint64_t>(file_.size()));  // the server counts them at the model's context
+      request.set_tokens(static_cast<uint64_t>(tokens_));  // the server counts them at the model's context
       request.set_resume_session(session_);  // rejoining after a lost link: the session is ours
       request.set_protocol(kProtocol);
       request.set_join_token(o_.join_token);
@@ -122,8 +116,8 @@ class Participant {
       const grpc::Status status = stub_->Join(&context, request, &reply);
       if (status.ok()) {
         session_ = reply.session();
-        log("joined %s with %lld training tokens", o_.server.c_str(), static_cast<long long>(file_.size()));
-        start_presence();
+        log("joined %s with %lld training tokens", o_.server.c_str(), static_cast<long long>(tokens_));
+        if (!o_.engines) start_presence();
         return;
       }
       if (status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
@@ -230,14 +224,9 @@ class Participant {
     }
   }
 
-  void load_model(const wire::Task& task) {
-    if (task.model_json() != model_json_) {
-      model_json_ = task.model_json();
-      const model::GptConfig config = model::config_from_json(model_json_);
-      engine_ = client_engine(model::Gpt(config, 0));
-      sampler_ = std::make_unique<train::Sampler>(file_, config.context, client_sampler_seed(o_.id));
-    }
-    std::vector<at::Tensor> params = parameters_of(*engine_->parts().model);
+  // Copies the task's weights into `engine`'s model.
+  static void load_weights(parallel::StepEngine& engine, const wire::Task& task) {
+    std::vector<at::Tensor> params = parameters_of(*engine.parts().model);
     if (static_cast<size_t>(task.weights_size()) != params.size())
       throw ClientError("the server sent " + std::to_string(task.weights_size()) + " tensors for a model of " +
                         std::to_string(params.size()));
@@ -249,18 +238,35 @@ class Participant {
     }
   }
 
+  // Trains on this process's own engine, or on one leased from the pool (Note [A pool of clients]).
   void fit(const wire::Task& task, wire::Result& result) {
-    load_model(task);
+    if (!o_.engines) {
+      if (task.model_json() != model_json_) {
+        model_json_ = task.model_json();
+        const model::GptConfig config = model::config_from_json(model_json_);
+        engine_ = client_engine(model::Gpt(config, 0));
+        sampler_ = std::make_unique<train::Sampler>(*file_, config.context, client_sampler_seed(o_.id));
+      }
+      return fit_on(*engine_, *sampler_, task, result);
+    }
+    const train::TokenFile file(token_file_of(o_.data));
+    train::Sampler sampler(file, model::config_from_json(task.model_json()).context, client_sampler_seed(o_.id));
+    EnginePool::Lease lease(*o_.engines, task.model_json());
+    fit_on(lease.engine(), sampler, task, result);
+  }
+
+  void fit_on(parallel::StepEngine& engine, train::Sampler& sampler, const wire::Task& task, wire::Result& result) {
+    load_weights(engine, task);
     const wire::FitConfig& fit = task.fit();
     const CompressionSpec spec = CompressionSpec::from_wire(fit.compression());
     std::vector<std::vector<int64_t>> shapes;
-    for (const auto& p : parameters_of(*engine_->parts().model)) shapes.push_back(p.sizes().vec());
+    for (const auto& p : parameters_of(*engine.parts().model)) shapes.push_back(p.sizes().vec());
     const std::vector<Structure> structures = round_structures(spec, shapes, fit.seed());
-    LocalFit local = fit_locally(*engine_, *sampler_, fit, structures);
+    LocalFit local = fit_locally(engine, sampler, fit, structures);
     // The server's bound, kept here too; under distributed DP, this client's share of the noise.
     if (fit.clip_norm() > 0) clip_update(local.payloads, fit.clip_norm());
     add_gaussian_noise(local.payloads, fit.noise_stddev());
-    result.set_examples(static_cast<uint64_t>(sampler_->windows()));
+    result.set_examples(static_cast<uint64_t>(sampler.windows()));
     result.set_train_loss(static_cast<float>(local.mean_loss));
     log("round %llu: %u local steps, loss %.4f", static_cast<unsigned long long>(task.round()), fit.local_steps(),
         local.mean_loss);
@@ -269,7 +275,7 @@ class Participant {
       x_ = secagg::weight_by_examples(
           secagg::quantise_ring(concat_sketched(local.payloads, spec, fit.seed()), s.clip(), static_cast<int>(s.bits()),
                                 std::random_device{}()),
-          fit.noise_stddev() > 0 ? 1u : static_cast<uint32_t>(sampler_->windows()));  // DP-FedAvg: weight 1
+          fit.noise_stddev() > 0 ? 1u : static_cast<uint32_t>(sampler.windows()));  // DP-FedAvg: weight 1
       secure_ = std::make_unique<secagg::ClientSession>(o_.id, static_cast<int>(s.threshold()));
       *result.mutable_keys() = secure_->keys();
       return;
@@ -280,7 +286,8 @@ class Participant {
   const ClientOptions& o_;
   std::unique_ptr<wire::Federation::Stub> stub_;
   std::string session_;
-  train::TokenFile file_;
+  std::unique_ptr<train::TokenFile> file_;  // pooled: none between tasks
+  int64_t tokens_;                          // its training tokens, declared at Join
   std::unique_ptr<train::Sampler> sampler_;
   at::Generator rng_;
   std::string model_json_;
@@ -293,6 +300,19 @@ class Participant {
 };
 
 }  // namespace
+
+std::shared_ptr<grpc::Channel> client_channel(const std::string& server, const TlsConfig& tls) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kWireMessageBytes);  // a chunk (Note [Messages in chunks])
+  args.SetMaxSendMessageSize(kWireMessageBytes);
+  // gRPC backs off up to 120 s between connection attempts by default: a
+  // client started before its server, or a server restarting, would be
+  // rejoined minutes late. Retry every 0.25-2 s instead.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  return grpc::CreateCustomChannel(server, channel_credentials(tls, server), args);
+}
 
 uint64_t client_sampler_seed(const std::string& id) { return fnv1a(id); }
 

@@ -6,10 +6,15 @@
 
 #include "meshtrain/fl/config.h"
 
+#include <grpcpp/channel.h>
+
+#include <memory>
 #include <stdexcept>
 #include <string>
 
 namespace meshtrain::fl {
+
+class EnginePool;
 
 class ClientError : public std::runtime_error {
  public:
@@ -33,7 +38,15 @@ struct ClientOptions {
   bool leave_on_signal = false;  // SIGINT/SIGTERM: leave the federation (Leave) at the next poll, return 0
 
   bool quiet = false;
+  // A pooled client (Note [A pool of clients] in client_pool.h): trains on an
+  // engine leased from `engines`, opens its data only while it trains, and
+  // holds no Presence call.
+  EnginePool* engines = nullptr;
+  std::shared_ptr<grpc::Channel> channel;  // shared by pooled clients (empty: its own)
 };
+
+// A channel to the federation server at `server` (a chunk its largest message, quick reconnects).
+std::shared_ptr<grpc::Channel> client_channel(const std::string& server, const TlsConfig& tls);
 
 // A client's data order: its sampler shuffles with this seed (from its id),
 // the same in every round and after a restart.

@@ -61,7 +61,7 @@ Rounds::Outcome Rounds::run_async_version(uint64_t version) {
   std::map<uint64_t, std::vector<Structure>> structures;  // per version the buffer's results trained from
   std::vector<std::vector<at::Tensor>> updates;
   std::vector<double> weights, losses;
-  for (const wire::Result& r : buffered.results) {
+  for (wire::Result& r : buffered.results) {
     auto [it, fresh] = structures.try_emplace(r.round());
     if (fresh) it->second = round_structures(config_.compression, shapes_, mix_seed(config_.seed, r.round()));
     take_result(r.round(), it->second, r.client_id(), r, updates, weights, losses, outcome);

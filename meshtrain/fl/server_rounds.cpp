@@ -127,7 +127,7 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
                                                             std::sqrt(static_cast<double>(outcome.sampled.size()))));
   task.set_kind(wire::Task::FIT);
   coordinator_.open(round, std::move(task), outcome.sampled, outcome.target);  // one copy of the model for all
-  const std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s);
+  std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s);
   for (const auto& id : outcome.sampled)
     if (!results.count(id)) outcome.dropped.push_back(id);
   if (static_cast<int64_t>(results.size()) < config_.min_fit) {
@@ -141,11 +141,11 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
   return outcome;
 }
 
-void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome) {
+void Rounds::aggregate_plain(uint64_t round, std::map<std::string, wire::Result>& results, Outcome& outcome) {
   const std::vector<Structure> structures = round_structures(config_.compression, shapes_, mix_seed(config_.seed, round));
   std::vector<std::vector<at::Tensor>> updates;
   std::vector<double> weights, losses;
-  for (const auto& [id, r] : results) take_result(round, structures, id, r, updates, weights, losses, outcome);
+  for (auto& [id, r] : results) take_result(round, structures, id, r, updates, weights, losses, outcome);
   bound_updates(round, updates, weights, losses, outcome);
   if (config_.dp() && !updates.empty()) account(outcome, config_.noise_multiplier);
   if (static_cast<int64_t>(updates.size()) < config_.min_fit) {
@@ -174,7 +174,7 @@ void Rounds::aggregate_plain(uint64_t round, const std::map<std::string, wire::R
 }
 
 void Rounds::take_result(uint64_t round, const std::vector<Structure>& structures, const std::string& id,
-                         const wire::Result& r,
+                         wire::Result& r,
                          std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
                          std::vector<double>& losses, Outcome& outcome) {
   const uint64_t seed = mix_seed(config_.seed, round);
@@ -193,6 +193,7 @@ void Rounds::take_result(uint64_t round, const std::vector<Structure>& structure
     outcome.dropped.push_back(id);
     return;
   }
+  google::protobuf::RepeatedPtrField<wire::EncodedTensor>().Swap(r.mutable_update());  // freed, not kept for reuse
   if (r.examples() > cap && overclaimed_.insert(id).second) {
     std::fprintf(stderr, "fl server: '%s' claims %llu examples; counted as %llu (what it declared at Join, and "
                  "fl.max_examples_per_client)\n", id.c_str(), static_cast<unsigned long long>(r.examples()),

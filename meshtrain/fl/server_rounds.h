@@ -80,14 +80,15 @@ class Rounds {
   };
   Outcome run_round(uint64_t round);
   wire::Task fit_task(uint64_t round) const;
-  void aggregate_plain(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
+  void aggregate_plain(uint64_t round, std::map<std::string, wire::Result>& results, Outcome& outcome);
   void aggregate_secure(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
   // server_async.cpp: one model version of an async federation (Note [Buffered asynchronous rounds]).
   Outcome run_async_version(uint64_t version);
   // Decodes the result of `id`, trained from the model of `round` (whose `structures` these are), into `updates`,
   // `weights` (its examples, at most what it declared) and `losses`, and names it a participant; a result that
-  // does not decode is dropped.
-  void take_result(uint64_t round, const std::vector<Structure>& structures, const std::string& id, const wire::Result& r,
+  // does not decode is dropped. Frees the result's encoded update, so that a round never holds all its
+  // results twice, encoded and decoded.
+  void take_result(uint64_t round, const std::vector<Structure>& structures, const std::string& id, wire::Result& r,
                    std::vector<std::vector<at::Tensor>>& updates, std::vector<double>& weights,
                    std::vector<double>& losses, Outcome& outcome);
   // The updates after the bounds (Note [Client bounds]); weights: their examples (1 each under DP).
