@@ -219,7 +219,7 @@ void Coordinator::upload_ended(const std::string& id) {
 }
 
 std::string Coordinator::submit(wire::Result&& result) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   const std::string id = result.client_id();
   if (std::string e = check_session(id, result.session()); !e.empty()) return e;
   if (async_) {  // Note [Buffered asynchronous rounds]
@@ -240,9 +240,37 @@ std::string Coordinator::submit(wire::Result&& result) {
     return why.str();
   }
   traffic_[id].up += static_cast<int64_t>(result.ByteSizeLong());
+  if (sink_ && kind_ == wire::Task::FIT) {  // Note [Streaming the mean]
+    wire::Result& kept = results_[id];       // counted now, its update handed on
+    kept.set_client_id(id);
+    kept.set_round(result.round());
+    kept.set_kind(result.kind());
+    kept.set_examples(result.examples());
+    kept.set_train_loss(result.train_loss());
+    const Sink sink = sink_;
+    ++sinking_;
+    lock.unlock();
+    try {
+      sink(id, result);
+    } catch (...) {
+      lock.lock();
+      --sinking_;
+      changed_.notify_all();
+      throw;
+    }
+    lock.lock();
+    --sinking_;
+    changed_.notify_all();
+    return {};
+  }
   results_[id] = std::move(result);
   changed_.notify_all();
   return {};
+}
+
+void Coordinator::stream_results(Sink sink) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sink_ = std::move(sink);
 }
 
 std::string Coordinator::leave(const wire::LeaveRequest& request) {
@@ -340,6 +368,7 @@ std::map<std::string, wire::Result> Coordinator::close(double seconds) {
   });
   phase_open_ = false;
   pending_.clear();
+  changed_.wait(lock, [&] { return sinking_ == 0; });  // the results taken have all been streamed
   return std::move(results_);
 }
 

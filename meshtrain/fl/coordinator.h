@@ -97,6 +97,12 @@ class Coordinator {
   // Waits until `count` results are buffered, or `seconds` passed, or the
   // federation stops; takes up to `count` of them, oldest first.
   Buffered take_buffered(size_t count, double seconds);
+  // Streaming (Note [Streaming the mean] in server_rounds.cpp): while a sink
+  // is set, each FIT result the round takes is handed to it at once, outside
+  // the lock, and kept without its update; close() returns once every sink
+  // call has ended. An empty sink keeps results whole.
+  using Sink = std::function<void(const std::string& id, wire::Result& result)>;
+  void stream_results(Sink sink);
   std::map<std::string, Traffic> take_traffic();
   // From now on every poll answers STOP with `message`; waits up to `seconds`
   // for the connected clients to have heard it.
@@ -134,6 +140,8 @@ class Coordinator {
   size_t enough_ = SIZE_MAX;                        // the phase's target of results
   std::set<std::string> uploading_;                 // clients with an upload in progress
   std::map<std::string, Traffic> traffic_;
+  Sink sink_;
+  int sinking_ = 0;  // sink calls in progress
   // Asynchronous mode.
   bool async_ = false;
   size_t concurrency_ = SIZE_MAX, async_buffer_ = 1;

@@ -126,8 +126,15 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
     task.mutable_fit()->set_noise_stddev(static_cast<float>(config_.noise_multiplier * config_.clip_norm /
                                                             std::sqrt(static_cast<double>(outcome.sampled.size()))));
   task.set_kind(wire::Task::FIT);
+  Stream stream;  // Note [Streaming the mean]
+  if (streams()) {
+    stream.round = round;
+    stream.structures = round_structures(config_.compression, shapes_, mix_seed(config_.seed, round));
+    coordinator_.stream_results([&](const std::string& id, wire::Result& r) { stream_result(stream, id, r, outcome); });
+  }
   coordinator_.open(round, std::move(task), outcome.sampled, outcome.target);  // one copy of the model for all
   std::map<std::string, wire::Result> results = coordinator_.close(config_.deadline_s);
+  coordinator_.stream_results(nullptr);
   for (const auto& id : outcome.sampled)
     if (!results.count(id)) outcome.dropped.push_back(id);
   if (static_cast<int64_t>(results.size()) < config_.min_fit) {
@@ -137,6 +144,7 @@ Rounds::Outcome Rounds::run_round(uint64_t round) {
     return outcome;
   }
   if (config_.secagg) aggregate_secure(round, results, outcome);
+  else if (streams()) aggregate_streamed(stream, outcome);
   else aggregate_plain(round, results, outcome);
   return outcome;
 }

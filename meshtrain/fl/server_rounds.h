@@ -46,6 +46,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -82,6 +83,17 @@ class Rounds {
   wire::Task fit_task(uint64_t round) const;
   void aggregate_plain(uint64_t round, std::map<std::string, wire::Result>& results, Outcome& outcome);
   void aggregate_secure(uint64_t round, const std::map<std::string, wire::Result>& results, Outcome& outcome);
+  // server_stream.cpp: a round's mean summed as its results come (Note [Streaming the mean]).
+  struct Stream {
+    std::mutex mutex;
+    uint64_t round = 0;
+    std::vector<Structure> structures;
+    std::vector<at::Tensor> sum;  // Σ examples·Δ
+    double total = 0, loss = 0;   // Σ examples, Σ examples·loss
+  };
+  bool streams() const;
+  void stream_result(Stream& stream, const std::string& id, wire::Result& r, Outcome& outcome);
+  void aggregate_streamed(Stream& stream, Outcome& outcome);
   // server_async.cpp: one model version of an async federation (Note [Buffered asynchronous rounds]).
   Outcome run_async_version(uint64_t version);
   // Decodes the result of `id`, trained from the model of `round` (whose `structures` these are), into `updates`,
