@@ -3,6 +3,9 @@
 #include "meshtrain/fl/chunks.h"
 
 #include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 namespace meshtrain::fl {
@@ -95,11 +98,54 @@ void PollCall::refuse(const grpc::Status& status) {
   finish(status);
 }
 
+namespace {
+
+using Chunks = std::vector<std::string>;  // serialized Chunk messages
+
+Chunks serialized_chunks(const std::string& bytes) {
+  Chunks out;
+  size_t at = 0;
+  do {  // an empty message is one empty chunk
+    out.push_back(chunk_at(bytes, &at, "", "").SerializeAsString());
+  } while (at < bytes.size());
+  return out;
+}
+
+// Note [Messages in chunks]: a FIT task, one string every sampled client
+// shares, is cut into chunks once, and every poll that sends it sends those
+// bytes (a thousand copies of the model would be a thousand models). Small
+// answers (WAIT, STOP, a secure round's tasks) are cut per call.
+std::shared_ptr<const Chunks> chunks_of(const std::shared_ptr<const std::string>& task) {
+  constexpr size_t kShared = 64 << 10;
+  if (task->size() < kShared) return std::make_shared<const Chunks>(serialized_chunks(*task));
+  static std::mutex mutex;
+  static std::map<const std::string*, std::pair<std::weak_ptr<const std::string>, std::weak_ptr<const Chunks>>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = cache.begin(); it != cache.end();)  // tasks no poll sends any more
+    it = it->second.second.expired() || it->second.first.expired() ? cache.erase(it) : std::next(it);
+  auto& [known, chunks] = cache[task.get()];
+  if (auto shared = chunks.lock(); shared && known.lock() == task) return shared;
+  auto made = std::make_shared<const Chunks>(serialized_chunks(*task));
+  known = task;
+  chunks = made;
+  return made;
+}
+
+// A slice over one of `chunks`' strings, which it keeps alive until gRPC is done with it.
+grpc::Slice slice_of(const std::shared_ptr<const Chunks>& chunks, size_t index) {
+  const std::string& bytes = (*chunks)[index];
+  auto* keep = new std::shared_ptr<const Chunks>(chunks);
+  return grpc::Slice(const_cast<char*>(bytes.data()), bytes.size(),
+                     [](void* kept) { delete static_cast<std::shared_ptr<const Chunks>*>(kept); }, keep);
+}
+
+}  // namespace
+
 void PollCall::write_next() {
   if (cancelled_) return finish(grpc::Status::CANCELLED);
-  const std::string& bytes = *task_;
-  if (at_ >= bytes.size() && (at_ > 0 || bytes.empty()) && started_writing_) return finish(grpc::Status::OK);
-  grpc::Slice slice(chunk_at(bytes, &at_, "", "").SerializeAsString());
+  if (!chunks_) chunks_ = chunks_of(task_);
+  if (next_ >= chunks_->size()) return finish(grpc::Status::OK);
+  grpc::Slice slice = slice_of(chunks_, next_++);
   buffer_ = grpc::ByteBuffer(&slice, 1);
   started_writing_ = true;
   StartWrite(&buffer_);

@@ -110,7 +110,8 @@ class PollCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public
   std::recursive_mutex mutex_;  // recursive in case a reaction ever runs on the thread that starts it
   std::string refusal_;
   std::shared_ptr<const std::string> task_;
-  size_t at_ = 0;
+  std::shared_ptr<const std::vector<std::string>> chunks_;  // the task's, serialized (shared by every poll of a FIT task)
+  size_t next_ = 0;                                         // the next chunk to write
   grpc::ByteBuffer buffer_;
   bool started_writing_ = false, ended_ = false, cancelled_ = false;  // once writing, completions drive the end
 };
