@@ -29,7 +29,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "bench", "reference"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "fl"))
 from fl_vs_flower import read_tokens  # noqa: E402
+from hostile import peak_rss_mib  # noqa: E402
 
 MESHTRAIN = os.path.join(ROOT, "build", "bin", "meshtrain")
 MODEL = dict(vocab=256, context=32, layers=2, heads=4, width=64)
@@ -38,17 +40,6 @@ MODEL = dict(vocab=256, context=32, layers=2, heads=4, width=64)
 def corpus():
     shared = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare.txt")
     return shared if os.path.exists(shared) else os.path.join(ROOT, "tests", "data", "shakespeare_excerpt.txt")
-
-
-def peak_rss_mib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def meshtrain_run(a, work, per_round):
@@ -68,7 +59,7 @@ def meshtrain_run(a, work, per_round):
             children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
             server = children[0] if children else None
         if server:
-            peak = max(peak, peak_rss_mib(server))
+            peak = max(peak, peak_rss_mib(server) or 0.0)
         time.sleep(0.2)
     if proc.returncode != 0:
         sys.exit(f"meshtrain failed: see {out}.log")

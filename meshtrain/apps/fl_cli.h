@@ -8,6 +8,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <sys/types.h>
+
 #include <string>
 #include <vector>
 
@@ -25,6 +27,9 @@ class FlCli : public Command {
   int dispatch(const char* self) const;
   int run_server() const;
   int run_simulate(const char* self) const;
+  std::vector<pid_t> start_clients(const std::string& self, const std::string& address, const fl::FlConfig& config,
+                                   const std::vector<std::string>& dirs, const std::string& token,
+                                   std::vector<fl::ClientOptions>* pooled) const;
   std::vector<std::string> overrides(CLI::App* sub) const;
 
   const char* self_;

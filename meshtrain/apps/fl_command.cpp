@@ -192,6 +192,36 @@ int FlCli::run_server() const {
   return 0;
 }
 
+// The simulation's clients: processes, or with --pool their options in
+// `*pooled` (Note [A pool of clients]); every 1/fraction-th is slow:
+// floor((i + 1) f) > floor(i f).
+std::vector<pid_t> FlCli::start_clients(const std::string& self, const std::string& address,
+                                        const fl::FlConfig& config, const std::vector<std::string>& dirs,
+                                        const std::string& token, std::vector<fl::ClientOptions>* pooled) const {
+  std::vector<pid_t> clients;
+  for (int i = 0; i < simulate_clients_; ++i) {
+    const bool slow = std::floor((i + 1) * simulate_slow_fraction_) > std::floor(i * simulate_slow_fraction_);
+    if (simulate_pool_ > 0) {
+      fl::ClientOptions o;
+      o.id = dirs[i];
+      o.server = address;
+      o.data = config.clients_dir + "/" + dirs[i];
+      o.tls.insecure = true;
+      o.quiet = true;
+      o.join_token = token;
+      if (slow) o.slow_factor = simulate_slow_factor_;
+      pooled->push_back(std::move(o));
+      continue;
+    }
+    std::vector<std::string> args{self, "fl", "client", "--server", address, "--insecure", "--id", dirs[i], "--data",
+                                  config.clients_dir + "/" + dirs[i]};
+    if (!config.join_token_file.empty()) args.insert(args.end(), {"--join-token-file", config.join_token_file});
+    if (slow) args.insert(args.end(), {"--slow-factor", std::to_string(simulate_slow_factor_)});
+    clients.push_back(spawn(args));
+  }
+  return clients;
+}
+
 int FlCli::run_simulate(const char* argv0) const {
   std::error_code error;
   const std::string found = std::filesystem::read_symlink("/proc/self/exe", error).string();
@@ -231,6 +261,8 @@ int FlCli::run_simulate(const char* argv0) const {
     const unsigned processes = simulate_pool_ > 0 ? static_cast<unsigned>(simulate_pool_) : simulate_clients_;
     setenv("OMP_NUM_THREADS", std::to_string(std::max(1u, cores / (processes + 1u))).c_str(), 1);
   }
+  // Read before anything starts: a bad token file is one message, not one per client.
+  const std::string token = config.join_token_file.empty() ? "" : fl::read_join_token(config.join_token_file);
   const pid_t server = spawn(server_args);
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
@@ -242,29 +274,8 @@ int FlCli::run_simulate(const char* argv0) const {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   const std::string address = "127.0.0.1:" + std::to_string(std::stoi(util::read_text_file(port_file)));
-  std::vector<pid_t> clients;
   std::vector<fl::ClientOptions> pooled;
-  for (int i = 0; i < simulate_clients_; ++i) {
-    // Every 1/fraction-th client is slow: floor((i + 1) f) > floor(i f).
-    const bool slow = std::floor((i + 1) * simulate_slow_fraction_) > std::floor(i * simulate_slow_fraction_);
-    if (simulate_pool_ > 0) {  // Note [A pool of clients]
-      fl::ClientOptions o;
-      o.id = dirs[i];
-      o.server = address;
-      o.data = config.clients_dir + "/" + dirs[i];
-      o.tls.insecure = true;
-      o.quiet = true;
-      if (!config.join_token_file.empty()) o.join_token = fl::read_join_token(config.join_token_file);
-      if (slow) o.slow_factor = simulate_slow_factor_;
-      pooled.push_back(std::move(o));
-      continue;
-    }
-    std::vector<std::string> args{self, "fl", "client", "--server", address, "--insecure", "--id", dirs[i], "--data",
-                                  config.clients_dir + "/" + dirs[i]};
-    if (!config.join_token_file.empty()) args.insert(args.end(), {"--join-token-file", config.join_token_file});
-    if (slow) args.insert(args.end(), {"--slow-factor", std::to_string(simulate_slow_factor_)});
-    clients.push_back(spawn(args));
-  }
+  const std::vector<pid_t> clients = start_clients(self, address, config, dirs, token, &pooled);
   int pool_status = 0;
   std::thread pool;
   if (!pooled.empty()) {

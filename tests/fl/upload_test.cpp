@@ -69,6 +69,19 @@ TEST(FlChunks, ARoundTripAndRefusalsAtTheChunkThatShowsThem) {
   EXPECT_TRUE(read_chunks(chunks[0], read, 8 << 20, "a result", &back).ok());
 }
 
+// The chunks of a 1.5 MiB FIT result of `client` (as "c0") answering `round`: two chunks.
+std::vector<wire::Chunk> two_chunk_result(const RawClient& client, uint64_t round) {
+  wire::Result result;
+  result.set_client_id("c0");
+  result.set_session(client.session);
+  result.set_round(round);
+  result.set_kind(wire::Task::FIT);
+  result.add_update()->set_values(std::string(3 << 19, '\0'));
+  std::vector<wire::Chunk> chunks;
+  write_result_chunks(result, [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
+  return chunks;
+}
+
 // Note [Messages in chunks]: one upload at a time per client, so that a client
 // cannot make the server hold the cap several times over.
 TEST(FlFederation, AClientUploadsOneResultAtATime) {
@@ -84,14 +97,7 @@ TEST(FlFederation, AClientUploadsOneResultAtATime) {
   std::thread rounds([&] { server.run(); });
   wire::Task task;
   while (task.kind() != wire::Task::FIT) ASSERT_TRUE(client.poll("c0", &task).ok());
-  wire::Result result;
-  result.set_client_id("c0");
-  result.set_session(client.session);
-  result.set_round(task.round());
-  result.set_kind(wire::Task::FIT);
-  result.add_update()->set_values(std::string(3 << 19, '\0'));  // 1.5 MiB: two chunks
-  std::vector<wire::Chunk> chunks;
-  write_result_chunks(result, [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
+  const std::vector<wire::Chunk> chunks = two_chunk_result(client, task.round());
   ASSERT_EQ(chunks.size(), 2u);
   grpc::ClientContext first_context, second_context;
   wire::Ack ack;
@@ -125,14 +131,7 @@ TEST(FlFederation, AResultForAnotherRoundIsRefusedAtItsFirstChunk) {
   std::thread rounds([&] { server.run(); });
   wire::Task task;
   while (task.kind() != wire::Task::FIT) ASSERT_TRUE(client.poll("c0", &task).ok());
-  wire::Result result;
-  result.set_client_id("c0");
-  result.set_session(client.session);
-  result.set_round(task.round() + 1);
-  result.set_kind(wire::Task::FIT);
-  result.add_update()->set_values(std::string(3 << 19, '\0'));  // 1.5 MiB: two chunks
-  std::vector<wire::Chunk> chunks;
-  write_result_chunks(result, [&](const wire::Chunk& c) { chunks.push_back(c); return true; });
+  const std::vector<wire::Chunk> chunks = two_chunk_result(client, task.round() + 1);
   ASSERT_EQ(chunks.size(), 2u);
   EXPECT_EQ(chunks[0].round(), task.round() + 1);
   grpc::ClientContext context;
