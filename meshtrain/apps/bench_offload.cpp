@@ -176,6 +176,7 @@ CommandPtr add_bench_offload(CLI::App& bench) {
   sub->add_option("--file-mb", o->file_mb, "Size of the NVMe test file")->check(CLI::PositiveNumber)->capture_default_str();
   sub->add_option("--trials", o->trials, "Timed trials (medians)")->check(CLI::PositiveNumber)->capture_default_str();
   sub->add_option("--batches", o->batches, "Inference batch sizes")->capture_default_str();
+  sub->add_option("--training-model", o->training_model, "Model preset of the training part")->capture_default_str();
   sub->add_option("--json", o->json_path, "Also append the rows to this file");
   return command(sub, [o](comm::Runtime& runtime) { return run_bench_offload(runtime, *o); });
 }

@@ -103,7 +103,7 @@ void bench_training(comm::Runtime& runtime, const OffloadBenchOptions& options, 
       {"parallel.zero_stage=3", "offload.optimizer=cpu", "offload.params=cpu"},
       {"parallel.zero_stage=3", "offload.optimizer=nvme", "offload.params=nvme"}};
   auto make_config = [&](const Overrides& variant) {
-    Overrides all = {"model.preset=small", "training.batch=8", "training.micro_batch=8", "training.sample_tokens=0",
+    Overrides all = {"model.preset=" + options.training_model, "training.batch=8", "training.micro_batch=8", "training.sample_tokens=0",
                      "training.eval_every=0", "training.log_every=1000", "checkpoint.every=0", "checkpoint.resume=false",
                      "run.out=" + out, "offload.nvme_dir=" + out + "/nvme"};
     all.insert(all.end(), variant.begin(), variant.end());

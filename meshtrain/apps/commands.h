@@ -233,6 +233,7 @@ struct OffloadBenchOptions {
   int64_t file_mb = 512;  // the NVMe read test's file
   int trials = 3;
   std::vector<int64_t> batches{1, 8, 32, 64};
+  std::string training_model = "small";  // the training part's preset
   std::string json_path;
 };
 int run_bench_offload(comm::Runtime& runtime, const OffloadBenchOptions& options);

@@ -289,7 +289,10 @@ void FlConfig::validate() const {
   auto fail = [](const std::string& m) { throw FlConfigError(m); };
   if (rounds < 1) fail("fl.rounds = " + std::to_string(rounds) + ": must be at least 1");
   if (!(fraction > 0 && fraction <= 1)) fail("fl.fraction must be in (0, 1]");
-  if (min_fit < 1 || min_available < min_fit) fail("fl.min_fit must be >= 1 and <= fl.min_available");
+  if (min_fit < 1 || min_available < min_fit)
+    fail("fl.min_fit = " + std::to_string(min_fit) + ": must be >= 1 and <= fl.min_available = " +
+         std::to_string(min_available) + (min_fit > min_available ? "; raise fl.min_available to " +
+                                          std::to_string(min_fit) : ""));
   if (clients_per_round < 0 || (clients_per_round > 0 && clients_per_round < min_fit))
     fail("fl.clients_per_round = " + std::to_string(clients_per_round) + ": 0 (from fl.fraction), or at least "
          "fl.min_fit = " + std::to_string(min_fit));
@@ -333,7 +336,10 @@ void FlConfig::validate() const {
     }
     if (threshold < 2) fail("fl.secagg.threshold must be at least 2");
     if (over_select > 0) fail("fl.over_select with fl.secagg: not supported (secure rounds wait for every sampled client)");
-    if (threshold > min_fit) fail("fl.secagg.threshold must not exceed fl.min_fit (a round below t cannot unmask)");
+    if (threshold > min_fit)
+      fail("fl.secagg.threshold = " + std::to_string(threshold) + " must not exceed fl.min_fit = " +
+           std::to_string(min_fit) + " (a round below t cannot unmask); set fl.min_fit = " + std::to_string(threshold) +
+           (threshold > min_available ? " and fl.min_available = " + std::to_string(threshold) : ""));
     if (secagg_bits < 1 || secagg_bits > 24) fail("fl.secagg.bits must be in 1..24 (the sum lives in Z_2^32)");
     if (!(clip > 0)) fail("fl.secagg.clip must be positive");
     if (compression.bits > 0) fail("fl.compression.bits: under secure aggregation, quantisation is fl.secagg.bits");

@@ -167,8 +167,11 @@ void routes(HttpFrontend::Impl* impl, httplib::Server& s) {
 
 // Note [API key]
 // As vLLM's --api-key: the OpenAI clients send `Authorization: Bearer KEY`;
-// a request without it, or with another key, gets 401 in OpenAI's error shape
-// before any route runs. GET /health stays open for load balancers. The key
+// a request to a /v1 route (the model's: models, completions, chat) without
+// it, or with another key, gets 401 in OpenAI's error shape before the route
+// runs. As there, the routes outside /v1 stay open: /health for load
+// balancers, and /tokenize, /detokenize and /tokenizer_info, which hold only
+// the tokenizer and which lm-eval's remote tokenizer calls without a key. The key
 // is compared in time independent of where it differs, and never printed
 // (the request log has method, path and status only; the launcher masks it
 // in the command line it prints).
@@ -202,7 +205,8 @@ HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int t
   });
   if (!api_key.empty()) {
     s.set_pre_routing_handler([key = std::move(api_key)](const httplib::Request& req, httplib::Response& res) {
-      if (req.path == "/health" || authorized(req, key)) return httplib::Server::HandlerResponse::Unhandled;
+      const bool guarded = req.path == "/v1" || req.path.rfind("/v1/", 0) == 0;
+      if (!guarded || authorized(req, key)) return httplib::Server::HandlerResponse::Unhandled;
       send_error(res, 401,
                  req.has_header("Authorization") ? "the API key is not this server's"
                                                  : "this server needs an API key: send 'Authorization: Bearer <key>' "

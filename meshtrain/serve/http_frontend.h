@@ -31,9 +31,9 @@ struct ServedModel {
 // and /detokenize, GET /tokenizer_info (vLLM's), GET /health. Errors in
 // OpenAI's JSON shape: 400 for a bad request, 404 for another model or
 // path, 429 when the queue is full, 503 while draining. One line per
-// request to stderr when `log` is set. With an `api_key`, every route but
-// /health answers 401 unless the request carries `Authorization: Bearer
-// <api_key>` (Note [API key]).
+// request to stderr when `log` is set. With an `api_key`, every /v1 route
+// answers 401 unless the request carries `Authorization: Bearer <api_key>`
+// (Note [API key]).
 class HttpFrontend {
  public:
   HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int threads, bool log, std::string api_key = "");

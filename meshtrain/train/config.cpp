@@ -104,7 +104,8 @@ void add_data_and_training_keys(std::vector<Field>& f) {
   f.push_back(field("training", "micro_batch", "sequences per forward/backward on one rank",
                     MESHTRAIN_CONFIG_MEMBER(micro_batch)));
   f.push_back(field("training", "lr", "peak learning rate (AdamW)", MESHTRAIN_CONFIG_MEMBER(lr)));
-  f.push_back(field("training", "min_lr", "learning rate at the end of the cosine decay", MESHTRAIN_CONFIG_MEMBER(min_lr)));
+  f.push_back(field("training", "min_lr", "learning rate at the end of the cosine decay (unset: a tenth of training.lr)",
+                    MESHTRAIN_CONFIG_MEMBER(min_lr)));
   f.push_back(field("training", "warmup", "steps of linear warmup", MESHTRAIN_CONFIG_MEMBER(warmup)));
   f.push_back(field("training", "weight_decay", "AdamW weight decay (matrices and embeddings only)",
                     MESHTRAIN_CONFIG_MEMBER(weight_decay)));
@@ -282,6 +283,7 @@ using config::refuse;
 
 TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::string>& overrides) {
   TrainConfig config;
+  bool min_lr_given = false;  // else a tenth of training.lr, whatever lr is (1e-4 for the default 1e-3)
   if (!path.empty()) {
     toml::table table;
     try {
@@ -315,6 +317,7 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
         const Field* field = find_field(section_name, key_name);
         if (!field) unknown_key(section_name, key_name, "config " + path);
         apply(config, *field, value, "config " + path);
+        min_lr_given |= section_name == "training" && key_name == "min_lr";
       }
     }
   }
@@ -337,7 +340,9 @@ TrainConfig TrainConfig::load(const std::string& path, const std::vector<std::st
     if (!field) unknown_key(section, key, where);
     const toml::table parsed = config::override_value(section + "." + key, field->kind, raw, where);
     apply(config, *field, *parsed.get("v"), where);
+    min_lr_given |= section == "training" && key == "min_lr";
   }
+  if (!min_lr_given) config.min_lr = config.lr / 10;
   return config;
 }
 

@@ -68,7 +68,8 @@ void Trainer::open_data() {
         if (data->tokens().vocab_size() > config_.model.vocab_size) {
           data_error(data->tokens().path(), "its vocabulary of " +
                           std::to_string(data->tokens().vocab_size()) + " tokens is larger than model.vocab_size = " +
-                          std::to_string(config_.model.vocab_size));
+                          std::to_string(config_.model.vocab_size) + "; set model.vocab_size = " +
+                          std::to_string(data->tokens().vocab_size()) + " (or the tokenizer's, with data.tokenizer)");
         }
         (data == train_data_.back().get() ? train : val)
             .push_back({&data->tokens(), data->mask(), data, weight});

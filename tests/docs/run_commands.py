@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every command a page shows runs, in the page's order, at tiny sizes.
 
-usage: run_commands.py MESHTRAIN REPO_ROOT PAGE...
+usage: run_commands.py MESHTRAIN REPO_ROOT [--keep-going] PAGE...
 
 Each ```sh line and ```python block of each page runs in one scratch folder
 (where `build/`, `examples/`, `tests/`, `docs/`, `scripts/` and `.venv/` lead
@@ -10,18 +10,24 @@ a reader's would. The test scales the work down, never the command's meaning
 (Note [Tiny sizes]); it runs a `serve` in the background until the next serve
 or the page's end, on a free port that replaces the page's; it builds a tiny
 stand-in, saved by transformers with a real tokenizer and chat template, for a
-Hugging Face folder a command names as `path/to/NAME`. A command ending in a
-`# needs: WHAT` comment (a GPU, hosts, Slurm, a network) is skipped with that
-reason, as are the set-up scripts CI runs itself. Every other command must
-exit 0 (a server must answer /health). Prints each command with its seconds;
-exits 1 naming the first that failed, with its output's last lines.
+Hugging Face folder a command names as `path/to/NAME`, and files a page names
+as the reader's own (READER_FILES). A command ending in a `# needs: WHAT`
+comment (a GPU, hosts, Slurm, a network) is skipped with that reason (a file it
+would fetch is stood in for, FETCHED), as are the set-up scripts CI runs itself,
+the benchmarks against peers (minutes each; docs/BENCHMARKS.md keeps their
+results) and commands another test runs as written (RUN_BY). Every other
+command must exit 0 (a server must answer /health). Prints each command with its seconds;
+exits 1 naming the first that failed, with its output's last lines (with
+--keep-going: every one that failed, the later commands still run).
 """
+import json
 import os
 import pathlib
 import re
 import shlex
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -34,18 +40,46 @@ from check_commands import BINARIES, fenced_blocks, sh_lines  # noqa: E402
 # Note [Tiny sizes]
 # ~~~~~~~~~~~~~~~~~
 # A page's command runs as written plus overrides that shrink its work: a
-# training run's steps divided by 50 (at least 1; 2 where unset), so that a
-# later command that resumes with more steps still trains; two transformer
-# blocks unless the command sets them or starts from a checkpoint; contexts
+# training run's steps divided by 50 (at least 1, and the step a trace is asked
+# of; 1 where unset), so that a later command that resumes with more steps still
+# trains; two transformer
+# blocks (one per pipeline stage where there are more) unless the command sets
+# them or starts from a checkpoint; a trained tokenizer's vocabulary at most
+# 1,000; a model vocabulary set beside a stand-in tokenizer, the stand-in's; contexts
 # above 512 cut to 512; short samples; a federation's rounds cut to 2 and its
 # clients' local steps to 1; selfcheck's bandwidth table up to 64 KiB (every
-# collective is still checked); verify's steps to 2. Everything else (the layout, the ranks, the
+# collective is still checked); verify's steps to 2; a benchmark's steps to one
+# timed step on two blocks, its messages, files and sequences to their smallest
+# (BENCH_SIZES). Everything else (the layout, the ranks, the
 # data, the model family) is the page's.
-SETUP_SCRIPTS = {"scripts/main.sh", "scripts/test.sh"}
-# Files a page names as the reader's own, made in the scratch folder before the pages run.
+SETUP_SCRIPTS = {"scripts/main.sh", "scripts/test.sh", "scripts/times.sh"}
+# Commands another test of the suite runs as written; the suite does not run them twice.
+RUN_BY = {"cmake --install build": "package", "cmake -S examples/": "example.train_my_model",
+          "cmake --build /tmp/example": "example.train_my_model", "mpirun -np 3 /tmp/example/": "example.train_my_model",
+          "ctest ": "this suite"}
+# Files and folders a page names as the reader's own, made in the scratch folder before the pages run:
+# text from the shipped Shakespeare excerpt, configs of the tiny model.
+EXCERPT = "tests/data/shakespeare_excerpt.txt"
 READER_FILES = {
     "my-run.toml": "[model]\npreset = \"tiny\"\n[training]\nbatch = 16\nmicro_batch = 2\n[parallel]\ntp = 2\n",
+    "my.toml": "[model]\npreset = \"tiny\"\n[training]\nbatch = 16\nmicro_batch = 4\n[run]\nout = \"runs/my\"\n",
+    "my_model.toml": "[model]\npreset = \"tiny\"\n[training]\nbatch = 16\nmicro_batch = 4\n",
+    "chat.json": '[{"role": "user", "content": "Who speaks first?"}]\n',
 }
+READER_TEXTS = ["book.txt", "notes/act1.txt", "notes/act2.txt", "corpus/part1.txt", "corpus/part2.jsonl",
+                "shards/shard1.txt", "shards/shard2.txt"]
+# A folder of the reader's machine a page names, and the scratch folder it becomes.
+READER_PATHS = {"/mnt/nvme": "nvme"}
+# A file a page fetches with a command that needs a network, and what stands in for it: for the
+# play, the shipped excerpt 26 times over with each copy's speakers renamed ("All 2:"), so that
+# the stand-in has the play's size (1.1 MB) and enough speakers for the page's client counts.
+FETCHED = {"tinyshakespeare.txt": "the excerpt, renamed 26 times"}
+
+
+def play_stand_in(root):
+    text = (root / EXCERPT).read_text()
+    return "".join(re.sub(r"^([A-Z][A-Za-z ]*):$", lambda m: m.group(1) + (f" {k + 1}" if k else "") + ":", text,
+                          flags=re.M) for k in range(26))
 PAGE_PORT = "8000"
 
 
@@ -73,6 +107,31 @@ def option(words, name):
     return None
 
 
+# The benchmarks' sizes at their smallest: one timed step, the smallest messages and files.
+ONE_STEP = ["--warmup-steps=0", "--steps=1"]
+BENCH_SIZES = {
+    "train": ONE_STEP + ["--model.layers=2"], "checkpoint": ONE_STEP + ["--model.layers=2"],
+    "tp": ONE_STEP + ["--model.layers=2"], "moe": ONE_STEP + ["--model.layers=2"],
+    "pp": ONE_STEP + ["--model.context=32", "--model.width=64", "--model.heads=2"],
+    "graph": ONE_STEP + ["--model.layers=2"], "comm": ["--max-size=64K", "--trials=1", "--trial-seconds=0.001"],
+    "offload": ["--file-mb=8", "--trials=1", "--batches=1", "--training-model=tiny"], "cp": ["--seq=256", "--steps=1"],
+    "generate": ["--warmup=0", "--trials=1", "--prompt-tokens=8", "--new-tokens=4"],
+}
+
+
+def without(words, names):
+    """words less the options named (--name=value or --name value)."""
+    kept, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in names:
+            skip = True
+        elif w.split("=", 1)[0] not in names:
+            kept.append(w)
+    return kept
+
+
 def scaled(words):
     """A meshtrain command's words (after the binary) with the overrides of Note [Tiny sizes]."""
     i = 0
@@ -85,17 +144,24 @@ def scaled(words):
         extra = []
         steps = option(command, "--training.steps")
         command = [w for w in command if not w.startswith("--training.steps=")]
-        extra.append(f"--training.steps={max(1, int(steps) // 50) if steps else 2}")
+        at_least = int(option(command, "--run.trace_step") or 1)  # the traced step is taken
+        extra.append(f"--training.steps={max(at_least, int(steps) // 50 if steps else 1)}")
         if option(command, "--model.layers") is None and option(command, "--checkpoint.init_from") is None:
-            extra.append("--model.layers=2")
+            stages = int(option(command, "--parallel.pp") or 1) * int(option(command, "--parallel.virtual_stages") or 1)
+            extra.append(f"--model.layers={max(2, stages)}")  # a block per pipeline stage
         context = option(command, "--model.context")
         if context and int(context) > 512:
             command = [f"--model.context=512" if w.startswith("--model.context=") else w for w in command]
         if option(command, "--training.sample_tokens") is None:
             extra.append("--training.sample_tokens=16")
         command += extra
+    elif command[:2] == ["tokenizer", "train"] and int(option(command, "--vocab") or 0) > 1000:
+        command = without(command, {"--vocab"}) + ["--vocab", "1000"]  # a vocabulary the sample text can fill
     elif command[:2] == ["fl", "simulate"]:
         command += ["--fl.rounds=2", "--fl.client.local_steps=1"]
+    elif command[:1] == ["bench"] and command[1:2] and command[1] in BENCH_SIZES:
+        sizes = BENCH_SIZES[command[1]]
+        command = without(command, {w.split("=")[0] for w in sizes}) + sizes
     elif command[:1] == ["verify"] and option(command, "--steps") is None:
         command += ["--steps", "2"]
     elif command[:1] == ["selfcheck"] and option(command, "--bench-max-size") is None:
@@ -133,25 +199,43 @@ class Page:
             elif "mistral" in lower:
                 tok = fx.mistral_tokenizer(corpus, out)
                 fx.tiny_family_model("mistral", out, tok, ["</s>"])
-            else:
-                raise RuntimeError(f"no tiny stand-in for the Hugging Face model {name}")
+            else:  # a model the page leaves open (path/to/model): a Llama 3 shape
+                tok = fx.llama3_tokenizer(corpus, out)
+                fx.tiny_llama(out, tok)
             self.stand_ins[name] = out
         return self.stand_ins[name]
 
     def shell_line(self, line):
         """The line as it runs here: the page's port replaced, meshtrain commands scaled, stand-ins named."""
         line = line.replace(f":{PAGE_PORT}", f":{self.port}")
+        for path, here in READER_PATHS.items():
+            line = line.replace(path, str(self.work / here))
         words = shlex.split(line, comments=True)
         background = words[-1:] == ["&"]
         words = words[:-1] if background else words
+        assignments = []
+        while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value before the command
+            assignments.append(words.pop(0))
+        launcher = []
+        if words[:1] in (["mpirun"], ["mpiexec"]) and any(w in BINARIES for w in words):  # mpirun -np N BINARY ...
+            at = next(k for k, w in enumerate(words) if w in BINARIES)
+            launcher, words = words[:at], words[at:]
         if words and words[0] in BINARIES:
             words = [words[0]] + scaled(words[1:])
-            words = [self.stand_in(w[len("path/to/"):]) if w.startswith("path/to/") else w for w in words]
+            named = [m.group(1) for w in words for m in [re.search(r"(?:^|=)path/to/([\w.-]+)$", w)] if m]
+            words = [re.sub(r"(^|=)path/to/([\w.-]+)", lambda m: m.group(1) + self.stand_in(m.group(2)), w) for w in words]
+            if named and option(words, "--model.vocab_size"):  # the stand-in's vocabulary, not the Hub model's
+                vocab = json.loads((pathlib.Path(self.stand_in(named[0])) / "config.json").read_text())["vocab_size"]
+                words = without(words, {"--model.vocab_size"}) + [f"--model.vocab_size={vocab}"]
             words = [self.port if w == PAGE_PORT and words[k - 1] == "--port" else w for k, w in enumerate(words)]
-            if words[1:2] == ["serve"]:
+            if "serve" in words[1:]:  # serve, or run ... serve
                 background = True
-        if words and words[0] == "curl":
-            words.insert(1, "--fail")  # an HTTP error fails the command, as a reader would see it fail
+                if "--port" not in words and not any(w.startswith("--port=") for w in words):
+                    words += ["--port", self.port]
+        if assignments and words and words[0] in BINARIES:
+            words = ["env"] + assignments + words
+        if launcher:
+            words = ["env"] + launcher + words
         return words, background
 
     def stop_server(self):
@@ -165,13 +249,17 @@ class Page:
 
     def start_server(self, words, log):
         self.stop_server()
+        scheme, context = "http", None
+        if "--ssl-certfile" in words:  # the page's own certificate, for localhost
+            scheme = "https"
+            context = ssl.create_default_context(cafile=str(self.work / words[words.index("--ssl-certfile") + 1]))
         self.server = subprocess.Popen(words, cwd=self.work, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.server.poll() is not None:
                 return f"the server exited with {self.server.returncode} before answering /health"
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                with urllib.request.urlopen(f"{scheme}://localhost:{self.port}/health", timeout=2, context=context):
                     return None
             except OSError:
                 time.sleep(0.2)
@@ -179,6 +267,14 @@ class Page:
 
     def run(self, kind, text, log_path):
         with open(log_path, "w") as log:
+            if kind == "sh" and text.startswith("export "):  # the page's later commands see the variables
+                done = subprocess.run(["bash", "-c", text + " && env -0"], cwd=self.work, env=self.env,
+                                      capture_output=True, timeout=60)
+                if done.returncode != 0:
+                    log.write(done.stderr.decode(errors="replace"))
+                    return f"exited {done.returncode}"
+                self.env = dict(kv.split("=", 1) for kv in done.stdout.decode().split("\0") if "=" in kv)
+                return None
             if kind == "python":
                 code = text.replace(f":{PAGE_PORT}", f":{self.port}")
                 done = subprocess.run([sys.executable, "-c", code], cwd=self.work, env=self.env, stdout=log,
@@ -187,7 +283,15 @@ class Page:
             words, background = self.shell_line(text)
             if background:
                 return self.start_server(words, log)
-            done = subprocess.run(shlex.join(words), shell=True, cwd=self.work, env=self.env, stdout=log,
+            if "$(" in text:  # a command inside another: run as written, with its stand-ins
+                line = re.sub(r"(^|[\s=])path/to/([\w.-]+)", lambda m: m.group(1) + self.stand_in(m.group(2)), text)
+            elif words and (words[0] in BINARIES or words[0] == "env"):
+                line = shlex.join(words)
+            else:  # shell syntax (&&, $(...), >, $VAR) as written
+                line = text.replace(f":{PAGE_PORT}", f":{self.port}")
+                if words[:1] == ["curl"]:  # an HTTP error fails the command, as a reader would see it fail
+                    line = "curl --fail" + line[len("curl"):]
+            done = subprocess.run(line, shell=True, cwd=self.work, env=self.env, stdout=log,
                                   stderr=subprocess.STDOUT, timeout=300, executable="/bin/bash")
             return None if done.returncode == 0 else f"exited {done.returncode}"
 
@@ -197,24 +301,60 @@ def skip_reason(kind, text):
         if m := re.search(r"#\s*needs:\s*(.+)$", text):
             return f"needs {m.group(1).strip()}"
         words = shlex.split(text, comments=True)
+        words = [w for w in words if not re.match(r"^[A-Z_]+=", w)] if words[:1] != ["export"] else words
         if len(words) >= 2 and words[0] == "bash" and words[1] in SETUP_SCRIPTS:
             return "CI runs it (this test is part of it)"
+        if test := next((t for prefix, t in RUN_BY.items() if text.startswith(prefix)), None):
+            return f"CTest {test} runs it" if test != "this suite" else "it runs this suite"
+        if len(words) >= 2 and words[0] == ".venv/bin/python" and words[1].startswith("bench/"):
+            return "a benchmark against a peer, minutes long: docs/BENCHMARKS.md has its result and command"
     return None
+
+
+def make_reader_files(root, work):
+    for here in READER_PATHS.values():
+        (work / here).mkdir()
+    for name, text in READER_FILES.items():
+        (work / name).write_text(text)
+    excerpt = (root / EXCERPT).read_text().splitlines(keepends=True)
+    for k, name in enumerate(READER_TEXTS):  # each a different part of the play
+        path = work / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = excerpt[k * len(excerpt) // len(READER_TEXTS):(k + 1) * len(excerpt) // len(READER_TEXTS)]
+        if name == "book.txt":
+            part = excerpt
+        if name.endswith(".jsonl"):
+            path.write_text("".join(json.dumps({"text": line}) + "\n" for line in part if line.strip()))
+        else:
+            path.write_text("".join(part))
+
+
+def fetched_by(text, root, work):
+    """Stand in for the files a skipped network command would have fetched; their names."""
+    made = []
+    for name in FETCHED:
+        if re.search(rf"(^|[\s/=]){re.escape(name)}(\s|$)", text) and not (work / name).exists():
+            (work / name).write_text(play_stand_in(root))
+            made.append(name)
+    return made
 
 
 def main():
     meshtrain, root = pathlib.Path(sys.argv[1]).resolve(), pathlib.Path(sys.argv[2]).resolve()
     pages = sys.argv[3:]
-    failed, ran, skipped = None, 0, 0
+    keep_going = "--keep-going" in pages
+    pages = [p for p in pages if p != "--keep-going"]
+    failures, ran, skipped = [], 0, 0
     work = pathlib.Path(tempfile.mkdtemp(prefix="meshtrain-docs-"))
     try:
         (work / "build" / "bin").mkdir(parents=True)
         (work / "build" / "bin" / "meshtrain").symlink_to(meshtrain)
-        for name in ("examples", "tests", "docs", "scripts", ".venv"):
+        if (meshtrain.parent.parent / "tests").is_dir():  # the gtest binaries a page runs
+            (work / "build" / "tests").symlink_to(meshtrain.parent.parent / "tests")
+        for name in ("examples", "tests", "docs", "scripts", ".venv", "README.md"):
             if (root / name).exists():
                 (work / name).symlink_to(root / name)
-        for name, text in READER_FILES.items():
-            (work / name).write_text(text)
+        make_reader_files(root, work)
         for page_name in pages:
             page = Page(meshtrain, root, work)
             try:
@@ -224,26 +364,32 @@ def main():
                     if reason := skip_reason(kind, text):
                         skipped += 1
                         print(f"skip {where}: {first_line}  ({reason})", flush=True)
+                        if made := fetched_by(text, root, work):
+                            print(f"     {', '.join(made)}: stood in for by {', '.join(FETCHED[m] for m in made)}", flush=True)
                         continue
                     log = work / f"log-{ran}.txt"
                     start = time.time()
-                    problem = page.run(kind, text, log)
+                    try:
+                        problem = page.run(kind, text, log)
+                    except Exception as e:  # a stand-in that cannot be made, a timeout: this command failed
+                        problem = f"raised {type(e).__name__}: {e}"
                     ran += 1
                     print(f"{'FAIL' if problem else 'ok  '} {where} {time.time() - start:5.1f} s: {first_line}",
                           flush=True)
                     if problem:
                         tail = log.read_text(errors="replace").splitlines()[-25:]
-                        failed = f"{where}: `{first_line}` {problem}:\n" + "\n".join("  " + l for l in tail)
-                        break
+                        failures.append(f"{where}: `{first_line}` {problem}:\n" + "\n".join("  " + l for l in tail))
+                        if not keep_going:
+                            break
             finally:
                 page.stop_server()
-            if failed:
+            if failures and not keep_going:
                 break
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"ran {ran} commands, skipped {skipped}")
-    if failed:
-        print(failed)
+    print(f"ran {ran} commands, skipped {skipped}, {len(failures)} failed")
+    if failures:
+        print("\n".join(failures))
         return 1
     return 0
 

@@ -442,6 +442,13 @@ TEST(FlFederation, ConfigErrorsNameTheKey) {
   EXPECT_NE(message({"fl.server.insecure=true", "fl.secagg.enabled=true", "fl.min_fit=1", "fl.min_available=3"})
                 .find("threshold"),
             std::string::npos);
+  // What to type: the settings that would hold.
+  EXPECT_EQ(message({"fl.server.insecure=true", "fl.min_fit=6", "fl.min_available=4"}),
+            "fl.min_fit = 6: must be >= 1 and <= fl.min_available = 4; raise fl.min_available to 6");
+  EXPECT_EQ(message({"fl.server.insecure=true", "fl.secagg.enabled=true", "fl.secagg.threshold=6", "fl.min_fit=3",
+                     "fl.min_available=4"}),
+            "fl.secagg.threshold = 6 must not exceed fl.min_fit = 3 (a round below t cannot unmask); set fl.min_fit = 6 "
+            "and fl.min_available = 6");
 }
 
 }  // namespace

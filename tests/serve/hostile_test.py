@@ -242,8 +242,8 @@ def a_forward_that_fails_fails_its_requests_alone(limit_mib, ranks=1):
     check(server.stop() == 0, f"{ranks} rank(s): the server with a memory limit exits 0 after SIGTERM")
 
 
-def an_api_key_guards_every_route():
-    """--api-key (Note [API key]): 401 without the key or with another, /health open, the openai client with the
+def an_api_key_guards_the_model_routes():
+    """--api-key (Note [API key]): 401 on /v1 without the key or with another, /health and /tokenize open, the openai client with the
     key served; the key appears in no output, though the launcher prints the command line."""
     key = "sk-local-" + os.urandom(8).hex()
     server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--api-key", key, launch=True)
@@ -257,13 +257,14 @@ def an_api_key_guards_every_route():
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
 
-    for path, data in (("/v1/completions", body), ("/v1/chat/completions", body), ("/v1/models", None),
-                       ("/tokenize", body)):
+    for path, data in (("/v1/completions", body), ("/v1/chat/completions", body), ("/v1/models", None)):
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": key}):
             code, reply = status(path, headers, data)
             check(code == 401 and reply.get("error", {}).get("param") == "api_key",
                   f"{path} with {sorted(headers) or 'no headers'}{' (the key without Bearer)' if headers.get('Authorization') == key else ''}: 401 ({code})")
     check(status("/health", {})[0] == 200, "/health answers without the key")
+    check(status("/tokenize", {}, json.dumps({"prompt": "The "}).encode())[0] == 200,
+          "/tokenize (the tokenizer's, outside /v1, as vLLM) answers without the key")
     check(status("/v1/models", {"Authorization": "Bearer " + key})[0] == 200, "/v1/models answers with the key")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
     text = client.completions.create(model="meshtrain", prompt="The ", max_tokens=4, temperature=0).choices[0].text
@@ -327,7 +328,7 @@ def https_with_a_certificate():
 
 
 def main():
-    an_api_key_guards_every_route()
+    an_api_key_guards_the_model_routes()
     https_with_a_certificate()
     server = serving.Server(MESHTRAIN, CHECKPOINT, "--log", "--max-batch", "2")
     padded_vocabulary_and_extreme_sampling(server)

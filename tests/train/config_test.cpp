@@ -187,6 +187,10 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"model.heads=5"}, 1), "model.width = 384 is not allowed: must be a positive multiple of model.heads (5)");
   EXPECT_EQ(validated({"training.dtype=float8"}, 1), "training.dtype = \"float8\": use \"float32\" or \"bfloat16\"");
   EXPECT_EQ(validated({"training.min_lr=1"}, 1), "training.min_lr = 1.000000: must be in [0, training.lr]");
+  // An lr below the default min_lr (fine-tuning) needs no min_lr: unset, it is a tenth of lr.
+  EXPECT_EQ(validated({"training.lr=2e-5"}, 1), "no error");
+  EXPECT_DOUBLE_EQ(TrainConfig::load("", {"training.lr=2e-5"}).min_lr, 2e-6);
+  EXPECT_DOUBLE_EQ(TrainConfig::load("", {}).min_lr, 1e-4);
   EXPECT_EQ(validated({"data.train_file=/x.bin"}, 1),
             "data.train_file = \"/x.bin\": give both data.train_file and data.val_file, or neither (then data.text is prepared)");
   EXPECT_EQ(validated({"model.vocab_size=300"}, 1),
