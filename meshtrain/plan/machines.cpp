@@ -1,5 +1,7 @@
 #include "meshtrain/plan/machines.h"
 
+#include "meshtrain/util/cpu_features.h"
+
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -119,9 +121,6 @@ Machine cpu_machine(double physical_memory, double measured_flops, int64_t ranks
   return m;
 }
 
-std::string cpu_model_name(const std::string& cpuinfo_path) {
-  const std::string name = field_of(cpuinfo_path, "model name");
-  return name.empty() ? "cpu" : name;
-}
+std::string cpu_model_name(const std::string& cpuinfo_path) { return util::cpu_model_name(cpuinfo_path); }
 
 }  // namespace meshtrain::plan

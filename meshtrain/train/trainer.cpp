@@ -21,6 +21,7 @@
 #include "meshtrain/model/text_stream.h"
 #include "meshtrain/parallel/parallel_state.h"
 #include "meshtrain/parallel/pipeline/trace.h"
+#include "meshtrain/train/matmul_peak.h"
 #include "meshtrain/util/files.h"
 
 #include <chrono>
@@ -35,42 +36,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 }  // namespace
-
-double measure_matmul_peak(at::Device device, at::ScalarType dtype) {
-  // Measured once per process, device and dtype: a process that builds many
-  // trainers (the tests) pays for it once.
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int>, double> measured;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(static_cast<int>(device.type()), static_cast<int>(device.index()), static_cast<int>(dtype));
-  if (const auto found = measured.find(key); found != measured.end()) return found->second;
-  const bool gpu = device.is_cuda();
-  // A measurement, not training memory: on the CPU neither counted nor held to memory.limit_mb.
-  const memory::HostScope uncounted;
-  const at::TensorOptions options = at::TensorOptions().device(device).dtype(dtype);
-  double best_rate = 0;
-  // Up to 2048 on a CPU: a 1024 product reaches only ~60% of the peak there, which would overstate MFU.
-  for (const int64_t n : gpu ? std::vector<int64_t>{8192} : std::vector<int64_t>{256, 512, 1024, 2048}) {
-    const int repeats = gpu ? 10 : 1;
-    // Filled without drawing random numbers: the training's random streams stay where they are.
-    at::Tensor a = at::linspace(-1, 1, n * n, options).view({n, n}), b = a.t().contiguous(), c = at::empty({n, n}, options);
-    auto start = Clock::now();
-    at::mm_out(c, a, b);
-    c.sum().item<double>();
-    double best = std::chrono::duration<double>(Clock::now() - start).count();
-    const bool slow = best > 0.5;
-    for (int i = 0; i < 3 && !slow; ++i) {
-      c.sum().item<double>();  // waits for the queue on a GPU
-      start = Clock::now();
-      for (int r = 0; r < repeats; ++r) at::mm_out(c, a, b);
-      c.sum().item<double>();
-      best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count() / repeats);
-    }
-    best_rate = std::max(best_rate, 2.0 * n * n * n / best);
-    if (slow) break;
-  }
-  return measured[key] = best_rate;
-}
 
 double learning_rate(const TrainConfig& config, int64_t step) {
   if (config.warmup > 0 && step < config.warmup) return config.lr * (step + 1) / config.warmup;

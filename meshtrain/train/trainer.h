@@ -11,6 +11,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/step_engine.h"
 #include "meshtrain/text/tokenizer.h"
+#include "meshtrain/train/matmul_peak.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/progress.h"
@@ -28,14 +29,6 @@ struct ShardingReport;
 namespace meshtrain::train {
 
 using checkpoint::CheckpointError;
-
-// One rank's matmul rate (FLOP/s) on `device` in `dtype` with its threads, the
-// peak MFU is quoted against: 2·n³ / t, best of 3, n = 8192 on a GPU; on a
-// CPU the best over n = 256 ... 2048, stopping after a size whose product
-// takes over half a second (a CPU without bf16 instructions runs a 2048
-// product in bf16 for a minute, slower per FLOP than small ones). Measured
-// once per process for each device and dtype.
-double measure_matmul_peak(at::Device device = at::kCPU, at::ScalarType dtype = at::kFloat);
 
 // Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
 double learning_rate(const TrainConfig& config, int64_t step);

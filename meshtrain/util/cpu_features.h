@@ -52,6 +52,20 @@ inline const char* cpu_kernels_name() {
   return "default";
 }
 
+// The processor's "model name" from a /proc/cpuinfo; "cpu" where it has none.
+inline std::string cpu_model_name(const std::string& cpuinfo_path = "/proc/cpuinfo") {
+  std::ifstream cpuinfo(cpuinfo_path);
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    const size_t start = line.find_first_not_of(" \t", colon + 1), end = line.find_last_not_of(" \t\r");
+    return start == std::string::npos ? "cpu" : line.substr(start, end + 1 - start);
+  }
+  return "cpu";
+}
+
 // AMX tiles (the matrix units ATen's bf16 kernels use where present), from /proc/cpuinfo.
 inline bool cpu_has_amx() {
   static const bool yes = [] {

@@ -268,6 +268,12 @@ def main():
             blocks += 1
             for problem in check_toml(text, train_keys, fl_keys):
                 problems.append(f"{path.relative_to(root)}:{number}: {problem}")
+    # Every page with commands is one a docs.run test runs (its name on a run_commands.py line of the tests).
+    tests = (root / "tests" / "CMakeLists.txt").read_text()
+    for path in files:
+        name = str(path.relative_to(root))
+        if name != "docs/BENCHMARKS.md" and sh_lines(path) and not re.search(rf"\s{re.escape(name)}[\s)]", tests):
+            problems.append(f"{name}: no docs.run test runs its commands (add it to one in tests/CMakeLists.txt)")
     for problem in problems:
         print(problem)
     print(f"checked {commands} meshtrain commands and {blocks} TOML blocks in {len(files)} files: "

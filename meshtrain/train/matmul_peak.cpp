@@ -1,0 +1,131 @@
+#include "meshtrain/train/matmul_peak.h"
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "meshtrain/util/memory.h"
+#include "meshtrain/util/cpu_features.h"
+#include "meshtrain/util/files.h"
+
+namespace meshtrain::train {
+
+// Note [Matmul peak]
+// ~~~~~~~~~~~~~~~~~~
+// MFU divides a step's FLOP/s by the matmul rate of the machine. Measuring it
+// costs a CPU rank about a second (2048-wide products, best of 3), and every
+// training process paid it at start: four ranks sharing two cores waited two
+// seconds before their first step, and the test suite, which starts training
+// processes by the hundred, paid minutes. The rate is a fact of the machine, so
+// it is kept in a cache file keyed by host, processor, kernels, threads, device
+// and dtype; a process measures only where the file has no entry for it. Each
+// measurement is merged as the best seen, so a first one taken while other work
+// shared the cores is raised by the next taken on a quiet machine (delete the
+// file to start over). A file that cannot be read or written changes nothing
+// but the cost: the rate is then measured, as before.
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double measure(at::Device device, at::ScalarType dtype) {
+  const bool gpu = device.is_cuda();
+  // A measurement, not training memory: on the CPU neither counted nor held to memory.limit_mb.
+  const memory::HostScope uncounted;
+  const at::TensorOptions options = at::TensorOptions().device(device).dtype(dtype);
+  double best_rate = 0;
+  // Up to 2048 on a CPU: a 1024 product reaches only ~60% of the peak there, which would overstate MFU.
+  for (const int64_t n : gpu ? std::vector<int64_t>{8192} : std::vector<int64_t>{256, 512, 1024, 2048}) {
+    const int repeats = gpu ? 10 : 1;
+    // Filled without drawing random numbers: the training's random streams stay where they are.
+    at::Tensor a = at::linspace(-1, 1, n * n, options).view({n, n}), b = a.t().contiguous(), c = at::empty({n, n}, options);
+    auto start = Clock::now();
+    at::mm_out(c, a, b);
+    c.sum().item<double>();
+    double best = std::chrono::duration<double>(Clock::now() - start).count();
+    const bool slow = best > 0.5;
+    for (int i = 0; i < 3 && !slow; ++i) {
+      c.sum().item<double>();  // waits for the queue on a GPU
+      start = Clock::now();
+      for (int r = 0; r < repeats; ++r) at::mm_out(c, a, b);
+      c.sum().item<double>();
+      best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count() / repeats);
+    }
+    best_rate = std::max(best_rate, 2.0 * n * n * n / best);
+    if (slow) break;
+  }
+  return best_rate;
+}
+
+// What the rate depends on, as the cache file's key.
+std::string machine_key(at::Device device, at::ScalarType dtype) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string processor = device.is_cuda() ? "cuda" : util::cpu_model_name();
+  if (device.is_cuda()) {
+    processor += ":" + std::to_string(device.index());
+  } else {
+    processor += std::string(" ") + util::cpu_kernels_name() + (util::cpu_has_amx() ? "+amx" : "") + " threads " +
+                 std::to_string(at::get_num_threads());
+  }
+  return std::string(host) + " | " + processor + " | " + std::string(c10::toString(dtype));
+}
+
+nlohmann::json read_cache(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return nlohmann::json::object();
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return j.is_object() ? j : nlohmann::json::object();
+}
+
+void store(const std::string& path, const std::string& key, double rate) {
+  try {
+    util::make_directories(path.substr(0, path.rfind('/')));
+    nlohmann::json j = read_cache(path);
+    if (j.contains(key) && j[key].is_number() && j[key].get<double>() >= rate) return;
+    j[key] = rate;
+    const std::string partial = path + ".partial-" + std::to_string(getpid());
+    std::ofstream(partial) << j.dump(1) << "\n";
+    util::rename_path(partial, path);
+  } catch (const std::exception&) {
+    // Not kept: the next process measures again.
+  }
+}
+
+}  // namespace
+
+std::string matmul_peak_cache_path() {
+  for (const char* name : {"MESHTRAIN_CACHE", "XDG_CACHE_HOME", "HOME"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') continue;
+    const std::string dir = value;
+    if (std::string(name) == "MESHTRAIN_CACHE") return dir + "/matmul-peak.json";
+    return dir + (std::string(name) == "HOME" ? "/.cache" : "") + "/meshtrain/matmul-peak.json";
+  }
+  return "";
+}
+
+double measure_matmul_peak(at::Device device, at::ScalarType dtype) {
+  static std::mutex mutex;
+  static std::map<std::string, double> measured;  // this process's: a test that builds many trainers asks once
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::string key = machine_key(device, dtype);
+  if (const auto found = measured.find(key); found != measured.end()) return found->second;
+  const std::string path = matmul_peak_cache_path();
+  if (!path.empty()) {
+    const nlohmann::json cached = read_cache(path);
+    if (cached.contains(key) && cached[key].is_number() && cached[key].get<double>() > 0) {
+      return measured[key] = cached[key].get<double>();
+    }
+  }
+  const double rate = measure(device, dtype);
+  if (!path.empty()) store(path, key, rate);
+  return measured[key] = rate;
+}
+
+}  // namespace meshtrain::train
