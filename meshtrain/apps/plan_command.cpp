@@ -387,6 +387,10 @@ PlanCommand::PlanCommand(CLI::App& app) {
                 "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
                 "ep tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
   p->add_option("--precision", o_.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
+  p->add_option_function<std::string>(
+       "--training.dtype", [this](const std::string& dtype) { o_.precision = dtype == "bfloat16" ? "bf16-mixed" : "fp32"; },
+       "As train's: bfloat16 (= --precision bf16-mixed) or float32 (= fp32)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}));
   p->add_option("--attention", o_.attention,
                 "flash (no s^2 term), math (softmax saved) or batched (the fused CPU attention: q, k, v copies and "
                 "softmax)");

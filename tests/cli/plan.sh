@@ -13,6 +13,9 @@ grep -q "closest that do not fit:" "$dir/table.txt"
 grep -q "needs .* GiB > 80.0 GiB on pipeline rank" "$dir/table.txt"
 grep -q "^machine  .*(this machine" "$dir/table.txt" || { echo "the default machine is not this one"; exit 1; }
 "$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 | grep -q "^machine  h100: 989 TFLOP/s .*(the h100 profile)"
+# train's key for the precision: bfloat16 is --precision bf16-mixed, float32 is fp32
+"$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 --training.dtype=bfloat16 | grep -q "^run .* bf16-mixed,"
+"$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 --training.dtype=float32 | grep -q "^run .* fp32,"
 
 # The model of a Hugging Face folder (its config.json alone) and of a checkpoint; this machine's memory by default.
 mkdir -p "$dir/hf"

@@ -42,16 +42,16 @@ from check_commands import BINARIES, fenced_blocks, sh_lines  # noqa: E402
 # A page's command runs as written plus overrides that shrink its work: a
 # training run's steps divided by 50 (at least 1, and the step a trace is asked
 # of; 1 where unset), so that a later command that resumes with more steps still
-# trains; two transformer
-# blocks (one per pipeline stage where there are more) unless the command sets
-# them or starts from a checkpoint; a trained tokenizer's vocabulary at most
-# 1,000; a model vocabulary set beside a stand-in tokenizer, the stand-in's; contexts
-# above 512 cut to 512; short samples; a federation's rounds cut to 2 and its
-# clients' local steps to 1; selfcheck's bandwidth table up to 64 KiB (every
-# collective is still checked); verify's steps to 2; a benchmark's steps to one
-# timed step on two blocks, its messages, files and sequences to their smallest
-# (BENCH_SIZES). Everything else (the layout, the ranks, the
-# data, the model family) is the page's.
+# trains; two transformer blocks (one per pipeline stage where there are more)
+# unless the command sets them or starts from a checkpoint; validation over one
+# batch; contexts above 512 cut to 512; short samples; a trained tokenizer's
+# vocabulary at most 1,000; a model vocabulary set beside a stand-in tokenizer,
+# the stand-in's; a federation's rounds cut to 2 and its clients' local steps
+# to 1; selfcheck's bandwidth table up to 64 KiB (every collective is still
+# checked); verify's steps to 2; a benchmark's steps to one timed step on two
+# blocks, its messages, files and sequences to their smallest (BENCH_SIZES).
+# Everything else (the layout, the ranks, the data, the model family) is the
+# page's.
 SETUP_SCRIPTS = {"scripts/main.sh", "scripts/test.sh", "scripts/times.sh"}
 # Commands another test of the suite runs as written; the suite does not run them twice.
 RUN_BY = {"cmake --install build": "package", "cmake -S examples/": "example.train_my_model",
@@ -154,6 +154,8 @@ def scaled(words):
             command = [f"--model.context=512" if w.startswith("--model.context=") else w for w in command]
         if option(command, "--training.sample_tokens") is None:
             extra.append("--training.sample_tokens=16")
+        if option(command, "--training.eval_batches") is None:
+            extra.append("--training.eval_batches=1")
         command += extra
     elif command[:2] == ["tokenizer", "train"] and int(option(command, "--vocab") or 0) > 1000:
         command = without(command, {"--vocab"}) + ["--vocab", "1000"]  # a vocabulary the sample text can fill
