@@ -2,6 +2,7 @@
 // steps, as one JSON line (bench/train_vs_pytorch.py compares it with PyTorch).
 #include "meshtrain/apps/command.h"
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/comm/job_environment.h"
 
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
@@ -58,6 +59,9 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   config.resume = false;
   config.validate(runtime.size());
   const double baseline_rss = rss_mib();
+  // A benchmark measures the matmul peak afresh (Note [Matmul peak]); the trainer then quotes MFU against it.
+  const bool bf16 = config.bfloat16() || config.parallel.param_dtype == at::kBFloat16;
+  train::measure_matmul_peak(config.torch_device(comm::node_local_rank()), bf16 ? at::kBFloat16 : at::kFloat, true);
   train::Trainer trainer(config, runtime.world());
   for (int s = 0; s < warmup_steps; ++s) trainer.step();
   parallel::FullySharded* sharded = trainer.sharded();

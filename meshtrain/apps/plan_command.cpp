@@ -292,7 +292,7 @@ int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
   plan::Machine m;
   m.name = "calibrated";
   // Matmul peak of one rank with its threads, averaged over ranks.
-  at::Tensor peak = at::full({1}, train::measure_matmul_peak(), at::kDouble);
+  at::Tensor peak = at::full({1}, train::measure_matmul_peak(at::kCPU, at::kFloat, /*afresh=*/true), at::kDouble);
   world->all_reduce(peak, comm::ReduceOp::kAvg).wait();
   m.peak_flops = peak.item<double>();
   // Achieved MFU: the `small` preset training a few steps here, data parallel over every rank.

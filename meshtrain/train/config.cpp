@@ -476,6 +476,7 @@ std::string TrainConfig::to_toml(bool every_key) const {
   const bool named = std::find(presets.begin(), presets.end(), preset) != presets.end();
   if (named) base.model = model::GptConfig::preset(preset);
   if (preset == "init_from") base.model = model;
+  base.min_lr = lr / 10;  // what load() gives an unset min_lr beside this lr
   std::vector<std::pair<std::string, std::string>> sections;  // in the order --help lists them
   for (const Field& f : fields()) {
     if (f.name == "preset" ? !named : !every_key && f.show(*this) == f.show(base)) continue;

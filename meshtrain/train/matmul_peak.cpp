@@ -1,9 +1,12 @@
 #include "meshtrain/train/matmul_peak.h"
 
 #include <nlohmann/json.hpp>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -21,14 +24,16 @@ namespace meshtrain::train {
 // costs a CPU rank about a second (2048-wide products, best of 3), and every
 // training process paid it at start: four ranks sharing two cores waited two
 // seconds before their first step, and the test suite, which starts training
-// processes by the hundred, paid minutes. The rate is a fact of the machine, so
-// it is kept in a cache file keyed by host, processor, kernels, threads, device
-// and dtype; a process measures only where the file has no entry for it. Each
-// measurement is merged as the best seen, so a first one taken while other work
-// shared the cores is raised by the next taken on a quiet machine (delete the
-// file to start over). A file that cannot be read or written changes nothing
-// but the cost: the rate is then measured, as before.
-
+// processes by the hundred, paid minutes. On a CPU the rate is a fact of the
+// machine, so it is kept in a cache file keyed by host, processor, kernels,
+// threads and dtype; a training process measures only where the file has no
+// entry for it. The measuring commands (`bench train`, `plan --calibrate`)
+// measure afresh and merge their figure as the best seen, so a first figure
+// taken while other work shared the cores is raised by the next taken on a
+// quiet machine (delete the file to start over). Writers take the file's lock
+// and replace it whole; a file that cannot be read or written changes nothing
+// but the cost. A GPU is measured in each process, as before: its 8192³
+// products take milliseconds, and a device index names no model.
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -83,18 +88,29 @@ nlohmann::json read_cache(const std::string& path) {
   return j.is_object() ? j : nlohmann::json::object();
 }
 
+// Merges `rate` into the file as the best seen for `key`, under the file's lock.
 void store(const std::string& path, const std::string& key, double rate) {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  const std::string partial = path + ".partial-" + host + "-" + std::to_string(getpid());
   try {
     util::make_directories(path.substr(0, path.rfind('/')));
+    const int lock = open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock < 0) return;
+    flock(lock, LOCK_EX);
     nlohmann::json j = read_cache(path);
-    if (j.contains(key) && j[key].is_number() && j[key].get<double>() >= rate) return;
-    j[key] = rate;
-    const std::string partial = path + ".partial-" + std::to_string(getpid());
-    std::ofstream(partial) << j.dump(1) << "\n";
-    util::rename_path(partial, path);
+    if (!(j.contains(key) && j[key].is_number() && j[key].get<double>() >= rate)) {
+      j[key] = rate;
+      std::ofstream out(partial);
+      out << j.dump(1) << "\n";
+      out.close();
+      if (out) util::rename_path(partial, path);
+    }
+    close(lock);  // releases the lock
   } catch (const std::exception&) {
     // Not kept: the next process measures again.
   }
+  std::remove(partial.c_str());  // gone already where it was renamed
 }
 
 }  // namespace
@@ -110,14 +126,14 @@ std::string matmul_peak_cache_path() {
   return "";
 }
 
-double measure_matmul_peak(at::Device device, at::ScalarType dtype) {
+double measure_matmul_peak(at::Device device, at::ScalarType dtype, bool afresh) {
   static std::mutex mutex;
   static std::map<std::string, double> measured;  // this process's: a test that builds many trainers asks once
   const std::lock_guard<std::mutex> lock(mutex);
   const std::string key = machine_key(device, dtype);
-  if (const auto found = measured.find(key); found != measured.end()) return found->second;
-  const std::string path = matmul_peak_cache_path();
-  if (!path.empty()) {
+  if (const auto found = measured.find(key); found != measured.end() && !afresh) return found->second;
+  const std::string path = device.is_cuda() ? "" : matmul_peak_cache_path();
+  if (!path.empty() && !afresh) {
     const nlohmann::json cached = read_cache(path);
     if (cached.contains(key) && cached[key].is_number() && cached[key].get<double>() > 0) {
       return measured[key] = cached[key].get<double>();

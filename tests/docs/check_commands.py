@@ -4,8 +4,10 @@
 usage: check_commands.py MESHTRAIN REPO_ROOT
 
 docs.run (run_commands.py) runs every command of README.md and docs/ but those
-it skips (a GPU, hosts, Slurm or a network needed; benchmarks against peers)
-and those of docs/BENCHMARKS.md; this test checks what it does not run:
+it skips (a GPU, hosts, Slurm or a network needed; benchmark scripts)
+and those of docs/BENCHMARKS.md; this test checks what it does not run (what
+docs.run runs it checks by running, at its tiny sizes; Note [Tiny sizes] keeps
+a layout's degrees, batches and ranks, so a rule they break still fails there):
 
 For each line of a ```sh block in README.md and docs/*.md that runs meshtrain
 (`meshtrain`, `build/bin/meshtrain` or `./build/bin/meshtrain`, after

@@ -26,6 +26,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -216,7 +217,7 @@ class Page:
         background = words[-1:] == ["&"]
         words = words[:-1] if background else words
         assignments = []
-        while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value before the command
+        while words and re.match(r"^[A-Za-z_]\w*=", words[0]):  # VAR=value before the command
             assignments.append(words.pop(0))
         launcher = []
         if words[:1] in (["mpirun"], ["mpiexec"]) and any(w in BINARIES for w in words):  # mpirun -np N BINARY ...
@@ -230,9 +231,10 @@ class Page:
                 vocab = json.loads((pathlib.Path(self.stand_in(named[0])) / "config.json").read_text())["vocab_size"]
                 words = without(words, {"--model.vocab_size"}) + [f"--model.vocab_size={vocab}"]
             words = [self.port if w == PAGE_PORT and words[k - 1] == "--port" else w for k, w in enumerate(words)]
+            words = [f"--port={self.port}" if w == f"--port={PAGE_PORT}" else w for w in words]
             if "serve" in words[1:]:  # serve, or run ... serve
                 background = True
-                if "--port" not in words and not any(w.startswith("--port=") for w in words):
+                if option(words, "--port") is None:
                     words += ["--port", self.port]
         if assignments and words and words[0] in BINARIES:
             words = ["env"] + assignments + words
@@ -245,17 +247,19 @@ class Page:
             self.server.terminate()
             try:
                 self.server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.server.kill()
+            except subprocess.TimeoutExpired:  # what it started too (a launcher's ranks)
+                os.killpg(self.server.pid, signal.SIGKILL)
+                self.server.wait()
             self.server = None
 
     def start_server(self, words, log):
         self.stop_server()
         scheme, context = "http", None
-        if "--ssl-certfile" in words:  # the page's own certificate, for localhost
+        if certificate := option(words, "--ssl-certfile"):  # the page's own certificate, for localhost
             scheme = "https"
-            context = ssl.create_default_context(cafile=str(self.work / words[words.index("--ssl-certfile") + 1]))
-        self.server = subprocess.Popen(words, cwd=self.work, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            context = ssl.create_default_context(cafile=str(self.work / certificate))
+        self.server = subprocess.Popen(words, cwd=self.work, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.server.poll() is not None:
@@ -266,6 +270,18 @@ class Page:
             except OSError:
                 time.sleep(0.2)
         return "the server did not answer /health within 120 s"
+
+    def run_line(self, line, log):
+        """Runs a shell line in its own process group, so that a timeout ends what it started (mpirun's ranks too)."""
+        proc = subprocess.Popen(line, shell=True, cwd=self.work, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                executable="/bin/bash", start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "did not end within 300 s"
+        return None if returncode == 0 else f"exited {returncode}"
 
     def run(self, kind, text, log_path):
         with open(log_path, "w") as log:
@@ -292,10 +308,8 @@ class Page:
             else:  # shell syntax (&&, $(...), >, $VAR) as written
                 line = text.replace(f":{PAGE_PORT}", f":{self.port}")
                 if words[:1] == ["curl"]:  # an HTTP error fails the command, as a reader would see it fail
-                    line = "curl --fail" + line[len("curl"):]
-            done = subprocess.run(line, shell=True, cwd=self.work, env=self.env, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=300, executable="/bin/bash")
-            return None if done.returncode == 0 else f"exited {done.returncode}"
+                    line = re.sub(r"(^|\s)curl(\s)", r"\1curl --fail\2", line, count=1)
+            return self.run_line(line, log)
 
 
 def skip_reason(kind, text):
@@ -303,13 +317,13 @@ def skip_reason(kind, text):
         if m := re.search(r"#\s*needs:\s*(.+)$", text):
             return f"needs {m.group(1).strip()}"
         words = shlex.split(text, comments=True)
-        words = [w for w in words if not re.match(r"^[A-Z_]+=", w)] if words[:1] != ["export"] else words
+        words = [w for w in words if not re.match(r"^[A-Za-z_]\w*=", w)] if words[:1] != ["export"] else words
         if len(words) >= 2 and words[0] == "bash" and words[1] in SETUP_SCRIPTS:
             return "CI runs it (this test is part of it)"
         if test := next((t for prefix, t in RUN_BY.items() if text.startswith(prefix)), None):
             return f"CTest {test} runs it" if test != "this suite" else "it runs this suite"
         if len(words) >= 2 and words[0] == ".venv/bin/python" and words[1].startswith("bench/"):
-            return "a benchmark against a peer, minutes long: docs/BENCHMARKS.md has its result and command"
+            return "a benchmark script, minutes long: docs/BENCHMARKS.md has its result and command"
     return None
 
 

@@ -191,6 +191,14 @@ TEST(TrainConfig, ImpossibleValuesAreRejectedBeforeTraining) {
   EXPECT_EQ(validated({"training.lr=2e-5"}, 1), "no error");
   EXPECT_DOUBLE_EQ(TrainConfig::load("", {"training.lr=2e-5"}).min_lr, 2e-6);
   EXPECT_DOUBLE_EQ(TrainConfig::load("", {}).min_lr, 1e-4);
+  // to_toml writes min_lr where it is not lr's tenth, so that the file reads back as the same schedule.
+  for (const auto& overrides : std::vector<std::vector<std::string>>{{"training.lr=3e-4", "training.min_lr=1e-4"},
+                                                                      {"training.lr=3e-4"}}) {
+    const TrainConfig c = TrainConfig::load("", overrides);
+    const std::string path = ::testing::TempDir() + "/min_lr.toml";
+    std::ofstream(path) << c.to_toml();
+    EXPECT_DOUBLE_EQ(TrainConfig::load(path, {}).min_lr, c.min_lr) << c.to_toml();
+  }
   EXPECT_EQ(validated({"data.train_file=/x.bin"}, 1),
             "data.train_file = \"/x.bin\": give both data.train_file and data.val_file, or neither (then data.text is prepared)");
   EXPECT_EQ(validated({"model.vocab_size=300"}, 1),
