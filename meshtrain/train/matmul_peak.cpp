@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -88,29 +87,31 @@ nlohmann::json read_cache(const std::string& path) {
   return j.is_object() ? j : nlohmann::json::object();
 }
 
+// The rate the cache holds for `key`; 0 where it holds none.
+double kept(const nlohmann::json& cache, const std::string& key) {
+  const auto found = cache.find(key);
+  return found != cache.end() && found->is_number() ? found->get<double>() : 0;
+}
+
 // Merges `rate` into the file as the best seen for `key`, under the file's lock.
 void store(const std::string& path, const std::string& key, double rate) {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  const std::string partial = path + ".partial-" + host + "-" + std::to_string(getpid());
   try {
     util::make_directories(path.substr(0, path.rfind('/')));
-    const int lock = open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (lock < 0) return;
-    flock(lock, LOCK_EX);
-    nlohmann::json j = read_cache(path);
-    if (!(j.contains(key) && j[key].is_number() && j[key].get<double>() >= rate)) {
-      j[key] = rate;
-      std::ofstream out(partial);
-      out << j.dump(1) << "\n";
-      out.close();
-      if (out) util::rename_path(partial, path);
-    }
-    close(lock);  // releases the lock
   } catch (const std::exception&) {
-    // Not kept: the next process measures again.
+    return;  // not kept: the next process measures again
   }
-  std::remove(partial.c_str());  // gone already where it was renamed
+  const int lock = open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock < 0) return;
+  flock(lock, LOCK_EX);
+  nlohmann::json cache = read_cache(path);
+  if (kept(cache, key) < rate) {
+    cache[key] = rate;
+    try {
+      util::write_text_file(path, cache.dump(1) + "\n");  // whole, through a renamed temporary
+    } catch (const std::exception&) {
+    }
+  }
+  close(lock);  // releases the lock
 }
 
 }  // namespace
@@ -134,10 +135,7 @@ double measure_matmul_peak(at::Device device, at::ScalarType dtype, bool afresh)
   if (const auto found = measured.find(key); found != measured.end() && !afresh) return found->second;
   const std::string path = device.is_cuda() ? "" : matmul_peak_cache_path();
   if (!path.empty() && !afresh) {
-    const nlohmann::json cached = read_cache(path);
-    if (cached.contains(key) && cached[key].is_number() && cached[key].get<double>() > 0) {
-      return measured[key] = cached[key].get<double>();
-    }
+    if (const double rate = kept(read_cache(path), key); rate > 0) return measured[key] = rate;
   }
   const double rate = measure(device, dtype);
   if (!path.empty()) store(path, key, rate);

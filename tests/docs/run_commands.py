@@ -14,8 +14,7 @@ Hugging Face folder a command names as `path/to/NAME`, and files a page names
 as the reader's own (READER_FILES). A command ending in a `# needs: WHAT`
 comment (a GPU, hosts, Slurm, a network) is skipped with that reason (a file it
 would fetch is stood in for, FETCHED), as are the set-up scripts CI runs itself,
-the benchmarks against peers (minutes each; docs/BENCHMARKS.md keeps their
-results) and commands another test runs as written (RUN_BY). Every other
+benchmark scripts (minutes each; docs/BENCHMARKS.md keeps their results) and commands another test runs as written (RUN_BY). Every other
 command must exit 0 (a server must answer /health). Prints each command with its seconds;
 exits 1 naming the first that failed, with its output's last lines (with
 --keep-going: every one that failed, the later commands still run).
@@ -67,8 +66,9 @@ READER_FILES = {
     "my_model.toml": "[model]\npreset = \"tiny\"\n[training]\nbatch = 16\nmicro_batch = 4\n",
     "chat.json": '[{"role": "user", "content": "Who speaks first?"}]\n',
 }
-READER_TEXTS = ["book.txt", "notes/act1.txt", "notes/act2.txt", "corpus/part1.txt", "corpus/part2.jsonl",
-                "shards/shard1.txt", "shards/shard2.txt"]
+READER_BOOK = "book.txt"  # the whole excerpt
+READER_PARTS = ["notes/act1.txt", "notes/act2.txt", "corpus/part1.txt", "corpus/part2.jsonl", "shards/shard1.txt",
+                "shards/shard2.txt"]  # each a different part of it
 # A folder of the reader's machine a page names, and the scratch folder it becomes.
 READER_PATHS = {"/mnt/nvme": "nvme"}
 # A file a page fetches with a command that needs a network, and what stands in for it: for the
@@ -82,6 +82,7 @@ def play_stand_in(root):
     return "".join(re.sub(r"^([A-Z][A-Za-z ]*):$", lambda m: m.group(1) + (f" {k + 1}" if k else "") + ":", text,
                           flags=re.M) for k in range(26))
 PAGE_PORT = "8000"
+STAND_IN = r"(^|[\s=])path/to/([\w.-]+)"  # a Hub model a command names: a word, or an option's value
 
 
 def page_blocks(path):
@@ -144,7 +145,7 @@ def scaled(words):
     if command[:1] == ["train"]:
         extra = []
         steps = option(command, "--training.steps")
-        command = [w for w in command if not w.startswith("--training.steps=")]
+        command = without(command, {"--training.steps"})
         at_least = int(option(command, "--run.trace_step") or 1)  # the traced step is taken
         extra.append(f"--training.steps={max(at_least, int(steps) // 50 if steps else 1)}")
         if option(command, "--model.layers") is None and option(command, "--checkpoint.init_from") is None:
@@ -152,7 +153,7 @@ def scaled(words):
             extra.append(f"--model.layers={max(2, stages)}")  # a block per pipeline stage
         context = option(command, "--model.context")
         if context and int(context) > 512:
-            command = [f"--model.context=512" if w.startswith("--model.context=") else w for w in command]
+            command = without(command, {"--model.context"}) + ["--model.context=512"]
         if option(command, "--training.sample_tokens") is None:
             extra.append("--training.sample_tokens=16")
         if option(command, "--training.eval_batches") is None:
@@ -208,6 +209,10 @@ class Page:
             self.stand_ins[name] = out
         return self.stand_ins[name]
 
+    def with_stand_ins(self, text):
+        """text with each path/to/NAME (a word, or an option's value) replaced by its stand-in's folder."""
+        return re.sub(STAND_IN, lambda m: m.group(1) + self.stand_in(m.group(2)), text)
+
     def shell_line(self, line):
         """The line as it runs here: the page's port replaced, meshtrain commands scaled, stand-ins named."""
         line = line.replace(f":{PAGE_PORT}", f":{self.port}")
@@ -225,8 +230,8 @@ class Page:
             launcher, words = words[:at], words[at:]
         if words and words[0] in BINARIES:
             words = [words[0]] + scaled(words[1:])
-            named = [m.group(1) for w in words for m in [re.search(r"(?:^|=)path/to/([\w.-]+)$", w)] if m]
-            words = [re.sub(r"(^|=)path/to/([\w.-]+)", lambda m: m.group(1) + self.stand_in(m.group(2)), w) for w in words]
+            named = [name for w in words for _, name in re.findall(STAND_IN, w)]
+            words = [self.with_stand_ins(w) for w in words]
             if named and option(words, "--model.vocab_size"):  # the stand-in's vocabulary, not the Hub model's
                 vocab = json.loads((pathlib.Path(self.stand_in(named[0])) / "config.json").read_text())["vocab_size"]
                 words = without(words, {"--model.vocab_size"}) + [f"--model.vocab_size={vocab}"]
@@ -302,7 +307,7 @@ class Page:
             if background:
                 return self.start_server(words, log)
             if "$(" in text:  # a command inside another: run as written, with its stand-ins
-                line = re.sub(r"(^|[\s=])path/to/([\w.-]+)", lambda m: m.group(1) + self.stand_in(m.group(2)), text)
+                line = self.with_stand_ins(text)
             elif words and (words[0] in BINARIES or words[0] == "env"):
                 line = shlex.join(words)
             else:  # shell syntax (&&, $(...), >, $VAR) as written
@@ -333,12 +338,11 @@ def make_reader_files(root, work):
     for name, text in READER_FILES.items():
         (work / name).write_text(text)
     excerpt = (root / EXCERPT).read_text().splitlines(keepends=True)
-    for k, name in enumerate(READER_TEXTS):  # each a different part of the play
+    (work / READER_BOOK).write_text("".join(excerpt))
+    for k, name in enumerate(READER_PARTS):
         path = work / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = excerpt[k * len(excerpt) // len(READER_TEXTS):(k + 1) * len(excerpt) // len(READER_TEXTS)]
-        if name == "book.txt":
-            part = excerpt
+        part = excerpt[k * len(excerpt) // len(READER_PARTS):(k + 1) * len(excerpt) // len(READER_PARTS)]
         if name.endswith(".jsonl"):
             path.write_text("".join(json.dumps({"text": line}) + "\n" for line in part if line.strip()))
         else:
