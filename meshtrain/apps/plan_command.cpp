@@ -214,6 +214,7 @@ int run_plan(const PlanOptions& o) {
   } else {
     model = plan::preset_model(o.model);
   }
+  if (!source) workload.chunked_loss = model.chunked_loss;  // on unless a config turns it off
   if (o.seq > 0) model.context = o.seq;
   if (!o.precision.empty()) workload.precision = plan::Precision::parse(o.precision);
   if (!o.attention.empty()) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace meshtrain::model {
 
@@ -19,21 +20,41 @@ namespace meshtrain::model {
 // to a log-sum-exp and the target's logit, and, when a gradient will be
 // asked, turned at once into the chunk's gradient dz = softmax − onehot
 // (times 1 − tanh² under the cap), which gives dh for its rows and adds into
-// dW, so nothing of the chunk outlives it. The loss is the last operation of
-// a forward, so its backward follows directly: it scales the dh and dW the
-// forward made by the loss's gradient. Work: the same three products as the
-// head's forward and backward, none done twice. Memory: one chunk's logits
-// twice (the log-sum-exp's work space), plus dh (the size of the head's
-// input) and dW (the size of the weight) from the loss's forward to its
-// backward; at one chunk that is about what the whole logits cost. Rows whose
-// target is kIgnoredTarget count toward nothing; with none counting the loss
-// is 0. The planner counts this (Workload::chunked_loss).
+// dW, so nothing of the chunk outlives it. The log-sum-exp is taken in the
+// chunk's own buffer (its row maximum subtracted, exponentiated in place), so
+// the softmax needs no second one. The loss is the last operation of a
+// forward, so its backward follows directly: it scales the dh and dW the
+// forward made by the loss's gradient, in place. Work: the same three
+// products as the head's forward and backward, none done twice. Memory: one
+// chunk's logits, plus dh (the size of the head's input) and dW (the size of
+// the weight) from the loss's forward to its backward; at one chunk that is
+// about what the whole logits cost. Rows whose target is kIgnoredTarget count
+// toward nothing; with none counting the loss is 0.
+//
+// A weight split over the vocabulary (tensor parallel's head: rows
+// [start, start + V/t) on each rank) gives each rank a chunk's logits for its
+// entries only: the row maxima are reduced by their maximum over the ranks,
+// the sums of exponentials and the targets' logits (0 where the target is
+// another rank's) by their sum, two collectives of [rows] values per chunk;
+// dW is then the rank's own, and dh a partial sum the caller's collective
+// completes in the backward. Every rank holds the same rows, so all make the
+// same number of chunks. The planner counts this (Workload::chunked_loss).
 constexpr int64_t kChunkBytes = int64_t{256} << 20;
+
+// The weight's share of the vocabulary: its rows are entries [start,
+// start + rows), and `max` / `sum` reduce a tensor in place over the ranks
+// holding the other shares. Default: the whole vocabulary on this rank.
+struct VocabShard {
+  int64_t start = 0;
+  std::function<void(at::Tensor&)> max, sum;
+  bool split() const { return static_cast<bool>(sum); }
+};
 
 // The mean loss over `targets` [N] of hidden [N, d] against weight [V, d],
 // soft-capped by `softcap` > 0; `chunk_rows` > 0 sets the rows per chunk
-// (0: as many as kChunkBytes of logits hold). Differentiable in hidden and weight.
+// (0: as many as kChunkBytes of this rank's logits hold). Differentiable in
+// hidden and weight. `shard`: the weight's share of the vocabulary.
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                 double softcap = 0, int64_t chunk_rows = 0);
+                                 double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {});
 
 }  // namespace meshtrain::model

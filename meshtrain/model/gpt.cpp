@@ -431,13 +431,20 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
 
 bool GptImpl::chunks_loss(const at::Tensor& x) const {
   if (!config_.chunked_loss || !fused::plain(x)) return false;
-  return std::none_of(chain_->hooks.begin(), chain_->hooks.end(), [](const auto& h) { return h->wraps_head(); });
+  return std::none_of(chain_->hooks.begin(), chain_->hooks.end(),
+                      [](const auto& h) { return h->wraps_head() && !h->chunks_head(); });
 }
 
 at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
   if (!chunks_loss(x)) return cross_entropy(project(x), targets);
   const at::Tensor y = chain_->call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
-  return chunked_cross_entropy(y, head ? head->weight : wte->weight, targets, config_.logit_softcap);
+  const at::Tensor& weight = head ? head->weight : wte->weight;
+  for (const auto& hooks : chain_->hooks) {
+    if (!hooks->wraps_head()) continue;
+    at::Tensor loss = hooks->head_loss(y, weight, targets, config_.logit_softcap);
+    if (loss.defined()) return loss;
+  }
+  return chunked_cross_entropy(y, weight, targets, config_.logit_softcap);
 }
 
 at::Tensor GptImpl::loss(const Batch& batch) {

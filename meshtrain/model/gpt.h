@@ -57,10 +57,21 @@ class ForwardHooks {
   // Returns the output of `module` on `input`; `forward` is its own computation.
   virtual at::Tensor around(const std::string& module, const at::Tensor& input, const Forward& forward) = 0;
   // Whether these hooks change norm_f, head or the loss (tensor parallel's
-  // vocabulary-split head does): then the loss goes through them on whole
-  // logits; hooks that answer false let the model compute it in chunks
-  // (Note [Chunked loss]). Unknown hooks are taken to.
+  // vocabulary-split head does): then the loss goes through them, on whole
+  // logits unless chunks_head() says they take it in chunks too; hooks that
+  // answer false let the model compute it in chunks (Note [Chunked loss]).
+  // Unknown hooks are taken to.
   virtual bool wraps_head() const { return true; }
+  virtual bool chunks_head() const { return false; }
+  // The chunked loss (Note [Chunked loss]) of the final norm's output y
+  // [..., d] with the head's `weight` against targets, soft-capped by
+  // `softcap`, for hooks whose chunks_head() holds; an undefined tensor
+  // leaves it to the model (tensor parallel: a head it does not split).
+  virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
+                               double softcap) {
+    (void)y, (void)weight, (void)targets, (void)softcap;
+    return {};
+  }
   // The mean cross-entropy of logits [N, V'] (in the dtype the head computed
   // them, bf16 under autocast; fp32 is the hook's to choose) against targets [N], or an
   // undefined tensor to leave it to the model (tensor parallel computes it

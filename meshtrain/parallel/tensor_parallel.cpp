@@ -1,6 +1,7 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 
 #include "meshtrain/model/adapter.h"
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/parallel/parallel_spec.h"
 
 #include <cmath>
@@ -177,6 +178,24 @@ struct TensorParallel::Hooks : model::ForwardHooks {
       }
     }
     return forward(input);
+  }
+
+  // The chunked loss over this rank's share of the vocabulary (Note [Chunked
+  // loss]): the head's input is whole on every rank (gathered from the
+  // sequence chunks under sequence parallel), so the collectives' backward
+  // completes dh, the partial sum each rank's share gives.
+  bool chunks_head() const override { return true; }
+  at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
+                       double softcap) override {
+    if (!split_head) return {};
+    const CommPtr& comm = owner->comm_;
+    const at::Tensor h = owner->options_.sequence_parallel ? gather_from_sequence(y, comm, kSequenceDim)
+                                                           : copy_to_tensor_parallel(y, comm);
+    model::VocabShard shard;
+    shard.start = vocab_start;
+    shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
+    shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
+    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, shard);
   }
 
   // Logits are split over the vocabulary only when the plan splits the head.

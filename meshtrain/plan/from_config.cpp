@@ -41,9 +41,7 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   const bool math = (config.model.dropout > 0 && !gpu) || (capped && !batched);
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
   run.workload.fused_loss = config.model.fused && !gpu && !config.parallel.annotated();
-  // Pipeline stages and tensor parallel's vocabulary-split head keep the logits whole.
-  run.workload.chunked_loss = config.model.chunked_loss && !config.parallel.annotated() &&
-                              config.parallel.dims.pp == 1 && config.parallel.dims.tp == 1;
+  run.workload.chunked_loss = config.model.chunked_loss && !config.parallel.annotated();
   if (gpu) run.workload.precision.mask = 1;
   return run;
 }

@@ -54,9 +54,10 @@ struct Workload {
   // The loss through the fused CPU kernel (model.fused on the CPU): it keeps
   // the logits and a log-sum-exp per row, no fp32 log-softmax.
   bool fused_loss = false;
-  // The chunked loss (Note [Chunked loss]): no logits beyond one chunk; dh and
-  // dW made in the forward, kept to the backward.
-  bool chunked_loss = false;
+  // The chunked loss (Note [Chunked loss]; model.chunked_loss, on by
+  // default): no logits beyond one chunk; dh and dW made in the forward, kept
+  // to the backward.
+  bool chunked_loss = true;
   double dropout = 0;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one
   // Mixture of experts: assignments the busiest rank computes per MoE layer,

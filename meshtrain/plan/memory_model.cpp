@@ -54,19 +54,23 @@ struct OutputBytes {
   double kept, forward, backward;
 };
 // The chunked loss (Note [Chunked loss]) keeps the final norm's input and
-// what it saves, and dh and dW from its forward to its backward; its forward
-// holds one chunk's fp32 logits and the log-sum-exp's work space of their
-// size (with a soft-cap one more; a 16-bit copy under autocast, and dW's
-// product before it is added), and the chunk's dh product; its backward
-// scales dh and dW into new tensors.
+// what it saves, and dh (rows of the head's whole input: gathered under
+// sequence parallel) and this rank's dW from its forward to its backward. Its
+// forward holds one chunk's fp32 logits over this rank's share of the
+// vocabulary (with a soft-cap one more; a 16-bit copy under autocast, and
+// dW's product before it is added), the chunk's dh product and, under
+// sequence parallel, the gathered input. Its backward scales dh and dW in
+// place and hands them on; dh's cast to the input's dtype or its collective
+// makes one fp32 copy.
 OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p) {
-  const double e = p.activation, vocab = static_cast<double>(model.vocab_size);
-  const double weight = 4 * vocab * static_cast<double>(model.width);
-  const double rows = std::min(z.tokens, std::max(1.0, static_cast<double>(model::kChunkBytes) / (4 * vocab)));
+  const double e = p.activation, share = z.split(static_cast<double>(model.vocab_size));
+  const double width = static_cast<double>(model.width), weight = 4 * share * width;
+  const double rows = std::min(z.tokens, std::max(1.0, static_cast<double>(model::kChunkBytes) / (4 * share)));
   const double low_precision = e < 4 ? 1 : 0;
-  const double chunk = rows * vocab * (4 * (model.logit_softcap > 0 ? 3 : 2) + low_precision * e) +
-                       4 * rows * static_cast<double>(model.width);
-  return {2 * e * z.u + z.region(norm_saved(model, z, e)) + weight, chunk + low_precision * weight, 4 * z.u + weight};
+  const double chunk = rows * share * (4 * (model.logit_softcap > 0 ? 2 : 1) + low_precision * e) + 4 * rows * width;
+  const double gathered = z.sp ? e * z.u : 0;
+  return {e * z.region(z.u) + z.region(norm_saved(model, z, e)) + e * z.u + weight,
+          chunk + gathered + low_precision * e * share * width, 4 * z.u};
 }
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
@@ -319,7 +323,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   options.recompute = parallel::CheckpointMode::kNone;
   a.full_layer = std::max(layer_activation_bytes(model, options),
                           model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss && l.dims.tp == 1 && l.dims.pp == 1);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss);
   a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }

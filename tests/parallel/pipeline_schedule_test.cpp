@@ -98,7 +98,7 @@ TEST(PipelineStages, BalanceAndUserSplits) {
   EXPECT_EQ(specs[0].str(), "embed+blocks 0-1");
   EXPECT_EQ(specs[2].str(), "blocks 3+head");
 
-  // Kept stages run as the whole model does, piece by piece.
+  // Kept stages run as the whole model does, piece by piece, to the loss.
   model::GptConfig config = model::GptConfig::preset("tiny");
   config.layers = 4;
   model::Gpt whole(config, 3), last(config, 3);
@@ -109,10 +109,10 @@ TEST(PipelineStages, BalanceAndUserSplits) {
     EXPECT_TRUE(name.rfind("blocks.3.", 0) == 0 || name.rfind("norm_f.", 0) == 0 || name == "wte.weight") << name;
   }
   const at::Tensor tokens = at::randint(0, config.vocab_size, {2, 8}, at::kLong);
-  const model::Batch batch(tokens);
+  const model::Batch batch(tokens, tokens.roll(-1, 1));
   at::Tensor x = whole->embed(batch);
   for (int i = 0; i < 3; ++i) x = whole->block(i, x, batch);
-  EXPECT_TRUE(at::allclose(run_stage(last, specs[2], x, batch), whole->forward(tokens), 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(run_stage(last, specs[2], x, batch), whole->loss(batch), 1e-6, 1e-6));
 }
 
 TEST(PipelineTrace, ChromeTraceRoundTripsAndDraws) {

@@ -3,6 +3,7 @@
 // training (alone and on a 2-D mesh with data parallel or sharding),
 // random streams, activation memory against Korthikanti et al. 2022, and
 // resume — over every tp group size the world allows.
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/util/memory.h"
@@ -152,6 +153,39 @@ TEST(TensorParallelOps, VocabParallelCrossEntropyNeverGathersLogits) {
     got.backward();
     EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << "t = " << t;
     expect_close(mine.grad(), chunk(full.grad(), 1, t, r), "gradient, t = " + std::to_string(t));
+  }
+}
+
+// Note [Chunked loss] over a head split by the vocabulary, as tensor parallel
+// calls it: several chunks, ignored targets, with and without the soft-cap.
+TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
+  for (int t : tp_sizes()) {
+    const CommPtr comm = group_of(t);
+    const int r = comm->rank();
+    const int64_t v = 8 * t;
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(22);
+    at::Tensor targets = at::randint(0, v, {10}, g, at::kLong);
+    targets.index_put_({at::arange(0, 10, 4)}, model::kIgnoredTarget);
+    for (double cap : {0.0, 2.0}) {
+      const std::string what = "t = " + std::to_string(t) + ", soft-cap " + std::to_string(cap);
+      at::Tensor h = same({10, 6}, 23).requires_grad_(), w = same({v, 6}, 24).requires_grad_();
+      at::Tensor z = at::mm(h, w.t());
+      if (cap > 0) z = at::tanh(z / cap) * cap;
+      const at::Tensor want = at::cross_entropy_loss(z, targets, {}, at::Reduction::Mean, model::kIgnoredTarget) * 0.7;
+      want.backward();
+      at::Tensor mine_h = same({10, 6}, 23).requires_grad_();
+      at::Tensor mine_w = chunk(same({v, 6}, 24), 0, t, r).clone().requires_grad_();
+      model::VocabShard shard;
+      shard.start = r * 8;
+      shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
+      shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
+      const at::Tensor got =
+          model::chunked_cross_entropy(copy_to_tensor_parallel(mine_h, comm), mine_w, targets, cap, 3, shard) * 0.7;
+      got.backward();
+      EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << what;
+      expect_close(mine_h.grad(), h.grad(), "dh, " + what);
+      expect_close(mine_w.grad(), chunk(w.grad(), 0, t, r), "dW, " + what);
+    }
   }
 }
 
