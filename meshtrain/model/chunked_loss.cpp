@@ -22,14 +22,54 @@ at::ScalarType compute_dtype(const at::Tensor& t) {
   return at::autocast::is_autocast_enabled(type) ? at::autocast::get_autocast_dtype(type) : t.scalar_type();
 }
 
+// Where each row's target is in this rank's share of V entries: its column
+// [N, 1] (clamped), 1 where it is counted and held here, 1 where counted.
+struct TargetColumns {
+  at::Tensor index, here, counted;
+  TargetColumns rows(int64_t start, int64_t length) const {
+    return {index.narrow(0, start, length), here.narrow(0, start, length), counted.narrow(0, start, length)};
+  }
+};
+
+TargetColumns target_columns(const at::Tensor& targets, int64_t start, int64_t v) {
+  const at::Tensor counted = targets != kIgnoredTarget, local = targets - start;
+  return {local.clamp(0, v - 1).unsqueeze(1), (counted & (local >= 0) & (local < v)).unsqueeze(1).to(at::kFloat),
+          counted.unsqueeze(1).to(at::kFloat)};
+}
+
+// One chunk's fp32 logits of rows h (soft-capped), and tanh(z / c) under the cap.
+std::pair<at::Tensor, at::Tensor> chunk_logits(const at::Tensor& h, const at::Tensor& w, double softcap) {
+  at::Tensor z = at::mm(h, w.t()).to(at::kFloat), t;
+  if (softcap > 0) {
+    t = z.div_(softcap).tanh_();
+    z = t * softcap;
+  }
+  return {z, t};
+}
+
+// The chunk's gradients from its softmax (turned into dz in place): dh's rows
+// (`dh`, undefined for none) and dW added into `dw` (undefined for none),
+// times `scale` where it is defined.
+void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, const TargetColumns& c, const at::Tensor& h,
+                   const at::Tensor& w, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
+  at::Tensor dz = softmax.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted);
+  if (softcap > 0) dz.mul_(t.mul_(t).neg_().add_(1.0f));  // times 1 − tanh²
+  if (scale.defined()) dz.mul_(scale);
+  const at::ScalarType compute = h.scalar_type();
+  const at::Tensor d = dz.to(compute);
+  if (dh.defined()) dh.copy_(at::mm(d, w));
+  if (dw.defined() && compute == at::kFloat) dw.addmm_(d.t(), h);
+  if (dw.defined() && compute != at::kFloat) dw.add_(at::mm(d.t(), h));
+}
+
 struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   // hidden [N, d], weight [V', d] (entries shard.start.. of the vocabulary),
-  // targets [N]; make dh (`hidden_grad`) and dW (`weight_grad`, not for a
-  // frozen head) for the backward (Note [Chunked loss]).
+  // targets [N]; dh (`hidden_grad`) and dW (`weight_grad`, not for a frozen
+  // head) made `when` asked (Note [Chunked loss]).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, double softcap, int64_t chunk_rows, const VocabShard& shard,
-                            bool hidden_grad, bool weight_grad) {
-    const bool gradients = hidden_grad || weight_grad;
+                            LossGradients when, bool hidden_grad, bool weight_grad) {
+    const bool gradients = hidden_grad || weight_grad, now = gradients && when == LossGradients::kInForward;
     RECORD_FUNCTION("meshtrain::chunked_cross_entropy", std::vector<c10::IValue>());
     const at::ScalarType compute = compute_dtype(hidden);
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -37,79 +77,106 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const int64_t n = h.size(0), v = w.size(0);
     const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkBytes / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
-    // Each target's column in this rank's share, and whether it is counted here.
-    const at::Tensor counted = targets != kIgnoredTarget, local = targets - shard.start;
-    const at::Tensor here = (counted & (local >= 0) & (local < v)).unsqueeze(1).to(at::kFloat);
-    const at::Tensor index = local.clamp(0, v - 1).unsqueeze(1);
+    const TargetColumns columns = target_columns(targets, shard.start, v);
     at::Tensor loss_sum = at::zeros({}, fp32);
-    at::Tensor dh, dw;
-    if (hidden_grad) dh = at::empty_like(h);
-    if (weight_grad) dw = at::zeros({v, w.size(1)}, fp32);
+    at::Tensor dh, dw, lse;
+    if (now && hidden_grad) dh = at::empty_like(h);
+    if (now && weight_grad) dw = at::zeros({v, w.size(1)}, fp32);
+    if (gradients && !now) lse = at::empty({n, 1}, fp32);
     for (int64_t r = 0; r < n; r += rows) {
       const int64_t m = std::min(rows, n - r);
-      const at::Tensor hc = h.narrow(0, r, m), ic = index.narrow(0, r, m), hr = here.narrow(0, r, m);
-      const at::Tensor cc = counted.narrow(0, r, m).unsqueeze(1).to(at::kFloat);
-      at::Tensor z = at::mm(hc, w.t()).to(at::kFloat);
-      at::Tensor t;  // tanh(z / c) under the soft-cap
-      if (softcap > 0) {
-        t = z.div_(softcap).tanh_();
-        z = t * softcap;
-      }
+      const at::Tensor hc = h.narrow(0, r, m);
+      const TargetColumns c = columns.rows(r, m);
+      auto [z, t] = chunk_logits(hc, w, softcap);
       at::Tensor top = at::amax(z, 1, /*keepdim=*/true);
       if (shard.split()) shard.max(top);
-      const at::Tensor target = z.gather(1, ic).mul_(hr);  // 0 where another share holds it
-      const at::Tensor e = z.sub_(top).exp_();              // z's buffer, exp(z − top)
+      const at::Tensor target = z.gather(1, c.index).mul_(c.here);  // 0 where another share holds it
+      const at::Tensor e = z.sub_(top).exp_();                       // z's buffer, exp(z − top)
       // [Σ exp(z − top), the target's logit] per row, summed over the shares.
       at::Tensor sums = at::cat({e.sum(1, /*keepdim=*/true), target}, 1);
       if (shard.split()) shard.sum(sums);
-      const at::Tensor total = sums.narrow(1, 0, 1);
-      loss_sum += ((total.log() + top - sums.narrow(1, 1, 1)) * cc).sum();
-      if (!gradients) continue;
-      at::Tensor dz = e.div_(total);  // the softmax
-      dz.scatter_add_(1, ic, hr.neg()).mul_(cc);
-      if (softcap > 0) dz.mul_(t.mul_(t).neg_().add_(1.0f));  // times 1 − tanh²
-      const at::Tensor d = dz.to(compute);
-      if (hidden_grad) dh.narrow(0, r, m).copy_(at::mm(d, w));
-      if (weight_grad && compute == at::kFloat) dw.addmm_(d.t(), hc);
-      if (weight_grad && compute != at::kFloat) dw.add_(at::mm(d.t(), hc));
+      const at::Tensor total = sums.narrow(1, 0, 1), row_lse = total.log() + top;
+      loss_sum += ((row_lse - sums.narrow(1, 1, 1)) * c.counted).sum();
+      if (lse.defined()) lse.narrow(0, r, m).copy_(row_lse);
+      if (now) add_gradients(e.div_(total), t, softcap, c, hc, w, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
     }
-    const at::Tensor count = counted.sum().clamp_min(1).to(at::kFloat);
-    ctx->saved_data["count"] = count;
-    ctx->saved_data["gradients"] = gradients;
-    if (hidden_grad) ctx->saved_data["dh"] = dh;
-    if (weight_grad) ctx->saved_data["dw"] = dw;
-    ctx->saved_data["hidden_type"] = hidden.scalar_type();
-    ctx->saved_data["weight_type"] = weight.scalar_type();
+    const at::Tensor count = columns.counted.sum().clamp_min(1);
+    auto& saved = ctx->saved_data;
+    saved["count"] = count;
+    saved["gradients"] = gradients;
+    if (dh.defined()) saved["dh"] = dh;
+    if (dw.defined()) saved["dw"] = dw;
+    if (lse.defined()) {  // what the backward makes the gradients from
+      ctx->save_for_backward({h, weight, targets, lse});
+      saved["softcap"] = softcap;
+      saved["rows"] = rows;
+      saved["start"] = shard.start;
+      saved["hidden_grad"] = hidden_grad;
+      saved["weight_grad"] = weight_grad;
+    }
+    saved["hidden_type"] = hidden.scalar_type();
+    saved["weight_type"] = weight.scalar_type();
     return loss_sum / count;
   }
 
-  // Scales the forward's dh and dW by the loss's gradient in place: they are
-  // handed on, not copied, so a second backward through one loss finds none.
+  // kInBackward: each chunk's logits again, their softmax from the saved
+  // log-sum-exp (already over every share: no collective), scaled by `g`.
+  static void make_gradients(AutogradContext* ctx, const at::Tensor& g) {
+    auto& saved = ctx->saved_data;
+    const variable_list in = ctx->get_saved_variables();
+    const at::Tensor& h = in[0];
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor w = in[1].to(h.scalar_type()).contiguous();
+    const double softcap = saved["softcap"].toDouble();
+    const int64_t n = h.size(0), v = w.size(0), rows = saved["rows"].toInt();
+    const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
+    at::Tensor dh, dw;
+    if (saved["hidden_grad"].toBool()) dh = at::empty_like(h);
+    if (saved["weight_grad"].toBool()) dw = at::zeros({v, w.size(1)}, h.options().dtype(at::kFloat));
+    for (int64_t r = 0; r < n; r += rows) {
+      const int64_t m = std::min(rows, n - r);
+      const at::Tensor hc = h.narrow(0, r, m);
+      const TargetColumns c = columns.rows(r, m);
+      auto [z, t] = chunk_logits(hc, w, softcap);
+      const at::Tensor softmax = z.sub_(in[3].narrow(0, r, m)).exp_();
+      add_gradients(softmax, t, softcap, c, hc, w, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+    }
+    if (dh.defined()) saved["dh"] = dh;
+    if (dw.defined()) saved["dw"] = dw;
+  }
+
+  // Scales the forward's dh and dW by the loss's gradient in place (or makes
+  // them scaled): they are handed on, not copied, so a second backward
+  // through one loss finds none.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(ctx->saved_data["gradients"].toBool(), "chunked_cross_entropy: a gradient asked of a loss made without one");
-    TORCH_CHECK(!ctx->saved_data.count("handed_on"),
+    auto& saved = ctx->saved_data;
+    TORCH_CHECK(saved["gradients"].toBool(), "chunked_cross_entropy: a gradient asked of a loss made without one");
+    TORCH_CHECK(!saved.count("handed_on"),
                 "chunked_cross_entropy: a second backward through one loss (retain_graph); compute the loss again");
-    ctx->saved_data["handed_on"] = true;
-    const at::Tensor g = grads[0].to(at::kFloat) / ctx->saved_data["count"].toTensor();
-    auto scaled = [&](const char* name, const char* type) {
-      auto it = ctx->saved_data.find(name);
-      if (it == ctx->saved_data.end()) return at::Tensor();
+    saved["handed_on"] = true;
+    const at::Tensor g = grads[0].to(at::kFloat) / saved["count"].toTensor();
+    const bool in_backward = saved.count("rows") > 0;
+    if (in_backward) make_gradients(ctx, g);
+    auto handed_on = [&](const char* name, const char* type) {
+      auto it = saved.find(name);
+      if (it == saved.end()) return at::Tensor();
       at::Tensor d = it->second.toTensor();
-      ctx->saved_data.erase(it);
-      return d.mul_(g).to(ctx->saved_data[type].toScalarType());
+      saved.erase(it);
+      if (!in_backward) d.mul_(g);
+      return d.to(saved[type].toScalarType());
     };
-    return {scaled("dh", "hidden_type"), scaled("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    return {handed_on("dh", "hidden_type"), handed_on("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                 double softcap, int64_t chunk_rows, const VocabShard& shard) {
+                                 double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when) {
   const bool grad_mode = torch::GradMode::is_enabled();
   const at::Tensor flat = hidden.reshape({-1, hidden.size(-1)});
-  return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard,
+  return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard, when,
                                     grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad());
 }
 

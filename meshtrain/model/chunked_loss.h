@@ -31,6 +31,13 @@ namespace meshtrain::model {
 // about what the whole logits cost. Rows whose target is kIgnoredTarget count
 // toward nothing; with none counting the loss is 0.
 //
+// A pipeline's last stage may hold several micro-batches' losses before
+// their backwards (GPipe all of them), and a dW each would be the weight's
+// size times as many: there the gradients are made in the backward
+// (LossGradients::kInBackward). The forward keeps only its input and each
+// row's log-sum-exp; the backward makes each chunk's logits again, a fourth
+// product over the head.
+//
 // A weight split over the vocabulary (tensor parallel's head: rows
 // [start, start + V/t) on each rank) gives each rank a chunk's logits for its
 // entries only: the row maxima are reduced by their maximum over the ranks,
@@ -50,11 +57,16 @@ struct VocabShard {
   bool split() const { return static_cast<bool>(sum); }
 };
 
+// When the gradients are made: in the forward, held to the backward (three
+// products), or in the backward from the logits made again (four).
+enum class LossGradients { kInForward, kInBackward };
+
 // The mean loss over `targets` [N] of hidden [N, d] against weight [V, d],
 // soft-capped by `softcap` > 0; `chunk_rows` > 0 sets the rows per chunk
 // (0: as many as kChunkBytes of this rank's logits hold). Differentiable in
 // hidden and weight. `shard`: the weight's share of the vocabulary.
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                 double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {});
+                                 double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},
+                                 LossGradients when = LossGradients::kInForward);
 
 }  // namespace meshtrain::model

@@ -435,16 +435,16 @@ bool GptImpl::chunks_loss(const at::Tensor& x) const {
                       [](const auto& h) { return h->wraps_head() && !h->chunks_head(); });
 }
 
-at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets) {
+at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when) {
   if (!chunks_loss(x)) return cross_entropy(project(x), targets);
   const at::Tensor y = chain_->call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
   const at::Tensor& weight = head ? head->weight : wte->weight;
   for (const auto& hooks : chain_->hooks) {
     if (!hooks->wraps_head()) continue;
-    at::Tensor loss = hooks->head_loss(y, weight, targets, config_.logit_softcap);
+    at::Tensor loss = hooks->head_loss(y, weight, targets, config_.logit_softcap, when);
     if (loss.defined()) return loss;
   }
-  return chunked_cross_entropy(y, weight, targets, config_.logit_softcap);
+  return chunked_cross_entropy(y, weight, targets, config_.logit_softcap, 0, {}, when);
 }
 
 at::Tensor GptImpl::loss(const Batch& batch) {

@@ -6,6 +6,7 @@
 
 #include "meshtrain/model/attention.h"
 #include "meshtrain/model/batch.h"
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/model/gpt_config.h"
 #include "meshtrain/model/moe.h"
 #include "meshtrain/model/rope.h"
@@ -65,11 +66,11 @@ class ForwardHooks {
   virtual bool chunks_head() const { return false; }
   // The chunked loss (Note [Chunked loss]) of the final norm's output y
   // [..., d] with the head's `weight` against targets, soft-capped by
-  // `softcap`, for hooks whose chunks_head() holds; an undefined tensor
+  // `softcap`, its gradients made `when` asked, for hooks whose chunks_head() holds; an undefined tensor
   // leaves it to the model (tensor parallel: a head it does not split).
   virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
-                               double softcap) {
-    (void)y, (void)weight, (void)targets, (void)softcap;
+                               double softcap, LossGradients when) {
+    (void)y, (void)weight, (void)targets, (void)softcap, (void)when;
     return {};
   }
   // The mean cross-entropy of logits [N, V'] (in the dtype the head computed
@@ -229,8 +230,9 @@ class GptImpl : public torch::nn::Module {
   at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets);
   // The loss of the last block's output x against targets: norm_f, head and
   // cross_entropy, or, where model.chunked_loss holds for these hooks and
-  // tensors, the chunked loss (Note [Chunked loss]) without the logits.
-  at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets);
+  // tensors, the chunked loss (Note [Chunked loss]) without the logits, its
+  // gradients made `when` asked (a pipeline stage: in the backward).
+  at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when = LossGradients::kInForward);
   const GptConfig& config() const { return config_; }
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }

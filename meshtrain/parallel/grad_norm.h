@@ -22,6 +22,10 @@ struct ModelParallelNorm {
   std::function<bool(const std::string&)> split_over_experts;  // expert tensors (summed over `expert`)
 };
 
+// The sum of x's squared elements as a double 0-dim tensor on x's device:
+// on the CPU in double a slice at a time, with no whole double copy of x.
+at::Tensor squared_sum(const at::Tensor& x);
+
 // Squares of this rank's gradients summed over the model: split parameters
 // over `tensor`, experts over `expert`, every stage over `pipeline`, each
 // parameter once.

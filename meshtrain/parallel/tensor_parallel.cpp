@@ -185,8 +185,8 @@ struct TensorParallel::Hooks : model::ForwardHooks {
   // sequence chunks under sequence parallel), so the collectives' backward
   // completes dh, the partial sum each rank's share gives.
   bool chunks_head() const override { return true; }
-  at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
-                       double softcap) override {
+  at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets, double softcap,
+                       model::LossGradients when) override {
     if (!split_head) return {};
     const CommPtr& comm = owner->comm_;
     const at::Tensor h = owner->options_.sequence_parallel ? gather_from_sequence(y, comm, kSequenceDim)
@@ -195,7 +195,7 @@ struct TensorParallel::Hooks : model::ForwardHooks {
     shard.start = vocab_start;
     shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
     shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
-    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, shard);
+    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, shard, when);
   }
 
   // Logits are split over the vocabulary only when the plan splits the head.

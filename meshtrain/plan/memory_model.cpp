@@ -54,28 +54,32 @@ struct OutputBytes {
   double kept, forward, backward;
 };
 // The chunked loss (Note [Chunked loss]) keeps the final norm's input and
-// what it saves, and dh (rows of the head's whole input: gathered under
-// sequence parallel) and this rank's dW from its forward to its backward. Its
-// forward holds one chunk's fp32 logits over this rank's share of the
-// vocabulary (with a soft-cap one more; a 16-bit copy under autocast, and
-// dW's product before it is added), the chunk's dh product and, under
-// sequence parallel, the gathered input. Its backward scales dh and dW in
-// place and hands them on; dh's cast to the input's dtype or its collective
-// makes one fp32 copy.
-OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p) {
+// what it saves. With its gradients made in the forward it keeps dh (rows of
+// the head's whole input: gathered under sequence parallel) and this rank's
+// dW to its backward; its forward holds one chunk's fp32 logits over this
+// rank's share of the vocabulary (with a soft-cap one more; a 16-bit copy
+// under autocast, and dW's product before it is added), the chunk's dh
+// product and, under sequence parallel, the gathered input; its backward
+// scales dh and dW in place and hands them on, and dh's cast to the input's
+// dtype or its collective makes one fp32 copy. Made in the backward (a
+// pipeline's last stage), it keeps the head's input and a log-sum-exp per
+// row instead, and its backward holds dh, dW and a chunk.
+OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool in_backward) {
   const double e = p.activation, share = z.split(static_cast<double>(model.vocab_size));
   const double width = static_cast<double>(model.width), weight = 4 * share * width;
   const double rows = std::min(z.tokens, std::max(1.0, static_cast<double>(model::kChunkBytes) / (4 * share)));
   const double low_precision = e < 4 ? 1 : 0;
-  const double chunk = rows * share * (4 * (model.logit_softcap > 0 ? 2 : 1) + low_precision * e) + 4 * rows * width;
+  const double chunk = rows * share * (4 * (model.logit_softcap > 0 ? 2 : 1) + low_precision * e) + 4 * rows * width +
+                       low_precision * e * share * width;
   const double gathered = z.sp ? e * z.u : 0;
-  return {e * z.region(z.u) + z.region(norm_saved(model, z, e)) + e * z.u + weight,
-          chunk + gathered + low_precision * e * share * width, 4 * z.u};
+  const double norm = e * z.region(z.u) + z.region(norm_saved(model, z, e));
+  if (in_backward) return {norm + e * z.u + 4 * z.tokens, chunk + gathered, e * z.u + weight + chunk + 4 * z.u};
+  return {norm + e * z.u + weight, chunk + gathered, 4 * z.u};
 }
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss) {
-  if (chunked_loss) return chunked_output_bytes(model, z, p);
+                         bool chunked_loss, bool pipeline) {
+  if (chunked_loss) return chunked_output_bytes(model, z, p, pipeline);
   const double e = p.activation;
   const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
@@ -229,7 +233,7 @@ namespace {
 // Parameters on one tensor-parallel rank, by part (a MoE block: its ep-th of the experts).
 struct RankParameters {
   double block = 0, moe_block = 0, local_experts = 0, embedding = 0, head = 0;  // with LoRA, adapters included
-  double largest_tensor = 0;  // AdamW's temporaries scale with it
+  double largest_tensor = 0;  // the gradient norm's slice is at most its size
   // What trains: every parameter, or with LoRA a block's adapters only.
   bool lora = false;
   double trained_block = 0, trained_moe_block = 0;
@@ -323,7 +327,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   options.recompute = parallel::CheckpointMode::kNone;
   a.full_layer = std::max(layer_activation_bytes(model, options),
                           model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, l.dims.pp > 1);
   a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }
@@ -455,10 +459,12 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       if (act.stage > 0) sends += a.boundary;
     }
   }
-  // AdamW's temporaries are about four of its largest tensor; ZeRO gathers
-  // a unit's updated shards into a full buffer (two units' worth in flight;
-  // with LoRA only the adapters' units change and are gathered again).
-  const double optimizer_work = l.dims.zero_stage == 0 ? 4 * 4 * r.largest_tensor
+  // Data parallel's AdamW kernels (CPU and CUDA) update in place; the
+  // gradient norm squares a CPU gradient in double slices of at most 2^20
+  // elements (parallel/grad_norm.cpp). ZeRO gathers a unit's updated shards
+  // into a full buffer (two units' worth in flight; with LoRA only the
+  // adapters' units change and are gathered again).
+  const double optimizer_work = l.dims.zero_stage == 0 ? 8 * std::min(r.largest_tensor, 1048576.0)
                                 : r.lora              ? 2 * 4 * largest_trained
                                                       : 2 * 4 * std::max(largest_block, root_unit);
   consider("optimizer step", 0, 0, 0, optimizer_work);

@@ -38,19 +38,23 @@ double relative(const at::Tensor& a, const at::Tensor& b) {
 TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
   targets.narrow(1, 0, 5).fill_(kIgnoredTarget);  // masked targets count toward nothing
-  for (double cap : {0.0, 5.0}) {
-    for (int64_t rows : {int64_t{7}, int64_t{0}}) {  // uneven chunks; one chunk
-      SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows));
-      const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true), w = randn({50, 16}, 2).requires_grad_(true);
-      const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
-      const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows) * 0.7;
-      const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
-      EXPECT_LT(relative(ours, want), 1e-6);
-      ours.backward();
-      want.backward();
-      EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
-      EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
-      EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
+  for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
+    for (double cap : {0.0, 5.0}) {
+      for (int64_t rows : {int64_t{7}, int64_t{0}}) {  // uneven chunks; one chunk
+        SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) +
+                     (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
+        const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
+        const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
+        const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when) * 0.7;
+        const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
+        EXPECT_LT(relative(ours, want), 1e-6);
+        ours.backward();
+        want.backward();
+        EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
+        EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
+        EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
+      }
     }
   }
   // Every target ignored: 0, as the materialised loss.
@@ -60,23 +64,25 @@ TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
 
 TEST(ChunkedLoss, UnderAutocastItComputesInBfloat16AsTheHeadWould) {
   const at::Tensor targets = at::randint(0, 64, {2, 24}, at::make_generator<at::CPUGeneratorImpl>(6), at::kLong);
-  const at::Tensor h = randn({2, 24, 32}, 7).requires_grad_(true), w = randn({64, 32}, 8).requires_grad_(true);
-  const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
-  at::Tensor ours, want;
-  {
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    ours = chunked_cross_entropy(h, w, targets, 0, 11);
-    want = materialised(hr, wr, targets, 0);
-    at::autocast::set_autocast_enabled(at::kCPU, false);
-    at::autocast::clear_cache();
+  for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
+    const at::Tensor h = randn({2, 24, 32}, 7).requires_grad_(true), w = randn({64, 32}, 8).requires_grad_(true);
+    const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+    at::Tensor ours, want;
+    {
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      ours = chunked_cross_entropy(h, w, targets, 0, 11, {}, when);
+      want = materialised(hr, wr, targets, 0);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    EXPECT_LT(relative(ours, want), 1e-5);
+    ours.backward();
+    want.backward();
+    EXPECT_EQ(h.grad().scalar_type(), at::kFloat);
+    EXPECT_LT(relative(h.grad(), hr.grad()), 2e-2);  // bf16 products
+    EXPECT_LT(relative(w.grad(), wr.grad()), 2e-2);
   }
-  EXPECT_LT(relative(ours, want), 1e-5);
-  ours.backward();
-  want.backward();
-  EXPECT_EQ(h.grad().scalar_type(), at::kFloat);
-  EXPECT_LT(relative(h.grad(), hr.grad()), 2e-2);  // bf16 products
-  EXPECT_LT(relative(w.grad(), wr.grad()), 2e-2);
 }
 
 // A whole model's step with model.chunked_loss on and off: the same loss and
@@ -103,6 +109,25 @@ TEST(ChunkedLoss, AModelsLossAndGradientsAreThoseOfTheLogits) {
     for (const auto& p : chunked->named_parameters()) EXPECT_LT(relative(p.value().grad(), grads.at(p.key())), 1e-5) << p.key();
     torch::NoGradGuard no_grad;  // evaluation: the loss alone
     EXPECT_LT(relative(chunked->loss(batch), reference->loss(batch)), 1e-6);
+  }
+}
+
+// What a loss holds from its forward to its backward: dh and dW made in the
+// forward, or (a pipeline stage's several losses) only its input's
+// log-sum-exp; and a second backward through one loss is refused.
+TEST(ChunkedLoss, GradientsMadeInTheBackwardHoldNoWeightSizedTensor) {
+  memory::install();
+  const at::Tensor targets = at::randint(0, 4096, {256}, at::make_generator<at::CPUGeneratorImpl>(13), at::kLong);
+  const double weight_bytes = 4096.0 * 64 * 4;
+  for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
+    const at::Tensor h = randn({256, 64}, 14).requires_grad_(true), w = randn({4096, 64}, 15).requires_grad_(true);
+    const int64_t before = memory::current_bytes();
+    const at::Tensor loss = chunked_cross_entropy(h, w, targets, 0, 64, {}, when);
+    const int64_t held = memory::current_bytes() - before;
+    if (when == LossGradients::kInForward) EXPECT_GT(held, weight_bytes);
+    if (when == LossGradients::kInBackward) EXPECT_LT(held, weight_bytes / 8);
+    loss.backward({}, /*retain_graph=*/true);
+    EXPECT_THROW(loss.backward(), c10::Error);
   }
 }
 

@@ -166,8 +166,10 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(22);
     at::Tensor targets = at::randint(0, v, {10}, g, at::kLong);
     targets.index_put_({at::arange(0, 10, 4)}, model::kIgnoredTarget);
-    for (double cap : {0.0, 2.0}) {
-      const std::string what = "t = " + std::to_string(t) + ", soft-cap " + std::to_string(cap);
+    for (int k = 0; k < 4; ++k) {  // soft-cap or not; gradients in the forward or the backward
+      const double cap = k % 2 ? 2.0 : 0.0;
+      const model::LossGradients when = k < 2 ? model::LossGradients::kInForward : model::LossGradients::kInBackward;
+      const std::string what = "t = " + std::to_string(t) + ", case " + std::to_string(k);
       at::Tensor h = same({10, 6}, 23).requires_grad_(), w = same({v, 6}, 24).requires_grad_();
       at::Tensor z = at::mm(h, w.t());
       if (cap > 0) z = at::tanh(z / cap) * cap;
@@ -180,7 +182,7 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
       shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
       shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
       const at::Tensor got =
-          model::chunked_cross_entropy(copy_to_tensor_parallel(mine_h, comm), mine_w, targets, cap, 3, shard) * 0.7;
+          model::chunked_cross_entropy(copy_to_tensor_parallel(mine_h, comm), mine_w, targets, cap, 3, shard, when) * 0.7;
       got.backward();
       EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << what;
       expect_close(mine_h.grad(), h.grad(), "dh, " + what);

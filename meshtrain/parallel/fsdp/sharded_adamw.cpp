@@ -2,6 +2,8 @@
 // global gradient norm over every shard, and clipping.
 #include "meshtrain/parallel/fsdp/sharded_state.h"
 
+#include "meshtrain/parallel/grad_norm.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -88,10 +90,10 @@ double ShardedState::clip_grad_norm(double max_norm) {
   at::Tensor squares = at::zeros({3}, at::TensorOptions(at::kDouble).device(reduce_comm->device()));
   // (An offloaded optimizer's shard gradients are in host memory: summed there.)
   for (Unit& unit : units) {
-    if (!unit.frozen) squares[unit.expert ? 2 : 1] += unit.shard_grad.to(at::kDouble).pow(2).sum().to(squares.device());
+    if (!unit.frozen) squares[unit.expert ? 2 : 1] += squared_sum(unit.shard_grad).to(squares.device());
   }
   auto squares_of = [&](const Stretch& x) {
-    return units[x.unit].shard_grad.narrow(0, x.offset, x.length).to(at::kDouble).pow(2).sum().to(squares.device());
+    return squared_sum(units[x.unit].shard_grad.narrow(0, x.offset, x.length)).to(squares.device());
   };
   for (const Stretch& x : tensor_split) {
     const at::Tensor part = squares_of(x);
