@@ -22,8 +22,9 @@ at::ScalarType compute_dtype(const at::Tensor& t) {
   return at::autocast::is_autocast_enabled(type) ? at::autocast::get_autocast_dtype(type) : t.scalar_type();
 }
 
-// Where each row's target is in this rank's share of V entries: its column
-// [N, 1] (clamped), 1 where it is counted and held here, 1 where counted.
+// Where each row's target is in this rank's share of V entries, [N, 1] each:
+// `index` its column (clamped into the share), `here` 1 where it is counted
+// and in the share, `counted` 1 where it is not kIgnoredTarget.
 struct TargetColumns {
   at::Tensor index, here, counted;
   TargetColumns rows(int64_t start, int64_t length) const {
@@ -160,10 +161,9 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     auto handed_on = [&](const char* name, const char* type) {
       auto it = saved.find(name);
       if (it == saved.end()) return at::Tensor();
-      at::Tensor d = it->second.toTensor();
+      at::Tensor d = it->second.toTensor().to(saved[type].toScalarType());
       saved.erase(it);
-      if (!in_backward) d.mul_(g);
-      return d.to(saved[type].toScalarType());
+      return in_backward ? d : d.mul_(g);
     };
     return {handed_on("dh", "hidden_type"), handed_on("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -176,6 +176,8 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
                                  double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when) {
   const bool grad_mode = torch::GradMode::is_enabled();
   const at::Tensor flat = hidden.reshape({-1, hidden.size(-1)});
+  TORCH_CHECK(targets.numel() == flat.size(0), "chunked_cross_entropy: ", targets.numel(), " targets for ", flat.size(0),
+              " rows of the head's input");
   return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard, when,
                                     grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad());
 }

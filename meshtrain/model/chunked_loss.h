@@ -42,7 +42,8 @@ namespace meshtrain::model {
 // [start, start + V/t) on each rank) gives each rank a chunk's logits for its
 // entries only: the row maxima are reduced by their maximum over the ranks,
 // the sums of exponentials and the targets' logits (0 where the target is
-// another rank's) by their sum, two collectives of [rows] values per chunk;
+// another rank's) by their sum: two collectives per chunk, of one and two
+// values per row;
 // dW is then the rank's own, and dh a partial sum the caller's collective
 // completes in the backward. Every rank holds the same rows, so all make the
 // same number of chunks. The planner counts this (Workload::chunked_loss).

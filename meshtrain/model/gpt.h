@@ -66,8 +66,9 @@ class ForwardHooks {
   virtual bool chunks_head() const { return false; }
   // The chunked loss (Note [Chunked loss]) of the final norm's output y
   // [..., d] with the head's `weight` against targets, soft-capped by
-  // `softcap`, its gradients made `when` asked, for hooks whose chunks_head() holds; an undefined tensor
-  // leaves it to the model (tensor parallel: a head it does not split).
+  // `softcap`, its gradients made `when` asked, for hooks whose
+  // chunks_head() holds; an undefined tensor leaves it to the model (tensor
+  // parallel: a head it does not split).
   virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
                                double softcap, LossGradients when) {
     (void)y, (void)weight, (void)targets, (void)softcap, (void)when;

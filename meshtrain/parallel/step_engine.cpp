@@ -99,13 +99,15 @@ double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::v
   model::Gpt& model = parts_.model;
   pipeline::StagedModel& staged = *parts_.pipeline;
   std::optional<memory::PhaseScope> backward_phase;
+  const model::LossGradients when = pipeline::losses_in_flight(schedule) > 1 ? model::LossGradients::kInBackward
+                                                                             : model::LossGradients::kInForward;
   pipeline::StageCallbacks callbacks;
   callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);
     Autocast autocast(o.bfloat16_autocast, o.device);
     const pipeline::StageSpec& spec = staged.stages()[stage];
     const model::Batch& batch = batches[mb];
-    const at::Tensor out = pipeline::run_stage(model, spec, input, batch);
+    const at::Tensor out = pipeline::run_stage(model, spec, input, batch, when);
     return spec.head ? out * batch.weight : out;
   };
   callbacks.before_backward = [&](bool last) {

@@ -78,8 +78,8 @@ OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, 
 }
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, bool pipeline) {
-  if (chunked_loss) return chunked_output_bytes(model, z, p, pipeline);
+                         bool chunked_loss, bool in_backward) {
+  if (chunked_loss) return chunked_output_bytes(model, z, p, in_backward);
   const double e = p.activation;
   const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
@@ -317,7 +317,8 @@ struct StepActivations {
   OutputBytes out{};
 };
 
-StepActivations step_activations(const model::GptConfig& model, const Workload& w, const Layout& l, const Sizes& z) {
+StepActivations step_activations(const model::GptConfig& model, const Workload& w, const Layout& l, const Sizes& z,
+                                 bool loss_in_backward) {
   const Precision& p = w.precision;
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
                             l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
@@ -327,7 +328,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   options.recompute = parallel::CheckpointMode::kNone;
   a.full_layer = std::max(layer_activation_bytes(model, options),
                           model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, l.dims.pp > 1);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, loss_in_backward);
   a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }
@@ -477,22 +478,24 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
                                         int64_t microbatches) {
   check_layout(model, l, microbatches);
   const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp);
+  const pipeline::Schedule& schedule = schedule_of(l, microbatches);
+  const bool loss_in_backward = l.dims.pp > 1 && pipeline::losses_in_flight(schedule) > 1;
   const StepTerms terms{l,
                         w,
                         z,
                         rank_parameters(model, l, w.lora),
-                        step_activations(model, w, l, z),
+                        step_activations(model, w, l, z, loss_in_backward),
                         chunks_of(model, l),
                         layer_backward_workspace(model, z, w.precision, false, 1, 0),
                         model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, w.moe_load) : 0.0};
   const RankParameters& r = terms.r;
   const Chunks& c = terms.c;
   const int64_t chunks = static_cast<int64_t>(c.blocks.size());
-  const pipeline::Schedule& schedule = schedule_of(l, microbatches);
   std::vector<RankMemory> ranks;
   for (int64_t pr = 0; pr < l.dims.pp; ++pr) {
     RankMemory rank;
     rank.pipeline_rank = static_cast<int>(pr);
+    rank.loss_in_backward = loss_in_backward && w.chunked_loss && pr == l.dims.pp - 1;
     for (int64_t k = pr; k < chunks; k += l.dims.pp) rank.layers += c.blocks[k], rank.moe_layers += c.moe_blocks[k];
     const bool first = pr == 0, last = pr == l.dims.pp - 1;
     const double dense_layers = static_cast<double>(rank.layers - rank.moe_layers);

@@ -104,6 +104,7 @@ struct RankMemory {
   int64_t layers = 0;       // transformer blocks held
   int64_t moe_layers = 0;   // of those, mixture-of-experts blocks
   int64_t in_flight = 0;    // most micro-batch stages stashed at once
+  bool loss_in_backward = false;  // the chunked loss makes the logits again (Note [Chunked loss])
   double parameter_count = 0;  // Ψ held (before ZeRO sharding)
   double expert_parameter_count = 0;  // of Ψ, expert tensors (reduced over dp x fsdp, not ep)
   MemoryBreakdown memory;

@@ -65,7 +65,9 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
     const double blocks = (layers - moe_layers) * dense_flops + moe_layers * moe_flops;
-    const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? model.head_training_flops() : 0);
+    // The head: three products over the vocabulary, a fourth where the loss makes them again.
+    const double head = model.head_training_flops() * (rank.loss_in_backward ? 4.0 / 3 : 1.0);
+    const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? head : 0);
     if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers);
     in.most_layers = std::max(in.most_layers, rank.layers);
     in.most_moe_layers = std::max(in.most_moe_layers, rank.moe_layers);

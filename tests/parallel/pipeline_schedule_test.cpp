@@ -26,6 +26,8 @@ TEST(PipelineSchedule, EveryScheduleIsValidWithItsBubbleAndStash) {
         if (s.name == "gpipe") EXPECT_EQ(r.peak_stashed[0], m);
         else EXPECT_EQ(r.peak_stashed[0], std::min(p, m)) << "p=" << p << " m=" << m;
         for (int rank = 0; rank < p && s.name == "1f1b"; ++rank) EXPECT_LE(r.peak_stashed[rank], p - rank);
+        // Losses waiting for their backward at once (Note [Chunked loss]).
+        EXPECT_EQ(losses_in_flight(s), s.name == "gpipe" ? m : 1) << s.name << " p=" << p << " m=" << m;
       }
       for (int v = 2; v <= 3 && p >= 2; ++v) {
         if (m % p != 0) {
@@ -112,7 +114,9 @@ TEST(PipelineStages, BalanceAndUserSplits) {
   const model::Batch batch(tokens, tokens.roll(-1, 1));
   at::Tensor x = whole->embed(batch);
   for (int i = 0; i < 3; ++i) x = whole->block(i, x, batch);
-  EXPECT_TRUE(at::allclose(run_stage(last, specs[2], x, batch), whole->loss(batch), 1e-6, 1e-6));
+  for (model::LossGradients when : {model::LossGradients::kInForward, model::LossGradients::kInBackward}) {
+    EXPECT_TRUE(at::allclose(run_stage(last, specs[2], x, batch, when), whole->loss(batch), 1e-6, 1e-6));
+  }
 }
 
 TEST(PipelineTrace, ChromeTraceRoundTripsAndDraws) {

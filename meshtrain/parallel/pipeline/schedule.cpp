@@ -327,6 +327,17 @@ class Simulation {
 
 }  // namespace
 
+int losses_in_flight(const Schedule& schedule) {
+  const int last = schedule.stages() - 1;
+  int waiting = 0, most = 0;
+  for (const Action& a : schedule.actions[schedule.rank_of(last)]) {
+    if (a.stage != last) continue;
+    if (a.kind == ActionKind::kForward) most = std::max(most, ++waiting);
+    if (a.kind == ActionKind::kBackward) --waiting;
+  }
+  return most;
+}
+
 ScheduleReport validate(const Schedule& s, double forward_cost, double backward_cost) {
   check_actions(s);
   return Simulation(s, forward_cost, backward_cost).run();

@@ -62,6 +62,11 @@ struct Schedule {
   int rank_of(int stage) const { return stage % ranks; }
 };
 
+// The most losses (the last stage's forwards) waiting for their backward at
+// once: 1 under 1F1B, m under GPipe. Where more than one waits, the chunked
+// loss makes its gradients in the backward (Note [Chunked loss]).
+int losses_in_flight(const Schedule& schedule);
+
 // Throws ScheduleError for sizes the layout rules refuse.
 Schedule make_schedule(mesh::PipelineSchedule kind, int ranks, int virtual_stages, int microbatches);
 // By name: "gpipe", "1f1b" or "interleaved" (mesh::pipeline_schedule_names());

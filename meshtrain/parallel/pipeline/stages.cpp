@@ -50,7 +50,7 @@ std::vector<double> measured_costs(const model::GptConfig& config, int64_t micro
   });
   const at::Tensor input = hidden.detach().requires_grad_(true);
   const double block = seconds([&] { model->block(0, input, model::Batch(tokens)).sum().backward(); });
-  const double head = seconds([&] { model->head_loss(input, tokens, model::LossGradients::kInBackward).backward(); });
+  const double head = seconds([&] { model->head_loss(input, tokens).backward(); });
   std::vector<double> costs = {embed};
   for (int64_t i = 0; i < config.layers; ++i) costs.push_back(block);
   costs.push_back(head);
@@ -173,10 +173,11 @@ void keep_stages(model::Gpt& model, const std::vector<StageSpec>& kept) {
   }
 }
 
-at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor& hidden, const model::Batch& batch) {
+at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor& hidden, const model::Batch& batch,
+                     model::LossGradients when) {
   at::Tensor x = stage.embed ? model->embed(batch) : hidden;
   for (int64_t i = stage.first_block; i < stage.end_block; ++i) x = model->block(i, x, batch);
-  return stage.head ? model->head_loss(x, batch.targets, model::LossGradients::kInBackward) : x;
+  return stage.head ? model->head_loss(x, batch.targets, when) : x;
 }
 
 }  // namespace meshtrain::parallel::pipeline

@@ -48,8 +48,9 @@ void keep_stages(model::Gpt& model, const std::vector<StageSpec>& kept);
 // Runs `stage` of the model on micro-batch `batch`: its tokens -> hidden on
 // the first (`hidden` unused), hidden -> hidden, hidden -> the micro-batch's
 // mean loss on the last (head_loss, through the model's hooks: chunked where
-// model.chunked_loss holds, its gradients made in the backward, since a
-// schedule may hold several losses at once: Note [Chunked loss]).
-at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor& hidden, const model::Batch& batch);
+// model.chunked_loss holds, its gradients made `when` asked: in the backward
+// where the schedule holds several losses at once, Note [Chunked loss]).
+at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor& hidden, const model::Batch& batch,
+                     model::LossGradients when);
 
 }  // namespace meshtrain::parallel::pipeline
