@@ -1,7 +1,6 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 
 #include "meshtrain/model/adapter.h"
-#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/parallel/parallel_spec.h"
 
 #include <cmath>
@@ -191,11 +190,7 @@ struct TensorParallel::Hooks : model::ForwardHooks {
     const CommPtr& comm = owner->comm_;
     const at::Tensor h = owner->options_.sequence_parallel ? gather_from_sequence(y, comm, kSequenceDim)
                                                            : copy_to_tensor_parallel(y, comm);
-    model::VocabShard shard;
-    shard.start = vocab_start;
-    shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
-    shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
-    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, shard, when);
+    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, vocab_shard(vocab_start, comm), when);
   }
 
   // Logits are split over the vocabulary only when the plan splits the head.

@@ -246,4 +246,12 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
   return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, comm);
 }
 
+model::VocabShard vocab_shard(int64_t start, const CommPtr& comm) {
+  model::VocabShard shard;
+  shard.start = start;
+  shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
+  shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
+  return shard;
+}
+
 }  // namespace meshtrain::parallel

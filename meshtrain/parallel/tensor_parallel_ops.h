@@ -4,6 +4,7 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/model/chunked_loss.h"
 
 #include <ATen/ATen.h>
 
@@ -47,6 +48,10 @@ at::Tensor sequence_gathered_linear(const at::Tensor& x, const at::Tensor& weigh
 // reduced over `comm` ([N] values each). Backward is local.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
                                         const CommPtr& comm);
+
+// A head split by the vocabulary for the chunked loss (Note [Chunked loss]):
+// rows from `start` on this rank, the others' over `comm`.
+model::VocabShard vocab_shard(int64_t start, const CommPtr& comm);
 
 // Plain helpers (no autograd): chunks of every rank concatenated along `dim`,
 // and the sum over ranks of `x` with this rank's chunk along `dim` kept.

@@ -55,8 +55,9 @@ struct Workload {
   // the logits and a log-sum-exp per row, no fp32 log-softmax.
   bool fused_loss = false;
   // The chunked loss (Note [Chunked loss]; model.chunked_loss, on by
-  // default): no logits beyond one chunk; dh and dW made in the forward, kept
-  // to the backward.
+  // default): no logits beyond one chunk; dh and dW made in the forward and
+  // kept to the backward, or made in the backward where a pipeline schedule
+  // holds several losses at once.
   bool chunked_loss = true;
   double dropout = 0;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one

@@ -177,12 +177,9 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
       want.backward();
       at::Tensor mine_h = same({10, 6}, 23).requires_grad_();
       at::Tensor mine_w = chunk(same({v, 6}, 24), 0, t, r).clone().requires_grad_();
-      model::VocabShard shard;
-      shard.start = r * 8;
-      shard.max = [comm](at::Tensor& x) { comm->all_reduce(x, comm::ReduceOp::kMax).wait(); };
-      shard.sum = [comm](at::Tensor& x) { comm->all_reduce(x).wait(); };
       const at::Tensor mine_input = copy_to_tensor_parallel(mine_h, comm);
-      const at::Tensor got = model::chunked_cross_entropy(mine_input, mine_w, targets, cap, 3, shard, when) * 0.7;
+      const at::Tensor got =
+          model::chunked_cross_entropy(mine_input, mine_w, targets, cap, 3, vocab_shard(r * 8, comm), when) * 0.7;
       got.backward();
       EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << what;
       expect_close(mine_h.grad(), h.grad(), "dh, " + what);
