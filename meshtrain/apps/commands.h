@@ -251,6 +251,8 @@ struct PlanOptions {
   std::string layout;               // evaluate this one ("tp=2 sp pp=2 ..."; "config": the config file's own)
   std::string precision;            // "bf16-mixed" | "fp32" (default: bf16-mixed for presets, fp32 for configs)
   std::string attention;            // "flash" | "math" | "batched"
+  std::string selective = "core";   // what recompute=selective keeps: "core" (the trainer's) | "ops" (op-level)
+  std::string loss;                 // "chunked" | "whole" (default: the model's model.chunked_loss)
   double moe_load = 0;              // mixture of experts: the busiest rank's expert load (0: balanced)
   bool json = false;
   int top = 10;

@@ -135,9 +135,12 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
 void print_header(const model::GptConfig& model, const std::string& name, const plan::Workload& w, const plan::Machine& m,
                   int64_t world, const std::string& said) {
   std::printf("model    %s\n", model.describe(name).c_str());
-  std::printf("run      %lld ranks (%lld per node), %s per device, %s, global batch %lld x %lld tokens, %s attention\n",
+  std::printf("run      %lld ranks (%lld per node), %s per device, %s, global batch %lld x %lld tokens, %s attention, %s "
+              "loss%s\n",
               (long long)world, (long long)m.devices_per_node, plan::format_bytes(m.device_memory).c_str(),
-              w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str());
+              w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str(),
+              w.chunked_loss ? "chunked" : "whole-logits",
+              w.selective == plan::SelectivePolicy::kOps ? ", selective recompute op-level" : "");
   std::printf("machine  %s: %.3g TFLOP/s peak x MFU %.2f, %.3g GB/s in a node, %.3g GB/s across, %.0f us latency%s\n",
               m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6,
               said.empty() ? "" : (" (" + said + ")").c_str());
@@ -223,6 +226,14 @@ int run_plan(const PlanOptions& o) {
     }
     workload.attention = o.attention;
   }
+  if (o.selective == "ops") {
+    if (!o.auto_path.empty()) {
+      throw std::invalid_argument("--selective ops models op-level recompute, which train does not run; --auto writes what "
+                                  "train runs: leave --selective at core");
+    }
+    workload.selective = plan::SelectivePolicy::kOps;
+  }
+  if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   if (o.moe_load > 0) workload.moe_load = o.moe_load;
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
@@ -395,6 +406,16 @@ PlanCommand::PlanCommand(CLI::App& app) {
   p->add_option("--attention", o_.attention,
                 "flash (no s^2 term), math (softmax saved) or batched (the fused CPU attention: q, k, v copies and "
                 "softmax)");
+  p->add_option("--selective", o_.selective,
+                "What recompute=selective keeps: core (train's: the attention core recomputed) or ops (torchtitan's "
+                "op-level policy: a block's input, the attention kernel's output and every other matrix product's; "
+                "for comparing with runs that use it, train does not run it)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"core", "ops"}));
+  p->add_option("--loss", o_.loss,
+                "chunked (no logits beyond one chunk) or whole (the logits and an fp32 log-softmax, as PyTorch's "
+                "cross_entropy keeps them; --auto writes model.chunked_loss = false) (default: the model's)")
+      ->check(CLI::IsMember({"chunked", "whole"}));
   p->add_option("--moe-load", o_.moe_load,
                 "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k (training "
                 "reports it as rank_load; default: a balanced router)")

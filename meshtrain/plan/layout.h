@@ -44,6 +44,14 @@ struct Precision {
   static Precision parse(const std::string& name);
 };
 
+// What selective recompute keeps (recompute=selective). kCore: meshtrain's
+// trainer, which recomputes each block's attention core from the qkv
+// projection's output (Note [Activation checkpointing]). kOps: op-level
+// selective checkpointing as torchtitan applies it (Note [Op-level recompute]);
+// a planner option for comparing with runs that use it, which meshtrain's
+// trainer does not.
+enum class SelectivePolicy { kCore, kOps };
+
 struct Workload {
   int64_t global_batch = 0;  // sequences per optimizer step (0: the planner picks 8 per data rank)
   Precision precision = Precision::parse("bf16-mixed");
@@ -60,6 +68,7 @@ struct Workload {
   // holds several losses at once.
   bool chunked_loss = true;
   double dropout = 0;
+  SelectivePolicy selective = SelectivePolicy::kCore;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one
   // Mixture of experts: assignments the busiest rank computes per MoE layer,
   // as a multiple of tokens x top_k (training reports it as rank_load). 0: a

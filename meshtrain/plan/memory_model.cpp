@@ -170,10 +170,56 @@ double context_parallel_core(const model::GptConfig& model, const Sizes& z, cons
   return out_and_lse;
 }
 
+std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool moe) {
+  const double h = static_cast<double>(model.width), qw = static_cast<double>(model.q_width());
+  const double kv = static_cast<double>(model.kv_width()), f = static_cast<double>(model.mlp_hidden());
+  std::vector<BlockProduct> all;  // with `kept` holding "has a bias" until the count below
+  auto add = [&](double in, double out, bool row, bool bias, double times = 1) { all.push_back({in, out, times, row, bias}); };
+  for (double out : {qw, kv, kv}) add(h, out, false, model.qkv_has_bias());
+  add(qw, h, true, model.proj_has_bias());
+  auto mlp = [&](double hidden, bool bias, double times, bool counted) {
+    // Products the policy leaves out of its count (a router, grouped experts) are marked as biased: recomputed, not counted.
+    const bool skip = bias || !counted;
+    if (model.gated_mlp()) add(h, hidden, false, skip, times);
+    add(h, hidden, false, skip, times);
+    add(hidden, h, true, skip, times);
+  };
+  if (!moe) {
+    mlp(f, model.mlp_has_bias(), 1, true);
+  } else {
+    add(h, static_cast<double>(model.moe_experts), false, true);  // the router
+    mlp(static_cast<double>(model.expert_hidden()), false, static_cast<double>(model.moe_top_k), false);
+    if (model.moe_shared_hidden > 0) mlp(static_cast<double>(model.moe_shared_hidden), false, 1, true);
+  }
+  int count = 0;
+  for (BlockProduct& p : all) p.kept = !p.kept && ++count % 2 == 1;
+  return all;
+}
+
+namespace {
+
+// What a block keeps under op-level recompute (Note [Op-level recompute]).
+double op_level_saved(const model::GptConfig& model, const Sizes& z, const ActivationOptions& o, bool moe) {
+  const double e = o.precision.activation, h = static_cast<double>(model.width);
+  double bytes = e * z.region(z.u);  // the block's input
+  for (const BlockProduct& p : op_level_products(model, moe)) {
+    if (p.kept) bytes += e * z.tokens * p.times * (p.row_parallel ? p.out : z.split(p.out));
+  }
+  if (z.sp) bytes += 2 * e * z.u / z.t;  // the reduce-scatters after attention and after the MLP
+  const double heads = static_cast<double>(model.heads), qw = static_cast<double>(model.q_width());
+  if (o.cp > 1) return bytes + context_parallel_core(model, z, o);
+  return bytes + e * z.split(z.u * qw / h) + 4 * z.split(heads * z.tokens);  // the attention kernel's output and log-sum-exp
+}
+
+}  // namespace
+
 double layer_activation_bytes(const model::GptConfig& model, const ActivationOptions& o, bool moe, int64_t ep) {
   const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp, o.cp);
   const double e = o.precision.activation, mask = o.precision.mask;
   if (o.recompute == parallel::CheckpointMode::kFull) return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
+  if (o.recompute == parallel::CheckpointMode::kSelective && o.selective == SelectivePolicy::kOps) {
+    return op_level_saved(model, z, o, moe);
+  }
   const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
   const double qw = static_cast<double>(model.q_width());  // width, unless the head size is set apart
   const double s = static_cast<double>(model.context), heads = static_cast<double>(model.heads);
@@ -323,6 +369,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
                             l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
   StepActivations a;
+  options.selective = w.selective;
   a.per_layer = layer_activation_bytes(model, options) + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep) + lora_activation_bytes(model, w.lora, options, true);
   options.recompute = parallel::CheckpointMode::kNone;
@@ -401,6 +448,8 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   const double largest_block = rank.moe_layers > 0 ? std::max(r.block, r.moe_block) : r.block;
   const double largest_trained = rank.moe_layers > 0 ? std::max(r.trained_block, r.trained_moe_block) : r.trained_block;
   const double dense_workspace = t.dense_workspace, moe_workspace = rank.moe_layers > 0 ? t.moe_workspace : 0.0;
+  // Op-level recompute makes what a block's forward saves, less what it kept (Note [Op-level recompute]).
+  const bool op_level = l.activation_checkpoint == parallel::CheckpointMode::kSelective && w.selective == SelectivePolicy::kOps;
   MemoryBreakdown peak = states;
   double peak_bytes = -1;
   auto consider = [&](const char* moment, double activations, double outputs, double buffers, double work) {
@@ -440,7 +489,9 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       // starts with its experts, whose workspace is freed before any of
       // the block's gradients exist; its expert gradients complete (then
       // are reduced) once its saved tensors are freed.
-      const double recomputed = l.activation_checkpoint == parallel::CheckpointMode::kFull ? a.full_layer : 0;
+      const double recomputed = l.activation_checkpoint == parallel::CheckpointMode::kFull ? a.full_layer
+                                : op_level ? std::max(0.0, a.full_layer - a.per_layer)
+                                           : 0.0;
       if (gathers && rank.moe_layers > 0) {
         const double gathered = sends + p.param * (root_unit + r.moe_block);
         consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);

@@ -71,7 +71,35 @@ struct ActivationOptions {
   double dropout = 0;
   Precision precision = Precision::parse("bf16-mixed");
   double moe_load = 0;  // Workload::moe_load
+  SelectivePolicy selective = SelectivePolicy::kCore;  // with recompute = kSelective
 };
+
+// Note [Op-level recompute]
+// torchtitan's op-level selective checkpointing (its "op" option) wraps each
+// transformer block in a checkpoint whose policy, per op of the forward,
+// keeps the outputs of the attention kernel (output and log-sum-exp), of
+// reduce-scatters, and of every other matrix product (aten.mm: the 1st, 3rd,
+// ... of the block, counted afresh in each block), and recomputes everything
+// else: norms, RoPE, activations, the even products. A Llama block runs q, k,
+// v, o, then gate, up, down, so it keeps q, v, gate and down and recomputes k,
+// o and up. A product with a bias runs as addmm, which the policy neither
+// counts nor keeps; a MoE block's router and grouped expert products are
+// recomputed too (only a shared expert's products count). Under tensor
+// parallel a column-parallel product's output is split; a row-parallel one's
+// (o, down) is the whole partial sum, and with sequence parallel its
+// reduce-scattered result is kept as well. The block's input is kept by the
+// checkpoint. In a block's backward the recompute makes what the block would
+// have saved without recompute, less what was kept.
+
+// One matrix product of a block in forward order, as op-level recompute sees
+// it: `in` x `out` per token and assignment (`times` assignments per token:
+// top_k for routed experts), whether tensor parallel splits its output
+// (column) or sums it (row), and whether the policy keeps its output.
+struct BlockProduct {
+  double in = 0, out = 0, times = 1;
+  bool row_parallel = false, kept = false;
+};
+std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool moe);
 
 // (token, expert) assignments one MoE layer computes for `tokens` tokens:
 // tokens x top_k x `load`, or with load 0 (a balanced router) x min(1, cf).

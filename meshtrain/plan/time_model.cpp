@@ -50,13 +50,22 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   const model::GptConfig& model = in.model;
   const double dense_flops = model.block_training_flops(), moe_flops = model.moe() ? model.block_training_flops(true) : 0;
   // The forward work recompute repeats: selective, the attention core of
-  // each layer (4·seq·width per token); full, every block's forward (a third
-  // of forward + backward).
-  auto recompute_flops = [&](double flops, double layers) {
+  // each layer (4·seq·width per token), or op-level, the products it does
+  // not keep (Note [Op-level recompute]); full, every block's forward (a
+  // third of forward + backward).
+  auto recomputed_products = [&](bool moe) {
+    double per_token = 0;
+    for (const BlockProduct& p : op_level_products(model, moe)) per_token += p.kept ? 0 : 2 * p.in * p.out * p.times;
+    return per_token;
+  };
+  const double dense_products = recomputed_products(false), moe_products = model.moe() ? recomputed_products(true) : 0;
+  auto recompute_flops = [&](double flops, double layers, double moe_layers) {
     const double s = static_cast<double>(model.context), h = static_cast<double>(model.q_width());
     switch (in.l.activation_checkpoint) {
       case parallel::CheckpointMode::kNone: return 0.0;
-      case parallel::CheckpointMode::kSelective: return layers * s * 4 * s * h;
+      case parallel::CheckpointMode::kSelective:
+        if (in.w.selective == SelectivePolicy::kOps) return s * ((layers - moe_layers) * dense_products + moe_layers * moe_products);
+        return layers * s * 4 * s * h;
       case parallel::CheckpointMode::kFull: break;
     }
     return flops / 3;
@@ -68,7 +77,7 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
     // The head: three products over the vocabulary, a fourth where the loss makes them again.
     const double head = model.head_training_flops() * (rank.loss_in_backward ? 4.0 / 3 : 1.0);
     const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? head : 0);
-    if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers);
+    if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers, moe_layers);
     in.most_layers = std::max(in.most_layers, rank.layers);
     in.most_moe_layers = std::max(in.most_moe_layers, rank.moe_layers);
     if (rank.parameter_count > in.psi) in.psi = rank.parameter_count, in.expert_psi = rank.expert_parameter_count;

@@ -106,10 +106,15 @@ grep -q "^# chosen: .*: predicted .* s per step" "$dir/auto.toml" && grep -q "^#
   { cat "$dir/auto.txt"; exit 1; }
 "$meshtrain" run -n 4 train "$dir/auto.toml" > "$dir/auto-train.txt" 2>&1
 grep -q "^step     1/1 | loss" "$dir/auto-train.txt" || { cat "$dir/auto.toml" "$dir/auto-train.txt"; exit 1; }
+# torchtitan's recompute policy and whole-logits loss, for comparing with its runs: evaluated, not written by --auto.
+"$meshtrain" plan --model llama3.1-8b --world 8 --seq 8192 --global-batch 16 --machine h100 --device-memory 96GiB \
+  --layout "zero=3 fsdp=8 mb=2 recompute=selective" --selective ops --loss whole > "$dir/ops.txt"
+grep -q "whole-logits loss, selective recompute op-level" "$dir/ops.txt" && grep -q "^  0 .* 31.06 " "$dir/ops.txt" ||
+  { cat "$dir/ops.txt"; exit 1; }
 expect_error() {  # message, then the plan arguments
   local message=$1; shift
   if "$meshtrain" plan "$@" > "$dir/bad.log" 2>&1; then echo "should have failed: $*"; exit 1; fi
-  grep -qF "$message" "$dir/bad.log" || { cat "$dir/bad.log"; exit 1; }
+  grep -qF -- "$message" "$dir/bad.log" || { cat "$dir/bad.log"; exit 1; }
 }
 expect_error "unknown model 'llama9'" --model llama9 --world 8
 expect_error "plan --auto: no layout of 2 ranks fits 1.0 MiB per device" --model small --world 2 --device-memory 1MiB \
@@ -117,6 +122,8 @@ expect_error "plan --auto: no layout of 2 ranks fits 1.0 MiB per device" --model
 expect_error "uses pp x dp x fsdp x ep x cp x tp = 4 ranks, not --world 8" --model llama2-7b --world 8 --layout tp=4
 expect_error "tp(3) does not divide the attention heads (32)" --model llama2-7b --world 6 --layout "tp=3 dp=2"
 expect_error "layout key 'tq' unknown" --model llama2-7b --world 8 --layout tq=8
+expect_error "--selective ops models op-level recompute, which train does not run" --model small --world 2 \
+  --selective ops --auto "$dir/ops.toml"
 expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples
 expect_error "machine 'h300' unknown: use this, h100, h200, a100 or a profile file" --model small --world 2 --machine h300
 echo '{"mfu": "high"}' > "$dir/bad-machine.json"

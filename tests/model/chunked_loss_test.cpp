@@ -124,8 +124,11 @@ TEST(ChunkedLoss, GradientsMadeInTheBackwardHoldNoWeightSizedTensor) {
     const int64_t before = memory::current_bytes();
     const at::Tensor loss = chunked_cross_entropy(h, w, targets, 0, 64, {}, when);
     const int64_t held = memory::current_bytes() - before;
-    if (when == LossGradients::kInForward) EXPECT_GT(held, weight_bytes);
-    if (when == LossGradients::kInBackward) EXPECT_LT(held, weight_bytes / 8);
+    if (when == LossGradients::kInForward) {
+      EXPECT_GT(held, weight_bytes);
+    } else {
+      EXPECT_LT(held, weight_bytes / 8);
+    }
     loss.backward({}, /*retain_graph=*/true);
     EXPECT_THROW(loss.backward(), c10::Error);
   }
