@@ -13,8 +13,8 @@ void print_report(const train::VerifyReport& r, int ranks) {
   std::printf("meshtrain verify: %s on %d rank(s) against one process, %zu step(s)\n", r.layout.c_str(), ranks,
               r.steps.size());
   std::printf("model: %s%s\n", r.model.c_str(), r.scaled.empty() ? "" : (" (scaled down: " + r.scaled + ")").c_str());
-  std::printf("%4s  %-33s  %-26s  %s\n", "step", "loss: layout / one process (rel)", "grad norm: layout / one (rel)",
-              "parameters: rel / largest, first block beyond the tolerance");
+  std::printf("%4s  %-33s  %-29s  %-27s  %s\n", "step", "loss: layout / one process (rel)", "grad norm: layout / one (rel)",
+              "block outputs: largest, at", "parameters: rel / largest, first block beyond the tolerance");
   for (const train::VerifyStep& s : r.steps) {
     char params[256] = "not compared (the model is too large to keep a copy per step)";
     if (s.parameters_compared) {
@@ -22,8 +22,9 @@ void print_report(const train::VerifyReport& r, int ranks) {
                     s.first_block.empty() ? "none"
                                           : (s.first_block + " (" + s.first_parameter + ")").c_str());
     }
-    std::printf("%4lld  %9.6f / %9.6f (%7.1e)  %8.4f / %8.4f (%7.1e)  %s\n", static_cast<long long>(s.step), s.loss,
-                s.one_loss, s.loss_difference, s.grad_norm, s.one_grad_norm, s.grad_difference, params);
+    std::printf("%4lld  %9.6f / %9.6f (%7.1e)  %8.4f / %8.4f (%7.1e)  %7.1e, %-18s  %s\n", static_cast<long long>(s.step),
+                s.loss, s.one_loss, s.loss_difference, s.grad_norm, s.one_grad_norm, s.grad_difference, s.output_largest,
+                s.output_largest_block.c_str(), params);
   }
   if (r.first_different == 0) {
     std::printf("verdict: the same computation: every step's loss within %.0e, gradient norm within %.0e and "
@@ -33,6 +34,13 @@ void print_report(const train::VerifyReport& r, int ranks) {
   }
   const train::VerifyStep& s = r.steps.at(static_cast<size_t>(r.first_different - 1));
   std::printf("verdict: DIFFERENT from step %d: %s", r.first_different, r.difference.c_str());
+  if (!s.first_output_block.empty()) {
+    std::printf("; the first block whose output differs in it: %s (%.1e)", s.first_output_block.c_str(),
+                s.first_output_difference);
+  } else {
+    std::printf("; every block's output agrees in it (the difference arises after the blocks' forward: the head, the "
+                "loss, the backward or the update)");
+  }
   if (!s.first_block.empty()) {
     std::printf("; the first block whose parameters differ after it: %s (%s, largest difference %.1e)",
                 s.first_block.c_str(), s.first_parameter.c_str(), s.first_parameter_difference);
@@ -52,8 +60,8 @@ CommandPtr add_verify(CLI::App& app) {
       "verify",
       "Check that a config's parallel layout computes what one process computes: rank 0 trains the config on one "
       "process while the ranks train it in its layout, on the same data and seed, and each step's loss, gradient "
-      "norm and parameters are compared; prints a verdict (exit 1 when they differ) and the first block whose "
-      "parameters differ. Run it on the layout's ranks: meshtrain run -n 4 verify CONFIG --scale-down");
+      "norm, each block's output and the parameters are compared; prints a verdict (exit 1 when they differ), the "
+      "first block whose output differs and the first whose parameters differ. Run it on the layout's ranks: meshtrain run -n 4 verify CONFIG --scale-down");
   sub->add_option("config", a->config, "TOML config file, as for train")->check(CLI::ExistingFile);
   sub->add_option("--steps", a->o.steps, "Steps to compare")->check(CLI::Range(1, 1000))->capture_default_str();
   sub->add_flag("--scale-down", a->o.scale_down,

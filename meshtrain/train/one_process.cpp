@@ -94,9 +94,12 @@ OneProcessRun one_process(const std::shared_ptr<comm::Communicator>& everyone, c
   std::vector<char> packed;
   try {
     Trainer single(config, self);
+    const std::shared_ptr<BlockOutputs> outputs = options.block_outputs ? record_block_outputs(single.model()) : nullptr;
     for (int s = 0; s < options.steps; ++s) {
+      if (outputs) outputs->clear();
       run.steps.push_back(single.step());
       if (options.each_step) run.each_step.push_back(cpu(single.full_parameters()));
+      if (outputs) run.block_outputs.push_back(outputs->step());
     }
     run.parameters = options.each_step && !run.each_step.empty() ? run.each_step.back() : cpu(single.full_parameters());
     if (options.evaluate) run.val_loss = single.evaluate();

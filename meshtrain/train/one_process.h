@@ -5,6 +5,7 @@
 #pragma once
 
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/train/block_outputs.h"
 #include "meshtrain/train/trainer.h"
 
 #include <ATen/ATen.h>
@@ -29,6 +30,8 @@ struct OneProcessRun {
   double val_loss = 0;                           // after the last step, when asked for
   // After each step (when asked for; not sent to the other ranks): fp32, by name.
   std::vector<std::map<std::string, at::Tensor>> each_step;
+  // What each block computed in each step (when asked for; not sent): Note [Block outputs].
+  std::vector<std::vector<BlockOutput>> block_outputs;
 
   std::vector<double> losses() const;
 };
@@ -40,6 +43,7 @@ struct OneProcessOptions {
   int steps = 1;
   bool evaluate = false;          // the validation loss after the last step
   bool each_step = false;         // the parameters after every step (OneProcessRun::each_step)
+  bool block_outputs = false;     // what each block computed in every step (OneProcessRun::block_outputs)
   bool send_to_every_rank = true; // false: only rank 0 gets the run (the others an empty one)
 };
 

@@ -1,6 +1,7 @@
 #include "meshtrain/train/verify.h"
 
 #include "meshtrain/model/config_json.h"
+#include "meshtrain/train/block_outputs.h"
 #include "meshtrain/train/one_process.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/config_keys.h"
@@ -61,6 +62,17 @@ void compare(const Parameters& got, const Parameters& want, double tolerance, in
   step.parameters_compared = true;
   step.parameter_relative = std::sqrt(diff_sq) / std::max(std::sqrt(want_sq), 1e-12);
   if (first <= layers) step.first_block = block_name(first, layers);
+}
+
+// Each block's output against one process's: the largest difference, the first beyond `tolerance`.
+void compare_outputs(const std::vector<BlockOutput>& got, const std::vector<BlockOutput>& want, double tolerance,
+                     int64_t layers, VerifyStep& step) {
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    const double d = block_output_difference(got[i], want[i]);
+    const std::string name = block_name(static_cast<int64_t>(i), layers);
+    if (d > step.output_largest || step.output_largest_block.empty()) step.output_largest = d, step.output_largest_block = name;
+    if (d > tolerance && step.first_output_block.empty()) step.first_output_block = name, step.first_output_difference = d;
+  }
 }
 
 double relative(double got, double want) { return std::abs(got - want) / std::max(std::abs(want), 1e-12); }
@@ -171,11 +183,15 @@ VerifyReport verify(const std::shared_ptr<comm::Communicator>& world, TrainConfi
   o.steps = options.steps;
   o.each_step = bytes <= kEachStepBytes;
   o.send_to_every_rank = false;  // rank 0 compares
+  o.block_outputs = true;
   const OneProcessRun one = one_process(world, single, o);
   {
     Trainer layout(c, world);
+    const std::shared_ptr<BlockOutputs> outputs = record_block_outputs(layout.model());
     for (int s = 0; s < options.steps; ++s) {
+      outputs->clear();
       const StepResult r = layout.step();
+      const std::vector<BlockOutput> computed = outputs->step(world);
       const bool last = s + 1 == options.steps;
       Parameters parameters;
       if (o.each_step || last) parameters = layout.full_parameters(0);
@@ -192,6 +208,7 @@ VerifyReport verify(const std::shared_ptr<comm::Communicator>& world, TrainConfi
         compare(parameters, o.each_step ? one.each_step.at(s) : one.parameters, report.parameter_tolerance,
                 c.model.layers, step);
       }
+      compare_outputs(computed, one.block_outputs.at(s), report.parameter_tolerance, c.model.layers, step);
       report.steps.push_back(step);
       if (report.first_different == 0) {
         report.difference = difference_at(step, report);

@@ -22,7 +22,11 @@ namespace meshtrain::train {
 // down), the parameters after it: their relative difference over the model,
 // the largest element difference, and the first block (in model order:
 // embeddings, blocks, head) holding a parameter beyond the tolerance, which
-// is where a wrong layout shows first. The tolerances are the tests': fp32
+// is where a wrong layout reaches the weights. Each block's output in the
+// step's forwards is compared too (Note [Block outputs]), naming the first
+// block whose output differs: where a wrong forward starts, or none when the
+// forward agrees and the difference arises in the backward or the update.
+// The tolerances are the tests': fp32
 // loss 1e-5 and gradient norm and parameters 1e-4 (relative; parameters also
 // absolute per element); with bfloat16 anywhere (training.dtype, the fully
 // sharded param or reduce dtype, a LoRA base) 2e-2 for all, since the
@@ -47,6 +51,13 @@ struct VerifyStep {
   std::string first_block;      // "" when every parameter is within the tolerance
   std::string first_parameter;  // the block's parameter with the largest difference
   double first_parameter_difference = 0;
+  // What each block computed in the step's forwards (Note [Block outputs]):
+  // the largest difference and its block, and the first block (model order)
+  // beyond the parameter tolerance ("" when none is).
+  double output_largest = 0;
+  std::string output_largest_block;
+  std::string first_output_block;
+  double first_output_difference = 0;
 };
 
 struct VerifyReport {
