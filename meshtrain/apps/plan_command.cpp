@@ -60,7 +60,9 @@ plan::Machine machine_of(const PlanOptions& o, std::string& said) {
     } else {
       const int64_t ranks = o.gpus_per_node > 0 ? std::min(o.gpus_per_node, o.world) : o.world;
       const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-      m = plan::cpu_machine(memory, o.peak_tflops > 0 ? 0 : cpu_flops_all_cores(), ranks, plan::cpu_model_name() + " (" + std::to_string(std::max(1u, std::thread::hardware_concurrency())) + " cores)");
+      const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+      m = plan::cpu_machine(memory, o.peak_tflops > 0 ? 0 : cpu_flops_all_cores(), ranks,
+                            plan::cpu_model_name() + " (" + std::to_string(cores) + " cores)", cores);
       said = "this machine's CPU, its memory and cores shared by " + std::to_string(ranks) +
              " ranks; peak measured, MFU and bandwidths assumed: " + how_to + "; --machine h100 plans for GPUs";
     }
@@ -298,6 +300,34 @@ int run_plan(const PlanOptions& o) {
   return 0;
 }
 
+// What a blocking collective costs while the ranks compute between
+// collectives, beyond `idle` (its time between idle ranks): a product of
+// about a millisecond, then a one-element all-reduce, against the products
+// alone. Where ranks share cores, a peer that is not running is waited for
+// (Note [Shared cores]).
+double sync_under_load(comm::Communicator& world, double idle) {
+  const memory::HostScope uncounted;
+  const int64_t n = 256, rounds = 40;
+  const at::Tensor a = at::linspace(-1, 1, n * n).view({n, n}), one = at::ones({1});
+  at::Tensor c = at::empty({n, n});
+  auto loop = [&](bool collectives) {
+    world.barrier().wait();
+    const auto start = Clock::now();
+    for (int i = 0; i < rounds; ++i) {
+      for (int k = 0; k < 4; ++k) at::mm_out(c, a, a);
+      if (collectives) world.all_reduce(one).wait();
+    }
+    world.barrier().wait();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  loop(true);  // warm-up
+  double with = 1e30, without = 1e30;
+  for (int r = 0; r < 3; ++r) with = std::min(with, loop(true)), without = std::min(without, loop(false));
+  at::Tensor cost = at::full({1}, std::max(0.0, (with - without) / rounds - idle), at::kDouble);
+  world.all_reduce(cost, comm::ReduceOp::kAvg).wait();
+  return cost.item<double>();
+}
+
 int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
   auto world = runtime.world();
   const bool leader = world->rank() == 0;
@@ -344,8 +374,10 @@ int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
     const double small = timed(1), large_bytes = 64.0 * (1 << 20), large = timed(static_cast<int64_t>(large_bytes / 4));
     m.latency = small / (2.0 * (n - 1));
     m.intra_bandwidth = m.inter_bandwidth = 2.0 * (n - 1) / n * large_bytes / std::max(large - small, 1e-9);
+    m.sync = sync_under_load(*world, small);
   }
   m.devices_per_node = n;
+  m.cores_per_node = std::max(1u, std::thread::hardware_concurrency());
   m.host_bandwidth = m.intra_bandwidth;
   m.device_memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE)) / n;
   if (leader) {

@@ -41,6 +41,8 @@ std::string Machine::to_json() const {
                       {"host_bandwidth", host_bandwidth},
                       {"devices_per_node", devices_per_node},
                       {"device_memory", device_memory}};
+  if (cores_per_node > 0) j["cores_per_node"] = cores_per_node;
+  if (sync > 0) j["sync"] = sync;
   return j.dump(2) + "\n";
 }
 
@@ -70,6 +72,10 @@ Machine Machine::from_json(const std::string& text) {
   double per_node = static_cast<double>(m.devices_per_node);
   number("devices_per_node", per_node);
   m.devices_per_node = static_cast<int64_t>(per_node);
+  double cores = 0;
+  number("cores_per_node", cores);
+  m.cores_per_node = static_cast<int64_t>(cores);
+  number("sync", m.sync);
   if (m.mfu > 1) throw std::invalid_argument("machine profile field 'mfu' must be at most 1");
   return m;
 }

@@ -89,6 +89,12 @@ struct Machine {
   double latency = 10e-6;           // per collective step, seconds
   double host_bandwidth = 25e9;     // device <-> host (offload), bytes/s
   int64_t devices_per_node = 8;
+  // A CPU's cores its ranks share (Note [Shared cores]); 0: devices of their own.
+  int64_t cores_per_node = 0;
+  // What a blocking collective costs beyond its transfer while the ranks
+  // compute between collectives (measured under load by --calibrate: where
+  // ranks share cores, a peer that is not running is waited for); seconds.
+  double sync = 0;
   double device_memory = 80.0 * (int64_t{1} << 30);
 
   std::string to_json() const;

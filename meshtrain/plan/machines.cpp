@@ -107,11 +107,13 @@ std::optional<DetectedGpus> detect_gpus(const std::string& driver_dir) {
   return found;
 }
 
-Machine cpu_machine(double physical_memory, double measured_flops, int64_t ranks_per_node, const std::string& cpu_name) {
+Machine cpu_machine(double physical_memory, double measured_flops, int64_t ranks_per_node, const std::string& cpu_name,
+                    int64_t cores) {
   if (ranks_per_node < 1) throw std::invalid_argument("cpu_machine: ranks_per_node must be >= 1");
   Machine m;
   m.name = cpu_name;
   m.devices_per_node = ranks_per_node;
+  m.cores_per_node = cores;
   m.device_memory = physical_memory / static_cast<double>(ranks_per_node);
   m.peak_flops = measured_flops / static_cast<double>(ranks_per_node);
   m.intra_bandwidth = 4e9;     // a shared-memory all-reduce (assumed)

@@ -28,8 +28,10 @@ std::optional<DetectedGpus> detect_gpus(const std::string& driver_dir = "/proc/d
 
 // This host's CPU as the devices of `ranks_per_node` ranks: the physical memory
 // shared among them, `measured_flops` (all cores) shared among them, and assumed
-// shared-memory collective figures (`meshtrain plan --calibrate` measures them).
-Machine cpu_machine(double physical_memory, double measured_flops, int64_t ranks_per_node, const std::string& cpu_name);
+// shared-memory collective figures (`meshtrain plan --calibrate` measures them);
+// `cores` the CPU's (0: not known; Note [Shared cores]).
+Machine cpu_machine(double physical_memory, double measured_flops, int64_t ranks_per_node, const std::string& cpu_name,
+                    int64_t cores = 0);
 
 // "AMD EPYC 7B13" from /proc/cpuinfo's "model name" ("cpu" when there is none).
 std::string cpu_model_name(const std::string& cpuinfo_path = "/proc/cpuinfo");

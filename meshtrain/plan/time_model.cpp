@@ -2,6 +2,7 @@
 
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/plan/memory_model.h"
+#include "meshtrain/plan/shared_cores.h"
 
 #include <algorithm>
 
@@ -85,10 +86,40 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   const double sequences = in.m * in.b;  // per data rank per step
   time.recompute = sequences * slowest_recompute / in.t / in.cp / in.rate;
   time.compute = sequences * slowest / in.t / in.cp / in.rate + time.recompute;
-  if (in.l.dims.pp > 1) {
+  if (in.l.dims.pp == 1) return;
+  const SharedCores cores{static_cast<double>(std::min(in.machine.devices_per_node, in.l.world())),
+                          static_cast<double>(in.machine.cores_per_node), static_cast<double>(in.l.dims.pp)};
+  if (!cores.shared()) {
     const double bubble = parallel::pipeline::theoretical_bubble(
         static_cast<int>(in.l.dims.pp), static_cast<int>(in.l.dims.virtual_stages), static_cast<int>(in.m));
     time.bubble = time.compute * bubble / (1 - bubble);
+    return;
+  }
+  // Each chunk's forward and backward (with what recompute repeats) per micro-batch, walked under the sharing.
+  const std::vector<int64_t> blocks = stage_blocks(model, in.l.dims.pp * in.l.dims.virtual_stages);
+  std::vector<double> forward, backward;
+  const double seconds_per_flop = in.b / in.t / in.cp / in.rate;
+  for (size_t k = 0, first = 0; k < blocks.size(); first += static_cast<size_t>(blocks[k]), ++k) {
+    double flops = 0, moe_layers = 0;
+    for (size_t i = first; i < first + static_cast<size_t>(blocks[k]); ++i) {
+      const bool moe = model.is_moe_block(static_cast<int64_t>(i));
+      flops += moe ? moe_flops : dense_flops;
+      moe_layers += moe ? 1 : 0;
+    }
+    const double repeated = recompute_flops(flops, static_cast<double>(blocks[k]), moe_layers);
+    if (k + 1 == blocks.size()) flops += model.head_training_flops() * (ranks.back().loss_in_backward ? 4.0 / 3 : 1.0);
+    forward.push_back(seconds_per_flop * flops / 3);
+    backward.push_back(seconds_per_flop * (2 * flops / 3 + repeated));
+  }
+  const parallel::pipeline::Schedule schedule = parallel::pipeline::make_schedule(
+      in.l.dims.schedule, static_cast<int>(in.l.dims.pp), static_cast<int>(in.l.dims.virtual_stages), static_cast<int>(in.m));
+  // The walk includes the slowest stage's work, sped up while others wait.
+  const double walked = pipeline_makespan(schedule, forward, backward, cores);
+  if (walked >= time.compute) {
+    time.bubble = walked - time.compute;
+  } else {
+    time.recompute *= walked / time.compute;
+    time.compute = walked;
   }
 }
 
@@ -100,7 +131,7 @@ void add_tensor_parallel(TimeBreakdown& time, const StepInputs& in) {
   const Link tp = link(in.machine, l.dims.tp, 1);
   const double per_layer = 4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0);
   const double collectives = in.m * (static_cast<double>(in.most_layers) * per_layer + 2);  // + embedding and head
-  const double seconds = collectives * tp.all_reduce(in.activation, in.t);
+  const double seconds = collectives * (tp.all_reduce(in.activation, in.t) + in.machine.sync);
   time.traffic.push_back({"tp", l.dims.sequence_parallel ? "all-gather + reduce-scatter activations" : "all-reduce activations",
                           collectives * in.activation, seconds});
   time.tensor_parallel = seconds;
@@ -118,7 +149,8 @@ void add_expert_parallel(TimeBreakdown& time, const StepInputs& in) {
   const double exchange = assignments(in.model, static_cast<double>(in.model.context) * in.b / in.cp, in.w.moe_load) / in.t *
                           static_cast<double>(in.model.width) * in.w.precision.activation * (n - 1) / n;  // a tp rank sends its share
   const double per_layer = (2 * forwards + 2) * exchange;
-  const double seconds_per_layer = per_layer / ep_link.bandwidth + (3 * forwards + 2) * (n - 1) * ep_link.latency;
+  const double seconds_per_layer =
+      per_layer / ep_link.bandwidth + (3 * forwards + 2) * ((n - 1) * ep_link.latency + in.machine.sync);
   const double layers = in.m * static_cast<double>(in.most_moe_layers);
   time.expert_parallel = layers * seconds_per_layer;
   time.traffic.push_back({"ep", "all-to-all tokens to and from experts", layers * per_layer, time.expert_parallel});
@@ -135,7 +167,9 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
   const double shards = static_cast<double>(l.shards()), replicas = static_cast<double>(l.dims.dp * l.dims.cp);
   const Link shard_link = link(machine, l.dims.fsdp, l.dims.ep * l.dims.cp * l.dims.tp),
              replica_link = link(machine, l.dims.gradient_ranks(), l.dims.tp);
-  double hidden_behind = 2.0 / 3.0 * (time.compute - time.recompute);  // backward
+  // Behind backward; on a CPU's cores, busy computing, nothing (Note [Shared cores]).
+  const bool cpu = machine.cores_per_node > 0;
+  double hidden_behind = cpu ? 0.0 : 2.0 / 3.0 * (time.compute - time.recompute);
   double dp_seconds = 0;
   auto add = [&](const char* group, const char* what, double bytes, double seconds) {
     if (bytes <= 0) return;
@@ -167,7 +201,7 @@ void add_data_parallel(TimeBreakdown& time, const StepInputs& in) {
     } else {
       add("dp", "all-gather parameters (forward and backward)", 2 * m * params,
           2 * m * shard_link.all_gather(params, shards));
-      hidden_behind = time.compute;
+      if (!cpu) hidden_behind = time.compute;
     }
   }
   time.data_parallel = std::max(0.0, dp_seconds - hidden_behind);
@@ -195,7 +229,7 @@ void add_context_parallel(TimeBreakdown& time, const StepInputs& in) {
     const Link group = link(in.machine, a2a, l.dims.tp);
     const double n = static_cast<double>(a2a), exchange = 4 * rows * (2 * qw + 2 * kv) * (n - 1) / n;
     bytes += (forwards + 1) * exchange;
-    exposed += (forwards + 1) * (exchange / group.bandwidth + 4 * (n - 1) * group.latency);
+    exposed += (forwards + 1) * (exchange / group.bandwidth + 4 * ((n - 1) * group.latency + in.machine.sync));
   }
   if (ring > 1) {
     const Link hop = link(in.machine, l.dims.cp, l.dims.tp);
@@ -206,7 +240,7 @@ void add_context_parallel(TimeBreakdown& time, const StepInputs& in) {
     const double products = (forwards + 3) / 3 * 6 * s * qw * rows / in.rate * (ring - 1) / ring;
     bytes += kv_hops + grad_hops;
     exposed += std::max(0.0, kv_hops / hop.bandwidth - products) + grad_hops / hop.bandwidth +
-               (forwards + 2) * (ring - 1) * hop.latency;
+               (forwards + 2) * (ring - 1) * (hop.latency + in.machine.sync);
   }
   time.context_parallel = layers * exposed;
   time.traffic.push_back({"cp", a2a == l.dims.cp ? "all-to-all heads and sequence"
@@ -223,7 +257,7 @@ void add_pipeline_and_offload(TimeBreakdown& time, const StepInputs& in) {
     const double boundary = l.dims.sequence_parallel ? in.activation / in.t : in.activation;
     const Link pp = link(in.machine, 2, l.data_ranks() * l.dims.tp);
     const double messages = 2 * in.m * static_cast<double>(l.dims.virtual_stages);  // activation forward, gradient back
-    time.pipeline = messages * pp.send(boundary);
+    time.pipeline = messages * (pp.send(boundary) + in.machine.sync);
     time.traffic.push_back({"pp", "send activations and gradients", messages * boundary, time.pipeline});
   }
   if (l.offloaded()) {

@@ -15,7 +15,9 @@ namespace meshtrain::plan {
 //            forward + backward, the attention's 12·s·h per token and layer,
 //            and what recompute repeats; Narayanan et al. 2021, Eq. 3) at
 //            peak x MFU; tensor parallel divides them by tp.
-// bubble     compute x b / (1 - b) with b = (p-1)/(v·m+p-1).
+// bubble     compute x b / (1 - b) with b = (p-1)/(v·m+p-1); where ranks
+//            share a CPU's cores, the schedule walked under the sharing
+//            (Note [Shared cores]).
 // traffic    bytes per collective per step, each timed as a ring:
 //            all-reduce 2(n-1)/n·bytes/bandwidth + 2(n-1)·latency, all-gather
 //            and reduce-scatter half of that. Tensor parallel: 4 all-reduces
@@ -27,7 +29,8 @@ namespace meshtrain::plan {
 //            micro-batch's gradients and all-gathers the updated parameters;
 //            ZeRO-3 also all-gathers the parameters for every micro-batch's
 //            forward and backward — hidden behind compute up to its length
-//            (backward for gradients, the whole step for ZeRO-3 gathers),
+//            (backward for gradients, the whole step for ZeRO-3 gathers; on
+//            a CPU, whose cores compute, not at all),
 //            the excess exposed. Pipeline: each micro-batch's activation and
 //            gradient at every stage boundary. Expert parallel: per MoE
 //            layer and micro-batch, all-to-alls of the layer's assignments
@@ -38,7 +41,9 @@ namespace meshtrain::plan {
 //            the ring's fp32 key/value hops per layer hidden behind the
 //            attention products up to their length, its gradient hops and
 //            the all-to-all's exchanges exposed; cp ranks join the gradient
-//            reduction as replicas.
+//            reduction as replicas. Every blocking collective of tp, ep, cp
+//            and pp also costs the machine's `sync` (measured under load; it
+//            is what a peer that shares a core keeps the others waiting).
 //            Offload: gradients down and
 //            parameters up over the host link, and the host-side optimizer
 //            streaming its states.

@@ -8,6 +8,7 @@
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/machines.h"
 #include "meshtrain/plan/search.h"
+#include "meshtrain/plan/shared_cores.h"
 #include "tests/harness/error_of.h"
 
 #include <gtest/gtest.h>
@@ -246,6 +247,38 @@ TEST(PlanTime, BubbleAndComputeFollowTheirFormulas) {
   EXPECT_NEAR(c.time.compute, 32 * last / (machine.peak_flops * machine.mfu), 1e-9 * c.time.compute);
 }
 
+// Note [Shared cores], by hand. On devices of their own a pipeline takes
+// (m + p - 1)(F + B), as the schedule's own walk says. Two pipelines of two
+// stages (4 ranks) on 2 cores, one micro-batch: a lone busy stage stands for
+// 2 busy ranks, which have a core each, twice their share of 4 ranks on 2
+// cores: F 1 -> 0.5 on each stage, B 2 -> 1, 3 in all, the busy time of
+// either rank, so no bubble.
+TEST(PlanTime, PipelinesOnSharedCoresWalkTheSchedule) {
+  namespace pipeline = parallel::pipeline;
+  const pipeline::Schedule s = pipeline::one_f_one_b(4, 8);
+  EXPECT_DOUBLE_EQ(pipeline_makespan(s, {1, 1, 1, 1}, {2, 2, 2, 2}, {}), 11 * 3.0);
+  EXPECT_DOUBLE_EQ(pipeline_makespan(s, {1, 1, 1, 1}, {2, 2, 2, 2}, {}), pipeline::validate(s).step_time);
+  const SharedCores two{4, 2, 2};
+  EXPECT_DOUBLE_EQ(two.speed(1), 2.0);
+  EXPECT_DOUBLE_EQ(two.speed(2), 1.0);
+  EXPECT_DOUBLE_EQ(pipeline_makespan(pipeline::gpipe(2, 1), {1, 1}, {2, 2}, two), 3.0);
+  // In the planner: pp=4 on 4 ranks sharing 2 cores loses less to its bubble than on 4 devices.
+  const model::GptConfig m = model::GptConfig::preset("gpt2-124m");
+  Workload w;
+  w.global_batch = 8;
+  Machine devices;
+  devices.devices_per_node = 4;
+  Machine cpu = devices;
+  cpu.cores_per_node = 2;
+  const Layout l = Layout::parse("pp=4 1f1b mb=1");
+  const Candidate own = evaluate(m, w, l, devices), shared = evaluate(m, w, l, cpu);
+  EXPECT_GT(own.time.bubble, 0);
+  EXPECT_LT(shared.time.bubble, 0.5 * own.time.bubble);
+  // The slowest stage (the head's) speeds up while the others wait: its work takes less than its share's time.
+  EXPECT_LE(shared.time.compute, own.time.compute);
+  EXPECT_LT(shared.time.compute + shared.time.bubble, own.time.compute + own.time.bubble);
+}
+
 TEST(PlanLayout, ParsesPrintsAndRefuses) {
   const Layout l = Layout::parse("pp=2,interleaved,v=2 tp=4 sp zero=1 dp=8 mb=2 recompute=selective");
   EXPECT_EQ(l.dims.pp, 2);
@@ -302,10 +335,13 @@ TEST(PlanMachine, ProfileRoundTripsAndRejectsBadFields) {
   m.peak_flops = 1.5e11;
   m.mfu = 0.6;
   m.devices_per_node = 2;
+  m.cores_per_node = 16;
   const Machine back = Machine::from_json(m.to_json());
   EXPECT_EQ(back.peak_flops, m.peak_flops);
   EXPECT_EQ(back.mfu, m.mfu);
   EXPECT_EQ(back.devices_per_node, 2);
+  EXPECT_EQ(back.cores_per_node, 16);
+  EXPECT_EQ(Machine::from_json(Machine().to_json()).cores_per_node, 0);
   EXPECT_NE(error_of([] { Machine::from_json("{\"mfu\": -1}"); }).find("'mfu' must be a positive number"), std::string::npos);
   EXPECT_NE(error_of([] { Machine::from_json("not json"); }).find("machine profile is not JSON"), std::string::npos);
 }
