@@ -69,6 +69,18 @@ def config_file(work, name, keys):
     return path
 
 
+def picked(text, known):
+    """The comma-separated names of `text`, or every name `known` has."""
+    return [n.strip() for n in text.split(",") if n.strip()] or list(known)
+
+
+def calibrate(work, env):
+    """This machine's profile from `plan --calibrate` on 4 ranks: its path."""
+    profile = os.path.join(work, "machine.json")
+    run([MESHTRAIN, "run", "-n", "4", "plan", "--calibrate", "--save", profile], env)
+    return profile
+
+
 def spearman(xs, ys):
     def ranks(values):
         order = sorted(range(len(values)), key=lambda i: values[i])
@@ -92,10 +104,9 @@ def main():
     parser.add_argument("--layouts", default="", help="comma-separated names (default: all)")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    names = [n.strip() for n in args.layouts.split(",") if n.strip()] or list(LAYOUTS)
+    names = picked(args.layouts, LAYOUTS)
     with tempfile.TemporaryDirectory() as work:
-        profile = os.path.join(work, "machine.json")
-        run([MESHTRAIN, "run", "-n", "4", "plan", "--calibrate", "--save", profile], env)
+        profile = calibrate(work, env)
         machine = json.load(open(profile))
         print(f"machine calibrated: {machine['peak_flops'] / 1e9:.1f} GFLOP/s per rank, MFU {machine['mfu']:.3f}, "
               f"{machine['intra_bandwidth'] / 1e9:.2f} GB/s, latency {machine['latency'] * 1e6:.1f} us")
