@@ -66,7 +66,8 @@ def main():
             candidates = {f"{name} mb={args.micro_batch}": dict(base, **keys) for name, keys in layouts.items()}
             # The chosen micro-batch is in the layout's words ("mb=4"); the file leaves out a default one.
             keys = dict(base, **chosen_keys(auto))
-            keys["training.micro_batch"] = re.search(r"\bmb=(\d+)", chosen).group(1)
+            mb = re.search(r"\bmb=(\d+)", chosen)
+            keys["training.micro_batch"] = mb.group(1) if mb else keys["training.micro_batch"]
             candidates[f"auto: {chosen}"] = keys
             measured = {name: [] for name in candidates}
             for _ in range(args.repeats):

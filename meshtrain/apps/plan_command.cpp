@@ -133,6 +133,29 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
   return j;
 }
 
+// The flags that change the model's context and the workload: --seq, --precision, --attention, --selective,
+// --loss, --global-batch, --moe-load.
+void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::Workload& workload) {
+  if (o.seq > 0) model.context = o.seq;
+  if (!o.precision.empty()) workload.precision = plan::Precision::parse(o.precision);
+  if (!o.attention.empty()) {
+    if (o.attention != "flash" && o.attention != "math" && o.attention != "batched") {
+      throw std::invalid_argument("--attention: use flash, math or batched");
+    }
+    workload.attention = o.attention;
+  }
+  if (o.selective == "ops") {
+    if (!o.auto_path.empty()) {
+      throw std::invalid_argument("--selective ops models op-level recompute, which train does not run; --auto writes what "
+                                  "train runs: leave --selective at core");
+    }
+    workload.selective = plan::SelectivePolicy::kOps;
+  }
+  if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
+  if (o.global_batch > 0) workload.global_batch = o.global_batch;
+  if (o.moe_load > 0) workload.moe_load = o.moe_load;
+}
+
 // `said`: what the profile is (this machine, a preset), and which of its figures are assumed.
 void print_header(const model::GptConfig& model, const std::string& name, const plan::Workload& w, const plan::Machine& m,
                   int64_t world, const std::string& said) {
@@ -220,24 +243,7 @@ int run_plan(const PlanOptions& o) {
     model = plan::preset_model(o.model);
   }
   if (!source) workload.chunked_loss = model.chunked_loss;  // on unless a config turns it off
-  if (o.seq > 0) model.context = o.seq;
-  if (!o.precision.empty()) workload.precision = plan::Precision::parse(o.precision);
-  if (!o.attention.empty()) {
-    if (o.attention != "flash" && o.attention != "math" && o.attention != "batched") {
-      throw std::invalid_argument("--attention: use flash, math or batched");
-    }
-    workload.attention = o.attention;
-  }
-  if (o.selective == "ops") {
-    if (!o.auto_path.empty()) {
-      throw std::invalid_argument("--selective ops models op-level recompute, which train does not run; --auto writes what "
-                                  "train runs: leave --selective at core");
-    }
-    workload.selective = plan::SelectivePolicy::kOps;
-  }
-  if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
-  if (o.global_batch > 0) workload.global_batch = o.global_batch;
-  if (o.moe_load > 0) workload.moe_load = o.moe_load;
+  apply_workload_flags(o, model, workload);
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
   std::string said;
   const plan::Machine machine = machine_of(o, said);

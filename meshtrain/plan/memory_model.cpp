@@ -173,12 +173,15 @@ double context_parallel_core(const model::GptConfig& model, const Sizes& z, cons
 std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool moe) {
   const double h = static_cast<double>(model.width), qw = static_cast<double>(model.q_width());
   const double kv = static_cast<double>(model.kv_width()), f = static_cast<double>(model.mlp_hidden());
-  std::vector<BlockProduct> all;  // with `kept` holding "has a bias" until the count below
-  auto add = [&](double in, double out, bool row, bool bias, double times = 1) { all.push_back({in, out, times, row, bias}); };
+  std::vector<BlockProduct> all;
+  std::vector<bool> uncounted;  // a bias (addmm), a router or grouped experts: the policy neither counts nor keeps them
+  auto add = [&](double in, double out, bool row, bool bias, double times = 1) {
+    all.push_back({in, out, times, row, false});
+    uncounted.push_back(bias);
+  };
   for (double out : {qw, kv, kv}) add(h, out, false, model.qkv_has_bias());
   add(qw, h, true, model.proj_has_bias());
   auto mlp = [&](double hidden, bool bias, double times, bool counted) {
-    // Products the policy leaves out of its count (a router, grouped experts) are marked as biased: recomputed, not counted.
     const bool skip = bias || !counted;
     if (model.gated_mlp()) add(h, hidden, false, skip, times);
     add(h, hidden, false, skip, times);
@@ -192,7 +195,7 @@ std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool 
     if (model.moe_shared_hidden > 0) mlp(static_cast<double>(model.moe_shared_hidden), false, 1, true);
   }
   int count = 0;
-  for (BlockProduct& p : all) p.kept = !p.kept && ++count % 2 == 1;
+  for (size_t i = 0; i < all.size(); ++i) all[i].kept = !uncounted[i] && ++count % 2 == 1;
   return all;
 }
 
@@ -360,6 +363,7 @@ double lora_activation_bytes(const model::GptConfig& model, const model::LoraCon
 // forward when recompute repeats it, the loss's side, one send between stages.
 struct StepActivations {
   double per_layer = 0, per_moe_layer = 0, full_layer = 0, boundary = 0;
+  double op_level_recomputed = 0;  // what op-level recompute makes again in a block's backward (Note [Op-level recompute])
   OutputBytes out{};
 };
 
@@ -372,9 +376,15 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   options.selective = w.selective;
   a.per_layer = layer_activation_bytes(model, options) + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep) + lora_activation_bytes(model, w.lora, options, true);
+  const double dense_kept = layer_activation_bytes(model, options);
+  const double moe_kept = model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0;
   options.recompute = parallel::CheckpointMode::kNone;
-  a.full_layer = std::max(layer_activation_bytes(model, options),
-                          model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0);
+  const double dense_full = layer_activation_bytes(model, options);
+  const double moe_full = model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0;
+  a.full_layer = std::max(dense_full, moe_full);
+  if (l.activation_checkpoint == parallel::CheckpointMode::kSelective && w.selective == SelectivePolicy::kOps) {
+    a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
+  }
   a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, loss_in_backward);
   a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
@@ -448,8 +458,6 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   const double largest_block = rank.moe_layers > 0 ? std::max(r.block, r.moe_block) : r.block;
   const double largest_trained = rank.moe_layers > 0 ? std::max(r.trained_block, r.trained_moe_block) : r.trained_block;
   const double dense_workspace = t.dense_workspace, moe_workspace = rank.moe_layers > 0 ? t.moe_workspace : 0.0;
-  // Op-level recompute makes what a block's forward saves, less what it kept (Note [Op-level recompute]).
-  const bool op_level = l.activation_checkpoint == parallel::CheckpointMode::kSelective && w.selective == SelectivePolicy::kOps;
   MemoryBreakdown peak = states;
   double peak_bytes = -1;
   auto consider = [&](const char* moment, double activations, double outputs, double buffers, double work) {
@@ -489,9 +497,8 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       // starts with its experts, whose workspace is freed before any of
       // the block's gradients exist; its expert gradients complete (then
       // are reduced) once its saved tensors are freed.
-      const double recomputed = l.activation_checkpoint == parallel::CheckpointMode::kFull ? a.full_layer
-                                : op_level ? std::max(0.0, a.full_layer - a.per_layer)
-                                           : 0.0;
+      const double recomputed =
+          l.activation_checkpoint == parallel::CheckpointMode::kFull ? a.full_layer : a.op_level_recomputed;
       if (gathers && rank.moe_layers > 0) {
         const double gathered = sends + p.param * (root_unit + r.moe_block);
         consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);

@@ -10,7 +10,7 @@ namespace pipeline = parallel::pipeline;
 
 double SharedCores::speed(int busy) const {
   if (!shared() || busy <= 0) return 1.0;
-  const double ranks_busy = std::max(1.0, busy * ranks_per_node / pipeline);
+  const double ranks_busy = std::max(1.0, busy * ranks_per_node / stages);
   return std::min(1.0, cores / ranks_busy) * ranks_per_node / cores;
 }
 

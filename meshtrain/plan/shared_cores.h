@@ -22,7 +22,7 @@ namespace meshtrain::plan {
 struct SharedCores {
   double ranks_per_node = 1;  // R
   double cores = 0;           // C; 0: every rank computes on its own device
-  double pipeline = 1;        // pp: the ranks of one pipeline
+  double stages = 1;          // pp: the ranks of one pipeline
 
   bool shared() const { return cores > 0 && ranks_per_node > cores; }
   // A busy rank's speed against its calibrated share, with `busy` of its pipeline's stages computing.

@@ -129,7 +129,10 @@ void add_tensor_parallel(TimeBreakdown& time, const StepInputs& in) {
   const Layout& l = in.l;
   if (l.dims.tp == 1) return;
   const Link tp = link(in.machine, l.dims.tp, 1);
-  const double per_layer = 4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0);
+  // Op-level recompute keeps reduce-scatters but not all-gathers: sequence parallel's two run again.
+  const bool op_level = l.activation_checkpoint == parallel::CheckpointMode::kSelective && in.w.selective == SelectivePolicy::kOps;
+  const double per_layer =
+      4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0) + (op_level && l.dims.sequence_parallel ? 2 : 0);
   const double collectives = in.m * (static_cast<double>(in.most_layers) * per_layer + 2);  // + embedding and head
   const double seconds = collectives * (tp.all_reduce(in.activation, in.t) + in.machine.sync);
   time.traffic.push_back({"tp", l.dims.sequence_parallel ? "all-gather + reduce-scatter activations" : "all-reduce activations",

@@ -36,7 +36,7 @@ at::Tensor BlockOutputs::around(const std::string& module, const at::Tensor& inp
 
 void BlockOutputs::clear() { std::fill(step_.begin(), step_.end(), BlockOutput{}); }
 
-std::vector<BlockOutput> BlockOutputs::step(const std::shared_ptr<comm::Communicator>& world) const {
+std::vector<BlockOutput> BlockOutputs::totals(const std::shared_ptr<comm::Communicator>& world) const {
   if (!world || world->size() == 1) return step_;
   at::Tensor sums = at::empty({static_cast<int64_t>(step_.size()), 3}, at::kDouble);
   auto a = sums.accessor<double, 2>();

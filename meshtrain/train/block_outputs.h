@@ -22,7 +22,7 @@ namespace meshtrain::train {
 // Splitting rows over ranks (data, sequence and context parallel, pipeline
 // stages, experts) leaves the totals as one process's. Replicating them
 // (tensor parallel without sequence parallel) multiplies all three by the
-// replicas, which the count shows and `per_element` divides out.
+// replicas, which block_output_difference() divides out by comparing per element.
 // These are summaries: two outputs whose rows differ only in order look
 // alike (the loss does not).
 struct BlockOutput {
@@ -37,7 +37,7 @@ class BlockOutputs : public model::ForwardHooks {
   // Starts a step's sums afresh.
   void clear();
   // The step's sums on this rank, or with `world` over every rank (collective).
-  std::vector<BlockOutput> step(const std::shared_ptr<comm::Communicator>& world = nullptr) const;
+  std::vector<BlockOutput> totals(const std::shared_ptr<comm::Communicator>& world = nullptr) const;
 
  private:
   std::vector<BlockOutput> step_;

@@ -99,7 +99,7 @@ OneProcessRun one_process(const std::shared_ptr<comm::Communicator>& everyone, c
       if (outputs) outputs->clear();
       run.steps.push_back(single.step());
       if (options.each_step) run.each_step.push_back(cpu(single.full_parameters()));
-      if (outputs) run.block_outputs.push_back(outputs->step());
+      if (outputs) run.block_outputs.push_back(outputs->totals());
     }
     run.parameters = options.each_step && !run.each_step.empty() ? run.each_step.back() : cpu(single.full_parameters());
     if (options.evaluate) run.val_loss = single.evaluate();

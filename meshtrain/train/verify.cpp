@@ -191,7 +191,7 @@ VerifyReport verify(const std::shared_ptr<comm::Communicator>& world, TrainConfi
     for (int s = 0; s < options.steps; ++s) {
       outputs->clear();
       const StepResult r = layout.step();
-      const std::vector<BlockOutput> computed = outputs->step(world);
+      const std::vector<BlockOutput> computed = outputs->totals(world);
       const bool last = s + 1 == options.steps;
       Parameters parameters;
       if (o.each_step || last) parameters = layout.full_parameters(0);

@@ -35,7 +35,7 @@ TEST_F(TrainingTest, BlockOutputsEqualOneProcessAndNameTheBlockThatDiffers) {
     if (shifted) trainer.model()->add_forward_hooks(std::make_shared<ShiftBlock>("blocks.1", 0.01));
     const std::shared_ptr<BlockOutputs> outputs = record_block_outputs(trainer.model());
     trainer.step();
-    const std::vector<BlockOutput> got = outputs->step(world());
+    const std::vector<BlockOutput> got = outputs->totals(world());
     if (world()->rank() != 0) continue;
     const std::vector<BlockOutput>& want = one.block_outputs.at(0);
     ASSERT_EQ(got.size(), 2u);
