@@ -1,5 +1,7 @@
 #include "meshtrain/offload/weight_stream.h"
 
+#include "meshtrain/model/call_sites.h"
+
 #include <c10/core/StorageImpl.h>
 
 #include <chrono>
@@ -8,12 +10,6 @@
 namespace meshtrain::offload {
 
 namespace {
-
-bool block_index(const std::string& module, size_t* index) {
-  if (module.rfind("blocks.", 0) != 0 || module.find('.', 7) != std::string::npos) return false;
-  *index = std::stoul(module.substr(7));
-  return true;
-}
 
 void free_storage(const at::Tensor& flat) {
   c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
@@ -111,9 +107,9 @@ void WeightStream::release(Block& block) {
 }
 
 at::Tensor WeightStream::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
-  size_t index = 0;
-  if (!block_index(module, &index) || index >= blocks_.size()) return forward(input);
-  Block& block = blocks_[index];
+  const int64_t index = model::block_call_site(module);
+  if (index < 0 || index >= static_cast<int64_t>(blocks_.size())) return forward(input);
+  Block& block = blocks_[static_cast<size_t>(index)];
   fetch(block);
   const auto start = std::chrono::steady_clock::now();
   block.ticket.wait();

@@ -374,15 +374,14 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
                             l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
   StepActivations a;
   options.selective = w.selective;
-  a.per_layer = layer_activation_bytes(model, options) + lora_activation_bytes(model, w.lora, options, false);
-  a.per_moe_layer = layer_activation_bytes(model, options, true, l.dims.ep) + lora_activation_bytes(model, w.lora, options, true);
-  const double dense_kept = layer_activation_bytes(model, options);
-  const double moe_kept = model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0;
+  const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
+  a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);
+  a.per_moe_layer = moe_kept + lora_activation_bytes(model, w.lora, options, true);
   options.recompute = parallel::CheckpointMode::kNone;
   const double dense_full = layer_activation_bytes(model, options);
   const double moe_full = model.moe() ? layer_activation_bytes(model, options, true, l.dims.ep) : 0.0;
   a.full_layer = std::max(dense_full, moe_full);
-  if (l.activation_checkpoint == parallel::CheckpointMode::kSelective && w.selective == SelectivePolicy::kOps) {
+  if (op_level_recompute(l, w)) {
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
   a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, loss_in_backward);

@@ -101,6 +101,11 @@ struct BlockProduct {
 };
 std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool moe);
 
+// Whether `l` recomputes op-level: selective recompute with `w`'s kOps policy.
+inline bool op_level_recompute(const Layout& l, const Workload& w) {
+  return l.activation_checkpoint == parallel::CheckpointMode::kSelective && w.selective == SelectivePolicy::kOps;
+}
+
 // (token, expert) assignments one MoE layer computes for `tokens` tokens:
 // tokens x top_k x `load`, or with load 0 (a balanced router) x min(1, cf).
 double assignments(const model::GptConfig& model, double tokens, double load = 0);

@@ -59,25 +59,27 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
     for (const BlockProduct& p : op_level_products(model, moe)) per_token += p.kept ? 0 : 2 * p.in * p.out * p.times;
     return per_token;
   };
-  const double dense_products = recomputed_products(false), moe_products = model.moe() ? recomputed_products(true) : 0;
+  const bool op_level = op_level_recompute(in.l, in.w);
+  const double dense_products = op_level ? recomputed_products(false) : 0;
+  const double moe_products = op_level && model.moe() ? recomputed_products(true) : 0;
   auto recompute_flops = [&](double flops, double layers, double moe_layers) {
     const double s = static_cast<double>(model.context), h = static_cast<double>(model.q_width());
     switch (in.l.activation_checkpoint) {
       case parallel::CheckpointMode::kNone: return 0.0;
       case parallel::CheckpointMode::kSelective:
-        if (in.w.selective == SelectivePolicy::kOps) return s * ((layers - moe_layers) * dense_products + moe_layers * moe_products);
+        if (op_level) return s * ((layers - moe_layers) * dense_products + moe_layers * moe_products);
         return layers * s * 4 * s * h;
       case parallel::CheckpointMode::kFull: break;
     }
     return flops / 3;
   };
+  // The head: three products over the vocabulary, a fourth where the loss makes them again.
+  auto head_flops = [&](const RankMemory& rank) { return model.head_training_flops() * (rank.loss_in_backward ? 4.0 / 3 : 1.0); };
   double slowest = 0, slowest_recompute = 0;
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
     const double blocks = (layers - moe_layers) * dense_flops + moe_layers * moe_flops;
-    // The head: three products over the vocabulary, a fourth where the loss makes them again.
-    const double head = model.head_training_flops() * (rank.loss_in_backward ? 4.0 / 3 : 1.0);
-    const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? head : 0);
+    const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? head_flops(rank) : 0);
     if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers, moe_layers);
     in.most_layers = std::max(in.most_layers, rank.layers);
     in.most_moe_layers = std::max(in.most_moe_layers, rank.moe_layers);
@@ -107,7 +109,7 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
       moe_layers += moe ? 1 : 0;
     }
     const double repeated = recompute_flops(flops, static_cast<double>(blocks[k]), moe_layers);
-    if (k + 1 == blocks.size()) flops += model.head_training_flops() * (ranks.back().loss_in_backward ? 4.0 / 3 : 1.0);
+    if (k + 1 == blocks.size()) flops += head_flops(ranks.back());
     forward.push_back(seconds_per_flop * flops / 3);
     backward.push_back(seconds_per_flop * (2 * flops / 3 + repeated));
   }
@@ -130,7 +132,7 @@ void add_tensor_parallel(TimeBreakdown& time, const StepInputs& in) {
   if (l.dims.tp == 1) return;
   const Link tp = link(in.machine, l.dims.tp, 1);
   // Op-level recompute keeps reduce-scatters but not all-gathers: sequence parallel's two run again.
-  const bool op_level = l.activation_checkpoint == parallel::CheckpointMode::kSelective && in.w.selective == SelectivePolicy::kOps;
+  const bool op_level = op_level_recompute(l, in.w);
   const double per_layer =
       4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0) + (op_level && l.dims.sequence_parallel ? 2 : 0);
   const double collectives = in.m * (static_cast<double>(in.most_layers) * per_layer + 2);  // + embedding and head

@@ -1,5 +1,7 @@
 #include "meshtrain/train/block_outputs.h"
 
+#include "meshtrain/model/call_sites.h"
+
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -7,23 +9,9 @@
 
 namespace meshtrain::train {
 
-namespace {
-
-// Block N of "blocks.N", or -1 for any other call site.
-int64_t block_index(const std::string& module) {
-  if (module.rfind("blocks.", 0) != 0 || module.find('.', 7) != std::string::npos) return -1;
-  try {
-    return std::stoll(module.substr(7));
-  } catch (const std::exception&) {
-    return -1;
-  }
-}
-
-}  // namespace
-
 at::Tensor BlockOutputs::around(const std::string& module, const at::Tensor& input, const Forward& forward) {
   at::Tensor y = forward(input);
-  const int64_t i = block_index(module);
+  const int64_t i = model::block_call_site(module);
   if (i < 0 || i >= static_cast<int64_t>(step_.size()) || !at::GradMode::is_enabled()) return y;
   const at::Tensor values = y.detach();
   BlockOutput& b = step_[static_cast<size_t>(i)];
