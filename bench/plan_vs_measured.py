@@ -1,6 +1,7 @@
 """The planner's step time against the measured one, for every layout 4 ranks
-allow of one model: the machine is calibrated first (`plan --calibrate`: its
-matmul peak, a training run's MFU, the collectives' latency and bandwidth),
+allow of one model: the machine is calibrated first (`plan --calibrate`: each
+operator class's rate, a training run's overhead beyond them, the
+collectives' latency and bandwidth),
 then each layout is planned (`plan --layout config --machine PROFILE`) and
 trained (`bench train`, the median of its timed steps), `--repeats` times in
 turn; the table gives the medians, their ratio, and the Spearman correlation
@@ -110,6 +111,12 @@ def main():
         machine = json.load(open(profile))
         print(f"machine calibrated: {machine['peak_flops'] / 1e9:.1f} GFLOP/s per rank, MFU {machine['mfu']:.3f}, "
               f"{machine['intra_bandwidth'] / 1e9:.2f} GB/s, latency {machine['latency'] * 1e6:.1f} us")
+        ops = machine.get("operators")
+        if ops:
+            print(f"operators: products {ops['matmul_flops'] / 1e9:.1f} GFLOP/s + {ops['matmul_call'] * 1e6:.1f} us, "
+                  f"attention {ops['attention_flops'] / 1e9:.1f} GFLOP/s + {ops['attention_call'] * 1e6:.1f} us, "
+                  f"elementwise {ops['elementwise_bytes'] / 1e9:.1f} GB/s + {ops['elementwise_call'] * 1e6:.2f} us, "
+                  f"overhead {ops['overhead']:.3f}")
         base = {"model.preset": args.preset, "model.heads": "8", "model.context": str(args.context),
                 "training.batch": str(args.batch),
                 "training.micro_batch": str(args.micro_batch), "run.out": os.path.join(work, "run"),

@@ -12,6 +12,7 @@
 #include "meshtrain/apps/bench_util.h"
 #include "meshtrain/parallel/ring_attention.h"
 #include "meshtrain/parallel/ulysses_attention.h"
+#include "meshtrain/util/cores.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -135,7 +136,7 @@ double transfer_seconds(const CommPtr& group, const Shape& s, int64_t local) {
 int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, int steps) {
   const CommPtr world = runtime.world();
   const Shape shape;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = util::usable_cores();
   std::vector<nlohmann::json> rows;
   for (int64_t length : lengths) {
     // Every rank is busy in every measurement (groups of cp side by side; rank 0's

@@ -10,6 +10,7 @@
 #include "meshtrain/parallel/tensor_parallel.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/util/memory.h"
+#include "meshtrain/util/cores.h"
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -119,7 +120,7 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
   const int64_t b = config.micro_batch, s = shape.context, h = shape.width;
   memory::install();
   const auto& world = runtime.world();
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = util::usable_cores();
   const int default_threads = at::get_num_threads();
 
   struct Row {

@@ -7,6 +7,7 @@
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/util/config_keys.h"
 #include "meshtrain/util/suggest.h"
+#include "meshtrain/util/cores.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -35,7 +36,7 @@ int report(const std::exception& e) {
 // cores when several ranks share a node. OMP_NUM_THREADS, when set, wins.
 void set_threads_per_rank(const comm::Runtime& runtime) {
   if (std::getenv("OMP_NUM_THREADS")) return;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = util::usable_cores();
   at::set_num_threads(std::max(1, cores / std::max(1, runtime.local_size())));
 }
 

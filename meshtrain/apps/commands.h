@@ -264,8 +264,9 @@ struct PlanOptions {
 
 // meshtrain plan: evaluates one layout or searches all of them (no MPI).
 int run_plan(const PlanOptions& options);
-// meshtrain plan --calibrate: measures this machine's matmul peak, the MFU of a
-// short training run and (with several ranks) collective bandwidth and latency.
+// meshtrain plan --calibrate: measures this machine's matmul peak, each operator
+// class's rate (Note [Operator time]), a short training run against them and
+// (with several ranks) collective bandwidth and latency.
 int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& options);
 
 }  // namespace meshtrain::apps

@@ -10,6 +10,7 @@
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/util/files.h"
 #include "meshtrain/util/memory.h"
+#include "meshtrain/util/cores.h"
 
 #include <nlohmann/json.hpp>
 
@@ -44,7 +45,7 @@ double cpu_flops_all_cores() {
     at::mm_out(c, a, b);
     best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
   }
-  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  const double cores = util::usable_cores();
   return 2.0 * n * n * n / best / at::get_num_threads() * cores;
 }
 
@@ -60,7 +61,7 @@ plan::Machine machine_of(const PlanOptions& o, std::string& said) {
     } else {
       const int64_t ranks = o.gpus_per_node > 0 ? std::min(o.gpus_per_node, o.world) : o.world;
       const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-      const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+      const int64_t cores = util::usable_cores();
       m = plan::cpu_machine(memory, o.peak_tflops > 0 ? 0 : cpu_flops_all_cores(), ranks,
                             plan::cpu_model_name() + " (" + std::to_string(cores) + " cores)", cores);
       said = "this machine's CPU, its memory and cores shared by " + std::to_string(ranks) +
@@ -169,6 +170,17 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
   std::printf("machine  %s: %.3g TFLOP/s peak x MFU %.2f, %.3g GB/s in a node, %.3g GB/s across, %.0f us latency%s\n",
               m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6,
               said.empty() ? "" : (" (" + said + ")").c_str());
+  const plan::OperatorRates& r = m.operators;
+  if (!r.measured()) return;
+  if (r.precision != w.precision.name) {
+    std::printf("operators measured in %s, not %s: the step is its FLOPs at peak x MFU\n", r.precision.c_str(),
+                w.precision.name.c_str());
+    return;
+  }
+  std::printf("operators products %.3g GFLOP/s + %.1f us, attention %.3g GFLOP/s + %.1f us, elementwise %.3g GB/s + %.1f "
+              "us, x %.2f overhead (Note [Operator time])\n",
+              r.matmul_flops / 1e9, r.matmul_call * 1e6, r.attention_flops / 1e9, r.attention_call * 1e6,
+              r.elementwise_bytes / 1e9, r.elementwise_call * 1e6, r.overhead);
 }
 
 void print_table_head() {
@@ -306,97 +318,6 @@ int run_plan(const PlanOptions& o) {
   return 0;
 }
 
-// What a blocking collective costs while the ranks compute between
-// collectives, beyond `idle` (its time between idle ranks): a product of
-// about a millisecond, then a one-element all-reduce, against the products
-// alone. Where ranks share cores, a peer that is not running is waited for
-// (Note [Shared cores]).
-double sync_under_load(comm::Communicator& world, double idle) {
-  const memory::HostScope uncounted;
-  const int64_t n = 256, rounds = 40;
-  const at::Tensor a = at::linspace(-1, 1, n * n).view({n, n}), one = at::ones({1});
-  at::Tensor c = at::empty({n, n});
-  auto loop = [&](bool collectives) {
-    world.barrier().wait();
-    const auto start = Clock::now();
-    for (int i = 0; i < rounds; ++i) {
-      for (int k = 0; k < 4; ++k) at::mm_out(c, a, a);
-      if (collectives) world.all_reduce(one).wait();
-    }
-    world.barrier().wait();
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  };
-  loop(true);  // warm-up
-  double with = 1e30, without = 1e30;
-  for (int r = 0; r < 3; ++r) with = std::min(with, loop(true)), without = std::min(without, loop(false));
-  at::Tensor cost = at::full({1}, std::max(0.0, (with - without) / rounds - idle), at::kDouble);
-  world.all_reduce(cost, comm::ReduceOp::kAvg).wait();
-  return cost.item<double>();
-}
-
-int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
-  auto world = runtime.world();
-  const bool leader = world->rank() == 0;
-  plan::Machine m;
-  m.name = "calibrated";
-  // Matmul peak of one rank with its threads, averaged over ranks.
-  at::Tensor peak = at::full({1}, train::measure_matmul_peak(at::kCPU, at::kFloat, /*afresh=*/true), at::kDouble);
-  world->all_reduce(peak, comm::ReduceOp::kAvg).wait();
-  m.peak_flops = peak.item<double>();
-  // Achieved MFU: the `small` preset training a few steps here, data parallel over every rank.
-  {
-    std::string dir;
-    if (leader) dir = util::make_temp_directory("meshtrain-calibrate-");
-    dir = comm::all_gather_strings(*world, dir)[0];  // rank 0's
-    train::TrainConfig config = train::TrainConfig::load("", {"run.out=" + dir, "checkpoint.resume=false",
-                                                               "training.sample_tokens=0"});
-    config.batch = config.micro_batch * world->size();
-    config.validate(world->size());
-    train::Trainer trainer(config, world);
-    std::vector<double> seconds;
-    for (int s = 0; s < 4; ++s) seconds.push_back(trainer.step().seconds);
-    std::sort(seconds.begin() + 1, seconds.end());
-    const double tokens_per_second = static_cast<double>(config.batch * config.model.context) / seconds[2];
-    m.mfu = std::min(1.0, trainer.mfu(tokens_per_second));
-    world->barrier().wait();
-    if (leader) util::remove_tree(dir);
-  }
-  // Collective bandwidth and latency (a ring all-reduce's alpha and beta) between the ranks.
-  const int n = world->size();
-  if (n > 1) {
-    auto timed = [&](int64_t elements) {
-      at::Tensor buffer = at::ones({elements});
-      world->all_reduce(buffer).wait();
-      std::vector<double> runs;
-      for (int i = 0; i < 5; ++i) {
-        world->barrier().wait();
-        const auto start = Clock::now();
-        world->all_reduce(buffer).wait();
-        runs.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      }
-      std::sort(runs.begin(), runs.end());
-      return runs[2];
-    };
-    const double small = timed(1), large_bytes = 64.0 * (1 << 20), large = timed(static_cast<int64_t>(large_bytes / 4));
-    m.latency = small / (2.0 * (n - 1));
-    m.intra_bandwidth = m.inter_bandwidth = 2.0 * (n - 1) / n * large_bytes / std::max(large - small, 1e-9);
-    m.sync = sync_under_load(*world, small);
-  }
-  m.devices_per_node = n;
-  m.cores_per_node = std::max(1u, std::thread::hardware_concurrency());
-  m.host_bandwidth = m.intra_bandwidth;
-  m.device_memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE)) / n;
-  if (leader) {
-    std::printf("%s", m.to_json().c_str());
-    if (!o.save.empty()) {
-      util::write_text_file(o.save, m.to_json());
-      std::printf("meshtrain: machine profile written to %s (use: meshtrain plan --machine %s ...)\n", o.save.c_str(),
-                  o.save.c_str());
-    }
-  }
-  return 0;
-}
-
 namespace {
 
 // Plans in one process; with --calibrate measures on the ranks of a job.
@@ -472,7 +393,9 @@ PlanCommand::PlanCommand(CLI::App& app) {
   p->add_option("--auto", o_.auto_path,
                 "Write the fastest layout that fits to this file as a config train takes as it is (with the "
                 "runners-up and why they lost as comments); the --model config file's other keys are kept");
-  p->add_flag("--calibrate", calibrate_, "Measure this machine (run under `meshtrain run -n N` for bandwidth)");
+  p->add_flag("--calibrate", calibrate_,
+              "Measure this machine: each operator class's rate, a short training run against them, and under "
+              "`meshtrain run -n N` the collectives (with --precision bf16-mixed: in bf16)");
   p->add_option("--save", o_.save, "With --calibrate: write the profile to this file");
   p->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --machine h100\n"
             "  meshtrain plan --model runs/default/checkpoints --world 2\n"

@@ -43,6 +43,13 @@ std::string Machine::to_json() const {
                       {"device_memory", device_memory}};
   if (cores_per_node > 0) j["cores_per_node"] = cores_per_node;
   if (sync > 0) j["sync"] = sync;
+  if (operators.measured()) {
+    const OperatorRates& r = operators;
+    j["operators"] = {{"matmul_flops", r.matmul_flops},         {"matmul_call", r.matmul_call},
+                      {"attention_flops", r.attention_flops},   {"attention_call", r.attention_call},
+                      {"elementwise_bytes", r.elementwise_bytes}, {"elementwise_call", r.elementwise_call},
+                      {"overhead", r.overhead},                 {"precision", r.precision}};
+  }
   return j.dump(2) + "\n";
 }
 
@@ -54,13 +61,18 @@ Machine Machine::from_json(const std::string& text) {
     throw std::invalid_argument(std::string("machine profile is not JSON: ") + e.what());
   }
   Machine m;
-  auto number = [&](const char* key, double& field) {
-    if (!j.contains(key)) return;
-    if (!j[key].is_number() || !(j[key].get<double>() > 0)) {
-      throw std::invalid_argument(std::string("machine profile field '") + key + "' must be a positive number");
+  // `o[key]` into `field`; `prefix` names the enclosing object in the message.
+  auto read = [](const nlohmann::json& o, const std::string& key, double& field, bool zero_allowed,
+                 const std::string& prefix = "") {
+    if (!o.contains(key)) return;
+    const bool ok = o[key].is_number() && (o[key].get<double>() > 0 || (zero_allowed && o[key].get<double>() == 0));
+    if (!ok) {
+      throw std::invalid_argument("machine profile field '" + prefix + key + "' must be a " +
+                                  (zero_allowed ? "non-negative" : "positive") + " number");
     }
-    field = j[key].get<double>();
+    field = o[key].get<double>();
   };
+  auto number = [&](const char* key, double& field) { read(j, key, field, false); };
   if (j.contains("name") && j["name"].is_string()) m.name = j["name"].get<std::string>();
   number("peak_flops", m.peak_flops);
   number("mfu", m.mfu);
@@ -76,6 +88,29 @@ Machine Machine::from_json(const std::string& text) {
   number("cores_per_node", cores);
   m.cores_per_node = static_cast<int64_t>(cores);
   number("sync", m.sync);
+  if (j.contains("operators")) {  // Note [Operator time]
+    const nlohmann::json& o = j["operators"];
+    if (!o.is_object()) throw std::invalid_argument("machine profile field 'operators' must be an object");
+    OperatorRates& r = m.operators;
+    for (const auto& [key, field] : {std::pair<const char*, double*>{"matmul_flops", &r.matmul_flops},
+                                     {"attention_flops", &r.attention_flops},
+                                     {"elementwise_bytes", &r.elementwise_bytes},
+                                     {"overhead", &r.overhead}}) {
+      if (!o.contains(key)) throw std::invalid_argument(std::string("machine profile field 'operators.") + key + "' is missing");
+      read(o, key, *field, false, "operators.");
+    }
+    for (const auto& [key, field] : {std::pair<const char*, double*>{"matmul_call", &r.matmul_call},
+                                     {"attention_call", &r.attention_call},
+                                     {"elementwise_call", &r.elementwise_call}}) {
+      read(o, key, *field, true, "operators.");
+    }
+    if (o.contains("precision")) {
+      if (!o["precision"].is_string() || (o["precision"] != "fp32" && o["precision"] != "bf16-mixed")) {
+        throw std::invalid_argument("machine profile field 'operators.precision' must be \"fp32\" or \"bf16-mixed\"");
+      }
+      r.precision = o["precision"].get<std::string>();
+    }
+  }
   if (m.mfu > 1) throw std::invalid_argument("machine profile field 'mfu' must be at most 1");
   return m;
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "meshtrain/model/lora.h"
+#include "meshtrain/plan/operator_time.h"
 #include "meshtrain/parallel/parallel_spec.h"
 
 #include <cstdint>
@@ -95,6 +96,9 @@ struct Machine {
   // compute between collectives (measured under load by --calibrate: where
   // ranks share cores, a peer that is not running is waited for); seconds.
   double sync = 0;
+  // Each operator class's measured rate (Note [Operator time]); unmeasured:
+  // a step is its FLOPs at peak_flops x mfu.
+  OperatorRates operators;
   double device_memory = 80.0 * (int64_t{1} << 30);
 
   std::string to_json() const;

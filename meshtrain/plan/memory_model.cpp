@@ -175,23 +175,24 @@ std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool 
   const double kv = static_cast<double>(model.kv_width()), f = static_cast<double>(model.mlp_hidden());
   std::vector<BlockProduct> all;
   std::vector<bool> uncounted;  // a bias (addmm), a router or grouped experts: the policy neither counts nor keeps them
-  auto add = [&](double in, double out, bool row, bool bias, double times = 1) {
-    all.push_back({in, out, times, row, false});
+  auto add = [&](double in, double out, bool row, bool bias, double times = 1, bool expert = false) {
+    all.push_back({in, out, times, row, false, false, expert});
     uncounted.push_back(bias);
   };
   for (double out : {qw, kv, kv}) add(h, out, false, model.qkv_has_bias());
   add(qw, h, true, model.proj_has_bias());
-  auto mlp = [&](double hidden, bool bias, double times, bool counted) {
+  auto mlp = [&](double hidden, bool bias, double times, bool counted, bool experts = false) {
     const bool skip = bias || !counted;
-    if (model.gated_mlp()) add(h, hidden, false, skip, times);
-    add(h, hidden, false, skip, times);
-    add(hidden, h, true, skip, times);
+    if (model.gated_mlp()) add(h, hidden, false, skip, times, experts);
+    add(h, hidden, false, skip, times, experts);
+    add(hidden, h, true, skip, times, experts);
   };
   if (!moe) {
     mlp(f, model.mlp_has_bias(), 1, true);
   } else {
     add(h, static_cast<double>(model.moe_experts), false, true);  // the router
-    mlp(static_cast<double>(model.expert_hidden()), false, static_cast<double>(model.moe_top_k), false);
+    all.back().router = true;
+    mlp(static_cast<double>(model.expert_hidden()), false, static_cast<double>(model.moe_top_k), false, true);
     if (model.moe_shared_hidden > 0) mlp(static_cast<double>(model.moe_shared_hidden), false, 1, true);
   }
   int count = 0;

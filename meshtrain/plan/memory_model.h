@@ -94,10 +94,13 @@ struct ActivationOptions {
 // One matrix product of a block in forward order, as op-level recompute sees
 // it: `in` x `out` per token and assignment (`times` assignments per token:
 // top_k for routed experts), whether tensor parallel splits its output
-// (column) or sums it (row), and whether the policy keeps its output.
+// (column) or sums it (row), and whether the policy keeps its output. A MoE
+// block's router and routed experts say so (the operator time splits the
+// experts' products over the rank's experts, and leaves the router whole).
 struct BlockProduct {
   double in = 0, out = 0, times = 1;
   bool row_parallel = false, kept = false;
+  bool router = false, expert = false;
 };
 std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool moe);
 

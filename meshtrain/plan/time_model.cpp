@@ -2,9 +2,11 @@
 
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/plan/memory_model.h"
+#include "meshtrain/plan/operator_time.h"
 #include "meshtrain/plan/shared_cores.h"
 
 #include <algorithm>
+#include <optional>
 
 namespace meshtrain::plan {
 
@@ -45,49 +47,86 @@ struct StepInputs {
   double activation = 0;  // bytes of one micro-batch's activation [b, s, h]
 };
 
-// The slowest pipeline rank's compute (its blocks; embedding lookups are
-// free, the head is not), what recompute adds, and the pipeline bubble.
-void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemory>& ranks) {
+// Whether the machine's operators were measured in the plan's precision (Note [Operator time]).
+bool measured_for(const StepInputs& in) {
+  return in.machine.operators.measured() && in.machine.operators.precision == in.w.precision.name;
+}
+
+// One micro-batch's work on one rank through `dense` plain and `moe`
+// mixture-of-experts blocks, and the head where `head` says how its loss runs:
+// the operators' measured times (Note [Operator time]), or without them the
+// FLOPs at the calibrated rate (6 per weight per token, a third forward; what
+// recompute repeats: selective, the attention core (4·seq·width per token) or
+// op-level, the products not kept (Note [Op-level recompute]); full, every
+// block's forward).
+Work micro_batch_work(const StepInputs& in, double dense, double moe, std::optional<bool> head) {
   const model::GptConfig& model = in.model;
-  const double dense_flops = model.block_training_flops(), moe_flops = model.moe() ? model.block_training_flops(true) : 0;
-  // The forward work recompute repeats: selective, the attention core of
-  // each layer (4·seq·width per token), or op-level, the products it does
-  // not keep (Note [Op-level recompute]); full, every block's forward (a
-  // third of forward + backward).
-  auto recomputed_products = [&](bool moe) {
+  const OperatorRates& rates = in.machine.operators;
+  Work w;
+  const bool measured = measured_for(in);
+  auto add = [&](const Work& one, double times) {
+    w.forward += times * one.forward, w.backward += times * one.backward, w.recompute += times * one.recompute;
+  };
+  if (measured) {
+    if (dense > 0) add(block_work(model, false, in.l, in.w, rates), dense);
+    if (moe > 0) add(block_work(model, true, in.l, in.w, rates), moe);
+    if (head) add(head_work(model, in.l, in.w, *head, rates), 1);
+    return {w.forward * rates.overhead, w.backward * rates.overhead, w.recompute * rates.overhead};
+  }
+  auto recomputed_products = [&](bool moe_block) {
     double per_token = 0;
-    for (const BlockProduct& p : op_level_products(model, moe)) per_token += p.kept ? 0 : 2 * p.in * p.out * p.times;
+    for (const BlockProduct& p : op_level_products(model, moe_block)) per_token += p.kept ? 0 : 2 * p.in * p.out * p.times;
     return per_token;
   };
-  const bool op_level = op_level_recompute(in.l, in.w);
-  const double dense_products = op_level ? recomputed_products(false) : 0;
-  const double moe_products = op_level && model.moe() ? recomputed_products(true) : 0;
-  auto recompute_flops = [&](double flops, double layers, double moe_layers) {
-    const double s = static_cast<double>(model.context), h = static_cast<double>(model.q_width());
-    switch (in.l.activation_checkpoint) {
-      case parallel::CheckpointMode::kNone: return 0.0;
-      case parallel::CheckpointMode::kSelective:
-        if (op_level) return s * ((layers - moe_layers) * dense_products + moe_layers * moe_products);
-        return layers * s * 4 * s * h;
-      case parallel::CheckpointMode::kFull: break;
-    }
-    return flops / 3;
-  };
+  const double s = static_cast<double>(model.context), h = static_cast<double>(model.q_width());
+  const double flops = dense * model.block_training_flops() + (moe > 0 ? moe * model.block_training_flops(true) : 0);
+  double repeated = 0;
+  switch (in.l.activation_checkpoint) {
+    case parallel::CheckpointMode::kNone: break;
+    case parallel::CheckpointMode::kSelective:
+      if (op_level_recompute(in.l, in.w)) {
+        repeated = s * (dense * recomputed_products(false) + (moe > 0 ? moe * recomputed_products(true) : 0));
+      } else {
+        repeated = (dense + moe) * s * 4 * s * h;
+      }
+      break;
+    case parallel::CheckpointMode::kFull: repeated = flops / 3; break;
+  }
   // The head: three products over the vocabulary, a fourth where the loss makes them again.
-  auto head_flops = [&](const RankMemory& rank) { return model.head_training_flops() * (rank.loss_in_backward ? 4.0 / 3 : 1.0); };
-  double slowest = 0, slowest_recompute = 0;
+  const double head_flops = head ? model.head_training_flops() * (*head ? 4.0 / 3 : 1.0) : 0;
+  const double seconds_per_flop = in.b / in.t / in.cp / in.rate;
+  w.forward = seconds_per_flop * (flops + head_flops) / 3;
+  w.backward = seconds_per_flop * (2 * (flops + head_flops) / 3 + repeated);
+  w.recompute = seconds_per_flop * repeated;
+  return w;
+}
+
+// The slowest pipeline rank's compute (its blocks; embedding lookups are
+// free, the head is not; with measured operators, AdamW's pass), what
+// recompute adds, and the pipeline bubble.
+void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemory>& ranks) {
+  const model::GptConfig& model = in.model;
+  const OperatorRates& rates = in.machine.operators;
+  double slowest = -1, slowest_update = 0;
+  Work per_step;
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
-    const double blocks = (layers - moe_layers) * dense_flops + moe_layers * moe_flops;
-    const double flops = blocks + (rank.pipeline_rank == in.l.dims.pp - 1 ? head_flops(rank) : 0);
-    if (flops > slowest) slowest = flops, slowest_recompute = recompute_flops(blocks, layers, moe_layers);
+    const bool last = rank.pipeline_rank == in.l.dims.pp - 1;
+    const Work w = micro_batch_work(in, layers - moe_layers, moe_layers, last ? std::optional<bool>(rank.loss_in_backward) : std::nullopt);
+    // AdamW over the rank's parameters, a shard of them under ZeRO.
+    const double update = measured_for(in) ? rates.overhead * optimizer_seconds(
+        rank.parameter_count / static_cast<double>(in.l.dims.zero_stage > 0 ? in.l.shards() : 1), in.w, rates) : 0;
+    const double seconds = in.m * (w.forward + w.backward) + update;
+    if (seconds > slowest) {
+      slowest = seconds, slowest_update = update;
+      per_step = {in.m * w.forward + update, in.m * w.backward, in.m * w.recompute};
+    }
     in.most_layers = std::max(in.most_layers, rank.layers);
     in.most_moe_layers = std::max(in.most_moe_layers, rank.moe_layers);
     if (rank.parameter_count > in.psi) in.psi = rank.parameter_count, in.expert_psi = rank.expert_parameter_count;
   }
-  const double sequences = in.m * in.b;  // per data rank per step
-  time.recompute = sequences * slowest_recompute / in.t / in.cp / in.rate;
-  time.compute = sequences * slowest / in.t / in.cp / in.rate + time.recompute;
+  time.recompute = per_step.recompute;
+  time.compute = per_step.forward + per_step.backward;
   if (in.l.dims.pp == 1) return;
   const SharedCores cores{static_cast<double>(std::min(in.machine.devices_per_node, in.l.world())),
                           static_cast<double>(in.machine.cores_per_node), static_cast<double>(in.l.dims.pp)};
@@ -100,23 +139,19 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   // Each chunk's forward and backward (with what recompute repeats) per micro-batch, walked under the sharing.
   const std::vector<int64_t> blocks = stage_blocks(model, in.l.dims.pp * in.l.dims.virtual_stages);
   std::vector<double> forward, backward;
-  const double seconds_per_flop = in.b / in.t / in.cp / in.rate;
   for (size_t k = 0, first = 0; k < blocks.size(); first += static_cast<size_t>(blocks[k]), ++k) {
-    double flops = 0, moe_layers = 0;
-    for (size_t i = first; i < first + static_cast<size_t>(blocks[k]); ++i) {
-      const bool moe = model.is_moe_block(static_cast<int64_t>(i));
-      flops += moe ? moe_flops : dense_flops;
-      moe_layers += moe ? 1 : 0;
-    }
-    const double repeated = recompute_flops(flops, static_cast<double>(blocks[k]), moe_layers);
-    if (k + 1 == blocks.size()) flops += head_flops(ranks.back());
-    forward.push_back(seconds_per_flop * flops / 3);
-    backward.push_back(seconds_per_flop * (2 * flops / 3 + repeated));
+    double moe_layers = 0;
+    for (size_t i = first; i < first + static_cast<size_t>(blocks[k]); ++i) moe_layers += model.is_moe_block(static_cast<int64_t>(i)) ? 1 : 0;
+    const bool last = k + 1 == blocks.size();
+    const Work w = micro_batch_work(in, static_cast<double>(blocks[k]) - moe_layers, moe_layers,
+                                    last ? std::optional<bool>(ranks.back().loss_in_backward) : std::nullopt);
+    forward.push_back(w.forward);
+    backward.push_back(w.backward);
   }
   const parallel::pipeline::Schedule schedule = parallel::pipeline::make_schedule(
       in.l.dims.schedule, static_cast<int>(in.l.dims.pp), static_cast<int>(in.l.dims.virtual_stages), static_cast<int>(in.m));
   // The walk includes the slowest stage's work, sped up while others wait.
-  const double walked = pipeline_makespan(schedule, forward, backward, cores);
+  const double walked = pipeline_makespan(schedule, forward, backward, cores) + slowest_update;
   if (walked >= time.compute) {
     time.bubble = walked - time.compute;
   } else {
@@ -136,7 +171,9 @@ void add_tensor_parallel(TimeBreakdown& time, const StepInputs& in) {
   const double per_layer =
       4 + (l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 0) + (op_level && l.dims.sequence_parallel ? 2 : 0);
   const double collectives = in.m * (static_cast<double>(in.most_layers) * per_layer + 2);  // + embedding and head
-  const double seconds = collectives * (tp.all_reduce(in.activation, in.t) + in.machine.sync);
+  // Sequence parallel's all-gather and reduce-scatter are two blocking collectives where an all-reduce is one.
+  const double syncs = l.dims.sequence_parallel ? 2 : 1;
+  const double seconds = collectives * (tp.all_reduce(in.activation, in.t) + syncs * in.machine.sync);
   time.traffic.push_back({"tp", l.dims.sequence_parallel ? "all-gather + reduce-scatter activations" : "all-reduce activations",
                           collectives * in.activation, seconds});
   time.tensor_parallel = seconds;
@@ -284,7 +321,9 @@ TimeBreakdown estimate_time(const model::GptConfig& model, const Workload& w, co
   in.b = static_cast<double>(l.micro_batch);
   in.t = static_cast<double>(l.dims.tp);
   in.cp = static_cast<double>(l.dims.cp);
-  in.rate = machine.peak_flops * machine.mfu;
+  // The rate the ring's hops hide behind: the attention kernel's where measured.
+  in.rate = measured_for(in) ? machine.operators.attention_flops / machine.operators.overhead
+                             : machine.peak_flops * machine.mfu;
   in.activation = w.precision.activation * static_cast<double>(model.context) / in.cp * in.b * static_cast<double>(model.width);
   TimeBreakdown time;
   add_compute(time, in, ranks);

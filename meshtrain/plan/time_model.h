@@ -11,10 +11,12 @@
 namespace meshtrain::plan {
 
 // Note [Time model]
-// compute    the slowest pipeline rank's FLOPs (6 per weight per token
-//            forward + backward, the attention's 12·s·h per token and layer,
-//            and what recompute repeats; Narayanan et al. 2021, Eq. 3) at
-//            peak x MFU; tensor parallel divides them by tp.
+// compute    the slowest pipeline rank's operators at the machine's
+//            measured rates (Note [Operator time]); without them its FLOPs
+//            (6 per weight per token forward + backward, the attention's
+//            12·s·h per token and layer, and what recompute repeats;
+//            Narayanan et al. 2021, Eq. 3) at peak x MFU, tensor and context
+//            parallel dividing them by tp and cp.
 // bubble     compute x b / (1 - b) with b = (p-1)/(v·m+p-1); where ranks
 //            share a CPU's cores, the schedule walked under the sharing
 //            (Note [Shared cores]).

@@ -83,6 +83,21 @@ cat > "$dir/machine.json" <<'JSON'
  "latency": 2e-5, "host_bandwidth": 5e9, "devices_per_node": 2, "device_memory": 1.2e10}
 JSON
 "$meshtrain" plan --machine "$dir/machine.json" --model small --world 2 --layout "dp=2 mb=8" | grep -q "machine  calibrated"
+# With measured operators (Note [Operator time]) the header says so, and a plan in another precision says what it counts.
+cat > "$dir/operators.json" <<'JSON'
+{"name": "calibrated", "peak_flops": 1.2e12, "mfu": 0.3, "devices_per_node": 2, "cores_per_node": 2,
+ "operators": {"matmul_flops": 4e10, "matmul_call": 1e-6, "attention_flops": 2.5e10, "attention_call": 3e-4,
+               "elementwise_bytes": 3e10, "elementwise_call": 1e-6, "overhead": 1.1, "precision": "fp32"}}
+JSON
+"$meshtrain" plan --machine "$dir/operators.json" --model small --world 2 --precision fp32 --layout "dp=2 mb=8" |
+  grep -q "operators products 40 GFLOP/s + 1.0 us, attention 25 GFLOP/s + 300.0 us, elementwise 30 GB/s + 1.0 us, x 1.10"
+"$meshtrain" plan --machine "$dir/operators.json" --model small --world 2 --precision bf16-mixed --layout "dp=2 mb=8" |
+  grep -q "operators measured in fp32, not bf16-mixed: the step is its FLOPs at peak x MFU"
+# This machine's cores are those the process may run on: its affinity mask (and a cgroup's quota).
+if [ "$(nproc)" -ge 2 ]; then
+  taskset -c 0 "$meshtrain" plan --model small --world 2 --top 1 | grep -q "(1 cores)" ||
+    { echo "plan counts CPUs outside the process's affinity mask"; exit 1; }
+fi
 # train's key names are plan's aliases: --model.context for --seq, --training.batch for --global-batch.
 [ "$("$meshtrain" plan --model small --world 2 --machine h100 --model.context=128 --training.batch=64 --json --top 1)" = \
   "$("$meshtrain" plan --model small --world 2 --machine h100 --seq 128 --global-batch 64 --json --top 1)" ] ||

@@ -1,0 +1,150 @@
+#include "meshtrain/plan/operator_time.h"
+
+#include "meshtrain/plan/layout.h"
+#include "meshtrain/plan/memory_model.h"
+
+#include <algorithm>
+
+namespace meshtrain::plan {
+
+namespace {
+
+// One rank's shape of a micro-batch under a layout.
+struct Shape {
+  double b, s, t, cp, a2a, ring;
+  bool sp;
+  double tokens;  // rows of a block's products on the rank: b·s/cp
+};
+
+Shape shape_of(const model::GptConfig& model, const Layout& l) {
+  Shape z{};
+  z.b = static_cast<double>(l.micro_batch);
+  z.s = static_cast<double>(model.context);
+  z.t = static_cast<double>(l.dims.tp);
+  z.cp = static_cast<double>(l.dims.cp);
+  const int64_t a2a = l.dims.cp_impl == mesh::ContextParallelImpl::kAllToAll ? l.dims.cp
+                      : l.dims.cp_impl == mesh::ContextParallelImpl::kHybrid ? l.dims.a2a_group(parallel::model_dims(model))
+                                                                             : 1;
+  z.a2a = static_cast<double>(l.dims.cp > 1 ? a2a : 1);
+  z.ring = z.cp / z.a2a;
+  z.sp = l.dims.sequence_parallel;
+  z.tokens = z.b * z.s / z.cp;
+  return z;
+}
+
+double product(const OperatorRates& r, double calls, double flops) { return calls * r.matmul_call + flops / r.matmul_flops; }
+double kernel(const OperatorRates& r, double calls, double flops) { return calls * r.attention_call + flops / r.attention_flops; }
+double elementwise(const OperatorRates& r, double calls, double bytes) {
+  return calls * r.elementwise_call + (r.elementwise_bytes > 0 ? bytes / r.elementwise_bytes : 0);
+}
+
+// The attention core's forward and backward on one rank (Note [Operator time]).
+Work attention(const model::GptConfig& model, const Shape& z, const OperatorRates& r) {
+  const double heads = static_cast<double>(model.heads) / z.t / z.a2a, d = static_cast<double>(model.head_dim());
+  auto tile = [&](double rows) { return 4 * z.b * heads * rows * rows * d; };  // forward FLOPs of a full tile
+  Work w;
+  if (z.ring == 1) {  // one causal call over the sequence: half a tile's work
+    const double half = tile(z.s) / 2;
+    w.forward = kernel(r, 1, half);
+    w.backward = kernel(r, 1, 2 * half);
+    return w;
+  }
+  // Zigzag: a rank's two chunks of s/2·ring meet 2·ring+1 key chunks, two on the diagonal (causal, half).
+  const double chunk = z.s / (2 * z.ring), tiles = 2 * z.ring + 1, full = tile(chunk) * 2 * z.ring;
+  const double out_bytes = 4 * z.b * heads * chunk * d;  // fp32 partial output of one chunk
+  w.forward = kernel(r, tiles, full) + elementwise(r, 10 * (tiles - 2), 8 * out_bytes * (tiles - 2));  // merges
+  w.backward = kernel(r, tiles, 2 * full) + elementwise(r, 3 * tiles, 9 * out_bytes * tiles);  // dq, dk, dv sums
+  return w;
+}
+
+// A block's elementwise passes forward, as calls and bytes; backward moves
+// about 1.5 times the bytes in twice the calls.
+struct Passes {
+  double calls = 0, bytes = 0;
+};
+Passes elementwise_forward(const model::GptConfig& model, bool moe, const Shape& z, double e) {
+  const double h = static_cast<double>(model.width);
+  const double rows_h = z.sp ? z.tokens / z.t : z.tokens;  // the norms' rows: split under sequence parallel
+  double hidden = static_cast<double>(model.mlp_hidden());
+  if (moe) {
+    hidden = static_cast<double>(model.expert_hidden()) * static_cast<double>(model.moe_top_k) +
+             static_cast<double>(model.moe_shared_hidden);
+  }
+  double words = 2 * 4 * h * rows_h + (model.gated_mlp() ? 3 : 2) * hidden / z.t * z.tokens;  // add-norms, activation
+  double calls = 3;
+  if (!model.learned_positions()) {
+    words += 2 * static_cast<double>(model.q_width() + model.kv_width()) / z.t * z.tokens;  // RoPE on q and k
+    calls += 2;
+  }
+  return {calls, e * words};
+}
+
+}  // namespace
+
+Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const Workload& w, const OperatorRates& r) {
+  const Shape z = shape_of(model, l);
+  Work work;
+  const double local_experts = std::max(1.0, static_cast<double>(model.moe_experts) / static_cast<double>(l.dims.ep));
+  double unkept = 0;  // op-level recompute: the forward of the products it does not keep
+  for (const BlockProduct& p : op_level_products(model, moe)) {
+    double rows = z.tokens, calls = 1, k = p.in, n = p.out;
+    if (p.expert) rows = assignments(model, z.tokens, w.moe_load), calls = local_experts;
+    if (!p.router) (p.row_parallel ? k : n) /= z.t;
+    const double flops = 2 * rows * k * n;
+    work.forward += product(r, calls, flops);
+    work.backward += product(r, 2 * calls, 2 * flops);  // input and weight gradients
+    if (!p.kept) unkept += product(r, calls, flops);
+  }
+  const Work core = attention(model, z, r);
+  const Passes passes = elementwise_forward(model, moe, z, w.precision.activation);
+  work.forward += core.forward + elementwise(r, passes.calls, passes.bytes);
+  work.backward += core.backward + elementwise(r, 2 * passes.calls, 1.5 * passes.bytes);
+  switch (l.activation_checkpoint) {
+    case parallel::CheckpointMode::kNone: break;
+    case parallel::CheckpointMode::kSelective:
+      work.recompute = op_level_recompute(l, w) ? unkept : core.forward;
+      break;
+    case parallel::CheckpointMode::kFull: work.recompute = work.forward; break;
+  }
+  work.backward += work.recompute;
+  return work;
+}
+
+Work head_work(const model::GptConfig& model, const Layout& l, const Workload& w, bool loss_in_backward,
+               const OperatorRates& r) {
+  const Shape z = shape_of(model, l);
+  const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab_size) / z.t;
+  const double flops = 2 * z.tokens * h * vocab, rows_h = z.sp ? z.tokens / z.t : z.tokens;
+  const double norm = elementwise(r, 1, w.precision.activation * 2 * h * rows_h);
+  // The softmax over the rank's logits (fp32): two passes forward, two backward.
+  const double softmax = elementwise(r, 3, 4 * 2 * z.tokens * vocab);
+  Work work;
+  work.forward = product(r, 1, flops) + norm + softmax;
+  work.backward = product(r, 2, 2 * flops) + 2 * norm + softmax;
+  if (loss_in_backward) work.recompute = product(r, 1, flops) + softmax, work.backward += work.recompute;
+  return work;
+}
+
+double optimizer_seconds(double parameters, const Workload& w, const OperatorRates& r) {
+  // Parameters and states read and written, gradients read twice (the norm, the update).
+  const Precision& p = w.precision;
+  return elementwise(r, 0, parameters * (2 * (p.param + p.optimizer) + 2 * p.grad));
+}
+
+Fit fit_rate(const std::vector<double>& work, const std::vector<double>& seconds) {
+  // Minimise sum ((call + x·w - t) / t)^2 over call >= 0 and x = 1/rate: normal equations in (call, x).
+  double a = 0, b = 0, c = 0, u = 0, v = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    const double p = 1 / seconds[i], q = work[i] / seconds[i];  // the weighted columns; the target is 1
+    a += p * p, b += p * q, c += q * q, u += p, v += q;
+  }
+  const double det = a * c - b * b;
+  Fit fit;
+  double call = det != 0 ? (u * c - b * v) / det : 0, x = det != 0 ? (a * v - b * u) / det : 0;
+  if (call < 0 || x <= 0) call = 0, x = c > 0 ? v / c : 0;
+  fit.call = call;
+  fit.rate = x > 0 ? 1 / x : 0;
+  return fit;
+}
+
+}  // namespace meshtrain::plan
