@@ -136,7 +136,7 @@ double transfer_seconds(const CommPtr& group, const Shape& s, int64_t local) {
 int run_bench_cp(comm::Runtime& runtime, const std::vector<int64_t>& lengths, int steps) {
   const CommPtr world = runtime.world();
   const Shape shape;
-  const int cores = util::usable_cores();
+  const int cores = util::node_cores();
   std::vector<nlohmann::json> rows;
   for (int64_t length : lengths) {
     // Every rank is busy in every measurement (groups of cp side by side; rank 0's

@@ -138,7 +138,7 @@ void memory_rows(const std::vector<std::string>& base, const std::shared_ptr<com
 int run_bench_pp(comm::Runtime& runtime, const std::vector<std::string>& overrides, int warmup_steps, int timed_steps,
                  const std::string& out_dir) {
   const auto& world = runtime.world();
-  const int cores = util::usable_cores();
+  const int cores = util::node_cores();
   const int default_threads = at::get_num_threads();
   const int64_t micro = 2;
   std::vector<std::string> base = {"model.preset=tiny", "model.layers=8", "training.micro_batch=2",

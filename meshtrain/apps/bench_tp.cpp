@@ -120,7 +120,7 @@ int run_bench_tp(comm::Runtime& runtime, const std::vector<std::string>& overrid
   const int64_t b = config.micro_batch, s = shape.context, h = shape.width;
   memory::install();
   const auto& world = runtime.world();
-  const int cores = util::usable_cores();
+  const int cores = util::node_cores();
   const int default_threads = at::get_num_threads();
 
   struct Row {

@@ -36,8 +36,7 @@ int report(const std::exception& e) {
 // cores when several ranks share a node. OMP_NUM_THREADS, when set, wins.
 void set_threads_per_rank(const comm::Runtime& runtime) {
   if (std::getenv("OMP_NUM_THREADS")) return;
-  const int cores = util::usable_cores();
-  at::set_num_threads(std::max(1, cores / std::max(1, runtime.local_size())));
+  at::set_num_threads(util::threads_per_rank(runtime.local_size()));
 }
 
 class FunctionCommand : public Command {

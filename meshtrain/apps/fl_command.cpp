@@ -258,7 +258,7 @@ int FlCli::run_simulate(const char* argv0) const {
   // One intra-op thread share per process, as the launcher does for ranks:
   // oversubscribed OpenMP pools spin against each other.
   if (!std::getenv("OMP_NUM_THREADS")) {
-    const unsigned cores = util::usable_cores();
+    const unsigned cores = util::process_cores();
     const unsigned processes = simulate_pool_ > 0 ? static_cast<unsigned>(simulate_pool_) : simulate_clients_;
     setenv("OMP_NUM_THREADS", std::to_string(std::max(1u, cores / (processes + 1u))).c_str(), 1);
   }

@@ -29,7 +29,8 @@ std::string why_slower(const plan::TimeBreakdown& chosen, const plan::TimeBreakd
       {"pipeline transfers", other.pipeline - chosen.pipeline},
       {"expert-parallel communication", other.expert_parallel - chosen.expert_parallel},
       {"context-parallel communication", other.context_parallel - chosen.context_parallel},
-      {"offload transfers", other.offload - chosen.offload}};
+      {"offload transfers", other.offload - chosen.offload},
+      {"optimizer pass", other.optimizer - chosen.optimizer}};
   const auto* most = &terms[0];
   for (const auto& t : terms) {
     if (t.second > most->second) most = &t;

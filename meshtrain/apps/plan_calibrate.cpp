@@ -149,6 +149,46 @@ void measure_collectives(comm::Communicator& world, plan::Machine& m) {
   m.sync = sync_under_load(world, small);
 }
 
+// A short training run: the `small` preset, data parallel over every rank.
+// Sets the machine's MFU from it, and the operators' overhead: what its step
+// takes beyond its communication, over the compute its operators predict.
+void calibration_run(const std::shared_ptr<comm::Communicator>& world, plan::Machine& m, bool bf16) {
+  const bool leader = world->rank() == 0;
+  std::string dir, failure;
+  if (leader) {
+    try {
+      dir = util::make_temp_directory("meshtrain-calibrate-");
+    } catch (const std::exception& e) {  // said on every rank, so that none waits for the others
+      failure = e.what();
+    }
+  }
+  dir = comm::all_gather_strings(*world, dir)[0];  // rank 0's
+  if (dir.empty()) throw std::runtime_error("plan --calibrate: rank 0 could not make a temporary folder " + failure);
+  train::TrainConfig config = train::TrainConfig::load(
+      "", {"run.out=" + dir, "checkpoint.resume=false", "training.sample_tokens=0",
+           std::string("training.dtype=") + (bf16 ? "bfloat16" : "float32")});
+  config.batch = config.micro_batch * world->size();
+  config.validate(world->size());
+  {
+    train::Trainer trainer(config, world);
+    std::vector<double> seconds;
+    for (int s = 0; s < 6; ++s) seconds.push_back(trainer.step().seconds);
+    std::sort(seconds.begin() + 1, seconds.end());
+    const double step = averaged(*world, seconds[3]);  // the median of the five after the first
+    m.mfu = std::min(1.0, trainer.mfu(static_cast<double>(config.batch * config.model.context) / step));
+    plan::PlannedRun run = plan::planned_run(config);
+    run.workload.precision = plan::Precision::parse(m.operators.precision);  // the operators' own
+    plan::Machine predicted = m;
+    predicted.operators.overhead = 1;
+    const auto ranks = plan::estimate_memory(run.model, run.workload, run.layout, run.microbatches);
+    const plan::TimeBreakdown t = plan::estimate_time(run.model, run.workload, run.layout, predicted, run.microbatches, ranks);
+    const double operators = t.compute + t.optimizer;
+    m.operators.overhead = std::max(0.05, (step - (t.step() - operators)) / operators);
+  }
+  world->barrier().wait();
+  if (leader) util::remove_tree(dir);
+}
+
 }  // namespace
 
 int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
@@ -165,39 +205,12 @@ int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
   m.peak_flops = averaged(*world, train::measure_matmul_peak(at::kCPU, bf16 ? at::kBFloat16 : at::kFloat, /*afresh=*/true));
   if (n > 1) measure_collectives(*world, m);
   m.devices_per_node = n;
-  m.cores_per_node = util::usable_cores();
+  m.cores_per_node = util::node_cores();
   m.host_bandwidth = m.intra_bandwidth;
   m.device_memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE)) / n;
   m.operators = measure_operators(*world, bf16 ? at::kBFloat16 : at::kFloat);
   m.operators.precision = bf16 ? "bf16-mixed" : "fp32";
-  // A short training run: the `small` preset, data parallel over every rank.
-  // Its MFU, and its step against the operators' sum: the overhead factor.
-  {
-    std::string dir;
-    if (leader) dir = util::make_temp_directory("meshtrain-calibrate-");
-    dir = comm::all_gather_strings(*world, dir)[0];  // rank 0's
-    train::TrainConfig config = train::TrainConfig::load(
-        "", {"run.out=" + dir, "checkpoint.resume=false", "training.sample_tokens=0",
-             std::string("training.dtype=") + (bf16 ? "bfloat16" : "float32")});
-    config.batch = config.micro_batch * world->size();
-    config.validate(world->size());
-    std::vector<double> seconds;
-    {
-      train::Trainer trainer(config, world);
-      for (int s = 0; s < 6; ++s) seconds.push_back(trainer.step().seconds);
-      std::sort(seconds.begin() + 1, seconds.end());
-      const double step = seconds[3];  // the median of the five after the first
-      m.mfu = std::min(1.0, trainer.mfu(static_cast<double>(config.batch * config.model.context) / step));
-      const plan::PlannedRun run = plan::planned_run(config);
-      plan::Machine predicted = m;
-      predicted.operators.overhead = 1;
-      const auto ranks = plan::estimate_memory(run.model, run.workload, run.layout, run.microbatches);
-      const double sum = plan::estimate_time(run.model, run.workload, run.layout, predicted, run.microbatches, ranks).step();
-      m.operators.overhead = std::max(0.05, averaged(*world, step) / sum);
-    }
-    world->barrier().wait();
-    if (leader) util::remove_tree(dir);
-  }
+  calibration_run(world, m, bf16);
   if (leader) {
     std::printf("%s", m.to_json().c_str());
     if (!o.save.empty()) {

@@ -45,7 +45,7 @@ double cpu_flops_all_cores() {
     at::mm_out(c, a, b);
     best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
   }
-  const double cores = util::usable_cores();
+  const double cores = util::process_cores();
   return 2.0 * n * n * n / best / at::get_num_threads() * cores;
 }
 
@@ -61,7 +61,7 @@ plan::Machine machine_of(const PlanOptions& o, std::string& said) {
     } else {
       const int64_t ranks = o.gpus_per_node > 0 ? std::min(o.gpus_per_node, o.world) : o.world;
       const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-      const int64_t cores = util::usable_cores();
+      const int64_t cores = util::process_cores();
       m = plan::cpu_machine(memory, o.peak_tflops > 0 ? 0 : cpu_flops_all_cores(), ranks,
                             plan::cpu_model_name() + " (" + std::to_string(cores) + " cores)", cores);
       said = "this machine's CPU, its memory and cores shared by " + std::to_string(ranks) +
@@ -126,7 +126,8 @@ nlohmann::json candidate_json(const plan::Candidate& c) {
                                         {"bubble", t.bubble}, {"tensor_parallel", t.tensor_parallel},
                                         {"data_parallel", t.data_parallel}, {"pipeline", t.pipeline},
                                         {"expert_parallel", t.expert_parallel},
-                                        {"context_parallel", t.context_parallel}, {"offload", t.offload}}},
+                                        {"context_parallel", t.context_parallel}, {"offload", t.offload},
+                                        {"optimizer", t.optimizer}}},
                       {"tokens_per_second", t.tokens_per_second},
                       {"mfu", t.mfu},
                       {"traffic", traffic}};
@@ -215,9 +216,9 @@ void print_detail(const plan::Candidate& c, const plan::Machine& machine) {
                                 : ("does not fit: " + c.why_not).c_str());
   const plan::TimeBreakdown& t = c.time;
   std::printf("time per step %.3f s: compute %.3f (recompute %.3f), bubble %.3f, exposed tp %.3f, dp %.3f, pp %.3f, "
-              "ep %.3f, cp %.3f, offload %.3f -> %.0f tokens/s, MFU %.1f%%\n",
+              "ep %.3f, cp %.3f, offload %.3f, optimizer %.3f -> %.0f tokens/s, MFU %.1f%%\n",
               t.step(), t.compute, t.recompute, t.bubble, t.tensor_parallel, t.data_parallel, t.pipeline,
-              t.expert_parallel, t.context_parallel, t.offload, t.tokens_per_second, 100 * t.mfu);
+              t.expert_parallel, t.context_parallel, t.offload, t.optimizer, t.tokens_per_second, 100 * t.mfu);
   for (const auto& traffic : t.traffic) {
     std::printf("  %-4s %-44s %10s per step, %.4f s before overlap\n", traffic.group.c_str(), traffic.what.c_str(),
                 plan::format_bytes(traffic.bytes).c_str(), traffic.seconds);

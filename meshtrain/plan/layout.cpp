@@ -65,7 +65,8 @@ Machine Machine::from_json(const std::string& text) {
   auto read = [](const nlohmann::json& o, const std::string& key, double& field, bool zero_allowed,
                  const std::string& prefix = "") {
     if (!o.contains(key)) return;
-    const bool ok = o[key].is_number() && (o[key].get<double>() > 0 || (zero_allowed && o[key].get<double>() == 0));
+    const bool ok = o[key].is_number() && std::isfinite(o[key].get<double>()) &&
+                    (o[key].get<double>() > 0 || (zero_allowed && o[key].get<double>() == 0));
     if (!ok) {
       throw std::invalid_argument("machine profile field '" + prefix + key + "' must be a " +
                                   (zero_allowed ? "non-negative" : "positive") + " number");

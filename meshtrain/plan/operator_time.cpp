@@ -2,8 +2,11 @@
 
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/plan/memory_model.h"
+#include "meshtrain/parallel/attention_tiles.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 
 namespace meshtrain::plan {
 
@@ -49,11 +52,18 @@ Work attention(const model::GptConfig& model, const Shape& z, const OperatorRate
     w.backward = kernel(r, 1, 2 * half);
     return w;
   }
-  // Zigzag: a rank's two chunks of s/2·ring meet 2·ring+1 key chunks, two on the diagonal (causal, half).
-  const double chunk = z.s / (2 * z.ring), tiles = 2 * z.ring + 1, full = tile(chunk) * 2 * z.ring;
-  const double out_bytes = 4 * z.b * heads * chunk * d;  // fp32 partial output of one chunk
-  w.forward = kernel(r, tiles, full) + elementwise(r, 10 * (tiles - 2), 8 * out_bytes * (tiles - 2));  // merges
-  w.backward = kernel(r, tiles, 2 * full) + elementwise(r, 3 * tiles, 9 * out_bytes * tiles);  // dq, dk, dv sums
+  // Zigzag: a rank's two chunks of s/2·ring each meet 2·ring key chunks over the
+  // ring, causally 2·ring+1 pairs, and the ring splits chunks into segments of
+  // at most kTileRows (Note [Attention tiles]). A pair off the diagonal is
+  // n² tiles, one on it n(n+1)/2: its masked tiles are skipped, its diagonal
+  // ones cost a full tile (the kernel runs them with an additive mask).
+  const double chunk = z.s / (2 * z.ring), n = std::ceil(chunk / static_cast<double>(parallel::tiles::kTileRows));
+  const double tiles = (2 * z.ring - 1) * n * n + 2 * n * (n + 1) / 2, rows = chunk / n;
+  const double merges = tiles - 2 * n;  // every tile of a query segment but its first
+  const double out_bytes = 4 * z.b * heads * rows * d;  // one tile's fp32 partial output
+  // A merge is 17 calls, 7 passes of the output (two products and their sum), the rest over the log-sum-exp.
+  w.forward = kernel(r, tiles, tiles * tile(rows)) + elementwise(r, 17 * merges, 7 * out_bytes * merges);
+  w.backward = kernel(r, tiles, 2 * tiles * tile(rows)) + elementwise(r, 3 * tiles, 9 * out_bytes * tiles);  // dq, dk, dv sums
   return w;
 }
 
@@ -62,16 +72,18 @@ Work attention(const model::GptConfig& model, const Shape& z, const OperatorRate
 struct Passes {
   double calls = 0, bytes = 0;
 };
-Passes elementwise_forward(const model::GptConfig& model, bool moe, const Shape& z, double e) {
-  const double h = static_cast<double>(model.width);
+Passes elementwise_forward(const model::GptConfig& model, bool moe, const Shape& z, const Workload& w, double experts) {
+  const double h = static_cast<double>(model.width), e = w.precision.activation;
   const double rows_h = z.sp ? z.tokens / z.t : z.tokens;  // the norms' rows: split under sequence parallel
-  double hidden = static_cast<double>(model.mlp_hidden());
-  if (moe) {
-    hidden = static_cast<double>(model.expert_hidden()) * static_cast<double>(model.moe_top_k) +
-             static_cast<double>(model.moe_shared_hidden);
+  const double per_row = model.gated_mlp() ? 3 : 2;        // the activation's words in and out per hidden unit
+  double words = 2 * 4 * h * rows_h, calls = 2;            // two add-norms: x and the residual in, both out
+  if (!moe) {
+    words += per_row * static_cast<double>(model.mlp_hidden()) / z.t * z.tokens, calls += 1;
+  } else {  // once per local expert over its assignments, and the shared expert over every token
+    words += per_row * static_cast<double>(model.expert_hidden()) / z.t * assignments(model, z.tokens, w.moe_load);
+    calls += experts;
+    if (model.moe_shared_hidden > 0) words += 3 * static_cast<double>(model.moe_shared_hidden) / z.t * z.tokens, calls += 1;
   }
-  double words = 2 * 4 * h * rows_h + (model.gated_mlp() ? 3 : 2) * hidden / z.t * z.tokens;  // add-norms, activation
-  double calls = 3;
   if (!model.learned_positions()) {
     words += 2 * static_cast<double>(model.q_width() + model.kv_width()) / z.t * z.tokens;  // RoPE on q and k
     calls += 2;
@@ -96,7 +108,7 @@ Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const 
     if (!p.kept) unkept += product(r, calls, flops);
   }
   const Work core = attention(model, z, r);
-  const Passes passes = elementwise_forward(model, moe, z, w.precision.activation);
+  const Passes passes = elementwise_forward(model, moe, z, w, local_experts);
   work.forward += core.forward + elementwise(r, passes.calls, passes.bytes);
   work.backward += core.backward + elementwise(r, 2 * passes.calls, 1.5 * passes.bytes);
   switch (l.activation_checkpoint) {
@@ -116,7 +128,7 @@ Work head_work(const model::GptConfig& model, const Layout& l, const Workload& w
   const double h = static_cast<double>(model.width), vocab = static_cast<double>(model.vocab_size) / z.t;
   const double flops = 2 * z.tokens * h * vocab, rows_h = z.sp ? z.tokens / z.t : z.tokens;
   const double norm = elementwise(r, 1, w.precision.activation * 2 * h * rows_h);
-  // The softmax over the rank's logits (fp32): two passes forward, two backward.
+  // The softmax over the rank's logits (fp32): two passes and three calls each way.
   const double softmax = elementwise(r, 3, 4 * 2 * z.tokens * vocab);
   Work work;
   work.forward = product(r, 1, flops) + norm + softmax;
@@ -133,14 +145,16 @@ double optimizer_seconds(double parameters, const Workload& w, const OperatorRat
 
 Fit fit_rate(const std::vector<double>& work, const std::vector<double>& seconds) {
   // Minimise sum ((call + x·w - t) / t)^2 over call >= 0 and x = 1/rate: normal equations in (call, x).
+  if (work.size() != seconds.size() || work.empty()) throw std::invalid_argument("fit_rate: one time per work");
   double a = 0, b = 0, c = 0, u = 0, v = 0;
   for (size_t i = 0; i < work.size(); ++i) {
     const double p = 1 / seconds[i], q = work[i] / seconds[i];  // the weighted columns; the target is 1
     a += p * p, b += p * q, c += q * q, u += p, v += q;
   }
   const double det = a * c - b * b;
+  const bool solvable = std::abs(det) > 1e-12 * a * c;  // not a single work size
   Fit fit;
-  double call = det != 0 ? (u * c - b * v) / det : 0, x = det != 0 ? (a * v - b * u) / det : 0;
+  double call = solvable ? (u * c - b * v) / det : 0, x = solvable ? (a * v - b * u) / det : 0;
   if (call < 0 || x <= 0) call = 0, x = c > 0 ? v / c : 0;
   fit.call = call;
   fit.rate = x > 0 ? 1 / x : 0;

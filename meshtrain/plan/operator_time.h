@@ -32,10 +32,11 @@ struct Workload;
 // merges of partial outputs), and its elementwise passes (two fused
 // add-norms, the activation, RoPE; over [tokens/tp, h] under sequence
 // parallel). Backward: every product twice (input and weight gradients),
-// attention's backward, twice the elementwise bytes. The head: three
+// attention's backward, one and a half times the elementwise bytes in twice
+// the calls. The head: three
 // products over the vocabulary (a fourth where the loss makes the logits
 // again) and the softmax passes. The optimizer: AdamW's pass over the
-// rank's parameters (its shard under ZeRO). What none of these covers (the
+// rank's parameters (its shard under ZeRO), a term of its own. What none of these covers (the
 // autograd engine, views, gradient accumulation, launch gaps) is one factor,
 // `overhead`: the calibration's training run measured against this sum.
 // Without measured rates (the built-in GPU profiles), or measured in another

@@ -107,19 +107,21 @@ Work micro_batch_work(const StepInputs& in, double dense, double moe, std::optio
 void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemory>& ranks) {
   const model::GptConfig& model = in.model;
   const OperatorRates& rates = in.machine.operators;
-  double slowest = -1, slowest_update = 0;
+  double slowest = -1;
   Work per_step;
   for (const RankMemory& rank : ranks) {
     const double layers = static_cast<double>(rank.layers), moe_layers = static_cast<double>(rank.moe_layers);
     const bool last = rank.pipeline_rank == in.l.dims.pp - 1;
-    const Work w = micro_batch_work(in, layers - moe_layers, moe_layers, last ? std::optional<bool>(rank.loss_in_backward) : std::nullopt);
-    // AdamW over the rank's parameters, a shard of them under ZeRO.
-    const double update = measured_for(in) ? rates.overhead * optimizer_seconds(
+    const Work w = micro_batch_work(in, layers - moe_layers, moe_layers,
+                                    last ? std::optional<bool>(rank.loss_in_backward) : std::nullopt);
+    // AdamW over the rank's parameters, a shard of them under ZeRO; offloaded, on the host (add_pipeline_and_offload).
+    const double update = measured_for(in) && !in.l.offloaded() ? rates.overhead * optimizer_seconds(
         rank.parameter_count / static_cast<double>(in.l.dims.zero_stage > 0 ? in.l.shards() : 1), in.w, rates) : 0;
+    // The slowest rank by its whole step's work (without measured operators: its FLOPs, recompute included).
     const double seconds = in.m * (w.forward + w.backward) + update;
     if (seconds > slowest) {
-      slowest = seconds, slowest_update = update;
-      per_step = {in.m * w.forward + update, in.m * w.backward, in.m * w.recompute};
+      slowest = seconds, time.optimizer = update;
+      per_step = {in.m * w.forward, in.m * w.backward, in.m * w.recompute};
     }
     in.most_layers = std::max(in.most_layers, rank.layers);
     in.most_moe_layers = std::max(in.most_moe_layers, rank.moe_layers);
@@ -141,7 +143,9 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   std::vector<double> forward, backward;
   for (size_t k = 0, first = 0; k < blocks.size(); first += static_cast<size_t>(blocks[k]), ++k) {
     double moe_layers = 0;
-    for (size_t i = first; i < first + static_cast<size_t>(blocks[k]); ++i) moe_layers += model.is_moe_block(static_cast<int64_t>(i)) ? 1 : 0;
+    for (size_t i = first; i < first + static_cast<size_t>(blocks[k]); ++i) {
+      moe_layers += model.is_moe_block(static_cast<int64_t>(i)) ? 1 : 0;
+    }
     const bool last = k + 1 == blocks.size();
     const Work w = micro_batch_work(in, static_cast<double>(blocks[k]) - moe_layers, moe_layers,
                                     last ? std::optional<bool>(ranks.back().loss_in_backward) : std::nullopt);
@@ -151,7 +155,7 @@ void add_compute(TimeBreakdown& time, StepInputs& in, const std::vector<RankMemo
   const parallel::pipeline::Schedule schedule = parallel::pipeline::make_schedule(
       in.l.dims.schedule, static_cast<int>(in.l.dims.pp), static_cast<int>(in.l.dims.virtual_stages), static_cast<int>(in.m));
   // The walk includes the slowest stage's work, sped up while others wait.
-  const double walked = pipeline_makespan(schedule, forward, backward, cores) + slowest_update;
+  const double walked = pipeline_makespan(schedule, forward, backward, cores);
   if (walked >= time.compute) {
     time.bubble = walked - time.compute;
   } else {

@@ -49,6 +49,8 @@ namespace meshtrain::plan {
 //            Offload: gradients down and
 //            parameters up over the host link, and the host-side optimizer
 //            streaming its states.
+// optimizer  with measured operators, AdamW's pass over the slowest rank's
+//            parameters (its shard under ZeRO; offloaded, on the host above).
 // A group stays inside a node when its ranks do (the mesh is pp x dp x fsdp
 // x ep x cp x tp with tp innermost); otherwise it runs at the inter-node bandwidth.
 
@@ -69,12 +71,14 @@ struct TimeBreakdown {
   double expert_parallel = 0;
   double context_parallel = 0;
   double offload = 0;
+  double optimizer = 0;       // AdamW's pass over the rank's parameters, with measured operators (Note [Operator time])
   double tokens_per_second = 0;
   double mfu = 0;             // model FLOPs (no recompute) / (step x devices x peak)
   std::vector<Traffic> traffic;
 
   double step() const {
-    return compute + bubble + tensor_parallel + data_parallel + pipeline + expert_parallel + context_parallel + offload;
+    return compute + bubble + tensor_parallel + data_parallel + pipeline + expert_parallel + context_parallel + offload +
+           optimizer;
   }
 };
 

@@ -94,7 +94,7 @@ JSON
 "$meshtrain" plan --machine "$dir/operators.json" --model small --world 2 --precision bf16-mixed --layout "dp=2 mb=8" |
   grep -q "operators measured in fp32, not bf16-mixed: the step is its FLOPs at peak x MFU"
 # This machine's cores are those the process may run on: its affinity mask (and a cgroup's quota).
-if [ "$(nproc)" -ge 2 ]; then
+if command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ]; then
   taskset -c 0 "$meshtrain" plan --model small --world 2 --top 1 | grep -q "(1 cores)" ||
     { echo "plan counts CPUs outside the process's affinity mask"; exit 1; }
 fi

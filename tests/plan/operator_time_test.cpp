@@ -76,9 +76,12 @@ TEST(PlanOperatorTime, ABlockUnderTensorParallelByHand) {
 }
 
 // cp = 2 (a ring, zigzag): 32 rows, 4 heads; the rank's two chunks of 8
-// meet 5 key chunks (two diagonal, half): 4 full 8 x 8 tiles of work in 5
-// calls, 3 merges of 10 calls over 8 passes of a chunk's fp32 output, and in
-// the backward 3 sums of 3 chunk-sized gradients per tile.
+// meet 5 key chunks, the two diagonal ones with a mask at a full tile's cost:
+// 5 full 8 x 8 tiles in 5 calls, 3 merges of 17 calls over 7 passes of a
+// chunk's fp32 output, and in the backward 3 sums of 3 chunk-sized gradients
+// per tile. At 4096 rows a chunk is 1024, two segments of 512 (the ring's
+// tile limit): 3 pairs off the diagonal of 4 tiles and 2 on it of 3, 18
+// tiles, 14 merges.
 TEST(PlanOperatorTime, ARingsTilesAndMergesByHand) {
   OperatorRates r = rates();
   r.matmul_flops = 1e30, r.matmul_call = 0;  // products free: the attention and the passes alone
@@ -86,12 +89,20 @@ TEST(PlanOperatorTime, ARingsTilesAndMergesByHand) {
   const double tile = 4.0 * 2 * 4 * 8 * 8 * 16, out = 4.0 * 2 * 4 * 8 * 16;
   const double passes = 4.0 * (2 * 4 * 64 * 32 + 2 * 256 * 32);
   const Work w = block_work(tiny(), false, l, fp32(), r);
-  EXPECT_NEAR(w.forward, 5 * 2e-5 + 4 * tile / 5e8 + 30 * 1e-6 + 3 * 8 * out / 1e9 + 3 * 1e-6 + passes / 1e9, 1e-12);
+  EXPECT_NEAR(w.forward, 5 * 2e-5 + 5 * tile / 5e8 + 51 * 1e-6 + 3 * 7 * out / 1e9 + 3 * 1e-6 + passes / 1e9, 1e-12);
   EXPECT_NEAR(w.backward,
-              5 * 2e-5 + 8 * tile / 5e8 + 15 * 1e-6 + 5 * 9 * out / 1e9 + 6 * 1e-6 + 1.5 * passes / 1e9, 1e-12);
+              5 * 2e-5 + 10 * tile / 5e8 + 15 * 1e-6 + 5 * 9 * out / 1e9 + 6 * 1e-6 + 1.5 * passes / 1e9, 1e-12);
+  // The long sequence, elementwise free: the kernel's calls and work alone.
+  r.elementwise_bytes = 1e30, r.elementwise_call = 0;
+  model::GptConfig long_context = tiny();
+  long_context.context = 4096;
+  const Work big = block_work(long_context, false, Layout::parse("cp=2 mb=1"), fp32(), r);
+  const double segment_tile = 4.0 * 1 * 4 * 512 * 512 * 16;
+  EXPECT_NEAR(big.forward, 18 * 2e-5 + 18 * segment_tile / 5e8, 1e-9);
+  EXPECT_NEAR(big.backward, 18 * 2e-5 + 36 * segment_tile / 5e8, 1e-9);
 }
 
-// The step: every rank's micro-batches through its blocks and the head, then
+// The step: every rank's micro-batches through its blocks and the head, and
 // AdamW over its parameters (a quarter under ZeRO over 4), times the overhead.
 TEST(PlanOperatorTime, AStepIsItsOperatorsTimesTheOverhead) {
   Machine machine;
@@ -108,8 +119,9 @@ TEST(PlanOperatorTime, AStepIsItsOperatorsTimesTheOverhead) {
     const double shards = l.dims.zero_stage > 0 ? 4 : 1;
     const double update = optimizer_seconds(c.ranks[0].parameter_count / shards, w, machine.operators);
     EXPECT_NEAR(update, c.ranks[0].parameter_count / shards * 32 / 1e9, 1e-15) << "28 bytes of AdamW, 4 of the norm's read";
-    const double expected = 1.5 * (2 * (2 * (block.forward + block.backward) + head.forward + head.backward) + update);
+    const double expected = 1.5 * 2 * (2 * (block.forward + block.backward) + head.forward + head.backward);
     EXPECT_NEAR(c.time.compute, expected, 1e-12 * expected) << layout;
+    EXPECT_NEAR(c.time.optimizer, 1.5 * update, 1e-15) << layout;
   }
   // Measured in another precision: the FLOPs at peak x MFU, as without a measurement.
   machine.operators.precision = "bf16-mixed";

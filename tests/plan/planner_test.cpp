@@ -247,6 +247,21 @@ TEST(PlanTime, BubbleAndComputeFollowTheirFormulas) {
   EXPECT_NEAR(c.time.compute, 32 * last / (machine.peak_flops * machine.mfu), 1e-9 * c.time.compute);
 }
 
+// Sequence parallel turns each tensor-parallel all-reduce into an all-gather
+// and a reduce-scatter, the same bytes in two blocking collectives: twice the
+// machine's sync. 16 micro-batches x (32 layers x 4 + the embedding's and head's 2).
+TEST(PlanTime, SequenceParallelSyncsTwicePerCollective) {
+  const model::GptConfig m = model::GptConfig::preset("llama2-7b");
+  Workload w;
+  w.global_batch = 64;
+  Machine machine;
+  machine.sync = 1e-3;
+  const Candidate plain = evaluate(m, w, Layout::parse("tp=2 dp=4 mb=1"), machine);
+  const Candidate sp = evaluate(m, w, Layout::parse("tp=2 sp dp=4 mb=1"), machine);
+  ASSERT_EQ(plain.microbatches, 16);
+  EXPECT_NEAR(sp.time.tensor_parallel - plain.time.tensor_parallel, 16 * (32 * 4 + 2) * 1e-3, 1e-9);
+}
+
 // Note [Shared cores], by hand. On devices of their own a pipeline takes
 // (m + p - 1)(F + B), as the schedule's own walk says. Two pipelines of two
 // stages (4 ranks) on 2 cores, one micro-batch: a lone busy stage stands for
