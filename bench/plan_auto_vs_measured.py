@@ -17,7 +17,7 @@ import sys
 import tempfile
 import tomllib
 
-from plan_vs_measured import MESHTRAIN, LAYOUTS, calibrate, config_file, last_json, picked, run
+from plan_vs_measured import MESHTRAIN, LAYOUTS, calibrate, config_file, last_json, run
 
 MODELS = {
     "gpt2-style small": {"model.preset": "small", "model.heads": "8"},
@@ -46,10 +46,11 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--models", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--models", default="", help="comma-separated starts of names, e.g. moe (default: all)")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    names = picked(args.models, MODELS)
+    # Names start the models' keys ("moe" for "moe (4 experts, top 2)": a key may hold a comma).
+    names = [m for m in MODELS if not args.models or any(m.startswith(p.strip()) for p in args.models.split(",") if p.strip())]
     with tempfile.TemporaryDirectory() as work:
         profile = calibrate(work, env)
         summary = []
