@@ -109,6 +109,18 @@ inline bool op_level_recompute(const Layout& l, const Workload& w) {
   return l.activation_checkpoint == parallel::CheckpointMode::kSelective && w.selective == SelectivePolicy::kOps;
 }
 
+// Of cp's ranks, how many exchange heads by all-to-all: cp (all_to_all), the
+// hybrid group (its ring over cp / that), or 1 (the ring alone, or no cp).
+inline int64_t all_to_all_group(const model::GptConfig& model, const Layout& l) {
+  if (l.dims.cp == 1) return 1;
+  switch (l.dims.cp_impl) {
+    case mesh::ContextParallelImpl::kAllToAll: return l.dims.cp;
+    case mesh::ContextParallelImpl::kHybrid: return l.dims.a2a_group(parallel::model_dims(model));
+    case mesh::ContextParallelImpl::kRing: break;
+  }
+  return 1;
+}
+
 // (token, expert) assignments one MoE layer computes for `tokens` tokens:
 // tokens x top_k x `load`, or with load 0 (a balanced router) x min(1, cf).
 double assignments(const model::GptConfig& model, double tokens, double load = 0);

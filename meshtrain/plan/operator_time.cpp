@@ -25,10 +25,7 @@ Shape shape_of(const model::GptConfig& model, const Layout& l) {
   z.s = static_cast<double>(model.context);
   z.t = static_cast<double>(l.dims.tp);
   z.cp = static_cast<double>(l.dims.cp);
-  const int64_t a2a = l.dims.cp_impl == mesh::ContextParallelImpl::kAllToAll ? l.dims.cp
-                      : l.dims.cp_impl == mesh::ContextParallelImpl::kHybrid ? l.dims.a2a_group(parallel::model_dims(model))
-                                                                             : 1;
-  z.a2a = static_cast<double>(l.dims.cp > 1 ? a2a : 1);
+  z.a2a = static_cast<double>(all_to_all_group(model, l));
   z.ring = z.cp / z.a2a;
   z.sp = l.dims.sequence_parallel;
   z.tokens = z.b * z.s / z.cp;

@@ -266,9 +266,7 @@ void add_context_parallel(TimeBreakdown& time, const StepInputs& in) {
   const double qw = static_cast<double>(model.q_width()) / in.t, kv = static_cast<double>(model.kv_width()) / in.t;
   const double forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
   const double layers = in.m * static_cast<double>(in.most_layers);
-  const int64_t a2a = l.dims.cp_impl == mesh::ContextParallelImpl::kAllToAll ? l.dims.cp
-                      : l.dims.cp_impl == mesh::ContextParallelImpl::kHybrid ? l.dims.a2a_group(parallel::model_dims(model))
-                                                                             : 1;
+  const int64_t a2a = all_to_all_group(model, l);
   const double ring = static_cast<double>(l.dims.cp / a2a);
   double exposed = 0, bytes = 0;
   if (a2a > 1) {  // q, k, v there and the output back, forward and backward
