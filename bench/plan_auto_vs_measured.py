@@ -1,7 +1,8 @@
 """`meshtrain plan --auto` against the measured fastest layout: for three
 models (GPT-2 style `small`, a Llama-style model, a mixture of experts) on 4
 ranks, the machine is calibrated (`plan --calibrate`), `plan --auto` writes its
-choice, and that choice and every layout of a fixed list (data parallel,
+choice (for the MoE given the router's load from 5 steps of training with
+expert parallel, `--moe-load metrics.jsonl`), and that choice and every layout of a fixed list (data parallel,
 ZeRO-1/2/3, tp ± sp, pipelines, tp x pp, cp, and ep for the MoE) are trained
 with `bench train` in turn, `--repeats` times; the table gives each model's
 measured fastest layout and how far the choice is from it (target: within 10%).
@@ -61,7 +62,13 @@ def main():
                                           "checkpoint.every": "0"})
             source = config_file(work, "source", base)
             auto = os.path.join(work, "auto.toml")
-            run([MESHTRAIN, "plan", "--model", source, "--world", "4", "--machine", profile, "--auto", auto], env)
+            load = []
+            if "moe" in model:  # the router's load, as training reports it: a short run with expert parallel first
+                out = os.path.join(work, "load-run")
+                run([MESHTRAIN, "run", "-n", "4", "train", source, "--parallel.ep=2", f"--training.steps={args.steps + 1}",
+                     f"--run.out={out}"], env)
+                load = ["--moe-load", os.path.join(out, "metrics.jsonl")]
+            run([MESHTRAIN, "plan", "--model", source, "--world", "4", "--machine", profile, "--auto", auto] + load, env)
             chosen = next(line for line in open(auto) if line.startswith("# chosen: "))[len("# chosen: "):].split(":")[0]
             layouts = dict(LAYOUTS, **(MOE_LAYOUTS if "moe" in model else {}))
             candidates = {f"{name} mb={args.micro_batch}": dict(base, **keys) for name, keys in layouts.items()}

@@ -253,7 +253,7 @@ struct PlanOptions {
   std::string attention;            // "flash" | "math" | "batched"
   std::string selective = "core";   // what recompute=selective keeps: "core" (the trainer's) | "ops" (op-level)
   std::string loss;                 // "chunked" | "whole" (default: the model's model.chunked_loss)
-  double moe_load = 0;              // mixture of experts: the busiest rank's expert load (0: balanced)
+  std::string moe_load;             // mixture of experts: the busiest rank's expert load, or a metrics.jsonl ("": balanced)
   bool json = false;
   int top = 10;
   std::string machine = "this";     // this machine, a preset (h100, h200, a100) or a profile file (Note [This machine])

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <algorithm>
 #include <optional>
@@ -47,6 +48,52 @@ double cpu_flops_all_cores() {
   }
   const double cores = util::process_cores();
   return 2.0 * n * n * n / best / at::get_num_threads() * cores;
+}
+
+// --moe-load: a number, or a training run's metrics.jsonl whose steps report
+// per MoE layer rank_load and the share dropped at capacity. Each is the mean
+// over layers (every layer's all-to-alls wait for its busiest rank), then the
+// median over the steps after the first. `kept`: 1 - dropped (0 for a number).
+struct MoeLoad {
+  double load = 0, kept = 0;
+};
+MoeLoad moe_load_of(const std::string& value) {
+  if (value.empty()) return {};
+  if (!std::filesystem::is_regular_file(value)) {
+    size_t used = 0;
+    double load = -1;
+    try {
+      load = std::stod(value, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != value.size() || !(load >= 0) || load > 1e6) {
+      throw std::invalid_argument("--moe-load " + value + ": give a load (e.g. 1.2) or a training run's metrics.jsonl");
+    }
+    return {load, 0};
+  }
+  std::vector<double> loads, kept;
+  std::ifstream in(value);
+  for (std::string text; std::getline(in, text);) {
+    const nlohmann::json line = nlohmann::json::parse(text, nullptr, false);
+    if (!line.is_object() || !line.contains("step") || !line.contains("moe") || !line["moe"].is_array()) continue;
+    double load = 0, dropped = 0, layers = 0;
+    for (const nlohmann::json& layer : line["moe"]) {
+      if (!layer.is_object() || !layer.contains("rank_load") || !layer["rank_load"].is_number()) continue;
+      load += layer["rank_load"].get<double>(), ++layers;
+      if (layer.contains("dropped") && layer["dropped"].is_number()) dropped += layer["dropped"].get<double>();
+    }
+    if (layers > 0 && load > 0) loads.push_back(load / layers), kept.push_back(1 - dropped / layers);
+  }
+  if (loads.empty()) {
+    throw std::invalid_argument("--moe-load " + value + ": no step in it reports the MoE layers' rank_load; train the "
+                                "MoE model with expert parallel (parallel.ep > 1) for a few steps and pass its metrics.jsonl");
+  }
+  auto median_after_first = [](std::vector<double> v) {  // the first step's router is the least trained
+    if (v.size() > 1) v.erase(v.begin());
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  return {median_after_first(loads), std::clamp(median_after_first(kept), 1e-3, 1.0)};
 }
 
 // The profile a plan is for (Note [This machine]): "this" (the default), a preset or a file; then the flags over it.
@@ -155,7 +202,8 @@ void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::W
   }
   if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
-  if (o.moe_load > 0) workload.moe_load = o.moe_load;
+  const MoeLoad moe = moe_load_of(o.moe_load);
+  if (moe.load > 0) workload.moe_load = moe.load, workload.moe_kept = moe.kept;
 }
 
 // `said`: what the profile is (this machine, a preset), and which of its figures are assumed.
@@ -168,6 +216,11 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str(),
               w.chunked_loss ? "chunked" : "whole-logits",
               w.selective == plan::SelectivePolicy::kOps ? ", selective recompute op-level" : "");
+  if (model.moe() && w.moe_load > 0) {
+    std::printf("experts  the busiest rank under expert parallel computes %.2f x tokens x top_k per layer", w.moe_load);
+    if (w.moe_kept > 0) std::printf(", a rank without it %.2f (the rest dropped at capacity)", w.moe_kept);
+    std::printf(" (--moe-load)\n");
+  }
   std::printf("machine  %s: %.3g TFLOP/s peak x MFU %.2f, %.3g GB/s in a node, %.3g GB/s across, %.0f us latency%s\n",
               m.name.c_str(), m.peak_flops / 1e12, m.mfu, m.intra_bandwidth / 1e9, m.inter_bandwidth / 1e9, m.latency * 1e6,
               said.empty() ? "" : (" (" + said + ")").c_str());
@@ -377,9 +430,9 @@ PlanCommand::PlanCommand(CLI::App& app) {
                 "cross_entropy keeps them; --auto writes model.chunked_loss = false) (default: the model's)")
       ->check(CLI::IsMember({"chunked", "whole"}));
   p->add_option("--moe-load", o_.moe_load,
-                "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k (training "
-                "reports it as rank_load; default: a balanced router)")
-      ->check(CLI::NonNegativeNumber);
+                "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k under expert "
+                "parallel, or a training run's metrics.jsonl, which reports it as rank_load (its median step is "
+                "taken); ep = 1 layouts compute only their own tokens' assignments (default: a balanced router)");
   p->add_option("--top", o_.top, "Rows of the ranked table")->capture_default_str();
   p->add_flag("--json", o_.json, "Print JSON instead of tables");
   p->add_option("--machine", o_.machine,

@@ -71,10 +71,13 @@ struct Workload {
   double dropout = 0;
   SelectivePolicy selective = SelectivePolicy::kCore;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one
-  // Mixture of experts: assignments the busiest rank computes per MoE layer,
-  // as a multiple of tokens x top_k (training reports it as rank_load). 0: a
-  // balanced router, capacity cutting it to cf when cf < 1.
-  double moe_load = 0;
+  // Mixture of experts: assignments the busiest rank computes per MoE layer
+  // under expert parallel, as a multiple of tokens x top_k (training reports
+  // it as rank_load). 0: a balanced router, capacity cutting it to cf when
+  // cf < 1. `moe_kept`: the share of assignments capacity keeps (training's
+  // 1 - dropped), what a rank without expert parallel computes of its own; 0:
+  // as the load says (rank_moe_load).
+  double moe_load = 0, moe_kept = 0;
   // LoRA (rank > 0): the model frozen, adapters beside it; only they take
   // gradients and optimizer states.
   model::LoraConfig lora;

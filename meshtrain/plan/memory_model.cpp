@@ -258,6 +258,14 @@ double assignments(const model::GptConfig& model, double tokens, double load) {
   return tokens * k * (cf > 0 ? std::min(1.0, cf) : 1.0);
 }
 
+double rank_moe_load(const model::GptConfig& model, const Workload& w, int64_t ep) {
+  if (ep > 1) return w.moe_load;
+  if (w.moe_kept > 0) return w.moe_kept;
+  if (w.moe_load <= 0) return 0;
+  const double cf = model.moe_capacity_factor;
+  return std::min(w.moe_load, cf > 0 ? std::min(1.0, cf) : 1.0);
+}
+
 void check_layout(const model::GptConfig& model, const Layout& l, int64_t microbatches) {
   // The trainer's rules (Note [Parallel spec]), on a copy: the degrees are explicit already.
   Layout checked = l;
@@ -372,7 +380,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
                                  bool loss_in_backward) {
   const Precision& p = w.precision;
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
-                            l.activation_checkpoint, w.attention, w.dropout, p, w.moe_load};
+                            l.activation_checkpoint, w.attention, w.dropout, p, rank_moe_load(model, w, l.dims.ep)};
   StepActivations a;
   options.selective = w.selective;
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
@@ -545,7 +553,7 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
                         step_activations(model, w, l, z, loss_in_backward),
                         chunks_of(model, l),
                         layer_backward_workspace(model, z, w.precision, false, 1, 0),
-                        model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, w.moe_load) : 0.0};
+                        model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, rank_moe_load(model, w, l.dims.ep)) : 0.0};
   const RankParameters& r = terms.r;
   const Chunks& c = terms.c;
   const int64_t chunks = static_cast<int64_t>(c.blocks.size());

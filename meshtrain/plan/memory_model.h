@@ -125,6 +125,12 @@ inline int64_t all_to_all_group(const model::GptConfig& model, const Layout& l) 
 // tokens x top_k x `load`, or with load 0 (a balanced router) x min(1, cf).
 double assignments(const model::GptConfig& model, double tokens, double load = 0);
 
+// The load a rank computes at expert parallel degree `ep`: `w.moe_load` where
+// ep > 1; at ep = 1 a rank computes only what capacity keeps of its own
+// tokens' assignments: `w.moe_kept` where known, else the load but at most
+// the balanced count (min(1, cf)). 0 stays 0 (a balanced router).
+double rank_moe_load(const model::GptConfig& model, const Workload& w, int64_t ep);
+
 // Bytes one transformer layer keeps for its backward, per micro-batch
 // (`moe`: a mixture-of-experts block, with its expert parallel degree `ep`).
 double layer_activation_bytes(const model::GptConfig& model, const ActivationOptions& options, bool moe = false,

@@ -69,7 +69,8 @@ Work attention(const model::GptConfig& model, const Shape& z, const OperatorRate
 struct Passes {
   double calls = 0, bytes = 0;
 };
-Passes elementwise_forward(const model::GptConfig& model, bool moe, const Shape& z, const Workload& w, double experts) {
+Passes elementwise_forward(const model::GptConfig& model, bool moe, const Shape& z, const Workload& w, int64_t ep,
+                          double experts) {
   const double h = static_cast<double>(model.width), e = w.precision.activation;
   const double rows_h = z.sp ? z.tokens / z.t : z.tokens;  // the norms' rows: split under sequence parallel
   const double per_row = model.gated_mlp() ? 3 : 2;        // the activation's words in and out per hidden unit
@@ -77,7 +78,7 @@ Passes elementwise_forward(const model::GptConfig& model, bool moe, const Shape&
   if (!moe) {
     words += per_row * static_cast<double>(model.mlp_hidden()) / z.t * z.tokens, calls += 1;
   } else {  // once per local expert over its assignments, and the shared expert over every token
-    words += per_row * static_cast<double>(model.expert_hidden()) / z.t * assignments(model, z.tokens, w.moe_load);
+    words += per_row * static_cast<double>(model.expert_hidden()) / z.t * assignments(model, z.tokens, rank_moe_load(model, w, ep));
     calls += experts;
     if (model.moe_shared_hidden > 0) words += 3 * static_cast<double>(model.moe_shared_hidden) / z.t * z.tokens, calls += 1;
   }
@@ -97,7 +98,7 @@ Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const 
   double unkept = 0;  // op-level recompute: the forward of the products it does not keep
   for (const BlockProduct& p : op_level_products(model, moe)) {
     double rows = z.tokens, calls = 1, k = p.in, n = p.out;
-    if (p.expert) rows = assignments(model, z.tokens, w.moe_load), calls = local_experts;
+    if (p.expert) rows = assignments(model, z.tokens, rank_moe_load(model, w, l.dims.ep)), calls = local_experts;
     if (!p.router) (p.row_parallel ? k : n) /= z.t;
     const double flops = 2 * rows * k * n;
     work.forward += product(r, calls, flops);
@@ -105,7 +106,7 @@ Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const 
     if (!p.kept) unkept += product(r, calls, flops);
   }
   const Work core = attention(model, z, r);
-  const Passes passes = elementwise_forward(model, moe, z, w, local_experts);
+  const Passes passes = elementwise_forward(model, moe, z, w, l.dims.ep, local_experts);
   work.forward += core.forward + elementwise(r, passes.calls, passes.bytes);
   work.backward += core.backward + elementwise(r, 2 * passes.calls, 1.5 * passes.bytes);
   switch (l.activation_checkpoint) {

@@ -64,6 +64,17 @@ plan = json.load(open(sys.argv[1]))
 assert plan["active_parameters"] < plan["parameters"] / 3, plan
 assert any("ep=" in c["layout"] for c in plan["best"]), [c["layout"] for c in plan["best"]]
 PY
+# The router's load from a training run's metrics: per step the mean over layers, then the median past step 1.
+cat > "$dir/metrics.jsonl" <<'JSONL'
+{"step": 1, "loss": 5.0, "moe": [{"block": 1, "rank_load": 2.0, "dropped": 0.5}]}
+{"step": 2, "loss": 4.0, "moe": [{"block": 1, "rank_load": 1.1, "dropped": 0.1}, {"block": 3, "rank_load": 1.3, "dropped": 0.3}]}
+{"step": 3, "loss": 3.9, "moe": [{"block": 1, "rank_load": 1.4, "dropped": 0.3}, {"block": 3, "rank_load": 1.4, "dropped": 0.3}]}
+{"event": "eval", "val_loss": 3.8}
+{"step": 4, "loss": 3.8, "moe": [{"block": 1, "rank_load": 1.0, "dropped": 0.1}, {"block": 3, "rank_load": 1.2, "dropped": 0.1}]}
+JSONL
+"$meshtrain" plan --model mixtral-8x7b --world 64 --moe-load "$dir/metrics.jsonl" > "$dir/moe-load.txt"
+grep -q "experts  the busiest rank under expert parallel computes 1.20 x tokens x top_k per layer, a rank without it 0.80" \
+  "$dir/moe-load.txt" || { cat "$dir/moe-load.txt"; exit 1; }
 cat > "$dir/run.toml" <<'TOML'
 [model]
 preset = "tiny"
@@ -139,6 +150,9 @@ expect_error "tp(3) does not divide the attention heads (32)" --model llama2-7b 
 expect_error "layout key 'tq' unknown" --model llama2-7b --world 8 --layout tq=8
 expect_error "--selective ops models op-level recompute, which train does not run" --model small --world 2 \
   --selective ops --auto "$dir/ops.toml"
+expect_error "--moe-load 1.2x: give a load (e.g. 1.2) or a training run's metrics.jsonl" --model mixtral-8x7b --world 64 \
+  --moe-load 1.2x
+expect_error "no step in it reports the MoE layers' rank_load" --model mixtral-8x7b --world 64 --moe-load "$dir/run.toml"
 expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples
 expect_error "machine 'h300' unknown: use this, h100, h200, a100 or a profile file" --model small --world 2 --machine h300
 echo '{"mfu": "high"}' > "$dir/bad-machine.json"

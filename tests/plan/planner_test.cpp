@@ -459,9 +459,20 @@ TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
   EXPECT_NEAR(all_to_all, microbatches * layers * 4 * (4096.0 * 2 * 4096 * 2) * 7 / 8, 1);
   EXPECT_GT(split.time.expert_parallel, 0);
   EXPECT_EQ(replicated.time.expert_parallel, 0);
-  // A heavier load on the busiest rank costs activation memory.
+  // A heavier load on the busiest rank costs activation memory under expert
+  // parallel. Without it a rank computes its own tokens' assignments only: the
+  // load cannot raise them, and the share capacity keeps lowers them.
   w.moe_load = 1.5;
   EXPECT_GT(evaluate(m, w, ep, machine).worst.memory.activations, split.worst.memory.activations);
+  EXPECT_EQ(evaluate(m, w, dense, machine).worst.memory.activations, replicated.worst.memory.activations);
+  EXPECT_EQ(rank_moe_load(m, w, 8), 1.5);
+  EXPECT_EQ(rank_moe_load(m, w, 1), 1.0);  // min(load, min(1, cf = 1.25))
+  w.moe_kept = 0.75;
+  EXPECT_EQ(rank_moe_load(m, w, 1), 0.75);
+  EXPECT_EQ(rank_moe_load(m, w, 8), 1.5);
+  EXPECT_LT(evaluate(m, w, dense, machine).worst.memory.activations, replicated.worst.memory.activations);
+  w.moe_load = 0.5, w.moe_kept = 0;
+  EXPECT_EQ(rank_moe_load(m, w, 1), 0.5);  // a measured load below balance stands
   // The rules: ep divides the experts; ep with ZeRO or tp is refused.
   EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("ep=3"), 1); }).find("does not divide model.moe_experts (8)"),
             std::string::npos);
