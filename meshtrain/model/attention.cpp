@@ -94,11 +94,12 @@ at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& s
   if ((spec.softcap > 0 && !capped_fused) || (!fused && !spec.plain())) {
     return variant_attention(q, heads.k, heads.v, spec, training);
   }
+  // Grouped queries: the fused kernel takes k and v as they are (Note [Grouped queries]).
+  if (fused) return fused::attention(q, heads.k, heads.v, p, /*causal=*/true, spec.window, spec.scale, spec.softcap);
   const int64_t times = q.size(1) / heads.k.size(1);
   const at::Tensor k = times > 1 ? heads.k.repeat_interleave(times, 1) : heads.k;
   const at::Tensor v = times > 1 ? heads.v.repeat_interleave(times, 1) : heads.v;
-  return fused ? fused::attention(q, k, v, p, /*causal=*/true, spec.window, spec.scale, spec.softcap)
-               : at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, p, /*is_causal=*/true);
 }
 
 }  // namespace meshtrain::model

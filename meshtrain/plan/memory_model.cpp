@@ -232,10 +232,11 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   bytes += e * z.split(z.u * qw / h);                        // attention output = output projection's input
   const double scores = heads * s * z.tokens;                // a·s²·b
   if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective && o.cp == 1) {
-    // Contiguous q, k, v over every head (k, v repeated), and the causal
-    // softmax's blocks; the qkv projection's output is not kept (Note [CPU attention]).
+    // Contiguous q, k, v (k and v over their own heads: Note [Grouped
+    // queries]), and the causal softmax's blocks; the qkv projection's output
+    // is not kept (Note [CPU attention]).
     const double kept = static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true)) / (s * s);
-    return bytes + 3 * e * z.split(z.u * qw / h) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
+    return bytes + e * z.split(z.u * (qw + 2 * kv) / h) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
   }
   bytes += e * z.split(z.u * (qw + 2 * kv) / h);             // q, k, v
   if (!model.learned_positions()) bytes += e * z.split(z.u * (qw + kv) / h);  // rotated q and k

@@ -278,6 +278,48 @@ TEST(FusedOps, SoftCappedAttentionMatchesTheReference) {
   }
 }
 
+// Grouped queries (Note [Grouped queries]): k and v of 2 heads serving 6
+// query heads, as they are, against ATen's attention on k and v repeated;
+// causal (split even and odd), full with fewer queries than keys, a sliding
+// window and a soft-cap; every gradient, k's and v's summed over their group.
+TEST(FusedOps, GroupedQueryAttentionMatchesTheRepeatedReference) {
+  struct Case {
+    int64_t q_len, k_len, window;
+    bool causal;
+    double softcap;
+  };
+  for (const Case c : {Case{40, 40, 0, true, 0}, Case{41, 41, 0, true, 0}, Case{17, 40, 0, false, 0},
+                       Case{40, 40, 16, true, 0}, Case{41, 41, 16, true, 3.0}}) {
+    SCOPED_TRACE("q_len " + std::to_string(c.q_len) + " k_len " + std::to_string(c.k_len) + " window " +
+                 std::to_string(c.window) + (c.causal ? " causal" : " full") + " softcap " + std::to_string(c.softcap));
+    const std::vector<at::Tensor> in = {randn({2, 6, c.q_len, 16}, 40, 2.0), randn({2, 2, c.k_len, 16}, 41, 2.0),
+                                        randn({2, 2, c.k_len, 16}, 42)};
+    AttentionSpec spec;
+    spec.causal = c.causal;
+    spec.window = c.window;
+    spec.softcap = c.softcap;
+    spec.scale = 0.3;
+    const Op reference = [spec](auto& x) {
+      return variant_attention(x[0], x[1].repeat_interleave(3, 1), x[2].repeat_interleave(3, 1), spec, false);
+    };
+    const Op ours = [c](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, c.causal, c.window, 0.3, c.softcap); };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "grouped-query attention");
+    }
+  }
+  // Beyond the batched path's reach (keys > 4 x head size): ATen's kernel on k and v repeated.
+  const std::vector<at::Tensor> wide = {randn({1, 4, 80, 8}, 43), randn({1, 2, 80, 8}, 44), randn({1, 2, 80, 8}, 45)};
+  const Op wide_reference = [](auto& x) {
+    return at::scaled_dot_product_attention(x[0], x[1].repeat_interleave(2, 1), x[2].repeat_interleave(2, 1), {}, 0.0,
+                                            true);
+  };
+  const Op wide_ours = [](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, true); };
+  expect_same(wide_ours, wide_reference, wide, at::kFloat, kFp32, "grouped-query attention through ATen");
+  EXPECT_THROW(fused::attention(wide[0], wide[1].narrow(1, 0, 1).repeat({1, 3, 1, 1}), wide[2].repeat({1, 3, 1, 1}), 0.0,
+                                true),
+               c10::Error);
+}
+
 // What the batched attention keeps (Note [CPU attention]): the causal
 // softmax's two blocks, [B·H, 32, 32] and [B·H, 32, 64] of T = 64, besides its
 // output; contiguous q, k, v are kept as views.
@@ -295,6 +337,14 @@ TEST(FusedOps, BatchedAttentionKeepsItsSoftmaxAndNothingMore) {
     const int64_t kept = memory::current_bytes() - before;
     const int64_t size = c10::elementSize(dtype);
     EXPECT_EQ(kept, 2 * 3 * (32 * 32 + 32 * 64) * size + y.numel() * size) << "softmax blocks and output";
+    // Grouped queries (6 query heads on 2 key/value heads): q in the split's
+    // order besides, no repeated k or v (Note [Grouped queries]).
+    std::vector<at::Tensor> grouped =
+        leaves({randn({2, 6, 64, 16}, 33), randn({2, 2, 64, 16}, 34), randn({2, 2, 64, 16}, 35)}, dtype);
+    const int64_t start = memory::current_bytes();
+    const at::Tensor yg = fused::attention(grouped[0], grouped[1], grouped[2], 0.0, true);
+    EXPECT_EQ(memory::current_bytes() - start, 2 * 6 * (32 * 32 + 32 * 64) * size + 2 * yg.numel() * size)
+        << "softmax blocks, q's halves and output";
   }
 }
 

@@ -22,7 +22,7 @@ class PlanMemory : public TrainingTest {
   // this rank's predicted peak in the second, steady-state step (the first
   // allocates gradients and optimizer states) against the measured one
   // (printed per rank).
-  // `llama`: RMSNorm, RoPE, SwiGLU, untied head, no biases.
+  // `llama`: RMSNorm, RoPE, SwiGLU, untied head, no biases, 2 key/value heads.
   double relative_error_of(const Overrides& layout, int64_t width, bool llama = false) {
     const int n = world()->size();
     TrainConfig c = config(n, 1, "", layout);
@@ -35,6 +35,7 @@ class PlanMemory : public TrainingTest {
       c.model.position = model::PositionStyle::kRope;
       c.model.mlp = model::MlpStyle::kSwiglu;
       c.model.tie_embeddings = c.model.bias = false;
+      c.model.kv_heads = 2;  // grouped queries: k and v not repeated (Note [Grouped queries])
     }
     c.batch = (c.parallel.dims.pp > 1 ? 16 : 8) * c.data_ranks();  // pipelines: 4 micro-batches
     c.validate(n);

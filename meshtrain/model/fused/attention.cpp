@@ -67,19 +67,26 @@ at::Tensor batched(const at::Tensor& x, at::ScalarType type) {
   return x.to(type).reshape({x.size(0) * x.size(1), x.size(2), x.size(3)});
 }
 
-// What the softmax passes of a block compute beside the product.
+// Rows `from`..`from + n` of every query head of a group, [B·Hkv, G, T, d], as
+// the rows of one product, [B·Hkv, G·n, d] (a view where G = 1 or all rows).
+at::Tensor group_rows(const at::Tensor& grouped, int64_t from, int64_t n) {
+  return grouped.narrow(2, from, n).reshape({grouped.size(0), grouped.size(1) * n, grouped.size(3)});
+}
+
+// What the softmax passes of a block compute beside the product: its rows are
+// a group's heads one after another, `q_len` queries each.
 struct Pass {
   float scale, softcap;
   bool causal;
-  int64_t key_offset, window;
+  int64_t key_offset, window, q_len;
 };
 
-// One block of rows: p = softmax(scale · q·kᵀ, soft-capped), queries at key
-// positions key_offset + i.
+// One block of rows: p = softmax(scale · q·kᵀ, soft-capped), the queries of
+// each head at key positions key_offset + i.
 at::Tensor block_softmax(const at::Tensor& q, const at::Tensor& k, const Pass& pass) {
   const at::Tensor p = at::bmm(q, k.transpose(1, 2));
-  const int64_t q_len = q.size(1), k_len = k.size(1);
-  kernel::table().attention_softmax_forward(p.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p), pass.scale,
+  const int64_t k_len = k.size(1);
+  kernel::table().attention_softmax_forward(p.numel() / k_len, pass.q_len, k_len, p.const_data_ptr(), dt(p), pass.scale,
                                             pass.softcap, pass.causal, pass.key_offset, pass.window,
                                             p.mutable_data_ptr(), dt(p));
   return p;
@@ -90,7 +97,7 @@ struct BlockGrads {
 };
 
 // The gradients one block of rows (p from block_softmax) sends to its q rows,
-// and to the k and v rows it saw.
+// and to the k and v rows it saw (summed over the group's heads by the products).
 BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& dy, const Pass& pass) {
   BlockGrads g;
@@ -98,8 +105,8 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
   const at::Tensor ds = at::bmm(dy, v.transpose(1, 2));  // dp, then ds in place
   // A soft-cap's derivative needs the scores: computed again (one product), not kept.
   const at::Tensor s = pass.softcap > 0 ? at::bmm(q, k.transpose(1, 2)) : at::Tensor();
-  const int64_t q_len = q.size(1), k_len = k.size(1);
-  kernel::table().attention_softmax_backward(ds.numel() / k_len, q_len, k_len, p.const_data_ptr(), dt(p),
+  const int64_t k_len = k.size(1);
+  kernel::table().attention_softmax_backward(ds.numel() / k_len, pass.q_len, k_len, p.const_data_ptr(), dt(p),
                                              ds.const_data_ptr(), dt(ds), s.defined() ? s.const_data_ptr() : nullptr,
                                              s.defined() ? dt(s) : dt(p), pass.scale, pass.softcap, pass.causal,
                                              pass.key_offset, pass.window, ds.mutable_data_ptr(), dt(ds));
@@ -108,27 +115,45 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
   return g;
 }
 
+// Note [Grouped queries]
+// With grouped-query attention (Hkv key/value heads, each serving G = H/Hkv
+// query heads, head j the heads jG..jG+G-1 as repeat_interleave orders them)
+// the products take a group's G query heads as the rows of one matrix,
+// [B·Hkv, G·T, d], against its one k and v: no copy of k and v per query head,
+// and backward's pᵀ·dy and dsᵀ·q sum the group's gradients inside the product.
+// The causal split takes each head's first and last rows: q and dy are copied
+// into their halves' order (one q-sized copy each, where repeating k and v
+// cost two forward and their sums backward); with G = 1 these are views.
 struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, int64_t window, double score_scale, double softcap) {
     RECORD_FUNCTION("meshtrain::fused_attention", std::vector<c10::IValue>());
     const at::ScalarType type = compute_dtype(q.scalar_type());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-    const at::Tensor qb = batched(q, type), kb = batched(k, type), vb = batched(v, type);
+    const at::Tensor kb = batched(k, type), vb = batched(v, type);
     const int64_t q_len = q.size(2), k_len = k.size(2), h = causal_split(q_len, k_len, causal);
+    const int64_t groups = q.size(1) / k.size(1);
+    const at::Tensor qg = batched(q, type).view({kb.size(0), groups, q_len, q.size(3)});
     const float scale = score_scale > 0 ? static_cast<float>(score_scale) : scale_for(q.size(3));
     at::Tensor y;
     const float cap = static_cast<float>(softcap);
     if (h == 0) {
-      const at::Tensor p = block_softmax(qb, kb, {scale, cap, causal, 0, window});
+      const at::Tensor rows = group_rows(qg, 0, q_len);
+      const at::Tensor p = block_softmax(rows, kb, {scale, cap, causal, 0, window, q_len});
       y = at::bmm(p, vb);
-      ctx->save_for_backward({qb, kb, vb, p});
+      ctx->save_for_backward({rows, kb, vb, p});
     } else {
-      const at::Tensor first = block_softmax(qb.narrow(1, 0, h), kb.narrow(1, 0, h), {scale, cap, true, 0, window});
-      const at::Tensor rest = block_softmax(qb.narrow(1, h, q_len - h), kb, {scale, cap, true, h, window});
-      y = at::cat({at::bmm(first, vb.narrow(1, 0, h)), at::bmm(rest, vb)}, 1);
-      ctx->save_for_backward({qb, kb, vb, first, rest});
+      const at::Tensor q_first = group_rows(qg, 0, h), q_rest = group_rows(qg, h, q_len - h);
+      const at::Tensor first = block_softmax(q_first, kb.narrow(1, 0, h), {scale, cap, true, 0, window, h});
+      const at::Tensor rest = block_softmax(q_rest, kb, {scale, cap, true, h, window, q_len - h});
+      const int64_t n = kb.size(0), d = v.size(3);
+      y = at::cat({at::bmm(first, vb.narrow(1, 0, h)).view({n, groups, h, d}),
+                   at::bmm(rest, vb).view({n, groups, q_len - h, d})},
+                  2);
+      ctx->save_for_backward({q_first, q_rest, kb, vb, first, rest});
     }
+    ctx->saved_data["split"] = h;
+    ctx->saved_data["q_len"] = q_len;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = static_cast<double>(scale);
@@ -142,31 +167,38 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     RECORD_FUNCTION("meshtrain::fused_attention_backward", std::vector<c10::IValue>());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &qb = saved[0], &kb = saved[1], &vb = saved[2];
     const std::vector<int64_t> types = ctx->saved_data["types"].toIntVector();
     const bool causal = ctx->saved_data["causal"].toBool();
     const int64_t window = ctx->saved_data["window"].toInt();
-    const int64_t q_len = qb.size(1), h = causal_split(q_len, kb.size(1), causal);
+    const int64_t h = ctx->saved_data["split"].toInt(), q_len = ctx->saved_data["q_len"].toInt();
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
     const float cap = static_cast<float>(ctx->saved_data["softcap"].toDouble());
     const at::Tensor& dy4 = grads[0];
-    const at::Tensor dy = batched(dy4, saved[3].scalar_type());
+    const int64_t n = dy4.size(0) * dy4.size(1), d = dy4.size(3);
     BlockGrads g;
     if (h == 0) {
-      g = block_backward(saved[3], qb, kb, vb, dy, {scale, cap, causal, 0, window});
+      const at::Tensor &rows = saved[0], &kb = saved[1], &vb = saved[2], &p = saved[3];
+      const at::Tensor dy = batched(dy4, p.scalar_type()).view({rows.size(0), rows.size(1), d});
+      g = block_backward(p, rows, kb, vb, dy, {scale, cap, causal, 0, window, q_len});
     } else {
-      g = block_backward(saved[4], qb.narrow(1, h, q_len - h), kb, vb, dy.narrow(1, h, q_len - h),
-                         {scale, cap, true, h, window});
-      const BlockGrads first = block_backward(saved[3], qb.narrow(1, 0, h), kb.narrow(1, 0, h), vb.narrow(1, 0, h),
-                                              dy.narrow(1, 0, h), {scale, cap, true, 0, window});
-      g.dq = at::cat({first.dq, g.dq}, 1);
+      const at::Tensor &q_first = saved[0], &q_rest = saved[1], &kb = saved[2], &vb = saved[3];
+      const at::Tensor dyg = batched(dy4, saved[4].scalar_type()).view({kb.size(0), n / kb.size(0), q_len, d});
+      g = block_backward(saved[5], q_rest, kb, vb, group_rows(dyg, h, q_len - h), {scale, cap, true, h, window, q_len - h});
+      const BlockGrads first = block_backward(saved[4], q_first, kb.narrow(1, 0, h), vb.narrow(1, 0, h),
+                                              group_rows(dyg, 0, h), {scale, cap, true, 0, window, h});
+      const int64_t groups = dyg.size(1);
+      g.dq = at::cat({first.dq.view({kb.size(0), groups, h, q_first.size(2)}),
+                      g.dq.view({kb.size(0), groups, q_len - h, q_first.size(2)})},
+                     2);
       g.dk.narrow(1, 0, h).add_(first.dk);
       g.dv.narrow(1, 0, h).add_(first.dv);
     }
-    auto shaped = [&](const at::Tensor& t, int64_t type) {
-      return t.view({dy4.size(0), dy4.size(1), t.size(1), t.size(2)}).to(static_cast<at::ScalarType>(type));
+    auto shaped = [&](const at::Tensor& t, int64_t heads, int64_t type) {
+      return t.reshape({dy4.size(0), heads, -1, t.size(-1)}).to(static_cast<at::ScalarType>(type));
     };
-    return {shaped(g.dq, types[0]), shaped(g.dk, types[1]), shaped(g.dv, types[2]), {}, {}, {}, {}};
+    const int64_t kv_heads = g.dk.size(0) / dy4.size(0);
+    return {shaped(g.dq, dy4.size(1), types[0]), shaped(g.dk, kv_heads, types[1]), shaped(g.dv, kv_heads, types[2]),
+            {}, {}, {}, {}};
   }
 };
 
@@ -184,6 +216,10 @@ int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal) {
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
                      int64_t window, double scale, double softcap) {
   const bool bf16 = compute_dtype(q.scalar_type()) == at::kBFloat16;
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1),
+              "fused::attention: the query heads (", q.size(1), ") must be a multiple of the key/value heads (", k.size(1),
+              ", ", v.size(1), ")");
+  const bool gqa = q.size(1) != k.size(1);
   if (eligible(q) && eligible(k) && eligible(v) &&
       batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
     return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale, softcap);
@@ -199,14 +235,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     mask = allowed_pairs(at::arange(keys - t, keys, columns), at::arange(keys, columns), spec);
   }
   const bool is_causal = causal && !mask.defined();
+  // ATen's flash kernels take as many key/value heads as query heads: repeated.
+  const int64_t times = q.size(1) / k.size(1);
+  const at::Tensor kr = gqa ? k.repeat_interleave(times, 1) : k, vr = gqa ? v.repeat_interleave(times, 1) : v;
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
   if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
-    return at::scaled_dot_product_attention(q, k, v, attn_mask, dropout, is_causal, score_scale);
+    return at::scaled_dot_product_attention(q, kr, vr, attn_mask, dropout, is_causal, score_scale);
   }
   // Without AMX, ATen's bf16 kernel is slower than its fp32 one: compute in fp32, out of autocast's reach.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat),
+  const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), kr.to(at::kFloat), vr.to(at::kFloat),
                                                         attn_mask, dropout, is_causal, score_scale);
   return y.to(compute_dtype(q.scalar_type()));
 }

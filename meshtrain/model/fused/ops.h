@@ -54,7 +54,8 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, in
 // Rotary embedding of x [B, H, T, d] with tables cos / sin [context, d/2] (fp32)
 // at positions offset..offset+T-1; the result is contiguous.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
-// Causal or full scaled-dot-product attention of q, k, v [B, H, T, d];
+// Causal or full scaled-dot-product attention of q [B, H, T, d] and k, v
+// [B, Hkv, T, d], Hkv dividing H (grouped queries, Note [Grouped queries]);
 // causal with window > 0: each query sees itself and the window - 1 keys
 // before it; scale > 0 replaces 1/sqrt(d); softcap > 0 caps the scores,
 // c·tanh(s/c), and needs the batched path (batched_attention_applies).
