@@ -309,6 +309,10 @@ int run_plan(const PlanOptions& o) {
     model = plan::preset_model(o.model);
   }
   if (!source) workload.chunked_loss = model.chunked_loss;  // on unless a config turns it off
+  if (source && source->parallel.annotated() && o.loss == "chunked") {
+    throw std::invalid_argument("--loss chunked: " + o.model + " shards by annotations (parallel.tp_impl = "
+                                "\"annotations\"), whose training computes the whole logits; leave --loss out");
+  }
   apply_workload_flags(o, model, workload);
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
   std::string said;

@@ -153,6 +153,10 @@ expect_error "--selective ops models op-level recompute, which train does not ru
 expect_error "--moe-load 1.2x: give a load (e.g. 1.2) or a training run's metrics.jsonl" --model mixtral-8x7b --world 64 \
   --moe-load 1.2x
 expect_error "no step in it reports the MoE layers' rank_load" --model mixtral-8x7b --world 64 --moe-load "$dir/run.toml"
+printf '[model]\npreset = "tiny"\n[parallel]\ntp = 2\ntp_impl = "annotations"\n' > "$dir/annotated.toml"
+expect_error "--loss chunked: $dir/annotated.toml shards by annotations" --model "$dir/annotated.toml" --world 2 \
+  --loss chunked
+"$meshtrain" plan --model "$dir/annotated.toml" --world 2 --layout config | grep -q "whole-logits loss"
 expect_error "unknown unit" --model llama2-7b --world 8 --device-memory 80apples
 expect_error "machine 'h300' unknown: use this, h100, h200, a100 or a profile file" --model small --world 2 --machine h300
 echo '{"mfu": "high"}' > "$dir/bad-machine.json"
