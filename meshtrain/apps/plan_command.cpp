@@ -59,7 +59,8 @@ struct MoeLoad {
 };
 MoeLoad moe_load_of(const std::string& value) {
   if (value.empty()) return {};
-  if (!std::filesystem::is_regular_file(value)) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(value, error)) {
     size_t used = 0;
     double load = -1;
     try {
@@ -73,16 +74,30 @@ MoeLoad moe_load_of(const std::string& value) {
   }
   std::vector<double> loads, kept;
   std::ifstream in(value);
+  bool without_ep = false;
+  auto number = [](const nlohmann::json& layer, const char* key, double lo, double hi) {
+    const auto it = layer.find(key);
+    return it != layer.end() && it->is_number() && it->get<double>() >= lo && it->get<double>() <= hi;
+  };
   for (std::string text; std::getline(in, text);) {
     const nlohmann::json line = nlohmann::json::parse(text, nullptr, false);
     if (!line.is_object() || !line.contains("step") || !line.contains("moe") || !line["moe"].is_array()) continue;
     double load = 0, dropped = 0, layers = 0;
     for (const nlohmann::json& layer : line["moe"]) {
-      if (!layer.is_object() || !layer.contains("rank_load") || !layer["rank_load"].is_number()) continue;
+      if (!layer.is_object() || !number(layer, "rank_load", 0, 1e6)) continue;
+      if (number(layer, "ep", 1, 1) || (layer.contains("ep") && !number(layer, "ep", 2, 1e9))) {
+        without_ep = true;  // a rank without expert parallel: its own assignments, not the busiest rank's
+        continue;
+      }
       load += layer["rank_load"].get<double>(), ++layers;
-      if (layer.contains("dropped") && layer["dropped"].is_number()) dropped += layer["dropped"].get<double>();
+      if (number(layer, "dropped", 0, 1)) dropped += layer["dropped"].get<double>();
     }
     if (layers > 0 && load > 0) loads.push_back(load / layers), kept.push_back(1 - dropped / layers);
+  }
+  if (loads.empty() && without_ep) {
+    throw std::invalid_argument("--moe-load " + value + ": its run had no expert parallel (ep = 1), so its rank_load "
+                                "is what a rank keeps of its own assignments; train with parallel.ep > 1 for a few "
+                                "steps and pass that run's metrics.jsonl");
   }
   if (loads.empty()) {
     throw std::invalid_argument("--moe-load " + value + ": no step in it reports the MoE layers' rank_load; train the "

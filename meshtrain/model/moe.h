@@ -53,6 +53,7 @@ struct MoeLayerMetrics {
   // expert activations and time are against a balanced router's (1).
   double rank_load = 0;
   double this_rank_load = 0;  // the same for this rank (0 where its pipeline stage does not hold the layer)
+  int64_t ep = 1;              // the expert parallel degree it was measured at
 };
 
 // Note [Mixture of experts]

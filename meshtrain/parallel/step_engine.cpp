@@ -175,7 +175,7 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
     if (!config.is_moe_block(block)) continue;
     const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
     out.push_back({block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
-                   most.data_ptr<double>()[i] / balanced, computed[i] / balanced});
+                   most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep});
     ++i;
     sum += 6;
   }

@@ -195,7 +195,8 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
   double aux = 0, dropped = 0, load = 0;
   for (const model::MoeLayerMetrics& m : result.moe) {
     line["moe"].push_back({{"block", m.block}, {"aux_loss", m.aux_loss}, {"z_loss", m.z_loss}, {"dropped", m.dropped},
-                           {"load_max_over_mean", m.load_max_over_mean}, {"rank_load", m.rank_load}});
+                           {"load_max_over_mean", m.load_max_over_mean}, {"rank_load", m.rank_load},
+                           {"ep", m.ep}});
     aux += (m.aux_loss + m.z_loss) / result.moe.size();
     dropped += m.dropped / result.moe.size();
     load = std::max(load, m.load_max_over_mean);

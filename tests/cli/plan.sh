@@ -152,6 +152,8 @@ expect_error "--selective ops models op-level recompute, which train does not ru
   --selective ops --auto "$dir/ops.toml"
 expect_error "--moe-load 1.2x: give a load (e.g. 1.2) or a training run's metrics.jsonl" --model mixtral-8x7b --world 64 \
   --moe-load 1.2x
+echo '{"step": 2, "moe": [{"block": 1, "rank_load": 0.8, "dropped": 0.2, "ep": 1}]}' > "$dir/ep1.jsonl"
+expect_error "its run had no expert parallel (ep = 1)" --model mixtral-8x7b --world 64 --moe-load "$dir/ep1.jsonl"
 expect_error "no step in it reports the MoE layers' rank_load" --model mixtral-8x7b --world 64 --moe-load "$dir/run.toml"
 printf '[model]\npreset = "tiny"\n[parallel]\ntp = 2\ntp_impl = "annotations"\n' > "$dir/annotated.toml"
 expect_error "--loss chunked: $dir/annotated.toml shards by annotations" --model "$dir/annotated.toml" --world 2 \

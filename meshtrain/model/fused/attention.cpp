@@ -178,7 +178,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     BlockGrads g;
     if (h == 0) {
       const at::Tensor &rows = saved[0], &kb = saved[1], &vb = saved[2], &p = saved[3];
-      const at::Tensor dy = batched(dy4, p.scalar_type()).view({rows.size(0), rows.size(1), d});
+      const at::Tensor dy = batched(dy4, p.scalar_type()).reshape({rows.size(0), rows.size(1), d});
       g = block_backward(p, rows, kb, vb, dy, {scale, cap, causal, 0, window, q_len});
     } else {
       const at::Tensor &q_first = saved[0], &q_rest = saved[1], &kb = saved[2], &vb = saved[3];
