@@ -79,7 +79,13 @@ Work micro_batch_work(const StepInputs& in, double dense, double moe, std::optio
     return per_token;
   };
   const double s = static_cast<double>(model.context), h = static_cast<double>(model.q_width());
-  const double flops = dense * model.block_training_flops() + (moe > 0 ? moe * model.block_training_flops(true) : 0);
+  double flops = dense * model.block_training_flops() + (moe > 0 ? moe * model.block_training_flops(true) : 0);
+  // The experts' products follow the rank's load (top_k per token is a load of 1).
+  if (const double load = rank_moe_load(model, in.w, in.l.dims.ep); moe > 0 && load > 0) {
+    double expert = 0;  // forward FLOPs per token
+    for (const BlockProduct& p : op_level_products(model, true)) expert += p.expert ? 2 * p.in * p.out * p.times : 0;
+    flops += moe * 3 * s * expert * (load - 1);
+  }
   double repeated = 0;
   switch (in.l.activation_checkpoint) {
     case parallel::CheckpointMode::kNone: break;

@@ -465,6 +465,13 @@ TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
   w.moe_load = 1.5;
   EXPECT_GT(evaluate(m, w, ep, machine).worst.memory.activations, split.worst.memory.activations);
   EXPECT_EQ(evaluate(m, w, dense, machine).worst.memory.activations, replicated.worst.memory.activations);
+  // So does compute on a profile without measured operators: the experts' FLOPs x 1.5.
+  const double expert_flops = 3.0 * m.context * 2 * 2 * 3 * 4096 * 14336;  // fwd + bwd per sequence: top-2 of 3 h x f
+  EXPECT_NEAR(evaluate(m, w, ep, machine).time.compute - split.time.compute,
+              0.5 * expert_flops * split.ranks[1].moe_layers * (64.0 / 8) /  // sequences per data rank
+                  (machine.peak_flops * machine.mfu),
+              1e-6 * split.time.compute);
+  EXPECT_EQ(evaluate(m, w, dense, machine).time.compute, replicated.time.compute);
   EXPECT_EQ(rank_moe_load(m, w, 8), 1.5);
   EXPECT_EQ(rank_moe_load(m, w, 1), 1.0);  // min(load, min(1, cf = 1.25))
   w.moe_kept = 0.75;
