@@ -85,7 +85,7 @@ MoeLoad moe_load_of(const std::string& value) {
     double load = 0, dropped = 0, layers = 0;
     for (const nlohmann::json& layer : line["moe"]) {
       if (!layer.is_object() || !number(layer, "rank_load", 0, 1e6)) continue;
-      if (number(layer, "ep", 1, 1) || (layer.contains("ep") && !number(layer, "ep", 2, 1e9))) {
+      if (layer.contains("ep") && !number(layer, "ep", 2, 1e9)) {
         without_ep = true;  // a rank without expert parallel: its own assignments, not the busiest rank's
         continue;
       }

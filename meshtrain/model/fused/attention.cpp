@@ -182,11 +182,11 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
       g = block_backward(p, rows, kb, vb, dy, {scale, cap, causal, 0, window, q_len});
     } else {
       const at::Tensor &q_first = saved[0], &q_rest = saved[1], &kb = saved[2], &vb = saved[3];
-      const at::Tensor dyg = batched(dy4, saved[4].scalar_type()).view({kb.size(0), n / kb.size(0), q_len, d});
+      const int64_t groups = n / kb.size(0);
+      const at::Tensor dyg = batched(dy4, saved[4].scalar_type()).reshape({kb.size(0), groups, q_len, d});
       g = block_backward(saved[5], q_rest, kb, vb, group_rows(dyg, h, q_len - h), {scale, cap, true, h, window, q_len - h});
       const BlockGrads first = block_backward(saved[4], q_first, kb.narrow(1, 0, h), vb.narrow(1, 0, h),
                                               group_rows(dyg, 0, h), {scale, cap, true, 0, window, h});
-      const int64_t groups = dyg.size(1);
       g.dq = at::cat({first.dq.view({kb.size(0), groups, h, q_first.size(2)}),
                       g.dq.view({kb.size(0), groups, q_len - h, q_first.size(2)})},
                      2);
