@@ -1,5 +1,7 @@
 #include "meshtrain/model/moe.h"
 
+#include "meshtrain/model/fused/ops.h"
+
 #include <ATen/autocast_mode.h>
 
 #include <cmath>
@@ -44,6 +46,12 @@ at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::
   return m.register_parameter(name, torch::zeros(shape));
 }
 
+// act(g) · u, through the fused operator where the tensors allow.
+at::Tensor glu(const at::Tensor& g, const at::Tensor& u, bool geglu, bool fused) {
+  if (fused && fused::eligible(g) && fused::eligible(u)) return geglu ? fused::geglu(g, u) : fused::swiglu(g, u);
+  return (geglu ? at::gelu(g, "tanh") : at::silu(g)) * u;
+}
+
 }  // namespace
 
 bool is_expert_tensor(const std::string& name) {
@@ -84,7 +92,7 @@ MoeImpl::MoeImpl(const GptConfig& config) : config_(config) {
 }
 
 at::Tensor MoeImpl::shared_expert(const at::Tensor& flat) {
-  const at::Tensor hidden = at::silu(at::linear(flat, shared_gate)) * at::linear(flat, shared_up);
+  const at::Tensor hidden = glu(at::linear(flat, shared_gate), at::linear(flat, shared_up), false, config_.fused);
   return at::sigmoid(at::linear(flat, shared_expert_gate)) * at::linear(hidden, shared_down);
 }
 
@@ -114,15 +122,16 @@ at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>
   const std::vector<at::Tensor> up = split(up_weight), up_b = split(up_bias);
   const std::vector<at::Tensor> out = split(gelu ? proj_weight : down_weight), out_bias = split(gelu ? proj_bias : down_bias);
   const bool geglu = config_.mlp == MlpStyle::kGeglu;
+  // One split: its backward concatenates the experts' input gradients once,
+  // where a narrow per expert would add a zero gradient of all the tokens each.
+  const std::vector<at::Tensor> xs = tokens.split_with_sizes(counts);
   std::vector<at::Tensor> outputs;
-  int64_t offset = 0;
   for (size_t c = 0; c < counts.size(); ++c) {
     const int64_t i = first + static_cast<int64_t>(c) - first_expert_;  // this rank's index of the expert
-    const at::Tensor x = tokens.narrow(0, offset, counts[c]);
-    offset += counts[c];
+    const at::Tensor& x = xs[c];
     const at::Tensor g = at::linear(x, in[i], bias(in_bias, i));
-    const at::Tensor hidden = gelu ? at::gelu(g, "tanh")
-                                   : (geglu ? at::gelu(g, "tanh") : at::silu(g)) * at::linear(x, up[i], bias(up_b, i));
+    const at::Tensor hidden =
+        gelu ? at::gelu(g, "tanh") : glu(g, at::linear(x, up[i], bias(up_b, i)), geglu, config_.fused);
     outputs.push_back(at::linear(hidden, out[i], bias(out_bias, i)));
   }
   return outputs.empty() ? tokens.new_zeros({0, tokens.size(1)}) : at::cat(outputs);

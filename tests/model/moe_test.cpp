@@ -2,7 +2,8 @@
 // tokens against hand-computed numbers, pass-through of dropped tokens, the
 // router's gradient from the main loss, experts that get no tokens, dropless
 // routing under extreme imbalance, GShard's random second expert, and the
-// layer against a direct computation.
+// layer against a direct computation and, through the fused SwiGLU / GeGLU,
+// against the composed operators with gradients.
 #include "meshtrain/model/gpt.h"
 #include "tests/model/parameter_count.h"
 
@@ -129,6 +130,50 @@ TEST(Moe, EqualsTheGatedExpertComputedDirectly) {
                        moe->down_weight[e], moe->down_bias[e]);
       }
       EXPECT_TRUE(at::allclose(out[t], probs[t][e] * y, 1e-5, 1e-6)) << name(mlp) << " token " << t;
+    }
+  }
+}
+
+// The experts through the fused SwiGLU / GeGLU, against the composition of
+// ATen operators: output and every gradient, with one expert left idle and
+// a shared expert.
+TEST(Moe, FusedExpertsEqualTheComposedOnesWithGradients) {
+  for (const MlpStyle mlp : {MlpStyle::kSwiglu, MlpStyle::kGeglu}) {
+    GptConfig c = moe_config(6, 2, 0.0);
+    c.mlp = mlp;
+    c.dropout = 0.0;
+    c.moe_second_expert = SecondExpert::kAlways;
+    c.moe_shared_hidden = 16;
+    c.fused = true;
+    Moe fused = random_moe(c, 11);
+    c.fused = false;
+    Moe composed = random_moe(c, 11);
+    for (Moe* moe : {&fused, &composed}) {  // no token picks expert 5 (every token's first coordinate is 1)
+      torch::NoGradGuard no_grad;
+      at::Generator g = at::make_generator<at::CPUGeneratorImpl>(13);
+      for (at::Tensor w : {(*moe)->shared_gate, (*moe)->shared_up, (*moe)->shared_down}) w.normal_(0, 0.1, g);
+      (*moe)->router[5].zero_();
+      (*moe)->router[5][0] = -100.0;
+    }
+    const at::Tensor x = positive_tokens(20, c.width, 12);
+    const at::Tensor weights = at::randn_like(x);
+    std::vector<at::Tensor> inputs;
+    std::vector<at::Tensor> outputs;
+    for (Moe* moe : {&fused, &composed}) {
+      inputs.push_back(x.clone().requires_grad_());
+      outputs.push_back((*moe)->forward(inputs.back()));
+      (outputs.back() * weights).sum().backward();
+    }
+    const std::string style = name(mlp);
+    EXPECT_TRUE(at::allclose(outputs[0], outputs[1], 1e-5, 1e-6)) << style;
+    EXPECT_TRUE(at::allclose(inputs[0].grad(), inputs[1].grad(), 1e-5, 1e-6)) << style << " input gradient";
+    EXPECT_TRUE(at::allclose(fused->router.grad(), composed->router.grad(), 1e-5, 1e-6)) << style << " router";
+    EXPECT_TRUE(at::allclose(fused->shared_gate.grad(), composed->shared_gate.grad(), 1e-5, 1e-6)) << style;
+    const std::vector<at::Tensor> a = fused->expert_weights(), b = composed->expert_weights();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::allclose(a[i].grad(), b[i].grad(), 1e-5, 1e-6)) << style << " expert tensor " << i;
+      EXPECT_EQ(a[i].grad()[5].abs().sum().item<double>(), 0.0) << style << " the idle expert";
     }
   }
 }

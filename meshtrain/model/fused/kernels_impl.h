@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace meshtrain::model::fused::kernel {
@@ -216,14 +217,15 @@ constexpr int64_t kBlock = 4096;
 inline Vec gate(const Vec& g, bool gelu) {
   return gelu ? g * sigmoid(Vec(2 * kK0) * (g + Vec(kK1) * g * g * g)) : g * sigmoid(g);
 }
-inline Vec gate_derivative(const Vec& g, bool gelu) {
+// The gate's activation and its derivative, from one sigmoid.
+inline std::pair<Vec, Vec> gate_and_derivative(const Vec& g, bool gelu) {
   if (!gelu) {
     const Vec s = sigmoid(g);
-    return s * (Vec(1.0f) + g * (Vec(1.0f) - s));
+    return {g * s, s * (Vec(1.0f) + g * (Vec(1.0f) - s))};
   }
   const Vec g2 = g * g;
   const Vec s = sigmoid(Vec(2 * kK0) * (g + Vec(kK1) * g2 * g));
-  return s + g * s * (Vec(1.0f) - s) * Vec(2 * kK0) * (Vec(1.0f) + Vec(3 * kK1) * g2);
+  return {g * s, s + g * s * (Vec(1.0f) - s) * Vec(2 * kK0) * (Vec(1.0f) + Vec(3 * kK1) * g2)};
 }
 
 void glu_forward(int64_t n, const void* g, const void* u, void* y, Dt t, bool gelu) {
@@ -254,9 +256,10 @@ void glu_backward(int64_t n, const void* g, const void* u, const void* dy, void*
       float* dgw = work_row(dg, t, b, s + 3 * kBlock);
       float* duw = work_row(du, t, b, s + 4 * kBlock);
       each_vec(m, [&](int64_t i, int64_t c) {
-        const Vec gv = Vec::loadu(gr + i, c), dyv = Vec::loadu(dyr + i, c);
-        (dyv * Vec::loadu(ur + i, c) * gate_derivative(gv, gelu)).store(dgw + i, c);
-        (dyv * gate(gv, gelu)).store(duw + i, c);
+        const Vec dyv = Vec::loadu(dyr + i, c);
+        const auto [value, derivative] = gate_and_derivative(Vec::loadu(gr + i, c), gelu);
+        (dyv * Vec::loadu(ur + i, c) * derivative).store(dgw + i, c);
+        (dyv * value).store(duw + i, c);
       });
       write_row(dgw, dg, t, b, m);
       write_row(duw, du, t, b, m);
