@@ -9,8 +9,10 @@ transformers' model of that config (AutoModelForCausalLM, fp32 weights,
 AdamW, gradient clipping; bf16 autocast for --dtype bfloat16), with the same
 threads, batch, micro-batch and steps. Both sides get the config from the
 same place: the transformers model is saved, `meshtrain import hf` reads it,
-so the shapes cannot drift apart. Prints median tokens/s of each side and
-their ratio. Run from the repository root:
+so the shapes cannot drift apart. Prints median tokens/s of each side,
+their ratio, both sides' MFU (the FLOPs the model needs, attention's masked
+keys left out, against the matmul peak meshtrain measures in its run) and
+the ratio a step at that peak would reach. Run from the repository root:
 
     .venv/bin/python bench/families_vs_transformers.py [--families llama3.1 qwen3] [--dtype bfloat16]
         [--repeats 3] [--steps 6]
@@ -70,7 +72,26 @@ def meshtrain_side(checkpoint_config, args, threads):
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout[-3000:]}")
-    return last_json(done.stdout)["tokens_per_s"]
+    result = last_json(done.stdout)
+    peak = result["matmul_peak_gflops_per_rank"] * 1e9 * result["ranks"]
+    return result["tokens_per_s"], result["mfu"] * peak / result["tokens_per_s"], peak
+
+
+def attention_flops(config, kind):
+    """Training FLOPs per token of the attention scores and their use in all
+    layers: every query against every key (meshtrain's count, `kind` None), or
+    only the keys a causal mask and the family's sliding windows leave."""
+    s = config.max_position_embeddings
+    heads = config.num_attention_heads
+    q_width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if getattr(config, "sliding_window", None)
+                                                     else "full_attention"] * config.num_hidden_layers
+    total = 0
+    for layer_type in types:
+        window = config.sliding_window if layer_type == "sliding_attention" else s
+        pairs = s * s if kind is None else sum(min(i + 1, window) for i in range(s))
+        total += 12 * q_width * pairs / s  # q·k and p·v, 2 FLOPs each, three times for training
+    return total
 
 
 def pytorch_side(model, config, args):
@@ -130,19 +151,31 @@ def main():
             meta = json.load(open(os.path.join(work, "c", latest, "metadata.json")))
             model_config = json.loads(meta["model_config"]) if isinstance(meta.get("model_config"), str) \
                 else meta.get("model_config", meta.get("model"))
-        ours, theirs = [], []
+        ours, theirs, peaks = [], [], []
         for _ in range(args.repeats):
-            ours.append(meshtrain_side(model_config, args, threads))
+            tokens_per_s, flops_per_token, peak = meshtrain_side(model_config, args, threads)
+            ours.append(tokens_per_s)
+            peaks.append(peak)
             theirs.append(pytorch_side(model, config, args))
         row = {"family": family, "dtype": args.dtype, "meshtrain_tokens_per_s": statistics.median(ours),
                "transformers_tokens_per_s": statistics.median(theirs),
                "ratio": statistics.median(ours) / statistics.median(theirs)}
+        needed = flops_per_token - attention_flops(config, None) + attention_flops(config, "causal")
+        peak = statistics.median(peaks)
+        # MFU: the FLOPs a step cannot do without (meshtrain's count, with only the
+        # keys the masks leave) over the matmul peak meshtrain measured in its
+        # run. No step runs faster than that, so 1 / transformers' MFU bounds the ratio.
+        row["meshtrain_mfu"] = needed * row["meshtrain_tokens_per_s"] / peak
+        row["transformers_mfu"] = needed * row["transformers_tokens_per_s"] / peak
+        row["ratio_ceiling"] = 1 / row["transformers_mfu"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n| family | meshtrain tokens/s | transformers (PyTorch eager) tokens/s | ratio |\n|---|---|---|---|")
+    print("\n| family | meshtrain tokens/s | transformers (PyTorch eager) tokens/s | ratio | MFU meshtrain / "
+          "transformers | ratio at the matmul peak |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['family']} | {r['meshtrain_tokens_per_s']:.0f} | {r['transformers_tokens_per_s']:.0f} | "
-              f"{r['ratio']:.2f}x |")
+              f"{r['ratio']:.2f}x | {r['meshtrain_mfu']:.2f} / {r['transformers_mfu']:.2f} | "
+              f"{r['ratio_ceiling']:.2f}x |")
 
 
 if __name__ == "__main__":
