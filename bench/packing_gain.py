@@ -2,7 +2,8 @@
 is padding under data.packing = "padded" (one document per row) against
 "packed" (documents side by side, attention kept inside each), and the
 tokens/s that count toward the loss in each, training the same model on the
-same data, threads and steps.
+same data, threads and steps. "concat" (documents side by side, attention
+across them) is the control: packed rows should train as fast.
 
 The corpus is tiny Shakespeare cut into paragraphs (about 160 bytes, far
 shorter than the context), as JSON Lines, with the byte tokenizer.
@@ -62,7 +63,7 @@ def main():
         padded_share = padded_counted.mean() / a.context
         # Packed: every target but the one at each document's end counts.
         packed_share = 1 - len(lengths) / starts[-1]
-        speeds = {p: [] for p in ("padded", "packed")}
+        speeds = {p: [] for p in ("padded", "packed", "concat")}
         for _ in range(a.repeats):
             for p in speeds:
                 speeds[p].append(run(a.meshtrain, data, p, a, work))
@@ -72,6 +73,7 @@ def main():
               f"{med['padded'] * padded_share:,.0f} counted tokens/s")
         print(f"packed: {packed_share:.1%} of targets count, {med['packed']:,.0f} tokens/s, "
               f"{med['packed'] * packed_share:,.0f} counted tokens/s")
+        print(f"concat: {med['concat']:,.0f} tokens/s (packed {med['packed'] / med['concat']:.2f}x)")
         print(f"packing removes {1 - padded_share:.1%} padding; counted tokens/s "
               f"{med['packed'] * packed_share / (med['padded'] * padded_share):.2f}x padded (medians of {a.repeats})")
 

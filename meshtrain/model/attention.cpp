@@ -44,10 +44,10 @@ void soft_cap_(at::Tensor& scores, double cap) {
 // instead of 1/sqrt(head size) and soft-caps them, c·tanh(s/c), before the
 // mask and the softmax (in fp32). In training, windows, scales and
 // soft-caps go through the fused CPU attention where its batched path
-// applies (its softmax skips the keys before the window and caps the
-// scores; Note [CPU attention]), windows elsewhere through ATen's with a
-// mask; the KV cache, packed documents and the other soft-capped cases come
-// here: without a soft-cap ATen's scaled-dot-product attention with a
+// applies (its softmax skips the keys before the window or the document's
+// start and caps the scores; Note [CPU attention]), windows elsewhere through
+// ATen's with a mask; the KV cache, packed documents past the fused path and
+// the other soft-capped cases come here: without a soft-cap ATen's scaled-dot-product attention with a
 // boolean mask, with one, scores formed explicitly (the cap sits between the
 // product and the softmax). Either way the softmax sees -inf
 // where a key is hidden, so these paths equal the plain causal one where the
@@ -82,20 +82,25 @@ at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& s
                                    bool training) {
   const at::Tensor& q = heads.q;
   const bool fused = fused_ && fused::eligible(q);
-  if (batch.documents.defined()) {  // documents side by side: a block-diagonal mask, ATen's kernels
+  const double p = training ? spec.dropout : 0.0;
+  // A soft-cap and documents sit inside the softmax: the fused kernel's batched
+  // path has them, ATen's kernels take them as a mask or explicit scores.
+  const bool bf16 = fused::detail::compute_dtype(q.scalar_type()) == at::kBFloat16;
+  const bool batched = fused && fused::batched_attention_applies(q.device().is_cpu(), bf16, heads.k.size(2),
+                                                                 q.size(3), p);
+  if (batch.documents.defined() && !(batched && q.size(2) == heads.k.size(2))) {
+    // Documents side by side: a block-diagonal mask, ATen's kernels.
     const at::Tensor starts = batch.documents.to(q.device());
     return variant_attention(q, heads.k, heads.v, spec, training, same_document(starts, starts));
   }
-  const double p = training ? spec.dropout : 0.0;
-  // A soft-cap sits inside the softmax: the fused kernel's batched path has it, ATen's kernels do not.
-  const bool bf16 = fused::detail::compute_dtype(q.scalar_type()) == at::kBFloat16;
-  const bool capped_fused = fused && fused::batched_attention_applies(q.device().is_cpu(), bf16, heads.k.size(2),
-                                                                      q.size(3), p);
-  if ((spec.softcap > 0 && !capped_fused) || (!fused && !spec.plain())) {
+  if ((spec.softcap > 0 && !batched) || (!fused && !spec.plain())) {
     return variant_attention(q, heads.k, heads.v, spec, training);
   }
   // Grouped queries: the fused kernel takes k and v as they are (Note [Grouped queries]).
-  if (fused) return fused::attention(q, heads.k, heads.v, p, /*causal=*/true, spec.window, spec.scale, spec.softcap);
+  if (fused) {
+    return fused::attention(q, heads.k, heads.v, p, /*causal=*/true, spec.window, spec.scale, spec.softcap,
+                            batch.documents);
+  }
   const int64_t times = q.size(1) / heads.k.size(1);
   const at::Tensor k = times > 1 ? heads.k.repeat_interleave(times, 1) : heads.k;
   const at::Tensor v = times > 1 ? heads.v.repeat_interleave(times, 1) : heads.v;

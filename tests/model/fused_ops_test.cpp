@@ -219,43 +219,67 @@ TEST(FusedOps, WindowedAttentionMatchesTheMaskedReference) {
 
 // The softmax passes of the batched attention against ATen's softmax and its
 // gradient, in fp32 and in place, with rows that are not a whole number of
-// vectors, and with queries that start past the first key (the causal split's
-// second block).
+// vectors, with queries that start past the first key (the causal split's
+// second block), and with rows of packed documents.
 TEST(FusedOps, AttentionSoftmaxKernelsMatchATen) {
   const int64_t q_len = 37, rows = 2 * q_len;
   const float scale = 0.3f;
-  for (auto [causal, key_offset] : std::vector<std::pair<bool, int64_t>>{{true, 0}, {false, 0}, {true, 6}}) {
-    SCOPED_TRACE(std::string(causal ? "causal" : "full") + " key offset " + std::to_string(key_offset));
-    const int64_t k_len = q_len + key_offset;
+  struct Case {
+    bool causal;
+    int64_t key_offset;
+    bool documents;
+  };
+  for (const Case c : {Case{true, 0, false}, Case{false, 0, false}, Case{true, 6, false}, Case{true, 6, true}}) {
+    SCOPED_TRACE(std::string(c.causal ? "causal" : "full") + " key offset " + std::to_string(c.key_offset) +
+                 (c.documents ? " documents" : ""));
+    const int64_t k_len = q_len + c.key_offset;
     const at::Tensor s = randn({2, q_len, k_len}, 20, 3.0);
     const at::Tensor dp = randn({2, q_len, k_len}, 21);
-    const at::Tensor mask = at::ones({q_len, k_len}, at::kBool).triu(1 + key_offset);
+    at::Tensor mask = at::ones({q_len, k_len}, at::kBool).triu(1 + c.key_offset).expand({2, q_len, k_len});
+    // Two rows of documents: starts at columns 0, 10, 25 and at 0, 3 (Batch::documents).
+    const at::Tensor starts = at::zeros({2, k_len}, at::kLong);
+    starts[0].narrow(0, 10, 15).fill_(10);
+    starts[0].narrow(0, 25, k_len - 25).fill_(25);
+    starts[1].narrow(0, 3, k_len - 3).fill_(3);
+    if (c.documents) {  // query column i + key_offset sees no key before its document's start
+      const at::Tensor query_starts = starts.narrow(1, c.key_offset, q_len).unsqueeze(2);
+      mask = mask.logical_or(at::arange(k_len, at::kLong).view({1, 1, k_len}) < query_starts);
+    }
+    fused::kernel::ScoreRows r;
+    r.rows = rows;
+    r.q_len = q_len;
+    r.k_len = k_len;
+    r.causal = c.causal;
+    r.key_offset = c.key_offset;
+    if (c.documents) {
+      r.documents = starts.const_data_ptr<int64_t>();
+      r.batch_rows = q_len;
+      r.columns = k_len;
+    }
     const at::Tensor leaf = s.clone().requires_grad_(true);
-    const at::Tensor expected = at::softmax(causal ? (leaf * scale).masked_fill(mask, -INFINITY) : leaf * scale, -1);
+    const at::Tensor expected = at::softmax(c.causal ? (leaf * scale).masked_fill(mask, -INFINITY) : leaf * scale, -1);
     expected.backward(dp);
     const fused::kernel::Table& kernels = fused::kernel::table();
     constexpr fused::kernel::Dt f32 = fused::kernel::Dt::kFloat;
     const at::Tensor p = s.clone();
-    kernels.attention_softmax_forward(rows, q_len, k_len, p.data_ptr(), f32, scale, 0, causal, key_offset, 0,
-                                      p.data_ptr(), f32);
+    kernels.attention_softmax_forward(r, p.data_ptr(), f32, scale, 0, p.data_ptr(), f32);
     EXPECT_LT(relative_error(p, expected.detach()), 1e-6);
     const at::Tensor ds = dp.clone();
-    kernels.attention_softmax_backward(rows, q_len, k_len, p.data_ptr(), f32, ds.data_ptr(), f32, nullptr, f32, scale,
-                                       0, causal, key_offset, 0, ds.data_ptr(), f32);
+    kernels.attention_softmax_backward(r, p.data_ptr(), f32, ds.data_ptr(), f32, nullptr, f32, scale, 0, ds.data_ptr(),
+                                       f32);
     EXPECT_LT(relative_error(ds, leaf.grad()), 1e-5);
     // Soft-capped scores (Gemma 2): softmax of c·tanh(scale·s/c), its gradient through the cap.
     const float cap = 2.5f;
     const at::Tensor capped_leaf = s.clone().requires_grad_(true);
     const at::Tensor z = at::tanh(capped_leaf * scale / cap) * cap;
-    const at::Tensor capped_expected = at::softmax(causal ? z.masked_fill(mask, -INFINITY) : z, -1);
+    const at::Tensor capped_expected = at::softmax(c.causal ? z.masked_fill(mask, -INFINITY) : z, -1);
     capped_expected.backward(dp);
     const at::Tensor pc = s.clone();
-    kernels.attention_softmax_forward(rows, q_len, k_len, pc.data_ptr(), f32, scale, cap, causal, key_offset, 0,
-                                      pc.data_ptr(), f32);
+    kernels.attention_softmax_forward(r, pc.data_ptr(), f32, scale, cap, pc.data_ptr(), f32);
     EXPECT_LT(relative_error(pc, capped_expected.detach()), 1e-6);
     const at::Tensor dsc = dp.clone();
-    kernels.attention_softmax_backward(rows, q_len, k_len, pc.data_ptr(), f32, dsc.data_ptr(), f32, s.data_ptr(), f32,
-                                       scale, cap, causal, key_offset, 0, dsc.data_ptr(), f32);
+    kernels.attention_softmax_backward(r, pc.data_ptr(), f32, dsc.data_ptr(), f32, s.data_ptr(), f32, scale, cap,
+                                       dsc.data_ptr(), f32);
     EXPECT_LT(relative_error(dsc, capped_leaf.grad()), 1e-5);
   }
 }
@@ -318,6 +342,52 @@ TEST(FusedOps, GroupedQueryAttentionMatchesTheRepeatedReference) {
   EXPECT_THROW(fused::attention(wide[0], wide[1].narrow(1, 0, 1).repeat({1, 3, 1, 1}), wide[2].repeat({1, 3, 1, 1}), 0.0,
                                 true),
                c10::Error);
+}
+
+// Rows of documents side by side (Batch::documents) through the batched
+// path, against ATen's attention with the block-diagonal mask: forward and
+// every gradient, grouped queries, both causal split parities, a window and a
+// soft-cap; beyond the batched path's reach, ATen's kernel with the mask.
+TEST(FusedOps, PackedDocumentsMatchTheMaskedReference) {
+  auto starts_of = [](int64_t t) {  // row 0: documents from columns 0, 9, 20; row 1: one document
+    at::Tensor starts = at::zeros({2, t}, at::kLong);
+    starts[0].narrow(0, 9, 11).fill_(9);
+    starts[0].narrow(0, 20, t - 20).fill_(20);
+    return starts;
+  };
+  struct Case {
+    int64_t t, window;
+    double softcap;
+  };
+  for (const Case c : {Case{40, 0, 0}, Case{41, 0, 0}, Case{41, 16, 0}, Case{40, 0, 3.0}}) {
+    SCOPED_TRACE("t " + std::to_string(c.t) + " window " + std::to_string(c.window) + " softcap " +
+                 std::to_string(c.softcap));
+    const std::vector<at::Tensor> in = {randn({2, 6, c.t, 16}, 50, 2.0), randn({2, 2, c.t, 16}, 51, 2.0),
+                                        randn({2, 2, c.t, 16}, 52)};
+    const at::Tensor starts = starts_of(c.t);
+    AttentionSpec spec;
+    spec.window = c.window;
+    spec.softcap = c.softcap;
+    spec.scale = 0.3;
+    const Op reference = [spec, starts](auto& x) {
+      return variant_attention(x[0], x[1].repeat_interleave(3, 1), x[2].repeat_interleave(3, 1), spec, false,
+                               same_document(starts, starts));
+    };
+    const Op ours = [c, starts](auto& x) {
+      return fused::attention(x[0], x[1], x[2], 0.0, true, c.window, 0.3, c.softcap, starts);
+    };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "packed documents");
+    }
+  }
+  const std::vector<at::Tensor> wide = {randn({2, 2, 80, 8}, 53), randn({2, 2, 80, 8}, 54), randn({2, 2, 80, 8}, 55)};
+  const at::Tensor starts = starts_of(80);
+  const Op wide_reference = [starts](auto& x) {
+    return variant_attention(x[0], x[1], x[2], AttentionSpec(), false, same_document(starts, starts));
+  };
+  const Op wide_ours = [starts](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, true, 0, 0, 0, starts); };
+  expect_same(wide_ours, wide_reference, wide, at::kFloat, kFp32, "packed documents through ATen");
+  EXPECT_THROW(fused::attention(wide[0], wide[1], wide[2], 0.0, false, 0, 0, 0, starts), c10::Error);
 }
 
 // What the batched attention keeps (Note [CPU attention]): the causal

@@ -34,7 +34,9 @@ namespace meshtrain::model::fused {
 // same; in the `small` step 7% more tokens/s in either). Entries past a causal
 // query's position inside a block are written as zeros and skipped by the
 // softmax passes, and so are those before a sliding window (Mistral, Gemma
-// 2's local blocks: the products still cover every key up to the query).
+// 2's local blocks: the products still cover every key up to the query) and
+// those before a packed row's document start (Batch::documents: a query's
+// first key is the later of its window's and its document's first).
 // Gemma 2's soft-cap c·tanh(z/c) is applied inside the forward pass; its
 // backward needs tanh of the scores, which p cannot give back, so it forms
 // each block's q·kᵀ again (a seventh product, no T² tensor kept): in the
@@ -74,20 +76,36 @@ at::Tensor group_rows(const at::Tensor& grouped, int64_t from, int64_t n) {
 }
 
 // What the softmax passes of a block compute beside the product: its rows are
-// a group's heads one after another, `q_len` queries each.
+// a group's heads one after another, `q_len` queries each, at key positions
+// key_offset + i; `documents` (undefined: none) as Batch::documents.
 struct Pass {
   float scale, softcap;
   bool causal;
   int64_t key_offset, window, q_len;
+  const at::Tensor& documents;
 };
 
-// One block of rows: p = softmax(scale · q·kᵀ, soft-capped), the queries of
-// each head at key positions key_offset + i.
+// The rows of a block's scores [n, rows, k_len] under `pass`.
+kernel::ScoreRows score_rows(const at::Tensor& scores, const Pass& pass) {
+  kernel::ScoreRows r;
+  r.k_len = scores.size(2);
+  r.rows = scores.numel() / r.k_len;
+  r.q_len = pass.q_len;
+  r.causal = pass.causal;
+  r.key_offset = pass.key_offset;
+  r.window = pass.window;
+  if (pass.documents.defined()) {
+    r.documents = pass.documents.const_data_ptr<int64_t>();
+    r.batch_rows = r.rows / pass.documents.size(0);
+    r.columns = pass.documents.size(1);
+  }
+  return r;
+}
+
+// One block of rows: p = softmax(scale · q·kᵀ, soft-capped).
 at::Tensor block_softmax(const at::Tensor& q, const at::Tensor& k, const Pass& pass) {
   const at::Tensor p = at::bmm(q, k.transpose(1, 2));
-  const int64_t k_len = k.size(1);
-  kernel::table().attention_softmax_forward(p.numel() / k_len, pass.q_len, k_len, p.const_data_ptr(), dt(p), pass.scale,
-                                            pass.softcap, pass.causal, pass.key_offset, pass.window,
+  kernel::table().attention_softmax_forward(score_rows(p, pass), p.const_data_ptr(), dt(p), pass.scale, pass.softcap,
                                             p.mutable_data_ptr(), dt(p));
   return p;
 }
@@ -105,11 +123,10 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
   const at::Tensor ds = at::bmm(dy, v.transpose(1, 2));  // dp, then ds in place
   // A soft-cap's derivative needs the scores: computed again (one product), not kept.
   const at::Tensor s = pass.softcap > 0 ? at::bmm(q, k.transpose(1, 2)) : at::Tensor();
-  const int64_t k_len = k.size(1);
-  kernel::table().attention_softmax_backward(ds.numel() / k_len, pass.q_len, k_len, p.const_data_ptr(), dt(p),
-                                             ds.const_data_ptr(), dt(ds), s.defined() ? s.const_data_ptr() : nullptr,
-                                             s.defined() ? dt(s) : dt(p), pass.scale, pass.softcap, pass.causal,
-                                             pass.key_offset, pass.window, ds.mutable_data_ptr(), dt(ds));
+  kernel::table().attention_softmax_backward(score_rows(ds, pass), p.const_data_ptr(), dt(p), ds.const_data_ptr(),
+                                             dt(ds), s.defined() ? s.const_data_ptr() : nullptr,
+                                             s.defined() ? dt(s) : dt(p), pass.scale, pass.softcap,
+                                             ds.mutable_data_ptr(), dt(ds));
   g.dq = at::bmm(ds, k);
   g.dk = at::bmm(ds.transpose(1, 2), q);
   return g;
@@ -126,11 +143,13 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
 // cost two forward and their sums backward); with G = 1 these are views.
 struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal, int64_t window, double score_scale, double softcap) {
+                            bool causal, int64_t window, double score_scale, double softcap,
+                            const std::optional<at::Tensor>& starts) {
     RECORD_FUNCTION("meshtrain::fused_attention", std::vector<c10::IValue>());
     const at::ScalarType type = compute_dtype(q.scalar_type());
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const at::Tensor kb = batched(k, type), vb = batched(v, type);
+    const at::Tensor documents = starts.value_or(at::Tensor());
     const int64_t q_len = q.size(2), k_len = k.size(2), h = causal_split(q_len, k_len, causal);
     const int64_t groups = q.size(1) / k.size(1);
     const at::Tensor qg = batched(q, type).view({kb.size(0), groups, q_len, q.size(3)});
@@ -139,13 +158,13 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const float cap = static_cast<float>(softcap);
     if (h == 0) {
       const at::Tensor rows = group_rows(qg, 0, q_len);
-      const at::Tensor p = block_softmax(rows, kb, {scale, cap, causal, 0, window, q_len});
+      const at::Tensor p = block_softmax(rows, kb, {scale, cap, causal, 0, window, q_len, documents});
       y = at::bmm(p, vb);
       ctx->save_for_backward({rows, kb, vb, p});
     } else {
       const at::Tensor q_first = group_rows(qg, 0, h), q_rest = group_rows(qg, h, q_len - h);
-      const at::Tensor first = block_softmax(q_first, kb.narrow(1, 0, h), {scale, cap, true, 0, window, h});
-      const at::Tensor rest = block_softmax(q_rest, kb, {scale, cap, true, h, window, q_len - h});
+      const at::Tensor first = block_softmax(q_first, kb.narrow(1, 0, h), {scale, cap, true, 0, window, h, documents});
+      const at::Tensor rest = block_softmax(q_rest, kb, {scale, cap, true, h, window, q_len - h, documents});
       const int64_t n = kb.size(0), d = v.size(3);
       y = at::cat({at::bmm(first, vb.narrow(1, 0, h)).view({n, groups, h, d}),
                    at::bmm(rest, vb).view({n, groups, q_len - h, d})},
@@ -156,6 +175,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     ctx->saved_data["q_len"] = q_len;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
+    if (documents.defined()) ctx->saved_data["documents"] = documents;
     ctx->saved_data["scale"] = static_cast<double>(scale);
     ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["types"] = std::vector<int64_t>{int64_t(q.scalar_type()), int64_t(k.scalar_type()),
@@ -170,6 +190,8 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const std::vector<int64_t> types = ctx->saved_data["types"].toIntVector();
     const bool causal = ctx->saved_data["causal"].toBool();
     const int64_t window = ctx->saved_data["window"].toInt();
+    const auto kept = ctx->saved_data.find("documents");
+    const at::Tensor documents = kept == ctx->saved_data.end() ? at::Tensor() : kept->second.toTensor();
     const int64_t h = ctx->saved_data["split"].toInt(), q_len = ctx->saved_data["q_len"].toInt();
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
     const float cap = static_cast<float>(ctx->saved_data["softcap"].toDouble());
@@ -179,14 +201,15 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     if (h == 0) {
       const at::Tensor &rows = saved[0], &kb = saved[1], &vb = saved[2], &p = saved[3];
       const at::Tensor dy = batched(dy4, p.scalar_type()).reshape({rows.size(0), rows.size(1), d});
-      g = block_backward(p, rows, kb, vb, dy, {scale, cap, causal, 0, window, q_len});
+      g = block_backward(p, rows, kb, vb, dy, {scale, cap, causal, 0, window, q_len, documents});
     } else {
       const at::Tensor &q_first = saved[0], &q_rest = saved[1], &kb = saved[2], &vb = saved[3];
       const int64_t groups = n / kb.size(0);
       const at::Tensor dyg = batched(dy4, saved[4].scalar_type()).reshape({kb.size(0), groups, q_len, d});
-      g = block_backward(saved[5], q_rest, kb, vb, group_rows(dyg, h, q_len - h), {scale, cap, true, h, window, q_len - h});
+      g = block_backward(saved[5], q_rest, kb, vb, group_rows(dyg, h, q_len - h),
+                         {scale, cap, true, h, window, q_len - h, documents});
       const BlockGrads first = block_backward(saved[4], q_first, kb.narrow(1, 0, h), vb.narrow(1, 0, h),
-                                              group_rows(dyg, 0, h), {scale, cap, true, 0, window, h});
+                                              group_rows(dyg, 0, h), {scale, cap, true, 0, window, h, documents});
       g.dq = at::cat({first.dq.view({kb.size(0), groups, h, q_first.size(2)}),
                       g.dq.view({kb.size(0), groups, q_len - h, q_first.size(2)})},
                      2);
@@ -198,7 +221,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     };
     const int64_t kv_heads = g.dk.size(0) / dy4.size(0);
     return {shaped(g.dq, dy4.size(1), types[0]), shaped(g.dk, kv_heads, types[1]), shaped(g.dv, kv_heads, types[2]),
-            {}, {}, {}, {}};
+            {}, {}, {}, {}, {}};
   }
 };
 
@@ -214,25 +237,31 @@ int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal) {
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
-                     int64_t window, double scale, double softcap) {
+                     int64_t window, double scale, double softcap, const at::Tensor& documents) {
   const bool bf16 = compute_dtype(q.scalar_type()) == at::kBFloat16;
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1),
               "fused::attention: the query heads (", q.size(1), ") must be a multiple of the key/value heads (", k.size(1),
               ", ", v.size(1), ")");
+  TORCH_CHECK(!documents.defined() || (causal && documents.dim() == 2 && documents.size(0) == q.size(0) &&
+                                       documents.size(1) == q.size(2) && q.size(2) == k.size(2)),
+              "fused::attention: documents [batch, columns] need causal attention with as many queries as keys");
+  const at::Tensor starts = documents.defined() ? documents.to(at::kLong).contiguous() : documents;
   const bool gqa = q.size(1) != k.size(1);
-  if (eligible(q) && eligible(k) && eligible(v) &&
+  if (eligible(q) && eligible(k) && eligible(v) && (!starts.defined() || starts.device().is_cpu()) &&
       batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
-    return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale, softcap);
+    return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale, softcap,
+                                   starts.defined() ? std::optional<at::Tensor>(starts) : std::nullopt);
   }
   TORCH_CHECK(softcap == 0, "fused::attention: soft-capped scores take the batched path only (batched_attention_applies)");
-  // ATen's: a sliding window as a boolean mask.
+  // ATen's: a sliding window and documents as a boolean mask.
   at::Tensor mask;
-  if (causal && window > 0) {  // queries at the last of the keys' columns
+  if (causal && (window > 0 || starts.defined())) {  // queries at the last of the keys' columns
     const at::TensorOptions columns = at::TensorOptions(at::kLong).device(q.device());
     const int64_t t = q.size(2), keys = k.size(2);
     AttentionSpec spec;
     spec.window = window;
     mask = allowed_pairs(at::arange(keys - t, keys, columns), at::arange(keys, columns), spec);
+    if (starts.defined()) mask = mask.logical_and(same_document(starts, starts));
   }
   const bool is_causal = causal && !mask.defined();
   // ATen's flash kernels take as many key/value heads as query heads: repeated.

@@ -17,6 +17,20 @@ struct Norm {
   const float* bias = nullptr;    // [width] or none
 };
 
+// Rows of attention scores [rows, k_len] and the keys each sees. Row r is
+// query i = r % q_len, at key position i + key_offset. causal: it sees keys
+// 0..i + key_offset, and with window > 0 only the last `window` of those.
+// documents (causal only): [batch, columns] int64, the column where each
+// query's document starts (Batch::documents); the rows of batch element b are
+// b·batch_rows .. (b + 1)·batch_rows, and a query sees no key before its start.
+struct ScoreRows {
+  int64_t rows = 0, q_len = 0, k_len = 0;
+  bool causal = false;
+  int64_t key_offset = 0, window = 0;
+  const int64_t* documents = nullptr;
+  int64_t batch_rows = 0, columns = 0;
+};
+
 struct Table {
   // h = x + r (r may be null: h is x, not written); y = norm(h) · weight + bias;
   // mean, rstd [rows] kept for backward.
@@ -47,18 +61,15 @@ struct Table {
   // positions offset + t (cos, sin [*, d/2]). sign -1 is the backward.
   void (*rope)(const int64_t* sizes, const int64_t* strides, const void* x, const float* cos, const float* sin,
                int64_t offset, float sign, void* y, Dt t);
-  // Softmax of z = scale · s over each row of attention scores [rows, k_len]
-  // (row r is query i = r % q_len, at key position i + key_offset; causal: it
-  // sees keys 0..i + key_offset, and with window > 0 only the last `window` of
-  // those; the rest of its row is 0); softcap > 0: of c·tanh(z/c) (Gemma 2).
-  // Backward: ds = scale · p · (dp - rowsum(p · dp)), times 1 - tanh²(z/c)
-  // under a soft-cap, for which it reads the scores s again (else s is
-  // unused). p may be s, ds may be dp.
-  void (*attention_softmax_forward)(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                                    float softcap, bool causal, int64_t key_offset, int64_t window, void* p, Dt pt);
-  void (*attention_softmax_backward)(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                     Dt dpt, const void* s, Dt st, float scale, float softcap, bool causal,
-                                     int64_t key_offset, int64_t window, void* ds, Dt dst);
+  // Softmax of z = scale · s over each row of attention scores [rows, k_len],
+  // the keys of `r` only (the rest of the row is 0); softcap > 0: of
+  // c·tanh(z/c) (Gemma 2). Backward: ds = scale · p · (dp - rowsum(p · dp)),
+  // times 1 - tanh²(z/c) under a soft-cap, for which it reads the scores s
+  // again (else s is unused). p may be s, ds may be dp.
+  void (*attention_softmax_forward)(const ScoreRows& r, const void* s, Dt st, float scale, float softcap, void* p,
+                                    Dt pt);
+  void (*attention_softmax_backward)(const ScoreRows& r, const void* p, Dt pt, const void* dp, Dt dpt, const void* s,
+                                     Dt st, float scale, float softcap, void* ds, Dt dst);
 };
 
 extern const Table avx512_table;   // built on x86-64

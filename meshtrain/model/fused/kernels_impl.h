@@ -354,15 +354,16 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
   });
 }
 
-// Rows of attention scores [batch·q_len, k_len]: row r is query i = r % q_len,
-// at key position i + key_offset. A causal row sees keys 0..i + key_offset
-// (ATen's is_causal for offset 0); the rest of the row is written as zeros.
-inline int64_t visible_keys(int64_t row, int64_t q_len, int64_t k_len, bool causal, int64_t key_offset) {
-  return causal ? std::min(k_len, row % q_len + key_offset + 1) : k_len;
+// The keys row `row` of `r` sees: first_visible_key .. visible_keys - 1 (ATen's
+// is_causal for offset 0); the rest of the row is written as zeros.
+inline int64_t visible_keys(int64_t row, const ScoreRows& r) {
+  return r.causal ? std::min(r.k_len, row % r.q_len + r.key_offset + 1) : r.k_len;
 }
-// The first key a causal row with a sliding window sees (0 without one).
-inline int64_t first_visible_key(int64_t row, int64_t q_len, bool causal, int64_t key_offset, int64_t window) {
-  return causal && window > 0 ? std::max<int64_t>(0, row % q_len + key_offset - window + 1) : 0;
+inline int64_t first_visible_key(int64_t row, const ScoreRows& r) {
+  if (!r.causal) return 0;
+  const int64_t column = row % r.q_len + r.key_offset;
+  const int64_t first = r.window > 0 ? std::max<int64_t>(0, column - r.window + 1) : 0;
+  return r.documents ? std::max(first, r.documents[row / r.batch_rows * r.columns + column]) : first;
 }
 
 // tanh(y) = 2·sigmoid(2y) − 1 (ATen's exp, as the GELU above).
@@ -371,14 +372,13 @@ inline Vec tanh_of(const Vec& y) { return Vec(2.0f) * sigmoid(Vec(2.0f) * y) - V
 // A soft-capped score c·tanh(z/c) (c > 0), or z.
 inline Vec capped(const Vec& z, float cap) { return cap > 0 ? Vec(cap) * tanh_of(z * Vec(1.0f / cap)) : z; }
 
-void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const void* s, Dt st, float scale,
-                               float softcap, bool causal, int64_t key_offset, int64_t window, void* p, Dt pt) {
-  at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
+void attention_softmax_forward(const ScoreRows& r, const void* s, Dt st, float scale, float softcap, void* p, Dt pt) {
+  const int64_t k_len = r.k_len;
+  at::parallel_for(0, r.rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
-      const int64_t lo = first_visible_key(row, q_len, causal, key_offset, window), m = n - lo;
+      const int64_t offset = row * k_len, n = visible_keys(row, r), lo = first_visible_key(row, r), m = n - lo;
       const float* x = read_row(s, st, offset + lo, m, scratch.data());
       float* e = work_row(p, pt, offset, scratch.data() + k_len);
       // scale > 0 and the cap rises with z: the row's largest score gives its largest capped one.
@@ -400,15 +400,14 @@ void attention_softmax_forward(int64_t rows, int64_t q_len, int64_t k_len, const
   });
 }
 
-void attention_softmax_backward(int64_t rows, int64_t q_len, int64_t k_len, const void* p, Dt pt, const void* dp,
-                                Dt dpt, const void* s, Dt st, float scale, float softcap, bool causal,
-                                int64_t key_offset, int64_t window, void* ds, Dt dst) {
-  at::parallel_for(0, rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
+void attention_softmax_backward(const ScoreRows& r, const void* p, Dt pt, const void* dp, Dt dpt, const void* s, Dt st,
+                                float scale, float softcap, void* ds, Dt dst) {
+  const int64_t k_len = r.k_len;
+  at::parallel_for(0, r.rows, grain_rows(k_len), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(4 * k_len);
     const Vec vscale(scale);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t offset = row * k_len, n = visible_keys(row, q_len, k_len, causal, key_offset);
-      const int64_t lo = first_visible_key(row, q_len, causal, key_offset, window), m = n - lo;
+      const int64_t offset = row * k_len, n = visible_keys(row, r), lo = first_visible_key(row, r), m = n - lo;
       const float* pr = read_row(p, pt, offset + lo, m, scratch.data());
       const float* gr = read_row(dp, dpt, offset + lo, m, scratch.data() + k_len);
       Vec acc(0);

@@ -58,9 +58,11 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // [B, Hkv, T, d], Hkv dividing H (grouped queries, Note [Grouped queries]);
 // causal with window > 0: each query sees itself and the window - 1 keys
 // before it; scale > 0 replaces 1/sqrt(d); softcap > 0 caps the scores,
-// c·tanh(s/c), and needs the batched path (batched_attention_applies).
+// c·tanh(s/c), and needs the batched path (batched_attention_applies);
+// documents [B, T] (causal, as many queries as keys): rows of documents side
+// by side, each query seeing only its own document's keys (Batch::documents).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
-                     int64_t window = 0, double scale = 0, double softcap = 0);
+                     int64_t window = 0, double scale = 0, double softcap = 0, const at::Tensor& documents = {});
 // Whether attention() takes its batched path (Note [CPU attention]), which
 // keeps the softmax for backward: on the CPU (bf16 only without AMX), without
 // dropout, keys <= 4 * head_dim.
