@@ -419,14 +419,18 @@ TEST(FusedOps, BatchedAttentionKeepsItsSoftmaxAndNothingMore) {
 }
 
 // Whole models: the loss and every parameter's gradient with fused on equal
-// those with it off, for both styles, in fp32 and under bf16 autocast.
+// those with it off, for both styles and QK-norm per head (Qwen3) and over
+// all heads (OLMo 2), in fp32 and under bf16 autocast.
 TEST(FusedOps, ModelsWithFusedOperatorsMatchTheReferenceModels) {
-  for (const std::string preset : {"tiny", "llama-tiny"}) {
+  const std::vector<std::pair<std::string, QkNorm>> models = {
+      {"tiny", QkNorm::kNone}, {"llama-tiny", QkNorm::kNone}, {"llama-tiny", QkNorm::kHead}, {"llama-tiny", QkNorm::kWidth}};
+  for (const auto& [preset, qk_norm] : models) {
     for (bool bf16 : {false, true}) {
-      SCOPED_TRACE(preset + (bf16 ? " bf16" : " fp32"));
+      SCOPED_TRACE(preset + " qk_norm " + std::to_string(static_cast<int>(qk_norm)) + (bf16 ? " bf16" : " fp32"));
       GptConfig config = GptConfig::preset(preset);
       config.layers = 2;
       config.context = 32;
+      config.qk_norm = qk_norm;
       if (preset == "llama-tiny") config.kv_heads = 2;
       GptConfig reference_config = config;
       reference_config.fused = false;
