@@ -92,10 +92,10 @@ class LoraHooks : public ForwardHooks {
     const bool training = site.adapters.front().second->is_training();
     const at::Tensor x = dropout_ > 0 && training ? at::dropout(input, dropout_, true) : input;
     const at::Tensor x2 = x.reshape({-1, x.size(-1)}), y2 = y.reshape({-1, y.size(-1)});
-    // y + (scale·x·Aᵀ)·Bᵀ: the scale on the narrow product, the sum inside the second matmul.
+    // y + scale·(x·Aᵀ)·Bᵀ: the scale and the sum inside the second matmul.
     if (!site.qkv) {
       const LoraAdapter& a = site.adapters.front().second;
-      return at::addmm(y2, at::linear(x2, a->A) * scale_, a->B.t()).view(y.sizes());
+      return at::addmm(y2, at::linear(x2, a->A), a->B.t(), 1.0, scale_).view(y.sizes());
     }
     // q, k and v's adapters as one: A stacked [n·rank, in]; Bᵀ [n·rank, qkv outputs]
     // with each target's Bᵀ in its own rows and its part's columns of the fused layout.
@@ -109,7 +109,7 @@ class LoraHooks : public ForwardHooks {
       (target == "q" ? q : target == "k" ? k : v) = slot;
     }
     const at::Tensor bt = fuse_qkv(q, k, v, at::empty({n * r, y.size(-1)}, y.options()), model_);
-    return at::addmm(y2, at::linear(x2, at::cat(a, 0)) * scale_, bt).view(y.sizes());
+    return at::addmm(y2, at::linear(x2, at::cat(a, 0)), bt, 1.0, scale_).view(y.sizes());
   }
 
   std::unordered_map<std::string, Site> sites;  // by call site
