@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <stdexcept>
 #include <algorithm>
 #include <optional>
@@ -51,12 +52,22 @@ double cpu_flops_all_cores() {
 }
 
 // --moe-load: a number, or a training run's metrics.jsonl whose steps report
-// per MoE layer rank_load and the share dropped at capacity. Each is the mean
-// over layers (every layer's all-to-alls wait for its busiest rank), then the
-// median over the steps after the first. `kept`: 1 - dropped (0 for a number).
+// per MoE layer rank_load_by_ep (the load at every expert parallel degree),
+// or, from runs before it, rank_load and the share dropped at capacity. Each
+// is the mean over layers (every layer's all-to-alls wait for its busiest
+// rank), then the median over the steps after the first. `kept`: 1 - dropped
+// (0 for a number).
 struct MoeLoad {
   double load = 0, kept = 0;
+  std::vector<std::pair<int64_t, double>> by_ep;
 };
+
+double median_after_first(std::vector<double> v) {  // the first step's router is the least trained
+  if (v.size() > 1) v.erase(v.begin());
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
 MoeLoad moe_load_of(const std::string& value) {
   if (value.empty()) return {};
   std::error_code error;
@@ -70,9 +81,10 @@ MoeLoad moe_load_of(const std::string& value) {
     if (used != value.size() || !(load >= 0) || load > 1e6) {
       throw std::invalid_argument("--moe-load " + value + ": give a load (e.g. 1.2) or a training run's metrics.jsonl");
     }
-    return {load, 0};
+    return {load, 0, {}};
   }
   std::vector<double> loads, kept;
+  std::map<int64_t, std::vector<double>> by_ep;  // per degree, each step's mean over layers
   std::ifstream in(value);
   bool without_ep = false;
   auto number = [](const nlohmann::json& layer, const char* key, double lo, double hi) {
@@ -83,8 +95,17 @@ MoeLoad moe_load_of(const std::string& value) {
     const nlohmann::json line = nlohmann::json::parse(text, nullptr, false);
     if (!line.is_object() || !line.contains("step") || !line.contains("moe") || !line["moe"].is_array()) continue;
     double load = 0, dropped = 0, layers = 0;
+    std::map<int64_t, std::pair<double, double>> step_by_ep;  // degree -> (sum over layers, layers)
     for (const nlohmann::json& layer : line["moe"]) {
-      if (!layer.is_object() || !number(layer, "rank_load", 0, 1e6)) continue;
+      if (!layer.is_object()) continue;
+      if (const auto it = layer.find("rank_load_by_ep"); it != layer.end() && it->is_object()) {
+        for (const auto& [degree, value] : it->items()) {
+          const int64_t ep = std::atoll(degree.c_str());
+          if (ep < 1 || !value.is_number() || !(value.get<double>() >= 0 && value.get<double>() <= 1e6)) continue;
+          step_by_ep[ep].first += value.get<double>(), step_by_ep[ep].second += 1;
+        }
+      }
+      if (!number(layer, "rank_load", 0, 1e6)) continue;
       if (layer.contains("ep") && !number(layer, "ep", 2, 1e9)) {
         without_ep = true;  // a rank without expert parallel: its own assignments, not the busiest rank's
         continue;
@@ -92,23 +113,24 @@ MoeLoad moe_load_of(const std::string& value) {
       load += layer["rank_load"].get<double>(), ++layers;
       if (number(layer, "dropped", 0, 1)) dropped += layer["dropped"].get<double>();
     }
+    for (const auto& [ep, sum] : step_by_ep) by_ep[ep].push_back(sum.first / sum.second);
     if (layers > 0 && load > 0) loads.push_back(load / layers), kept.push_back(1 - dropped / layers);
   }
+  MoeLoad out;
+  for (const auto& [ep, series] : by_ep) out.by_ep.emplace_back(ep, median_after_first(series));
+  if (!out.by_ep.empty()) return out;
   if (loads.empty() && without_ep) {
-    throw std::invalid_argument("--moe-load " + value + ": its run had no expert parallel (ep = 1), so its rank_load "
-                                "is what a rank keeps of its own assignments; train with parallel.ep > 1 for a few "
-                                "steps and pass that run's metrics.jsonl");
+    throw std::invalid_argument("--moe-load " + value + ": its run had no expert parallel (ep = 1) and reports no "
+                                "rank_load_by_ep, so its rank_load is what a rank keeps of its own assignments; train "
+                                "with this version for a few steps and pass that run's metrics.jsonl");
   }
   if (loads.empty()) {
-    throw std::invalid_argument("--moe-load " + value + ": no step in it reports the MoE layers' rank_load; train the "
-                                "MoE model with expert parallel (parallel.ep > 1) for a few steps and pass its metrics.jsonl");
+    throw std::invalid_argument("--moe-load " + value + ": no step in it reports the MoE layers' load; train the "
+                                "MoE model for a few steps and pass its metrics.jsonl");
   }
-  auto median_after_first = [](std::vector<double> v) {  // the first step's router is the least trained
-    if (v.size() > 1) v.erase(v.begin());
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
-  return {median_after_first(loads), std::clamp(median_after_first(kept), 1e-3, 1.0)};
+  out.load = median_after_first(loads);
+  out.kept = std::clamp(median_after_first(kept), 1e-3, 1.0);
+  return out;
 }
 
 // The profile a plan is for (Note [This machine]): "this" (the default), a preset or a file; then the flags over it.
@@ -219,6 +241,7 @@ void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::W
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   const MoeLoad moe = moe_load_of(o.moe_load);
   if (moe.load > 0) workload.moe_load = moe.load, workload.moe_kept = moe.kept;
+  workload.moe_load_by_ep = moe.by_ep;
 }
 
 // `said`: what the profile is (this machine, a preset), and which of its figures are assumed.
@@ -231,7 +254,11 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str(),
               w.chunked_loss ? "chunked" : "whole-logits",
               w.selective == plan::SelectivePolicy::kOps ? ", selective recompute op-level" : "");
-  if (model.moe() && w.moe_load > 0) {
+  if (model.moe() && !w.moe_load_by_ep.empty()) {
+    std::printf("experts  the busiest rank computes x tokens x top_k per layer, by expert parallel degree:");
+    for (const auto& [ep, load] : w.moe_load_by_ep) std::printf(" %lld: %.2f", (long long)ep, load);
+    std::printf(" (--moe-load)\n");
+  } else if (model.moe() && w.moe_load > 0) {
     std::printf("experts  the busiest rank under expert parallel computes %.2f x tokens x top_k per layer", w.moe_load);
     if (w.moe_kept > 0) std::printf(", a rank without it %.2f (the rest dropped at capacity)", w.moe_kept);
     std::printf(" (--moe-load)\n");
@@ -450,8 +477,9 @@ PlanCommand::PlanCommand(CLI::App& app) {
       ->check(CLI::IsMember({"chunked", "whole"}));
   p->add_option("--moe-load", o_.moe_load,
                 "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k under expert "
-                "parallel, or a training run's metrics.jsonl, which reports it as rank_load (its median step is "
-                "taken); ep = 1 layouts compute only their own tokens' assignments (default: a balanced router)");
+                "parallel, or a training run's metrics.jsonl (any layout), which reports it at every expert parallel "
+                "degree as rank_load_by_ep (its median step is taken); ep = 1 layouts compute only their own tokens' "
+                "assignments (default: a balanced router)");
   p->add_option("--top", o_.top, "Rows of the ranked table")->capture_default_str();
   p->add_flag("--json", o_.json, "Print JSON instead of tables");
   p->add_option("--machine", o_.machine,

@@ -150,12 +150,19 @@ void StepEngine::step(double lr) { parts_.data_parallelism->step(lr); }
 std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
   std::vector<model::Moe> layers = parts_.model->moe_layers();
   if (layers.empty()) return {};
-  // Per layer: forwards, then the sums of aux, z, dropped, load and routed,
-  // summed over every rank; the most any rank computed, its maximum.
+  const model::GptConfig& config = parts_.model->config();
+  const int64_t experts = config.moe_experts, width = 7 + experts;
+  // Per layer: forwards, then the sums of aux, z, dropped, load, routed and
+  // assignments, and the kept assignments per expert, summed over every rank;
+  // the most any rank computed, its maximum.
   std::vector<double> rows, computed;
   for (model::Moe& layer : layers) {
     const model::MoeStats s = layer->stats();
-    rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed});
+    rows.insert(rows.end(),
+                {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed, s.assigned});
+    std::vector<double> kept = s.kept;
+    kept.resize(experts, 0.0);
+    rows.insert(rows.end(), kept.begin(), kept.end());
     computed.push_back(s.computed);
     layer->reset_stats();
   }
@@ -169,15 +176,19 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
   const double* sum = sums.data_ptr<double>();
   // Ranks that run this layer: those of its pipeline stage.
   const double ranks = static_cast<double>(world->size()) / static_cast<double>(parts_.spec().dims.pp);
-  const model::GptConfig& config = parts_.model->config();
   std::vector<model::MoeLayerMetrics> out;
   for (int64_t block = 0, i = 0; block < config.layers; ++block) {
     if (!config.is_moe_block(block)) continue;
     const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
-    out.push_back({block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
-                   most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep});
+    model::MoeLayerMetrics m{block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
+                             most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep};
+    const std::vector<double> kept(sum + 7, sum + width);
+    for (int64_t ep = 1; ep <= experts; ++ep) {
+      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, model::rank_load_at(kept, sum[6], ep));
+    }
+    out.push_back(std::move(m));
     ++i;
-    sum += 6;
+    sum += width;
   }
   return out;
 }

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace meshtrain::plan {
 
@@ -76,8 +78,10 @@ struct Workload {
   // it as rank_load). 0: a balanced router, capacity cutting it to cf when
   // cf < 1. `moe_kept`: the share of assignments capacity keeps (training's
   // 1 - dropped), what a rank without expert parallel computes of its own; 0:
-  // as the load says (rank_moe_load).
+  // as the load says (rank_moe_load). `moe_load_by_ep`: training's
+  // rank_load_by_ep, the load at each degree; where it names one, it holds.
   double moe_load = 0, moe_kept = 0;
+  std::vector<std::pair<int64_t, double>> moe_load_by_ep;
   // LoRA (rank > 0): the model frozen, adapters beside it; only they take
   // gradients and optimizer states.
   model::LoraConfig lora;

@@ -260,6 +260,9 @@ double assignments(const model::GptConfig& model, double tokens, double load) {
 }
 
 double rank_moe_load(const model::GptConfig& model, const Workload& w, int64_t ep) {
+  for (const auto& [degree, load] : w.moe_load_by_ep) {
+    if (degree == ep) return load;
+  }
   if (ep > 1) return w.moe_load;
   if (w.moe_kept > 0) return w.moe_kept;
   if (w.moe_load <= 0) return 0;

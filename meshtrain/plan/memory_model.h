@@ -125,8 +125,9 @@ inline int64_t all_to_all_group(const model::GptConfig& model, const Layout& l) 
 // tokens x top_k x `load`, or with load 0 (a balanced router) x min(1, cf).
 double assignments(const model::GptConfig& model, double tokens, double load = 0);
 
-// The load a rank computes at expert parallel degree `ep`: `w.moe_load` where
-// ep > 1; at ep = 1 a rank computes only what capacity keeps of its own
+// The load a rank computes at expert parallel degree `ep`: training's measure
+// at that degree (`w.moe_load_by_ep`) where it has one; else `w.moe_load`
+// where ep > 1; at ep = 1 a rank computes only what capacity keeps of its own
 // tokens' assignments: `w.moe_kept` where known, else the load but at most
 // the balanced count (min(1, cf)). 0 stays 0 (a balanced router).
 double rank_moe_load(const model::GptConfig& model, const Workload& w, int64_t ep);

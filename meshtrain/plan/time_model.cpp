@@ -198,7 +198,8 @@ void add_expert_parallel(TimeBreakdown& time, const StepInputs& in) {
   if (l.dims.ep == 1 || in.most_moe_layers == 0) return;
   const Link ep_link = link(in.machine, l.dims.ep, l.dims.tp);
   const double n = static_cast<double>(l.dims.ep), forwards = l.activation_checkpoint == parallel::CheckpointMode::kFull ? 2 : 1;
-  const double exchange = assignments(in.model, static_cast<double>(in.model.context) * in.b / in.cp, in.w.moe_load) / in.t *
+  const double load = rank_moe_load(in.model, in.w, l.dims.ep);
+  const double exchange = assignments(in.model, static_cast<double>(in.model.context) * in.b / in.cp, load) / in.t *
                           static_cast<double>(in.model.width) * in.w.precision.activation * (n - 1) / n;  // a tp rank sends its share
   const double per_layer = (2 * forwards + 2) * exchange;
   const double seconds_per_layer =

@@ -194,9 +194,11 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
   // Mixture of experts: per layer, and the means over layers for the progress line.
   double aux = 0, dropped = 0, load = 0;
   for (const model::MoeLayerMetrics& m : result.moe) {
+    nlohmann::json by_ep = nlohmann::json::object();
+    for (const auto& [ep, load] : m.rank_load_by_ep) by_ep[std::to_string(ep)] = load;
     line["moe"].push_back({{"block", m.block}, {"aux_loss", m.aux_loss}, {"z_loss", m.z_loss}, {"dropped", m.dropped},
                            {"load_max_over_mean", m.load_max_over_mean}, {"rank_load", m.rank_load},
-                           {"ep", m.ep}});
+                           {"ep", m.ep}, {"rank_load_by_ep", by_ep}});
     aux += (m.aux_loss + m.z_loss) / result.moe.size();
     dropped += m.dropped / result.moe.size();
     load = std::max(load, m.load_max_over_mean);

@@ -75,6 +75,15 @@ JSONL
 "$meshtrain" plan --model mixtral-8x7b --world 64 --moe-load "$dir/metrics.jsonl" > "$dir/moe-load.txt"
 grep -q "experts  the busiest rank under expert parallel computes 1.20 x tokens x top_k per layer, a rank without it 0.80" \
   "$dir/moe-load.txt" || { cat "$dir/moe-load.txt"; exit 1; }
+# Runs that report the load at every degree (any layout, ep = 1 too): each degree's own median.
+cat > "$dir/by-ep.jsonl" <<'JSONL'
+{"step": 1, "moe": [{"block": 1, "rank_load": 1.0, "ep": 1, "rank_load_by_ep": {"1": 1.0, "2": 3.0, "4": 3.0, "8": 3.0}}]}
+{"step": 2, "moe": [{"block": 1, "rank_load": 1.0, "ep": 1, "rank_load_by_ep": {"1": 0.9, "2": 1.1, "4": 1.3, "8": 1.5}}, {"block": 3, "rank_load": 1.0, "ep": 1, "rank_load_by_ep": {"1": 0.9, "2": 1.3, "4": 1.5, "8": 1.9}}]}
+{"step": 3, "moe": [{"block": 1, "rank_load": 1.0, "ep": 1, "rank_load_by_ep": {"1": 1.0, "2": 1.0, "4": 1.2, "8": 1.6}}]}
+JSONL
+"$meshtrain" plan --model mixtral-8x7b --world 64 --moe-load "$dir/by-ep.jsonl" > "$dir/by-ep.txt"
+grep -q "by expert parallel degree: 1: 1.00 2: 1.20 4: 1.40 8: 1.70 (--moe-load)" "$dir/by-ep.txt" ||
+  { cat "$dir/by-ep.txt"; exit 1; }
 cat > "$dir/run.toml" <<'TOML'
 [model]
 preset = "tiny"
@@ -153,8 +162,8 @@ expect_error "--selective ops models op-level recompute, which train does not ru
 expect_error "--moe-load 1.2x: give a load (e.g. 1.2) or a training run's metrics.jsonl" --model mixtral-8x7b --world 64 \
   --moe-load 1.2x
 echo '{"step": 2, "moe": [{"block": 1, "rank_load": 0.8, "dropped": 0.2, "ep": 1}]}' > "$dir/ep1.jsonl"
-expect_error "its run had no expert parallel (ep = 1)" --model mixtral-8x7b --world 64 --moe-load "$dir/ep1.jsonl"
-expect_error "no step in it reports the MoE layers' rank_load" --model mixtral-8x7b --world 64 --moe-load "$dir/run.toml"
+expect_error "its run had no expert parallel (ep = 1) and reports no rank_load_by_ep" --model mixtral-8x7b --world 64 --moe-load "$dir/ep1.jsonl"
+expect_error "no step in it reports the MoE layers' load" --model mixtral-8x7b --world 64 --moe-load "$dir/run.toml"
 printf '[model]\npreset = "tiny"\n[parallel]\ntp = 2\ntp_impl = "annotations"\n' > "$dir/annotated.toml"
 expect_error "--loss chunked: $dir/annotated.toml shards by annotations" --model "$dir/annotated.toml" --world 2 \
   --loss chunked

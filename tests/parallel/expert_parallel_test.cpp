@@ -9,6 +9,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <map>
+
 namespace meshtrain::train {
 namespace {
 
@@ -302,6 +304,13 @@ TEST_F(ExpertParallelTest, MetricsReportEveryMoeLayer) {
     world()->all_gather(all, loads).wait();
     EXPECT_NEAR(all.mean().item<double>(), 1.0, 1e-12) << "block " << m.block;
     EXPECT_DOUBLE_EQ(all.max().item<double>(), m.rank_load) << "block " << m.block;
+    // The load at every degree from the kept assignments per expert: at the
+    // run's own (ep = every rank) it is the busiest rank's measured one, and
+    // one rank holding every expert keeps them all (dropless).
+    std::map<int64_t, double> by_ep(m.rank_load_by_ep.begin(), m.rank_load_by_ep.end());
+    ASSERT_TRUE(by_ep.count(n) && by_ep.count(1)) << "block " << m.block;
+    EXPECT_NEAR(by_ep[n], m.rank_load, 1e-12) << "block " << m.block;
+    EXPECT_NEAR(by_ep[1], 1.0, 1e-12) << "block " << m.block;
   }
 }
 

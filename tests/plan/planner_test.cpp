@@ -480,6 +480,15 @@ TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
   EXPECT_LT(evaluate(m, w, dense, machine).worst.memory.activations, replicated.worst.memory.activations);
   w.moe_load = 0.5, w.moe_kept = 0;
   EXPECT_EQ(rank_moe_load(m, w, 1), 0.5);  // a measured load below balance stands
+  // Training's load at each degree holds where it names the degree.
+  w.moe_load_by_ep = {{1, 0.9}, {2, 1.1}, {4, 1.3}, {8, 1.7}};
+  EXPECT_EQ(rank_moe_load(m, w, 1), 0.9);
+  EXPECT_EQ(rank_moe_load(m, w, 4), 1.3);
+  EXPECT_EQ(rank_moe_load(m, w, 8), 1.7);
+  const double at_four = evaluate(m, w, Layout::parse("ep=4"), machine).worst.memory.activations;
+  w.moe_load_by_ep = {{4, 1.0}};
+  EXPECT_GT(at_four, evaluate(m, w, Layout::parse("ep=4"), machine).worst.memory.activations);
+  w.moe_load_by_ep.clear();
   // The rules: ep divides the experts; ep with ZeRO or tp is refused.
   EXPECT_NE(error_of([&] { check_layout(m, Layout::parse("ep=3"), 1); }).find("does not divide model.moe_experts (8)"),
             std::string::npos);
