@@ -100,8 +100,17 @@ MoeLoad moe_load_of(const std::string& value) {
       if (!layer.is_object()) continue;
       if (const auto it = layer.find("rank_load_by_ep"); it != layer.end() && it->is_object()) {
         for (const auto& [degree, value] : it->items()) {
-          const int64_t ep = std::atoll(degree.c_str());
-          if (ep < 1 || !value.is_number() || !(value.get<double>() >= 0 && value.get<double>() <= 1e6)) continue;
+          size_t used = 0;
+          int64_t ep = 0;
+          try {
+            ep = std::stoll(degree, &used);
+          } catch (const std::exception&) {
+          }
+          // A degree in digits and a load; 0 is a layer that routed nothing that step.
+          if (used != degree.size() || ep < 1 || !value.is_number() || !(value.get<double>() > 0) ||
+              value.get<double>() > 1e6) {
+            continue;
+          }
           step_by_ep[ep].first += value.get<double>(), step_by_ep[ep].second += 1;
         }
       }
@@ -241,6 +250,12 @@ void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::W
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   const MoeLoad moe = moe_load_of(o.moe_load);
   if (moe.load > 0) workload.moe_load = moe.load, workload.moe_kept = moe.kept;
+  // The largest degree a run reports is its expert count: another model's loads would not apply.
+  if (!moe.by_ep.empty() && moe.by_ep.back().first != model.moe_experts) {
+    throw std::invalid_argument("--moe-load " + o.moe_load + ": its run had " + std::to_string(moe.by_ep.back().first) +
+                                " experts per layer and this model has " + std::to_string(model.moe_experts) +
+                                "; train this model for a few steps and pass that run's metrics.jsonl");
+  }
   workload.moe_load_by_ep = moe.by_ep;
 }
 

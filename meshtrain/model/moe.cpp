@@ -4,7 +4,6 @@
 
 #include <ATen/autocast_mode.h>
 
-#include <algorithm>
 #include <cmath>
 
 namespace meshtrain::model {
@@ -149,27 +148,14 @@ MoeStats MoeImpl::stats() const {
   s.z_loss = sums[1].item<double>();
   s.dropped = sums[2].item<double>();
   s.load_max_over_mean = sums[3].item<double>();
-  const at::Tensor kept = kept_.cpu().contiguous();
-  s.kept.assign(kept.data_ptr<double>(), kept.data_ptr<double>() + kept.numel());
-  s.assigned = static_cast<double>(assigned_);
+  s.kept = kept_;
   return s;
 }
 
 void MoeImpl::reset_stats() {
-  forwards_ = routed_ = computed_ = assigned_ = 0;
-  sums_ = kept_ = at::Tensor();
-}
-
-double rank_load_at(const std::vector<double>& kept, double assigned, int64_t ep) {
-  const int64_t experts = static_cast<int64_t>(kept.size());
-  if (ep < 1 || experts % ep != 0 || assigned <= 0) return 0;
-  double most = 0;
-  for (int64_t first = 0; first < experts; first += experts / ep) {
-    double share = 0;
-    for (int64_t e = first; e < first + experts / ep; ++e) share += kept[e];
-    most = std::max(most, share / assigned);
-  }
-  return static_cast<double>(ep) * most;
+  forwards_ = routed_ = computed_ = 0;
+  sums_ = at::Tensor();
+  kept_.clear();
 }
 
 at::Tensor MoeImpl::forward(const at::Tensor& x) {
@@ -240,9 +226,8 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
                                       (assignments - accepted.sum().to(at::kDouble)) / assignments.clamp_min(1.0),
                                       load.max() / load.mean().clamp_min(1e-12)});
     sums_ = sums_.defined() ? sums_ + now : now;
-    const at::Tensor kept = (one_hot * accepted.unsqueeze(1).to(at::kLong)).sum(0).to(at::kDouble);
-    kept_ = kept_.defined() ? kept_ + kept : kept;
-    assigned_ += n * k;
+    kept_.resize(counts.size(), 0.0);
+    for (size_t i = 0; i < counts.size(); ++i) kept_[i] += static_cast<double>(counts[i]);
     forwards_ += 1;
     routed_ += n * k / replicas_;  // tensor parallel: this rank's share of the routing
   }

@@ -44,10 +44,9 @@ struct MoeStats {
   double load_max_over_mean = 0;  // assignments of the busiest expert / the mean
   double routed = 0;           // tokens x top_k that this rank's forwards routed
   double computed = 0;         // assignments this rank's experts computed (expert parallel: from every rank)
-  // Per expert, the assignments capacity kept, of the `assigned` tokens x
-  // top_k this rank's forwards routed (every expert, whichever rank holds it).
+  // Per expert (whichever rank holds it), the assignments capacity kept of
+  // this rank's tokens (under tensor parallel, of its share of them, as `routed`).
   std::vector<double> kept;
-  double assigned = 0;
 };
 
 // One MoE layer's averages over a step (ParallelModel::moe_metrics).
@@ -60,14 +59,9 @@ struct MoeLayerMetrics {
   double this_rank_load = 0;  // the same for this rank (0 where its pipeline stage does not hold the layer)
   int64_t ep = 1;              // the expert parallel degree it was measured at
   // rank_load at each expert parallel degree that divides the experts, from
-  // every rank's kept assignments per expert (rank_load_at).
+  // every rank's kept assignments per expert (parallel::busiest_rank_load).
   std::vector<std::pair<int64_t, double>> rank_load_by_ep;
 };
-
-// The busiest rank's load at expert parallel degree `ep` (E / ep consecutive
-// experts per rank): ep · the largest share of assignments that one rank's
-// experts keep, from kept assignments per expert out of `assigned`.
-double rank_load_at(const std::vector<double>& kept, double assigned, int64_t ep);
 
 // Note [Mixture of experts]
 // For tokens x [N, width]: router logits = x·Wrᵀ in fp32 (autocast off),
@@ -136,8 +130,7 @@ class MoeImpl : public torch::nn::Module {
   int64_t forwards_ = 0;
   int64_t routed_ = 0, computed_ = 0;  // host counts (no device reads)
   at::Tensor sums_;  // [aux, z, dropped, load] summed over the forwards, double, on the layer's device
-  at::Tensor kept_;  // [experts] kept assignments summed over the forwards, double, on the layer's device
-  int64_t assigned_ = 0;
+  std::vector<double> kept_;  // per expert, the assignments this rank computes or sends, summed over the forwards
 };
 TORCH_MODULE(Moe);
 

@@ -1,5 +1,6 @@
 #include "meshtrain/parallel/expert_parallel.h"
 
+#include <algorithm>
 #include <numeric>
 
 namespace meshtrain::parallel {
@@ -98,6 +99,19 @@ class AllToAllExchange final : public model::ExpertExchange {
 
 }  // namespace
 
+double busiest_rank_load(const std::vector<double>& kept, double routed, int64_t ep) {
+  const int64_t experts = static_cast<int64_t>(kept.size());
+  if (ep < 1 || experts % ep != 0 || routed <= 0) return 0;
+  double most = 0;
+  for (int64_t rank = 0; rank < ep; ++rank) {
+    const int64_t first = first_expert(rank, experts, ep);
+    double share = 0;
+    for (int64_t e = first; e < first + experts / ep; ++e) share += kept[e];
+    most = std::max(most, share / routed);
+  }
+  return static_cast<double>(ep) * most;
+}
+
 ExpertParallel::ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communicator> ep) : comm_(std::move(ep)) {
   const int64_t experts = model->config().moe_experts, ranks = comm_->size();
   if (experts == 0 || experts % ranks != 0) {
@@ -107,7 +121,7 @@ ExpertParallel::ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communic
   experts_per_rank_ = experts / ranks;
   auto exchange = std::make_shared<AllToAllExchange>(comm_);
   for (model::Moe& layer : model->moe_layers()) {
-    layer->keep_experts(comm_->rank() * experts_per_rank_, experts_per_rank_);
+    layer->keep_experts(first_expert(comm_->rank(), experts, ranks), experts_per_rank_);
     layer->set_exchange(exchange);
   }
 }

@@ -1,6 +1,7 @@
 #include "meshtrain/parallel/step_engine.h"
 
 #include "meshtrain/annotate/dist_tensor.h"
+#include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/util/memory.h"
 
@@ -151,15 +152,14 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
   std::vector<model::Moe> layers = parts_.model->moe_layers();
   if (layers.empty()) return {};
   const model::GptConfig& config = parts_.model->config();
-  const int64_t experts = config.moe_experts, width = 7 + experts;
-  // Per layer: forwards, then the sums of aux, z, dropped, load, routed and
-  // assignments, and the kept assignments per expert, summed over every rank;
-  // the most any rank computed, its maximum.
+  const int64_t experts = config.moe_experts, width = 6 + experts;
+  // Per layer: forwards, then the sums of aux, z, dropped, load and routed,
+  // and the kept assignments per expert, summed over every rank; the most any
+  // rank computed, its maximum.
   std::vector<double> rows, computed;
   for (model::Moe& layer : layers) {
     const model::MoeStats s = layer->stats();
-    rows.insert(rows.end(),
-                {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed, s.assigned});
+    rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed});
     std::vector<double> kept = s.kept;
     kept.resize(experts, 0.0);
     rows.insert(rows.end(), kept.begin(), kept.end());
@@ -181,10 +181,10 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
     if (!config.is_moe_block(block)) continue;
     const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
     model::MoeLayerMetrics m{block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
-                             most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep};
-    const std::vector<double> kept(sum + 7, sum + width);
-    for (int64_t ep = 1; ep <= experts; ++ep) {
-      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, model::rank_load_at(kept, sum[6], ep));
+                             most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep, {}};
+    const std::vector<double> kept(sum + 6, sum + width);
+    for (int64_t ep = 1; sum[5] > 0 && ep <= experts; ++ep) {
+      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, busiest_rank_load(kept, sum[5], ep));
     }
     out.push_back(std::move(m));
     ++i;

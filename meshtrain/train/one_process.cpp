@@ -46,7 +46,7 @@ OneProcessRun unpack(const std::vector<char>& bytes) {
     s.lr = steps[i + 4];
     for (int64_t layer = 0; layer < static_cast<int64_t>(steps[i + 5]); ++layer, m += 7) {
       s.moe.push_back({static_cast<int64_t>(moe.at(m)), moe.at(m + 1), moe.at(m + 2), moe.at(m + 3), moe.at(m + 4),
-                       moe.at(m + 5), moe.at(m + 6)});
+                       moe.at(m + 5), moe.at(m + 6), 1, {}});
     }
     run.steps.push_back(std::move(s));
   }

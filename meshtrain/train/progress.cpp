@@ -195,7 +195,7 @@ void Progress::step(const StepResult& result, std::optional<double> val_loss, do
   double aux = 0, dropped = 0, load = 0;
   for (const model::MoeLayerMetrics& m : result.moe) {
     nlohmann::json by_ep = nlohmann::json::object();
-    for (const auto& [ep, load] : m.rank_load_by_ep) by_ep[std::to_string(ep)] = load;
+    for (const auto& [ep, at_ep] : m.rank_load_by_ep) by_ep[std::to_string(ep)] = at_ep;
     line["moe"].push_back({{"block", m.block}, {"aux_loss", m.aux_loss}, {"z_loss", m.z_loss}, {"dropped", m.dropped},
                            {"load_max_over_mean", m.load_max_over_mean}, {"rank_load", m.rank_load},
                            {"ep", m.ep}, {"rank_load_by_ep", by_ep}});

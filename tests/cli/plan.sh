@@ -164,6 +164,9 @@ expect_error "--moe-load 1.2x: give a load (e.g. 1.2) or a training run's metric
 echo '{"step": 2, "moe": [{"block": 1, "rank_load": 0.8, "dropped": 0.2, "ep": 1}]}' > "$dir/ep1.jsonl"
 expect_error "its run had no expert parallel (ep = 1) and reports no rank_load_by_ep" --model mixtral-8x7b --world 64 --moe-load "$dir/ep1.jsonl"
 expect_error "no step in it reports the MoE layers' load" --model mixtral-8x7b --world 64 --moe-load "$dir/run.toml"
+echo '{"step": 2, "moe": [{"block": 1, "rank_load_by_ep": {"1": 1.0, "2": 1.1, "4": 1.2}}]}' > "$dir/four.jsonl"
+expect_error "its run had 4 experts per layer and this model has 8" --model mixtral-8x7b --world 64 \
+  --moe-load "$dir/four.jsonl"
 printf '[model]\npreset = "tiny"\n[parallel]\ntp = 2\ntp_impl = "annotations"\n' > "$dir/annotated.toml"
 expect_error "--loss chunked: $dir/annotated.toml shards by annotations" --model "$dir/annotated.toml" --world 2 \
   --loss chunked

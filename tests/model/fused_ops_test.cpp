@@ -349,10 +349,12 @@ TEST(FusedOps, GroupedQueryAttentionMatchesTheRepeatedReference) {
 // every gradient, grouped queries, both causal split parities, a window and a
 // soft-cap; beyond the batched path's reach, ATen's kernel with the mask.
 TEST(FusedOps, PackedDocumentsMatchTheMaskedReference) {
-  auto starts_of = [](int64_t t) {  // row 0: documents from columns 0, 9, 20; row 1: one document
+  // Row 0: documents from columns 0, 9 and 17, the last across the causal
+  // split's halves (h = 20); row 1: one document.
+  auto starts_of = [](int64_t t) {
     at::Tensor starts = at::zeros({2, t}, at::kLong);
-    starts[0].narrow(0, 9, 11).fill_(9);
-    starts[0].narrow(0, 20, t - 20).fill_(20);
+    starts[0].narrow(0, 9, 8).fill_(9);
+    starts[0].narrow(0, 17, t - 17).fill_(17);
     return starts;
   };
   struct Case {
@@ -388,6 +390,9 @@ TEST(FusedOps, PackedDocumentsMatchTheMaskedReference) {
   const Op wide_ours = [starts](auto& x) { return fused::attention(x[0], x[1], x[2], 0.0, true, 0, 0, 0, starts); };
   expect_same(wide_ours, wide_reference, wide, at::kFloat, kFp32, "packed documents through ATen");
   EXPECT_THROW(fused::attention(wide[0], wide[1], wide[2], 0.0, false, 0, 0, 0, starts), c10::Error);
+  at::Tensor late = starts.clone();  // a start past its own column
+  late[1][3] = 5;
+  EXPECT_THROW(fused::attention(wide[0], wide[1], wide[2], 0.0, true, 0, 0, 0, late), c10::Error);
 }
 
 // What the batched attention keeps (Note [CPU attention]): the causal

@@ -88,27 +88,15 @@ TEST(Moe, CapacityDropsTheHandComputedShareAndDroppedTokensPassThrough) {
   const at::Tensor out = moe->forward(x);
   EXPECT_NEAR(moe->stats().dropped, 0.75, 1e-12);         // 30 of 40 assignments over capacity
   EXPECT_NEAR(moe->stats().load_max_over_mean, 4.0, 1e-12);  // all 40 on one of 4 experts
-  // Kept per expert: the 10 within capacity, all on expert 0.
+  // Kept per expert: the 10 within capacity, all on expert 0, of 40 routed.
   EXPECT_EQ(moe->stats().kept, (std::vector<double>{10, 0, 0, 0}));
-  EXPECT_EQ(moe->stats().assigned, 40.0);
+  EXPECT_EQ(moe->stats().routed, 40.0);
   const at::Tensor rows = out.view({n, c.width});
   for (int64_t t = 0; t < n; ++t) {
     const double size = rows[t].abs().sum().item<double>();
     if (t < 10) EXPECT_GT(size, 0.0) << "token " << t << " is within capacity";
     else EXPECT_EQ(size, 0.0) << "token " << t << " was dropped: the block's residual must pass it unchanged";
   }
-}
-
-// The busiest rank's load at each expert parallel degree, by hand: 8
-// assignments kept 4, 2, 1, 1 on four experts.
-TEST(Moe, RankLoadAtEachDegreeFromTheKeptAssignments) {
-  const std::vector<double> kept = {4, 2, 1, 1};
-  EXPECT_DOUBLE_EQ(rank_load_at(kept, 8, 1), 1.0);        // one rank keeps all
-  EXPECT_DOUBLE_EQ(rank_load_at(kept, 8, 2), 2 * 6 / 8.0);  // experts 0 and 1 on one rank
-  EXPECT_DOUBLE_EQ(rank_load_at(kept, 8, 4), 4 * 4 / 8.0);  // expert 0 alone
-  EXPECT_DOUBLE_EQ(rank_load_at(kept, 16, 4), 4 * 4 / 16.0);  // half the assignments dropped
-  EXPECT_EQ(rank_load_at(kept, 8, 3), 0.0);               // 3 does not divide 4 experts
-  EXPECT_EQ(rank_load_at(kept, 0, 2), 0.0);
 }
 
 TEST(Moe, DroplessKeepsEveryTokenUnderExtremeImbalance) {

@@ -4,6 +4,7 @@
 // (Korthikanti et al. 2022, Eq. 1-6), training FLOPs (Narayanan et al., Eq. 3),
 // pipeline stashes; layouts, the search and the machine profile.
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/machines.h"
@@ -495,6 +496,19 @@ TEST(PlanMoe, ExpertParallelDividesExpertStatesAndAddsAllToAll) {
   EXPECT_NE(error_of([&] { check_layout(model::GptConfig::preset("llama2-7b"), Layout::parse("ep=2"), 1); })
                 .find("needs a mixture-of-experts model"),
             std::string::npos);
+}
+
+// The busiest rank's load at each expert parallel degree (training's
+// rank_load_by_ep, the planner's input), by hand: 8 assignments routed, kept
+// 4, 2, 1, 1 on four experts.
+TEST(PlanMoe, BusiestRankLoadAtEachDegreeFromTheKeptAssignments) {
+  const std::vector<double> kept = {4, 2, 1, 1};
+  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load(kept, 8, 1), 1.0);        // one rank keeps all
+  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load(kept, 8, 2), 2 * 6 / 8.0);  // experts 0 and 1 on one rank
+  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load(kept, 8, 4), 4 * 4 / 8.0);  // expert 0 alone
+  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load(kept, 16, 4), 4 * 4 / 16.0);  // half the assignments dropped
+  EXPECT_EQ(parallel::busiest_rank_load(kept, 8, 3), 0.0);               // 3 does not divide 4 experts
+  EXPECT_EQ(parallel::busiest_rank_load(kept, 0, 2), 0.0);
 }
 
 TEST(PlanMoe, SearchConsidersExpertParallel) {

@@ -245,9 +245,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(!documents.defined() || (causal && documents.dim() == 2 && documents.size(0) == q.size(0) &&
                                        documents.size(1) == q.size(2) && q.size(2) == k.size(2)),
               "fused::attention: documents [batch, columns] need causal attention with as many queries as keys");
-  const at::Tensor starts = documents.defined() ? documents.to(at::kLong).contiguous() : documents;
+  const at::Tensor starts = documents.defined() ? documents.to(q.device(), at::kLong).contiguous() : documents;
+  if (starts.defined()) {  // the kernel reads keys from each start: none past its own column
+    const at::Tensor columns = at::arange(starts.size(1), starts.options());
+    TORCH_CHECK(starts.ge(0).logical_and(starts.le(columns)).all().item<bool>(),
+                "fused::attention: a document starts after its own column or before 0");
+  }
   const bool gqa = q.size(1) != k.size(1);
-  if (eligible(q) && eligible(k) && eligible(v) && (!starts.defined() || starts.device().is_cpu()) &&
+  if (eligible(q) && eligible(k) && eligible(v) &&
       batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
     return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale, softcap,
                                    starts.defined() ? std::optional<at::Tensor>(starts) : std::nullopt);
