@@ -120,7 +120,9 @@ double moe_saved(const model::GptConfig& model, const Sizes& z, double e, int64_
   const double k = static_cast<double>(model.moe_top_k), experts = static_cast<double>(model.moe_experts);
   double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0) + (z.sp ? e * n * d : 0);
   bytes += n * k * (8 + 4) + 4 * n;
-  bytes += a * (d * e + (model.gated_mlp() ? 4 : 2) * static_cast<double>(model.expert_hidden()) * e);  // expert input, hidden
+  // Per assignment: the expert's input and its hidden tensors, as the dense MLP's below.
+  const double hidden = model.gated_mlp() ? (model.fused ? 3 : 4) : 2;
+  bytes += a * (d * e + hidden * static_cast<double>(model.expert_hidden()) * e);
   bytes += sent * (d * e + 4 + 3 * 8);  // expert output back here, its gate, the dispatch/combine indices
   if (ep > 1) bytes += a * 2 * 8;       // the regrouping indices
   return bytes;
