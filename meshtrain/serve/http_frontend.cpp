@@ -173,7 +173,7 @@ void routes(HttpFrontend::Impl* impl, httplib::Server& s) {
 // balancers, and /tokenize, /detokenize and /tokenizer_info, which hold only
 // the tokenizer and which lm-eval's remote tokenizer calls without a key. The key
 // is compared in time independent of where it differs, and never printed
-// (the request log has method, path and status only; the launcher masks it
+// (the request log has the client's address, method, path and status; the launcher masks it
 // in the command line it prints).
 bool authorized(const httplib::Request& req, const std::string& key) {
   const std::string header = req.get_header_value("Authorization");
@@ -243,8 +243,12 @@ HttpFrontend::HttpFrontend(FrontendCallbacks callbacks, ServedModel model, int t
     send_error(res, 500, "internal error: " + what, "server_error");
   });
   if (log) {
+    // The client's address and port, where the connection has one (not a TLS front's local socket).
     s.set_logger([](const httplib::Request& req, const httplib::Response& res) {
-      std::fprintf(stderr, "meshtrain serve: %s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
+      const std::string client =
+          req.remote_addr.empty() ? "" : req.remote_addr + ":" + std::to_string(req.remote_port) + " ";
+      std::fprintf(stderr, "meshtrain serve: %s%s %s %d\n", client.c_str(), req.method.c_str(), req.path.c_str(),
+                   res.status);
     });
   }
 }

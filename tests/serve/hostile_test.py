@@ -8,6 +8,7 @@ CHECKPOINT: a model whose vocabulary (300) is larger than its byte tokenizer's
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -340,6 +341,8 @@ def main():
     a_forward_that_fails_fails_its_requests_alone(48)
     log = server.proc.stderr.read()
     check(" 499" in log, "the request whose client left was cancelled (499 in the log)")
+    check(re.search(r"^meshtrain serve: 127\.0\.0\.1:\d+ (GET|POST) /\S* \d{3}$", log, re.M) is not None,
+          "the request log names each client's address and port")
     split = serving.Server(MESHTRAIN, CHECKPOINT, ranks=2)  # tensor parallel: every rank samples alike
     padded_vocabulary_and_extreme_sampling(split)
     check(split.stop() == 0, "the tensor-parallel server exits 0 after SIGTERM")
