@@ -60,7 +60,14 @@ void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, cons
   const at::Tensor d = dz.to(compute);
   if (dh.defined()) dh.copy_(at::mm(d, w));
   if (dw.defined() && compute == at::kFloat) dw.addmm_(d.t(), h);
-  if (dw.defined() && compute != at::kFloat) dw.add_(at::mm(d.t(), h));
+  if (!dw.defined() || compute == at::kFloat) return;
+  // A 16-bit product's result is 16-bit: made a slice of the vocabulary at a
+  // time, each no larger than the chunk's logits, not the weight's size at once.
+  const int64_t v = dw.size(0), slice = std::max<int64_t>(1, d.size(0) * v / std::max<int64_t>(1, dw.size(1)));
+  for (int64_t first = 0; first < v; first += slice) {
+    const int64_t n = std::min(slice, v - first);
+    dw.narrow(0, first, n).add_(at::mm(d.narrow(1, first, n).t(), h));
+  }
 }
 
 struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
