@@ -47,9 +47,9 @@ void soft_cap_(at::Tensor& scores, double cap) {
 // applies (its softmax skips the keys before the window or the document's
 // start and caps the scores; Note [CPU attention]), windows elsewhere through
 // ATen's with a mask; the KV cache, packed documents past the fused path and
-// the other soft-capped cases come here: without a soft-cap ATen's scaled-dot-product attention with a
-// boolean mask, with one, scores formed explicitly (the cap sits between the
-// product and the softmax). Either way the softmax sees -inf
+// the other soft-capped cases come here: without a soft-cap ATen's
+// scaled-dot-product attention with a boolean mask, with one, scores formed
+// explicitly (the cap sits between the product and the softmax). Either way the softmax sees -inf
 // where a key is hidden, so these paths equal the plain causal one where the
 // window covers the sequence. Memory: the explicit path keeps the
 // [B, H, t, S] scores for backward, as ATen's math attention does.

@@ -14,6 +14,15 @@
 
 namespace meshtrain::parallel {
 
+// The first of the E / ep consecutive experts rank `rank` of the ep group keeps.
+inline int64_t first_expert(int64_t rank, int64_t experts, int64_t ep) { return rank * (experts / ep); }
+
+// The busiest rank's load at degree `ep` (dividing the E experts), from the
+// assignments capacity kept per expert out of `routed` tokens x top_k: ep x
+// the largest share one rank's experts keep. 1 for a balanced router without
+// drops; 0 where ep does not divide E or nothing was routed.
+double busiest_rank_load(const std::vector<double>& kept, double routed, int64_t ep);
+
 // Note [Expert parallel]
 // Rank r of the ep group keeps experts [r·E/ep, (r+1)·E/ep) of every MoE layer
 // (the expert tensors sliced along dim 0: Shard(0) over "ep"); the router and
@@ -30,15 +39,6 @@ namespace meshtrain::parallel {
 // so the data-parallel average over dp x fsdp x ep must count it once per ep
 // group: expert gradients are averaged over dp x fsdp only and divided by ep
 // (DataParallelOptions::expert_*). The gradient norm sums expert parts over ep.
-// The first of the E / ep consecutive experts rank `rank` of the ep group keeps.
-inline int64_t first_expert(int64_t rank, int64_t experts, int64_t ep) { return rank * (experts / ep); }
-
-// The busiest rank's load at degree `ep` (dividing the E experts), from the
-// assignments capacity kept per expert out of `routed` tokens x top_k: ep x
-// the largest share one rank's experts keep. 1 for a balanced router without
-// drops; 0 where ep does not divide E or nothing was routed.
-double busiest_rank_load(const std::vector<double>& kept, double routed, int64_t ep);
-
 class ExpertParallel {
  public:
   // Collective over `ep`: keeps this rank's experts and installs the exchange.

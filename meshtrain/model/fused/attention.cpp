@@ -251,7 +251,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     TORCH_CHECK(starts.ge(0).logical_and(starts.le(columns)).all().item<bool>(),
                 "fused::attention: a document starts after its own column or before 0");
   }
-  const bool gqa = q.size(1) != k.size(1);
   if (eligible(q) && eligible(k) && eligible(v) &&
       batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
     return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale, softcap,
@@ -271,7 +270,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const bool is_causal = causal && !mask.defined();
   // ATen's flash kernels take as many key/value heads as query heads: repeated.
   const int64_t times = q.size(1) / k.size(1);
-  const at::Tensor kr = gqa ? k.repeat_interleave(times, 1) : k, vr = gqa ? v.repeat_interleave(times, 1) : v;
+  const at::Tensor kr = times > 1 ? k.repeat_interleave(times, 1) : k;
+  const at::Tensor vr = times > 1 ? v.repeat_interleave(times, 1) : v;
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
   if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
