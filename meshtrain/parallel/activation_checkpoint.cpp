@@ -73,6 +73,11 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       output = recompute->forward(input);
       at::autocast::set_autocast_enabled(type, was_autocast);
       at::autocast::set_autocast_dtype(type, was_dtype);
+      // Autocast caches its cast of each parameter, keyed by the parameter
+      // alone: left in the cache, the copy made here would outlive the
+      // optimizer's update and stand in for the new weights in the next
+      // forward. Leaving the outermost autocast region empties the cache.
+      if (recompute->autocast && !was_autocast) at::autocast::clear_cache();
     }
     set_random_states(device, recompute->streams, now);
     torch::autograd::backward({output}, {grads[0]});

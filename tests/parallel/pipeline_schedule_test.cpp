@@ -7,6 +7,7 @@
 #include "meshtrain/parallel/pipeline/trace.h"
 #include "meshtrain/util/memory.h"
 
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 
 namespace meshtrain::parallel {
@@ -167,6 +168,47 @@ TEST(ActivationCheckpoint, SameGradientsLessMemory) {
     }
   }
   EXPECT_THROW(parse_checkpoint_mode("most"), std::invalid_argument);
+}
+
+// Losses of three steps under bfloat16 autocast, with a plain gradient step
+// between them, as the trainer runs them: the forward inside autocast, the
+// backward outside it.
+std::vector<double> autocast_losses(const model::GptConfig& config, CheckpointMode mode) {
+  model::Gpt gpt(config, 5);
+  if (mode != CheckpointMode::kNone) apply_activation_checkpoint(gpt, mode);
+  at::manual_seed(9);
+  const at::Tensor tokens = at::randint(0, config.vocab_size, {4, config.context}, at::kLong);
+  std::vector<double> losses;
+  for (int step = 0; step < 3; ++step) {
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::Tensor loss = gpt->loss(tokens, tokens.roll(1, 1));
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    loss.backward();
+    losses.push_back(loss.item<double>());
+    torch::NoGradGuard no_grad;
+    for (at::Tensor p : gpt->parameters()) {
+      p.sub_(p.grad() * 0.5);
+      p.grad().zero_();
+    }
+  }
+  return losses;
+}
+
+// The recompute's casts of the weights must not outlive the backward: a
+// cached bfloat16 copy would stand in for the updated weights in the next
+// step's forward.
+TEST(ActivationCheckpoint, AutocastRecomputeUsesEachStepsWeights) {
+  for (const std::string preset : {"tiny", "llama-tiny"}) {
+    model::GptConfig config = model::GptConfig::preset(preset);
+    config.layers = 2;
+    config.context = 32;
+    const std::vector<double> plain = autocast_losses(config, CheckpointMode::kNone);
+    const std::vector<double> full = autocast_losses(config, CheckpointMode::kFull);
+    EXPECT_GT(std::abs(plain[2] - plain[0]), 0.1) << preset << ": the steps must move the loss";
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(full[i], plain[i], 1e-3 * std::abs(plain[i])) << preset << " step " << i;
+  }
 }
 
 }  // namespace
