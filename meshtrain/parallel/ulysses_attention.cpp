@@ -95,17 +95,24 @@ at::Tensor same_document(const at::Tensor& starts) {
 }
 
 // Attention over the gathered rows in rank order, by scores formed explicitly under a
-// mask from their positions (and documents): any positions.
+// mask from their positions (and documents): any positions. Grouped queries
+// as [B, kv heads, group, T, D] against each key/value head, broadcast: no
+// copies of k and v (Note [Grouped queries]).
 at::Tensor explicit_attention(const Gathered& g, const model::AttentionSpec& rule, int64_t group) {
-  const at::Tensor kh = g.k.repeat_interleave(group, 1), vh = g.v.repeat_interleave(group, 1);
-  at::Tensor s = model::soft_cap(at::matmul(g.q, kh.transpose(-2, -1)) * rule.scale, rule.softcap);
+  const int64_t b = g.q.size(0), kv = g.k.size(1), t = g.q.size(2), d = g.q.size(3);
+  const at::Tensor q = g.q.view({b, kv, group, t, d}), k = g.k.unsqueeze(2), v = g.v.unsqueeze(2);
+  at::Tensor s = model::soft_cap(at::matmul(q, k.transpose(-2, -1)) * rule.scale, rule.softcap);  // [B, kv, group, T, T]
   at::Tensor allowed;
   if (rule.causal) allowed = model::allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
   if (const at::Tensor same = same_document(g.documents); same.defined()) {
     allowed = allowed.defined() ? same.logical_and(allowed) : same;
   }
-  if (allowed.defined()) s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
-  return at::matmul(at::softmax(s, -1), vh);
+  // The mask is [T, T] or [B, 1, T, T]: one more axis for the group.
+  if (allowed.defined()) {
+    s = s.masked_fill(allowed.dim() == 4 ? allowed.unsqueeze(2).logical_not() : allowed.logical_not(),
+                      -std::numeric_limits<float>::infinity());
+  }
+  return at::matmul(at::softmax(s, -1), v).view({b, kv * group, t, d});
 }
 
 // The same over the rows put in position order, where they are the positions

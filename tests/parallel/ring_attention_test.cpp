@@ -137,7 +137,8 @@ TEST(AllToAllAttention, EqualsWholeSequenceAttention) {
     for (const Case& c : {Case{heads, heads, true, true, at::kFloat}, Case{2 * heads, heads, true, false, at::kFloat},
                           Case{heads, heads, false, true, at::kFloat}, Case{heads, heads, true, true, at::kBFloat16},
                           Case{heads, heads, true, true, at::kFloat, 5, 2.0}, Case{heads, heads, true, true, at::kFloat, 0, 0, true},
-                          Case{heads, heads, true, true, at::kFloat, 0, 0, true, 2}}) {
+                          Case{heads, heads, true, true, at::kFloat, 0, 0, true, 2},
+                          Case{2 * heads, heads, true, true, at::kFloat, 0, 0, true, 2}}) {
       check(comm, c, "all-to-all, cp " + std::to_string(cp) + ", heads " + std::to_string(c.heads) + "/" +
                          std::to_string(c.kv_heads) + (c.window ? ", window and soft-cap" : "") +
                          (c.packed ? ", packed" : "") + (c.stride > 1 ? ", positions with gaps" : ""),
