@@ -249,7 +249,7 @@ struct PlanOptions {
   int64_t seq = 0;                  // 0: the model's
   int64_t global_batch = 0;         // sequences per step; 0: the config's, or about 1M tokens
   std::string layout;               // evaluate this one ("tp=2 sp pp=2 ..."; "config": the config file's own)
-  std::string precision;            // "bf16-mixed" | "fp32" (default: bf16-mixed for presets, fp32 for configs)
+  std::string precision;            // "bf16-mixed" | "bf16-autocast" | "fp32" (default: bf16-mixed for presets, a config's own)
   std::string attention;            // "flash" | "math" | "batched"
   std::string selective = "core";   // what recompute=selective keeps: "core" (the trainer's) | "ops" (op-level)
   std::string loss;                 // "chunked" | "whole" (default: the model's model.chunked_loss)

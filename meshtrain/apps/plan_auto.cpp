@@ -61,7 +61,7 @@ std::string auto_plan(const AutoPlanInput& in, int64_t world, const std::string&
   c.batch = in.workload.global_batch;
   c.micro_batch = best.layout.micro_batch;
   c.parallel = static_cast<const parallel::ParallelSpec&>(best.layout);
-  if (in.workload.precision.name == "bf16-mixed") c.dtype = at::kBFloat16;
+  if (in.workload.precision.bf16()) c.dtype = at::kBFloat16;
   // What train reads must be what was planned: a layout train refuses is the planner's error, said here.
   train::TrainConfig check = c;
   check.validate(static_cast<int>(world));

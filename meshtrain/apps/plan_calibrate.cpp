@@ -176,8 +176,7 @@ void calibration_run(const std::shared_ptr<comm::Communicator>& world, plan::Mac
     std::sort(seconds.begin() + 1, seconds.end());
     const double step = averaged(*world, seconds[3]);  // the median of the five after the first
     m.mfu = std::min(1.0, trainer.mfu(static_cast<double>(config.batch * config.model.context) / step));
-    plan::PlannedRun run = plan::planned_run(config);
-    run.workload.precision = plan::Precision::parse(m.operators.precision);  // the operators' own
+    const plan::PlannedRun run = plan::planned_run(config);  // bf16: autocast, as the run trains
     plan::Machine predicted = m;
     predicted.operators.overhead = 1;
     const auto ranks = plan::estimate_memory(run.model, run.workload, run.layout, run.microbatches);
@@ -195,9 +194,9 @@ int run_plan_calibrate(comm::Runtime& runtime, const PlanOptions& o) {
   auto world = runtime.world();
   const bool leader = world->rank() == 0;
   const int n = world->size();
-  const bool bf16 = o.precision == "bf16-mixed";
+  const bool bf16 = o.precision == "bf16-mixed" || o.precision == "bf16-autocast";
   if (!o.precision.empty() && !bf16 && o.precision != "fp32") {
-    throw UsageError("--precision " + o.precision + ": --calibrate measures fp32 or bf16-mixed");
+    throw UsageError("--precision " + o.precision + ": --calibrate measures fp32 or bfloat16 (bf16-mixed or bf16-autocast)");
   }
   plan::Machine m;
   m.name = "calibrated";

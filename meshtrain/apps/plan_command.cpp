@@ -283,7 +283,7 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
               said.empty() ? "" : (" (" + said + ")").c_str());
   const plan::OperatorRates& r = m.operators;
   if (!r.measured()) return;
-  if (r.precision != w.precision.name) {
+  if (!r.measured_for(w.precision.activation)) {
     std::printf("operators measured in %s, not %s: the step is its FLOPs at peak x MFU\n", r.precision.c_str(),
                 w.precision.name.c_str());
     return;
@@ -472,10 +472,13 @@ PlanCommand::PlanCommand(CLI::App& app) {
   p->add_option("--layout", o_.layout,
                 "Evaluate one layout, e.g. \"tp=2 sp pp=2 1f1b zero=1 fsdp=2 mb=1 recompute=selective\" (keys: dp fsdp "
                 "ep tp sp pp schedule v zero mb recompute offload); \"config\": the --model config file's own");
-  p->add_option("--precision", o_.precision, "bf16-mixed (2+2+12 bytes per parameter) or fp32 (4+4+8)");
+  p->add_option("--precision", o_.precision,
+                "bf16-mixed (2+2+12 bytes per parameter, 16-bit activations), fp32 (4+4+8) or bf16-autocast (4+4+8, "
+                "16-bit products and their activations, an fp32 residual stream, 16-bit copies of the weights: train's "
+                "training.dtype = \"bfloat16\")");
   p->add_option_function<std::string>(
-       "--training.dtype", [this](const std::string& dtype) { o_.precision = dtype == "bfloat16" ? "bf16-mixed" : "fp32"; },
-       "As train's: bfloat16 (= --precision bf16-mixed) or float32 (= fp32)")
+       "--training.dtype", [this](const std::string& dtype) { o_.precision = dtype == "bfloat16" ? "bf16-autocast" : "fp32"; },
+       "As train's: bfloat16 (= --precision bf16-autocast) or float32 (= fp32)")
       ->check(CLI::IsMember({"float32", "bfloat16"}));
   p->add_option("--attention", o_.attention,
                 "flash (no s^2 term), math (softmax saved) or batched (the fused CPU attention: q, k, v copies and "

@@ -21,8 +21,8 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   run.model = config.model;
   run.workload.global_batch = config.batch;
   // meshtrain keeps fp32 parameters and optimizer states; bfloat16 autocast
-  // changes the matmuls, not the states.
-  run.workload.precision = Precision::parse("fp32");
+  // changes the products' activations and keeps 16-bit copies of the weights, not the states.
+  run.workload.precision = Precision::parse(config.bfloat16() ? "bf16-autocast" : "fp32");
   run.workload.dropout = config.model.dropout;
   run.workload.prefetch = config.parallel.prefetch;
   run.workload.lora = config.lora;

@@ -23,12 +23,16 @@ Precision Precision::parse(const std::string& name) {
   p.name = name;
   if (name == "fp32") return p;
   if (name == "bf16-mixed") {
-    p.param = p.grad = p.activation = 2;
+    p.param = p.grad = p.activation = p.residual = 2;
     p.optimizer = 12;
     p.mask = 1;
     return p;
   }
-  throw std::invalid_argument("precision '" + name + "': use fp32 or bf16-mixed");
+  if (name == "bf16-autocast") {
+    p.activation = p.weight_copy = 2;
+    return p;
+  }
+  throw std::invalid_argument("precision '" + name + "': use fp32, bf16-mixed or bf16-autocast");
 }
 
 std::string Machine::to_json() const {

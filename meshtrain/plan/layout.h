@@ -41,10 +41,15 @@ struct Precision {
   double param = 4, grad = 4;
   double optimizer = 8;   // K of the ZeRO paper: Adam's two moments (+ fp32 master weights when mixed)
   double activation = 4;
+  double residual = 4;    // the residual stream: a norm's input, a block's input, what a pipeline stage sends
+  double weight_copy = 0; // a 16-bit copy of each matrix autocast casts, kept from forward to backward
   double mask = 4;        // dropout masks: libtorch's CPU dropout keeps a float mask; CUDA a byte
-  // "fp32" (4, 4, K = 8, activations 4: how meshtrain trains on the CPU) or
-  // "bf16-mixed" (2, 2, K = 12 with fp32 master weights, activations 2, masks 1: the ZeRO paper's setting).
+  // "fp32" (4, 4, K = 8, activations 4: how meshtrain trains on the CPU),
+  // "bf16-mixed" (2, 2, K = 12 with fp32 master weights, activations 2, masks 1: the ZeRO paper's setting) or
+  // "bf16-autocast" (4, 4, K = 8, the products' activations 2, the residual stream 4, weight copies 2:
+  // what `train` does with training.dtype = "bfloat16").
   static Precision parse(const std::string& name);
+  bool bf16() const { return activation < 4; }  // the products run in bfloat16 (bf16-mixed, bf16-autocast)
 };
 
 // What selective recompute keeps (recompute=selective). kCore: meshtrain's

@@ -1,9 +1,8 @@
 #include "meshtrain/plan/memory_model.h"
 
-#include "meshtrain/model/chunked_loss.h"
-#include "meshtrain/model/fused/ops.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/stages.h"
+#include "meshtrain/plan/activation_memory.h"
 
 #include <algorithm>
 #include <map>
@@ -15,118 +14,6 @@ namespace meshtrain::plan {
 namespace {
 
 namespace pipeline = parallel::pipeline;
-
-// Sizes of one micro-batch on a rank, in elements (a cp-th of each sequence
-// under context parallel), and the two ways tensor parallel divides them:
-// head- and MLP-sized tensors always (split), the rest only with sequence
-// parallel (region).
-struct Sizes {
-  double tokens, u, t;
-  bool sp;
-  double split(double x) const { return x / t; }
-  double region(double x) const { return sp ? x / t : x; }
-};
-
-Sizes sizes(const model::GptConfig& model, int64_t micro_batch, int64_t tp, bool sp, int64_t cp) {
-  const double tokens = static_cast<double>(model.context) * static_cast<double>(micro_batch) / static_cast<double>(cp);
-  return {tokens, tokens * static_cast<double>(model.width), static_cast<double>(tp), sp && tp > 1};
-}
-
-// What a norm saves beyond its input: LayerNorm (ATen's, or the fused add +
-// norm) and the fused RMSNorm their fp32 mean and reciprocal deviation per
-// token; the reference RMSNorm, composed of elementwise operations, the
-// reciprocal RMS and the normalised input (which the scale's multiply keeps).
-double norm_saved(const model::GptConfig& model, const Sizes& z, double activation_bytes) {
-  return model.rms_norm() && !model.fused ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
-}
-
-// The loss's side of one micro-batch on the last stage: what stays saved
-// from its forward to its backward (the final norm's and the head's inputs,
-// and the fp32 log-softmax — or, with the vocabulary-parallel loss, the
-// softmax of this rank's shard), what exists only at the end of the forward
-// (the logits, and their fp32 copy when activations are 16-bit), and what
-// the loss's backward adds (plain: the gradients of the loss and of the
-// logits; vocabulary-parallel: one gradient; parallel/tensor_parallel_ops.cpp).
-// The fused loss (Workload::fused_loss, one tensor-parallel rank; model/fused/ops.cpp)
-// keeps the logits themselves and a log-sum-exp per row, reads 16-bit
-// logits without an fp32 copy, and its backward makes one gradient.
-struct OutputBytes {
-  double kept, forward, backward;
-};
-// The chunked loss (Note [Chunked loss]) keeps the final norm's input and
-// what it saves. With its gradients made in the forward it keeps dh (rows of
-// the head's whole input: gathered under sequence parallel) and this rank's
-// dW to its backward; its forward holds one chunk's fp32 logits over this
-// rank's share of the vocabulary (with a soft-cap one more; a 16-bit copy
-// under autocast, and dW's product before it is added), the chunk's dh
-// product and, under sequence parallel, the gathered input; its backward
-// scales dh and dW in place and hands them on, and dh's cast to the input's
-// dtype or its collective makes one fp32 copy. Made in the backward (a
-// pipeline's last stage), it keeps the head's input and a log-sum-exp per
-// row instead, and its backward holds dh, dW and a chunk.
-OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool in_backward) {
-  const double e = p.activation, share = z.split(static_cast<double>(model.vocab_size));
-  const double width = static_cast<double>(model.width), weight = 4 * share * width;
-  const double rows = std::min(z.tokens, std::max(1.0, static_cast<double>(model::kChunkBytes) / (4 * share)));
-  const double low_precision = e < 4 ? 1 : 0;
-  const double chunk = rows * share * (4 * (model.logit_softcap > 0 ? 2 : 1) + low_precision * e) + 4 * rows * width +
-                       low_precision * e * share * width;
-  const double gathered = z.sp ? e * z.u : 0;
-  const double norm = e * z.region(z.u) + z.region(norm_saved(model, z, e));
-  if (in_backward) return {norm + e * z.u + 4 * z.tokens, chunk + gathered, e * z.u + weight + chunk + 4 * z.u};
-  return {norm + e * z.u + weight, chunk + gathered, 4 * z.u};
-}
-
-OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, bool in_backward) {
-  if (chunked_loss) return chunked_output_bytes(model, z, p, in_backward);
-  const double e = p.activation;
-  const double head_inputs = 2 * e * z.region(z.u) + z.region(norm_saved(model, z, e));
-  const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
-  if (fused_loss && z.t == 1) return {head_inputs + e * logits + 4 * z.tokens, 0, e * logits};
-  const double low_precision = e < 4 ? 1 : 0;
-  return {head_inputs + 4 * logits, logits * (e + 4 * low_precision),
-          (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};
-}
-
-// Gradients alive inside one layer's backward: the gradient arriving at its
-// output and the MLP's hidden-sized pair (a MoE layer: its experts' hidden
-// gradients and those of their inputs and outputs); with sequence parallel
-// the re-gathered input of a column-parallel linear and its gradient.
-double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
-                                double load) {
-  const double e = p.activation, matrices = model.gated_mlp() ? 3 : 2;
-  if (moe) {  // gradients of the experts' hidden tensors, inputs and outputs (sent back: source side)
-    const double a = assignments(model, z.tokens, load) / z.t, sent = ep > 1 ? assignments(model, z.tokens) / z.t : a;
-    return e * z.u + matrices * e * a * static_cast<double>(model.expert_hidden()) +
-           e * (a + sent) * static_cast<double>(model.width);
-  }
-  const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  return e * z.region(z.u) + matrices * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
-}
-
-// What a MoE layer saves in place of the MLP's hidden tensors (model/moe.cpp,
-// parallel/expert_parallel.cpp): the router's fp32 logits and probabilities
-// (and its fp32 input when activations are 16-bit), the top-k indices and
-// gates, and per assignment the expert's input, hidden tensors and output,
-// its combine gate and the dispatch/combine indices (int64).
-double moe_saved(const model::GptConfig& model, const Sizes& z, double e, int64_t ep, double load) {
-  // With expert parallel the experts' side follows the load this rank
-  // receives, the routing side the balanced one it sends.
-  // Tensor parallel: every rank routes all tokens and computes 1/t of the
-  // assignments; with sequence parallel it keeps the gathered input.
-  const double n = z.tokens, a = assignments(model, n, load) / z.t, sent = ep > 1 ? assignments(model, n) / z.t : a;
-  const double d = static_cast<double>(model.width);
-  const double k = static_cast<double>(model.moe_top_k), experts = static_cast<double>(model.moe_experts);
-  double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0) + (z.sp ? e * n * d : 0);
-  bytes += n * k * (8 + 4) + 4 * n;
-  // Per assignment: the expert's input and its hidden tensors, as the dense MLP's below.
-  const double hidden = model.gated_mlp() ? (model.fused ? 3 : 4) : 2;
-  bytes += a * (d * e + hidden * static_cast<double>(model.expert_hidden()) * e);
-  bytes += sent * (d * e + 4 + 3 * 8);  // expert output back here, its gate, the dispatch/combine indices
-  if (ep > 1) bytes += a * 2 * 8;       // the regrouping indices
-  return bytes;
-}
 
 // The schedule each rank runs (one rank: micro-batches one after another),
 // cached: the search asks for the same ones often.
@@ -141,125 +28,7 @@ const pipeline::Schedule& schedule_of(const Layout& layout, int64_t microbatches
                                               static_cast<int>(microbatches));
 }
 
-// What a layer saves from its attention output on: dropout masks, the MLP's
-// input and its activations (or the experts').
-double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const ActivationOptions& o, bool moe, int64_t ep) {
-  double bytes = 0;
-  if (o.dropout > 0) bytes += 2 * o.precision.mask * z.region(z.u);  // dropout after attention and after the MLP
-  bytes += e * z.region(z.u);                                        // MLP input
-  if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
-  // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
-  const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  return bytes + (model.gated_mlp() ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
-}
-
 }  // namespace
-
-// What context parallel's attention core saves (parallel/context_parallel.h).
-double context_parallel_core(const model::GptConfig& model, const Sizes& z, const ActivationOptions& o) {
-  const double h = static_cast<double>(model.width), qw = static_cast<double>(model.q_width());
-  const double kv = static_cast<double>(model.kv_width()), heads = static_cast<double>(model.heads);
-  const double out_and_lse = 4 * z.split(z.u * qw / h) + 4 * z.split(heads * z.tokens);
-  switch (o.cp_impl) {
-    case mesh::ContextParallelImpl::kRing: return out_and_lse;
-    case mesh::ContextParallelImpl::kAllToAll: {
-      // A sliding window's mask over the whole sequence, kept as floats (counted for every block).
-      const double s = static_cast<double>(model.context), window_mask = model.sliding_window > 0 ? 4 * s * s : 0;
-      return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse + window_mask;
-    }
-    case mesh::ContextParallelImpl::kHybrid: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
-  }
-  return out_and_lse;
-}
-
-std::vector<BlockProduct> op_level_products(const model::GptConfig& model, bool moe) {
-  const double h = static_cast<double>(model.width), qw = static_cast<double>(model.q_width());
-  const double kv = static_cast<double>(model.kv_width()), f = static_cast<double>(model.mlp_hidden());
-  std::vector<BlockProduct> all;
-  std::vector<bool> uncounted;  // a bias (addmm), a router or grouped experts: the policy neither counts nor keeps them
-  auto add = [&](double in, double out, bool row, bool bias, double times = 1, bool expert = false) {
-    all.push_back({in, out, times, row, false, false, expert});
-    uncounted.push_back(bias);
-  };
-  for (double out : {qw, kv, kv}) add(h, out, false, model.qkv_has_bias());
-  add(qw, h, true, model.proj_has_bias());
-  auto mlp = [&](double hidden, bool bias, double times, bool counted, bool experts = false) {
-    const bool skip = bias || !counted;
-    if (model.gated_mlp()) add(h, hidden, false, skip, times, experts);
-    add(h, hidden, false, skip, times, experts);
-    add(hidden, h, true, skip, times, experts);
-  };
-  if (!moe) {
-    mlp(f, model.mlp_has_bias(), 1, true);
-  } else {
-    add(h, static_cast<double>(model.moe_experts), false, true);  // the router
-    all.back().router = true;
-    mlp(static_cast<double>(model.expert_hidden()), false, static_cast<double>(model.moe_top_k), false, true);
-    if (model.moe_shared_hidden > 0) mlp(static_cast<double>(model.moe_shared_hidden), false, 1, true);
-  }
-  int count = 0;
-  for (size_t i = 0; i < all.size(); ++i) all[i].kept = !uncounted[i] && ++count % 2 == 1;
-  return all;
-}
-
-namespace {
-
-// What a block keeps under op-level recompute (Note [Op-level recompute]).
-double op_level_saved(const model::GptConfig& model, const Sizes& z, const ActivationOptions& o, bool moe) {
-  const double e = o.precision.activation, h = static_cast<double>(model.width);
-  double bytes = e * z.region(z.u);  // the block's input
-  for (const BlockProduct& p : op_level_products(model, moe)) {
-    if (p.kept) bytes += e * z.tokens * p.times * (p.row_parallel ? p.out : z.split(p.out));
-  }
-  if (z.sp) bytes += 2 * e * z.u / z.t;  // the reduce-scatters after attention and after the MLP
-  const double heads = static_cast<double>(model.heads), qw = static_cast<double>(model.q_width());
-  if (o.cp > 1) return bytes + context_parallel_core(model, z, o);
-  return bytes + e * z.split(z.u * qw / h) + 4 * z.split(heads * z.tokens);  // the attention kernel's output and log-sum-exp
-}
-
-}  // namespace
-
-double layer_activation_bytes(const model::GptConfig& model, const ActivationOptions& o, bool moe, int64_t ep) {
-  const Sizes z = sizes(model, o.micro_batch, o.tp, o.sp, o.cp);
-  const double e = o.precision.activation, mask = o.precision.mask;
-  if (o.recompute == parallel::CheckpointMode::kFull) return e * z.region(z.u);  // the layer's input only (Korthikanti et al., Sec. 4.3)
-  if (o.recompute == parallel::CheckpointMode::kSelective && o.selective == SelectivePolicy::kOps) {
-    return op_level_saved(model, z, o, moe);
-  }
-  const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
-  const double qw = static_cast<double>(model.q_width());  // width, unless the head size is set apart
-  const double s = static_cast<double>(model.context), heads = static_cast<double>(model.heads);
-  double bytes = 2 * (e * z.region(z.u) + z.region(norm_saved(model, z, e)));  // both norms
-  bytes += e * z.region(z.u);                                // qkv projection's input
-  bytes += e * z.split(z.u * qw / h);                        // attention output = output projection's input
-  const double scores = heads * s * z.tokens;                // a·s²·b
-  if (o.attention == "batched" && o.recompute != parallel::CheckpointMode::kSelective && o.cp == 1) {
-    // Contiguous q, k, v (k and v over their own heads: Note [Grouped
-    // queries]), and the causal softmax's blocks; the qkv projection's output
-    // is not kept (Note [CPU attention]).
-    const double kept = static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true)) / (s * s);
-    return bytes + e * z.split(z.u * (qw + 2 * kv) / h) + e * z.split(kept * scores) + mlp_saved(model, z, e, o, moe, ep);
-  }
-  bytes += e * z.split(z.u * (qw + 2 * kv) / h);             // q, k, v
-  if (!model.learned_positions()) bytes += e * z.split(z.u * (qw + kv) / h);  // rotated q and k
-  if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core
-    if (o.cp > 1) {
-      bytes += context_parallel_core(model, z, o);
-    } else if (o.attention == "flash") {
-      bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
-    } else {
-      bytes += z.split(scores) * (e + (o.dropout > 0 ? mask + e : 0));  // softmax (+ dropout mask and output)
-    }
-  }
-  return bytes + mlp_saved(model, z, e, o, moe, ep);
-}
-
-double assignments(const model::GptConfig& model, double tokens, double load) {
-  const double k = static_cast<double>(model.moe_top_k);
-  if (load > 0) return tokens * k * load;
-  const double cf = model.moe_capacity_factor;
-  return tokens * k * (cf > 0 ? std::min(1.0, cf) : 1.0);
-}
 
 double rank_moe_load(const model::GptConfig& model, const Workload& w, int64_t ep) {
   for (const auto& [degree, load] : w.moe_load_by_ep) {
@@ -400,7 +169,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
   a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, loss_in_backward);
-  a.boundary = p.activation * z.region(z.u);  // one activation (or its gradient) sent between stages
+  a.boundary = p.residual * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }
 
@@ -444,6 +213,7 @@ Chunks chunks_of(const model::GptConfig& model, const Layout& l) {
 
 // Everything of a layout that is the same on every pipeline rank.
 struct StepTerms {
+  const model::GptConfig& model;
   const Layout& l;
   const Workload& w;
   Sizes z;
@@ -481,12 +251,28 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
     peak.moment = moment;
     peak.activations = activations, peak.outputs = outputs, peak.buffers = buffers, peak.workspace = work;
   };
+  // Autocast's 16-bit copies of a stage's matrices (Precision::weight_copy;
+  // none of a 16-bit LoRA base): saved for the stage's backward, or under
+  // full recompute held in autocast's cache until the stage's forward ends
+  // and made again, a block at a time, by the recompute.
+  const double copy = r.lora && w.lora.base_dtype != at::kFloat ? 0 : p.weight_copy;
+  const bool full = l.activation_checkpoint == parallel::CheckpointMode::kFull;
+  auto stage_copies = [&](int stage) {
+    return copy * (static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * r.block +
+                   static_cast<double>(c.moe_blocks[stage]) * r.moe_block);
+  };
   auto stage_bytes = [&](int stage) {
     double bytes = static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * a.per_layer +
-                   static_cast<double>(c.moe_blocks[stage]) * a.per_moe_layer;
+                   static_cast<double>(c.moe_blocks[stage]) * a.per_moe_layer + (full ? 0 : stage_copies(stage));
     if (stage == 0 && w.dropout > 0) bytes += p.mask * z.region(z.u);  // the embedding's dropout mask
     return bytes;
   };
+  // A head tied to the embedding (one stage holds both): the head's gradient
+  // waits in autograd's buffer from the loss's backward to the embedding's,
+  // whose dense gradient then joins it.
+  const double vocab_weight = z.split(static_cast<double>(t.model.vocab_size)) * static_cast<double>(t.model.width);
+  const double tied_wait = t.model.tie_embeddings && l.dims.pp == 1 ? p.grad * r.trained(vocab_weight) : 0;
+  double waiting = 0;
   double stash = 0, kept_outputs = 0, sends = 0;
   int stashed = 0;
   for (const pipeline::Action& act : actions) {
@@ -496,7 +282,8 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       rank.in_flight = std::max<int64_t>(rank.in_flight, ++stashed);
       if (loss_stage) {
         kept_outputs += a.out.kept;
-        consider("forward end", stash, kept_outputs + a.out.forward, sends + (gathers ? p.param * root_unit : 0), 0);
+        consider("forward end", stash + (full ? stage_copies(act.stage) : 0), kept_outputs + a.out.forward,
+                 sends + (gathers ? p.param * root_unit : 0), 0);
       } else {
         sends += a.boundary;
       }
@@ -505,6 +292,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
         consider("loss backward", stash, kept_outputs + a.out.backward,
                  sends + (gathers ? p.param * root_unit + p.grad * r.trained(root_unit) : 0), 0);
         kept_outputs -= a.out.kept;
+        waiting = tied_wait;
       }
       // ZeRO-3: the gathered unit, and the gradients of a dense block's
       // size beside the layer's saved tensors. A MoE block's backward
@@ -512,7 +300,8 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       // the block's gradients exist; its expert gradients complete (then
       // are reduced) once its saved tensors are freed.
       const double recomputed =
-          l.activation_checkpoint == parallel::CheckpointMode::kFull ? a.full_layer : a.op_level_recomputed;
+          full ? a.full_layer + copy * largest_block : a.op_level_recomputed;
+      kept_outputs += waiting;
       if (gathers && rank.moe_layers > 0) {
         const double gathered = sends + p.param * (root_unit + r.moe_block);
         consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
@@ -529,7 +318,14 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       }
       stash -= stage_bytes(act.stage);
       --stashed;
-      if (act.stage > 0) sends += a.boundary;
+      kept_outputs -= waiting;
+      if (act.stage > 0) {
+        sends += a.boundary;
+      } else {  // the embedding's dense gradient
+        consider("embedding backward", stash, kept_outputs, sends + (gathers ? p.param * root_unit : 0),
+                 waiting + p.grad * r.trained(r.embedding));
+        waiting = 0;
+      }
     }
   }
   // Data parallel's AdamW kernels (CPU and CUDA) update in place; the
@@ -552,7 +348,8 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
   const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp);
   const pipeline::Schedule& schedule = schedule_of(l, microbatches);
   const bool loss_in_backward = l.dims.pp > 1 && pipeline::losses_in_flight(schedule) > 1;
-  const StepTerms terms{l,
+  const StepTerms terms{model,
+                        l,
                         w,
                         z,
                         rank_parameters(model, l, w.lora),

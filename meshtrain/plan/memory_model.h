@@ -52,8 +52,19 @@ namespace meshtrain::plan {
 //                 vocabulary-parallel loss), a stage's backward (the gradient
 //                 work space of a layer, the recomputed layer under full
 //                 recompute, and under ZeRO-3 the gathered unit and its full
-//                 gradient), and the optimizer step (AdamW's per-tensor
-//                 temporaries, or two gathered units under ZeRO).
+//                 gradient), the embedding's backward (its dense gradient,
+//                 beside a tied head's gradient, which waits in autograd's
+//                 buffer from the loss's backward), and the optimizer step
+//                 (AdamW's per-tensor temporaries, or two gathered units
+//                 under ZeRO).
+//   precision     bytes per element of each state and activation. Under
+//                 bfloat16 autocast (bf16-autocast, train's
+//                 training.dtype = "bfloat16") the states stay fp32, the
+//                 products' outputs and saved inputs are 16-bit, the residual
+//                 stream (a norm's input, a block's input, a stage's send) is
+//                 fp32, and each block keeps a 16-bit copy of its matrices
+//                 until its backward (under full recompute, autocast's cache
+//                 holds them to the forward's end).
 //   buffers       pipeline sends are kept until the step ends (one boundary
 //                 activation or gradient each); ZeRO-3 gathered units.
 // Every term follows what meshtrain's own modules save, so the prediction is

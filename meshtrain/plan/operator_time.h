@@ -49,6 +49,9 @@ struct OperatorRates {
   std::string precision = "fp32";  // what was measured: a plan in another precision counts FLOPs at peak x MFU
 
   bool measured() const { return matmul_flops > 0; }
+  // Measured in the products' dtype of a plan whose activations are `activation_bytes` wide:
+  // fp32, or bfloat16 for bf16-mixed and bf16-autocast alike.
+  bool measured_for(double activation_bytes) const { return measured() && (precision == "fp32") == (activation_bytes == 4); }
 };
 
 // Seconds of work on one rank, split as the pipeline schedule needs them.

@@ -49,7 +49,7 @@ struct StepInputs {
 
 // Whether the machine's operators were measured in the plan's precision (Note [Operator time]).
 bool measured_for(const StepInputs& in) {
-  return in.machine.operators.measured() && in.machine.operators.precision == in.w.precision.name;
+  return in.machine.operators.measured_for(in.w.precision.activation);
 }
 
 // One micro-batch's work on one rank through `dense` plain and `moe`

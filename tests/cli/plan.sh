@@ -13,8 +13,8 @@ grep -q "closest that do not fit:" "$dir/table.txt"
 grep -q "needs .* GiB > 80.0 GiB on pipeline rank" "$dir/table.txt"
 grep -q "^machine  .*(this machine" "$dir/table.txt" || { echo "the default machine is not this one"; exit 1; }
 "$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 | grep -q "^machine  h100: 989 TFLOP/s .*(the h100 profile)"
-# train's key for the precision: bfloat16 is --precision bf16-mixed, float32 is fp32
-"$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 --training.dtype=bfloat16 | grep -q "^run .* bf16-mixed,"
+# train's key for the precision: bfloat16 is --precision bf16-autocast (what train does), float32 is fp32
+"$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 --training.dtype=bfloat16 | grep -q "^run .* bf16-autocast,"
 "$meshtrain" plan --model llama2-7b --world 8 --machine h100 --top 1 --training.dtype=float32 | grep -q "^run .* fp32,"
 
 # The model of a Hugging Face folder (its config.json alone) and of a checkpoint; this machine's memory by default.
@@ -113,6 +113,10 @@ JSON
   grep -q "operators products 40 GFLOP/s + 1.0 us, attention 25 GFLOP/s + 300.0 us, elementwise 30 GB/s + 1.0 us, x 1.10"
 "$meshtrain" plan --machine "$dir/operators.json" --model small --world 2 --precision bf16-mixed --layout "dp=2 mb=8" |
   grep -q "operators measured in fp32, not bf16-mixed: the step is its FLOPs at peak x MFU"
+# Operators measured in bf16 serve train's bfloat16 autocast as they serve bf16-mixed: the same products.
+sed 's/"precision": "fp32"/"precision": "bf16-mixed"/' "$dir/operators.json" > "$dir/operators-bf16.json"
+"$meshtrain" plan --machine "$dir/operators-bf16.json" --model small --world 2 --training.dtype=bfloat16 --layout "dp=2 mb=8" |
+  grep -q "operators products 40 GFLOP/s"
 # This machine's cores are those the process may run on: its affinity mask (and a cgroup's quota).
 if command -v taskset >/dev/null && [ "$(nproc)" -ge 2 ]; then
   taskset -c 0 "$meshtrain" plan --model small --world 2 --top 1 | grep -q "(1 cores)" ||

@@ -6,6 +6,8 @@
 #include "meshtrain/plan/memory_model.h"
 #include "tests/parallel/training_fixture.h"
 
+#include <algorithm>
+
 namespace meshtrain::train {
 namespace {
 
@@ -143,10 +145,18 @@ TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
     layouts.push_back({"parallel.cp=4", "parallel.cp_impl=hybrid"});
     layouts.push_back({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"});
   }
+  // bfloat16 autocast (Precision bf16-autocast): 16-bit products, an fp32 residual stream, autocast's weight copies.
+  const std::string bf16 = "training.dtype=bfloat16";
+  layouts.push_back({bf16});
+  layouts.push_back({bf16, "parallel.activation_checkpoint=full"});
+  if (n > 1) layouts.push_back({bf16, "parallel.zero_stage=3"});
+  if (n % 2 == 0) layouts.push_back({bf16, "parallel.pp=2", "parallel.pp_schedule=1f1b"});
   for (size_t i = 0; i < layouts.size(); ++i) {
     for (int64_t width : widths(i)) {
       const double error = relative_error_of(layouts[i], width);
-      EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " width " << width;
+      // The autocast rows are held closer: dropping the weight copies alone moves them 3-11%.
+      const bool autocast = std::find(layouts[i].begin(), layouts[i].end(), bf16) != layouts[i].end();
+      EXPECT_LE(std::abs(error), autocast ? 0.05 : 0.10) << "rank " << world()->rank() << " width " << width;
     }
   }
   // Llama style (rotary q and k saved, SwiGLU's four hidden-sized tensors).
@@ -154,6 +164,9 @@ TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
   if (n % 2 == 0) llama_layouts.push_back({"parallel.pp=2", "parallel.pp_schedule=1f1b"});
   if (n == 2) llama_layouts.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
   if (n == 2) llama_layouts.push_back({"parallel.cp=2"});
+  // Qwen3's QK-norm per head, in fp32 and under autocast.
+  llama_layouts.push_back({"model.qk_norm=head"});
+  if (n == 2) llama_layouts.push_back({"model.qk_norm=head", bf16});
   for (const Overrides& layout : llama_layouts) {
     const double error = relative_error_of(layout, 128, /*llama=*/true);
     EXPECT_LE(std::abs(error), 0.10) << "rank " << world()->rank() << " llama";

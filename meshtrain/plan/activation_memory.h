@@ -1,0 +1,45 @@
+// What a layer and the loss keep, per micro-batch on one rank (Note [Memory
+// model]): the terms estimate_memory walks the schedule with.
+#pragma once
+
+#include "meshtrain/plan/memory_model.h"
+
+namespace meshtrain::plan {
+
+// Sizes of one micro-batch on a rank, in elements (a cp-th of each sequence
+// under context parallel), and the two ways tensor parallel divides them:
+// head- and MLP-sized tensors always (split), the rest only with sequence
+// parallel (region).
+struct Sizes {
+  double tokens, u, t;
+  bool sp;
+  double split(double x) const { return x / t; }
+  double region(double x) const { return sp ? x / t : x; }
+};
+
+inline Sizes sizes(const model::GptConfig& model, int64_t micro_batch, int64_t tp, bool sp, int64_t cp) {
+  const double tokens = static_cast<double>(model.context) * static_cast<double>(micro_batch) / static_cast<double>(cp);
+  return {tokens, tokens * static_cast<double>(model.width), static_cast<double>(tp), sp && tp > 1};
+}
+
+// The loss's side of one micro-batch on the last stage: what stays saved
+// from its forward to its backward (the final norm's and the head's inputs,
+// and the fp32 log-softmax — or, with the vocabulary-parallel loss, the
+// softmax of this rank's shard), what exists only at the end of the forward
+// (the logits, and their fp32 copy when activations are 16-bit), and what
+// the loss's backward adds (plain: the gradients of the loss and of the
+// logits; vocabulary-parallel: one gradient; parallel/tensor_parallel_ops.cpp).
+// The fused loss (Workload::fused_loss, one tensor-parallel rank; model/fused/ops.cpp)
+// keeps the logits themselves and a log-sum-exp per row, reads 16-bit
+// logits without an fp32 copy, and its backward makes one gradient.
+struct OutputBytes {
+  double kept, forward, backward;
+};
+OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
+                         bool chunked_loss, bool in_backward);
+
+// Gradients alive inside one layer's backward (a MoE layer's with expert parallel degree `ep` and `load`).
+double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
+                                double load);
+
+}  // namespace meshtrain::plan
