@@ -246,6 +246,8 @@ void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::W
     }
     workload.selective = plan::SelectivePolicy::kOps;
   }
+  // --auto writes a config train runs, and train's bfloat16 is autocast.
+  if (!o.auto_path.empty() && workload.precision.name == "bf16-mixed") workload.precision = plan::Precision::parse("bf16-autocast");
   if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   const MoeLoad moe = moe_load_of(o.moe_load);
@@ -514,7 +516,7 @@ PlanCommand::PlanCommand(CLI::App& app) {
                 "runners-up and why they lost as comments); the --model config file's other keys are kept");
   p->add_flag("--calibrate", calibrate_,
               "Measure this machine: each operator class's rate, a short training run against them, and under "
-              "`meshtrain run -n N` the collectives (with --precision bf16-mixed: in bf16)");
+              "`meshtrain run -n N` the collectives (with --precision bf16-mixed or bf16-autocast: in bf16)");
   p->add_option("--save", o_.save, "With --calibrate: write the profile to this file");
   p->footer("Examples:\n  meshtrain plan --model llama2-7b --world 8 --machine h100\n"
             "  meshtrain plan --model runs/default/checkpoints --world 2\n"

@@ -96,12 +96,12 @@ at::Tensor same_document(const at::Tensor& starts) {
 
 // Attention over the gathered rows in rank order, by scores formed explicitly under a
 // mask from their positions (and documents): any positions. Grouped queries
-// as [B, kv heads, group, T, D] against each key/value head, broadcast: no
-// copies of k and v (Note [Grouped queries]).
+// as [B, kv heads, group x T, D], each key/value head's group of query heads
+// one matrix against it: no copies of k and v (Note [Grouped queries]).
 at::Tensor explicit_attention(const Gathered& g, const model::AttentionSpec& rule, int64_t group) {
   const int64_t b = g.q.size(0), kv = g.k.size(1), t = g.q.size(2), d = g.q.size(3);
-  const at::Tensor q = g.q.view({b, kv, group, t, d}), k = g.k.unsqueeze(2), v = g.v.unsqueeze(2);
-  at::Tensor s = model::soft_cap(at::matmul(q, k.transpose(-2, -1)) * rule.scale, rule.softcap);  // [B, kv, group, T, T]
+  const at::Tensor q = g.q.view({b, kv, group * t, d});
+  at::Tensor s = model::soft_cap(at::matmul(q, g.k.transpose(-2, -1)) * rule.scale, rule.softcap).view({b, kv, group, t, t});
   at::Tensor allowed;
   if (rule.causal) allowed = model::allowed_pairs(g.positions.to(s.device()), g.positions.to(s.device()), rule);
   if (const at::Tensor same = same_document(g.documents); same.defined()) {
@@ -112,7 +112,7 @@ at::Tensor explicit_attention(const Gathered& g, const model::AttentionSpec& rul
     s = s.masked_fill(allowed.dim() == 4 ? allowed.unsqueeze(2).logical_not() : allowed.logical_not(),
                       -std::numeric_limits<float>::infinity());
   }
-  return at::matmul(at::softmax(s, -1), v).view({b, kv * group, t, d});
+  return at::matmul(at::softmax(s, -1).view({b, kv, group * t, t}), g.v).view({b, kv * group, t, d});
 }
 
 // The same over the rows put in position order, where they are the positions

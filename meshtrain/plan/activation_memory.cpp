@@ -94,10 +94,10 @@ namespace {
 
 // What a MoE layer saves in place of the MLP's hidden tensors (model/moe.cpp,
 // parallel/expert_parallel.cpp): the router's fp32 logits and probabilities
-// (and its fp32 input when activations are 16-bit), the top-k indices and
+// (and its fp32 input when the residual stream is 16-bit), the top-k indices and
 // gates, and per assignment the expert's input, hidden tensors and output,
 // its combine gate and the dispatch/combine indices (int64).
-double moe_saved(const model::GptConfig& model, const Sizes& z, double e, int64_t ep, double load) {
+double moe_saved(const model::GptConfig& model, const Sizes& z, double e, double residual, int64_t ep, double load) {
   // With expert parallel the experts' side follows the load this rank
   // receives, the routing side the balanced one it sends.
   // Tensor parallel: every rank routes all tokens and computes 1/t of the
@@ -105,7 +105,7 @@ double moe_saved(const model::GptConfig& model, const Sizes& z, double e, int64_
   const double n = z.tokens, a = assignments(model, n, load) / z.t, sent = ep > 1 ? assignments(model, n) / z.t : a;
   const double d = static_cast<double>(model.width);
   const double k = static_cast<double>(model.moe_top_k), experts = static_cast<double>(model.moe_experts);
-  double bytes = 2 * 4 * n * experts + (e < 4 ? 4 * n * d : 0) + (z.sp ? e * n * d : 0);
+  double bytes = 2 * 4 * n * experts + (residual < 4 ? 4 * n * d : 0) + (z.sp ? e * n * d : 0);
   bytes += n * k * (8 + 4) + 4 * n;
   // Per assignment: the expert's input and its hidden tensors, as the dense MLP's below.
   const double hidden = model.gated_mlp() ? (model.fused ? 3 : 4) : 2;
@@ -121,7 +121,7 @@ double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const 
   double bytes = 0;
   if (o.dropout > 0) bytes += 2 * o.precision.mask * z.region(z.u);  // dropout after attention and after the MLP
   bytes += e * z.region(z.u);                                        // MLP input
-  if (moe) return bytes + moe_saved(model, z, e, ep, o.moe_load);
+  if (moe) return bytes + moe_saved(model, z, e, o.precision.residual, ep, o.moe_load);
   // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
   const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
   return bytes + (model.gated_mlp() ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
@@ -217,7 +217,7 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   }
   bytes += e * z.split(z.u * (qw + 2 * kv) / h);             // q, k, v
   if (!model.learned_positions()) bytes += e * z.split(z.u * (qw + kv) / h);  // rotated q and k
-  if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core, QK-norm and RoPE in it
+  if (o.recompute != parallel::CheckpointMode::kSelective) {  // the attention core, QK-norm in it
     bytes += qk_norm_saved(model, z, e, true);
     if (o.cp > 1) {
       bytes += context_parallel_core(model, z, o);

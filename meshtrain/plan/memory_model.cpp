@@ -285,6 +285,8 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
         consider("forward end", stash + (full ? stage_copies(act.stage) : 0), kept_outputs + a.out.forward,
                  sends + (gathers ? p.param * root_unit : 0), 0);
       } else {
+        // Under full recompute autocast's cache holds the stage's copies to its forward's end.
+        if (full && copy > 0) consider("forward end", stash + stage_copies(act.stage), kept_outputs, sends, 0);
         sends += a.boundary;
       }
     } else if (act.kind == pipeline::ActionKind::kBackward) {

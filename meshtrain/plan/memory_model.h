@@ -158,7 +158,7 @@ struct MemoryBreakdown {
   double buffers = 0;      // communication: gathered ZeRO-3 units, pipeline sends
   double workspace = 0;    // transient: gradients inside a layer's backward, a recomputed layer, optimizer temporaries
   double host = 0;         // offloaded states, in host memory
-  std::string moment;      // when the peak happens: "forward end", "loss backward", "layer backward", "optimizer step"
+  std::string moment;      // when the peak happens: "forward end", "loss backward", "layer backward", "embedding backward", "optimizer step"
 
   double model_states() const { return parameters + gradients + optimizer; }
   double total() const { return model_states() + activations + outputs + buffers + workspace; }

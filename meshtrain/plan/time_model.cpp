@@ -305,7 +305,9 @@ void add_pipeline_and_offload(TimeBreakdown& time, const StepInputs& in) {
   const Layout& l = in.l;
   const Precision& p = in.w.precision;
   if (l.dims.pp > 1) {
-    const double boundary = l.dims.sequence_parallel ? in.activation / in.t : in.activation;
+    // A stage sends the residual stream (fp32 under autocast).
+    const double sent = in.activation * p.residual / p.activation;
+    const double boundary = l.dims.sequence_parallel ? sent / in.t : sent;
     const Link pp = link(in.machine, 2, l.data_ranks() * l.dims.tp);
     const double messages = 2 * in.m * static_cast<double>(l.dims.virtual_stages);  // activation forward, gradient back
     time.pipeline = messages * (pp.send(boundary) + in.machine.sync);

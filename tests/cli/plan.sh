@@ -145,6 +145,10 @@ grep -q "^# chosen: .*: predicted .* s per step" "$dir/auto.toml" && grep -q "^#
   { cat "$dir/auto.txt"; exit 1; }
 "$meshtrain" run -n 4 train "$dir/auto.toml" > "$dir/auto-train.txt" 2>&1
 grep -q "^step     1/1 | loss" "$dir/auto-train.txt" || { cat "$dir/auto.toml" "$dir/auto-train.txt"; exit 1; }
+# From a preset (bf16-mixed by default) --auto plans what train runs with bfloat16: autocast.
+"$meshtrain" plan --model small --world 2 --auto "$dir/auto-small.toml" > /dev/null
+grep -q "^# meshtrain plan --auto: .*, bf16-autocast$" "$dir/auto-small.toml" && grep -q '^dtype = "bfloat16"' "$dir/auto-small.toml" ||
+  { cat "$dir/auto-small.toml"; exit 1; }
 # torchtitan's recompute policy and whole-logits loss, for comparing with its runs: evaluated, not written by --auto.
 "$meshtrain" plan --model llama3.1-8b --world 8 --seq 8192 --global-batch 16 --machine h100 --device-memory 96GiB \
   --layout "zero=3 fsdp=8 mb=2 recompute=selective" --selective ops --loss whole > "$dir/ops.txt"
