@@ -22,7 +22,8 @@ struct AutoPlanInput {
 
 // Writes the fastest layout that fits to `path` as a train config: the model,
 // the global batch and micro-batch, the layout's [parallel] and [offload]
-// keys, bfloat16 for a bf16-autocast plan (plan --auto plans bf16-mixed as autocast, what train runs), and the source config's other keys;
+// keys, bfloat16 for a bf16-autocast plan (--auto plans bf16-mixed as
+// autocast, what train runs), and the source config's other keys;
 // above it, as comments, the prediction, the runners-up and what makes each
 // slower, and the closest layouts that do not fit. Returns the text. Throws
 // std::invalid_argument when nothing fits, and config::ConfigError if train

@@ -67,6 +67,10 @@ namespace {
 struct RankParameters {
   double block = 0, moe_block = 0, local_experts = 0, embedding = 0, head = 0;  // with LoRA, adapters included
   double largest_tensor = 0;  // the gradient norm's slice is at most its size
+  // Of a block, the column-parallel matrices sequence parallel's gathered
+  // products multiply in place, casting them without keeping a copy (qkv,
+  // and a dense block's up and gate): no autocast copy of these.
+  double uncopied_block = 0, uncopied_moe_block = 0;
   // What trains: every parameter, or with LoRA a block's adapters only.
   bool lora = false;
   double trained_block = 0, trained_moe_block = 0;
@@ -108,6 +112,10 @@ RankParameters rank_parameters(const model::GptConfig& model, const Layout& l, c
   r.largest_tensor = std::max({vocab * h / t, static_cast<double>(model.mlp_hidden()) * h / t,
                                h * static_cast<double>(model.qkv_width()) / t,
                                static_cast<double>(model.expert_hidden() * model.moe_experts / l.dims.ep) * h});
+  if (l.dims.sequence_parallel && l.dims.tp > 1) {
+    r.uncopied_moe_block = h * static_cast<double>(model.qkv_width()) / t;
+    r.uncopied_block = r.uncopied_moe_block + h * static_cast<double>(model.mlp_hidden()) * (model.gated_mlp() ? 2 : 1) / t;
+  }
   r.trained_block = r.block;
   r.trained_moe_block = r.moe_block;
   if (lora.enabled()) {
@@ -258,9 +266,11 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   const double copy = r.lora && w.lora.base_dtype != at::kFloat ? 0 : p.weight_copy;
   const bool full = l.activation_checkpoint == parallel::CheckpointMode::kFull;
   auto stage_copies = [&](int stage) {
-    return copy * (static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * r.block +
-                   static_cast<double>(c.moe_blocks[stage]) * r.moe_block);
+    return copy * (static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * (r.block - r.uncopied_block) +
+                   static_cast<double>(c.moe_blocks[stage]) * (r.moe_block - r.uncopied_moe_block));
   };
+  const double largest_copied = rank.moe_layers > 0 ? std::max(r.block - r.uncopied_block, r.moe_block - r.uncopied_moe_block)
+                                                     : r.block - r.uncopied_block;
   auto stage_bytes = [&](int stage) {
     double bytes = static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * a.per_layer +
                    static_cast<double>(c.moe_blocks[stage]) * a.per_moe_layer + (full ? 0 : stage_copies(stage));
@@ -302,7 +312,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       // the block's gradients exist; its expert gradients complete (then
       // are reduced) once its saved tensors are freed.
       const double recomputed =
-          full ? a.full_layer + copy * largest_block : a.op_level_recomputed;
+          full ? a.full_layer + copy * largest_copied : a.op_level_recomputed;
       kept_outputs += waiting;
       if (gathers && rank.moe_layers > 0) {
         const double gathered = sends + p.param * (root_unit + r.moe_block);

@@ -152,6 +152,8 @@ TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
   if (n > 1) layouts.push_back({bf16, "parallel.zero_stage=3"});
   if (n % 2 == 0) layouts.push_back({bf16, "parallel.pp=2", "parallel.pp_schedule=1f1b"});
   if (n % 2 == 0) layouts.push_back({bf16, "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.activation_checkpoint=full"});
+  if (n == 2 || n == 4) layouts.push_back({bf16, "parallel.tp=2", "parallel.sequence_parallel=true"});
+  if (n == 2 || n == 4) layouts.push_back({bf16, "parallel.tp=2"});
   for (size_t i = 0; i < layouts.size(); ++i) {
     for (int64_t width : widths(i)) {
       const double error = relative_error_of(layouts[i], width);
