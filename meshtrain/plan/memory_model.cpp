@@ -277,12 +277,12 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
     if (stage == 0 && w.dropout > 0) bytes += p.mask * z.region(z.u);  // the embedding's dropout mask
     return bytes;
   };
-  // A head tied to the embedding (one stage holds both): the head's gradient
-  // waits in autograd's buffer from the loss's backward to the embedding's,
-  // whose dense gradient then joins it.
+  // A head tied to the embedding (one stage holds both, so each backward
+  // action runs the loss's and the embedding's): the head's gradient waits in
+  // autograd's buffer from the loss's backward to the embedding's, whose
+  // dense gradient then joins it.
   const double vocab_weight = z.split(static_cast<double>(t.model.vocab_size)) * static_cast<double>(t.model.width);
   const double tied_wait = t.model.tie_embeddings && l.dims.pp == 1 ? p.grad * r.trained(vocab_weight) : 0;
-  double waiting = 0;
   double stash = 0, kept_outputs = 0, sends = 0;
   int stashed = 0;
   for (const pipeline::Action& act : actions) {
@@ -290,21 +290,20 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
     if (act.kind == pipeline::ActionKind::kForward) {
       stash += stage_bytes(act.stage);
       rank.in_flight = std::max<int64_t>(rank.in_flight, ++stashed);
+      // Under full recompute autocast's cache holds the stage's copies to its forward's end.
+      const double cached = full ? stage_copies(act.stage) : 0;
       if (loss_stage) {
         kept_outputs += a.out.kept;
-        consider("forward end", stash + (full ? stage_copies(act.stage) : 0), kept_outputs + a.out.forward,
-                 sends + (gathers ? p.param * root_unit : 0), 0);
+        consider("forward end", stash + cached, kept_outputs + a.out.forward, sends + (gathers ? p.param * root_unit : 0), 0);
       } else {
-        // Under full recompute autocast's cache holds the stage's copies to its forward's end.
-        if (full && copy > 0) consider("forward end", stash + stage_copies(act.stage), kept_outputs, sends, 0);
+        if (cached > 0) consider("forward end", stash + cached, kept_outputs, sends, 0);
         sends += a.boundary;
       }
     } else if (act.kind == pipeline::ActionKind::kBackward) {
       if (loss_stage) {
         consider("loss backward", stash, kept_outputs + a.out.backward,
                  sends + (gathers ? p.param * root_unit + p.grad * r.trained(root_unit) : 0), 0);
-        kept_outputs -= a.out.kept;
-        waiting = tied_wait;
+        kept_outputs += tied_wait - a.out.kept;
       }
       // ZeRO-3: the gathered unit, and the gradients of a dense block's
       // size beside the layer's saved tensors. A MoE block's backward
@@ -313,7 +312,6 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       // are reduced) once its saved tensors are freed.
       const double recomputed =
           full ? a.full_layer + copy * largest_copied : a.op_level_recomputed;
-      kept_outputs += waiting;
       if (gathers && rank.moe_layers > 0) {
         const double gathered = sends + p.param * (root_unit + r.moe_block);
         consider("layer backward", stash, kept_outputs, gathered, moe_workspace + recomputed);
@@ -330,13 +328,12 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       }
       stash -= stage_bytes(act.stage);
       --stashed;
-      kept_outputs -= waiting;
       if (act.stage > 0) {
         sends += a.boundary;
-      } else {  // the embedding's dense gradient
+      } else {  // the embedding's dense gradient, then the tied head's joins it
         consider("embedding backward", stash, kept_outputs, sends + (gathers ? p.param * root_unit : 0),
-                 waiting + p.grad * r.trained(r.embedding));
-        waiting = 0;
+                 p.grad * r.trained(r.embedding));
+        kept_outputs -= tied_wait;
       }
     }
   }
