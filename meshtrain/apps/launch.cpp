@@ -320,7 +320,10 @@ bool worth_restarting(const Launch& launch, const Supervision& supervision) {
 // the job to start a process (`mpirun -np 1 --host H:1 true`, all at once,
 // for at most MESHTRAIN_HOST_PROBE_S seconds, default 30): relaunching on a
 // host that is down would leave mpirun waiting for a daemon that never calls
-// back. Hosts that do not answer are dropped. With --min-ranks M the job goes
+// back. The launcher's own host is not asked: it cannot be lost while the
+// launcher runs, and on a loaded machine its probe could fail only for being
+// slow. Hosts that do not answer are dropped, each with why (no answer in
+// time, or the probe's exit and last line). With --min-ranks M the job goes
 // on with as many ranks as the answering hosts' slots hold (at most -n), if
 // that is M or more; without it a lost host ends the supervision, saying so.
 // train derives its layout from the world size where the config leaves dp
@@ -346,22 +349,23 @@ double probe_seconds() {
 bool drop_lost_hosts(Job& job, const Supervision& supervision, int requested_ranks, bool srun) {
   if (job.named.empty()) return true;
   const double seconds = probe_seconds();
-  const std::vector<bool> answered =
+  const std::vector<ProbeAnswer> answers =
       probe_hosts(job.named, srun ? "srun" : mpirun_path(), is_open_mpi() && geteuid() == 0, seconds);
   std::vector<HostSlots> kept;
-  std::string lost;
+  std::string lost, why;
   int slots = 0;
   for (size_t i = 0; i < job.named.size(); ++i) {
-    if (answered[i]) {
+    if (answers[i].answered) {
       kept.push_back(job.named[i]);
       slots += job.named[i].slots;
     } else {
       lost += (lost.empty() ? "" : ", ") + job.named[i].name;
+      why += "meshtrain:   " + job.named[i].name + ": " + answers[i].why + "\n";
     }
   }
   if (lost.empty()) return true;
-  std::fprintf(stderr, "meshtrain: lost host(s) %s: no process started there within %.0f s (%s)\n", lost.c_str(),
-               seconds, srun ? "srun --nodes=1 --nodelist=HOST true" : "mpirun -np 1 --host HOST:1 true");
+  std::fprintf(stderr, "meshtrain: lost host(s) %s: no process started there within %.0f s (%s)\n%s", lost.c_str(),
+               seconds, srun ? "srun --nodes=1 --nodelist=HOST true" : "mpirun -np 1 --host HOST:1 true", why.c_str());
   const int ranks = std::min(requested_ranks, slots);
   if (supervision.min_ranks == 0) {
     std::fprintf(stderr, "meshtrain: not restarting: a host is lost (--min-ranks M relaunches on the hosts that answer)\n");

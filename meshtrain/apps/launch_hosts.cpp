@@ -2,10 +2,16 @@
 // the hosts still up after a failure (Note [Elastic restarts] in launch.cpp).
 #include "meshtrain/apps/launch_hosts.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <climits>
+#include <cstring>
 
 #include <chrono>
 #include <cstdio>
@@ -73,7 +79,8 @@ std::vector<HostSlots> parse_hostfile(const std::string& path) {
   return hosts;
 }
 
-pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root) {
+// Starts the probe of one host, its output to `output` (an open file); its pid, or -1.
+pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root, int output) {
   std::vector<std::string> command{mpirun, "-np", "1", "--host", host.name + ":1"};
   if (mpirun == "srun") {  // a step of the allocation, beside any other (Note [Launching under Slurm])
     command = {"srun", "--nodes=1", "--ntasks=1", "--overlap", "--quiet", "--nodelist=" + host.name};
@@ -87,8 +94,12 @@ pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root) {
   const pid_t pid = fork();
   if (pid == 0) {
     setpgid(0, 0);  // the probe and whatever it starts end together
-    const int null = open("/dev/null", O_RDWR);
-    for (int fd : {STDIN_FILENO, STDOUT_FILENO, STDERR_FILENO}) dup2(null, fd);
+    const int null = open("/dev/null", O_RDONLY);
+    dup2(null, STDIN_FILENO);
+    if (output >= 0) {
+      dup2(output, STDOUT_FILENO);
+      dup2(output, STDERR_FILENO);
+    }
     execvp(argv[0], argv.data());
     _exit(127);
   }
@@ -96,7 +107,71 @@ pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root) {
   return pid;
 }
 
+// What a probe's output says: the first line of mpirun's framed message (a
+// line of dashes above it), else its last line that says something.
+std::string probe_said(int output) {
+  std::string text, line, said;
+  char chunk[4096];
+  lseek(output, 0, SEEK_SET);
+  for (ssize_t got; (got = read(output, chunk, sizeof chunk)) > 0;) text.append(chunk, static_cast<size_t>(got));
+  std::stringstream lines(text);
+  bool framed = false;
+  while (std::getline(lines, line)) {
+    const bool dashes = line.size() > 10 && line.find_first_not_of('-') == std::string::npos;
+    if (dashes) {
+      framed = true;
+      continue;
+    }
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    said = line;
+    if (framed) break;
+  }
+  return said.size() > 200 ? said.substr(0, 200) + "..." : said;
+}
+
+std::string exit_reason(int status, int output) {
+  std::string why = WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
+                    : WIFSIGNALED(status) ? "ended by signal " + std::to_string(WTERMSIG(status))
+                                          : "ended";
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 127) why += " (the probe's command could not be run)";
+  const std::string said = probe_said(output);
+  return said.empty() ? why : why + ": " + said;
+}
+
+// A numeric address (v4 or v6) in a form memcmp can compare; empty when `name` is not one.
+std::string numeric_address(const std::string& name) {
+  unsigned char bytes[sizeof(in6_addr)] = {};
+  if (inet_pton(AF_INET, name.c_str(), bytes) == 1) return std::string(reinterpret_cast<char*>(bytes), 4);
+  if (inet_pton(AF_INET6, name.c_str(), bytes) == 1) return std::string(reinterpret_cast<char*>(bytes), 16);
+  return "";
+}
+
+std::string short_name(const std::string& name) { return name.substr(0, name.find('.')); }
+
 }  // namespace
+
+bool is_this_host(const std::string& name) {
+  if (name == "localhost") return true;
+  const std::string address = numeric_address(name);
+  if (address.empty()) {  // a name: this host's, in full or up to its first dot (no lookup, which could hang)
+    char own[HOST_NAME_MAX + 1] = {};
+    if (gethostname(own, sizeof own - 1) != 0) return false;
+    return name == own || short_name(name) == short_name(own);
+  }
+  ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) return false;
+  bool mine = false;
+  for (const ifaddrs* entry = interfaces; entry && !mine; entry = entry->ifa_next) {
+    if (!entry->ifa_addr) continue;
+    if (entry->ifa_addr->sa_family == AF_INET && address.size() == 4) {
+      mine = std::memcmp(&reinterpret_cast<const sockaddr_in*>(entry->ifa_addr)->sin_addr, address.data(), 4) == 0;
+    } else if (entry->ifa_addr->sa_family == AF_INET6 && address.size() == 16) {
+      mine = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(entry->ifa_addr)->sin6_addr, address.data(), 16) == 0;
+    }
+  }
+  freeifaddrs(interfaces);
+  return mine;
+}
 
 std::vector<HostSlots> parse_hosts(const std::string& hostfile, const std::string& list) {
   return hostfile.empty() ? parse_list(list) : parse_hostfile(hostfile);
@@ -110,31 +185,57 @@ std::string host_list(const std::vector<HostSlots>& hosts) {
   return list;
 }
 
-std::vector<bool> probe_hosts(const std::vector<HostSlots>& hosts, const std::string& mpirun, bool root,
-                              double seconds) {
-  std::vector<pid_t> pids;
-  for (const HostSlots& host : hosts) pids.push_back(start_probe(host, mpirun, root));
-  std::vector<bool> answered(hosts.size(), false), done(hosts.size(), false);
+std::vector<ProbeAnswer> probe_hosts(const std::vector<HostSlots>& hosts, const std::string& mpirun, bool root,
+                                     double seconds) {
+  std::vector<ProbeAnswer> answers(hosts.size());
+  std::vector<pid_t> pids(hosts.size(), -1);
+  std::vector<int> outputs(hosts.size(), -1);
+  std::vector<bool> done(hosts.size(), true);
+  size_t left = 0;
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    if (is_this_host(hosts[i].name)) {
+      answers[i].answered = true;
+      continue;
+    }
+    char name[] = "/tmp/meshtrain-probe-XXXXXX";
+    outputs[i] = mkstemp(name);
+    if (outputs[i] >= 0) unlink(name);
+    pids[i] = start_probe(hosts[i], mpirun, root, outputs[i]);
+    done[i] = false;
+    ++left;
+  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  for (size_t left = hosts.size(); left > 0;) {
+  while (left > 0) {
     for (size_t i = 0; i < pids.size(); ++i) {
       if (done[i]) continue;
       int status = 0;
       const pid_t ended = pids[i] > 0 ? waitpid(pids[i], &status, WNOHANG) : -1;
       if (ended == 0) continue;
       done[i] = true;
-      answered[i] = ended == pids[i] && WIFEXITED(status) && WEXITSTATUS(status) == 0;
       --left;
+      if (ended != pids[i]) {
+        answers[i].why = pids[i] > 0 ? "its probe could not be waited for" : "its probe could not be started (fork failed)";
+      } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        answers[i].answered = true;
+      } else {
+        answers[i].why = exit_reason(status, outputs[i]);
+      }
     }
     if (left == 0 || std::chrono::steady_clock::now() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   for (size_t i = 0; i < pids.size(); ++i) {
-    if (done[i]) continue;
-    kill(-pids[i], SIGKILL);
-    waitpid(pids[i], nullptr, 0);
+    if (!done[i]) {
+      kill(-pids[i], SIGKILL);
+      waitpid(pids[i], nullptr, 0);
+      char limit[32];
+      std::snprintf(limit, sizeof limit, "%.0f", seconds);
+      const std::string said = probe_said(outputs[i]);
+      answers[i].why = "no answer within " + std::string(limit) + " s" + (said.empty() ? "" : " (last said: " + said + ")");
+    }
+    if (outputs[i] >= 0) close(outputs[i]);
   }
-  return answered;
+  return answers;
 }
 
 }  // namespace meshtrain::apps

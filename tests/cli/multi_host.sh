@@ -95,12 +95,17 @@ launcher=$!
 wait_for_steps "$run/lost" 4
 kill_host 2
 lost=$(date +%s%N)
-for _ in $(seq 1200); do grep -q '"event":"restart"' "$run/lost/metrics.jsonl" && break; sleep 0.1; done
+for _ in $(seq 1200); do
+  grep -q '"event":"restart"' "$run/lost/metrics.jsonl" && break
+  kill -0 "$launcher" 2> /dev/null || break  # the launcher gave up: its status and log say why below
+  sleep 0.1
+done
 echo "a lost host: training resumed on the other $(( ($(date +%s%N) - lost) / 1000000 )) ms after the kill (probe limit 8 s)"
 status=0
 wait "$launcher" || status=$?
 [ "$status" = 0 ] || { echo "status $status after a host was lost"; cat "$run/lost.log"; exit 1; }
 grep -q "lost host(s) 10.213.0.2: no process started there" "$run/lost.log" &&
+  grep -q "^meshtrain:   10.213.0.2: " "$run/lost.log" &&
   grep -q "relaunching on 2 rank(s) (4 before) on 10.213.0.1:2" "$run/lost.log" &&
   grep -q "restart 1: resumed at step [36], .* on 2 ranks (4 before)" "$run/lost.log" || { cat "$run/lost.log"; exit 1; }
 grep -q '"event":"restart","ranks":2,"ranks_before":4' "$run/lost/metrics.jsonl" || { cat "$run/lost/metrics.jsonl"; exit 1; }
