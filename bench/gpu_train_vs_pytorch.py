@@ -6,8 +6,15 @@ model, global batch, optimizer, dtype (bfloat16 autocast by default) and number
 of steps, and prints median tokens/s of each side, meshtrain's ratio to each,
 and MFU against the bfloat16 matmul peak meshtrain measured on the same GPU
 (an 8192^3 product) and against the data-sheet dense peak given with --spec-tflops.
+GPT-2 presets and the Llama 3.2 shapes (llama3.2-1b: RMSNorm, RoPE, grouped
+keys and values, SwiGLU, its 128,256-token vocabulary) are on both sides; the
+two sides' parameter counts must agree. A preset may carry its own batch and
+context, PRESET:BATCHxCONTEXT (llama3.2-1b:8x2048).
 
-    python3 bench/gpu_train_vs_pytorch.py [--presets gpt2-124m gpt2-350m] [--batch 16] [--markdown FILE]
+    python3 bench/gpu_train_vs_pytorch.py [--presets gpt2-124m llama3.2-1b:8x2048] [--batch 16] [--markdown FILE]
+    # the script's own check on a CPU, a cut-down Llama:
+    python3 bench/gpu_train_vs_pytorch.py --device cpu --dtype float32 --presets llama3.2-1b:2x128 \
+        --layers 2 --steps 2 --no-compile --largest '' --graph
 """
 import argparse
 import json
@@ -39,16 +46,29 @@ def run(command):
 def write_tokens(path, count, vocab, seed):
     """A meshtrain token file (see meshtrain/train/data.h) of uniform random tokens, as the reference draws."""
     rng = random.Random(seed)
+    wide = vocab > 65536  # Llama 3's 128,256 ids take 4 bytes
     with open(path, "wb") as f:
-        f.write(b"MTTOKENS" + struct.pack("<IIQQ", 1, 2, count, vocab))
-        f.write(struct.pack(f"<{count}H", *(rng.randrange(vocab) for _ in range(count))))
+        f.write(b"MTTOKENS" + struct.pack("<IIQQ", 1, 4 if wide else 2, count, vocab))
+        f.write(struct.pack(f"<{count}{'I' if wide else 'H'}", *(rng.randrange(vocab) for _ in range(count))))
+
+
+def parse_preset(text, batch):
+    """PRESET or PRESET:BATCHxCONTEXT -> (preset, batch, context or 0: the preset's)."""
+    name, _, shape = text.partition(":")
+    if not shape:
+        return name, batch, 0
+    sequences, _, context = shape.partition("x")
+    return name, int(sequences), int(context)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--meshtrain", default=os.path.join(ROOT, "build", "bin", "meshtrain"))
-    parser.add_argument("--presets", nargs="*", default=["gpt2-124m", "gpt2-350m"])
+    parser.add_argument("--presets", nargs="*", default=["gpt2-124m", "gpt2-350m", "llama3.2-1b:8x2048"],
+                        help="PRESET or PRESET:BATCHxCONTEXT")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (one micro-batch)")
+    parser.add_argument("--layers", type=int, default=0, help="cut every preset to this many blocks (0: as it is)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the script's own check")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after 3 untimed)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--spec-tflops", type=float, default=989.0, help="data-sheet dense peak of the dtype")
@@ -64,25 +84,43 @@ def main():
     args = parser.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
-    train_file, val_file = os.path.join(args.out, "train.bin"), os.path.join(args.out, "val.bin")
-    write_tokens(train_file, 1 << 21, 50257, 1)
-    write_tokens(val_file, 1 << 16, 50257, 2)
+    token_files = {}
+
+    def tokens_for(vocab):
+        if vocab not in token_files:
+            train, val = (os.path.join(args.out, f"{name}-{vocab}.bin") for name in ("train", "val"))
+            write_tokens(train, 1 << 21, vocab, 1)
+            write_tokens(val, 1 << 16, vocab, 2)
+            token_files[vocab] = (train, val)
+        return token_files[vocab]
+
+    train_file, val_file = tokens_for(50257)
     rows = []
-    for preset in args.presets:
+    for text in args.presets:
+        preset, batch, context = parse_preset(text, args.batch)
+        vocab = 128256 if preset.startswith("llama3") else 50257
+        train, val = tokens_for(vocab)
+        shape = ([f"--model.context={context}"] if context else []) + \
+            ([f"--model.layers={args.layers}"] if args.layers else [])
         ours = run([args.meshtrain, "bench", "train", "--warmup-steps", "3", "--steps", str(args.steps),
-                    f"--model.preset={preset}", f"--training.batch={args.batch}",
-                    f"--training.micro_batch={args.batch}", f"--training.dtype={args.dtype}", "--run.device=cuda",
-                    f"--data.train_file={train_file}", f"--data.val_file={val_file}", f"--run.out={args.out}",
-                    "--model.dropout=0"])
-        reference = [sys.executable, REFERENCE, "--preset", preset, "--batch", str(args.batch), "--micro-batch",
-                     str(args.batch), "--steps", str(args.steps), "--warmup-steps", "3", "--device", "cuda",
-                     "--dtype", args.dtype]
+                    f"--model.preset={preset}", f"--training.batch={batch}",
+                    f"--training.micro_batch={batch}", f"--training.dtype={args.dtype}", f"--run.device={args.device}",
+                    f"--data.train_file={train}", f"--data.val_file={val}", f"--run.out={args.out}",
+                    "--model.dropout=0"] + shape)
+        reference = [sys.executable, REFERENCE, "--preset", preset, "--batch", str(batch), "--micro-batch",
+                     str(batch), "--steps", str(args.steps), "--warmup-steps", "3", "--device", args.device,
+                     "--dtype", args.dtype] + (["--context", str(context)] if context else []) + \
+            (["--layers", str(args.layers)] if args.layers else [])
         eager = run(reference)
+        if eager["parameters"] != ours["parameters"]:
+            raise RuntimeError(f"{preset}: the reference has {eager['parameters']:,} parameters, meshtrain "
+                               f"{ours['parameters']:,}: not the same model")
         compiled = None if args.no_compile else run(reference + ["--compile"])
         peak = ours["matmul_peak_gflops_per_rank"] * 1e9
         mfu = ours["mfu"]  # against the measured peak
         flops_per_token = mfu * peak / ours["tokens_per_s"]
-        row = {"preset": preset, "parameters": ours["parameters"], "batch": args.batch, "dtype": args.dtype,
+        row = {"preset": preset, "parameters": ours["parameters"], "batch": batch, "dtype": args.dtype,
+               "context": ours["context"],
                "meshtrain_tokens_per_s": ours["tokens_per_s"], "eager_tokens_per_s": eager["tokens_per_s"],
                "compile_tokens_per_s": compiled["tokens_per_s"] if compiled else None,
                "measured_peak_tflops": peak / 1e12, "flops_per_token": flops_per_token,
@@ -94,7 +132,7 @@ def main():
     def mfu(tokens, peak_flops):
         return f"{100 * tokens * row['flops_per_token'] / peak_flops:.1f}%" if tokens else "-"
 
-    lines = [f"| model | side | tokens/s | meshtrain ÷ side | MFU (measured {rows[0]['measured_peak_tflops']:.0f} TFLOP/s) "
+    lines = [f"| model, batch x tokens | side | tokens/s | meshtrain ÷ side | MFU (measured {rows[0]['measured_peak_tflops']:.0f} TFLOP/s) "
              f"| MFU ({args.spec_tflops:.0f} TFLOP/s spec) | peak GPU memory (MiB) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"] if rows else []
     for row in rows:
@@ -105,7 +143,7 @@ def main():
             tokens = row[key]
             if tokens is None:
                 continue
-            lines.append(f"| {row['preset']} | {side} | {tokens:,.0f} | {ours / tokens:.3f} | "
+            lines.append(f"| {row['preset']}, {row['batch']} x {row['context']} | {side} | {tokens:,.0f} | {ours / tokens:.3f} | "
                          f"{mfu(tokens, row['measured_peak_tflops'] * 1e12)} | {mfu(tokens, args.spec_tflops * 1e12)} | "
                          f"{row[memory]:,.0f} |")
     if args.largest:
@@ -133,7 +171,7 @@ def main():
         lines.append(f"| {preset} | {batch} | {g['eager_tokens_per_s']:,.0f} | {g['graph_tokens_per_s']:,.0f} | "
                      f"{g['speedup']:.3f} | {g['largest_relative_loss_difference']:.1e} |")
     table = "\n".join(lines)
-    note = (f"\nbatch {args.batch} x 1024 tokens, {args.dtype} autocast, {args.steps} timed steps (median step), "
+    note = (f"\n{args.dtype}{' autocast' if args.dtype == 'bfloat16' else ''}, {args.steps} timed steps (median step), "
             f"torch {rows[0]['torch']}, AdamW, clipping at 1.0") if rows else ""
     print("\n" + table + note)
     if args.markdown:

@@ -1,6 +1,7 @@
 """PyTorch reference for `meshtrain bench train`: the same GPT (optionally with
 mixture-of-experts blocks, --moe-experts: the same router, capacity, dispatch,
-experts and combine as meshtrain/model/moe.cpp), optimizer, batch and
+experts and combine as meshtrain/model/moe.cpp) or Llama (the llama3.2
+presets: RMSNorm, RoPE, grouped keys and values, SwiGLU, tied head), optimizer, batch and
 schedule, single process, DDP or FSDP2 (`fully_shard`, per block then the root),
 over gloo; or one process on a GPU (--device cuda), eager or torch.compile'd,
 in float32 or bfloat16 autocast. Launch one process per rank, e.g.
@@ -29,6 +30,11 @@ PRESETS = {  # vocab, context, layers, heads, width — as meshtrain's presets
     "small": (256, 256, 6, 6, 384),
     "gpt2-124m": (50257, 1024, 12, 12, 768),
     "gpt2-350m": (50257, 1024, 24, 16, 1024),
+}
+# Llama-shaped presets: vocab, context, layers, heads, width, kv heads, MLP hidden, tied head — as meshtrain's.
+LLAMA_PRESETS = {
+    "llama3.2-1b": (128256, 131072, 16, 32, 2048, 8, 8192, True),
+    "llama3.2-3b": (128256, 131072, 28, 24, 3072, 8, 8192, True),
 }
 
 
@@ -132,6 +138,88 @@ class GPT(nn.Module):
         return loss + sum((b.moe.aux for b in self.blocks if b.moe is not None), torch.zeros((), device=loss.device))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, width, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
+
+    def forward(self, x):
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x, cos, sin):
+    """RoPE on the two halves of each head (the layout Hugging Face's Llama uses)."""
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: RMSNorm, attention with grouped keys and values and RoPE, RMSNorm, SwiGLU; no biases."""
+
+    def __init__(self, width, heads, kv_heads, hidden):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.q_proj = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, width, bias=False)
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if GQA_IN_SDPA:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        else:  # older torch: the keys and values repeated per query head, as transformers' repeat_kv does
+            times = self.heads // self.kv_heads
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(times, 1), v.repeat_interleave(times, 1),
+                                               is_causal=True)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+GQA_IN_SDPA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class Llama(nn.Module):
+    """A Llama 3-style decoder (plain RoPE at theta 500,000: Llama 3's frequency scaling changes no work)."""
+
+    def __init__(self, vocab, context, layers, heads, width, kv_heads, hidden, tied):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(LlamaBlock(width, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(width)
+        self.head = None if tied else nn.Linear(width, vocab, bias=False)
+        head_dim = width // heads
+        inverse = 500000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(context, dtype=torch.float64), inverse)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, tokens, targets):
+        t = tokens.size(1)
+        cos, sin = self.cos[:t], self.sin[:t]
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = F.linear(self.norm(x), self.embed.weight if self.head is None else self.head.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -162,7 +250,7 @@ def profile_steps(directory, steps, train_step, writer):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS) + sorted(LLAMA_PRESETS))
     parser.add_argument("--batch", type=int, default=16, help="global batch in sequences")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12, help="timed steps")
@@ -171,6 +259,8 @@ def main():
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     parser.add_argument("--width", type=int, default=0, help="override the preset's width")
+    parser.add_argument("--context", type=int, default=0, help="override the preset's context (tokens per sequence)")
+    parser.add_argument("--vocab", type=int, default=0, help="override the preset's vocabulary size")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16: autocast")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
@@ -193,14 +283,19 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() // world)))))
     torch.manual_seed(1337)
 
-    vocab, context, layers, heads, width = PRESETS[args.preset]
+    llama = LLAMA_PRESETS.get(args.preset)
+    vocab, context, layers, heads, width = llama[:5] if llama else PRESETS[args.preset]
     layers, width = args.layers or layers, args.width or width
+    vocab, context = args.vocab or vocab, args.context or context
     baseline_rss = rss_mib()
     moe = None
     if args.moe_experts:
         moe = lambda: MoE(width, args.moe_experts, args.moe_hidden or 4 * width, args.moe_top_k,  # noqa: E731
                           args.moe_capacity_factor, args.moe_second_expert, 0.01, 0.001)
-    model = GPT(vocab, context, layers, heads, width, moe, args.moe_every).to(device)
+    if llama:
+        model = Llama(vocab, context, layers, heads, width, *llama[5:]).to(device)
+    else:
+        model = GPT(vocab, context, layers, heads, width, moe, args.moe_every).to(device)
     step_model = torch.compile(model) if args.compile else model
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard

@@ -119,6 +119,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
                            {"parameters", config.model.parameter_count()},
                            {"batch", config.batch},
                            {"micro_batch", config.micro_batch},
+                           {"context", config.model.context},
                            {"threads", at::get_num_threads()},
                            {"tokens_per_s", tokens_per_second},
                            {"mfu", trainer.mfu(tokens_per_second)},

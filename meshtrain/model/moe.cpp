@@ -149,6 +149,7 @@ MoeStats MoeImpl::stats() const {
   s.dropped = sums[2].item<double>();
   s.load_max_over_mean = sums[3].item<double>();
   s.kept = kept_;
+  s.routed_by_forward = routed_by_forward_;
   return s;
 }
 
@@ -156,6 +157,7 @@ void MoeImpl::reset_stats() {
   forwards_ = routed_ = computed_ = 0;
   sums_ = at::Tensor();
   kept_.clear();
+  routed_by_forward_.clear();
 }
 
 at::Tensor MoeImpl::forward(const at::Tensor& x) {
@@ -226,10 +228,10 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
                                       (assignments - accepted.sum().to(at::kDouble)) / assignments.clamp_min(1.0),
                                       load.max() / load.mean().clamp_min(1e-12)});
     sums_ = sums_.defined() ? sums_ + now : now;
-    kept_.resize(counts.size(), 0.0);
-    for (size_t i = 0; i < counts.size(); ++i) kept_[i] += static_cast<double>(counts[i]);
+    kept_.emplace_back(counts.begin(), counts.end());
     forwards_ += 1;
     routed_ += n * k / replicas_;  // tensor parallel: this rank's share of the routing
+    routed_by_forward_.push_back(static_cast<double>(n * k / replicas_));
   }
   if (is_training() && torch::GradMode::is_enabled()) {
     out = AuxLoss::apply(out, aux + z, aux_loss_scale_ / static_cast<double>(replicas_));

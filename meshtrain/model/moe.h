@@ -44,9 +44,11 @@ struct MoeStats {
   double load_max_over_mean = 0;  // assignments of the busiest expert / the mean
   double routed = 0;           // tokens x top_k that this rank's forwards routed
   double computed = 0;         // assignments this rank's experts computed (expert parallel: from every rank)
-  // Per expert (whichever rank holds it), the assignments capacity kept of
-  // this rank's tokens (under tensor parallel, of its share of them, as `routed`).
-  std::vector<double> kept;
+  // Per forward, and in it per expert (whichever rank holds it), the
+  // assignments capacity kept of this rank's tokens (under tensor parallel,
+  // of its share of them, as `routed`); and each forward's tokens x top_k.
+  std::vector<std::vector<double>> kept;
+  std::vector<double> routed_by_forward;
 };
 
 // One MoE layer's averages over a step (ParallelModel::moe_metrics).
@@ -59,7 +61,8 @@ struct MoeLayerMetrics {
   double this_rank_load = 0;  // the same for this rank (0 where its pipeline stage does not hold the layer)
   int64_t ep = 1;              // the expert parallel degree it was measured at
   // rank_load at each expert parallel degree that divides the experts, from
-  // every rank's kept assignments per expert (parallel::busiest_rank_load).
+  // every rank's kept assignments per expert in each forward, ep token
+  // sources to a group (parallel::grouped_rank_load).
   std::vector<std::pair<int64_t, double>> rank_load_by_ep;
 };
 
@@ -130,7 +133,9 @@ class MoeImpl : public torch::nn::Module {
   int64_t forwards_ = 0;
   int64_t routed_ = 0, computed_ = 0;  // host counts (no device reads)
   at::Tensor sums_;  // [aux, z, dropped, load] summed over the forwards, double, on the layer's device
-  std::vector<double> kept_;  // per expert, the assignments this rank computes or sends, summed over the forwards
+  // Per forward, per expert: the assignments this rank computes or sends; and each forward's routed count.
+  std::vector<std::vector<double>> kept_;
+  std::vector<double> routed_by_forward_;
 };
 TORCH_MODULE(Moe);
 

@@ -112,6 +112,29 @@ double busiest_rank_load(const std::vector<double>& kept, double routed, int64_t
   return static_cast<double>(ep) * most;
 }
 
+double grouped_rank_load(const std::vector<std::vector<double>>& kept, const std::vector<double>& routed, int64_t ep) {
+  std::vector<size_t> sources;
+  for (size_t s = 0; s < routed.size(); ++s) {
+    if (routed[s] > 0) sources.push_back(s);
+  }
+  if (ep < 1 || sources.empty() || kept.size() < routed.size()) return 0;
+  const size_t experts = kept[sources.front()].size(), group = std::min(sources.size(), static_cast<size_t>(ep));
+  if (experts == 0 || experts % static_cast<size_t>(ep) != 0) return 0;
+  double total = 0;
+  int64_t groups = 0;
+  for (size_t first = 0; first + group <= sources.size(); first += group, ++groups) {
+    std::vector<double> summed(experts, 0.0);
+    double assignments = 0;
+    for (size_t i = first; i < first + group; ++i) {
+      const std::vector<double>& one = kept[sources[i]];
+      for (size_t e = 0; e < experts && e < one.size(); ++e) summed[e] += one[e];
+      assignments += routed[sources[i]];
+    }
+    total += busiest_rank_load(summed, assignments, ep);
+  }
+  return total / static_cast<double>(groups);
+}
+
 ExpertParallel::ExpertParallel(model::Gpt& model, std::shared_ptr<comm::Communicator> ep) : comm_(std::move(ep)) {
   const int64_t experts = model->config().moe_experts, ranks = comm_->size();
   if (experts == 0 || experts % ranks != 0) {

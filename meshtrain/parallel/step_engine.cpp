@@ -148,24 +148,51 @@ double StepEngine::clip_grad_norm(double max_norm) {
 
 void StepEngine::step(double lr) { parts_.data_parallelism->step(lr); }
 
+namespace {
+
+// Every rank's kept assignments per expert and routed count, in each forward
+// of every MoE layer: [layers, forwards, world, experts + 1] (the last column
+// the routed count; zeros where a rank ran fewer forwards or not the layer).
+at::Tensor kept_by_source(const std::vector<model::MoeStats>& stats, int64_t forwards, int64_t experts,
+                          comm::Communicator& world) {
+  at::Tensor all = at::zeros({static_cast<int64_t>(stats.size()), forwards, world.size(), experts + 1}, at::kDouble);
+  auto cell = all.accessor<double, 4>();
+  for (size_t layer = 0; layer < stats.size(); ++layer) {
+    const model::MoeStats& s = stats[layer];
+    for (size_t f = 0; f < s.kept.size() && static_cast<int64_t>(f) < forwards; ++f) {
+      for (size_t e = 0; e < s.kept[f].size() && static_cast<int64_t>(e) < experts; ++e) {
+        cell[layer][f][world.rank()][e] = s.kept[f][e];
+      }
+      cell[layer][f][world.rank()][experts] = s.routed_by_forward[f];
+    }
+  }
+  at::Tensor summed = all.to(world.device());
+  world.all_reduce(summed).wait();
+  return summed.cpu();
+}
+
+}  // namespace
+
 std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
   std::vector<model::Moe> layers = parts_.model->moe_layers();
   if (layers.empty()) return {};
   const model::GptConfig& config = parts_.model->config();
-  const int64_t experts = config.moe_experts, width = 6 + experts;
+  const int64_t experts = config.moe_experts, width = 6;
   // Per layer: forwards, then the sums of aux, z, dropped, load and routed,
-  // and the kept assignments per expert, summed over every rank; the most any
-  // rank computed, its maximum.
+  // summed over every rank; the most any rank computed, its maximum (and the
+  // most forwards any rank ran).
   std::vector<double> rows, computed;
+  std::vector<model::MoeStats> stats;
+  double forwards_here = 0;
   for (model::Moe& layer : layers) {
-    const model::MoeStats s = layer->stats();
+    stats.push_back(layer->stats());
+    const model::MoeStats& s = stats.back();
     rows.insert(rows.end(), {double(s.forwards), s.aux_loss, s.z_loss, s.dropped, s.load_max_over_mean, s.routed});
-    std::vector<double> kept = s.kept;
-    kept.resize(experts, 0.0);
-    rows.insert(rows.end(), kept.begin(), kept.end());
     computed.push_back(s.computed);
+    forwards_here = std::max(forwards_here, static_cast<double>(s.kept.size()));
     layer->reset_stats();
   }
+  computed.push_back(forwards_here);
   const std::shared_ptr<comm::Communicator>& world = parts_.world;
   at::Tensor sums = at::tensor(rows, at::kDouble).to(world->device());
   at::Tensor most = at::tensor(computed, at::kDouble).to(world->device());
@@ -173,6 +200,8 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
   world->all_reduce(most, comm::ReduceOp::kMax).wait();
   sums = sums.cpu();
   most = most.cpu();
+  const int64_t forwards_max = static_cast<int64_t>(most.data_ptr<double>()[layers.size()]);
+  const at::Tensor sources = kept_by_source(stats, forwards_max, experts, *world);
   const double* sum = sums.data_ptr<double>();
   // Ranks that run this layer: those of its pipeline stage.
   const double ranks = static_cast<double>(world->size()) / static_cast<double>(parts_.spec().dims.pp);
@@ -182,9 +211,17 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
     const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
     model::MoeLayerMetrics m{block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
                              most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep, {}};
-    const std::vector<double> kept(sum + 6, sum + width);
+    // The token sources forward by forward, rank by rank (parallel::grouped_rank_load).
+    const at::Tensor layer = sources[i].reshape({-1, experts + 1});
+    std::vector<std::vector<double>> kept;
+    std::vector<double> routed;
+    for (int64_t s = 0; s < layer.size(0); ++s) {
+      const double* row = layer[s].data_ptr<double>();
+      kept.emplace_back(row, row + experts);
+      routed.push_back(row[experts]);
+    }
     for (int64_t ep = 1; sum[5] > 0 && ep <= experts; ++ep) {
-      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, busiest_rank_load(kept, sum[5], ep));
+      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, grouped_rank_load(kept, routed, ep));
     }
     out.push_back(std::move(m));
     ++i;

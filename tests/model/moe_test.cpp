@@ -88,8 +88,9 @@ TEST(Moe, CapacityDropsTheHandComputedShareAndDroppedTokensPassThrough) {
   const at::Tensor out = moe->forward(x);
   EXPECT_NEAR(moe->stats().dropped, 0.75, 1e-12);         // 30 of 40 assignments over capacity
   EXPECT_NEAR(moe->stats().load_max_over_mean, 4.0, 1e-12);  // all 40 on one of 4 experts
-  // Kept per expert: the 10 within capacity, all on expert 0, of 40 routed.
-  EXPECT_EQ(moe->stats().kept, (std::vector<double>{10, 0, 0, 0}));
+  // Kept per expert in the one forward: the 10 within capacity, all on expert 0, of 40 routed.
+  EXPECT_EQ(moe->stats().kept, (std::vector<std::vector<double>>{{10, 0, 0, 0}}));
+  EXPECT_EQ(moe->stats().routed_by_forward, std::vector<double>{40.0});
   EXPECT_EQ(moe->stats().routed, 40.0);
   const at::Tensor rows = out.view({n, c.width});
   for (int64_t t = 0; t < n; ++t) {

@@ -511,6 +511,26 @@ TEST(PlanMoe, BusiestRankLoadAtEachDegreeFromTheKeptAssignments) {
   EXPECT_EQ(parallel::busiest_rank_load(kept, 0, 2), 0.0);
 }
 
+// The load each all-to-all waits for, from token sources grouped as ep ranks
+// exchange one micro-batch's: four sources of 4 assignments on two experts,
+// the first two all to expert 0, the last two all to expert 1. Pooled, the
+// two experts are balanced (1.0); grouped at ep = 2, each group's tokens all
+// go to one rank (2.0).
+TEST(PlanMoe, GroupedRankLoadKeepsEachGroupsBusiestRank) {
+  const std::vector<std::vector<double>> kept = {{4, 0}, {4, 0}, {0, 4}, {0, 4}};
+  const std::vector<double> routed = {4, 4, 4, 4};
+  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load({8, 8}, 16, 2), 1.0);   // pooled
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(kept, routed, 2), 2.0);  // (0, 1) and (2, 3)
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(kept, routed, 1), 1.0);  // each source alone keeps all
+  // Sources that routed nothing (another pipeline stage's ranks) are skipped: (0, 2) and (3, 4).
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {9, 9}, {0, 4}, {0, 4}, {4, 0}}, {4, 0, 4, 4, 4}, 2), 1.0);
+  // Fewer sources than ep: one group of what there is; a partial last group is left out.
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}}, {4}, 2), 2.0);
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {4, 0}, {0, 4}}, {4, 4, 4}, 2), 2.0);
+  EXPECT_EQ(parallel::grouped_rank_load(kept, routed, 3), 0.0);  // 3 does not divide 2 experts
+  EXPECT_EQ(parallel::grouped_rank_load({}, {}, 2), 0.0);
+}
+
 TEST(PlanMoe, SearchConsidersExpertParallel) {
   const model::GptConfig m = model::GptConfig::preset("mixtral-8x7b");
   Workload w;
