@@ -13,7 +13,8 @@
 # ends the run); the exit status is non-zero when any failed. Environment:
 #   MESHTRAIN_BUNDLE  the bundle folder (default: .gpu-bundle)
 #   BUILD_DIR         (default: build-gpu)
-#   BENCH_PRESETS     models of the benchmark (default: gpt2-124m gpt2-350m)
+#   BENCH_PRESETS     models of the benchmark, PRESET[:BATCHxCONTEXT] (default:
+#                     gpt2-124m gpt2-350m llama3.2-1b:8x2048)
 set -uo pipefail
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:?usage: gpu-check.sh OUT_DIR [facts,build,test,train,bench]}
@@ -96,7 +97,7 @@ if stage bench; then
   start=$SECONDS
   # shellcheck disable=SC2086
   "$python" "$root_dir/bench/gpu_train_vs_pytorch.py" --meshtrain "$build_dir/bin/meshtrain" \
-    --presets ${BENCH_PRESETS-gpt2-124m gpt2-350m} --markdown "$out/bench.md" > "$out/bench.log" 2>&1 || failed+=(bench)
+    --presets ${BENCH_PRESETS-gpt2-124m gpt2-350m llama3.2-1b:8x2048} --markdown "$out/bench.md" > "$out/bench.log" 2>&1 || failed+=(bench)
   tail -12 "$out/bench.log"
   say "benchmarks in $(elapsed $start)"
 fi
