@@ -1,6 +1,7 @@
 #include "meshtrain/model/chunked_loss.h"
 
 #include "meshtrain/model/batch.h"
+#include "meshtrain/model/fused/ops.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
@@ -177,7 +178,35 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   }
 };
 
+// The whole logits y·Wᵀ of a head tied to the embedding, with W's gradient
+// made as a tensor of its own (Note [Tied head's gradient]).
+struct TiedHeadProduct : torch::autograd::Function<TiedHeadProduct> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight) {
+    ctx->save_for_backward({hidden, weight});
+    return at::linear(hidden, weight);
+  }
+
+  static torch::autograd::variable_list backward(AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor dz = grads[0].reshape({-1, grads[0].size(-1)});
+    at::Tensor dh, dw;
+    if (ctx->needs_input_grad(0)) dh = at::mm(dz, weight).view(hidden.sizes());
+    if (ctx->needs_input_grad(1)) dw = at::mm(dz.t(), hidden.reshape({-1, hidden.size(-1)}));
+    return {dh, dw};
+  }
+};
+
 }  // namespace
+
+at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight) {
+  const bool own_gradient = fused::plain(hidden) && fused::plain(weight) && hidden.layout() == at::kStrided &&
+                            hidden.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                            !at::autocast::is_autocast_enabled(hidden.device().type()) &&
+                            torch::GradMode::is_enabled() && weight.requires_grad();
+  return own_gradient ? TiedHeadProduct::apply(hidden, weight) : at::linear(hidden, weight);
+}
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when) {

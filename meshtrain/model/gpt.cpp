@@ -387,7 +387,7 @@ at::Tensor GptImpl::project(const at::Tensor& x) {
   const HookChain& c = *chain_;
   const at::Tensor y = c.call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
   const at::Tensor logits =
-      c.call("head", y, [this](const at::Tensor& in) { return head ? head->forward(in) : at::linear(in, wte->weight); });
+      c.call("head", y, [this](const at::Tensor& in) { return head ? head->forward(in) : tied_head_logits(in, wte->weight); });
   return soft_cap(logits, config_.logit_softcap);  // Gemma 2
 }
 

@@ -1,6 +1,7 @@
 // The chunked loss (Note [Chunked loss]): the loss and gradients of the
 // materialised logits, soft-capped, with ignored targets, under autocast and
-// in a whole model; its peak memory without the [tokens, vocabulary] logits.
+// in a whole model; its peak memory without the [tokens, vocabulary] logits;
+// and the tied head's whole logits, whose gradient joins the embedding's in place.
 #include "meshtrain/model/chunked_loss.h"
 
 #include "meshtrain/model/attention.h"
@@ -152,6 +153,33 @@ TEST(ChunkedLoss, PeakMemoryHoldsNoWholeLogits) {
   EXPECT_GT(whole, 2 * logits);  // logits and their gradient at least
   EXPECT_LT(ours, logits / 2) << "chunked " << ours << " bytes against " << whole;
   std::printf("loss peak: chunked %.1f MiB, logits whole %.1f MiB\n", ours / 1048576.0, whole / 1048576.0);
+}
+
+// A head tied to the embedding (Note [Tied head's gradient]): W's two
+// gradients, the head's and the embedding's, are summed in place, so the
+// backward holds two tensors of W's size, not three as through ATen's linear;
+// and the gradients are linear's.
+TEST(TiedHead, ItsGradientJoinsTheEmbeddingsInPlace) {
+  memory::install();
+  const at::Tensor tokens = at::randint(0, 4096, {16}, at::make_generator<at::CPUGeneratorImpl>(16), at::kLong);
+  const at::Tensor upstream = randn({16, 4096}, 17);
+  const double weight_bytes = 4096.0 * 64 * 4;
+  auto backward = [&](bool ours, at::Tensor& grad) {
+    const at::Tensor w = randn({4096, 64}, 18).requires_grad_(true);
+    const at::Tensor x = at::embedding(w, tokens) * 2.0;
+    const at::Tensor z = ours ? tied_head_logits(x, w) : at::linear(x, w);
+    const at::Tensor loss = (z * upstream).sum();
+    memory::reset_peaks();
+    const int64_t before = memory::current_bytes();
+    loss.backward();
+    grad = w.grad();
+    return static_cast<double>(memory::peak_bytes() - before);
+  };
+  at::Tensor ours_grad, linear_grad;
+  const double ours = backward(true, ours_grad), linear = backward(false, linear_grad);
+  EXPECT_LT(relative(ours_grad, linear_grad), 1e-6);
+  EXPECT_LT(ours, 2.5 * weight_bytes) << "the backward held " << ours / weight_bytes << " weights";
+  EXPECT_GT(linear, 2.5 * weight_bytes) << "ATen's linear no longer hands back a view: the product may go";
 }
 
 }  // namespace
