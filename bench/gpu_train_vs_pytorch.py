@@ -53,10 +53,11 @@ def write_tokens(path, count, vocab, seed):
 
 
 def parse_preset(text, batch):
-    """PRESET or PRESET:BATCHxCONTEXT -> (preset, batch, context or 0: the preset's)."""
+    """PRESET or PRESET:BATCHxCONTEXT -> (preset, batch, context or 0: the preset's; a Llama's 131,072 is cut
+    to 2,048)."""
     name, _, shape = text.partition(":")
     if not shape:
-        return name, batch, 0
+        return name, batch, 2048 if name.startswith("llama") else 0
     sequences, _, context = shape.partition("x")
     return name, int(sequences), int(context)
 

@@ -152,7 +152,7 @@ def rotate(x, cos, sin):
     """RoPE on the two halves of each head (the layout Hugging Face's Llama uses)."""
     half = x.size(-1) // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 class LlamaBlock(nn.Module):
@@ -177,7 +177,8 @@ class LlamaBlock(nn.Module):
         k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if GQA_IN_SDPA:
+        # Grouped keys in the kernel where its flash path takes them (16-bit); fp32 would fall back to the math one.
+        if GQA_IN_SDPA and q.dtype in (torch.bfloat16, torch.float16):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         else:  # older torch: the keys and values repeated per query head, as transformers' repeat_kv does
             times = self.heads // self.kv_heads

@@ -323,7 +323,7 @@ bool worth_restarting(const Launch& launch, const Supervision& supervision) {
 // back. The launcher's own host is not asked: it cannot be lost while the
 // launcher runs, and on a loaded machine its probe could fail only for being
 // slow. Hosts that do not answer are dropped, each with why (no answer in
-// time, or the probe's exit and last line). With --min-ranks M the job goes
+// time, or the probe's exit status and what it printed). With --min-ranks M the job goes
 // on with as many ranks as the answering hosts' slots hold (at most -n), if
 // that is M or more; without it a lost host ends the supervision, saying so.
 // train derives its layout from the world size where the config leaves dp

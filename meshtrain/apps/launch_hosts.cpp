@@ -10,7 +10,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 
 #include <chrono>
@@ -94,12 +96,10 @@ pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root, i
   const pid_t pid = fork();
   if (pid == 0) {
     setpgid(0, 0);  // the probe and whatever it starts end together
-    const int null = open("/dev/null", O_RDONLY);
+    const int null = open("/dev/null", O_RDWR);
     dup2(null, STDIN_FILENO);
-    if (output >= 0) {
-      dup2(output, STDOUT_FILENO);
-      dup2(output, STDERR_FILENO);
-    }
+    dup2(output >= 0 ? output : null, STDOUT_FILENO);
+    dup2(output >= 0 ? output : null, STDERR_FILENO);
     execvp(argv[0], argv.data());
     _exit(127);
   }
@@ -146,7 +146,20 @@ std::string numeric_address(const std::string& name) {
   return "";
 }
 
-std::string short_name(const std::string& name) { return name.substr(0, name.find('.')); }
+std::string lower(std::string text) {
+  for (char& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return text;
+}
+
+// Host names name one machine when equal (case aside), or when one is the
+// other's first label ("node1" and "node1.cluster"); two full names that
+// differ past it are two machines.
+bool same_host_name(const std::string& a, const std::string& b) {
+  const std::string x = lower(a), y = lower(b);
+  if (x == y) return true;
+  const bool x_short = x.find('.') == std::string::npos, y_short = y.find('.') == std::string::npos;
+  return (x_short && y.substr(0, y.find('.')) == x) || (y_short && x.substr(0, x.find('.')) == y);
+}
 
 }  // namespace
 
@@ -156,7 +169,7 @@ bool is_this_host(const std::string& name) {
   if (address.empty()) {  // a name: this host's, in full or up to its first dot (no lookup, which could hang)
     char own[HOST_NAME_MAX + 1] = {};
     if (gethostname(own, sizeof own - 1) != 0) return false;
-    return name == own || short_name(name) == short_name(own);
+    return same_host_name(name, own);
   }
   ifaddrs* interfaces = nullptr;
   if (getifaddrs(&interfaces) != 0) return false;
@@ -197,9 +210,10 @@ std::vector<ProbeAnswer> probe_hosts(const std::vector<HostSlots>& hosts, const 
       answers[i].answered = true;
       continue;
     }
-    char name[] = "/tmp/meshtrain-probe-XXXXXX";
-    outputs[i] = mkstemp(name);
-    if (outputs[i] >= 0) unlink(name);
+    const char* tmp = std::getenv("TMPDIR");
+    std::string name = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-probe-XXXXXX";
+    outputs[i] = mkostemp(name.data(), O_CLOEXEC);  // the next probes do not inherit it
+    if (outputs[i] >= 0) unlink(name.c_str());
     pids[i] = start_probe(hosts[i], mpirun, root, outputs[i]);
     done[i] = false;
     ++left;

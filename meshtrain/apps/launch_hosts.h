@@ -23,7 +23,7 @@ std::string host_list(const std::vector<HostSlots>& hosts);
 // Whether each host starts a process within `seconds`: `mpirun -np 1 --host
 // NAME:1 true` for every host at once; one that fails or does not finish in
 // time (a host down, a link cut) does not answer, and `why` says which, with
-// what the probe printed. With mpirun "srun", a one-task step on each
+// the probe's exit status and what it printed. With mpirun "srun", a one-task step on each
 // node of the Slurm allocation instead. The host the launcher runs on (its
 // name, or an address of one of its interfaces) answers without a probe: it
 // cannot be lost while the launcher runs, and a probe of it could only fail
@@ -35,9 +35,9 @@ struct ProbeAnswer {
 std::vector<ProbeAnswer> probe_hosts(const std::vector<HostSlots>& hosts, const std::string& mpirun, bool root,
                                      double seconds);
 
-// Whether `name` is this machine: "localhost", its host name (or the part
-// before the first dot of either), or a numeric address one of its
-// interfaces has.
+// Whether `name` is this machine: "localhost", its host name (case aside;
+// "node1" also matches "node1.cluster" and the other way round, but two full
+// names must be equal), or a numeric address one of its interfaces has.
 bool is_this_host(const std::string& name);
 
 }  // namespace meshtrain::apps

@@ -202,7 +202,7 @@ struct TiedHeadProduct : torch::autograd::Function<TiedHeadProduct> {
 
 at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight) {
   const bool own_gradient = fused::plain(hidden) && fused::plain(weight) && hidden.layout() == at::kStrided &&
-                            hidden.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                            at::isFloatingType(weight.scalar_type()) && hidden.scalar_type() == weight.scalar_type() &&
                             !at::autocast::is_autocast_enabled(hidden.device().type()) &&
                             torch::GradMode::is_enabled() && weight.requires_grad();
   return own_gradient ? TiedHeadProduct::apply(hidden, weight) : at::linear(hidden, weight);

@@ -75,10 +75,11 @@ at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& wei
 // linear, W's gradient is a view (the transpose of the product's result), and
 // autograd sums a weight's two gradients (the head's, waiting from the loss's
 // backward, and the embedding's) in place only when the first is not a view:
-// in fp32 the sum was a third tensor of the weight's size at the end of the
-// backward (1,002 MiB at Llama 3.2 1B's vocabulary). This product's backward
-// makes dW = dzᵀ·y as a tensor of its own. Under autocast the head's cast of
-// W already hands back a tensor of its own, and ATen's linear is used.
+// outside autocast the sum was a third tensor of the weight's size at the end
+// of the backward (1,002 MiB at Llama 3.2 1B's vocabulary in fp32). This
+// product's backward makes dW = dzᵀ·y as a tensor of its own. Under autocast
+// the head's cast of W already hands back a tensor of its own, and ATen's
+// linear is used.
 at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight);
 
 }  // namespace meshtrain::model

@@ -228,10 +228,14 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
                                       (assignments - accepted.sum().to(at::kDouble)) / assignments.clamp_min(1.0),
                                       load.max() / load.mean().clamp_min(1e-12)});
     sums_ = sums_.defined() ? sums_ + now : now;
-    kept_.emplace_back(counts.begin(), counts.end());
+    // Tensor parallel: this rank's share of the routing, the tokens t with t % replicas == replica.
+    const int64_t routed = (n - replica_ + replicas_ - 1) / replicas_ * k;
     forwards_ += 1;
-    routed_ += n * k / replicas_;  // tensor parallel: this rank's share of the routing
-    routed_by_forward_.push_back(static_cast<double>(n * k / replicas_));
+    routed_ += routed;
+    if (kept_.size() < MoeStats::kForwardsKept) {
+      kept_.emplace_back(counts.begin(), counts.end());
+      routed_by_forward_.push_back(static_cast<double>(routed));
+    }
   }
   if (is_training() && torch::GradMode::is_enabled()) {
     out = AuxLoss::apply(out, aux + z, aux_loss_scale_ / static_cast<double>(replicas_));

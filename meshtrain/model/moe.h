@@ -44,9 +44,10 @@ struct MoeStats {
   double load_max_over_mean = 0;  // assignments of the busiest expert / the mean
   double routed = 0;           // tokens x top_k that this rank's forwards routed
   double computed = 0;         // assignments this rank's experts computed (expert parallel: from every rank)
-  // Per forward, and in it per expert (whichever rank holds it), the
-  // assignments capacity kept of this rank's tokens (under tensor parallel,
-  // of its share of them, as `routed`); and each forward's tokens x top_k.
+  // For the first kForwardsKept forwards, per expert (whichever rank holds
+  // it), the assignments capacity kept of this rank's tokens (under tensor
+  // parallel, of its share of them, as `routed`); and each one's tokens x top_k.
+  static constexpr size_t kForwardsKept = 8;
   std::vector<std::vector<double>> kept;
   std::vector<double> routed_by_forward;
 };

@@ -112,25 +112,57 @@ double busiest_rank_load(const std::vector<double>& kept, double routed, int64_t
   return static_cast<double>(ep) * most;
 }
 
-double grouped_rank_load(const std::vector<std::vector<double>>& kept, const std::vector<double>& routed, int64_t ep) {
-  std::vector<size_t> sources;
-  for (size_t s = 0; s < routed.size(); ++s) {
-    if (routed[s] > 0) sources.push_back(s);
+namespace {
+
+// busiest_rank_load of the sources `group` together.
+double group_load(const std::vector<std::vector<double>>& kept, const std::vector<double>& routed,
+                  const std::vector<size_t>& group, size_t experts, int64_t ep) {
+  std::vector<double> summed(experts, 0.0);
+  double assignments = 0;
+  for (size_t s : group) {
+    for (size_t e = 0; e < experts && e < kept[s].size(); ++e) summed[e] += kept[s][e];
+    assignments += routed[s];
   }
-  if (ep < 1 || sources.empty() || kept.size() < routed.size()) return 0;
-  const size_t experts = kept[sources.front()].size(), group = std::min(sources.size(), static_cast<size_t>(ep));
-  if (experts == 0 || experts % static_cast<size_t>(ep) != 0) return 0;
+  return busiest_rank_load(summed, assignments, ep);
+}
+
+}  // namespace
+
+double grouped_rank_load(const std::vector<std::vector<double>>& kept, const std::vector<double>& routed, int64_t ep,
+                         int64_t streams) {
+  if (ep < 1 || streams < 1 || kept.size() < routed.size()) return 0;
+  std::vector<std::vector<size_t>> by_forward;  // the sources that routed something, per forward
+  std::vector<size_t> all;
+  for (size_t s = 0; s < routed.size(); ++s) {
+    if (s % static_cast<size_t>(streams) == 0) by_forward.emplace_back();
+    if (routed[s] <= 0) continue;
+    by_forward.back().push_back(s);
+    all.push_back(s);
+  }
+  if (all.empty()) return 0;
+  const size_t experts = kept[all.front()].size(), e = static_cast<size_t>(ep);
+  if (experts == 0 || experts % e != 0) return 0;
+  by_forward.erase(std::remove_if(by_forward.begin(), by_forward.end(), [](const auto& f) { return f.empty(); }),
+                   by_forward.end());
+  const size_t width = by_forward.front().size();
+  const bool aligned = width >= e && width % e == 0 &&
+                       std::all_of(by_forward.begin(), by_forward.end(), [&](const auto& f) { return f.size() == width; });
+  if (aligned) {  // the same ep streams exchange in every forward: the slowest group's mean
+    double slowest = 0;
+    for (size_t g = 0; g < width / e; ++g) {
+      double sum = 0;
+      for (const std::vector<size_t>& forward : by_forward) {
+        sum += group_load(kept, routed, {forward.begin() + g * e, forward.begin() + (g + 1) * e}, experts, ep);
+      }
+      slowest = std::max(slowest, sum / static_cast<double>(by_forward.size()));
+    }
+    return slowest;
+  }
+  const size_t group = std::min(all.size(), e);
   double total = 0;
   int64_t groups = 0;
-  for (size_t first = 0; first + group <= sources.size(); first += group, ++groups) {
-    std::vector<double> summed(experts, 0.0);
-    double assignments = 0;
-    for (size_t i = first; i < first + group; ++i) {
-      const std::vector<double>& one = kept[sources[i]];
-      for (size_t e = 0; e < experts && e < one.size(); ++e) summed[e] += one[e];
-      assignments += routed[sources[i]];
-    }
-    total += busiest_rank_load(summed, assignments, ep);
+  for (size_t first = 0; first + group <= all.size(); first += group, ++groups) {
+    total += group_load(kept, routed, {all.begin() + first, all.begin() + first + group}, experts, ep);
   }
   return total / static_cast<double>(groups);
 }

@@ -23,18 +23,22 @@ inline int64_t first_expert(int64_t rank, int64_t experts, int64_t ep) { return 
 // drops; 0 where ep does not divide E or nothing was routed.
 double busiest_rank_load(const std::vector<double>& kept, double routed, int64_t ep);
 
-// The load an all-to-all at degree `ep` waits for, from token sources (a
-// rank's tokens in one forward: `kept[s]` per expert out of `routed[s]`),
-// given in the order forward by forward, rank by rank: every ep consecutive
-// sources form a group, as ep ranks exchange one micro-batch's tokens, and
-// the result is the mean over the groups of each group's busiest_rank_load.
-// Pooling every source first would hide a group whose tokens all went to one
-// rank's experts behind another group's that went elsewhere. With fewer
-// sources than ep (a small run planned for a large degree) they form one
-// group; sources past the last whole group are left out. Sources that routed
-// nothing (a pipeline stage without the layer) are skipped; 0 where ep does
-// not divide the experts or nothing was routed.
-double grouped_rank_load(const std::vector<std::vector<double>>& kept, const std::vector<double>& routed, int64_t ep);
+// The load the all-to-alls at degree `ep` wait for, from token sources: a
+// stream of micro-batches (a rank's tokens, with its tensor and context
+// parallel peers') in one forward, `kept[s]` per expert out of `routed[s]`,
+// given forward by forward, `streams` to a forward. Ep streams exchange one
+// micro-batch's tokens: streams [g·ep, (g+1)·ep) form group g in each
+// forward, and the step waits for its slowest group, so the result is the
+// largest over the groups of their mean over the forwards of each forward's
+// busiest_rank_load. With fewer streams than ep (a small run planned for a
+// large degree), or a count ep does not divide, consecutive sources form the
+// groups across forwards and the result is their mean; sources past the last
+// whole group are left out. Sources that routed nothing (a pipeline stage
+// without the layer) are skipped. 0 where ep does not divide the experts or
+// nothing was routed. Pooling every source first would hide a group whose
+// tokens all went to one rank's experts behind another's that went elsewhere.
+double grouped_rank_load(const std::vector<std::vector<double>>& kept, const std::vector<double>& routed, int64_t ep,
+                         int64_t streams);
 
 // Note [Expert parallel]
 // Rank r of the ep group keeps experts [r·E/ep, (r+1)·E/ep) of every MoE layer

@@ -150,25 +150,33 @@ void StepEngine::step(double lr) { parts_.data_parallelism->step(lr); }
 
 namespace {
 
-// Every rank's kept assignments per expert and routed count, in each forward
-// of every MoE layer: [layers, forwards, world, experts + 1] (the last column
-// the routed count; zeros where a rank ran fewer forwards or not the layer).
-at::Tensor kept_by_source(const std::vector<model::MoeStats>& stats, int64_t forwards, int64_t experts,
-                          comm::Communicator& world) {
-  at::Tensor all = at::zeros({static_cast<int64_t>(stats.size()), forwards, world.size(), experts + 1}, at::kDouble);
-  auto cell = all.accessor<double, 4>();
-  for (size_t layer = 0; layer < stats.size(); ++layer) {
-    const model::MoeStats& s = stats[layer];
-    for (size_t f = 0; f < s.kept.size() && static_cast<int64_t>(f) < forwards; ++f) {
-      for (size_t e = 0; e < s.kept[f].size() && static_cast<int64_t>(e) < experts; ++e) {
-        cell[layer][f][world.rank()][e] = s.kept[f][e];
+// At most this many token streams of a pipeline stage go into rank_load_by_ep:
+// a sample, so that the statistic's collective does not grow with the world.
+constexpr int64_t kStreamsSampled = 32;
+
+// The kept assignments per expert and routed count of every MoE layer's first
+// forwards (MoeStats::kForwardsKept) in each token stream of its stage (a
+// rank's tokens with its tensor and context parallel peers', which hold parts
+// of the same micro-batch): [layers, forwards, streams, experts + 1], the last
+// column the routed count; zeros where a stream ran fewer forwards or not the layer.
+at::Tensor kept_by_stream(const std::vector<model::MoeStats>& stats, int64_t forwards, int64_t experts,
+                          int64_t streams, int64_t stream, comm::Communicator& world) {
+  at::Tensor all = at::zeros({static_cast<int64_t>(stats.size()), forwards, streams, experts + 1}, at::kFloat);
+  if (stream < streams) {
+    auto cell = all.accessor<float, 4>();
+    for (size_t layer = 0; layer < stats.size(); ++layer) {
+      const model::MoeStats& s = stats[layer];
+      for (size_t f = 0; f < s.kept.size() && static_cast<int64_t>(f) < forwards; ++f) {
+        for (size_t e = 0; e < s.kept[f].size() && static_cast<int64_t>(e) < experts; ++e) {
+          cell[layer][f][stream][e] = static_cast<float>(s.kept[f][e]);
+        }
+        cell[layer][f][stream][experts] = static_cast<float>(s.routed_by_forward[f]);
       }
-      cell[layer][f][world.rank()][experts] = s.routed_by_forward[f];
     }
   }
   at::Tensor summed = all.to(world.device());
   world.all_reduce(summed).wait();
-  return summed.cpu();
+  return summed.cpu().to(at::kDouble).contiguous();
 }
 
 }  // namespace
@@ -200,28 +208,36 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
   world->all_reduce(most, comm::ReduceOp::kMax).wait();
   sums = sums.cpu();
   most = most.cpu();
+  // Token streams: the ranks of a stage over its tensor and context parallel peers (Note [Layout rules]).
+  const mesh::ParallelDims& dims = parts_.spec().dims;
+  const int64_t peers = dims.tp * dims.cp, per_stage = world->size() / dims.pp;
+  const int64_t streams = std::min(kStreamsSampled, per_stage / peers);
   const int64_t forwards_max = static_cast<int64_t>(most.data_ptr<double>()[layers.size()]);
-  const at::Tensor sources = kept_by_source(stats, forwards_max, experts, *world);
+  const at::Tensor sources = forwards_max > 0 ? kept_by_stream(stats, forwards_max, experts, streams,
+                                                               (world->rank() % per_stage) / peers, *world)
+                                              : at::Tensor();
   const double* sum = sums.data_ptr<double>();
   // Ranks that run this layer: those of its pipeline stage.
-  const double ranks = static_cast<double>(world->size()) / static_cast<double>(parts_.spec().dims.pp);
+  const double ranks = static_cast<double>(world->size()) / static_cast<double>(dims.pp);
   std::vector<model::MoeLayerMetrics> out;
   for (int64_t block = 0, i = 0; block < config.layers; ++block) {
     if (!config.is_moe_block(block)) continue;
     const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
     model::MoeLayerMetrics m{block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
                              most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep, {}};
-    // The token sources forward by forward, rank by rank (parallel::grouped_rank_load).
-    const at::Tensor layer = sources[i].reshape({-1, experts + 1});
+    // The token sources forward by forward, stream by stream (parallel::grouped_rank_load).
     std::vector<std::vector<double>> kept;
     std::vector<double> routed;
-    for (int64_t s = 0; s < layer.size(0); ++s) {
-      const double* row = layer[s].data_ptr<double>();
-      kept.emplace_back(row, row + experts);
-      routed.push_back(row[experts]);
+    if (sources.defined()) {
+      const int64_t rows = forwards_max * streams;
+      const double* row = sources.data_ptr<double>() + i * rows * (experts + 1);
+      for (int64_t s = 0; s < rows; ++s, row += experts + 1) {
+        kept.emplace_back(row, row + experts);
+        routed.push_back(row[experts]);
+      }
     }
     for (int64_t ep = 1; sum[5] > 0 && ep <= experts; ++ep) {
-      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, grouped_rank_load(kept, routed, ep));
+      if (experts % ep == 0) m.rank_load_by_ep.emplace_back(ep, grouped_rank_load(kept, routed, ep, streams));
     }
     out.push_back(std::move(m));
     ++i;

@@ -511,24 +511,34 @@ TEST(PlanMoe, BusiestRankLoadAtEachDegreeFromTheKeptAssignments) {
   EXPECT_EQ(parallel::busiest_rank_load(kept, 0, 2), 0.0);
 }
 
-// The load each all-to-all waits for, from token sources grouped as ep ranks
-// exchange one micro-batch's: four sources of 4 assignments on two experts,
+// The load the all-to-alls wait for, from token streams grouped as ep ranks
+// exchange one micro-batch's: four streams of 4 assignments on two experts,
 // the first two all to expert 0, the last two all to expert 1. Pooled, the
 // two experts are balanced (1.0); grouped at ep = 2, each group's tokens all
-// go to one rank (2.0).
+// go to one rank (2.0). Over several forwards the step waits for its slowest
+// group.
 TEST(PlanMoe, GroupedRankLoadKeepsEachGroupsBusiestRank) {
   const std::vector<std::vector<double>> kept = {{4, 0}, {4, 0}, {0, 4}, {0, 4}};
   const std::vector<double> routed = {4, 4, 4, 4};
-  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load({8, 8}, 16, 2), 1.0);   // pooled
-  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(kept, routed, 2), 2.0);  // (0, 1) and (2, 3)
-  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(kept, routed, 1), 1.0);  // each source alone keeps all
-  // Sources that routed nothing (another pipeline stage's ranks) are skipped: (0, 2) and (3, 4).
-  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {9, 9}, {0, 4}, {0, 4}, {4, 0}}, {4, 0, 4, 4, 4}, 2), 1.0);
-  // Fewer sources than ep: one group of what there is; a partial last group is left out.
-  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}}, {4}, 2), 2.0);
-  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {4, 0}, {0, 4}}, {4, 4, 4}, 2), 2.0);
-  EXPECT_EQ(parallel::grouped_rank_load(kept, routed, 3), 0.0);  // 3 does not divide 2 experts
-  EXPECT_EQ(parallel::grouped_rank_load({}, {}, 2), 0.0);
+  EXPECT_DOUBLE_EQ(parallel::busiest_rank_load({8, 8}, 16, 2), 1.0);      // pooled
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(kept, routed, 2, 4), 2.0);  // (0, 1) and (2, 3)
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(kept, routed, 1, 4), 1.0);  // each stream alone keeps all
+  // Two forwards of four streams: group 0 busy in both, group 1 balanced in both: the slowest, not the mean 1.5.
+  const std::vector<std::vector<double>> steady = {{4, 0}, {4, 0}, {4, 0}, {0, 4}, {4, 0}, {4, 0}, {4, 0}, {0, 4}};
+  const std::vector<double> eight(8, 4.0);
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(steady, eight, 2, 4), 2.0);
+  // Each group busy in one forward of two: 1.5 for both.
+  const std::vector<std::vector<double>> turns = {{4, 0}, {4, 0}, {4, 0}, {0, 4}, {4, 0}, {0, 4}, {4, 0}, {4, 0}};
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load(turns, eight, 2, 4), 1.5);
+  // Streams that routed nothing (another pipeline stage's) are skipped: (0, 2) and (3, 4).
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {9, 9}, {0, 4}, {0, 4}, {4, 0}}, {4, 0, 4, 4, 4}, 2, 5), 1.0);
+  // Fewer streams than ep, or a count ep does not divide: consecutive sources across forwards, a partial
+  // last group left out.
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}}, {4}, 2, 1), 2.0);
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {0, 4}}, {4, 4}, 2, 1), 1.0);  // one stream, two forwards
+  EXPECT_DOUBLE_EQ(parallel::grouped_rank_load({{4, 0}, {4, 0}, {0, 4}}, {4, 4, 4}, 2, 3), 2.0);
+  EXPECT_EQ(parallel::grouped_rank_load(kept, routed, 3, 4), 0.0);  // 3 does not divide 2 experts
+  EXPECT_EQ(parallel::grouped_rank_load({}, {}, 2, 4), 0.0);
 }
 
 TEST(PlanMoe, SearchConsidersExpertParallel) {
