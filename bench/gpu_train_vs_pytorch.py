@@ -112,10 +112,11 @@ def main():
                      str(batch), "--steps", str(args.steps), "--warmup-steps", "3", "--device", args.device,
                      "--dtype", args.dtype] + (["--context", str(context)] if context else []) + \
             (["--layers", str(args.layers)] if args.layers else [])
-        eager = run(reference)
-        if eager["parameters"] != ours["parameters"]:
-            raise RuntimeError(f"{preset}: the reference has {eager['parameters']:,} parameters, meshtrain "
+        counted = run(reference + ["--count-parameters"])["parameters"]  # before any timed run
+        if counted != ours["parameters"]:
+            raise RuntimeError(f"{preset}: the reference has {counted:,} parameters, meshtrain "
                                f"{ours['parameters']:,}: not the same model")
+        eager = run(reference)
         compiled = None if args.no_compile else run(reference + ["--compile"])
         peak = ours["matmul_peak_gflops_per_rank"] * 1e9
         mfu = ours["mfu"]  # against the measured peak

@@ -274,6 +274,8 @@ def main():
     parser.add_argument("--profile", default="", metavar="DIR",
                         help="after the timed steps, profile more: DIR/trace.json (Chrome trace) and DIR/ops.json")
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--count-parameters", action="store_true",
+                        help="print the model's parameter count as JSON and exit (built on the meta device: no memory)")
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -293,10 +295,13 @@ def main():
     if args.moe_experts:
         moe = lambda: MoE(width, args.moe_experts, args.moe_hidden or 4 * width, args.moe_top_k,  # noqa: E731
                           args.moe_capacity_factor, args.moe_second_expert, 0.01, 0.001)
-    if llama:
-        model = Llama(vocab, context, layers, heads, width, *llama[5:]).to(device)
-    else:
-        model = GPT(vocab, context, layers, heads, width, moe, args.moe_every).to(device)
+    build = (lambda: Llama(vocab, context, layers, heads, width, *llama[5:])) if llama else \
+        (lambda: GPT(vocab, context, layers, heads, width, moe, args.moe_every))
+    if args.count_parameters:
+        with torch.device("meta"):
+            print(json.dumps({"preset": args.preset, "parameters": sum(p.numel() for p in build().parameters())}))
+        return
+    model = build().to(device)
     step_model = torch.compile(model) if args.compile else model
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
