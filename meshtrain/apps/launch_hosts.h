@@ -23,11 +23,11 @@ std::string host_list(const std::vector<HostSlots>& hosts);
 // Whether each host starts a process within `seconds`: `mpirun -np 1 --host
 // NAME:1 true` for every host at once; one that fails or does not finish in
 // time (a host down, a link cut) does not answer, and `why` says which, with
-// the probe's exit status and what it printed. With mpirun "srun", a one-task step on each
-// node of the Slurm allocation instead. The host the launcher runs on (its
-// name, or an address of one of its interfaces) answers without a probe: it
-// cannot be lost while the launcher runs, and a probe of it could only fail
-// for being slow on a loaded machine.
+// the probe's exit status and what it printed. With mpirun "srun", a one-task
+// step on each node of the Slurm allocation instead. The host the launcher
+// runs on (its name, or an address of one of its interfaces) answers without
+// a probe: it cannot be lost while the launcher runs, and a probe of it could
+// only fail for being slow on a loaded machine.
 struct ProbeAnswer {
   bool answered = false;
   std::string why;  // for a host that did not answer

@@ -224,14 +224,14 @@ std::vector<model::MoeLayerMetrics> StepEngine::moe_metrics() {
     if (!config.is_moe_block(block)) continue;
     const double forwards = std::max(1.0, sum[0]), balanced = std::max(1.0, sum[5] / ranks);
     model::MoeLayerMetrics m{block, sum[1] / forwards, sum[2] / forwards, sum[3] / forwards, sum[4] / forwards,
-                             most.data_ptr<double>()[i] / balanced, computed[i] / balanced, parts_.spec().dims.ep, {}};
+                             most.data_ptr<double>()[i] / balanced, computed[i] / balanced, dims.ep, {}};
     // The token sources forward by forward, stream by stream (parallel::grouped_rank_load).
     std::vector<std::vector<double>> kept;
     std::vector<double> routed;
     if (sources.defined()) {
-      const int64_t rows = forwards_max * streams;
-      const double* row = sources.data_ptr<double>() + i * rows * (experts + 1);
-      for (int64_t s = 0; s < rows; ++s, row += experts + 1) {
+      const int64_t count = forwards_max * streams;
+      const double* row = sources.data_ptr<double>() + i * count * (experts + 1);
+      for (int64_t s = 0; s < count; ++s, row += experts + 1) {
         kept.emplace_back(row, row + experts);
         routed.push_back(row[experts]);
       }
