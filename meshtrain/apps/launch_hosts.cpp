@@ -107,26 +107,12 @@ pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root, i
   return pid;
 }
 
-// What a probe's output says: the first line of mpirun's framed message (a
-// line of dashes above it), else its last line that says something.
-std::string probe_said(int output) {
-  std::string text, line, said;
+std::string read_all(int output) {
+  std::string text;
   char chunk[4096];
   lseek(output, 0, SEEK_SET);
   for (ssize_t got; (got = read(output, chunk, sizeof chunk)) > 0;) text.append(chunk, static_cast<size_t>(got));
-  std::stringstream lines(text);
-  bool framed = false;
-  while (std::getline(lines, line)) {
-    const bool dashes = line.size() > 10 && line.find_first_not_of('-') == std::string::npos;
-    if (dashes) {
-      framed = true;
-      continue;
-    }
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    said = line;
-    if (framed) break;
-  }
-  return said.size() > 200 ? said.substr(0, 200) + "..." : said;
+  return text;
 }
 
 std::string exit_reason(int status, int output) {
@@ -134,7 +120,7 @@ std::string exit_reason(int status, int output) {
                     : WIFSIGNALED(status) ? "ended by signal " + std::to_string(WTERMSIG(status))
                                           : "ended";
   if (WIFEXITED(status) && WEXITSTATUS(status) == 127) why += " (the probe's command could not be run)";
-  const std::string said = probe_said(output);
+  const std::string said = probe_message(output >= 0 ? read_all(output) : "");
   return said.empty() ? why : why + ": " + said;
 }
 
@@ -162,6 +148,23 @@ bool same_host_name(const std::string& a, const std::string& b) {
 }
 
 }  // namespace
+
+std::string probe_message(const std::string& text) {
+  std::stringstream lines(text);
+  std::string line, said;
+  bool framed = false;
+  while (std::getline(lines, line)) {
+    const bool dashes = line.size() > 10 && line.find_first_not_of('-') == std::string::npos;
+    if (dashes) {
+      framed = true;
+      continue;
+    }
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    said = line;
+    if (framed) break;
+  }
+  return said.size() > 200 ? said.substr(0, 200) + "..." : said;
+}
 
 bool is_this_host(const std::string& name) {
   if (name == "localhost") return true;
@@ -244,7 +247,7 @@ std::vector<ProbeAnswer> probe_hosts(const std::vector<HostSlots>& hosts, const 
       waitpid(pids[i], nullptr, 0);
       char limit[32];
       std::snprintf(limit, sizeof limit, "%.0f", seconds);
-      const std::string said = probe_said(outputs[i]);
+      const std::string said = probe_message(outputs[i] >= 0 ? read_all(outputs[i]) : "");
       answers[i].why = "no answer within " + std::string(limit) + " s" + (said.empty() ? "" : " (last said: " + said + ")");
     }
     if (outputs[i] >= 0) close(outputs[i]);

@@ -35,6 +35,11 @@ struct ProbeAnswer {
 std::vector<ProbeAnswer> probe_hosts(const std::vector<HostSlots>& hosts, const std::string& mpirun, bool root,
                                      double seconds);
 
+// What a probe printed, in one line of at most 200 characters: the first line
+// of mpirun's framed message (below a line of dashes), else its last line that
+// says something; empty when it printed nothing.
+std::string probe_message(const std::string& text);
+
 // Whether `name` is this machine: "localhost", its host name (case aside;
 // "node1" also matches "node1.cluster" and the other way round, but two full
 // names must be equal), or a numeric address one of its interfaces has.
