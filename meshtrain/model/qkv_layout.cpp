@@ -26,9 +26,11 @@ std::array<at::Tensor, 3> split_qkv_heads(const at::Tensor& fused, int64_t dim, 
   }
   const int64_t per_group = config.heads / config.key_value_heads();
   const at::Tensor grouped = fused.view(replaced(fused.sizes(), dim, {-1, per_group + 2, hd}));  // [.., G, rep + 2, hd, ..]
-  const at::Tensor q = grouped.narrow(dim + 1, 0, per_group);                                    // [.., G, rep, hd, ..]
-  return {q.reshape(replaced(fused.sizes(), dim, {-1, hd})), grouped.select(dim + 1, per_group),
-          grouped.select(dim + 1, per_group + 1)};
+  // One split, not a narrow and two selects: its backward writes the three
+  // gradients into one tensor, where each view's wrote a zeroed copy of the
+  // whole qkv output and autograd summed the three.
+  const std::vector<at::Tensor> parts = grouped.split_with_sizes({per_group, 1, 1}, dim + 1);  // [.., G, rep, hd, ..]
+  return {parts[0].reshape(replaced(fused.sizes(), dim, {-1, hd})), parts[1].squeeze(dim + 1), parts[2].squeeze(dim + 1)};
 }
 
 at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t dim,
