@@ -1,6 +1,7 @@
 // meshtrain: train transformer models split across many processes. Each
 // subcommand lives in its own file under apps/ (Note [Commands]).
 #include "meshtrain/apps/commands.h"
+#include "meshtrain/util/fatal_signal.h"
 
 #include <CLI/CLI.hpp>
 
@@ -24,6 +25,7 @@ const char* const kAbout =
 
 int main(int argc, char** argv) {
   namespace apps = meshtrain::apps;
+  meshtrain::util::install_fatal_signal_report();  // Note [Fatal signals]
   CLI::App app{kAbout};
   app.require_subcommand(1);
   apps::Commands commands;

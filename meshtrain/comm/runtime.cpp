@@ -3,10 +3,12 @@
 #include "meshtrain/comm/backend/mpi/mpi_communicator.h"
 #include "meshtrain/comm/backend/mpi/mpi_types.h"
 #include "meshtrain/comm/watchdog.h"
+#include "meshtrain/util/fatal_signal.h"
 
 #include <torch/cuda.h>
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -76,6 +78,10 @@ Runtime::Runtime(int* argc, char*** argv, CommOptions options) {
     MPI_Comm world = MPI_COMM_NULL;
     mpi::check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup", "");
     world_ = MpiCommunicator::adopt(world, "world", options);
+    // Taken back from MPI_Init's handlers, with the world rank (Note [Fatal signals]).
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    util::install_fatal_signal_report("rank " + std::to_string(world_->rank()) + " on " + host);
 
     MPI_Comm node = MPI_COMM_NULL;
     mpi::check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_->rank(), MPI_INFO_NULL, &node),

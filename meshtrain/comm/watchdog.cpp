@@ -1,6 +1,7 @@
 #include "meshtrain/comm/watchdog.h"
 
 #include "meshtrain/comm/job_environment.h"
+#include "meshtrain/util/fatal_signal.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -61,6 +62,7 @@ void Watchdog::finish(uint64_t token) {
 
 void Watchdog::set_context(std::string context) {
   std::lock_guard<std::mutex> lock(mutex_);
+  util::set_fatal_signal_context(context);  // the step a crash report names (Note [Fatal signals])
   context_ = std::move(context);
 }
 

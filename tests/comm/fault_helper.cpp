@@ -3,7 +3,9 @@
 //   skip-collective: rank 1 never joins the second all_reduce (it hangs elsewhere)
 //   die:             rank 1 exits abruptly before the second all_reduce
 //   desync-shape:    rank 0 reduces float32[4, 8], the others float32[4, 9]
+//   segfault:        rank 1 reads through a null pointer during "step 3"
 #include "meshtrain/comm/runtime.h"
+#include "meshtrain/comm/watchdog.h"
 
 #include <chrono>
 #include <cstdio>
@@ -13,7 +15,7 @@
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: meshtrain_fault_helper skip-collective|die|desync-shape\n");
+    std::fprintf(stderr, "usage: meshtrain_fault_helper skip-collective|die|desync-shape|segfault\n");
     return 2;
   }
   const std::string scenario = argv[1];
@@ -30,6 +32,13 @@ int main(int argc, char** argv) {
       world.all_reduce(x).wait();
     } else if (scenario == "die") {
       if (world.rank() == 1) std::_Exit(3);
+      world.all_reduce(x).wait();
+    } else if (scenario == "segfault") {
+      meshtrain::comm::WatchdogContext step("step 3");
+      if (world.rank() == 1) {
+        volatile int* nowhere = nullptr;
+        *nowhere = 1;
+      }
       world.all_reduce(x).wait();
     } else if (scenario == "desync-shape") {
       at::Tensor y = at::ones({4, world.rank() == 0 ? 8 : 9});

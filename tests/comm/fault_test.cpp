@@ -64,6 +64,20 @@ TEST(Fault, DeadRankEndsTheJob) {
   EXPECT_LT(job.seconds, 3 + 30) << job.output;
 }
 
+// Note [Fatal signals]: the dying rank names itself, the signal and its step,
+// then its stack; the job still ends as a death by that signal.
+TEST(Fault, SegfaultNamesRankSignalAndStep) {
+  const JobResult job = run_job("segfault", "MESHTRAIN_COMM_TIMEOUT=10");
+  EXPECT_NE(job.exit_status, 0) << job.output;
+  EXPECT_NE(job.exit_status, 124) << "the backstop timeout fired: the job hung\n" << job.output;
+  EXPECT_NE(job.output.find(": Segmentation fault (signal 11) at address 0x0 during step 3\n"), std::string::npos)
+      << job.output;
+  EXPECT_NE(job.output.find("meshtrain: rank 1 on "), std::string::npos) << job.output;
+  EXPECT_NE(job.output.find("meshtrain_fault_helper("), std::string::npos) << "no stack frame\n" << job.output;
+  EXPECT_EQ(job.output.find("*** Process received signal ***"), std::string::npos)  // Open MPI's own, repeating it
+      << job.output;
+}
+
 TEST(Fault, DesyncCheckReportsBothSignatures) {
   const JobResult job = run_job("desync-shape", "MESHTRAIN_COMM_TIMEOUT=30 MESHTRAIN_DESYNC_CHECK=1");
   EXPECT_NE(job.exit_status, 0) << job.output;

@@ -1,0 +1,143 @@
+// The fatal-signal report (Note [Fatal signals]).
+#include "meshtrain/util/fatal_signal.h"
+
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+namespace meshtrain::util {
+
+namespace {
+
+constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+
+char who_text[160];
+char executable[512];
+char contexts[2][96];
+std::atomic<int> published{-1};  // the buffer of contexts the handler reads; -1: none
+std::atomic<bool> reporting{false};
+
+void put(const char* text) {
+  for (size_t left = std::strlen(text); left > 0;) {
+    const ssize_t wrote = write(STDERR_FILENO, text, left);
+    if (wrote <= 0) return;
+    text += wrote;
+    left -= static_cast<size_t>(wrote);
+  }
+}
+
+void put_number(unsigned long value, int base) {
+  char digits[24];
+  int n = 0;
+  do {
+    digits[n++] = "0123456789abcdef"[value % static_cast<unsigned long>(base)];
+    value /= static_cast<unsigned long>(base);
+  } while (value > 0 && n < 23);
+  char text[24];
+  for (int i = 0; i < n; ++i) text[i] = digits[n - 1 - i];
+  text[n] = '\0';
+  put(text);
+}
+
+const char* signal_name(int signal) {
+  switch (signal) {
+    case SIGSEGV: return "Segmentation fault";
+    case SIGBUS: return "Bus error";
+    case SIGFPE: return "Floating-point exception";
+    case SIGILL: return "Illegal instruction";
+    case SIGABRT: return "Aborted";
+  }
+  return "Fatal signal";
+}
+
+void on_fatal_signal(int signal, siginfo_t* info, void*) {
+  if (!reporting.exchange(true)) {  // one report, even if the report itself faults
+    put("meshtrain: ");
+    if (who_text[0] != '\0') {
+      put(who_text);
+      put(": ");
+    }
+    put(signal_name(signal));
+    put(" (signal ");
+    put_number(static_cast<unsigned long>(signal), 10);
+    put(")");
+    if (info != nullptr && info->si_code <= 0) {  // kill, raise, abort: sent, not a fault
+      put(" sent by process ");
+      put_number(static_cast<unsigned long>(info->si_pid), 10);
+    } else if (info != nullptr) {
+      put(" at address 0x");
+      put_number(reinterpret_cast<unsigned long>(info->si_addr), 16);
+    }
+    const int which = published.load();
+    if (which >= 0 && contexts[which][0] != '\0') {
+      put(" during ");
+      put(contexts[which]);
+    }
+    put("\n");
+    void* frames[64];
+    backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+    if (executable[0] != '\0') {
+      put("meshtrain: to name this program's frames: addr2line -C -f -e ");
+      put(executable);
+      put(" followed by their +0x offsets\n");
+    }
+  }
+  struct sigaction fallback {};
+  fallback.sa_handler = SIG_DFL;
+  sigemptyset(&fallback.sa_mask);
+  sigaction(signal, &fallback, nullptr);
+  raise(signal);  // delivered on return: the default action, as without this handler
+}
+
+void copy_into(char* to, size_t size, const std::string& text) {
+  const size_t n = std::min(size - 1, text.size());
+  std::memcpy(to, text.data(), n);
+  to[n] = '\0';
+}
+
+}  // namespace
+
+std::string launcher_rank_and_host() {
+  char host[HOST_NAME_MAX + 1] = {};
+  if (gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  std::string rank;
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') {
+      rank = value;
+      break;
+    }
+  }
+  return (rank.empty() ? "" : "rank " + rank + " ") + "on " + host;
+}
+
+void install_fatal_signal_report(const std::string& who) {
+  copy_into(who_text, sizeof who_text, who.empty() ? launcher_rank_and_host() : who);
+  const ssize_t n = readlink("/proc/self/exe", executable, sizeof executable - 1);
+  executable[n > 0 ? n : 0] = '\0';
+  void* frame[1];
+  backtrace(frame, 1);  // loads what backtrace needs now, not inside the handler
+  static char alternate_stack[64 * 1024];
+  stack_t stack{};
+  stack.ss_sp = alternate_stack;
+  stack.ss_size = sizeof alternate_stack;
+  sigaltstack(&stack, nullptr);
+  struct sigaction action {};
+  action.sa_sigaction = on_fatal_signal;
+  action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&action.sa_mask);
+  for (const int signal : kSignals) sigaction(signal, &action, nullptr);
+}
+
+void set_fatal_signal_context(const std::string& context) {
+  const int next = published.load() == 0 ? 1 : 0;
+  copy_into(contexts[next], sizeof contexts[next], context);
+  published.store(next);
+}
+
+}  // namespace meshtrain::util
