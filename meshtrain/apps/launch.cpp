@@ -5,6 +5,7 @@
 #include "meshtrain/apps/launch_hosts.h"
 #include "meshtrain/apps/launch_output.h"
 #include "meshtrain/apps/launch_slurm.h"
+#include "meshtrain/util/files.h"
 
 #include <mpi.h>
 
@@ -50,7 +51,7 @@ std::string self_executable() {
   std::vector<char> path(4096);
   const ssize_t n = readlink("/proc/self/exe", path.data(), path.size() - 1);
   if (n <= 0) throw std::runtime_error("cannot find this executable's path (/proc/self/exe)");
-  return std::string(path.data(), n);
+  return util::executable_now_at(std::string(path.data(), n));
 }
 
 std::string mpirun_path() {

@@ -103,6 +103,14 @@ std::string canonical_path(const std::string& path) {
   return realpath(path.c_str(), resolved) ? std::string(resolved) : path;
 }
 
+std::string executable_now_at(const std::string& link_target) {
+  const std::string deleted = " (deleted)";
+  const size_t n = link_target.size();
+  if (n <= deleted.size() || link_target.compare(n - deleted.size(), deleted.size(), deleted) != 0) return link_target;
+  if (path_exists(link_target)) return link_target;  // a file really named so
+  return link_target.substr(0, n - deleted.size());
+}
+
 std::string make_temp_directory(const std::string& prefix) {
   const char* tmp = std::getenv("TMPDIR");
   std::string pattern = join_path(tmp && *tmp ? tmp : "/tmp", prefix + "XXXXXX");

@@ -36,6 +36,11 @@ std::vector<std::string> list_directory(const std::string& dir);
 std::string join_path(const std::string& a, const std::string& b);
 std::string base_name(const std::string& path);
 std::string canonical_path(const std::string& path);  // realpath; the path itself if that fails
+// The program to start again for a process whose /proc/self/exe reads
+// `link_target`: the same path, less the " (deleted)" the kernel appends once
+// the file was replaced (a rebuild or reinstall while a job runs), so that a
+// relaunch starts the program now at that path rather than failing to exec.
+std::string executable_now_at(const std::string& link_target);
 // A new empty directory under /tmp (or $TMPDIR) whose name starts with `prefix`.
 std::string make_temp_directory(const std::string& prefix);
 

@@ -63,7 +63,7 @@ on_cluster env -u OMP_NUM_THREADS "$meshtrain" submit "$run/dp.toml" --nodes 2 -
 dp=$(sed -nE 's/^submitted Slurm job ([0-9]+): 2 node\(s\) x 2 rank\(s\), script .*/\1/p' "$run/submit.log")
 [ -n "$dp" ] && grep -q "stop with a checkpoint:  scancel --signal=TERM $dp   (resume: sbatch $run/dp/job.sbatch)" \
   "$run/submit.log" || { cat "$run/submit.log"; exit 1; }
-wait_for_steps "$run/dp" 3  # stopped at once: the 40 steps take 4-10 s
+wait_for_steps "$run/dp" 3 "$run/dp/slurm-$dp.out"  # stopped at once: the 40 steps take 4-10 s
 stopped_at=$(date +%s%N)
 on_cluster scancel --signal=TERM "$dp" || {
   echo "scancel --signal=TERM $dp failed: the job is $(job_state "$dp") after $(steps_logged "$run/dp") steps"
@@ -100,7 +100,7 @@ same_as ref tp
 job=$(MESHTRAIN_COMM_TIMEOUT=5 MESHTRAIN_HOST_PROBE_S=8 submit preempted -- "${long[@]}")
 "$meshtrain" train "${common[@]}" "${long[@]}" --run.out="$run/ref40" > "$run/ref40.log" 2>&1 &  # while the job starts
 reference=$!
-wait_for_steps "$run/preempted" 3
+wait_for_steps "$run/preempted" 3 "$run/preempted.out"
 preempted_at=$(date +%s%N)
 urgent=$(on_cluster sbatch --parsable -p urgent --nodes=2 --ntasks-per-node=2 --output=/dev/null --wrap true)
 for _ in $(seq 600); do grep -q '"event":"preempted"' "$run/preempted/metrics.jsonl" && break; sleep 0.1; done
@@ -118,7 +118,7 @@ echo "preempted at step $n: the checkpoint was saved $saved_ms ms after the urge
 # A node lost (node2's slurmd and ranks killed, its link cut) past a periodic checkpoint: the ranks left end on the
 # watchdog naming node2; meshtrain run probes the allocation's nodes and relaunches on node1's 2 ranks, which resume
 # from that checkpoint, resharded, saying which logged steps they redo.
-wait_for_steps "$run/preempted" 26  # the checkpoint of step 24, and two steps after it
+wait_for_steps "$run/preempted" 26 "$run/preempted.out"  # the checkpoint of step 24, and two steps after it
 kill_host 2
 lost_at=$(date +%s%N)
 for _ in $(seq 900); do [ "$(grep -c "resumed from" "$run/preempted.out")" = 2 ] && break; sleep 0.1; done
