@@ -226,7 +226,7 @@ std::vector<pid_t> FlCli::start_clients(const std::string& self, const std::stri
 int FlCli::run_simulate(const char* argv0) const {
   std::error_code error;
   const std::string found = std::filesystem::read_symlink("/proc/self/exe", error).string();
-  const std::string self = found.empty() ? argv0 : found;
+  const std::string self = found.empty() ? argv0 : util::executable_now_at(found);
   std::vector<std::string> extra = overrides(simulate_);
   extra.push_back("fl.server.listen=127.0.0.1:0");
   extra.push_back("fl.server.insecure=true");

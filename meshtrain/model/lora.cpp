@@ -114,8 +114,8 @@ struct LoraUpdate : torch::autograd::Function<LoraUpdate> {
     const at::ScalarType type = xa.scalar_type();
     const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)}).to(type);
     const at::Tensor dxa = at::mm(dy2, bt.to(type).t()).mul_(scale);  // [tokens, rank]
-    const at::Tensor dbt = at::mm(xa.t(), dy2).mul_(scale).to(bt.scalar_type());
-    const at::Tensor da = at::mm(dxa.t(), x2).to(a.scalar_type());
+    const at::Tensor dbt = ctx->needs_input_grad(3) ? at::mm(xa.t(), dy2).mul_(scale).to(bt.scalar_type()) : at::Tensor();
+    const at::Tensor da = ctx->needs_input_grad(2) ? at::mm(dxa.t(), x2).to(a.scalar_type()) : at::Tensor();
     at::Tensor dx;
     if (ctx->needs_input_grad(1)) {
       const auto type_x = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());

@@ -3,6 +3,7 @@
 
 #include <execinfo.h>
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -18,9 +19,27 @@ constexpr int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 
 char who_text[160];
 char executable[512];
-char contexts[2][96];
-std::atomic<int> published{-1};  // the buffer of contexts the handler reads; -1: none
-std::atomic<bool> reporting{false};
+// The context, with a sequence number that is odd while it is written: the
+// handler takes a copy only when the number is even and the same after it.
+char context_text[96];
+std::atomic<unsigned> context_sequence{0};
+std::atomic<bool> reporting{false}, reported{false};
+
+// A copy of the context for the handler; empty if a writer kept it busy.
+void read_context(char (&copy)[96]) {
+  copy[0] = '\0';
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const unsigned before = context_sequence.load(std::memory_order_acquire);
+    if (before % 2 != 0) continue;
+    for (size_t i = 0; i < sizeof copy; ++i) copy[i] = reinterpret_cast<volatile char*>(context_text)[i];
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (context_sequence.load(std::memory_order_relaxed) == before) {
+      copy[sizeof copy - 1] = '\0';
+      return;
+    }
+  }
+  copy[0] = '\0';
+}
 
 void put(const char* text) {
   for (size_t left = std::strlen(text); left > 0;) {
@@ -73,10 +92,11 @@ void on_fatal_signal(int signal, siginfo_t* info, void*) {
       put(" at address 0x");
       put_number(reinterpret_cast<unsigned long>(info->si_addr), 16);
     }
-    const int which = published.load();
-    if (which >= 0 && contexts[which][0] != '\0') {
+    char context[96];
+    read_context(context);
+    if (context[0] != '\0') {
       put(" during ");
-      put(contexts[which]);
+      put(context);
     }
     put("\n");
     void* frames[64];
@@ -85,6 +105,14 @@ void on_fatal_signal(int signal, siginfo_t* info, void*) {
       put("meshtrain: to name this program's frames: addr2line -C -f -e ");
       put(executable);
       put(" followed by their +0x offsets\n");
+    }
+    reported.store(true);
+  } else {
+    // Another thread reports (the threads of one parallel kernel fault
+    // together): let it finish before this one ends the process.
+    for (int wait = 0; wait < 100 && !reported.load(); ++wait) {
+      const timespec pause{0, 50 * 1000 * 1000};
+      nanosleep(&pause, nullptr);
     }
   }
   struct sigaction fallback {};
@@ -131,13 +159,14 @@ void install_fatal_signal_report(const std::string& who) {
   action.sa_sigaction = on_fatal_signal;
   action.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&action.sa_mask);
+  for (const int signal : kSignals) sigaddset(&action.sa_mask, signal);  // no nesting inside the report
   for (const int signal : kSignals) sigaction(signal, &action, nullptr);
 }
 
 void set_fatal_signal_context(const std::string& context) {
-  const int next = published.load() == 0 ? 1 : 0;
-  copy_into(contexts[next], sizeof contexts[next], context);
-  published.store(next);
+  context_sequence.fetch_add(1, std::memory_order_acq_rel);  // odd: being written
+  copy_into(context_text, sizeof context_text, context);
+  context_sequence.fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace meshtrain::util

@@ -20,8 +20,11 @@ namespace meshtrain::util {
 // the start of main (a rank from the launcher's variables: Open MPI's, PMIx's,
 // Slurm's) and again once MPI is up (the world rank; this also takes the
 // signals back from Open MPI, whose own report would repeat the stack). The
-// step is the watchdog's context (Watchdog::set_context), copied into one of
-// two fixed buffers so the handler reads it without a lock or an allocation.
+// step is the watchdog's context (Watchdog::set_context), copied into a fixed
+// buffer under a sequence number, so the handler reads it without a lock or an
+// allocation. Threads that fault together (one parallel kernel) give one
+// report: the others wait for it before the process ends, and the fatal
+// signals are blocked while a report is printed.
 // Everything the handler calls is async-signal-safe except backtrace(), which
 // is called once at installation so that it does not load libgcc inside the
 // handler. A stack overflow reports on an alternate signal stack (the

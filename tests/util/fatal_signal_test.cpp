@@ -31,12 +31,15 @@ TEST(FatalSignalDeathTest, NamesTheProcessSignalAndStepThenDiesByIt) {
 }
 
 TEST(FatalSignal, RankFromTheLauncherAndHost) {
+  const char* outer = std::getenv("OMPI_COMM_WORLD_RANK");
+  const std::string kept = outer ? outer : "";
   setenv("OMPI_COMM_WORLD_RANK", "7", 1);
   EXPECT_EQ(launcher_rank_and_host().rfind("rank 7 on ", 0), 0u) << launcher_rank_and_host();
   unsetenv("OMPI_COMM_WORLD_RANK");
   if (std::getenv("PMIX_RANK") == nullptr && std::getenv("PMI_RANK") == nullptr && std::getenv("SLURM_PROCID") == nullptr) {
     EXPECT_EQ(launcher_rank_and_host().rfind("on ", 0), 0u) << launcher_rank_and_host();
   }
+  if (outer) setenv("OMPI_COMM_WORLD_RANK", kept.c_str(), 1);
 }
 
 }  // namespace
