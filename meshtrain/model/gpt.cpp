@@ -109,8 +109,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptConfig& config, std::s
   if (config.qk_norm != QkNorm::kNone) {
     const bool per_head = config.qk_norm == QkNorm::kHead;
     const int64_t q_size = per_head ? head_dim_ : config.q_width(), k_size = per_head ? head_dim_ : config.kv_width();
-    q_norm = register_module("q_norm", Norm(NormStyle::kRmsNorm, q_size, false, config.norm_eps, false, config.norm_plus_one));
-    k_norm = register_module("k_norm", Norm(NormStyle::kRmsNorm, k_size, false, config.norm_eps, false, config.norm_plus_one));
+    q_norm = register_module("q_norm", Norm(NormStyle::kRmsNorm, q_size, false, config.norm_eps, config.fused, config.norm_plus_one));
+    k_norm = register_module("k_norm", Norm(NormStyle::kRmsNorm, k_size, false, config.norm_eps, config.fused, config.norm_plus_one));
   }
   if (rope_) {
     RopeTables tables = rope_tables(config);

@@ -17,13 +17,20 @@ double norm_saved(const model::GptConfig& model, const Sizes& z, double activati
   return model.rms_norm() && !model.fused ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
 }
 
-// What QK-norm (Qwen3's per head, OLMo 2's over the width; an RMSNorm of
-// composed operators) saves of q and k: the normalised q and k the scale
-// multiplies, and its input: per head a view of the qkv projection's output,
-// which keeps all of it (unless counted already: `qkv_kept`); over the width
-// a copy of q and of k in position order.
+// What QK-norm (Qwen3's per head, OLMo 2's over the width) saves of q and k.
+// Through the fused norm (model.fused) its input, made contiguous (a copy of q
+// and of k), and two floats per normalised row. As an RMSNorm of composed
+// operators: the normalised q and k the scale multiplies, and its input: per
+// head a view of the qkv projection's output, which keeps all of it (unless
+// counted already: `qkv_kept`); over the width a copy of q and of k in
+// position order.
 double qk_norm_saved(const model::GptConfig& model, const Sizes& z, double e, bool qkv_kept) {
   const double h = static_cast<double>(model.width), qk = static_cast<double>(model.q_width() + model.kv_width());
+  if (model.fused && model.qk_norm != model::QkNorm::kNone) {
+    const double rows = model.qk_norm == model::QkNorm::kHead
+                            ? static_cast<double>(model.heads + model.key_value_heads()) : 2.0;
+    return e * z.split(z.u * qk / h) + 2 * 4 * z.split(z.tokens * rows);
+  }
   switch (model.qk_norm) {
     case model::QkNorm::kNone: return 0;
     case model::QkNorm::kHead: return e * z.split(z.u * qk / h) + (qkv_kept ? 0 : e * z.split(z.u * model.qkv_width() / h));
