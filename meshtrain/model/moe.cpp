@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <cmath>
+#include <optional>
 
 namespace meshtrain::model {
 
@@ -47,6 +48,89 @@ at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::
 }
 
 // act(g) · u, through the fused operator where the tensors allow.
+// Note [Grouped experts]
+// The experts' products over tokens grouped by expert (rows counts[0], then
+// counts[1], ...) as one autograd node per weight tensor [experts, out, in]:
+// each group's product is written into its rows of one output, and backward
+// writes each expert's weight gradient into its slice of one [experts, out,
+// in] tensor and each group's input gradient into its rows of one tensor.
+// Per expert through at::linear, an unbind's backward stacked the experts'
+// gradients (a copy of every expert's weights per micro-batch), the outputs
+// and the input gradients were concatenated, and every product was an
+// autograd node of its own (Mixtral's tiny config: 216 MmBackward nodes a
+// step). Taken without autocast and where x and the weights share a dtype;
+// otherwise per expert as before.
+struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& b, std::vector<int64_t> counts, int64_t offset) {
+    const at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
+    int64_t row = 0;
+    for (size_t c = 0; c < counts.size(); ++c) {
+      const int64_t n = counts[c], i = offset + static_cast<int64_t>(c);
+      if (n == 0) continue;
+      at::Tensor rows = y.narrow(0, row, n);
+      at::mm_out(rows, x.narrow(0, row, n), w.select(0, i).t());
+      if (b) rows.add_(b->select(0, i));
+      row += n;
+    }
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["counts"] = counts;
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["bias"] = b.has_value();
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const at::Tensor dy = grads[0].contiguous();
+    const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
+    const int64_t offset = ctx->saved_data["offset"].toInt();
+    const bool want_x = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
+    const bool want_b = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2);
+    at::Tensor dx = want_x ? at::empty_like(x) : at::Tensor();
+    at::Tensor dw = want_w ? at::empty_like(w) : at::Tensor();
+    at::Tensor db = want_b ? at::zeros({w.size(0), w.size(1)}, w.options()) : at::Tensor();
+    std::vector<bool> written(static_cast<size_t>(w.size(0)), false);
+    int64_t row = 0;
+    for (size_t c = 0; c < counts.size(); ++c) {
+      const int64_t n = counts[c], i = offset + static_cast<int64_t>(c);
+      if (n == 0) continue;
+      written[static_cast<size_t>(i)] = true;
+      const at::Tensor dyc = dy.narrow(0, row, n), xc = x.narrow(0, row, n);
+      if (want_x) {
+        at::Tensor rows = dx.narrow(0, row, n);
+        at::mm_out(rows, dyc, w.select(0, i));
+      }
+      if (want_w) {
+        at::Tensor slice = dw.select(0, i);
+        at::mm_out(slice, dyc.t(), xc);
+      }
+      if (want_b) db.select(0, i).copy_(dyc.sum(0));
+      row += n;
+    }
+    for (int64_t i = 0; want_w && i < w.size(0); ++i) {
+      if (!written[static_cast<size_t>(i)]) dw.select(0, i).zero_();  // an expert without tokens
+    }
+    return {dx, dw, db, {}, {}};
+  }
+};
+
+// Whether the experts' products take GroupedLinear (Note [Grouped experts]).
+bool grouped_applies(const at::Tensor& x, const std::vector<const at::Tensor*>& weights) {
+  if (at::autocast::is_autocast_enabled(x.device().type()) || !x.is_contiguous()) return false;
+  for (const at::Tensor* t : weights) {
+    if (t->defined() && (t->scalar_type() != x.scalar_type() || t->device() != x.device())) return false;
+  }
+  return true;
+}
+
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                          const std::vector<int64_t>& counts, int64_t offset) {
+  return GroupedLinear::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, counts, offset);
+}
+
 at::Tensor glu(const at::Tensor& g, const at::Tensor& u, bool geglu, bool fused) {
   if (fused && fused::eligible(g) && fused::eligible(u)) return geglu ? fused::geglu(g, u) : fused::swiglu(g, u);
   return (geglu ? at::gelu(g, "tanh") : at::silu(g)) * u;
@@ -113,15 +197,24 @@ void MoeImpl::keep_experts(int64_t first, int64_t count) {
 
 at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>& counts, int64_t first) {
   if (is_training()) computed_ += tokens.size(0);
+  const bool gelu = fc_weight.defined();
+  const bool geglu = config_.mlp == MlpStyle::kGeglu;
+  if (grouped_applies(tokens, {&fc_weight, &fc_bias, &proj_weight, &proj_bias, &gate_weight, &gate_bias, &up_weight,
+                               &up_bias, &down_weight, &down_bias})) {
+    const int64_t offset = first - first_expert_;  // this rank's index of the first counted expert
+    if (counts.empty()) return tokens.new_zeros({0, tokens.size(1)});
+    const at::Tensor g = grouped_linear(tokens, gelu ? fc_weight : gate_weight, gelu ? fc_bias : gate_bias, counts, offset);
+    const at::Tensor hidden = gelu ? at::gelu(g, "tanh")
+                                   : glu(g, grouped_linear(tokens, up_weight, up_bias, counts, offset), geglu, config_.fused);
+    return grouped_linear(hidden, gelu ? proj_weight : down_weight, gelu ? proj_bias : down_bias, counts, offset);
+  }
   // One unbind per tensor: its backward stacks the experts' gradients once,
   // where indexing each expert would add a full-size zero gradient per expert.
   auto split = [](const at::Tensor& t) { return t.defined() ? t.unbind(0) : std::vector<at::Tensor>(); };
   auto bias = [](const std::vector<at::Tensor>& b, int64_t i) { return b.empty() ? at::Tensor() : b[i]; };
-  const bool gelu = fc_weight.defined();
   const std::vector<at::Tensor> in = split(gelu ? fc_weight : gate_weight), in_bias = split(gelu ? fc_bias : gate_bias);
   const std::vector<at::Tensor> up = split(up_weight), up_b = split(up_bias);
   const std::vector<at::Tensor> out = split(gelu ? proj_weight : down_weight), out_bias = split(gelu ? proj_bias : down_bias);
-  const bool geglu = config_.mlp == MlpStyle::kGeglu;
   // One split: its backward concatenates the experts' input gradients once,
   // where a narrow per expert would add a zero gradient of all the tokens each.
   const std::vector<at::Tensor> xs = tokens.split_with_sizes(counts);

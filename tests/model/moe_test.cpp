@@ -138,6 +138,64 @@ TEST(Moe, EqualsTheGatedExpertComputedDirectly) {
   }
 }
 
+// Note [Grouped experts]: the grouped products' gradients (input, router,
+// every expert tensor with its bias, an idle expert's zero) against the same
+// top-1 layer written token by token with ATen operators on copies of its weights.
+TEST(Moe, GroupedExpertsGradientsEqualTheTokenByTokenComposition) {
+  for (const MlpStyle mlp : {MlpStyle::kGelu, MlpStyle::kSwiglu}) {
+    GptConfig c = moe_config(4, 1, 0.0);
+    c.mlp = mlp;
+    c.moe_aux_loss = 0;
+    c.moe_z_loss = 0;
+    Moe moe = random_moe(c, 21);
+    {
+      torch::NoGradGuard no_grad;  // no token picks expert 3
+      moe->router[3].zero_();
+      moe->router[3][0] = -100.0;
+    }
+    const int64_t n = 16;
+    const at::Tensor x = positive_tokens(n, c.width, 22).requires_grad_();
+    const at::Tensor weights = at::randn({n, c.width}, at::make_generator<at::CPUGeneratorImpl>(23));
+    (moe->forward(x).view({n, c.width}) * weights).sum().backward();
+
+    const std::vector<at::Tensor> layer = moe->expert_weights();
+    std::vector<at::Tensor> copies;
+    for (const at::Tensor& t : layer) copies.push_back(t.detach().clone().requires_grad_());
+    const at::Tensor router = moe->router.detach().clone().requires_grad_();
+    const at::Tensor xr = x.detach().clone().view({n, c.width}).requires_grad_();
+    auto tensor = [&](const at::Tensor& in_layer) {  // the copy of one of the layer's expert tensors
+      for (size_t i = 0; i < layer.size(); ++i) {
+        if (layer[i].is_same(in_layer)) return copies[i];
+      }
+      return at::Tensor();
+    };
+    const at::Tensor probs = at::softmax(at::linear(xr, router), -1);
+    at::Tensor total = at::zeros({});
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t e = probs[t].argmax().item<int64_t>();
+      const at::Tensor xt = xr[t];
+      at::Tensor y;
+      if (mlp == MlpStyle::kGelu) {
+        y = at::linear(at::gelu(at::linear(xt, tensor(moe->fc_weight)[e], tensor(moe->fc_bias)[e]), "tanh"),
+                       tensor(moe->proj_weight)[e], tensor(moe->proj_bias)[e]);
+      } else {
+        y = at::linear(at::silu(at::linear(xt, tensor(moe->gate_weight)[e], tensor(moe->gate_bias)[e])) *
+                           at::linear(xt, tensor(moe->up_weight)[e], tensor(moe->up_bias)[e]),
+                       tensor(moe->down_weight)[e], tensor(moe->down_bias)[e]);
+      }
+      total = total + (probs[t][e] * y * weights[t]).sum();
+    }
+    total.backward();
+    const std::string style = name(mlp);
+    EXPECT_TRUE(at::allclose(x.grad().view({n, c.width}), xr.grad(), 1e-4, 1e-6)) << style << " input gradient";
+    EXPECT_TRUE(at::allclose(moe->router.grad(), router.grad(), 1e-4, 1e-6)) << style << " router";
+    for (size_t i = 0; i < layer.size(); ++i) {
+      EXPECT_TRUE(at::allclose(layer[i].grad(), copies[i].grad(), 1e-4, 1e-6)) << style << " expert tensor " << i;
+      EXPECT_EQ(layer[i].grad()[3].abs().sum().item<double>(), 0.0) << style << " the idle expert";
+    }
+  }
+}
+
 // The experts through the fused SwiGLU / GeGLU, against the composition of
 // ATen operators: output and every gradient, with one expert left idle and
 // a shared expert.
