@@ -59,10 +59,16 @@ at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::
 // and the input gradients were concatenated, and every product was an
 // autograd node of its own (Mixtral's tiny config: 216 MmBackward nodes a
 // step). Taken without autocast and where x and the weights share a dtype;
-// otherwise per expert as before.
+// otherwise per expert as before. Its backward is not itself differentiable
+// (no double backward through the experts; nothing here takes one).
 struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& b, std::vector<int64_t> counts, int64_t offset) {
+    int64_t rows_counted = 0;
+    for (const int64_t n : counts) rows_counted += n;
+    TORCH_CHECK(rows_counted == x.size(0) && offset >= 0 && offset + static_cast<int64_t>(counts.size()) <= w.size(0),
+                "grouped experts: counts of ", counts.size(), " experts from ", offset, " sum to ", rows_counted,
+                " rows for ", x.size(0), " tokens and ", w.size(0), " local experts");
     const at::Tensor y = at::empty({x.size(0), w.size(1)}, x.options());
     int64_t row = 0;
     for (size_t c = 0; c < counts.size(); ++c) {
