@@ -107,8 +107,10 @@ pid_t start_probe(const HostSlots& host, const std::string& mpirun, bool root, i
   return pid;
 }
 
+// What a probe wrote to its file; "" without one.
 std::string read_all(int output) {
   std::string text;
+  if (output < 0) return text;
   char chunk[4096];
   lseek(output, 0, SEEK_SET);
   for (ssize_t got; (got = read(output, chunk, sizeof chunk)) > 0;) text.append(chunk, static_cast<size_t>(got));
@@ -120,7 +122,7 @@ std::string exit_reason(int status, int output) {
                     : WIFSIGNALED(status) ? "ended by signal " + std::to_string(WTERMSIG(status))
                                           : "ended";
   if (WIFEXITED(status) && WEXITSTATUS(status) == 127) why += " (the probe's command could not be run)";
-  const std::string said = probe_message(output >= 0 ? read_all(output) : "");
+  const std::string said = probe_message(read_all(output));
   return said.empty() ? why : why + ": " + said;
 }
 
@@ -247,7 +249,7 @@ std::vector<ProbeAnswer> probe_hosts(const std::vector<HostSlots>& hosts, const 
       waitpid(pids[i], nullptr, 0);
       char limit[32];
       std::snprintf(limit, sizeof limit, "%.0f", seconds);
-      const std::string said = probe_message(outputs[i] >= 0 ? read_all(outputs[i]) : "");
+      const std::string said = probe_message(read_all(outputs[i]));
       answers[i].why = "no answer within " + std::string(limit) + " s" + (said.empty() ? "" : " (last said: " + said + ")");
     }
     if (outputs[i] >= 0) close(outputs[i]);

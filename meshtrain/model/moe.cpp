@@ -47,7 +47,6 @@ at::Tensor expert_parameter(torch::nn::Module& m, const std::string& name, std::
   return m.register_parameter(name, torch::zeros(shape));
 }
 
-// act(g) · u, through the fused operator where the tensors allow.
 // Note [Grouped experts]
 // The experts' products over tokens grouped by expert (rows counts[0], then
 // counts[1], ...) as one autograd node per weight tensor [experts, out, in]:
@@ -124,10 +123,10 @@ struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
 };
 
 // Whether the experts' products take GroupedLinear (Note [Grouped experts]).
-bool grouped_applies(const at::Tensor& x, const std::vector<const at::Tensor*>& weights) {
+bool grouped_applies(const at::Tensor& x, const std::vector<at::Tensor>& weights) {
   if (at::autocast::is_autocast_enabled(x.device().type()) || !x.is_contiguous()) return false;
-  for (const at::Tensor* t : weights) {
-    if (t->defined() && (t->scalar_type() != x.scalar_type() || t->device() != x.device())) return false;
+  for (const at::Tensor& t : weights) {
+    if (t.scalar_type() != x.scalar_type() || t.device() != x.device()) return false;
   }
   return true;
 }
@@ -137,6 +136,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   return GroupedLinear::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, counts, offset);
 }
 
+// act(g) · u, through the fused operator where the tensors allow.
 at::Tensor glu(const at::Tensor& g, const at::Tensor& u, bool geglu, bool fused) {
   if (fused && fused::eligible(g) && fused::eligible(u)) return geglu ? fused::geglu(g, u) : fused::swiglu(g, u);
   return (geglu ? at::gelu(g, "tanh") : at::silu(g)) * u;
@@ -205,8 +205,7 @@ at::Tensor MoeImpl::experts(const at::Tensor& tokens, const std::vector<int64_t>
   if (is_training()) computed_ += tokens.size(0);
   const bool gelu = fc_weight.defined();
   const bool geglu = config_.mlp == MlpStyle::kGeglu;
-  if (grouped_applies(tokens, {&fc_weight, &fc_bias, &proj_weight, &proj_bias, &gate_weight, &gate_bias, &up_weight,
-                               &up_bias, &down_weight, &down_bias})) {
+  if (grouped_applies(tokens, expert_weights())) {
     const int64_t offset = first - first_expert_;  // this rank's index of the first counted expert
     if (counts.empty()) return tokens.new_zeros({0, tokens.size(1)});
     const at::Tensor g = grouped_linear(tokens, gelu ? fc_weight : gate_weight, gelu ? fc_bias : gate_bias, counts, offset);

@@ -27,7 +27,6 @@ std::atomic<bool> reporting{false}, reported{false};
 
 // A copy of the context for the handler; empty if a writer kept it busy.
 void read_context(char (&copy)[96]) {
-  copy[0] = '\0';
   for (int attempt = 0; attempt < 100; ++attempt) {
     const unsigned before = context_sequence.load(std::memory_order_acquire);
     if (before % 2 != 0) continue;
