@@ -2,10 +2,12 @@
 PyTorch doing the same work: runs `meshtrain bench train --profile` and
 bench/reference/train_gpt.py --profile (libtorch's profiler on both sides; a
 Chrome trace each, for chrome://tracing or ui.perfetto.dev), then prints each
-side's self time per step by category and its largest operators. Run from the
-repository root with the project's virtual environment:
+side's self time per step by category and its largest operators; on a GPU also
+each side's kernels by time on the device. Run from the repository root with
+the project's virtual environment:
 
     .venv/bin/python bench/profile_vs_pytorch.py [--preset small] [--dtype bfloat16] [--out runs/profile]
+    python3 bench/profile_vs_pytorch.py --device cuda --preset llama3.2-1b --context 2048 --batch 8 --micro-batch 8
 """
 import argparse
 import json
@@ -53,17 +55,31 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--context", type=int, default=0, help="tokens per sequence (0: the preset's)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--meshtrain", default=MESHTRAIN)
     parser.add_argument("--out", default="runs/profile")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())))
     ours_dir, theirs_dir = os.path.join(args.out, "meshtrain"), os.path.join(args.out, "pytorch")
-    subprocess.run([MESHTRAIN, "bench", "train", "--steps", "2", "--profile", ours_dir, "--profile-steps",
+    context = [f"--model.context={args.context}"] if args.context else []
+    if args.device == "cuda":  # the GPU benchmark's random tokens: nothing to tokenize, nothing to download
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_train_vs_pytorch import write_tokens
+        vocab = 128256 if args.preset.startswith("llama3") else 50257
+        os.makedirs(args.out, exist_ok=True)
+        for name, seed in (("train", 1), ("val", 2)):
+            write_tokens(os.path.join(args.out, f"{name}.bin"), 1 << 20, vocab, seed)
+        context += [f"--data.train_file={args.out}/train.bin", f"--data.val_file={args.out}/val.bin"]
+    subprocess.run([args.meshtrain, "bench", "train", "--steps", "2", "--profile", ours_dir, "--profile-steps",
                     str(args.steps), f"--model.preset={args.preset}", f"--training.dtype={args.dtype}",
                     f"--training.batch={args.batch}", f"--training.micro_batch={args.micro_batch}",
-                    f"--run.out={args.out}/run"], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    f"--run.device={args.device}", "--model.dropout=0", f"--run.out={args.out}/run"] + context,
+                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     subprocess.run([sys.executable, REFERENCE, "--preset", args.preset, "--dtype", args.dtype, "--batch", str(args.batch),
                     "--micro-batch", str(args.micro_batch), "--steps", "2", "--profile", theirs_dir, "--profile-steps",
-                    str(args.steps)], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    str(args.steps), "--device", args.device] + (["--context", str(args.context)] if args.context else []),
+                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ours, ours_totals = summarise(os.path.join(ours_dir, "ops.json"))
     theirs, theirs_totals = summarise(os.path.join(theirs_dir, "ops.json"))
     print(f"{args.preset}, {args.dtype}, batch {args.batch}, micro-batch {args.micro_batch}, "
@@ -77,6 +93,14 @@ def main():
         print(f"\n{side}: largest operators")
         for op in ops[:args.top]:
             print(f"  {op['name'][:62]:62} {op['calls_per_step']:>6.0f} calls {op['self_ms_per_step']:>9.1f} ms")
+    if args.device == "cuda":
+        for side, directory in (("meshtrain", ours_dir), ("pytorch", theirs_dir)):
+            with open(os.path.join(directory, "kernels.json")) as f:
+                kernels = json.load(f)
+            print(f"\n{side}: {sum(k['self_ms_per_step'] for k in kernels):.1f} ms of GPU work per step, "
+                  f"{sum(k['calls_per_step'] for k in kernels):.0f} kernels, copies and fills; the largest")
+            for k in kernels[:args.top]:
+                print(f"  {k['name'][:90]:90} {k['calls_per_step']:>6.0f} calls {k['self_ms_per_step']:>9.2f} ms")
     print(f"\nChrome traces: {ours_dir}/trace.json, {theirs_dir}/trace.json")
 
 

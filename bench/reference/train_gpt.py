@@ -234,7 +234,8 @@ def profile_steps(directory, steps, train_step, writer):
     """Profiles `steps` steps: a Chrome trace and each operator's self time per step,
     in the format of `meshtrain bench train --profile` (ops.json)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for s in range(steps):
             train_step(s)
     if not writer:
@@ -247,6 +248,19 @@ def profile_steps(directory, steps, train_step, writer):
         json.dump([{"name": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
                     "share": e.self_cpu_time_total / total} for e in rows], f)
         f.write("\n")
+    if cuda:  # the GPU's kernels, copies and fills by time on the device, as meshtrain's kernels.json
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and
+                   not getattr(e, "is_user_annotation", False)]  # record_function's spans on the GPU are not work
+        by_name = {}
+        for e in kernels:
+            calls, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (calls + 1, us + e.time_range.elapsed_us())
+        total = sum(us for _, us in by_name.values()) or 1.0
+        with open(os.path.join(directory, "kernels.json"), "w") as f:
+            json.dump([{"name": name, "calls_per_step": calls / steps, "self_ms_per_step": us / 1e3 / steps,
+                        "share": us / total} for name, (calls, us) in
+                       sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)], f)
+            f.write("\n")
 
 
 def main():

@@ -39,8 +39,8 @@ std::vector<double> gather(comm::Communicator& comm, double value) {
 }
 
 // Profiles `steps` steps on every rank; rank 0 writes what it saw to `dir`.
-void profile_steps_into(train::Trainer& trainer, bool writer, const std::string& dir, int steps) {
-  train::OpProfile profile;
+void profile_steps_into(train::Trainer& trainer, bool writer, const std::string& dir, int steps, bool cuda) {
+  train::OpProfile profile(cuda);
   for (int s = 0; s < steps; ++s) trainer.step();
   if (writer) util::make_directories(dir);
   const std::vector<train::OpTime> ops = profile.stop(writer ? dir + "/trace.json" : "");
@@ -48,6 +48,10 @@ void profile_steps_into(train::Trainer& trainer, bool writer, const std::string&
   std::ofstream(dir + "/ops.json") << train::op_times_json(ops, steps) << "\n";
   std::fprintf(stderr, "meshtrain: %d profiled steps; trace in %s/trace.json, all operators in %s/ops.json\n%s",
                steps, dir.c_str(), dir.c_str(), train::op_times_table(ops, steps, 25).c_str());
+  if (profile.kernels().empty()) return;
+  std::ofstream(dir + "/kernels.json") << train::op_times_json(profile.kernels(), steps) << "\n";
+  std::fprintf(stderr, "meshtrain: the GPU's kernels, copies and fills (all in %s/kernels.json)\n%s", dir.c_str(),
+               train::op_times_table(profile.kernels(), steps, 25, "kernel", "time on the device").c_str());
 }
 
 }  // namespace
@@ -93,7 +97,7 @@ int run_bench_train(comm::Runtime& runtime, const std::vector<std::string>& over
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double tokens_per_second = config.batch * config.model.context / median;
-  if (!profile_dir.empty()) profile_steps_into(trainer, runtime.rank() == 0, profile_dir, profile_steps);
+  if (!profile_dir.empty()) profile_steps_into(trainer, runtime.rank() == 0, profile_dir, profile_steps, config.torch_device(0).is_cuda());
   const std::vector<double> peak_rss = gather(*runtime.world(), train::peak_rss_mib());
   const std::vector<double> rss_growth = gather(*runtime.world(), train::peak_rss_mib() - baseline_rss);
   const std::vector<double> counted_peak = gather(*runtime.world(), peak / 1048576.0);

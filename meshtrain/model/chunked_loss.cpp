@@ -39,27 +39,45 @@ TargetColumns target_columns(const at::Tensor& targets, int64_t start, int64_t v
           counted.unsqueeze(1).to(at::kFloat)};
 }
 
-// One chunk's fp32 logits of rows h (soft-capped), and tanh(z / c) under the cap.
-std::pair<at::Tensor, at::Tensor> chunk_logits(const at::Tensor& h, const at::Tensor& w, double softcap) {
-  at::Tensor z = at::mm(h, w.t()).to(at::kFloat), t;
+// The head's weight in the dtype products take, on a GPU with zero rows up to
+// a multiple of 64 (Note [Chunked loss]).
+at::Tensor head_weight(const at::Tensor& weight, at::ScalarType compute) {
+  const int64_t v = weight.size(0), padded = (v + 63) / 64 * 64;
+  if (!weight.is_cuda() || padded == v) return weight.to(compute).contiguous();
+  return at::constant_pad_nd(weight.to(compute), {0, 0, 0, padded - v});
+}
+
+// One chunk's logits of rows h against the first v rows of w, in fp32
+// (soft-capped); tanh(z / c) under the cap; and the product's own buffer
+// [rows, w's rows] in the compute dtype, 0 past column v.
+struct ChunkLogits {
+  at::Tensor z, t, product;
+};
+
+ChunkLogits chunk_logits(const at::Tensor& h, const at::Tensor& w, int64_t v, double softcap) {
+  ChunkLogits c;
+  c.product = at::mm(h, w.t());
+  c.z = c.product.narrow(1, 0, v).to(at::kFloat);
   if (softcap > 0) {
-    t = z.div_(softcap).tanh_();
-    z = t * softcap;
+    c.t = c.z.div_(softcap).tanh_();
+    c.z = c.t * softcap;
   }
-  return {z, t};
+  return c;
 }
 
 // The chunk's gradients from its softmax (turned into dz in place): dh's rows
-// (`dh`, undefined for none) and dW added into `dw` (undefined for none),
-// times `scale` where it is defined.
+// (`dh`, undefined for none) and dW added into `dw` (undefined for none; as
+// many rows as w), times `scale` where it is defined. dz in the compute dtype
+// goes into `product`, the chunk's product buffer, whose padded columns are 0.
 void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, const TargetColumns& c, const at::Tensor& h,
-                   const at::Tensor& w, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
+                   const at::Tensor& w, at::Tensor product, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
   at::Tensor dz = softmax.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted);
   if (softcap > 0) dz.mul_(t.mul_(t).neg_().add_(1.0f));  // times 1 − tanh²
   if (scale.defined()) dz.mul_(scale);
   const at::ScalarType compute = h.scalar_type();
-  const at::Tensor d = dz.to(compute);
-  if (dh.defined()) dh.copy_(at::mm(d, w));
+  product.narrow(1, 0, dz.size(1)).copy_(dz);  // a no-op where dz is that buffer (fp32, no cap)
+  const at::Tensor& d = product;
+  if (dh.defined()) at::mm_out(dh, d, w);
   if (dw.defined() && compute == at::kFloat) dw.addmm_(d.t(), h);
   if (!dw.defined() || compute == at::kFloat) return;
   // A 16-bit product's result is 16-bit: made a slice of the vocabulary at a
@@ -82,21 +100,21 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     RECORD_FUNCTION("meshtrain::chunked_cross_entropy", std::vector<c10::IValue>());
     const at::ScalarType compute = compute_dtype(hidden);
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor h = hidden.to(compute).contiguous(), w = weight.to(compute).contiguous();
-    const int64_t n = h.size(0), v = w.size(0);
-    const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkBytes / (4 * v));
+    const at::Tensor h = hidden.to(compute).contiguous(), w = head_weight(weight, compute);
+    const int64_t n = h.size(0), v = weight.size(0);
+    const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, loss_chunk_bytes(h.is_cuda()) / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
     const TargetColumns columns = target_columns(targets, shard.start, v);
     at::Tensor loss_sum = at::zeros({}, fp32);
     at::Tensor dh, dw, lse;
     if (now && hidden_grad) dh = at::empty_like(h);
-    if (now && weight_grad) dw = at::zeros({v, w.size(1)}, fp32);
+    if (now && weight_grad) dw = at::zeros({w.size(0), w.size(1)}, fp32);
     if (gradients && !now) lse = at::empty({n, 1}, fp32);
     for (int64_t r = 0; r < n; r += rows) {
       const int64_t m = std::min(rows, n - r);
       const at::Tensor hc = h.narrow(0, r, m);
       const TargetColumns c = columns.rows(r, m);
-      auto [z, t] = chunk_logits(hc, w, softcap);
+      auto [z, t, product] = chunk_logits(hc, w, v, softcap);
       at::Tensor top = at::amax(z, 1, /*keepdim=*/true);
       if (shard.split()) shard.max(top);
       const at::Tensor target = z.gather(1, c.index).mul_(c.here);  // 0 where another share holds it
@@ -107,8 +125,11 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       const at::Tensor total = sums.narrow(1, 0, 1), row_lse = total.log() + top;
       loss_sum += ((row_lse - sums.narrow(1, 1, 1)) * c.counted).sum();
       if (lse.defined()) lse.narrow(0, r, m).copy_(row_lse);
-      if (now) add_gradients(e.div_(total), t, softcap, c, hc, w, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+      if (now) {
+        add_gradients(e.div_(total), t, softcap, c, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+      }
     }
+    if (dw.defined()) dw = dw.narrow(0, 0, v);  // without the padded rows
     const at::Tensor count = columns.counted.sum().clamp_min(1);
     auto& saved = ctx->saved_data;
     saved["count"] = count;
@@ -135,23 +156,23 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const variable_list in = ctx->get_saved_variables();
     const at::Tensor& h = in[0];
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor w = in[1].to(h.scalar_type()).contiguous();
+    const at::Tensor w = head_weight(in[1], h.scalar_type());
     const double softcap = saved["softcap"].toDouble();
-    const int64_t n = h.size(0), v = w.size(0), rows = saved["rows"].toInt();
+    const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
     at::Tensor dh, dw;
     if (saved["hidden_grad"].toBool()) dh = at::empty_like(h);
-    if (saved["weight_grad"].toBool()) dw = at::zeros({v, w.size(1)}, h.options().dtype(at::kFloat));
+    if (saved["weight_grad"].toBool()) dw = at::zeros({w.size(0), w.size(1)}, h.options().dtype(at::kFloat));
     for (int64_t r = 0; r < n; r += rows) {
       const int64_t m = std::min(rows, n - r);
       const at::Tensor hc = h.narrow(0, r, m);
       const TargetColumns c = columns.rows(r, m);
-      auto [z, t] = chunk_logits(hc, w, softcap);
+      auto [z, t, product] = chunk_logits(hc, w, v, softcap);
       const at::Tensor softmax = z.sub_(in[3].narrow(0, r, m)).exp_();
-      add_gradients(softmax, t, softcap, c, hc, w, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+      add_gradients(softmax, t, softcap, c, hc, w, product, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
     }
     if (dh.defined()) saved["dh"] = dh;
-    if (dw.defined()) saved["dw"] = dw;
+    if (dw.defined()) saved["dw"] = dw.narrow(0, 0, v);
   }
 
   // Scales the forward's dh and dW by the loss's gradient in place (or makes

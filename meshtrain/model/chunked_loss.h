@@ -47,7 +47,19 @@ namespace meshtrain::model {
 // dW is then the rank's own, and dh a partial sum the caller's collective
 // completes in the backward. Every rank holds the same rows, so all make the
 // same number of chunks. The planner counts this (Workload::chunked_loss).
+//
+// On a GPU two things change (measured on an H200, docs/BENCHMARKS.md). A
+// chunk holds up to kGpuChunkBytes: a 16-bit dW product is added into the
+// fp32 dW once per chunk, and at Llama 3's vocabulary those adds took a tenth
+// of the step at 256 MiB chunks. And a vocabulary that is not a multiple of
+// 64 (GPT-2's 50,257) is padded with zero rows of W: cuBLAS multiplies
+// matrices whose rows are not 16-byte aligned with kernels several times
+// slower. The padded columns' logits are exactly 0 and no reduction reads
+// them; the chunk's product buffer, zero there, holds the padded dz, and the
+// padded rows of dW are dropped.
 constexpr int64_t kChunkBytes = int64_t{256} << 20;
+constexpr int64_t kGpuChunkBytes = int64_t{1} << 30;
+inline int64_t loss_chunk_bytes(bool gpu) { return gpu ? kGpuChunkBytes : kChunkBytes; }
 
 // The weight's share of the vocabulary: its rows are entries [start,
 // start + rows), and `max` / `sum` reduce a tensor in place over the ranks
@@ -64,7 +76,7 @@ enum class LossGradients { kInForward, kInBackward };
 
 // The mean loss over `targets` [N] of hidden [N, d] against weight [V, d],
 // soft-capped by `softcap` > 0; `chunk_rows` > 0 sets the rows per chunk
-// (0: as many as kChunkBytes of this rank's logits hold). Differentiable in
+// (0: as many as loss_chunk_bytes of this rank's logits hold). Differentiable in
 // hidden and weight. `shard`: the weight's share of the vocabulary.
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},

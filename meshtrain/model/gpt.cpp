@@ -69,6 +69,13 @@ NormImpl::NormImpl(NormStyle kind, int64_t width, bool bias, double eps, bool fu
 at::Tensor NormImpl::forward(const at::Tensor& x) {
   const at::Tensor scale = plus_one_ ? weight_ + 1 : weight_;
   if (fused_ && fused::eligible(x) && fused::eligible(weight_)) return fused::add_norm(x, {}, scale, bias_, rms_, eps_).second;
+  if (rms_ && x.is_cuda()) {
+    // ATen's rms_norm is one kernel each way on a GPU where input and weight
+    // share a dtype (else a composition, with a warning): the composition's
+    // result type, fp32 under autocast as the composition below gives it.
+    const at::ScalarType type = at::promote_types(x.scalar_type(), scale.scalar_type());
+    return at::rms_norm(x.to(type), {x.size(-1)}, scale.to(type), eps_);
+  }
   if (rms_) return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * scale;
   return at::layer_norm(x, {x.size(-1)}, scale, bias_, eps_);
 }

@@ -50,10 +50,11 @@ double qk_norm_saved(const model::GptConfig& model, const Sizes& z, double e, bo
 // dtype or its collective makes one fp32 copy. Made in the backward (a
 // pipeline's last stage), it keeps the head's input and a log-sum-exp per
 // row instead, and its backward holds dh, dW and a chunk.
-OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool in_backward) {
+OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, double chunk_bytes,
+                                 bool in_backward) {
   const double e = p.activation, share = z.split(static_cast<double>(model.vocab_size));
   const double width = static_cast<double>(model.width), weight = 4 * share * width;
-  const double rows = std::min(z.tokens, std::max(1.0, static_cast<double>(model::kChunkBytes) / (4 * share)));
+  const double rows = std::min(z.tokens, std::max(1.0, chunk_bytes / (4 * share)));
   const double low_precision = e < 4 ? 1 : 0;
   // 16-bit: the chunk's 16-bit dz, and a slice of dW's product (as many
   // elements as the chunk's logits) with the fp32 copy its add into dW makes.
@@ -68,8 +69,8 @@ OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, 
 }  // namespace
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, bool in_backward) {
-  if (chunked_loss) return chunked_output_bytes(model, z, p, in_backward);
+                         bool chunked_loss, double chunk_bytes, bool in_backward) {
+  if (chunked_loss) return chunked_output_bytes(model, z, p, chunk_bytes, in_backward);
   const double e = p.activation;
   // The final norm's input, the head's input, and autocast's copy of the head the product keeps.
   const double head_inputs = (p.residual + e) * z.region(z.u) + z.region(norm_saved(model, z, p.residual)) +

@@ -1,5 +1,6 @@
 #include "meshtrain/plan/from_config.h"
 
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/model/fused/ops.h"
 
 #include <stdexcept>
@@ -42,6 +43,7 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
   run.workload.fused_loss = config.model.fused && !gpu && !config.parallel.annotated();
   run.workload.chunked_loss = config.model.chunked_loss && !config.parallel.annotated();
+  run.workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
   if (gpu) run.workload.precision.mask = 1;
   return run;
 }

@@ -75,6 +75,8 @@ struct Workload {
   // kept to the backward, or made in the backward where a pipeline schedule
   // holds several losses at once.
   bool chunked_loss = true;
+  // Its chunks' fp32 logits at most (model::loss_chunk_bytes: 256 MiB, 1 GiB on a GPU).
+  double loss_chunk_bytes = 256.0 * (1 << 20);
   double dropout = 0;
   SelectivePolicy selective = SelectivePolicy::kCore;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one

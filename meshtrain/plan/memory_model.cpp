@@ -176,7 +176,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   if (op_level_recompute(l, w)) {
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, loss_in_backward);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, loss_in_backward);
   a.boundary = p.residual * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }

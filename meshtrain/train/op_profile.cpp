@@ -14,11 +14,12 @@ namespace meshtrain::train {
 namespace profiler = torch::autograd::profiler;
 namespace impl = torch::profiler::impl;
 
-OpProfile::OpProfile() {
+OpProfile::OpProfile(bool cuda) {
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/false,
                                     /*profile_memory=*/false, /*with_stack=*/false, /*with_flops=*/false,
                                     /*with_modules=*/false);
-  const std::set<impl::ActivityType> activities = {impl::ActivityType::CPU};
+  std::set<impl::ActivityType> activities = {impl::ActivityType::CPU};
+  if (cuda) activities.insert(impl::ActivityType::CUDA);
   profiler::prepareProfiler(config, activities);
   profiler::enableProfiler(config, activities);
   running_ = true;
@@ -67,6 +68,22 @@ std::vector<OpTime> self_times(const std::vector<profiler::KinetoEvent>& events)
   return rows;
 }
 
+// The device's events (kernels, copies, fills) summed by name: they do not
+// nest, so an event's time is its own.
+std::vector<OpTime> device_times(const std::vector<profiler::KinetoEvent>& events) {
+  std::vector<OpTime> rows;
+  std::unordered_map<std::string, size_t> row_of;
+  for (const profiler::KinetoEvent& e : events) {
+    if (e.deviceType() == c10::DeviceType::CPU || e.endNs() <= e.startNs()) continue;
+    auto [it, added] = row_of.emplace(e.name(), rows.size());
+    if (added) rows.push_back({e.name(), 0, 0});
+    rows[it->second].calls += 1;
+    rows[it->second].self_seconds += static_cast<double>(e.endNs() - e.startNs()) * 1e-9;
+  }
+  std::sort(rows.begin(), rows.end(), [](const OpTime& a, const OpTime& b) { return a.self_seconds > b.self_seconds; });
+  return rows;
+}
+
 double total_seconds(const std::vector<OpTime>& ops) {
   double total = 0;
   for (const OpTime& op : ops) total += op.self_seconds;
@@ -79,6 +96,7 @@ std::vector<OpTime> OpProfile::stop(const std::string& trace_path) {
   running_ = false;
   std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
   if (!trace_path.empty()) result->save(trace_path);
+  kernels_ = device_times(result->events());
   return self_times(result->events());
 }
 
@@ -94,11 +112,12 @@ std::string op_times_json(const std::vector<OpTime>& ops, int steps) {
   return rows.dump();
 }
 
-std::string op_times_table(const std::vector<OpTime>& ops, int steps, size_t top) {
+std::string op_times_table(const std::vector<OpTime>& ops, int steps, size_t top, const std::string& row,
+                           const std::string& time) {
   const double total = total_seconds(ops);
   std::string out;
   char line[256];
-  std::snprintf(line, sizeof line, "%-64s %8s %12s %7s\n", "operator (self time)", "calls", "ms/step", "share");
+  std::snprintf(line, sizeof line, "%-64s %8s %12s %7s\n", (row + " (" + time + ")").c_str(), "calls", "ms/step", "share");
   out += line;
   for (size_t i = 0; i < std::min(top, ops.size()); ++i) {
     const OpTime& op = ops[i];
@@ -106,7 +125,7 @@ std::string op_times_table(const std::vector<OpTime>& ops, int steps, size_t top
                   static_cast<double>(op.calls) / steps, 1e3 * op.self_seconds / steps, 100 * op.self_seconds / total);
     out += line;
   }
-  std::snprintf(line, sizeof line, "%-64s %8s %12.2f %6.1f%%\n", "all operators", "", 1e3 * total / steps, 100.0);
+  std::snprintf(line, sizeof line, "%-64s %8s %12.2f %6.1f%%\n", ("all " + row + "s").c_str(), "", 1e3 * total / steps, 100.0);
   out += line;
   return out;
 }

@@ -1,6 +1,7 @@
 // The CUDA path, run where a GPU is visible (elsewhere the binary reports
 // SKIPPED, see tests/harness/mpi_main.cpp). One rank: the model against the
-// CPU, training on cuda:0 against the same training on the CPU, bfloat16
+// CPU, the chunked loss with a padded vocabulary against the CPU, training
+// on cuda:0 against the same training on the CPU, bfloat16
 // autocast, the caching allocator's peak against the planner, the NCCL
 // communicator (every collective through NCCL), FSDP's storage swap and
 // activation checkpointing's random streams. Two ranks sharing the one GPU
@@ -8,12 +9,14 @@
 // data parallel, ZeRO-3, tensor + sequence parallel, a pipeline and expert
 // parallel against one process on the GPU.
 #include "meshtrain/comm/backend/nccl/nccl_communicator.h"
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
 #include "meshtrain/parallel/random_streams.h"
 #include "tests/parallel/training_fixture.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <torch/cuda.h>
 
 #include <cstring>
@@ -59,6 +62,47 @@ TEST_F(CudaTest, ModelForwardBackwardMatchesTheCpu) {
     for (const auto& item : gpu->named_parameters()) {
       const at::Tensor& expected = cpu_params[item.key()].grad();
       EXPECT_LE(relative_error(item.value().grad().cpu(), expected), 1e-4) << preset << " gradient of " << item.key();
+    }
+  }
+}
+
+// Note [Chunked loss] on a GPU: a vocabulary of 259 entries is padded to 320
+// rows of W there, not on the CPU; the loss and both gradients agree in fp32,
+// with and without a soft-cap, gradients made in the forward or the backward,
+// over uneven chunks; under bf16 autocast they stay near fp32's.
+TEST_F(CudaTest, ChunkedLossWithAPaddedVocabularyMatchesTheCpu) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor h0 = at::randn({2, 45, 32}, g, at::kFloat), w0 = at::randn({259, 32}, g, at::kFloat) * 0.5;
+  at::Tensor targets = at::randint(0, 259, {2, 45}, g, at::kLong);
+  targets.narrow(1, 0, 3).fill_(model::kIgnoredTarget);
+  const at::Device gpu(at::kCUDA, 0);
+  for (model::LossGradients when : {model::LossGradients::kInForward, model::LossGradients::kInBackward}) {
+    for (double cap : {0.0, 8.0}) {
+      SCOPED_TRACE("cap " + std::to_string(cap) + (when == model::LossGradients::kInForward ? ", in the forward" : ""));
+      auto run = [&](const at::Device& device, bool bf16, at::Tensor& dh, at::Tensor& dw) {
+        const at::Tensor h = h0.to(device).requires_grad_(true), w = w0.to(device).requires_grad_(true);
+        at::Tensor loss;
+        {
+          at::autocast::set_autocast_enabled(at::kCUDA, bf16);
+          at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+          loss = model::chunked_cross_entropy(h, w, targets.to(device), cap, 17, {}, when);
+          at::autocast::set_autocast_enabled(at::kCUDA, false);
+        }
+        loss.backward();
+        dh = h.grad().cpu();
+        dw = w.grad().cpu();
+        return loss.item<double>();
+      };
+      at::Tensor dh_cpu, dw_cpu, dh_gpu, dw_gpu, dh_bf16, dw_bf16;
+      const double want = run(at::Device(at::kCPU), false, dh_cpu, dw_cpu);
+      const double got = run(gpu, false, dh_gpu, dw_gpu), bf16 = run(gpu, true, dh_bf16, dw_bf16);
+      EXPECT_NEAR(got, want, 1e-5 * want);
+      EXPECT_LE(relative_error(dh_gpu, dh_cpu), 1e-4);
+      EXPECT_LE(relative_error(dw_gpu, dw_cpu), 1e-4);
+      EXPECT_EQ(dw_gpu.sizes(), w0.sizes()) << "W's gradient without the padded rows";
+      EXPECT_NEAR(bf16, want, 0.02 * want);
+      EXPECT_LE(relative_error(dw_bf16, dw_cpu), 0.05);
+      EXPECT_GT(std::abs(bf16 - got), 0.0) << "autocast was not on";
     }
   }
 }
