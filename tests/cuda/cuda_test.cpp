@@ -80,7 +80,8 @@ TEST_F(CudaTest, ChunkedLossWithAPaddedVocabularyMatchesTheCpu) {
     for (double cap : {0.0, 8.0}) {
       SCOPED_TRACE("cap " + std::to_string(cap) + (when == model::LossGradients::kInForward ? ", in the forward" : ""));
       auto run = [&](const at::Device& device, bool bf16, at::Tensor& dh, at::Tensor& dw) {
-        const at::Tensor h = h0.to(device).requires_grad_(true), w = w0.to(device).requires_grad_(true);
+        // Leaves of their own on each device (h0.to(kCPU) would be h0 itself).
+        const at::Tensor h = h0.to(device).detach().requires_grad_(true), w = w0.to(device).detach().requires_grad_(true);
         at::Tensor loss;
         {
           at::autocast::set_autocast_enabled(at::kCUDA, bf16);
