@@ -63,7 +63,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count())))
     ours_dir, theirs_dir = os.path.join(args.out, "meshtrain"), os.path.join(args.out, "pytorch")
     context = [f"--model.context={args.context}"] if args.context else []
-    if args.device == "cuda":  # the GPU benchmark's random tokens: nothing to tokenize, nothing to download
+    if args.preset.startswith(("gpt2", "llama3")):  # the GPU benchmark's random tokens: nothing to download
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from gpu_train_vs_pytorch import write_tokens
         vocab = 128256 if args.preset.startswith("llama3") else 50257
@@ -95,6 +95,9 @@ def main():
             print(f"  {op['name'][:62]:62} {op['calls_per_step']:>6.0f} calls {op['self_ms_per_step']:>9.1f} ms")
     if args.device == "cuda":
         for side, directory in (("meshtrain", ours_dir), ("pytorch", theirs_dir)):
+            if not os.path.exists(os.path.join(directory, "kernels.json")):
+                print(f"\n{side}: the profiler recorded no GPU activity (no {directory}/kernels.json)")
+                continue
             with open(os.path.join(directory, "kernels.json")) as f:
                 kernels = json.load(f)
             print(f"\n{side}: {sum(k['self_ms_per_step'] for k in kernels):.1f} ms of GPU work per step, "

@@ -4,6 +4,7 @@
 #include "meshtrain/apps/plan_auto.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/interop/hf_checkpoint.h"
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/machines.h"
 #include "meshtrain/plan/search.h"
@@ -376,6 +377,8 @@ int run_plan(const PlanOptions& o) {
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
   std::string said;
   const plan::Machine machine = machine_of(o, said);
+  // The loss's chunk as on the devices planned for (a config file's follows its run.device).
+  if (!source) workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(machine.cores_per_node == 0));
 
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);

@@ -15,7 +15,7 @@ namespace meshtrain::model {
 // z is tokens × vocabulary, in fp32 for the log-softmax: at Llama 3's 128,256
 // entries and 8K tokens 4 GB, and its gradient as much again — the largest
 // tensors of a small model's step. Here the rows go through in chunks of at
-// most kChunkBytes of fp32 logits: each chunk's logits are made (in the
+// most loss_chunk_bytes of fp32 logits: each chunk's logits are made (in the
 // autocast dtype where autocast is on, as the head's linear would), reduced
 // to a log-sum-exp and the target's logit, and, when a gradient will be
 // asked, turned at once into the chunk's gradient dz = softmax − onehot

@@ -1,6 +1,7 @@
 #include "meshtrain/train/op_profile.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/cuda.h>
 
 #include <nlohmann/json.hpp>
 
@@ -14,7 +15,7 @@ namespace meshtrain::train {
 namespace profiler = torch::autograd::profiler;
 namespace impl = torch::profiler::impl;
 
-OpProfile::OpProfile(bool cuda) {
+OpProfile::OpProfile(bool cuda) : cuda_(cuda) {
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/false,
                                     /*profile_memory=*/false, /*with_stack=*/false, /*with_flops=*/false,
                                     /*with_modules=*/false);
@@ -94,6 +95,7 @@ double total_seconds(const std::vector<OpTime>& ops) {
 
 std::vector<OpTime> OpProfile::stop(const std::string& trace_path) {
   running_ = false;
+  if (cuda_) torch::cuda::synchronize();  // the last step's kernels finish inside the profile
   std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
   if (!trace_path.empty()) result->save(trace_path);
   kernels_ = device_times(result->events());

@@ -33,6 +33,7 @@ class OpProfile {
   const std::vector<OpTime>& kernels() const { return kernels_; }
 
  private:
+  bool cuda_ = false;
   bool running_ = false;
   std::vector<OpTime> kernels_;
 };

@@ -102,6 +102,7 @@ TEST_F(CudaTest, ChunkedLossWithAPaddedVocabularyMatchesTheCpu) {
       EXPECT_LE(relative_error(dw_gpu, dw_cpu), 1e-4);
       EXPECT_EQ(dw_gpu.sizes(), w0.sizes()) << "W's gradient without the padded rows";
       EXPECT_NEAR(bf16, want, 0.02 * want);
+      EXPECT_LE(relative_error(dh_bf16, dh_cpu), 0.05);
       EXPECT_LE(relative_error(dw_bf16, dw_cpu), 0.05);
       EXPECT_GT(std::abs(bf16 - got), 0.0) << "autocast was not on";
     }

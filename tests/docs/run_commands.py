@@ -22,6 +22,7 @@ exits 1 naming the first that failed, with its output's last lines (with
 import json
 import os
 import pathlib
+import random
 import re
 import shlex
 import shutil
@@ -94,7 +95,23 @@ def page_blocks(path):
 
 
 def free_port():
-    with socket.socket() as s:
+    """A free port below the kernel's ephemeral range: one from bind(0) lies inside it, and while the page's
+    commands run (minutes) the kernel may hand it to another test's outgoing connection."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, first))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return str(port)
+    with socket.socket() as s:  # every draw taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
 
