@@ -377,8 +377,13 @@ int run_plan(const PlanOptions& o) {
   if (workload.global_batch == 0) workload.global_batch = plan::default_global_batch(model, o.world);
   std::string said;
   const plan::Machine machine = machine_of(o, said);
-  // The loss's chunk as on the devices planned for (a config file's follows its run.device).
-  if (!source) workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(machine.cores_per_node == 0));
+  // The loss's chunk and the operators as on the devices planned for (a config file's follow its run.device).
+  if (!source) {
+    const bool gpu = machine.cores_per_node == 0;
+    workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
+    workload.fused_ops = model.fused && !gpu;
+    workload.norm_kernels = workload.fused_ops || gpu;
+  }
 
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);

@@ -9,12 +9,13 @@ namespace meshtrain::plan {
 
 namespace {
 
-// What a norm saves beyond its input: LayerNorm (ATen's, or the fused add +
-// norm) and the fused RMSNorm their fp32 mean and reciprocal deviation per
-// token; the reference RMSNorm, composed of elementwise operations, the
-// reciprocal RMS and the normalised input (which the scale's multiply keeps).
-double norm_saved(const model::GptConfig& model, const Sizes& z, double activation_bytes) {
-  return model.rms_norm() && !model.fused ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
+// What a norm saves beyond its input: a norm kernel (LayerNorm, the fused add
+// + norm, ATen's rms_norm on a GPU: Workload::norm_kernels) its fp32
+// statistics per token; the CPU's reference RMSNorm, composed of elementwise
+// operations, the reciprocal RMS and the normalised input (which the scale's
+// multiply keeps).
+double norm_saved(const model::GptConfig& model, const Sizes& z, double activation_bytes, bool kernels) {
+  return model.rms_norm() && !kernels ? 4 * z.tokens + activation_bytes * z.u : 2 * 4 * z.tokens;
 }
 
 // What QK-norm (Qwen3's per head, OLMo 2's over the width) saves of q and k.
@@ -51,7 +52,7 @@ double qk_norm_saved(const model::GptConfig& model, const Sizes& z, double e, bo
 // pipeline's last stage), it keeps the head's input and a log-sum-exp per
 // row instead, and its backward holds dh, dW and a chunk.
 OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, double chunk_bytes,
-                                 bool in_backward) {
+                                 bool norm_kernels, bool in_backward) {
   const double e = p.activation, share = z.split(static_cast<double>(model.vocab_size));
   const double width = static_cast<double>(model.width), weight = 4 * share * width;
   const double rows = std::min(z.tokens, std::max(1.0, chunk_bytes / (4 * share)));
@@ -61,7 +62,7 @@ OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, 
   const double chunk = rows * share * (4 * (model.logit_softcap > 0 ? 2 : 1) + low_precision * (2 * e + 4)) +
                        4 * rows * width + low_precision * e * share * width;
   const double gathered = z.sp ? e * z.u : 0;
-  const double norm = p.residual * z.region(z.u) + z.region(norm_saved(model, z, p.residual));
+  const double norm = p.residual * z.region(z.u) + z.region(norm_saved(model, z, p.residual, norm_kernels));
   if (in_backward) return {norm + e * z.u + 4 * z.tokens, chunk + gathered, e * z.u + weight + chunk + 4 * z.u};
   return {norm + e * z.u + weight, chunk + gathered, 4 * z.u};
 }
@@ -69,11 +70,11 @@ OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, 
 }  // namespace
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, double chunk_bytes, bool in_backward) {
-  if (chunked_loss) return chunked_output_bytes(model, z, p, chunk_bytes, in_backward);
+                         bool chunked_loss, double chunk_bytes, bool norm_kernels, bool in_backward) {
+  if (chunked_loss) return chunked_output_bytes(model, z, p, chunk_bytes, norm_kernels, in_backward);
   const double e = p.activation;
   // The final norm's input, the head's input, and autocast's copy of the head the product keeps.
-  const double head_inputs = (p.residual + e) * z.region(z.u) + z.region(norm_saved(model, z, p.residual)) +
+  const double head_inputs = (p.residual + e) * z.region(z.u) + z.region(norm_saved(model, z, p.residual, norm_kernels)) +
                              p.weight_copy * z.split(static_cast<double>(model.vocab_size)) * static_cast<double>(model.width);
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
   if (fused_loss && z.t == 1) return {head_inputs + e * logits + 4 * z.tokens, 0, e * logits};
@@ -211,7 +212,7 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
   const double h = static_cast<double>(model.width), kv = static_cast<double>(model.kv_width());
   const double qw = static_cast<double>(model.q_width());  // width, unless the head size is set apart
   const double s = static_cast<double>(model.context), heads = static_cast<double>(model.heads);
-  double bytes = 2 * (r * z.region(z.u) + z.region(norm_saved(model, z, r)));  // both norms, on the residual stream
+  double bytes = 2 * (r * z.region(z.u) + z.region(norm_saved(model, z, r, o.norm_kernels)));  // both norms, on the residual stream
   bytes += e * z.region(z.u);                                // qkv projection's input
   bytes += e * z.split(z.u * qw / h);                        // attention output = output projection's input
   const double scores = heads * s * z.tokens;                // a·s²·b

@@ -36,7 +36,7 @@ struct OutputBytes {
   double kept, forward, backward;
 };
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, double chunk_bytes, bool in_backward);
+                         bool chunked_loss, double chunk_bytes, bool norm_kernels, bool in_backward);
 
 // Gradients alive inside one layer's backward (a MoE layer's with expert parallel degree `ep` and `load`).
 double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,

@@ -44,6 +44,8 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   run.workload.fused_loss = config.model.fused && !gpu && !config.parallel.annotated();
   run.workload.chunked_loss = config.model.chunked_loss && !config.parallel.annotated();
   run.workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
+  run.workload.fused_ops = config.model.fused && !gpu && !config.parallel.annotated();
+  run.workload.norm_kernels = run.workload.fused_ops || gpu;  // model/gpt.cpp NormImpl::forward
   if (gpu) run.workload.precision.mask = 1;
   return run;
 }

@@ -77,6 +77,15 @@ struct Workload {
   bool chunked_loss = true;
   // Its chunks' fp32 logits at most (model::loss_chunk_bytes: 256 MiB, 1 GiB on a GPU).
   double loss_chunk_bytes = 256.0 * (1 << 20);
+  // The fused CPU operators run (model.fused, on the CPU, on plain tensors).
+  // Elsewhere (a GPU, sharding annotations, model.fused off) the model takes
+  // ATen's operators: SwiGLU keeps four hidden-sized tensors, not three, and
+  // QK-norm is the plain norm. The planner reads its model's `fused` as this.
+  bool fused_ops = true;
+  // Norms through kernels that keep fp32 statistics beside their input (the
+  // fused CPU ones, ATen's layer_norm, ATen's rms_norm on a GPU); false: the
+  // CPU's RMSNorm of composed operators, which keeps the normalised input too.
+  bool norm_kernels = true;
   double dropout = 0;
   SelectivePolicy selective = SelectivePolicy::kCore;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one

@@ -159,13 +159,16 @@ struct StepActivations {
   OutputBytes out{};
 };
 
-StepActivations step_activations(const model::GptConfig& model, const Workload& w, const Layout& l, const Sizes& z,
+StepActivations step_activations(const model::GptConfig& model_config, const Workload& w, const Layout& l, const Sizes& z,
                                  bool loss_in_backward) {
+  model::GptConfig model = model_config;
+  model.fused = w.fused_ops;  // whether the fused CPU operators run, not whether the config asks for them
   const Precision& p = w.precision;
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
                             l.activation_checkpoint, w.attention, w.dropout, p, rank_moe_load(model, w, l.dims.ep)};
   StepActivations a;
   options.selective = w.selective;
+  options.norm_kernels = w.norm_kernels;
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
   a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = moe_kept + lora_activation_bytes(model, w.lora, options, true);
@@ -176,7 +179,7 @@ StepActivations step_activations(const model::GptConfig& model, const Workload& 
   if (op_level_recompute(l, w)) {
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, loss_in_backward);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, w.norm_kernels, loss_in_backward);
   a.boundary = p.residual * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }

@@ -83,6 +83,7 @@ struct ActivationOptions {
   Precision precision = Precision::parse("bf16-mixed");
   double moe_load = 0;  // Workload::moe_load
   SelectivePolicy selective = SelectivePolicy::kCore;  // with recompute = kSelective
+  bool norm_kernels = true;                            // Workload::norm_kernels
 };
 
 // Note [Op-level recompute]

@@ -167,6 +167,10 @@ TEST_F(PlanMemory, PredictedPeakWithinTenPercentOfMeasured) {
   if (n % 2 == 0) llama_layouts.push_back({"parallel.pp=2", "parallel.pp_schedule=1f1b"});
   if (n == 2) llama_layouts.push_back({"parallel.tp=2", "parallel.sequence_parallel=true"});
   if (n == 2) llama_layouts.push_back({"parallel.cp=2"});
+  // The operators a GPU runs (model.fused off: ATen's, SwiGLU's four hidden
+  // tensors, the composed RMSNorm), in fp32 and under autocast.
+  llama_layouts.push_back({"model.fused=false"});
+  if (n == 2) llama_layouts.push_back({"model.fused=false", bf16});
   // Qwen3's QK-norm per head, in fp32 and under autocast.
   llama_layouts.push_back({"model.qk_norm=head"});
   if (n == 2) llama_layouts.push_back({"model.qk_norm=head", bf16});

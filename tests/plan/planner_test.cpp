@@ -3,6 +3,7 @@
 // published Llama counts), model states (Rajbhandari et al. 2020), activations
 // (Korthikanti et al. 2022, Eq. 1-6), training FLOPs (Narayanan et al., Eq. 3),
 // pipeline stashes; layouts, the search and the machine profile.
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
@@ -210,6 +211,43 @@ TEST(PlanPublished, TorchtitanLlama31EightBWithinTenPercent) {
     EXPECT_LT(planned, published) << devices;
     EXPECT_GT(planned, 0.9 * published) << devices;
   }
+}
+
+// The fused CPU operators run only on the CPU: a config for a GPU is planned
+// with ATen's (SwiGLU's fourth hidden tensor), norms through kernels, and the
+// GPU's loss chunk; model.fused off on the CPU plans the composed RMSNorm too.
+TEST(PlanFromConfig, CountsTheOperatorsTheDeviceRuns) {
+  train::TrainConfig c;
+  c.model = model::GptConfig::preset("llama3.2-1b");
+  c.model.context = 2048;
+  c.batch = c.micro_batch = 8;
+  c.device = "cuda";
+  const Workload gpu = planned_model(c).workload;
+  EXPECT_FALSE(gpu.fused_ops);
+  EXPECT_TRUE(gpu.norm_kernels);
+  EXPECT_EQ(gpu.loss_chunk_bytes, static_cast<double>(model::kGpuChunkBytes));
+  c.device = "cpu";
+  const Workload cpu = planned_model(c).workload;
+  EXPECT_TRUE(cpu.fused_ops);
+  EXPECT_TRUE(cpu.norm_kernels);
+  EXPECT_EQ(cpu.loss_chunk_bytes, static_cast<double>(model::kChunkBytes));
+  c.model.fused = false;
+  const Workload composed = planned_model(c).workload;
+  EXPECT_FALSE(composed.fused_ops);
+  EXPECT_FALSE(composed.norm_kernels);
+  // ATen's SwiGLU keeps one hidden-sized tensor more than the fused one.
+  model::GptConfig fused = c.model, aten = c.model;
+  fused.fused = true;
+  ActivationOptions o;
+  o.micro_batch = 8;
+  const double tokens = 8.0 * 2048, e = o.precision.activation;
+  EXPECT_NEAR(layer_activation_bytes(aten, o) - layer_activation_bytes(fused, o),
+              e * tokens * static_cast<double>(c.model.mlp_hidden()), 1.0);
+  // The composed RMSNorm keeps the normalised input of both norms besides.
+  const double with_kernels = layer_activation_bytes(aten, o);
+  o.norm_kernels = false;
+  const double composed_norms = layer_activation_bytes(aten, o) - with_kernels;
+  EXPECT_NEAR(composed_norms, 2 * (o.precision.residual * tokens * c.model.width - 4 * tokens), 1.0);
 }
 
 TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
