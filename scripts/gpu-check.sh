@@ -8,8 +8,8 @@
 #
 #   bash scripts/gpu-check.sh OUT_DIR [STAGES]
 #
-# STAGES: a comma-separated subset of facts,build,test,train,bench (default:
-# all of them). Each stage runs even when an earlier one failed (a failed build
+# STAGES: a comma-separated subset of facts,build,test,train,bench,profile
+# (default: all of them; profile: gpt2-124m's kernels beside PyTorch's). Each stage runs even when an earlier one failed (a failed build
 # ends the run); the exit status is non-zero when any failed. Environment:
 #   MESHTRAIN_BUNDLE  the bundle folder (default: .gpu-bundle)
 #   BUILD_DIR         (default: build-gpu)
@@ -17,8 +17,8 @@
 #                     gpt2-124m gpt2-350m llama3.2-1b:8x2048)
 set -uo pipefail
 root_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${1:?usage: gpu-check.sh OUT_DIR [facts,build,test,train,bench]}
-stages=",${2:-facts,build,test,train,bench},"
+out=${1:?usage: gpu-check.sh OUT_DIR [facts,build,test,train,bench,profile]}
+stages=",${2:-facts,build,test,train,bench,profile},"
 bundle=${MESHTRAIN_BUNDLE:-"$root_dir/.gpu-bundle"}
 build_dir=${BUILD_DIR:-"$root_dir/build-gpu"}
 python=${MESHTRAIN_PYTHON:-python3}
@@ -100,6 +100,16 @@ if stage bench; then
     --presets ${BENCH_PRESETS-gpt2-124m gpt2-350m llama3.2-1b:8x2048} --markdown "$out/bench.md" > "$out/bench.log" 2>&1 || failed+=(bench)
   tail -12 "$out/bench.log"
   say "benchmarks in $(elapsed $start)"
+fi
+
+if stage profile; then
+  start=$SECONDS
+  # Where a step's GPU time goes: each side's kernels by time on the device (docs/gpus.md).
+  "$python" "$root_dir/bench/profile_vs_pytorch.py" --device cuda --preset gpt2-124m --batch 16 --micro-batch 16 \
+    --meshtrain "$build_dir/bin/meshtrain" --out "$out/profile-run" --top 15 > "$out/profile.txt" 2>&1 || failed+=(profile)
+  rm -rf "$out/profile-run"
+  tail -40 "$out/profile.txt"
+  say "profile in $(elapsed $start)"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
