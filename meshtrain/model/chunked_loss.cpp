@@ -39,11 +39,12 @@ TargetColumns target_columns(const at::Tensor& targets, int64_t start, int64_t v
           counted.unsqueeze(1).to(at::kFloat)};
 }
 
-// The head's weight in the dtype products take, on a GPU with zero rows up to
-// a multiple of 64 (Note [Chunked loss]).
-at::Tensor head_weight(const at::Tensor& weight, at::ScalarType compute) {
-  const int64_t v = weight.size(0), padded = (v + 63) / 64 * 64;
-  if (!weight.is_cuda() || padded == v) return weight.to(compute).contiguous();
+// The head's weight in the dtype products take, with zero rows up to a
+// multiple of `pad` (0: kGpuPadRows on a GPU, none on the CPU; Note [Chunked loss]).
+at::Tensor head_weight(const at::Tensor& weight, at::ScalarType compute, int64_t pad) {
+  const int64_t multiple = pad > 0 ? pad : weight.is_cuda() ? kGpuPadRows : 1;
+  const int64_t v = weight.size(0), padded = (v + multiple - 1) / multiple * multiple;
+  if (padded == v) return weight.to(compute).contiguous();
   return at::constant_pad_nd(weight.to(compute), {0, 0, 0, padded - v});
 }
 
@@ -95,12 +96,12 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   // head) made `when` asked (Note [Chunked loss]).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, double softcap, int64_t chunk_rows, const VocabShard& shard,
-                            LossGradients when, bool hidden_grad, bool weight_grad) {
+                            LossGradients when, int64_t pad, bool hidden_grad, bool weight_grad) {
     const bool gradients = hidden_grad || weight_grad, now = gradients && when == LossGradients::kInForward;
     RECORD_FUNCTION("meshtrain::chunked_cross_entropy", std::vector<c10::IValue>());
     const at::ScalarType compute = compute_dtype(hidden);
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor h = hidden.to(compute).contiguous(), w = head_weight(weight, compute);
+    const at::Tensor h = hidden.to(compute).contiguous(), w = head_weight(weight, compute, pad);
     const int64_t n = h.size(0), v = weight.size(0);
     const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, loss_chunk_bytes(h.is_cuda()) / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
@@ -140,6 +141,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       ctx->save_for_backward({h, weight, targets, lse});
       saved["softcap"] = softcap;
       saved["rows"] = rows;
+      saved["pad"] = pad;
       saved["start"] = shard.start;
       saved["hidden_grad"] = hidden_grad;
       saved["weight_grad"] = weight_grad;
@@ -156,7 +158,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const variable_list in = ctx->get_saved_variables();
     const at::Tensor& h = in[0];
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor w = head_weight(in[1], h.scalar_type());
+    const at::Tensor w = head_weight(in[1], h.scalar_type(), saved["pad"].toInt());
     const double softcap = saved["softcap"].toDouble();
     const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
@@ -195,7 +197,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       return in_backward ? d : d.mul_(g);
     };
     return {handed_on("dh", "hidden_type"), handed_on("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -230,13 +232,14 @@ at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight) 
 }
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                 double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when) {
+                                 double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when,
+                                 int64_t pad_rows_to) {
   const bool grad_mode = torch::GradMode::is_enabled();
   const at::Tensor flat = hidden.reshape({-1, hidden.size(-1)});
   TORCH_CHECK(targets.numel() == flat.size(0), "chunked_cross_entropy: ", targets.numel(), " targets for ", flat.size(0),
               " rows of the head's input");
   return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard, when,
-                                    grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad());
+                                    pad_rows_to, grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad());
 }
 
 }  // namespace meshtrain::model

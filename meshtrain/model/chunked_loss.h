@@ -78,9 +78,13 @@ enum class LossGradients { kInForward, kInBackward };
 // soft-capped by `softcap` > 0; `chunk_rows` > 0 sets the rows per chunk
 // (0: as many as loss_chunk_bytes of this rank's logits hold). Differentiable in
 // hidden and weight. `shard`: the weight's share of the vocabulary.
+// `pad_rows_to` > 0 pads W's rows to a multiple of it wherever the loss runs
+// (0: as the device asks, kGpuPadRows on a GPU, none on the CPU; the CPU's
+// tests take the GPU's padded path with it).
+constexpr int64_t kGpuPadRows = 64;
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},
-                                 LossGradients when = LossGradients::kInForward);
+                                 LossGradients when = LossGradients::kInForward, int64_t pad_rows_to = 0);
 
 // Note [Tied head's gradient]
 // The whole logits z = y·Wᵀ of a head tied to the embedding. Through ATen's

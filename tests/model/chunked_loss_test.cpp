@@ -36,6 +36,36 @@ double relative(const at::Tensor& a, const at::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
 }
 
+// The GPU's padded path (Note [Chunked loss]), taken on the CPU: W's 50 rows
+// padded to 64, the loss and gradients those of the unpadded logits, in fp32
+// and under bf16 autocast, gradients made in the forward or the backward.
+TEST(ChunkedLoss, APaddedVocabularyEqualsTheLogits) {
+  at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(4), at::kLong);
+  targets.narrow(1, 0, 5).fill_(kIgnoredTarget);
+  for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
+    for (double cap : {0.0, 5.0}) {
+      for (bool bf16 : {false, true}) {
+        SCOPED_TRACE("cap " + std::to_string(cap) + (bf16 ? ", bf16" : "") +
+                     (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
+        const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
+        const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
+        const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+        at::autocast::set_autocast_enabled(at::kCPU, bf16);
+        at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, 7, {}, when, /*pad_rows_to=*/64);
+        const at::Tensor want = chunked_cross_entropy(hr, wr, targets, cap, 7, {}, when);  // unpadded on the CPU
+        at::autocast::set_autocast_enabled(at::kCPU, false);
+        EXPECT_LT(relative(ours, want), bf16 ? 1e-2 : 1e-6);  // 16-bit products of other shapes round apart
+        ours.backward();
+        want.backward();
+        EXPECT_LT(relative(h.grad(), hr.grad()), bf16 ? 1e-2 : 1e-5);
+        EXPECT_LT(relative(w.grad(), wr.grad()), bf16 ? 1e-2 : 1e-5);
+        EXPECT_EQ(w.grad().sizes(), w.sizes()) << "W's gradient without the padded rows";
+      }
+    }
+  }
+}
+
 TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
   targets.narrow(1, 0, 5).fill_(kIgnoredTarget);  // masked targets count toward nothing
