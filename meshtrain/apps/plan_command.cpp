@@ -4,7 +4,6 @@
 #include "meshtrain/apps/plan_auto.h"
 #include "meshtrain/comm/agree.h"
 #include "meshtrain/interop/hf_checkpoint.h"
-#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/machines.h"
 #include "meshtrain/plan/search.h"
@@ -378,12 +377,7 @@ int run_plan(const PlanOptions& o) {
   std::string said;
   const plan::Machine machine = machine_of(o, said);
   // The loss's chunk and the operators as on the devices planned for (a config file's follow its run.device).
-  if (!source) {
-    const bool gpu = machine.cores_per_node == 0;
-    workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
-    workload.fused_ops = model.fused && !gpu;
-    workload.norm_kernels = workload.fused_ops || gpu;
-  }
+  if (!source) plan::set_device_operators(workload, model.fused, machine.cores_per_node == 0, false);
 
   if (!o.layout.empty()) {
     plan::Layout layout = configured ? configured->layout : plan::Layout::parse(o.layout);

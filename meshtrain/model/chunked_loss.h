@@ -59,6 +59,7 @@ namespace meshtrain::model {
 // padded rows of dW are dropped.
 constexpr int64_t kChunkBytes = int64_t{256} << 20;
 constexpr int64_t kGpuChunkBytes = int64_t{1} << 30;
+constexpr int64_t kGpuPadRows = 64;
 inline int64_t loss_chunk_bytes(bool gpu) { return gpu ? kGpuChunkBytes : kChunkBytes; }
 
 // The weight's share of the vocabulary: its rows are entries [start,
@@ -81,7 +82,6 @@ enum class LossGradients { kInForward, kInBackward };
 // `pad_rows_to` > 0 pads W's rows to a multiple of it wherever the loss runs
 // (0: as the device asks, kGpuPadRows on a GPU, none on the CPU; the CPU's
 // tests take the GPU's padded path with it).
-constexpr int64_t kGpuPadRows = 64;
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},
                                  LossGradients when = LossGradients::kInForward, int64_t pad_rows_to = 0);

@@ -16,6 +16,12 @@ model::GptConfig preset_model(const std::string& name) {
   throw std::invalid_argument("unknown model '" + name + "': give a meshtrain config file (.toml) or a preset: " + names);
 }
 
+void set_device_operators(Workload& workload, bool model_fused, bool gpu, bool annotated) {
+  workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
+  workload.fused_ops = model_fused && !gpu && !annotated;
+  workload.norm_kernels = workload.fused_ops || gpu;  // model/gpt.cpp NormImpl::forward
+}
+
 PlannedRun planned_model(const train::TrainConfig& config) {
   PlannedRun run;
   run.name = config.preset;
@@ -41,11 +47,9 @@ PlannedRun planned_model(const train::TrainConfig& config) {
                                                                config.model.head_dim(), config.model.dropout);
   const bool math = (config.model.dropout > 0 && !gpu) || (capped && !batched);
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
-  run.workload.fused_loss = config.model.fused && !gpu && !config.parallel.annotated();
+  set_device_operators(run.workload, config.model.fused, gpu, config.parallel.annotated());
+  run.workload.fused_loss = run.workload.fused_ops;
   run.workload.chunked_loss = config.model.chunked_loss && !config.parallel.annotated();
-  run.workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
-  run.workload.fused_ops = config.model.fused && !gpu && !config.parallel.annotated();
-  run.workload.norm_kernels = run.workload.fused_ops || gpu;  // model/gpt.cpp NormImpl::forward
   if (gpu) run.workload.precision.mask = 1;
   return run;
 }

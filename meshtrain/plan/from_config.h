@@ -21,6 +21,11 @@ struct PlannedRun {
 // std::invalid_argument("unknown model 'NAME': give a meshtrain config file (.toml) or a preset: ...").
 model::GptConfig preset_model(const std::string& name);
 
+// What runs where the model trains: the loss's chunk, whether the fused CPU
+// operators run (model.fused, on the CPU, on plain tensors) and whether the
+// norms are kernels (Workload::loss_chunk_bytes, fused_ops, norm_kernels).
+void set_device_operators(Workload& workload, bool model_fused, bool gpu, bool annotated);
+
 // The model and workload of `config` (layout left at its defaults); any config.
 PlannedRun planned_model(const train::TrainConfig& config);
 // ... and its layout: `config` validated (derived dp, fsdp and grad_accum filled in).
