@@ -55,11 +55,6 @@ QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config) {
   return {q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)};
 }
 
-at::Tensor repeat_kv(const at::Tensor& x, int64_t times) {
-  if (times == 1) return x;
-  return x.repeat_interleave(times, /*dim=*/1);
-}
-
 NormImpl::NormImpl(NormStyle kind, int64_t width, bool bias, double eps, bool fused, bool plus_one)
     : rms_(kind == NormStyle::kRmsNorm), fused_(fused), plus_one_(plus_one), eps_(eps) {
   weight_ = register_parameter("weight", plus_one ? torch::zeros({width}) : torch::ones({width}));

@@ -96,8 +96,6 @@ at::Tensor apply_rope_at(const at::Tensor& x, const at::Tensor& cos, const at::T
 
 // q, k and v of the fused qkv projection's outputs [B, T, n] (Note [Grouped-query layout] in qkv_layout.h), as heads.
 QkvHeads split_qkv(const at::Tensor& qkv_out, const GptConfig& config);
-// Keys or values [B, Hkv, T, hd] repeated for the query heads sharing them: [B, Hq, T, hd].
-at::Tensor repeat_kv(const at::Tensor& x, int64_t times);
 
 // The hooks of one model, shared by all its modules.
 class HookChain {

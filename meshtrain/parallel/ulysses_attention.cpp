@@ -120,8 +120,7 @@ at::Tensor explicit_attention(const Gathered& g, const model::AttentionSpec& rul
 // (model::variant_attention: ATen's causal flash kernel, or a mask for a window
 // or documents), which keeps no T x T softmax (a window's or the documents' mask is T x T,
 // kept by the kernel as floats for backward); then back in rank order.
-at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const model::AttentionSpec& rule,
-                             int64_t group) {
+at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const model::AttentionSpec& rule) {
   const at::Tensor back = at::argsort(order);
   const at::Tensor q = g.q.index_select(2, order), k = g.k.index_select(2, order), v = g.v.index_select(2, order);
   const at::Tensor same = same_document(g.documents.defined() ? g.documents.index_select(1, order) : at::Tensor());
@@ -129,8 +128,9 @@ at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const m
   if (rule.causal) {
     out = model::variant_attention(q, k, v, rule, /*training=*/false, same);
   } else {
-    out = at::scaled_dot_product_attention(q, k, v, same.defined() ? std::optional<at::Tensor>(same) : std::nullopt,
-                                           0.0, false, rule.scale, /*enable_gqa=*/group > 1);
+    const model::SdpaKeys kv = model::sdpa_keys(q, k, v);
+    out = at::scaled_dot_product_attention(q, kv.k, kv.v, same.defined() ? std::optional<at::Tensor>(same) : std::nullopt,
+                                           0.0, false, rule.scale, kv.enable_gqa);
   }
   return out.index_select(2, back);
 }
@@ -147,7 +147,7 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   const at::Tensor order = at::argsort(g.positions);
   const at::Tensor sorted = g.positions.index_select(0, order);
   const bool run = sorted.size(0) < 2 || sorted.diff().eq(1).all().item<bool>();  // p..p + T − 1, once each
-  const at::Tensor out = run ? ordered_attention(g, order, rule, group) : explicit_attention(g, rule, group);
+  const at::Tensor out = run ? ordered_attention(g, order, rule) : explicit_attention(g, rule, group);
   return Regroup::apply(out.contiguous(), comm, false).to(q.scalar_type());
 }
 

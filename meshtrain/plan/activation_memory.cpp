@@ -232,6 +232,7 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
       bytes += context_parallel_core(model, z, o);
     } else if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
+      if (o.repeated_kv) bytes += e * z.split(z.u * 2 * (qw - kv) / h);  // k and v repeated per query head
     } else {
       bytes += z.split(scores) * (e + (o.dropout > 0 ? mask + e : 0));  // softmax (+ dropout mask and output)
     }

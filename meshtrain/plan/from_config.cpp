@@ -17,6 +17,7 @@ model::GptConfig preset_model(const std::string& name) {
 }
 
 void set_device_operators(Workload& workload, bool model_fused, bool gpu, bool annotated) {
+  workload.gpu = gpu;
   workload.loss_chunk_bytes = static_cast<double>(model::loss_chunk_bytes(gpu));
   workload.fused_ops = model_fused && !gpu && !annotated;
   workload.norm_kernels = workload.fused_ops || gpu;  // model/gpt.cpp NormImpl::forward

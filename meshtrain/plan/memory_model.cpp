@@ -1,5 +1,6 @@
 #include "meshtrain/plan/memory_model.h"
 
+#include "meshtrain/model/attention.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
 #include "meshtrain/parallel/pipeline/stages.h"
 #include "meshtrain/plan/activation_memory.h"
@@ -169,6 +170,7 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   StepActivations a;
   options.selective = w.selective;
   options.norm_kernels = w.norm_kernels;
+  options.repeated_kv = !model::sdpa_takes_groups(w.gpu ? at::kCUDA : at::kCPU, p.bf16() ? at::kBFloat16 : at::kFloat);
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
   a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = moe_kept + lora_activation_bytes(model, w.lora, options, true);

@@ -84,6 +84,7 @@ struct ActivationOptions {
   double moe_load = 0;  // Workload::moe_load
   SelectivePolicy selective = SelectivePolicy::kCore;  // with recompute = kSelective
   bool norm_kernels = true;                            // Workload::norm_kernels
+  bool repeated_kv = false;  // "flash" keeps k and v repeated per query head (model::sdpa_takes_groups false)
 };
 
 // Note [Op-level recompute]

@@ -344,6 +344,46 @@ TEST(FusedOps, GroupedQueryAttentionMatchesTheRepeatedReference) {
                c10::Error);
 }
 
+// Note [Grouped queries in SDPA]: ATen's attention takes k and v of their own
+// heads where its kernel does (the CPU, 16-bit on CUDA), and they are not
+// copied; fp32 on CUDA gets them repeated. The model's plain path (model.fused
+// off) and its masked path equal ATen's attention on k and v repeated.
+TEST(FusedOps, PlainAttentionTakesGroupedKeysAsTheyAre) {
+  EXPECT_TRUE(sdpa_takes_groups(at::kCPU, at::kFloat));
+  EXPECT_TRUE(sdpa_takes_groups(at::kCUDA, at::kBFloat16));
+  EXPECT_TRUE(sdpa_takes_groups(at::kCUDA, at::kHalf));
+  EXPECT_FALSE(sdpa_takes_groups(at::kCUDA, at::kFloat));
+  const std::vector<at::Tensor> in = {randn({2, 6, 40, 16}, 50, 2.0), randn({2, 2, 40, 16}, 51, 2.0),
+                                      randn({2, 2, 40, 16}, 52)};
+  const SdpaKeys kept = sdpa_keys(in[0], in[1], in[2]);
+  EXPECT_TRUE(kept.enable_gqa);
+  EXPECT_TRUE(kept.k.is_same(in[1]) && kept.v.is_same(in[2]));
+  EXPECT_FALSE(sdpa_keys(in[0], in[1].repeat_interleave(3, 1), in[2].repeat_interleave(3, 1)).enable_gqa);
+  const Op reference = [](auto& x) {
+    return at::scaled_dot_product_attention(x[0], x[1].repeat_interleave(3, 1), x[2].repeat_interleave(3, 1), {}, 0.0,
+                                            true);
+  };
+  const Op plain = [](auto& x) {
+    LocalAttention attention(/*fused=*/false);
+    return attention.forward({x[0], x[1], x[2]}, AttentionSpec(), Batch(), /*training=*/true);
+  };
+  const Op masked_reference = [](auto& x) {
+    const at::Tensor mask = at::ones({40, 40}, at::kBool).tril();
+    return at::scaled_dot_product_attention(x[0], x[1].repeat_interleave(3, 1), x[2].repeat_interleave(3, 1), mask,
+                                            0.0, false);
+  };
+  const Op windowed = [](auto& x) {
+    AttentionSpec spec;
+    spec.window = 40;  // covers the sequence: the causal mask through the masked path
+    return variant_attention(x[0], x[1], x[2], spec, /*training=*/false);
+  };
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const double tolerance = dtype == at::kFloat ? kFp32 : kBf16;
+    expect_same(plain, reference, in, dtype, tolerance, "the plain path");
+    expect_same(windowed, masked_reference, in, dtype, tolerance, "the masked path");
+  }
+}
+
 // Rows of documents side by side (Batch::documents) through the batched
 // path, against ATen's attention with the block-diagonal mask: forward and
 // every gradient, grouped queries, both causal split parities, a window and a

@@ -248,6 +248,29 @@ TEST(PlanFromConfig, CountsTheOperatorsTheDeviceRuns) {
   o.norm_kernels = false;
   const double composed_norms = layer_activation_bytes(aten, o) - with_kernels;
   EXPECT_NEAR(composed_norms, 2 * (o.precision.residual * tokens * c.model.width - 4 * tokens), 1.0);
+  // fp32 on a GPU: SDPA keeps k and v repeated per query head (Note [Grouped queries in SDPA]);
+  // 16-bit products and the CPU take them as they are.
+  EXPECT_TRUE(gpu.gpu);
+  EXPECT_FALSE(cpu.gpu);
+  o.norm_kernels = true;
+  o.repeated_kv = true;
+  const double repeated = layer_activation_bytes(aten, o) - with_kernels;
+  EXPECT_NEAR(repeated, e * tokens * 2 * static_cast<double>(c.model.q_width() - c.model.kv_width()), 1.0);
+  Layout l;
+  l.micro_batch = 8;
+  Workload fp32 = gpu;
+  fp32.precision = Precision::parse("fp32");
+  auto activations = [&](const Workload& w) { return estimate_memory(c.model, w, l, 1)[0].memory.activations; };
+  Workload bf16 = fp32, on_cpu = fp32;
+  bf16.precision = Precision::parse("bf16-autocast");
+  on_cpu.gpu = false;
+  const double blocks = static_cast<double>(c.model.layers);
+  EXPECT_NEAR(activations(fp32) - activations(on_cpu), blocks * 4 * tokens * 2 * (2048 - 512), 1.0);
+  Workload bf16_on_cpu = bf16;
+  bf16_on_cpu.gpu = false;
+  EXPECT_NEAR(activations(bf16), activations(bf16_on_cpu), 1.0);
+  l.activation_checkpoint = parallel::CheckpointMode::kFull;  // nothing of attention kept
+  EXPECT_NEAR(activations(fp32), activations(on_cpu), 1.0);
 }
 
 TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {

@@ -268,19 +268,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     if (starts.defined()) mask = mask.logical_and(same_document(starts, starts));
   }
   const bool is_causal = causal && !mask.defined();
-  // ATen's flash kernels take as many key/value heads as query heads: repeated.
-  const int64_t times = q.size(1) / k.size(1);
-  const at::Tensor kr = times > 1 ? k.repeat_interleave(times, 1) : k;
-  const at::Tensor vr = times > 1 ? v.repeat_interleave(times, 1) : v;
+  const SdpaKeys g = sdpa_keys(q, k, v);  // Note [Grouped queries in SDPA]
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
   if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
-    return at::scaled_dot_product_attention(q, kr, vr, attn_mask, dropout, is_causal, score_scale);
+    return at::scaled_dot_product_attention(q, g.k, g.v, attn_mask, dropout, is_causal, score_scale, g.enable_gqa);
   }
   // Without AMX, ATen's bf16 kernel is slower than its fp32 one: compute in fp32, out of autocast's reach.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), kr.to(at::kFloat), vr.to(at::kFloat),
-                                                        attn_mask, dropout, is_causal, score_scale);
+  const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), g.k.to(at::kFloat), g.v.to(at::kFloat),
+                                                        attn_mask, dropout, is_causal, score_scale, g.enable_gqa);
   return y.to(compute_dtype(q.scalar_type()));
 }
 
