@@ -344,6 +344,48 @@ TEST(FusedOps, GroupedQueryAttentionMatchesTheRepeatedReference) {
                c10::Error);
 }
 
+// The causal split into blocks of about 64 queries (Note [CPU attention]):
+// three uneven blocks (T = 130: queries 0-42, 43-85, 86-129) and four (T =
+// 256), grouped queries, a window reaching back across blocks, a soft-cap and
+// documents starting inside the blocks, against ATen's attention on k and v
+// repeated with the mask: the forward and every gradient, fp32 and bf16.
+TEST(FusedOps, ManyCausalBlocksMatchTheReference) {
+  EXPECT_EQ(fused::batched_attention_scores(130, 130, true), 43 * 43 + 43 * 86 + 44 * 130);
+  EXPECT_EQ(fused::batched_attention_scores(256, 256, true), 64 * (64 + 128 + 192 + 256));
+  struct Case {
+    int64_t t, kv_heads, window;
+    double softcap;
+    bool documents;
+  };
+  for (const Case c : {Case{130, 4, 0, 0, false}, Case{256, 2, 100, 5.0, false}, Case{130, 2, 0, 0, true}}) {
+    SCOPED_TRACE("t " + std::to_string(c.t) + " kv heads " + std::to_string(c.kv_heads) + " window " +
+                 std::to_string(c.window) + " softcap " + std::to_string(c.softcap) + (c.documents ? " documents" : ""));
+    const int64_t times = 4 / c.kv_heads;
+    const std::vector<at::Tensor> in = {randn({2, 4, c.t, 64}, 60, 2.0), randn({2, c.kv_heads, c.t, 64}, 61, 2.0),
+                                        randn({2, c.kv_heads, c.t, 64}, 62)};
+    at::Tensor starts;
+    if (c.documents) {  // row 0: documents from columns 0, 30 and 70; row 1: one
+      starts = at::zeros({2, c.t}, at::kLong);
+      starts[0].narrow(0, 30, 40).fill_(30);
+      starts[0].narrow(0, 70, c.t - 70).fill_(70);
+    }
+    AttentionSpec spec;
+    spec.window = c.window;
+    spec.softcap = c.softcap;
+    spec.scale = 0.1;
+    const Op reference = [spec, starts, times](auto& x) {
+      return variant_attention(x[0], x[1].repeat_interleave(times, 1), x[2].repeat_interleave(times, 1), spec, false,
+                               starts.defined() ? same_document(starts, starts) : at::Tensor());
+    };
+    const Op ours = [c, starts](auto& x) {
+      return fused::attention(x[0], x[1], x[2], 0.0, true, c.window, 0.1, c.softcap, starts);
+    };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "causal blocks");
+    }
+  }
+}
+
 // Note [Grouped queries in SDPA]: ATen's attention takes k and v of their own
 // heads where its kernel does (the CPU, 16-bit on CUDA), and they are not
 // copied; fp32 on CUDA gets them repeated. The model's plain path (model.fused

@@ -9,8 +9,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
+#include <vector>
 
 namespace meshtrain::model::fused {
 
@@ -27,11 +29,14 @@ namespace meshtrain::model::fused {
 //             place)  y = p·v (bmm)
 //   backward  dp = dy·vᵀ, dv = pᵀ·dy (bmm)  ds = scale·p·(dp − rowsum(p·dp))
 //             (one fused pass, in place)  dq = ds·k, dk = dsᵀ·q (bmm)
-// Causal with as many queries as keys, the rows split in two halves: the first
-// h = T/2 queries see only the first h keys, so their block is [h, h] and the
-// last T − h rows' is [T − h, T]; every product then covers 3/4 of T², not the
-// masked quarter (fwd + bwd alone: fp32 14.4 ms against 17.4 whole, bf16 the
-// same; in the `small` step 7% more tokens/s in either). Entries past a causal
+// Causal with as many queries as keys, the rows split into n blocks of about
+// 64 queries (n = T/64 rounded up, at least 2): block i's queries see only
+// the keys up to its last one, so its products cover [T/n, (i+1)·T/n] and all
+// of them (n+1)/2n of T², not the masked rest: 3/4 at two blocks (fwd + bwd
+// alone: fp32 14.4 ms against 17.4 whole, bf16 the same; in the `small` step
+// 7% more tokens/s in either), 5/8 at four (T = 256: the six products of a
+// Llama block 2.20 to 1.96 ms a micro-batch; smaller blocks than 64 queries
+// run slower again). Entries past a causal
 // query's position inside a block are written as zeros and skipped by the
 // softmax passes, and so are those before a sliding window (Mistral, Gemma
 // 2's local blocks: the products still cover every key up to the query) and
@@ -41,7 +46,7 @@ namespace meshtrain::model::fused {
 // backward needs tanh of the scores, which p cannot give back, so it forms
 // each block's q·kᵀ again (a seventh product, no T² tensor kept): in the
 // Gemma 2 family benchmark 1.30x transformers against 1.10x through ATen's
-// explicit scores. p is kept for backward, in the compute dtype: [B·H, 3T²/4]
+// explicit scores. p is kept for backward, in the compute dtype: [B·H, (n+1)T²/2n]
 // causal, no more than q, k, v and y together while T ≤ 4·d, the longest key
 // range taken here (longer ones take ATen's kernel: p would grow as T²). Under
 // bf16 the scores are rounded to bf16 before the softmax (fp32 accumulation
@@ -59,9 +64,16 @@ using namespace detail;
 // The softmax's scale for heads of size d.
 float scale_for(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 
-// The causal split's first block: h queries against h keys; 0 for no split.
-int64_t causal_split(int64_t q_len, int64_t k_len, bool causal) {
-  return causal && q_len == k_len && q_len >= 2 ? q_len / 2 : 0;
+// The blocks of queries the causal split makes (Note [CPU attention]): block i
+// holds queries edges[i] .. edges[i + 1] − 1 and sees keys 0 .. edges[i + 1] − 1;
+// {0, q_len} (one block, every key) where there is no split.
+constexpr int64_t kBlockQueries = 64;
+std::vector<int64_t> causal_blocks(int64_t q_len, int64_t k_len, bool causal) {
+  if (!causal || q_len != k_len || q_len < 2) return {0, q_len};
+  const int64_t n = std::max<int64_t>(2, (q_len + kBlockQueries - 1) / kBlockQueries);
+  std::vector<int64_t> edges;
+  for (int64_t i = 0; i <= n; ++i) edges.push_back(i * q_len / n);
+  return edges;
 }
 
 // [B, H, T, d] as [B·H, T, d] in `type` (a copy where the view cannot be).
@@ -150,28 +162,24 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
     const at::Tensor kb = batched(k, type), vb = batched(v, type);
     const at::Tensor documents = starts.value_or(at::Tensor());
-    const int64_t q_len = q.size(2), k_len = k.size(2), h = causal_split(q_len, k_len, causal);
+    const int64_t q_len = q.size(2), k_len = k.size(2), n = kb.size(0), d = v.size(3);
+    const std::vector<int64_t> edges = causal_blocks(q_len, k_len, causal);
     const int64_t groups = q.size(1) / k.size(1);
-    const at::Tensor qg = batched(q, type).view({kb.size(0), groups, q_len, q.size(3)});
+    const at::Tensor qg = batched(q, type).view({n, groups, q_len, q.size(3)});
     const float scale = score_scale > 0 ? static_cast<float>(score_scale) : scale_for(q.size(3));
-    at::Tensor y;
     const float cap = static_cast<float>(softcap);
-    if (h == 0) {
-      const at::Tensor rows = group_rows(qg, 0, q_len);
-      const at::Tensor p = block_softmax(rows, kb, {scale, cap, causal, 0, window, q_len, documents});
-      y = at::bmm(p, vb);
-      ctx->save_for_backward({rows, kb, vb, p});
-    } else {
-      const at::Tensor q_first = group_rows(qg, 0, h), q_rest = group_rows(qg, h, q_len - h);
-      const at::Tensor first = block_softmax(q_first, kb.narrow(1, 0, h), {scale, cap, true, 0, window, h, documents});
-      const at::Tensor rest = block_softmax(q_rest, kb, {scale, cap, true, h, window, q_len - h, documents});
-      const int64_t n = kb.size(0), d = v.size(3);
-      y = at::cat({at::bmm(first, vb.narrow(1, 0, h)).view({n, groups, h, d}),
-                   at::bmm(rest, vb).view({n, groups, q_len - h, d})},
-                  2);
-      ctx->save_for_backward({q_first, q_rest, kb, vb, first, rest});
+    variable_list saved = {kb, vb}, ys;  // then each block's query rows and softmax
+    for (size_t i = 0; i + 1 < edges.size(); ++i) {
+      const int64_t from = edges[i], rows = edges[i + 1] - from, keys = edges.size() > 2 ? edges[i + 1] : k_len;
+      const at::Tensor block = group_rows(qg, from, rows);
+      const at::Tensor p = block_softmax(block, kb.narrow(1, 0, keys), {scale, cap, causal, from, window, rows, documents});
+      ys.push_back(at::bmm(p, vb.narrow(1, 0, keys)).view({n, groups, rows, d}));
+      saved.push_back(block);
+      saved.push_back(p);
     }
-    ctx->saved_data["split"] = h;
+    const at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 2);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["edges"] = edges;
     ctx->saved_data["q_len"] = q_len;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
@@ -192,30 +200,32 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const int64_t window = ctx->saved_data["window"].toInt();
     const auto kept = ctx->saved_data.find("documents");
     const at::Tensor documents = kept == ctx->saved_data.end() ? at::Tensor() : kept->second.toTensor();
-    const int64_t h = ctx->saved_data["split"].toInt(), q_len = ctx->saved_data["q_len"].toInt();
+    const std::vector<int64_t> edges = ctx->saved_data["edges"].toIntVector();
+    const int64_t q_len = ctx->saved_data["q_len"].toInt();
     const float scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
     const float cap = static_cast<float>(ctx->saved_data["softcap"].toDouble());
     const at::Tensor& dy4 = grads[0];
-    const int64_t n = dy4.size(0) * dy4.size(1), d = dy4.size(3);
+    const at::Tensor &kb = saved[0], &vb = saved[1];
+    const int64_t n = kb.size(0), groups = dy4.size(1) / (n / dy4.size(0)), d = dy4.size(3);
+    const at::Tensor dyg = batched(dy4, saved[3].scalar_type()).reshape({n, groups, q_len, d});
+    // The last block sees every key: its dk and dv are whole, the others' are added into their first rows.
+    const size_t blocks = edges.size() - 1;
     BlockGrads g;
-    if (h == 0) {
-      const at::Tensor &rows = saved[0], &kb = saved[1], &vb = saved[2], &p = saved[3];
-      const at::Tensor dy = batched(dy4, p.scalar_type()).reshape({rows.size(0), rows.size(1), d});
-      g = block_backward(p, rows, kb, vb, dy, {scale, cap, causal, 0, window, q_len, documents});
-    } else {
-      const at::Tensor &q_first = saved[0], &q_rest = saved[1], &kb = saved[2], &vb = saved[3];
-      const int64_t groups = n / kb.size(0);
-      const at::Tensor dyg = batched(dy4, saved[4].scalar_type()).reshape({kb.size(0), groups, q_len, d});
-      g = block_backward(saved[5], q_rest, kb, vb, group_rows(dyg, h, q_len - h),
-                         {scale, cap, true, h, window, q_len - h, documents});
-      const BlockGrads first = block_backward(saved[4], q_first, kb.narrow(1, 0, h), vb.narrow(1, 0, h),
-                                              group_rows(dyg, 0, h), {scale, cap, true, 0, window, h, documents});
-      g.dq = at::cat({first.dq.view({kb.size(0), groups, h, q_first.size(2)}),
-                      g.dq.view({kb.size(0), groups, q_len - h, q_first.size(2)})},
-                     2);
-      g.dk.narrow(1, 0, h).add_(first.dk);
-      g.dv.narrow(1, 0, h).add_(first.dv);
+    variable_list dq(blocks);
+    for (size_t i = blocks; i-- > 0;) {
+      const int64_t from = edges[i], rows = edges[i + 1] - from, keys = blocks > 1 ? edges[i + 1] : kb.size(1);
+      const BlockGrads b = block_backward(saved[3 + 2 * i], saved[2 + 2 * i], kb.narrow(1, 0, keys),
+                                          vb.narrow(1, 0, keys), group_rows(dyg, from, rows),
+                                          {scale, cap, causal, from, window, rows, documents});
+      dq[i] = b.dq.view({n, groups, rows, saved[2 + 2 * i].size(2)});
+      if (i + 1 == blocks) {
+        g = b;
+      } else {
+        g.dk.narrow(1, 0, keys).add_(b.dk);
+        g.dv.narrow(1, 0, keys).add_(b.dv);
+      }
     }
+    g.dq = blocks == 1 ? dq[0] : at::cat(dq, 2);
     auto shaped = [&](const at::Tensor& t, int64_t heads, int64_t type) {
       return t.reshape({dy4.size(0), heads, -1, t.size(-1)}).to(static_cast<at::ScalarType>(type));
     };
@@ -232,8 +242,11 @@ bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_d
 }
 
 int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal) {
-  const int64_t h = causal_split(q_len, k_len, causal);
-  return h == 0 ? q_len * k_len : h * h + (q_len - h) * k_len;
+  const std::vector<int64_t> edges = causal_blocks(q_len, k_len, causal);
+  if (edges.size() == 2) return q_len * k_len;
+  int64_t scores = 0;
+  for (size_t i = 0; i + 1 < edges.size(); ++i) scores += (edges[i + 1] - edges[i]) * edges[i + 1];
+  return scores;
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
