@@ -1,7 +1,9 @@
 #include "meshtrain/model/chunked_loss.h"
 
 #include "meshtrain/model/batch.h"
+#include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/ops.h"
+#include "meshtrain/model/fused/tensor_args.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
@@ -66,14 +68,38 @@ ChunkLogits chunk_logits(const at::Tensor& h, const at::Tensor& w, int64_t v, do
   return c;
 }
 
-// The chunk's gradients from its softmax (turned into dz in place): dh's rows
-// (`dh`, undefined for none) and dW added into `dw` (undefined for none; as
-// many rows as w), times `scale` where it is defined. dz in the compute dtype
-// goes into `product`, the chunk's product buffer, whose padded columns are 0.
-void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, const TargetColumns& c, const at::Tensor& h,
-                   const at::Tensor& w, at::Tensor product, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
-  at::Tensor dz = softmax.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted);
-  if (softcap > 0) dz.mul_(t.mul_(t).neg_().add_(1.0f));  // times 1 − tanh²
+// The targets as the fused CPU cross-entropy kernel reads them (int64,
+// kIgnoredTarget where none counts), where it computes a chunk's reductions
+// and dz (Note [Chunked loss]): model.fused on the CPU, the whole vocabulary
+// here, no soft-cap, every counted target inside it. Else undefined.
+at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, bool fused, bool split, double softcap) {
+  if (!fused || split || softcap > 0 || !targets.device().is_cpu() || !c.here.equal(c.counted)) return {};
+  return targets.contiguous();
+}
+
+// The chunk's reductions through the kernel: each row's log-sum-exp into
+// `lse` [m, 1] (contiguous), the sum of the rows' losses returned.
+at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tensor& lse) {
+  const at::Tensor rows = at::empty({z.size(0)}, z.options());
+  fused::kernel::table().cross_entropy_forward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
+                                               targets.const_data_ptr<int64_t>(), kIgnoredTarget,
+                                               lse.mutable_data_ptr<float>(), rows.mutable_data_ptr<float>());
+  return rows.sum();
+}
+
+// z [m, V] turned in place into dz = softmax − onehot (0 in uncounted rows) from each row's log-sum-exp.
+void kernel_dz(at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse) {
+  fused::kernel::table().cross_entropy_backward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
+                                                targets.const_data_ptr<int64_t>(), kIgnoredTarget,
+                                                lse.const_data_ptr<float>(), 1.0f, z.mutable_data_ptr());
+}
+
+// The chunk's gradients from dz: dh's rows (`dh`, undefined for none) and dW
+// added into `dw` (undefined for none; as many rows as w), times `scale`
+// where it is defined. dz in the compute dtype goes into `product`, the
+// chunk's product buffer, whose padded columns are 0.
+void product_gradients(at::Tensor dz, const at::Tensor& h, const at::Tensor& w, at::Tensor product,
+                       const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
   if (scale.defined()) dz.mul_(scale);
   const at::ScalarType compute = h.scalar_type();
   product.narrow(1, 0, dz.size(1)).copy_(dz);  // a no-op where dz is that buffer (fp32, no cap)
@@ -90,13 +116,21 @@ void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, cons
   }
 }
 
+// The same from the chunk's softmax (turned into dz in place).
+void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, const TargetColumns& c, const at::Tensor& h,
+                   const at::Tensor& w, at::Tensor product, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
+  at::Tensor dz = softmax.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted);
+  if (softcap > 0) dz.mul_(t.mul_(t).neg_().add_(1.0f));  // times 1 − tanh²
+  product_gradients(dz, h, w, product, scale, dh, dw);
+}
+
 struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   // hidden [N, d], weight [V', d] (entries shard.start.. of the vocabulary),
   // targets [N]; dh (`hidden_grad`) and dW (`weight_grad`, not for a frozen
   // head) made `when` asked (Note [Chunked loss]).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, double softcap, int64_t chunk_rows, const VocabShard& shard,
-                            LossGradients when, int64_t pad, bool hidden_grad, bool weight_grad) {
+                            LossGradients when, int64_t pad, bool hidden_grad, bool weight_grad, bool fused) {
     const bool gradients = hidden_grad || weight_grad, now = gradients && when == LossGradients::kInForward;
     RECORD_FUNCTION("meshtrain::chunked_cross_entropy", std::vector<c10::IValue>());
     const at::ScalarType compute = compute_dtype(hidden);
@@ -106,6 +140,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, loss_chunk_bytes(h.is_cuda()) / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
     const TargetColumns columns = target_columns(targets, shard.start, v);
+    const at::Tensor by_kernel = kernel_targets(targets, columns, fused, shard.split(), softcap);
     at::Tensor loss_sum = at::zeros({}, fp32);
     at::Tensor dh, dw, lse;
     if (now && hidden_grad) dh = at::empty_like(h);
@@ -116,6 +151,16 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       const at::Tensor hc = h.narrow(0, r, m);
       const TargetColumns c = columns.rows(r, m);
       auto [z, t, product] = chunk_logits(hc, w, v, softcap);
+      if (by_kernel.defined() && z.is_contiguous()) {
+        const at::Tensor rows_targets = by_kernel.narrow(0, r, m);
+        at::Tensor row_lse = lse.defined() ? lse.narrow(0, r, m) : at::empty({m, 1}, fp32);
+        loss_sum += kernel_loss(z, rows_targets, row_lse);
+        if (now) {
+          kernel_dz(z, rows_targets, row_lse);
+          product_gradients(z, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+        }
+        continue;
+      }
       at::Tensor top = at::amax(z, 1, /*keepdim=*/true);
       if (shard.split()) shard.max(top);
       const at::Tensor target = z.gather(1, c.index).mul_(c.here);  // 0 where another share holds it
@@ -145,6 +190,8 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       saved["start"] = shard.start;
       saved["hidden_grad"] = hidden_grad;
       saved["weight_grad"] = weight_grad;
+      saved["fused"] = fused;
+      saved["whole"] = !shard.split();  // the share's collectives are not kept
     }
     saved["hidden_type"] = hidden.scalar_type();
     saved["weight_type"] = weight.scalar_type();
@@ -162,6 +209,8 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const double softcap = saved["softcap"].toDouble();
     const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
+    const at::Tensor by_kernel = kernel_targets(in[2], columns, saved["fused"].toBool(), saved["start"].toInt() != 0 ||
+                                                 !saved["whole"].toBool(), softcap);
     at::Tensor dh, dw;
     if (saved["hidden_grad"].toBool()) dh = at::empty_like(h);
     if (saved["weight_grad"].toBool()) dw = at::zeros({w.size(0), w.size(1)}, h.options().dtype(at::kFloat));
@@ -170,6 +219,11 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       const at::Tensor hc = h.narrow(0, r, m);
       const TargetColumns c = columns.rows(r, m);
       auto [z, t, product] = chunk_logits(hc, w, v, softcap);
+      if (by_kernel.defined() && z.is_contiguous()) {
+        kernel_dz(z, by_kernel.narrow(0, r, m), in[3].narrow(0, r, m));
+        product_gradients(z, hc, w, product, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+        continue;
+      }
       const at::Tensor softmax = z.sub_(in[3].narrow(0, r, m)).exp_();
       add_gradients(softmax, t, softcap, c, hc, w, product, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
     }
@@ -197,7 +251,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       return in_backward ? d : d.mul_(g);
     };
     return {handed_on("dh", "hidden_type"), handed_on("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -233,13 +287,14 @@ at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight) 
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when,
-                                 int64_t pad_rows_to) {
+                                 int64_t pad_rows_to, bool fused) {
   const bool grad_mode = torch::GradMode::is_enabled();
   const at::Tensor flat = hidden.reshape({-1, hidden.size(-1)});
   TORCH_CHECK(targets.numel() == flat.size(0), "chunked_cross_entropy: ", targets.numel(), " targets for ", flat.size(0),
               " rows of the head's input");
   return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard, when,
-                                    pad_rows_to, grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad());
+                                    pad_rows_to, grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad(),
+                                    fused);
 }
 
 }  // namespace meshtrain::model

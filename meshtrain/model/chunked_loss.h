@@ -29,7 +29,13 @@ namespace meshtrain::model {
 // chunk's logits, plus dh (the size of the head's input) and dW (the size of
 // the weight) from the loss's forward to its backward; at one chunk that is
 // about what the whole logits cost. Rows whose target is kIgnoredTarget count
-// toward nothing; with none counting the loss is 0.
+// toward nothing; with none counting the loss is 0. With model.fused on the
+// CPU, the whole vocabulary on the rank and no soft-cap, a chunk's log-sum-exp,
+// losses and dz come from the fused cross-entropy kernel (Note [Fused
+// operators]): two passes over the chunk where ATen's operators take seven
+// (amax, subtract, exp, sum, gather, divide, scatter); in Llama 3.1's family
+// config (chunks of 1,024 x 256) the loss's forward took 5.1 to 4.1 ms of a
+// 185 ms step, 2.7 of them its three products.
 //
 // A pipeline's last stage may hold several micro-batches' losses before
 // their backwards (GPipe all of them), and a dW each would be the weight's
@@ -81,10 +87,12 @@ enum class LossGradients { kInForward, kInBackward };
 // hidden and weight. `shard`: the weight's share of the vocabulary.
 // `pad_rows_to` > 0 pads W's rows to a multiple of it wherever the loss runs
 // (0: as the device asks, kGpuPadRows on a GPU, none on the CPU; the CPU's
-// tests take the GPU's padded path with it).
+// tests take the GPU's padded path with it). `fused`: model.fused, the fused
+// CPU kernel's reductions where they apply.
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},
-                                 LossGradients when = LossGradients::kInForward, int64_t pad_rows_to = 0);
+                                 LossGradients when = LossGradients::kInForward, int64_t pad_rows_to = 0,
+                                 bool fused = false);
 
 // Note [Tied head's gradient]
 // The whole logits z = y·Wᵀ of a head tied to the embedding. Through ATen's

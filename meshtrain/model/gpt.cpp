@@ -446,7 +446,7 @@ at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, Lo
     at::Tensor loss = hooks->head_loss(y, weight, targets, config_.logit_softcap, when);
     if (loss.defined()) return loss;
   }
-  return chunked_cross_entropy(y, weight, targets, config_.logit_softcap, 0, {}, when);
+  return chunked_cross_entropy(y, weight, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused);
 }
 
 at::Tensor GptImpl::loss(const Batch& batch) {

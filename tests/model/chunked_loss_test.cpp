@@ -66,18 +66,21 @@ TEST(ChunkedLoss, APaddedVocabularyEqualsTheLogits) {
   }
 }
 
+// Through ATen's operators and (fused, no cap) the fused cross-entropy kernel.
 TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
   targets.narrow(1, 0, 5).fill_(kIgnoredTarget);  // masked targets count toward nothing
+  targets[2][20] = kIgnoredTarget;
   for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
     for (double cap : {0.0, 5.0}) {
       for (int64_t rows : {int64_t{7}, int64_t{0}}) {  // uneven chunks; one chunk
-        SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) +
+        for (bool fused : {false, true}) {
+        SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) + (fused ? " fused" : "") +
                      (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
         const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
         const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
         const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
-        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when) * 0.7;
+        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, fused) * 0.7;
         const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
         EXPECT_LT(relative(ours, want), 1e-6);
         ours.backward();
@@ -85,6 +88,7 @@ TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
         EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
         EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
         EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
+        }
       }
     }
   }

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -537,7 +538,9 @@ TEST(FusedOps, ModelsWithFusedOperatorsMatchTheReferenceModels) {
         return loss.item<double>();
       };
       const double a = loss_of(fused_model), b = loss_of(reference);
-      EXPECT_NEAR(a, b, bf16 ? 2e-2 : 1e-5);
+      // Relative: on 2 threads the reference's own loss moves by about 3e-6 between runs (1.4e-5 in 3 of 40
+      // runs of tiny's; never on 1 thread).
+      EXPECT_NEAR(a, b, (bf16 ? 2e-2 : 1e-5) * std::abs(b));
       const auto pa = fused_model->named_parameters(), pb = reference->named_parameters();
       for (const auto& item : pb) {
         EXPECT_LT(relative_error(pa[item.key()].grad(), item.value().grad()), bf16 ? 5e-2 : 1e-4) << item.key();
