@@ -1,5 +1,9 @@
 #include "meshtrain/parallel/grad_norm.h"
 
+#include "meshtrain/model/fused/kernels.h"
+
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -7,10 +11,11 @@ namespace meshtrain::parallel {
 
 namespace {
 
-// Elements of a gradient squared and summed in double at a time on the CPU:
-// 8 MiB of double copy. A whole gradient's copy and its square were the
-// step's largest temporaries (four times the tied embedding's fp32 gradient,
-// 4 GiB at Llama 3's vocabulary and width 2048).
+// Elements of a gradient squared and summed in double at a time on the CPU
+// where the fused kernel does not read its dtype: 8 MiB of double copy. A
+// whole gradient's copy and its square were the step's largest temporaries
+// (four times the tied embedding's fp32 gradient, 4 GiB at Llama 3's
+// vocabulary and width 2048).
 constexpr int64_t kSquaredSlice = int64_t{1} << 20;
 
 // The sum of the squares of every element of `tensors`, as a [1] double tensor:
@@ -27,6 +32,13 @@ at::Tensor sum_of_squares(const std::vector<at::Tensor>& tensors, const at::Tens
 
 at::Tensor squared_sum(const at::Tensor& x) {
   if (!x.device().is_cpu()) return x.to(at::kDouble).pow(2).sum();
+  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) {  // one read, no copy
+    RECORD_FUNCTION("meshtrain::squared_sum", std::vector<c10::IValue>());
+    const at::Tensor c = x.contiguous();
+    namespace kernel = model::fused::kernel;
+    const kernel::Dt t = x.scalar_type() == at::kFloat ? kernel::Dt::kFloat : kernel::Dt::kBFloat16;
+    return at::scalar_tensor(kernel::table().sum_squares(c.numel(), c.const_data_ptr(), t), x.options().dtype(at::kDouble));
+  }
   const at::Tensor flat = x.reshape({-1});
   at::Tensor total = at::zeros({}, flat.options().dtype(at::kDouble));
   for (int64_t i = 0; i < flat.numel(); i += kSquaredSlice) {

@@ -4,6 +4,7 @@
 #include "meshtrain/model/fused/kernels.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/parallel/grad_norm.h"
 #include "meshtrain/util/cpu_features.h"
 #include "meshtrain/util/memory.h"
 
@@ -384,6 +385,20 @@ TEST(FusedOps, ManyCausalBlocksMatchTheReference) {
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "causal blocks");
     }
+  }
+}
+
+// The gradient norm's sum of squares (parallel::squared_sum) through the
+// kernel: in double, as the double copy's sum, for fp32 and bf16, an uneven
+// last block, a strided view and nothing at all.
+TEST(FusedOps, SumOfSquaresIsTheDoubleSum) {
+  const at::Tensor x = randn({100002}, 70, 3.0);  // 6 blocks and a part
+  for (const at::Tensor& t : {x, x.to(at::kBFloat16), x.view({-1, 7}).narrow(1, 0, 5), x.narrow(0, 0, 0)}) {
+    SCOPED_TRACE(c10::toString(t.scalar_type()) + std::string(" ") + std::to_string(t.numel()));
+    const double want = t.to(at::kDouble).pow(2).sum().item<double>();
+    const at::Tensor got = parallel::squared_sum(t);
+    EXPECT_EQ(got.scalar_type(), at::kDouble);
+    EXPECT_NEAR(got.item<double>(), want, 1e-12 * std::max(1.0, want));
   }
 }
 

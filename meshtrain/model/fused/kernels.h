@@ -70,6 +70,9 @@ struct Table {
                                     Dt pt);
   void (*attention_softmax_backward)(const ScoreRows& r, const void* p, Dt pt, const void* dp, Dt dpt, const void* s,
                                      Dt st, float scale, float softcap, void* ds, Dt dst);
+  // Σ x² over n contiguous elements in double (each square exact), summed in
+  // an order fixed by n alone (the gradient norm: parallel/grad_norm.cpp).
+  double (*sum_squares)(int64_t n, const void* x, Dt t);
 };
 
 extern const Table avx512_table;   // built on x86-64

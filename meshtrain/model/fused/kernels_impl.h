@@ -435,12 +435,35 @@ void attention_softmax_backward(const ScoreRows& r, const void* p, Dt pt, const 
   });
 }
 
+double sum_squares(int64_t n, const void* x, Dt t) {
+  constexpr int64_t kBlock = 16384;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> partial(blocks, 0.0);
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(t == Dt::kFloat ? 0 : kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t offset = b * kBlock, length = std::min(kBlock, n - offset);
+      const float* v = read_row(x, t, offset, length, scratch.data());
+      double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // one vector of doubles
+      int64_t i = 0;
+      for (; i + 8 <= length; i += 8) {
+        for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(v[i + j]) * v[i + j];
+      }
+      for (; i < length; ++i) lanes[0] += static_cast<double>(v[i]) * v[i];
+      for (double lane : lanes) partial[b] += lane;
+    }
+  });
+  double total = 0;
+  for (double p : partial) total += p;
+  return total;
+}
+
 }  // namespace
 
 constexpr Table make_table() {
   return {add_norm_forward,      add_norm_backward,      bias_gelu_forward, bias_gelu_backward, glu_forward,
           glu_backward,       cross_entropy_forward,  cross_entropy_backward, rope,
-          attention_softmax_forward, attention_softmax_backward};
+          attention_softmax_forward, attention_softmax_backward, sum_squares};
 }
 
 }  // namespace meshtrain::model::fused::kernel
