@@ -35,24 +35,26 @@ at::Tensor same_document(const at::Tensor& query_starts, const at::Tensor& key_s
 // Note [Grouped queries in SDPA]
 // ATen's scaled_dot_product_attention takes k and v over fewer heads than q
 // (enable_gqa, each key/value head serving q's heads in repeat_interleave's
-// order) in its CPU flash kernel, in every dtype, and on CUDA in its flash
-// kernel, which runs 16-bit inputs only. fp32 on CUDA goes to the
-// memory-efficient kernel, which does not take them: with enable_gqa SDPA would
-// fall back to its math kernel and keep the [B, H, T, T] scores, so there k and
-// v are repeated per query head, and SDPA keeps the repeated copies for its
-// backward (the planner counts them: plan::Workload::repeated_kv). Unrepeated,
-// the flash kernel keeps k and v as they are.
-bool sdpa_takes_groups(at::DeviceType device, at::ScalarType dtype) {
-  return device == at::kCPU || dtype == at::kBFloat16 || dtype == at::kHalf;
+// order) in its CPU flash kernel, in every dtype and with a mask, and on CUDA
+// in its flash kernel alone, which runs 16-bit inputs without a mask. fp32 or
+// a mask (a window, documents, a KV cache's padding) on CUDA goes to the
+// memory-efficient kernel, which does not take them: with enable_gqa SDPA
+// would fall back to its math kernel and keep the [B, H, T, T] scores, so
+// there k and v are repeated per query head, and SDPA keeps the repeated
+// copies for its backward (the planner counts them for the windowed blocks and
+// fp32: ActivationOptions::repeated_kv). Unrepeated, the flash kernel keeps k
+// and v as they are.
+bool sdpa_takes_groups(at::DeviceType device, at::ScalarType dtype, bool masked) {
+  return device == at::kCPU || (!masked && (dtype == at::kBFloat16 || dtype == at::kHalf));
 }
 
-SdpaKeys sdpa_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+SdpaKeys sdpa_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool masked) {
   const int64_t times = q.size(1) / k.size(1);
   const at::DeviceType device = q.device().type();
   const at::ScalarType dtype =
       at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : q.scalar_type();
   if (times == 1) return {k, v, false};
-  if (sdpa_takes_groups(device, dtype)) return {k, v, true};
+  if (sdpa_takes_groups(device, dtype, masked)) return {k, v, true};
   return {k.repeat_interleave(times, 1), v.repeat_interleave(times, 1), false};
 }
 
@@ -85,14 +87,14 @@ at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const double scale = spec.scale_for(q.size(-1));
   if (spec.causal && spec.softcap == 0 && spec.window == 0 && !allowed.defined() && t == keys) {
     // Only the scale differs: the causal kernel, with its flash path (and no [t, S] mask).
-    const SdpaKeys g = sdpa_keys(q, k, v);
+    const SdpaKeys g = sdpa_keys(q, k, v, /*masked=*/false);
     return at::scaled_dot_product_attention(q, g.k, g.v, {}, p, /*is_causal=*/true, scale, g.enable_gqa);
   }
   const at::TensorOptions columns = at::TensorOptions(at::kLong).device(q.device());
   at::Tensor mask = allowed_pairs(at::arange(keys - t, keys, columns), at::arange(keys, columns), spec);
   if (allowed.defined()) mask = mask.logical_and(allowed);
   if (spec.softcap == 0) {
-    const SdpaKeys g = sdpa_keys(q, k, v);
+    const SdpaKeys g = sdpa_keys(q, k, v, /*masked=*/true);
     return at::scaled_dot_product_attention(q, g.k, g.v, mask, p, /*is_causal=*/false, scale, g.enable_gqa);
   }
   const at::Tensor keys_all = times > 1 ? k.repeat_interleave(times, 1) : k;
@@ -127,7 +129,7 @@ at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& s
     return fused::attention(q, heads.k, heads.v, p, /*causal=*/true, spec.window, spec.scale, spec.softcap,
                             batch.documents);
   }
-  const SdpaKeys g = sdpa_keys(q, heads.k, heads.v);  // Note [Grouped queries in SDPA]
+  const SdpaKeys g = sdpa_keys(q, heads.k, heads.v, /*masked=*/false);  // Note [Grouped queries in SDPA]
   return at::scaled_dot_product_attention(q, g.k, g.v, /*attn_mask=*/{}, p, /*is_causal=*/true, std::nullopt, g.enable_gqa);
 }
 

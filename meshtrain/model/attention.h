@@ -89,16 +89,18 @@ void soft_cap_(at::Tensor& scores, double cap);
 at::Tensor variant_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSpec& spec,
                              bool training, const at::Tensor& allowed = {});
 
-// k and v as ATen's scaled_dot_product_attention takes them beside q
-// (Note [Grouped queries in SDPA]): as they are with `enable_gqa` where the
-// kernel SDPA picks for q takes grouped heads, else repeated per query head.
+// k and v as ATen's scaled_dot_product_attention takes them beside q, with a
+// mask where `masked` (Note [Grouped queries in SDPA]): as they are with
+// `enable_gqa` where the kernel SDPA picks takes grouped heads, else repeated
+// per query head.
 struct SdpaKeys {
   at::Tensor k, v;
   bool enable_gqa = false;
 };
-SdpaKeys sdpa_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+SdpaKeys sdpa_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool masked);
 // Whether SDPA takes grouped heads unrepeated for queries of `dtype` (autocast's
-// where it is on) on `device`: the planner's and sdpa_keys' one rule.
-bool sdpa_takes_groups(at::DeviceType device, at::ScalarType dtype);
+// where it is on) on `device`, with a mask or without: the planner's and
+// sdpa_keys' one rule.
+bool sdpa_takes_groups(at::DeviceType device, at::ScalarType dtype, bool masked);
 
 }  // namespace meshtrain::model

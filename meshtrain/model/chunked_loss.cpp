@@ -71,15 +71,18 @@ ChunkLogits chunk_logits(const at::Tensor& h, const at::Tensor& w, int64_t v, do
 // The targets as the fused CPU cross-entropy kernel reads them (int64,
 // kIgnoredTarget where none counts), where it computes a chunk's reductions
 // and dz (Note [Chunked loss]): model.fused on the CPU, the whole vocabulary
-// here, no soft-cap, every counted target inside it. Else undefined.
-at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, bool fused, bool split, double softcap) {
-  if (!fused || split || softcap > 0 || !targets.device().is_cpu() || !c.here.equal(c.counted)) return {};
+// on this rank from entry 0, no soft-cap, every counted target inside it.
+// Else undefined.
+at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, bool fused, bool whole, int64_t start,
+                          double softcap) {
+  if (!fused || !whole || start != 0 || softcap > 0 || !targets.device().is_cpu() || !c.here.equal(c.counted)) return {};
   return targets.contiguous();
 }
 
 // The chunk's reductions through the kernel: each row's log-sum-exp into
 // `lse` [m, 1] (contiguous), the sum of the rows' losses returned.
 at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tensor& lse) {
+  RECORD_FUNCTION("meshtrain::cross_entropy_rows", std::vector<c10::IValue>());
   const at::Tensor rows = at::empty({z.size(0)}, z.options());
   fused::kernel::table().cross_entropy_forward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
                                                targets.const_data_ptr<int64_t>(), kIgnoredTarget,
@@ -89,6 +92,7 @@ at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tenso
 
 // z [m, V] turned in place into dz = softmax − onehot (0 in uncounted rows) from each row's log-sum-exp.
 void kernel_dz(at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse) {
+  RECORD_FUNCTION("meshtrain::cross_entropy_rows_backward", std::vector<c10::IValue>());
   fused::kernel::table().cross_entropy_backward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
                                                 targets.const_data_ptr<int64_t>(), kIgnoredTarget,
                                                 lse.const_data_ptr<float>(), 1.0f, z.mutable_data_ptr());
@@ -140,7 +144,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, loss_chunk_bytes(h.is_cuda()) / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
     const TargetColumns columns = target_columns(targets, shard.start, v);
-    const at::Tensor by_kernel = kernel_targets(targets, columns, fused, shard.split(), softcap);
+    const at::Tensor by_kernel = kernel_targets(targets, columns, fused, !shard.split(), shard.start, softcap);
     at::Tensor loss_sum = at::zeros({}, fp32);
     at::Tensor dh, dw, lse;
     if (now && hidden_grad) dh = at::empty_like(h);
@@ -209,8 +213,8 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const double softcap = saved["softcap"].toDouble();
     const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
-    const at::Tensor by_kernel = kernel_targets(in[2], columns, saved["fused"].toBool(), saved["start"].toInt() != 0 ||
-                                                 !saved["whole"].toBool(), softcap);
+    const at::Tensor by_kernel =
+        kernel_targets(in[2], columns, saved["fused"].toBool(), saved["whole"].toBool(), saved["start"].toInt(), softcap);
     at::Tensor dh, dw;
     if (saved["hidden_grad"].toBool()) dh = at::empty_like(h);
     if (saved["weight_grad"].toBool()) dw = at::zeros({w.size(0), w.size(1)}, h.options().dtype(at::kFloat));

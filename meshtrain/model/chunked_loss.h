@@ -30,9 +30,10 @@ namespace meshtrain::model {
 // the weight) from the loss's forward to its backward; at one chunk that is
 // about what the whole logits cost. Rows whose target is kIgnoredTarget count
 // toward nothing; with none counting the loss is 0. With model.fused on the
-// CPU, the whole vocabulary on the rank and no soft-cap, a chunk's log-sum-exp,
-// losses and dz come from the fused cross-entropy kernel (Note [Fused
-// operators]): two passes over the chunk where ATen's operators take seven
+// CPU, the whole vocabulary on the rank, no soft-cap, every counted target
+// inside the vocabulary and the chunk's logits contiguous (W unpadded), a
+// chunk's log-sum-exp, losses and dz come from the fused cross-entropy kernel
+// (Note [Fused operators]): two passes over the chunk where ATen's operators take seven
 // (amax, subtract, exp, sum, gather, divide, scatter); in Llama 3.1's family
 // config (chunks of 1,024 x 256) the loss's forward took 5.1 to 4.1 ms of a
 // 185 ms step, 2.7 of them its three products.

@@ -128,7 +128,7 @@ at::Tensor ordered_attention(const Gathered& g, const at::Tensor& order, const m
   if (rule.causal) {
     out = model::variant_attention(q, k, v, rule, /*training=*/false, same);
   } else {
-    const model::SdpaKeys kv = model::sdpa_keys(q, k, v);
+    const model::SdpaKeys kv = model::sdpa_keys(q, k, v, same.defined());
     out = at::scaled_dot_product_attention(q, kv.k, kv.v, same.defined() ? std::optional<at::Tensor>(same) : std::nullopt,
                                            0.0, false, rule.scale, kv.enable_gqa);
   }

@@ -148,7 +148,8 @@ double context_parallel_core(const model::GptConfig& model, const Sizes& z, cons
     case mesh::ContextParallelImpl::kAllToAll: {
       // A sliding window's mask over the whole sequence, kept as floats (counted for every block).
       const double s = static_cast<double>(model.context), window_mask = model.sliding_window > 0 ? 4 * s * s : 0;
-      return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse + window_mask;
+      const double repeated = o.repeated_kv * 4 * z.split(z.u * 2 * (qw - kv) / h);  // SDPA's repeated k and v
+      return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse + window_mask + repeated;
     }
     case mesh::ContextParallelImpl::kHybrid: return 4 * z.split(z.u * (qw + 2 * kv) / h) + out_and_lse;
   }
@@ -232,7 +233,7 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
       bytes += context_parallel_core(model, z, o);
     } else if (o.attention == "flash") {
       bytes += z.split(4 * heads * z.tokens);                // fp32 log-sum-exp per head and token
-      if (o.repeated_kv) bytes += e * z.split(z.u * 2 * (qw - kv) / h);  // k and v repeated per query head
+      bytes += o.repeated_kv * e * z.split(z.u * 2 * (qw - kv) / h);  // k and v repeated per query head
     } else {
       bytes += z.split(scores) * (e + (o.dropout > 0 ? mask + e : 0));  // softmax (+ dropout mask and output)
     }

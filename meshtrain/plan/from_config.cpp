@@ -42,6 +42,7 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   // Windows, scales and soft-caps take the fused path where it applies (a soft-cap's backward computes
   // the scores again, one block at a time); elsewhere a soft-capped attention goes through ATen's ops
   // and keeps its scores (Note [Attention variants]).
+  run.workload.bf16_attention = bf16;
   const bool capped = config.model.attn_softcap > 0;
   const bool batched = config.model.fused && !config.parallel.annotated() &&
                        model::fused::batched_attention_applies(!gpu, bf16, config.model.context,

@@ -86,10 +86,12 @@ struct Workload {
   // fused CPU ones, ATen's layer_norm, ATen's rms_norm on a GPU); false: the
   // CPU's RMSNorm of composed operators, which keeps the normalised input too.
   bool norm_kernels = true;
-  // The devices are GPUs (set_device_operators): with fp32 products ATen's
-  // attention there takes grouped keys and values repeated per query head and
-  // keeps the copies (Note [Grouped queries in SDPA]).
+  // The devices are GPUs (set_device_operators): with fp32 products or a
+  // window ATen's attention there takes grouped keys and values repeated per
+  // query head and keeps the copies (Note [Grouped queries in SDPA]).
   bool gpu = false;
+  // Attention's inputs are bfloat16 under any precision (bfloat16 parameters).
+  bool bf16_attention = false;
   double dropout = 0;
   SelectivePolicy selective = SelectivePolicy::kCore;
   bool prefetch = true;      // ZeRO-3 gathers the next unit during the current one

@@ -160,6 +160,16 @@ struct StepActivations {
   OutputBytes out{};
 };
 
+// The share of blocks whose ATen attention keeps grouped k and v repeated (Note [Grouped queries in SDPA]).
+double repeated_kv_share(const model::GptConfig& model, const Workload& w) {
+  if (model.layers == 0) return 0;
+  const at::DeviceType device = w.gpu ? at::kCUDA : at::kCPU;
+  const at::ScalarType dtype = w.precision.bf16() || w.bf16_attention ? at::kBFloat16 : at::kFloat;
+  int64_t repeated = 0;
+  for (int64_t b = 0; b < model.layers; ++b) repeated += !model::sdpa_takes_groups(device, dtype, model.window_of(b) > 0);
+  return static_cast<double>(repeated) / static_cast<double>(model.layers);
+}
+
 StepActivations step_activations(const model::GptConfig& model_config, const Workload& w, const Layout& l, const Sizes& z,
                                  bool loss_in_backward) {
   model::GptConfig model = model_config;
@@ -170,7 +180,7 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   StepActivations a;
   options.selective = w.selective;
   options.norm_kernels = w.norm_kernels;
-  options.repeated_kv = !model::sdpa_takes_groups(w.gpu ? at::kCUDA : at::kCPU, p.bf16() ? at::kBFloat16 : at::kFloat);
+  options.repeated_kv = repeated_kv_share(model, w);
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
   a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = moe_kept + lora_activation_bytes(model, w.lora, options, true);

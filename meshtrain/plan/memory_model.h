@@ -84,7 +84,9 @@ struct ActivationOptions {
   double moe_load = 0;  // Workload::moe_load
   SelectivePolicy selective = SelectivePolicy::kCore;  // with recompute = kSelective
   bool norm_kernels = true;                            // Workload::norm_kernels
-  bool repeated_kv = false;  // "flash" keeps k and v repeated per query head (model::sdpa_takes_groups false)
+  // The share of blocks whose SDPA keeps k and v repeated per query head
+  // (model::sdpa_takes_groups false: fp32 or a window on a GPU).
+  double repeated_kv = 0;
 };
 
 // Note [Op-level recompute]

@@ -44,22 +44,27 @@ void seed_everything(uint64_t seed) {
 class CudaTest : public TrainingTest {};
 
 // The GPU's operators against the CPU's on the same weights: GPT-2's and
-// Llama's blocks in fp32, and grouped queries (2 key/value heads for 4) both
-// ways Note [Grouped queries in SDPA] takes them: repeated in fp32, as they
-// are under bf16 autocast (near fp32: bf16's resolution).
+// Llama's blocks in fp32, and grouped queries (2 key/value heads for 4) each
+// way Note [Grouped queries in SDPA] takes them: repeated in fp32 and under a
+// window's mask, as they are under bf16 autocast without one (near fp32:
+// bf16's resolution).
 TEST_F(CudaTest, ModelForwardBackwardMatchesTheCpu) {
   struct Case {
     std::string preset;
     int64_t kv_heads;
     bool bf16;
+    int64_t window;
   };
-  for (const Case& k : {Case{"tiny", 0, false}, Case{"llama-tiny", 0, false}, Case{"llama-tiny", 2, false},
-                        Case{"llama-tiny", 2, true}}) {
-    const std::string what = k.preset + (k.kv_heads ? " grouped" : "") + (k.bf16 ? " bf16" : "");
+  const at::ScalarType autocast_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  for (const Case& k : {Case{"tiny", 0, false, 0}, Case{"llama-tiny", 0, false, 0}, Case{"llama-tiny", 2, false, 0},
+                        Case{"llama-tiny", 2, true, 0}, Case{"llama-tiny", 2, true, 16}}) {
+    const std::string what = k.preset + (k.kv_heads ? " grouped" : "") + (k.bf16 ? " bf16" : "") +
+                             (k.window ? " window " + std::to_string(k.window) : "");
     model::GptConfig c = model::GptConfig::preset(k.preset);
     c.context = 64;
     c.dropout = 0;
     c.kv_heads = k.kv_heads;
+    c.sliding_window = k.window;
     model::Gpt cpu(c, 7), gpu(c, 7);
     gpu->to(at::Device(at::kCUDA, 0));
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -70,6 +75,7 @@ TEST_F(CudaTest, ModelForwardBackwardMatchesTheCpu) {
     at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
     const at::Tensor got = gpu->loss(x.cuda(), y.cuda());
     at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::set_autocast_dtype(at::kCUDA, autocast_dtype);
     want.backward();
     got.backward();
     EXPECT_TRUE(got.is_cuda());

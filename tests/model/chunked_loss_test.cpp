@@ -13,8 +13,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/record_function.h>
+
+#include <atomic>
 #include <map>
+#include <memory>
 #include <string>
+#include <string_view>
 
 namespace meshtrain::model {
 namespace {
@@ -30,6 +35,14 @@ at::Tensor materialised(const at::Tensor& h, const at::Tensor& w, const at::Tens
   const at::Tensor flat = targets.reshape({-1});
   return at::cross_entropy_loss(z, flat, {}, at::Reduction::Sum, kIgnoredTarget) /
          (flat != kIgnoredTarget).sum().clamp_min(1);
+}
+
+// Calls of the fused cross-entropy kernel's reductions (meshtrain::cross_entropy_rows) while counted.
+std::atomic<int> kernel_calls{0};
+
+std::unique_ptr<at::ObserverContext> count_kernel_calls(const at::RecordFunction& fn) {
+  if (std::string_view(fn.name()) == "meshtrain::cross_entropy_rows") ++kernel_calls;
+  return nullptr;
 }
 
 double relative(const at::Tensor& a, const at::Tensor& b) {
@@ -75,19 +88,23 @@ TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
     for (double cap : {0.0, 5.0}) {
       for (int64_t rows : {int64_t{7}, int64_t{0}}) {  // uneven chunks; one chunk
         for (bool fused : {false, true}) {
-        SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) + (fused ? " fused" : "") +
-                     (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
-        const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
-        const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
-        const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
-        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, fused) * 0.7;
-        const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
-        EXPECT_LT(relative(ours, want), 1e-6);
-        ours.backward();
-        want.backward();
-        EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
-        EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
-        EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
+          SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) + (fused ? " fused" : "") +
+                       (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
+          const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
+          const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
+          const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+          kernel_calls = 0;
+          const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_kernel_calls));
+          const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, fused) * 0.7;
+          at::removeCallback(counting);
+          EXPECT_EQ(kernel_calls > 0, fused && cap == 0) << "the fused kernel's reductions, where they apply";
+          const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
+          EXPECT_LT(relative(ours, want), 1e-6);
+          ours.backward();
+          want.backward();
+          EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
+          EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
+          EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
         }
       }
     }

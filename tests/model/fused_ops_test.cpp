@@ -383,6 +383,7 @@ TEST(FusedOps, ManyCausalBlocksMatchTheReference) {
       return fused::attention(x[0], x[1], x[2], 0.0, true, c.window, 0.1, c.softcap, starts);
     };
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      if (!fused::batched_attention_applies(true, dtype == at::kBFloat16, c.t, 64, 0.0)) continue;  // bf16 with AMX
       expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "causal blocks");
     }
   }
@@ -403,20 +404,24 @@ TEST(FusedOps, SumOfSquaresIsTheDoubleSum) {
 }
 
 // Note [Grouped queries in SDPA]: ATen's attention takes k and v of their own
-// heads where its kernel does (the CPU, 16-bit on CUDA), and they are not
-// copied; fp32 on CUDA gets them repeated. The model's plain path (model.fused
-// off) and its masked path equal ATen's attention on k and v repeated.
+// heads where its kernel does (the CPU, 16-bit without a mask on CUDA), and
+// they are not copied; fp32 or a mask on CUDA gets them repeated. The model's
+// plain path (model.fused off) and its masked path equal ATen's attention on k
+// and v repeated.
 TEST(FusedOps, PlainAttentionTakesGroupedKeysAsTheyAre) {
-  EXPECT_TRUE(sdpa_takes_groups(at::kCPU, at::kFloat));
-  EXPECT_TRUE(sdpa_takes_groups(at::kCUDA, at::kBFloat16));
-  EXPECT_TRUE(sdpa_takes_groups(at::kCUDA, at::kHalf));
-  EXPECT_FALSE(sdpa_takes_groups(at::kCUDA, at::kFloat));
+  for (bool masked : {false, true}) {
+    EXPECT_TRUE(sdpa_takes_groups(at::kCPU, at::kFloat, masked));
+    EXPECT_TRUE(sdpa_takes_groups(at::kCPU, at::kBFloat16, masked));
+    EXPECT_EQ(sdpa_takes_groups(at::kCUDA, at::kBFloat16, masked), !masked);
+    EXPECT_EQ(sdpa_takes_groups(at::kCUDA, at::kHalf, masked), !masked);
+    EXPECT_FALSE(sdpa_takes_groups(at::kCUDA, at::kFloat, masked));
+  }
   const std::vector<at::Tensor> in = {randn({2, 6, 40, 16}, 50, 2.0), randn({2, 2, 40, 16}, 51, 2.0),
                                       randn({2, 2, 40, 16}, 52)};
-  const SdpaKeys kept = sdpa_keys(in[0], in[1], in[2]);
+  const SdpaKeys kept = sdpa_keys(in[0], in[1], in[2], /*masked=*/true);
   EXPECT_TRUE(kept.enable_gqa);
   EXPECT_TRUE(kept.k.is_same(in[1]) && kept.v.is_same(in[2]));
-  EXPECT_FALSE(sdpa_keys(in[0], in[1].repeat_interleave(3, 1), in[2].repeat_interleave(3, 1)).enable_gqa);
+  EXPECT_FALSE(sdpa_keys(in[0], in[1].repeat_interleave(3, 1), in[2].repeat_interleave(3, 1), false).enable_gqa);
   const Op reference = [](auto& x) {
     return at::scaled_dot_product_attention(x[0], x[1].repeat_interleave(3, 1), x[2].repeat_interleave(3, 1), {}, 0.0,
                                             true);

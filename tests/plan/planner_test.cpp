@@ -248,12 +248,12 @@ TEST(PlanFromConfig, CountsTheOperatorsTheDeviceRuns) {
   o.norm_kernels = false;
   const double composed_norms = layer_activation_bytes(aten, o) - with_kernels;
   EXPECT_NEAR(composed_norms, 2 * (o.precision.residual * tokens * c.model.width - 4 * tokens), 1.0);
-  // fp32 on a GPU: SDPA keeps k and v repeated per query head (Note [Grouped queries in SDPA]);
-  // 16-bit products and the CPU take them as they are.
+  // fp32 or a window on a GPU: SDPA keeps k and v repeated per query head (Note [Grouped
+  // queries in SDPA]); 16-bit products without a window and the CPU take them as they are.
   EXPECT_TRUE(gpu.gpu);
   EXPECT_FALSE(cpu.gpu);
   o.norm_kernels = true;
-  o.repeated_kv = true;
+  o.repeated_kv = 1;
   const double repeated = layer_activation_bytes(aten, o) - with_kernels;
   EXPECT_NEAR(repeated, e * tokens * 2 * static_cast<double>(c.model.q_width() - c.model.kv_width()), 1.0);
   Layout l;
@@ -269,6 +269,17 @@ TEST(PlanFromConfig, CountsTheOperatorsTheDeviceRuns) {
   Workload bf16_on_cpu = bf16;
   bf16_on_cpu.gpu = false;
   EXPECT_NEAR(activations(bf16), activations(bf16_on_cpu), 1.0);
+  // bfloat16 parameters make bf16 attention under an fp32 precision (the config's bf16_attention).
+  Workload bf16_params = fp32;
+  bf16_params.bf16_attention = true;
+  EXPECT_NEAR(activations(bf16_params), activations(on_cpu), 1.0);
+  // A window on every other block (Gemma 2's pattern) masks them: their k and v repeated under bf16 too.
+  model::GptConfig windowed = c.model;
+  windowed.sliding_window = 512;
+  windowed.sliding_every = 2;
+  auto windowed_activations = [&](const Workload& w) { return estimate_memory(windowed, w, l, 1)[0].memory.activations; };
+  EXPECT_NEAR(windowed_activations(bf16) - windowed_activations(bf16_on_cpu),
+              blocks / 2 * 2 * tokens * 2 * (2048 - 512), 1.0);
   l.activation_checkpoint = parallel::CheckpointMode::kFull;  // nothing of attention kept
   EXPECT_NEAR(activations(fp32), activations(on_cpu), 1.0);
 }

@@ -150,9 +150,9 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
 // the products take a group's G query heads as the rows of one matrix,
 // [B·Hkv, G·T, d], against its one k and v: no copy of k and v per query head,
 // and backward's pᵀ·dy and dsᵀ·q sum the group's gradients inside the product.
-// The causal split takes each head's first and last rows: q and dy are copied
-// into their halves' order (one q-sized copy each, where repeating k and v
-// cost two forward and their sums backward); with G = 1 these are views.
+// The causal split takes each head's rows of one block at a time: q and dy are
+// copied into the blocks' order (one q-sized copy each, where repeating k and
+// v cost two forward and their sums backward); with G = 1 these are views.
 struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, int64_t window, double score_scale, double softcap,
@@ -281,7 +281,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     if (starts.defined()) mask = mask.logical_and(same_document(starts, starts));
   }
   const bool is_causal = causal && !mask.defined();
-  const SdpaKeys g = sdpa_keys(q, k, v);  // Note [Grouped queries in SDPA]
+  const SdpaKeys g = sdpa_keys(q, k, v, mask.defined());  // Note [Grouped queries in SDPA]
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
   if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {

@@ -28,7 +28,8 @@ namespace meshtrain::model::fused {
 //   rope           the rotation, reading q/k through their strides
 //   attention      on the CPU, scaled-dot-product attention as batched matrix
 //                  multiplies around a fused causal softmax, causal rows split
-//                  to skip the masked quarter (Note [CPU attention], attention.cpp)
+//                  in blocks that skip most of the masked half (Note [CPU
+//                  attention], attention.cpp)
 // AdamW's fused kernel is offload/cpu_adam.h (used by every CPU optimizer step).
 
 // Whether the fused kernels take these tensors: defined, plain (no dispatch
@@ -68,7 +69,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // dropout, keys <= 4 * head_dim.
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout);
 // How many softmax entries per head that path keeps: q_len · k_len, or causal
-// with q_len = k_len = T, h² + (T − h)·T for h = T/2 (3T²/4 for even T).
+// with q_len = k_len = T, Σ rows_i · keys_i over its n blocks of about 64
+// queries ((n+1)T²/2n where n divides T: 5T²/8 at T = 256).
 int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal);
 
 // Which kernel copy runs: "avx512", "avx2" or "default" (Note [Kernel copies]).
