@@ -168,16 +168,21 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::Tensor qg = batched(q, type).view({n, groups, q_len, q.size(3)});
     const float scale = score_scale > 0 ? static_cast<float>(score_scale) : scale_for(q.size(3));
     const float cap = static_cast<float>(softcap);
-    variable_list saved = {kb, vb}, ys;  // then each block's query rows and softmax
+    // y in the layout the output projection reads, [B, T, H, d], each block's
+    // rows written into it: returned as its [B, H, T, d] view, whose
+    // transpose back is a view, not a copy.
+    const int64_t batch = q.size(0), kv_heads = k.size(1);
+    const at::Tensor y = at::empty({batch, q_len, q.size(1), d}, vb.options());
+    const at::Tensor y_heads = y.view({batch, q_len, kv_heads, groups, d}).permute({0, 2, 3, 1, 4});
+    variable_list saved = {kb, vb};  // then each block's query rows and softmax
     for (size_t i = 0; i + 1 < edges.size(); ++i) {
       const int64_t from = edges[i], rows = edges[i + 1] - from, keys = edges.size() > 2 ? edges[i + 1] : k_len;
       const at::Tensor block = group_rows(qg, from, rows);
       const at::Tensor p = block_softmax(block, kb.narrow(1, 0, keys), {scale, cap, causal, from, window, rows, documents});
-      ys.push_back(at::bmm(p, vb.narrow(1, 0, keys)).view({n, groups, rows, d}));
+      y_heads.narrow(3, from, rows).copy_(at::bmm(p, vb.narrow(1, 0, keys)).view({batch, kv_heads, groups, rows, d}));
       saved.push_back(block);
       saved.push_back(p);
     }
-    const at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 2);
     ctx->save_for_backward(saved);
     ctx->saved_data["edges"] = edges;
     ctx->saved_data["q_len"] = q_len;
@@ -188,7 +193,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["types"] = std::vector<int64_t>{int64_t(q.scalar_type()), int64_t(k.scalar_type()),
                                                     int64_t(v.scalar_type())};
-    return y.view({q.size(0), q.size(1), q_len, v.size(3)});
+    return y.transpose(1, 2);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -207,7 +212,12 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::Tensor& dy4 = grads[0];
     const at::Tensor &kb = saved[0], &vb = saved[1];
     const int64_t n = kb.size(0), groups = dy4.size(1) / (n / dy4.size(0)), d = dy4.size(3);
-    const at::Tensor dyg = batched(dy4, saved[3].scalar_type()).reshape({n, groups, q_len, d});
+    // dy's rows of a block as one product's rows, copied once from whatever strides dy has
+    // (the output projection's backward hands them in [B, T, H, d] order).
+    const at::Tensor dy_heads = dy4.view({dy4.size(0), n / dy4.size(0), groups, q_len, d});
+    auto dy_rows = [&](int64_t from, int64_t rows) {
+      return dy_heads.narrow(3, from, rows).to(saved[3].scalar_type()).reshape({n, groups * rows, d});
+    };
     // The last block sees every key: its dk and dv are whole, the others' are added into their first rows.
     const size_t blocks = edges.size() - 1;
     BlockGrads g;
@@ -215,7 +225,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     for (size_t i = blocks; i-- > 0;) {
       const int64_t from = edges[i], rows = edges[i + 1] - from, keys = blocks > 1 ? edges[i + 1] : kb.size(1);
       const BlockGrads b = block_backward(saved[3 + 2 * i], saved[2 + 2 * i], kb.narrow(1, 0, keys),
-                                          vb.narrow(1, 0, keys), group_rows(dyg, from, rows),
+                                          vb.narrow(1, 0, keys), dy_rows(from, rows),
                                           {scale, cap, causal, from, window, rows, documents});
       dq[i] = b.dq.view({n, groups, rows, saved[2 + 2 * i].size(2)});
       if (i + 1 == blocks) {
