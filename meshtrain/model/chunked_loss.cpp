@@ -194,8 +194,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       saved["start"] = shard.start;
       saved["hidden_grad"] = hidden_grad;
       saved["weight_grad"] = weight_grad;
-      saved["fused"] = fused;
-      saved["whole"] = !shard.split();  // the share's collectives are not kept
+      saved["kernel"] = by_kernel.defined();  // the fused kernel's reductions (kernel_targets)
     }
     saved["hidden_type"] = hidden.scalar_type();
     saved["weight_type"] = weight.scalar_type();
@@ -213,8 +212,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const double softcap = saved["softcap"].toDouble();
     const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
-    const at::Tensor by_kernel =
-        kernel_targets(in[2], columns, saved["fused"].toBool(), saved["whole"].toBool(), saved["start"].toInt(), softcap);
+    const at::Tensor by_kernel = saved["kernel"].toBool() ? in[2].contiguous() : at::Tensor();
     at::Tensor dh, dw;
     if (saved["hidden_grad"].toBool()) dh = at::empty_like(h);
     if (saved["weight_grad"].toBool()) dw = at::zeros({w.size(0), w.size(1)}, h.options().dtype(at::kFloat));

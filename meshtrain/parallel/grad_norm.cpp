@@ -1,6 +1,6 @@
 #include "meshtrain/parallel/grad_norm.h"
 
-#include "meshtrain/model/fused/kernels.h"
+#include "meshtrain/model/fused/tensor_args.h"
 
 #include <ATen/record_function.h>
 
@@ -35,9 +35,8 @@ at::Tensor squared_sum(const at::Tensor& x) {
   if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) {  // one read, no copy
     RECORD_FUNCTION("meshtrain::squared_sum", std::vector<c10::IValue>());
     const at::Tensor c = x.contiguous();
-    namespace kernel = model::fused::kernel;
-    const kernel::Dt t = x.scalar_type() == at::kFloat ? kernel::Dt::kFloat : kernel::Dt::kBFloat16;
-    return at::scalar_tensor(kernel::table().sum_squares(c.numel(), c.const_data_ptr(), t), x.options().dtype(at::kDouble));
+    const double sum = model::fused::kernel::table().sum_squares(c.numel(), c.const_data_ptr(), model::fused::detail::dt(c));
+    return at::scalar_tensor(sum, x.options().dtype(at::kDouble));
   }
   const at::Tensor flat = x.reshape({-1});
   at::Tensor total = at::zeros({}, flat.options().dtype(at::kDouble));
