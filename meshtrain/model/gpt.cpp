@@ -1,6 +1,7 @@
 #include "meshtrain/model/gpt.h"
 
 #include "meshtrain/model/chunked_loss.h"
+#include "meshtrain/model/fused/linear.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/qkv_layout.h"
 
@@ -21,9 +22,11 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
 // (under autocast with the bias in bf16 too). libtorch's functional linear,
 // which LinearImpl::forward calls, adds the bias in place after the matmul for
 // such inputs: an fp32 round trip over the output per call under bf16.
-// Distributed tensors keep the module's own forward.
-at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x) {
-  return fused::plain(x) ? at::linear(x, layer->weight, layer->bias) : layer->forward(x);
+// Distributed tensors keep the module's own forward. `fused`: the weight's
+// gradient added into its .grad by the product (Note [Weight gradients in place]).
+at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x, bool fused) {
+  if (!fused::plain(x)) return layer->forward(x);
+  return fused ? fused::linear(x, layer->weight, layer->bias) : at::linear(x, layer->weight, layer->bias);
 }
 
 // x's first 2 * half dims rotated by the angles whose cos and sin are c, s
@@ -162,9 +165,9 @@ at::Tensor CausalSelfAttentionImpl::attend(const at::Tensor& qkv_out, const Batc
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x, const Batch& batch) {
   const HookChain& c = *chain_;
-  const at::Tensor qkv_out = c.call(qkv_name_, x, [this](const at::Tensor& in) { return apply_linear(qkv.get(), in); });
+  const at::Tensor qkv_out = c.call(qkv_name_, x, [this](const at::Tensor& in) { return apply_linear(qkv.get(), in, fused_); });
   const at::Tensor y = c.call(core_name_, qkv_out, [this, batch](const at::Tensor& in) { return attend(in, batch); });
-  const at::Tensor out = c.call(proj_name_, y, [this](const at::Tensor& in) { return apply_linear(proj.get(), in); });
+  const at::Tensor out = c.call(proj_name_, y, [this](const at::Tensor& in) { return apply_linear(proj.get(), in, fused_); });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }
 
@@ -194,11 +197,11 @@ MlpImpl::MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, cons
 at::Tensor MlpImpl::activation(const at::Tensor& x) {
   const HookChain& c = *chain_;
   auto call = [&](const std::string& name, const torch::nn::Linear& layer, const at::Tensor& in) {
-    return c.call(name, in, [impl = layer.ptr()](const at::Tensor& y) { return apply_linear(impl.get(), y); });
+    return c.call(name, in, [impl = layer.ptr(), this](const at::Tensor& y) { return apply_linear(impl.get(), y, fused_); });
   };
   if (fc && fused_ && fused::plain(x)) {
     // The bias is added with the GELU (tensor parallel's plan knows: bias_in_model).
-    const at::Tensor a = c.call(fc_name_, x, [impl = fc.ptr()](const at::Tensor& y) { return at::linear(y, impl->weight); });
+    const at::Tensor a = c.call(fc_name_, x, [impl = fc.ptr()](const at::Tensor& y) { return fused::linear(y, impl->weight, {}); });
     const at::Tensor& bias = fc->bias;
     if (fused::eligible(a) && (!bias.defined() || fused::eligible(bias))) return fused::bias_gelu(a, bias);
     return at::gelu(bias.defined() ? a + bias : a, "tanh");
@@ -214,8 +217,8 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const HookChain& c = *chain_;
   const at::Tensor hidden = activation(x);
   const torch::nn::Linear& out_layer = fc ? proj : down;
-  const at::Tensor out = c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr()](const at::Tensor& y) {
-    return apply_linear(impl.get(), y);
+  const at::Tensor out = c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr(), this](const at::Tensor& y) {
+    return apply_linear(impl.get(), y, fused_);
   });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }

@@ -1,0 +1,72 @@
+#include "meshtrain/model/fused/linear.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <optional>
+
+namespace meshtrain::model::fused {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Whether backward may add dW (in `like`'s dtype and device) into w.grad in
+// place of AccumulateGrad (Note [Weight gradients in place]).
+bool grad_takes_product(const at::Tensor& w, const at::Tensor& like) {
+  if (at::GradMode::is_enabled() || !w.is_leaf()) return false;
+  const at::Tensor& grad = w.grad();
+  if (!grad.defined() || grad.layout() != at::kStrided || !grad.is_contiguous() ||
+      grad.scalar_type() != like.scalar_type() || grad.device() != like.device() || grad.sizes() != w.sizes()) {
+    return false;
+  }
+  const auto* chosen = torch::autograd::get_current_graph_task_exec_info();
+  if (chosen == nullptr || !chosen->empty()) return false;  // autograd::grad(), or backward(inputs=...)
+  const std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::try_get_grad_accumulator(w);
+  return accumulator && accumulator->tensor_pre_hooks().empty() && accumulator->pre_hooks().empty() &&
+         accumulator->retains_grad_hooks().empty() && !accumulator->tensor_post_acc_grad_hooks();
+}
+
+struct Linear : torch::autograd::Function<Linear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["bias"] = bias.has_value();
+    return at::linear(x, w, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const at::Tensor dy = grads[0].reshape({-1, w.size(0)});
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = dy.mm(w).view(x.sizes());
+    if (ctx->needs_input_grad(1)) {
+      const at::Tensor x2 = x.reshape({-1, w.size(1)});
+      if (grad_takes_product(w, dy)) {
+        RECORD_FUNCTION("meshtrain::weight_grad_in_place", std::vector<c10::IValue>());
+        w.mutable_grad().addmm_(dy.t(), x2);
+      } else {
+        dw = dy.t().mm(x2);
+      }
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) db = dy.sum(0);
+    return {dx, dw, db};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
+  if (!at::GradMode::is_enabled() || !weight.requires_grad() || autocast || x.scalar_type() != weight.scalar_type()) {
+    return at::linear(x, weight, bias);
+  }
+  return Linear::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+}
+
+}  // namespace meshtrain::model::fused

@@ -1,0 +1,29 @@
+// x·Wᵀ + b whose weight gradient is added into W's persistent .grad by the
+// product itself (Note [Weight gradients in place]).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace meshtrain::model::fused {
+
+// Note [Weight gradients in place]
+// Where a parameter's .grad persists across backwards (data parallel's flat
+// buckets, ZeRO's and FSDP's aliases), autograd's AccumulateGrad adds each new
+// gradient into it: `grad += dW`, a pass that reads two weight-sized tensors
+// and writes one, after the product wrote dW into a tensor of its own. This
+// linear's backward instead lets the product add into .grad (addmm_ with
+// beta = 1, as Megatron's gradient-accumulation fusion does) and hands
+// AccumulateGrad no gradient; its post-hooks (data parallel's bucket counts,
+// FSDP's reducer) still run. It does so only where AccumulateGrad would have
+// taken exactly that in-place branch:
+// - grad mode off in backward (no create_graph) and the engine running a
+//   whole backward, not autograd::grad() over chosen inputs;
+// - W a leaf whose .grad is defined, dense, contiguous and of the product's
+//   dtype and device (not under autocast, whose products are 16-bit);
+// - no hooks on W's accumulator that would see or change the gradient first
+//   (register_hook, retain_grad, post-accumulate hooks).
+// Anywhere else it returns dW as at::linear's backward would. Plain tensors
+// only (the model keeps a distributed tensor's own operators).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
+}  // namespace meshtrain::model::fused

@@ -1,0 +1,121 @@
+// The linear whose product adds the weight's gradient into its persistent
+// .grad (Note [Weight gradients in place]): the gradients of at::linear, taken
+// in place only where AccumulateGrad would have added in place, and its
+// post-hooks still told.
+#include "meshtrain/model/fused/linear.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/record_function.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <string_view>
+
+namespace meshtrain::model {
+namespace {
+
+at::Tensor seeded_normal(at::IntArrayRef sizes, uint64_t seed) {
+  return at::randn(sizes, at::make_generator<at::CPUGeneratorImpl>(seed), at::kFloat);
+}
+
+std::atomic<int> products_in_place{0};
+
+std::unique_ptr<at::ObserverContext> count_products_in_place(const at::RecordFunction& fn) {
+  if (std::string_view(fn.name()) == "meshtrain::weight_grad_in_place") ++products_in_place;
+  return nullptr;
+}
+
+// Counts the accumulator's post-hook calls, as data parallel's bucket counts do.
+struct CountingHook : torch::autograd::FunctionPostHook {
+  explicit CountingHook(int* calls) : calls(calls) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    ++*calls;
+    return outputs;
+  }
+  int* calls;
+};
+
+struct Leaves {
+  at::Tensor x, w, b;
+};
+
+Leaves linear_leaves(bool grads_defined) {
+  Leaves l{seeded_normal({3, 5, 8}, 1).requires_grad_(true), seeded_normal({6, 8}, 2).requires_grad_(true),
+           seeded_normal({6}, 3).requires_grad_(true)};
+  if (grads_defined) {
+    l.w.mutable_grad() = seeded_normal({6, 8}, 4);  // what earlier micro-batches left
+    l.b.mutable_grad() = seeded_normal({6}, 5);
+  }
+  return l;
+}
+
+Leaves copy_of(const Leaves& l) {
+  Leaves c{l.x.detach().clone().requires_grad_(true), l.w.detach().clone().requires_grad_(true),
+           l.b.detach().clone().requires_grad_(true)};
+  if (l.w.grad().defined()) c.w.mutable_grad() = l.w.grad().clone();
+  if (l.b.grad().defined()) c.b.mutable_grad() = l.b.grad().clone();
+  return c;
+}
+
+// Runs backward of a weighted sum of the outputs; the number of in-place products.
+int run_backward(const at::Tensor& y) {
+  products_in_place = 0;
+  const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_products_in_place));
+  (y * seeded_normal(y.sizes(), 6)).sum().backward();
+  at::removeCallback(counting);
+  return products_in_place;
+}
+
+TEST(FusedLinear, AddsIntoAPersistentGradientAsAccumulateGradWould) {
+  for (bool grads_defined : {true, false}) {
+    SCOPED_TRACE(grads_defined ? "gradients held from before" : "no gradients yet");
+    const Leaves ours = linear_leaves(grads_defined), want = copy_of(ours);
+    int hook_calls = 0;
+    const auto accumulator = torch::autograd::impl::grad_accumulator(ours.w);  // the tensor holds it weakly
+    accumulator->add_post_hook(std::make_unique<CountingHook>(&hook_calls));
+    const at::Tensor y = fused::linear(ours.x, ours.w, ours.b);
+    EXPECT_TRUE(torch::allclose(y, at::linear(want.x, want.w, want.b)));
+    EXPECT_EQ(run_backward(y), grads_defined ? 1 : 0) << "in place exactly where .grad persists";
+    run_backward(at::linear(want.x, want.w, want.b));
+    EXPECT_EQ(hook_calls, 1) << "the accumulator's post-hooks still run";
+    EXPECT_TRUE(torch::allclose(ours.w.grad(), want.w.grad(), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(ours.b.grad(), want.b.grad(), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(ours.x.grad(), want.x.grad(), 1e-5, 1e-5));
+  }
+}
+
+TEST(FusedLinear, LeavesTheGradientToAutogradWhereSomethingWatchesIt) {
+  {
+    SCOPED_TRACE("a hook on the weight sees and doubles its gradient");
+    const Leaves ours = linear_leaves(true), want = copy_of(ours);
+    ours.w.register_hook([](const at::Tensor& g) { return g * 2; });
+    want.w.register_hook([](const at::Tensor& g) { return g * 2; });
+    EXPECT_EQ(run_backward(fused::linear(ours.x, ours.w, ours.b)), 0);
+    run_backward(at::linear(want.x, want.w, want.b));
+    EXPECT_TRUE(torch::allclose(ours.w.grad(), want.w.grad(), 1e-5, 1e-5));
+  }
+  {
+    SCOPED_TRACE("autograd::grad over chosen inputs returns dW and leaves .grad alone");
+    const Leaves ours = linear_leaves(true), want = copy_of(ours);
+    const at::Tensor y = fused::linear(ours.x, ours.w, ours.b), g = seeded_normal(y.sizes(), 7);
+    const at::Tensor dw = torch::autograd::grad({(y * g).sum()}, {ours.w})[0];
+    const at::Tensor dw_want = torch::autograd::grad({(at::linear(want.x, want.w, want.b) * g).sum()}, {want.w})[0];
+    EXPECT_TRUE(torch::allclose(dw, dw_want, 1e-5, 1e-5));
+    EXPECT_TRUE(torch::equal(ours.w.grad(), want.w.grad()));
+  }
+  {
+    SCOPED_TRACE("a frozen weight: at::linear itself, no weight gradient");
+    const Leaves ours = linear_leaves(false);
+    ours.w.requires_grad_(false);
+    EXPECT_EQ(run_backward(fused::linear(ours.x, ours.w, ours.b)), 0);
+    EXPECT_FALSE(ours.w.grad().defined());
+    EXPECT_TRUE(ours.x.grad().defined());
+  }
+}
+
+}  // namespace
+}  // namespace meshtrain::model
