@@ -444,12 +444,14 @@ double sum_squares(int64_t n, const void* x, Dt t) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t offset = b * kBlock, length = std::min(kBlock, n - offset);
       const float* v = read_row(x, t, offset, length, scratch.data());
-      double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // one vector of doubles
+      // Four vectors of doubles: four chains of adds the core runs side by side,
+      // where one waited on each add's latency.
+      double lanes[32] = {};
       int64_t i = 0;
-      for (; i + 8 <= length; i += 8) {
-        for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(v[i + j]) * v[i + j];
+      for (; i + 32 <= length; i += 32) {
+        for (int j = 0; j < 32; ++j) lanes[j] += static_cast<double>(v[i + j]) * v[i + j];
       }
-      for (; i < length; ++i) lanes[0] += static_cast<double>(v[i]) * v[i];
+      for (; i < length; ++i) lanes[i % 32] += static_cast<double>(v[i]) * v[i];
       for (double lane : lanes) partial[b] += lane;
     }
   });
