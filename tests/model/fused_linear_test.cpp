@@ -1,8 +1,10 @@
 // The linear whose product adds the weight's gradient into its persistent
 // .grad (Note [Weight gradients in place]): the gradients of at::linear, taken
-// in place only where AccumulateGrad would have added in place, and its
-// post-hooks still told.
+// in place only where AccumulateGrad would have added in place, its
+// post-hooks still told, and in a whole model's linear layers.
 #include "meshtrain/model/fused/linear.h"
+
+#include "meshtrain/model/gpt.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/record_function.h>
@@ -12,6 +14,8 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <map>
+#include <string>
 #include <string_view>
 
 namespace meshtrain::model {
@@ -74,6 +78,7 @@ TEST(FusedLinear, AddsIntoAPersistentGradientAsAccumulateGradWould) {
   for (bool grads_defined : {true, false}) {
     SCOPED_TRACE(grads_defined ? "gradients held from before" : "no gradients yet");
     const Leaves ours = linear_leaves(grads_defined), want = copy_of(ours);
+    const void* held = grads_defined ? ours.w.grad().const_data_ptr() : nullptr;
     int hook_calls = 0;
     const auto accumulator = torch::autograd::impl::grad_accumulator(ours.w);  // the tensor holds it weakly
     accumulator->add_post_hook(std::make_unique<CountingHook>(&hook_calls));
@@ -82,6 +87,7 @@ TEST(FusedLinear, AddsIntoAPersistentGradientAsAccumulateGradWould) {
     EXPECT_EQ(run_backward(y), grads_defined ? 1 : 0) << "in place exactly where .grad persists";
     run_backward(at::linear(want.x, want.w, want.b));
     EXPECT_EQ(hook_calls, 1) << "the accumulator's post-hooks still run";
+    if (held) EXPECT_EQ(ours.w.grad().const_data_ptr(), held) << "added into the held tensor, not replaced";
     EXPECT_TRUE(torch::allclose(ours.w.grad(), want.w.grad(), 1e-5, 1e-5));
     EXPECT_TRUE(torch::allclose(ours.b.grad(), want.b.grad(), 1e-5, 1e-5));
     EXPECT_TRUE(torch::allclose(ours.x.grad(), want.x.grad(), 1e-5, 1e-5));
@@ -114,6 +120,42 @@ TEST(FusedLinear, LeavesTheGradientToAutogradWhereSomethingWatchesIt) {
     EXPECT_EQ(run_backward(fused::linear(ours.x, ours.w, ours.b)), 0);
     EXPECT_FALSE(ours.w.grad().defined());
     EXPECT_TRUE(ours.x.grad().defined());
+  }
+}
+
+// A Llama-style model's linear layers (qkv, proj, gate, up, down) over two
+// micro-batches into held zeroed gradients, as data parallel's buckets hold
+// them: every product adds in place, and the gradients are the reference
+// model's (model.fused off: ATen's linear and AccumulateGrad).
+TEST(FusedLinear, AModelsLinearLayersAddIntoHeldGradients) {
+  GptConfig config = GptConfig::preset("llama-tiny");
+  config.layers = 2;
+  config.context = 16;
+  config.kv_heads = 2;
+  GptConfig reference_config = config;
+  reference_config.fused = false;
+  Gpt fused_model(config, 3), reference(reference_config, 3);
+  std::map<std::string, const void*> held;
+  for (Gpt* model : {&fused_model, &reference}) {
+    for (auto& item : (*model)->named_parameters()) {
+      item.value().mutable_grad() = at::zeros_like(item.value());
+      if (model == &fused_model) held[item.key()] = item.value().grad().const_data_ptr();
+    }
+  }
+  const at::Tensor tokens =
+      at::randint(config.vocab_size, {2, 3, 17}, at::make_generator<at::CPUGeneratorImpl>(4), at::kLong);
+  int taken = 0;
+  for (int64_t micro = 0; micro < 2; ++micro) {
+    const at::Tensor input = tokens[micro].narrow(1, 0, 16), targets = tokens[micro].narrow(1, 1, 16);
+    taken += run_backward(fused_model->loss(input, targets));
+    run_backward(reference->loss(input, targets));
+  }
+  EXPECT_EQ(taken, 2 * config.layers * 5) << "five products a block, two micro-batches";
+  const auto fused_parameters = fused_model->named_parameters();
+  for (const auto& item : reference->named_parameters()) {
+    const at::Tensor& grad = fused_parameters[item.key()].grad();
+    EXPECT_EQ(grad.const_data_ptr(), held[item.key()]) << item.key();
+    EXPECT_TRUE(torch::allclose(grad, item.value().grad(), 1e-4, 1e-6)) << item.key();
   }
 }
 

@@ -3,10 +3,12 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <optional>
+#include <vector>
 
 namespace meshtrain::model::fused {
 
@@ -18,7 +20,8 @@ using torch::autograd::variable_list;
 // Whether backward may add dW (in `like`'s dtype and device) into w.grad in
 // place of AccumulateGrad (Note [Weight gradients in place]).
 bool grad_takes_product(const at::Tensor& w, const at::Tensor& like) {
-  if (at::GradMode::is_enabled() || !w.is_leaf()) return false;
+  if (!like.device().is_cpu() || at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return false;
+  if (!w.is_leaf() || !w.requires_grad()) return false;
   const at::Tensor& grad = w.grad();
   if (!grad.defined() || grad.layout() != at::kStrided || !grad.is_contiguous() ||
       grad.scalar_type() != like.scalar_type() || grad.device() != like.device() || grad.sizes() != w.sizes()) {
@@ -36,7 +39,12 @@ struct Linear : torch::autograd::Function<Linear> {
                             const std::optional<at::Tensor>& bias) {
     ctx->save_for_backward({x, w});
     ctx->saved_data["bias"] = bias.has_value();
-    return at::linear(x, w, bias);
+    // As at::linear folds [.., in] into one product, but the result is no view
+    // (a custom function's view output would refuse later in-place changes).
+    const at::Tensor x2 = x.reshape({-1, w.size(1)});
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = w.size(0);
+    return at::_unsafe_view(bias ? at::addmm(*bias, x2, w.t()) : at::mm(x2, w.t()), sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

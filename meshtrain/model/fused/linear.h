@@ -8,7 +8,7 @@ namespace meshtrain::model::fused {
 
 // Note [Weight gradients in place]
 // Where a parameter's .grad persists across backwards (data parallel's flat
-// buckets, ZeRO's and FSDP's aliases), autograd's AccumulateGrad adds each new
+// buckets, ZeRO-1's unit buffers), autograd's AccumulateGrad adds each new
 // gradient into it: `grad += dW`, a pass that reads two weight-sized tensors
 // and writes one, after the product wrote dW into a tensor of its own. This
 // linear's backward instead lets the product add into .grad (addmm_ with
@@ -16,14 +16,22 @@ namespace meshtrain::model::fused {
 // AccumulateGrad no gradient; its post-hooks (data parallel's bucket counts,
 // FSDP's reducer) still run. It does so only where AccumulateGrad would have
 // taken exactly that in-place branch:
-// - grad mode off in backward (no create_graph) and the engine running a
-//   whole backward, not autograd::grad() over chosen inputs;
-// - W a leaf whose .grad is defined, dense, contiguous and of the product's
-//   dtype and device (not under autocast, whose products are 16-bit);
+// - grad mode off in backward (no create_graph), anomaly mode off (whose check
+//   reads the returned gradients), and the engine running a whole backward,
+//   not autograd::grad() over chosen inputs;
+// - W a leaf that requires grad, whose .grad is defined, dense, contiguous
+//   and of the product's dtype (fp32, or bf16 parameters' bf16 gradients; not
+//   under autocast, whose products are 16-bit against fp32 gradients);
 // - no hooks on W's accumulator that would see or change the gradient first
-//   (register_hook, retain_grad, post-accumulate hooks).
-// Anywhere else it returns dW as at::linear's backward would. Plain tensors
-// only (the model keeps a distributed tensor's own operators).
+//   (register_hook, as tensor parallel's reductions are; post-accumulate hooks);
+// - on the CPU: on a GPU the product would run on the node's stream, and an
+//   AccumulateGrad handed no gradient orders nothing after it, so a bucket's
+//   all-reduce on another stream could read .grad too early.
+// The sum is rounded once where the product and the add rounded twice.
+// Anywhere else (ZeRO-2 and -3 reset .grad after each reduction) it returns
+// dW as at::linear's backward would. Plain tensors only (the model keeps a
+// distributed tensor's own operators). Like the in-place add it replaces, it
+// assumes one backward at a time per weight.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace meshtrain::model::fused
