@@ -248,7 +248,12 @@ void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::W
   }
   // --auto writes a config train runs, and train's bfloat16 is autocast.
   if (!o.auto_path.empty() && workload.precision.name == "bf16-mixed") workload.precision = plan::Precision::parse("bf16-autocast");
+  if (o.loss == "loss-parallel" && !o.auto_path.empty()) {
+    throw std::invalid_argument("--loss loss-parallel models PyTorch's loss_parallel, which train does not run; --auto "
+                                "writes what train runs: give --loss chunked or whole");
+  }
   if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
+  workload.torch_loss_parallel = o.loss == "loss-parallel";
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   const MoeLoad moe = moe_load_of(o.moe_load);
   if (moe.load > 0) workload.moe_load = moe.load, workload.moe_kept = moe.kept;
@@ -269,7 +274,7 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
               "loss%s\n",
               (long long)world, (long long)m.devices_per_node, plan::format_bytes(m.device_memory).c_str(),
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str(),
-              w.chunked_loss ? "chunked" : "whole-logits",
+              w.chunked_loss ? "chunked" : w.torch_loss_parallel ? "whole-logits (PyTorch's loss_parallel)" : "whole-logits",
               w.selective == plan::SelectivePolicy::kOps ? ", selective recompute op-level" : "");
   if (model.moe() && !w.moe_load_by_ep.empty()) {
     std::printf("experts  the busiest rank computes x tokens x top_k per layer, by expert parallel degree:");
@@ -495,8 +500,11 @@ PlanCommand::PlanCommand(CLI::App& app) {
       ->check(CLI::IsMember({"core", "ops"}));
   p->add_option("--loss", o_.loss,
                 "chunked (no logits beyond one chunk) or whole (the logits and an fp32 log-softmax, as PyTorch's "
-                "cross_entropy keeps them; --auto writes model.chunked_loss = false) (default: the model's)")
-      ->check(CLI::IsMember({"chunked", "whole"}));
+                "cross_entropy keeps them; --auto writes model.chunked_loss = false) or loss-parallel (the whole "
+                "logits split over the vocabulary through PyTorch's loss_parallel, as torchtitan trains with tensor "
+                "parallel: their fp32 copy and the decomposed log-softmax's intermediates; for comparing with such "
+                "runs, train does not run it) (default: the model's)")
+      ->check(CLI::IsMember({"chunked", "whole", "loss-parallel"}));
   p->add_option("--moe-load", o_.moe_load,
                 "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k under expert "
                 "parallel, or a training run's metrics.jsonl (any layout), which reports it at every expert parallel "

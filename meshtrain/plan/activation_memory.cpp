@@ -67,10 +67,31 @@ OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, 
   return {norm + e * z.u + weight, chunk + gathered, 4 * z.u};
 }
 
+// Note [PyTorch's loss_parallel]
+// torchtitan trains with tensor parallel under PyTorch's loss_parallel
+// (torch/distributed/tensor/parallel/loss.py): the head's bf16 logits, split
+// over the vocabulary, are cast to fp32 by the loss (`pred.float()`), and the
+// log-softmax is the decomposition with all-reduces inserted: x − max, then
+// exp of it summed, then x − max − log-sum-exp. With L logits on the rank,
+// at the exp the caller's bf16 logits, their fp32 copy, the shifted copy and
+// the exp are alive (eL + 12L), and the log-probabilities (4L) stay to the
+// backward. Its backward fuses nll_loss's and log_softmax's: a zeroed 4L
+// scattered with −1 at the targets, plus exp of the log-probabilities (4L),
+// their sum (4L), times the loss's gradient (4L): three such tensors beside
+// the kept log-probabilities at its peak (12L), where meshtrain's own
+// vocabulary-parallel loss holds one (parallel/tensor_parallel_ops.cpp).
+// Under sequence parallel the head's column-parallel linear all-gathers the
+// final norm's output and saves it whole, where meshtrain keeps its shard.
+OutputBytes torch_loss_parallel_bytes(double head_inputs, double e, double logits) {
+  const double fp32_copy = e < 4 ? 4 * logits : 0;
+  return {head_inputs + 4 * logits, e * logits + fp32_copy + 4 * logits, 12 * logits};
+}
+
 }  // namespace
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, double chunk_bytes, bool norm_kernels, bool in_backward) {
+                         bool chunked_loss, double chunk_bytes, bool norm_kernels, bool in_backward,
+                         bool torch_loss_parallel) {
   if (chunked_loss) return chunked_output_bytes(model, z, p, chunk_bytes, norm_kernels, in_backward);
   const double e = p.activation;
   // The final norm's input, the head's input, and autocast's copy of the head the product keeps.
@@ -78,6 +99,10 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
                              p.weight_copy * z.split(static_cast<double>(model.vocab_size)) * static_cast<double>(model.width);
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
   if (fused_loss && z.t == 1) return {head_inputs + e * logits + 4 * z.tokens, 0, e * logits};
+  if (torch_loss_parallel && z.t > 1) {
+    const double gathered = z.sp ? e * (z.u - z.region(z.u)) : 0;  // the head's input, whole
+    return torch_loss_parallel_bytes(head_inputs + gathered, e, logits);
+  }
   const double low_precision = e < 4 ? 1 : 0;
   return {head_inputs + 4 * logits, logits * (e + 4 * low_precision),
           (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};

@@ -75,6 +75,11 @@ struct Workload {
   // kept to the backward, or made in the backward where a pipeline schedule
   // holds several losses at once.
   bool chunked_loss = true;
+  // With the whole logits split over the vocabulary (tensor parallel): PyTorch's
+  // loss_parallel, as torchtitan trains (Note [PyTorch's loss_parallel] in
+  // activation_memory.cpp), in place of meshtrain's own vocabulary-parallel
+  // loss. For comparing with such runs; train does not run it.
+  bool torch_loss_parallel = false;
   // Its chunks' fp32 logits at most (model::loss_chunk_bytes: 256 MiB, 1 GiB on a GPU).
   double loss_chunk_bytes = 256.0 * (1 << 20);
   // The fused CPU operators run (model.fused, on the CPU, on plain tensors).

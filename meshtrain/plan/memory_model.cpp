@@ -191,7 +191,8 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   if (op_level_recompute(l, w)) {
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, w.norm_kernels, loss_in_backward);
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, w.norm_kernels, loss_in_backward,
+                       w.torch_loss_parallel);
   a.boundary = p.residual * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }

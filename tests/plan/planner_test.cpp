@@ -7,6 +7,7 @@
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/expert_parallel.h"
 #include "meshtrain/parallel/pipeline/schedule.h"
+#include "meshtrain/plan/activation_memory.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/machines.h"
 #include "meshtrain/plan/search.h"
@@ -211,6 +212,30 @@ TEST(PlanPublished, TorchtitanLlama31EightBWithinTenPercent) {
     EXPECT_LT(planned, published) << devices;
     EXPECT_GT(planned, 0.9 * published) << devices;
   }
+}
+
+// PyTorch's loss_parallel (Note [PyTorch's loss_parallel]) over L bf16 logits
+// per rank: the log-probabilities kept (4L), at the forward's exp the bf16
+// logits, their fp32 copy and the shifted copy beside it (2L + 4L + 4L), at
+// its backward three fp32 tensors (12L); under sequence parallel the head's
+// input whole. Meshtrain's own vocabulary-parallel loss is unchanged by it,
+// and one tensor-parallel rank is plain cross-entropy either way.
+TEST(PlanMemoryFormula, TorchLossParallelKeepsItsDecompositionsTensors) {
+  model::GptConfig m = model::GptConfig::preset("llama3.2-1b");
+  m.context = 1024;
+  const Precision p = Precision::parse("bf16-mixed");
+  const Sizes z = sizes(m, 2, 8, true, 1);
+  const double logits = z.tokens * static_cast<double>(m.vocab_size) / 8;
+  const OutputBytes ours = output_bytes(m, z, p, false, false, 0, true, false);
+  const OutputBytes torch_parallel = output_bytes(m, z, p, false, false, 0, true, false, true);
+  EXPECT_DOUBLE_EQ(torch_parallel.kept - ours.kept, p.activation * (z.u - z.u / 8));
+  EXPECT_DOUBLE_EQ(torch_parallel.forward, (2 + 4 + 4) * logits);
+  EXPECT_DOUBLE_EQ(torch_parallel.backward, 12 * logits);
+  const Sizes one = sizes(m, 2, 1, false, 1);
+  const OutputBytes a = output_bytes(m, one, p, false, false, 0, true, false),
+                    b = output_bytes(m, one, p, false, false, 0, true, false, true);
+  EXPECT_DOUBLE_EQ(a.kept, b.kept);
+  EXPECT_DOUBLE_EQ(a.backward, b.backward);
 }
 
 // The fused CPU operators run only on the CPU: a config for a GPU is planned
