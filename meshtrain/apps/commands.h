@@ -252,7 +252,8 @@ struct PlanOptions {
   std::string precision;            // "bf16-mixed" | "bf16-autocast" | "fp32" (default: bf16-mixed for presets, a config's own)
   std::string attention;            // "flash" | "math" | "batched"
   std::string selective = "core";   // what recompute=selective keeps: "core" (the trainer's) | "ops" (op-level)
-  std::string loss;                 // "chunked" | "whole" (default: the model's model.chunked_loss)
+  std::string loss;                 // "chunked" | "whole" | "loss-parallel" (default: the model's model.chunked_loss)
+  std::string pipeline_fsdp = "meshtrain";  // ZeRO-2/3 under a pipeline: "meshtrain" | "torch" (FSDP2 under torch's pipelining)
   std::string moe_load;             // mixture of experts: the busiest rank's expert load, or a metrics.jsonl ("": balanced)
   bool json = false;
   int top = 10;

@@ -254,6 +254,11 @@ void apply_workload_flags(const PlanOptions& o, model::GptConfig& model, plan::W
   }
   if (!o.loss.empty()) workload.chunked_loss = model.chunked_loss = o.loss == "chunked";
   workload.torch_loss_parallel = o.loss == "loss-parallel";
+  if (o.pipeline_fsdp == "torch" && !o.auto_path.empty()) {
+    throw std::invalid_argument("--pipeline-fsdp torch models FSDP2 under torch's pipelining, which train does not run; "
+                                "--auto writes what train runs: leave --pipeline-fsdp out");
+  }
+  workload.torch_pipeline_fsdp = o.pipeline_fsdp == "torch";
   if (o.global_batch > 0) workload.global_batch = o.global_batch;
   const MoeLoad moe = moe_load_of(o.moe_load);
   if (moe.load > 0) workload.moe_load = moe.load, workload.moe_kept = moe.kept;
@@ -276,6 +281,7 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str(),
               w.chunked_loss ? "chunked" : w.torch_loss_parallel ? "whole-logits (PyTorch's loss_parallel)" : "whole-logits",
               w.selective == plan::SelectivePolicy::kOps ? ", selective recompute op-level" : "");
+  if (w.torch_pipeline_fsdp) std::printf("         ZeRO-2/3 under a pipeline as FSDP2 under torch's pipelining: gradients whole, fp32\n");
   if (model.moe() && !w.moe_load_by_ep.empty()) {
     std::printf("experts  the busiest rank computes x tokens x top_k per layer, by expert parallel degree:");
     for (const auto& [ep, load] : w.moe_load_by_ep) std::printf(" %lld: %.2f", (long long)ep, load);
@@ -505,6 +511,13 @@ PlanCommand::PlanCommand(CLI::App& app) {
                 "parallel: their fp32 copy and the decomposed log-softmax's intermediates; for comparing with such "
                 "runs, train does not run it) (default: the model's)")
       ->check(CLI::IsMember({"chunked", "whole", "loss-parallel"}));
+  p->add_option("--pipeline-fsdp", o_.pipeline_fsdp,
+                "ZeRO-2/3 under a pipeline: meshtrain (gradients sharded each micro-batch) or torch (FSDP2 under "
+                "torch.distributed.pipelining, as torchtitan runs it: gradient sync off for every micro-batch but the "
+                "last, each parameter's unsharded gradient accumulated in fp32 through the step; for comparing with such "
+                "runs, train does not run it)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"meshtrain", "torch"}));
   p->add_option("--moe-load", o_.moe_load,
                 "Mixture of experts: assignments the busiest rank computes per layer over tokens x top_k under expert "
                 "parallel, or a training run's metrics.jsonl (any layout), which reports it at every expert parallel "

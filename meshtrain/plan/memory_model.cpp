@@ -200,11 +200,14 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
 // Parameters, gradients and optimizer states of `psi` parameters on a rank,
 // sharded as the ZeRO stage shards them, and what offload moves to the host.
 // `trained`: of those, the ones that take gradients and optimizer states (all but LoRA's frozen base).
-MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi, double trained) {
+// `torch_pipeline_fsdp` (Workload::torch_pipeline_fsdp): under a pipeline,
+// ZeRO-2/3's gradients whole and in fp32 through the step.
+MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi, double trained, bool torch_pipeline_fsdp) {
   const double shards = static_cast<double>(l.shards());
   MemoryBreakdown states;
   states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
   states.gradients = p.grad * trained / (l.dims.zero_stage >= 2 ? shards : 1);
+  if (torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2) states.gradients = 4 * trained;
   states.optimizer = p.optimizer * trained / (l.dims.zero_stage >= 1 ? shards : 1);
   // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
   // the host (in fp32 training the masters were the parameters, so the host
@@ -399,7 +402,8 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
     rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * r.local_experts;
     const double trained = r.lora ? dense_layers * r.trained_block + static_cast<double>(rank.moe_layers) * r.trained_moe_block
                                   : psi;
-    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi, trained), schedule.actions[pr], terms);
+    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi, trained, w.torch_pipeline_fsdp),
+                               schedule.actions[pr], terms);
     ranks.push_back(rank);
   }
   return ranks;

@@ -169,6 +169,8 @@ expect_error "--selective ops models op-level recompute, which train does not ru
   --selective ops --auto "$dir/ops.toml"
 expect_error "--loss loss-parallel models PyTorch's loss_parallel, which train does not run" --model small --world 2 \
   --loss loss-parallel --auto "$dir/loss-parallel.toml"
+expect_error "--pipeline-fsdp torch models FSDP2 under torch's pipelining, which train does not run" --model small \
+  --world 2 --pipeline-fsdp torch --auto "$dir/torch-pp.toml"
 expect_error "--moe-load 1.2x: give a load (e.g. 1.2) or a training run's metrics.jsonl" --model mixtral-8x7b --world 64 \
   --moe-load 1.2x
 echo '{"step": 2, "moe": [{"block": 1, "rank_load": 0.8, "dropped": 0.2, "ep": 1}]}' > "$dir/ep1.jsonl"

@@ -214,6 +214,28 @@ TEST(PlanPublished, TorchtitanLlama31EightBWithinTenPercent) {
   }
 }
 
+// FSDP2 under torch.distributed.pipelining (Workload::torch_pipeline_fsdp):
+// each pipeline rank's gradients whole and in fp32 (4 bytes a parameter)
+// where ZeRO-2 shards them (2 bytes over N; ZeRO-3 takes no pipeline); without a pipeline, and
+// at ZeRO-1, nothing changes.
+TEST(PlanMemoryFormula, TorchPipelineFsdpKeepsWholeFp32Gradients) {
+  const model::GptConfig m = model::GptConfig::preset("llama2-7b");
+  Workload ours, torch_pipeline;
+  torch_pipeline.torch_pipeline_fsdp = true;
+  for (const std::string layout : {"pp=2 zero=2 fsdp=4", "pp=4 zero=2 fsdp=2", "pp=2 zero=1 fsdp=4", "zero=3 fsdp=8"}) {
+    const Layout l = Layout::parse(layout);
+    const std::vector<RankMemory> a = estimate_memory(m, ours, l, 1), b = estimate_memory(m, torch_pipeline, l, 1);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t r = 0; r < a.size(); ++r) {
+      const double psi = a[r].parameter_count, n = static_cast<double>(l.shards());
+      const bool whole = l.dims.pp > 1 && l.dims.zero_stage >= 2;
+      EXPECT_DOUBLE_EQ(a[r].memory.gradients, l.dims.zero_stage >= 2 ? 2 * psi / n : 2 * psi) << layout;
+      EXPECT_DOUBLE_EQ(b[r].memory.gradients, whole ? 4 * psi : a[r].memory.gradients) << layout;
+      EXPECT_DOUBLE_EQ(b[r].memory.parameters, a[r].memory.parameters) << layout;
+    }
+  }
+}
+
 // PyTorch's loss_parallel (Note [PyTorch's loss_parallel]) over L bf16 logits
 // per rank: the log-probabilities kept (4L), at the forward's exp the bf16
 // logits, their fp32 copy and the shifted copy beside it (2L + 4L + 4L), at
