@@ -281,7 +281,7 @@ void print_header(const model::GptConfig& model, const std::string& name, const 
               w.precision.name.c_str(), (long long)w.global_batch, (long long)model.context, w.attention.c_str(),
               w.chunked_loss ? "chunked" : w.torch_loss_parallel ? "whole-logits (PyTorch's loss_parallel)" : "whole-logits",
               w.selective == plan::SelectivePolicy::kOps ? ", selective recompute op-level" : "");
-  if (w.torch_pipeline_fsdp) std::printf("         ZeRO-2/3 under a pipeline as FSDP2 under torch's pipelining: gradients whole, fp32\n");
+  if (w.torch_pipeline_fsdp) std::printf("         ZeRO-2 under a pipeline as FSDP2 under torch's pipelining: gradients whole, fp32\n");
   if (model.moe() && !w.moe_load_by_ep.empty()) {
     std::printf("experts  the busiest rank computes x tokens x top_k per layer, by expert parallel degree:");
     for (const auto& [ep, load] : w.moe_load_by_ep) std::printf(" %lld: %.2f", (long long)ep, load);
@@ -512,10 +512,10 @@ PlanCommand::PlanCommand(CLI::App& app) {
                 "runs, train does not run it) (default: the model's)")
       ->check(CLI::IsMember({"chunked", "whole", "loss-parallel"}));
   p->add_option("--pipeline-fsdp", o_.pipeline_fsdp,
-                "ZeRO-2/3 under a pipeline: meshtrain (gradients sharded each micro-batch) or torch (FSDP2 under "
-                "torch.distributed.pipelining, as torchtitan runs it: gradient sync off for every micro-batch but the "
-                "last, each parameter's unsharded gradient accumulated in fp32 through the step; for comparing with such "
-                "runs, train does not run it)")
+                "ZeRO-2 under a pipeline: meshtrain (gradients sharded each micro-batch) or torch (FSDP2 under "
+                "torch.distributed.pipelining, as torchtitan runs it: gradient sync off, each parameter's unsharded "
+                "gradient accumulated in fp32 from its chunk's first backward to the reduction after the last, the last "
+                "stage's outputs kept to the step's end; for comparing with such runs, train does not run it)")
       ->capture_default_str()
       ->check(CLI::IsMember({"meshtrain", "torch"}));
   p->add_option("--moe-load", o_.moe_load,

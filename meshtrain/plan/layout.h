@@ -80,10 +80,12 @@ struct Workload {
   // activation_memory.cpp), in place of meshtrain's own vocabulary-parallel
   // loss. For comparing with such runs; train does not run it.
   bool torch_loss_parallel = false;
-  // ZeRO-2/3 under a pipeline as FSDP2 under torch.distributed.pipelining runs
-  // it (torchtitan): gradient sync is off for every micro-batch but the last,
-  // so each parameter's unsharded gradient accumulates in the reduce dtype
-  // (fp32) through the step, beside the parameters kept gathered. For
+  // ZeRO-2 under a pipeline as FSDP2 under torch.distributed.pipelining runs
+  // it (torchtitan): gradient sync is off for every micro-batch and the
+  // reduction runs after the last backward, so each parameter's unsharded
+  // gradient accumulates in the reduce dtype (fp32) from its chunk's first
+  // backward, beside the parameters kept gathered; and the last stage keeps
+  // every micro-batch's output (peak_of_rank in memory_model.cpp). For
   // comparing with such runs; train does not run it.
   bool torch_pipeline_fsdp = false;
   // Its chunks' fp32 logits at most (model::loss_chunk_bytes: 256 MiB, 1 GiB on a GPU).

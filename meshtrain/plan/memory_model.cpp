@@ -200,14 +200,15 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
 // Parameters, gradients and optimizer states of `psi` parameters on a rank,
 // sharded as the ZeRO stage shards them, and what offload moves to the host.
 // `trained`: of those, the ones that take gradients and optimizer states (all but LoRA's frozen base).
-// `torch_pipeline_fsdp` (Workload::torch_pipeline_fsdp): under a pipeline,
-// ZeRO-2/3's gradients whole and in fp32 through the step.
+// `torch_pipeline_fsdp` (Workload::torch_pipeline_fsdp): under a pipeline
+// ZeRO-2's gradients are FSDP2's unsharded fp32 ones, which the pipeline's
+// walk counts as they appear (peak_of_rank), and no shard of them persists.
 MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi, double trained, bool torch_pipeline_fsdp) {
   const double shards = static_cast<double>(l.shards());
   MemoryBreakdown states;
   states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
   states.gradients = p.grad * trained / (l.dims.zero_stage >= 2 ? shards : 1);
-  if (torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2) states.gradients = 4 * trained;
+  if (torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2) states.gradients = 0;
   states.optimizer = p.optimizer * trained / (l.dims.zero_stage >= 1 ? shards : 1);
   // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
   // the host (in fp32 training the masters were the parameters, so the host
@@ -269,13 +270,32 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   const double largest_block = rank.moe_layers > 0 ? std::max(r.block, r.moe_block) : r.block;
   const double largest_trained = rank.moe_layers > 0 ? std::max(r.trained_block, r.trained_moe_block) : r.trained_block;
   const double dense_workspace = t.dense_workspace, moe_workspace = rank.moe_layers > 0 ? t.moe_workspace : 0.0;
+  // FSDP2 under torch's pipelining (Workload::torch_pipeline_fsdp): gradient
+  // sync is off for every micro-batch and the reduction runs after the last
+  // backward, so a chunk's unsharded gradients, fp32 (the reduce dtype), exist
+  // from its first backward (counted from that backward's start) until the
+  // reduction; each block's backward also holds its 16-bit gradient until
+  // FSDP2 adds it in; and the last stage keeps every micro-batch's output,
+  // the 16-bit logits, to the step's end (the schedule returns them).
+  const bool torch_pipeline = w.torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2;
+  double grads = 0;
+  std::vector<bool> has_gradients(c.blocks.size(), false);
+  auto chunk_trained = [&](int stage) {
+    return static_cast<double>(c.blocks[stage] - c.moe_blocks[stage]) * r.trained_block +
+           static_cast<double>(c.moe_blocks[stage]) * r.trained_moe_block + (stage == 0 ? r.trained(r.embedding) : 0) +
+           (stage == chunks - 1 ? r.trained(r.head) : 0);
+  };
+  const double block_gradient = torch_pipeline ? p.grad * largest_trained : 0;
+  const double returned_output =
+      torch_pipeline ? p.activation * z.tokens * static_cast<double>(t.model.vocab_size) / z.t : 0;
   MemoryBreakdown peak = states;
   double peak_bytes = -1;
   auto consider = [&](const char* moment, double activations, double outputs, double buffers, double work) {
-    const double bytes = activations + outputs + buffers + work;
+    const double bytes = activations + outputs + buffers + work + grads;
     if (bytes <= peak_bytes) return;
     peak_bytes = bytes;
     peak.moment = moment;
+    peak.gradients = states.gradients + grads;
     peak.activations = activations, peak.outputs = outputs, peak.buffers = buffers, peak.workspace = work;
   };
   // Autocast's 16-bit copies of a stage's matrices (Precision::weight_copy;
@@ -312,13 +332,17 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       // Under full recompute autocast's cache holds the stage's copies to its forward's end.
       const double cached = full ? stage_copies(act.stage) : 0;
       if (loss_stage) {
-        kept_outputs += a.out.kept;
+        kept_outputs += a.out.kept + returned_output;
         consider("forward end", stash + cached, kept_outputs + a.out.forward, sends + (gathers ? p.param * root_unit : 0), 0);
       } else {
         if (cached > 0) consider("forward end", stash + cached, kept_outputs, sends, 0);
         sends += a.boundary;
       }
     } else if (act.kind == pipeline::ActionKind::kBackward) {
+      if (torch_pipeline && !has_gradients[act.stage]) {
+        has_gradients[act.stage] = true;
+        grads += 4 * chunk_trained(act.stage);
+      }
       if (loss_stage) {
         consider("loss backward", stash, kept_outputs + a.out.backward,
                  sends + (gathers ? p.param * root_unit + p.grad * r.trained(root_unit) : 0), 0);
@@ -338,7 +362,8 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
         if (rank.layers > rank.moe_layers) consider("layer backward", stash, kept_outputs, dense, dense_workspace + recomputed);
       } else {
         const double gathered = sends + (gathers ? p.param * (root_unit + r.block) + p.grad * r.trained_block : 0);
-        consider("layer backward", stash, kept_outputs, gathered, std::max(dense_workspace, moe_workspace) + recomputed);
+        consider("layer backward", stash, kept_outputs, gathered,
+                 std::max(dense_workspace, moe_workspace) + recomputed + block_gradient);
       }
       const double gathered = sends + (gathers ? p.param * (root_unit + largest_block) : 0);
       if (gathers && rank.moe_layers > 0) {
@@ -364,7 +389,10 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   const double optimizer_work = l.dims.zero_stage == 0 ? 8 * std::min(r.largest_tensor, 1048576.0)
                                 : r.lora              ? 2 * 4 * largest_trained
                                                       : 2 * 4 * std::max(largest_block, root_unit);
-  consider("optimizer step", 0, 0, 0, optimizer_work);
+  // Under torch's pipelining the unsharded gradients are reduced into fp32 shards before it.
+  const double reduced = grads > 0 ? 4 * rank.parameter_count / static_cast<double>(l.shards()) : 0;
+  grads = 0;
+  consider("optimizer step", 0, 0, 0, optimizer_work + reduced);
   return peak;
 }
 

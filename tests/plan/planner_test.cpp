@@ -215,9 +215,9 @@ TEST(PlanPublished, TorchtitanLlama31EightBWithinTenPercent) {
 }
 
 // FSDP2 under torch.distributed.pipelining (Workload::torch_pipeline_fsdp):
-// each pipeline rank's gradients whole and in fp32 (4 bytes a parameter)
-// where ZeRO-2 shards them (2 bytes over N; ZeRO-3 takes no pipeline); without a pipeline, and
-// at ZeRO-1, nothing changes.
+// at a pipeline rank's peak (in a backward) its gradients are whole and in
+// fp32 (4 bytes a parameter) where ZeRO-2 shards them (2 bytes over N; ZeRO-3
+// takes no pipeline); without a pipeline, and at ZeRO-1, nothing changes.
 TEST(PlanMemoryFormula, TorchPipelineFsdpKeepsWholeFp32Gradients) {
   const model::GptConfig m = model::GptConfig::preset("llama2-7b");
   Workload ours, torch_pipeline;
@@ -262,8 +262,8 @@ TEST(PlanMemoryFormula, TorchLossParallelKeepsItsDecompositionsTensors) {
 
 // torchtitan's published Llama 3.1 405B run with the interleaved schedule
 // (512 H100s: PP 8 x FSDP 8 x TP 8 with sequence parallel, 8 micro-batches of
-// 4, full recompute; 72.7 GiB): planned with FSDP2's gradients under torch's
-// pipelining (--pipeline-fsdp torch) within 10% below it; with meshtrain's
+// 4, full recompute; 72.7 GiB): planned as FSDP2 under torch's pipelining
+// runs it (--pipeline-fsdp torch) within 10% below it; with meshtrain's
 // ZeRO-2, a third below. The 70B run (FSDP 32 x TP 8, 16 sequences per rank;
 // 71.9 GiB, 67.6 with async TP) with PyTorch's loss_parallel within 20% below.
 TEST(PlanPublished, TorchtitanLlama31ThreeDimensionalRuns) {
@@ -279,6 +279,12 @@ TEST(PlanPublished, TorchtitanLlama31ThreeDimensionalRuns) {
   EXPECT_LT(torch_pipeline, 72.7);
   EXPECT_GT(torch_pipeline, 0.9 * 72.7);
   EXPECT_LT(ours, 0.7 * 72.7);
+  // The gradients exist from a chunk's first backward: on a middle rank the
+  // schedule runs all 16 chunk forwards (16 GiB of block inputs) before any,
+  // and the peak comes once the second chunk's backwards have left 8 GiB.
+  const std::vector<RankMemory> ranks = estimate_memory(big, w, interleaved, 8);
+  EXPECT_NEAR(ranks[1].memory.activations / (1 << 30), 8.0, 0.5);
+  EXPECT_NEAR(ranks[1].memory.gradients / (1 << 30), 4 * ranks[1].parameter_count / (1 << 30), 1e-6);
   model::GptConfig seventy = model::GptConfig::preset("llama3.1-70b");
   seventy.context = 8192;
   Workload t;
