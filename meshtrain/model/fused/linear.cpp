@@ -71,7 +71,8 @@ struct Linear : torch::autograd::Function<Linear> {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
-  if (!at::GradMode::is_enabled() || !weight.requires_grad() || autocast || x.scalar_type() != weight.scalar_type()) {
+  if (!x.device().is_cpu() || !at::GradMode::is_enabled() || !weight.requires_grad() || autocast ||
+      x.scalar_type() != weight.scalar_type()) {
     return at::linear(x, weight, bias);
   }
   return Linear::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
