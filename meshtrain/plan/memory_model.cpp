@@ -197,18 +197,23 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   return a;
 }
 
+// Whether ZeRO-2's gradients under a pipeline are FSDP2's under torch's
+// pipelining (Workload::torch_pipeline_fsdp): unsharded fp32 ones, which the
+// pipeline's walk counts as they appear (peak_of_rank), no shard persisting.
+bool torch_pipeline_gradients(const Workload& w, const Layout& l) {
+  return w.torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2;
+}
+
 // Parameters, gradients and optimizer states of `psi` parameters on a rank,
 // sharded as the ZeRO stage shards them, and what offload moves to the host.
 // `trained`: of those, the ones that take gradients and optimizer states (all but LoRA's frozen base).
-// `torch_pipeline_fsdp` (Workload::torch_pipeline_fsdp): under a pipeline
-// ZeRO-2's gradients are FSDP2's unsharded fp32 ones, which the pipeline's
-// walk counts as they appear (peak_of_rank), and no shard of them persists.
-MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi, double trained, bool torch_pipeline_fsdp) {
+// `walked_gradients`: torch_pipeline_gradients, none here.
+MemoryBreakdown model_states(const Precision& p, const Layout& l, double psi, double trained, bool walked_gradients) {
   const double shards = static_cast<double>(l.shards());
   MemoryBreakdown states;
   states.parameters = p.param * psi / (l.dims.zero_stage >= 3 ? shards : 1);
   states.gradients = p.grad * trained / (l.dims.zero_stage >= 2 ? shards : 1);
-  if (torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2) states.gradients = 0;
+  if (walked_gradients) states.gradients = 0;
   states.optimizer = p.optimizer * trained / (l.dims.zero_stage >= 1 ? shards : 1);
   // Offload (Note [Offloaded optimizer]): the moments and fp32 masters go to
   // the host (in fp32 training the masters were the parameters, so the host
@@ -277,7 +282,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   // reduction; each block's backward also holds its 16-bit gradient until
   // FSDP2 adds it in; and the last stage keeps every micro-batch's output,
   // the 16-bit logits, to the step's end (the schedule returns them).
-  const bool torch_pipeline = w.torch_pipeline_fsdp && l.dims.pp > 1 && l.dims.zero_stage >= 2;
+  const bool torch_pipeline = torch_pipeline_gradients(w, l);
   double grads = 0;
   std::vector<bool> has_gradients(c.blocks.size(), false);
   auto chunk_trained = [&](int stage) {
@@ -390,7 +395,7 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
                                 : r.lora              ? 2 * 4 * largest_trained
                                                       : 2 * 4 * std::max(largest_block, root_unit);
   // Under torch's pipelining the unsharded gradients are reduced into fp32 shards before it.
-  const double reduced = grads > 0 ? 4 * rank.parameter_count / static_cast<double>(l.shards()) : 0;
+  const double reduced = grads / static_cast<double>(l.shards());
   grads = 0;
   consider("optimizer step", 0, 0, 0, optimizer_work + reduced);
   return peak;
@@ -430,7 +435,7 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
     rank.expert_parameter_count = static_cast<double>(rank.moe_layers) * r.local_experts;
     const double trained = r.lora ? dense_layers * r.trained_block + static_cast<double>(rank.moe_layers) * r.trained_moe_block
                                   : psi;
-    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi, trained, w.torch_pipeline_fsdp),
+    rank.memory = peak_of_rank(rank, model_states(w.precision, l, psi, trained, torch_pipeline_gradients(w, l)),
                                schedule.actions[pr], terms);
     ranks.push_back(rank);
   }

@@ -18,9 +18,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Whether backward may add dW (in `like`'s dtype and device) into w.grad in
-// place of AccumulateGrad (Note [Weight gradients in place]).
+// place of AccumulateGrad (Note [Weight gradients in place]; linear() takes
+// this function on the CPU only).
 bool grad_takes_product(const at::Tensor& w, const at::Tensor& like) {
-  if (!like.device().is_cpu() || at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return false;
+  if (at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return false;
   if (!w.is_leaf() || !w.requires_grad()) return false;
   const at::Tensor& grad = w.grad();
   if (!grad.defined() || grad.layout() != at::kStrided || !grad.is_contiguous() ||
