@@ -147,9 +147,13 @@ def main():
         rss = {how: peak for _, how, _, _, _, peak in big}
         check(rss["lying"] <= free_rss + 16, f"900 MiB in chunks: the server's peak RSS {rss['lying']:.0f} MiB within "
               f"16 MiB of the attack-free {free_rss:.0f} MiB (Note [Messages in chunks])")
-        # gRPC reclaims past its quota a moment late: 65-89 MiB over the attack-free peak in 5 runs at 64.
-        check(fed.peak_rss <= free_rss + 2 * quota, f"900 MiB sent whole: the server's peak RSS {fed.peak_rss:.0f} MiB "
-              f"within twice fl.server.grpc_memory_mb = {quota} of the attack-free {free_rss:.0f} MiB")
+        # gRPC's quota is soft: its reclaimer cuts the stream off a moment after the quota is passed, and
+        # the bytes that arrive meanwhile depend on the load: +65 to +89 MiB over the attack-free peak in
+        # five runs on a quiet machine, +142 in one under the whole suite on 2 cores. Buffered whole, the
+        # message would cost 900 MiB or more (protocol 1's took +860).
+        check(fed.peak_rss <= free_rss + 4 * quota, f"900 MiB sent whole: the server's peak RSS {fed.peak_rss:.0f} MiB "
+              f"within four times fl.server.grpc_memory_mb = {quota} of the attack-free {free_rss:.0f} MiB "
+              "(cut off, not buffered)")
         check(rows[2]["status"] == "ok" and rows[2]["dropped"] == ["mallory"] and len(rows[2]["participants"]) == 4,
               "900 MiB: round 2 ends with the 4 honest updates")
         check(all(r["status"] == "ok" for r in rows[1:]), "900 MiB: every round ok")
