@@ -2,6 +2,7 @@
 
 #include "meshtrain/model/batch.h"
 #include "meshtrain/model/fused/kernels.h"
+#include "meshtrain/model/fused/linear.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/fused/tensor_args.h"
 
@@ -11,6 +12,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace meshtrain::model {
 
@@ -99,33 +101,34 @@ void kernel_dz(at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse) 
 }
 
 // The chunk's gradients from dz: dh's rows (`dh`, undefined for none) and dW
-// added into `dw` (undefined for none; as many rows as w), times `scale`
-// where it is defined. dz in the compute dtype goes into `product`, the
-// chunk's product buffer, whose padded columns are 0.
+// added into `dw` (undefined for none; as many rows as w) times `dw_alpha`,
+// both times `scale` where it is defined. dz in the compute dtype goes into
+// `product`, the chunk's product buffer, whose padded columns are 0.
 void product_gradients(at::Tensor dz, const at::Tensor& h, const at::Tensor& w, at::Tensor product,
-                       const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
+                       const at::Tensor& scale, at::Tensor dh, at::Tensor& dw, double dw_alpha = 1.0) {
   if (scale.defined()) dz.mul_(scale);
   const at::ScalarType compute = h.scalar_type();
   product.narrow(1, 0, dz.size(1)).copy_(dz);  // a no-op where dz is that buffer (fp32, no cap)
   const at::Tensor& d = product;
   if (dh.defined()) at::mm_out(dh, d, w);
-  if (dw.defined() && compute == at::kFloat) dw.addmm_(d.t(), h);
+  if (dw.defined() && compute == at::kFloat) dw.addmm_(d.t(), h, 1.0, dw_alpha);
   if (!dw.defined() || compute == at::kFloat) return;
   // A 16-bit product's result is 16-bit: made a slice of the vocabulary at a
   // time, each no larger than the chunk's logits, not the weight's size at once.
   const int64_t v = dw.size(0), slice = std::max<int64_t>(1, d.size(0) * v / std::max<int64_t>(1, dw.size(1)));
   for (int64_t first = 0; first < v; first += slice) {
     const int64_t n = std::min(slice, v - first);
-    dw.narrow(0, first, n).add_(at::mm(d.narrow(1, first, n).t(), h));
+    dw.narrow(0, first, n).add_(at::mm(d.narrow(1, first, n).t(), h), dw_alpha);
   }
 }
 
 // The same from the chunk's softmax (turned into dz in place).
 void add_gradients(at::Tensor softmax, const at::Tensor& t, double softcap, const TargetColumns& c, const at::Tensor& h,
-                   const at::Tensor& w, at::Tensor product, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw) {
+                   const at::Tensor& w, at::Tensor product, const at::Tensor& scale, at::Tensor dh, at::Tensor& dw,
+                   double dw_alpha = 1.0) {
   at::Tensor dz = softmax.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted);
   if (softcap > 0) dz.mul_(t.mul_(t).neg_().add_(1.0f));  // times 1 − tanh²
-  product_gradients(dz, h, w, product, scale, dh, dw);
+  product_gradients(dz, h, w, product, scale, dh, dw, dw_alpha);
 }
 
 struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
@@ -134,8 +137,9 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   // head) made `when` asked (Note [Chunked loss]).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, double softcap, int64_t chunk_rows, const VocabShard& shard,
-                            LossGradients when, int64_t pad, bool hidden_grad, bool weight_grad, bool fused) {
-    const bool gradients = hidden_grad || weight_grad, now = gradients && when == LossGradients::kInForward;
+                            LossGradients when, int64_t pad, bool hidden_grad, bool weight_grad, bool fused,
+                            double loss_weight) {
+    const bool gradients = hidden_grad || weight_grad, now = gradients && when != LossGradients::kInBackward;
     RECORD_FUNCTION("meshtrain::chunked_cross_entropy", std::vector<c10::IValue>());
     const at::ScalarType compute = compute_dtype(hidden);
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -146,9 +150,18 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const TargetColumns columns = target_columns(targets, shard.start, v);
     const at::Tensor by_kernel = kernel_targets(targets, columns, fused, !shard.split(), shard.start, softcap);
     at::Tensor loss_sum = at::zeros({}, fp32);
+    const at::Tensor count = columns.counted.sum().clamp_min(1);
     at::Tensor dh, dw, lse;
+    double dw_alpha = 1.0;  // Note [Head's gradient into .grad]: weight / count
+    const bool into_grad = now && weight_grad && when == LossGradients::kIntoWeightGrad && h.is_cpu() &&
+                           w.size(0) == v && fused::grad_accumulates_in_place(weight, at::kFloat, weight.device());
     if (now && hidden_grad) dh = at::empty_like(h);
-    if (now && weight_grad) dw = at::zeros({w.size(0), w.size(1)}, fp32);
+    if (into_grad) {
+      dw = weight.mutable_grad();
+      dw_alpha = loss_weight / count.item<double>();
+    } else if (now && weight_grad) {
+      dw = at::zeros({w.size(0), w.size(1)}, fp32);
+    }
     if (gradients && !now) lse = at::empty({n, 1}, fp32);
     for (int64_t r = 0; r < n; r += rows) {
       const int64_t m = std::min(rows, n - r);
@@ -161,7 +174,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
         loss_sum += kernel_loss(z, rows_targets, row_lse);
         if (now) {
           kernel_dz(z, rows_targets, row_lse);
-          product_gradients(z, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+          product_gradients(z, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw, dw_alpha);
         }
         continue;
       }
@@ -176,16 +189,19 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       loss_sum += ((row_lse - sums.narrow(1, 1, 1)) * c.counted).sum();
       if (lse.defined()) lse.narrow(0, r, m).copy_(row_lse);
       if (now) {
-        add_gradients(e.div_(total), t, softcap, c, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
+        add_gradients(e.div_(total), t, softcap, c, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw,
+                      dw_alpha);
       }
     }
-    if (dw.defined()) dw = dw.narrow(0, 0, v);  // without the padded rows
-    const at::Tensor count = columns.counted.sum().clamp_min(1);
     auto& saved = ctx->saved_data;
     saved["count"] = count;
     saved["gradients"] = gradients;
     if (dh.defined()) saved["dh"] = dh;
-    if (dw.defined()) saved["dw"] = dw;
+    if (into_grad) {
+      saved["into_grad"] = loss_weight;
+    } else if (dw.defined()) {
+      saved["dw"] = dw.narrow(0, 0, v);  // without the padded rows
+    }
     if (lse.defined()) {  // what the backward makes the gradients from
       ctx->save_for_backward({h, weight, targets, lse});
       saved["softcap"] = softcap;
@@ -242,6 +258,13 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     TORCH_CHECK(!saved.count("handed_on"),
                 "chunked_cross_entropy: a second backward through one loss (retain_graph); compute the loss again");
     saved["handed_on"] = true;
+    if (saved.count("into_grad")) {  // Note [Head's gradient into .grad]
+      const double told = saved["into_grad"].toDouble(), came = grads[0].item<double>();
+      TORCH_CHECK(std::abs(came - told) <= 1e-6 * std::max(1.0, std::abs(told)),
+                  "chunked_cross_entropy: the loss's gradient is ", came, " where its forward added the head's "
+                  "gradient into .grad for ", told, " (LossGradients::kIntoWeightGrad: multiply the loss by the "
+                  "weight it was given, and call backward on it at once)");
+    }
     const at::Tensor g = grads[0].to(at::kFloat) / saved["count"].toTensor();
     const bool in_backward = saved.count("rows") > 0;
     if (in_backward) make_gradients(ctx, g);
@@ -253,7 +276,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       return in_backward ? d : d.mul_(g);
     };
     return {handed_on("dh", "hidden_type"), handed_on("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -289,14 +312,14 @@ at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight) 
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when,
-                                 int64_t pad_rows_to, bool fused) {
+                                 int64_t pad_rows_to, bool fused, double loss_weight) {
   const bool grad_mode = torch::GradMode::is_enabled();
   const at::Tensor flat = hidden.reshape({-1, hidden.size(-1)});
   TORCH_CHECK(targets.numel() == flat.size(0), "chunked_cross_entropy: ", targets.numel(), " targets for ", flat.size(0),
               " rows of the head's input");
   return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard, when,
                                     pad_rows_to, grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad(),
-                                    fused);
+                                    fused, loss_weight);
 }
 
 }  // namespace meshtrain::model

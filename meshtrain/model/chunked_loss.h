@@ -78,9 +78,27 @@ struct VocabShard {
   bool split() const { return static_cast<bool>(sum); }
 };
 
+// Note [Head's gradient into .grad]
+// Made in the forward, dW waits for the backward at the weight's size: at
+// Llama 3's vocabulary and width 2,048 that is 1,002 MiB in fp32, alive
+// through the peak at the forward's end. A training step knows the gradient
+// its backward will bring to the loss before the forward runs: the loss is
+// multiplied by the micro-batch's weight and its backward called at once
+// (parallel::StepEngine::forward_backward). There the loss's forward adds
+// dW · weight / count straight into the weight's persistent .grad (data
+// parallel's bucket view, ZeRO-1's buffer) and holds no dW; its backward
+// hands AccumulateGrad no gradient, whose post-hooks (the bucket counts)
+// still run, and checks that the gradient which came is the weight it was
+// told, failing loudly where it is not. Taken on the CPU, under
+// fused::grad_accumulates_in_place's conditions on the weight (.grad fp32, no
+// hooks: tensor parallel's reductions keep dW) and with the weight unpadded;
+// elsewhere it is kInForward. The caller promises one backward at once over
+// the whole graph, with .grad left as it was between the forward and it.
+//
 // When the gradients are made: in the forward, held to the backward (three
-// products), or in the backward from the logits made again (four).
-enum class LossGradients { kInForward, kInBackward };
+// products); in the backward from the logits made again (four); or in the
+// forward with dW added into the weight's .grad (Note [Head's gradient into .grad]).
+enum class LossGradients { kInForward, kInBackward, kIntoWeightGrad };
 
 // The mean loss over `targets` [N] of hidden [N, d] against weight [V, d],
 // soft-capped by `softcap` > 0; `chunk_rows` > 0 sets the rows per chunk
@@ -89,11 +107,12 @@ enum class LossGradients { kInForward, kInBackward };
 // `pad_rows_to` > 0 pads W's rows to a multiple of it wherever the loss runs
 // (0: as the device asks, kGpuPadRows on a GPU, none on the CPU; the CPU's
 // tests take the GPU's padded path with it). `fused`: model.fused, the fused
-// CPU kernel's reductions where they apply.
+// CPU kernel's reductions where they apply. `loss_weight`: what the caller
+// multiplies the loss by before its backward (kIntoWeightGrad's scale).
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},
                                  LossGradients when = LossGradients::kInForward, int64_t pad_rows_to = 0,
-                                 bool fused = false);
+                                 bool fused = false, double loss_weight = 1.0);
 
 // Note [Tied head's gradient]
 // The whole logits z = y·Wᵀ of a head tied to the embedding. Through ATen's

@@ -399,14 +399,16 @@ at::Tensor GptImpl::project(const at::Tensor& x) {
 namespace {
 
 // The whole model's call ("") on `batch`: embed, the blocks, then the logits,
-// or with `loss` the loss of head_loss (forward() and loss() share it).
-ForwardHooks::Forward whole_model(GptImpl* model, Batch batch, bool loss) {
-  return [model, batch = std::move(batch), loss](const at::Tensor& input) {
+// or with `loss` the loss of head_loss, its gradients made `when` (forward()
+// and loss() share it).
+ForwardHooks::Forward whole_model(GptImpl* model, Batch batch, bool loss,
+                                  LossGradients when = LossGradients::kInForward) {
+  return [model, batch = std::move(batch), loss, when](const at::Tensor& input) {
     Batch b = batch;
     b.tokens = input;  // as a hook around the whole model passed it on
     at::Tensor x = model->embed(b);
     for (int64_t i = 0; i < model->config().layers; ++i) x = model->block(i, x, b);
-    return loss ? model->head_loss(x, b.targets) : model->project(x);
+    return loss ? model->head_loss(x, b.targets, when, b.weight) : model->project(x);
   };
 }
 
@@ -440,24 +442,24 @@ bool GptImpl::chunks_loss(const at::Tensor& x) const {
                       [](const auto& h) { return h->wraps_head() && !h->chunks_head(); });
 }
 
-at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when) {
+at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when, double weight) {
   if (!chunks_loss(x)) return cross_entropy(project(x), targets);
   const at::Tensor y = chain_->call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
-  const at::Tensor& weight = head ? head->weight : wte->weight;
+  const at::Tensor& w = head ? head->weight : wte->weight;
   for (const auto& hooks : chain_->hooks) {
     if (!hooks->wraps_head()) continue;
-    at::Tensor loss = hooks->head_loss(y, weight, targets, config_.logit_softcap, when);
+    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when);
     if (loss.defined()) return loss;
   }
-  return chunked_cross_entropy(y, weight, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused);
+  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, weight);
 }
 
-at::Tensor GptImpl::loss(const Batch& batch) {
+at::Tensor GptImpl::loss(const Batch& batch, LossGradients when) {
   TORCH_CHECK(batch.targets.defined(), "a loss needs the batch's targets");
   // Through "" as forward() goes, so that hooks around the whole model (ZeRO-3's root unit) see the
   // loss's computation; it returns the loss itself where the loss is chunked, else the logits.
   const bool chunked = chunks_loss(batch.tokens);
-  const at::Tensor out = chain_->call("", batch.tokens, whole_model(this, batch, chunked));
+  const at::Tensor out = chain_->call("", batch.tokens, whole_model(this, batch, chunked, when));
   return chunked ? out : cross_entropy(out, batch.targets);
 }
 

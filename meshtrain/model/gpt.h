@@ -66,9 +66,9 @@ class ForwardHooks {
   virtual bool chunks_head() const { return false; }
   // The chunked loss (Note [Chunked loss]) of the final norm's output y
   // [..., d] with the head's `weight` against targets, soft-capped by
-  // `softcap`, its gradients made `when` asked, for hooks whose
-  // chunks_head() holds; an undefined tensor leaves it to the model (tensor
-  // parallel: a head it does not split).
+  // `softcap`, its gradients made `when` asked (kIntoWeightGrad may be taken
+  // as kInForward), for hooks whose chunks_head() holds; an undefined tensor
+  // leaves it to the model (tensor parallel: a head it does not split).
   virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
                                double softcap, LossGradients when) {
     (void)y, (void)weight, (void)targets, (void)softcap, (void)when;
@@ -214,8 +214,10 @@ class GptImpl : public torch::nn::Module {
   GptImpl(const GptConfig& config, uint64_t seed);
 
   at::Tensor forward(const Batch& batch);  // tokens [B, T] int64 -> logits [B, T, vocab]
-  // Mean next-token cross-entropy of the batch's targets [B, T] (not times its weight).
-  at::Tensor loss(const Batch& batch);
+  // Mean next-token cross-entropy of the batch's targets [B, T] (not times
+  // its weight); a chunked loss's gradients made `when` asked (a training
+  // step: kIntoWeightGrad, the loss times batch.weight and its backward at once).
+  at::Tensor loss(const Batch& batch, LossGradients when = LossGradients::kInForward);
   // Rows that are one sequence each from position 0: Batch(tokens, targets).
   at::Tensor forward(const at::Tensor& tokens) { return forward(Batch(tokens)); }
   at::Tensor loss(const at::Tensor& tokens, const at::Tensor& targets) { return loss(Batch(tokens, targets)); }
@@ -230,8 +232,10 @@ class GptImpl : public torch::nn::Module {
   // The loss of the last block's output x against targets: norm_f, head and
   // cross_entropy, or, where model.chunked_loss holds for these hooks and
   // tensors, the chunked loss (Note [Chunked loss]) without the logits, its
-  // gradients made `when` asked (a pipeline stage: in the backward).
-  at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when = LossGradients::kInForward);
+  // gradients made `when` asked (a pipeline stage: in the backward), with
+  // `weight` the factor the caller multiplies the loss by (kIntoWeightGrad's).
+  at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when = LossGradients::kInForward,
+                       double weight = 1.0);
   const GptConfig& config() const { return config_; }
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }

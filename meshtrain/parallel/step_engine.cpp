@@ -63,7 +63,8 @@ double StepEngine::forward_backward(const std::vector<model::Batch>& all) {
     {
       memory::PhaseScope phase(memory::Phase::kForward);
       Autocast autocast(o.bfloat16_autocast, o.device);
-      loss = parts_.model->loss(batches[a]) * batches[a].weight;
+      // Note [Head's gradient into .grad]: times the weight it is told, backward at once.
+      loss = parts_.model->loss(batches[a], model::LossGradients::kIntoWeightGrad) * batches[a].weight;
     }
     {
       memory::PhaseScope phase(memory::Phase::kBackward);

@@ -190,7 +190,9 @@ struct TensorParallel::Hooks : model::ForwardHooks {
     const CommPtr& comm = owner->comm_;
     const at::Tensor h = owner->options_.sequence_parallel ? gather_from_sequence(y, comm, kSequenceDim)
                                                            : copy_to_tensor_parallel(y, comm);
-    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, vocab_shard(vocab_start, comm), when);
+    // Its dW is the rank's share, reduced by no hook: held to the backward as usual.
+    const model::LossGradients made = when == model::LossGradients::kIntoWeightGrad ? model::LossGradients::kInForward : when;
+    return model::chunked_cross_entropy(h, weight, targets, softcap, 0, vocab_shard(vocab_start, comm), made);
   }
 
   // Logits are split over the vocabulary only when the plan splits the head.

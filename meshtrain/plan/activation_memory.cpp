@@ -50,9 +50,10 @@ double qk_norm_saved(const model::GptConfig& model, const Sizes& z, double e, bo
 // scales dh and dW in place and hands them on, and dh's cast to the input's
 // dtype or its collective makes one fp32 copy. Made in the backward (a
 // pipeline's last stage), it keeps the head's input and a log-sum-exp per
-// row instead, and its backward holds dh, dW and a chunk.
+// row instead, and its backward holds dh, dW and a chunk. Added into .grad
+// in the forward (Note [Head's gradient into .grad]), dW is not kept.
 OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, double chunk_bytes,
-                                 bool norm_kernels, bool in_backward) {
+                                 bool norm_kernels, model::LossGradients when) {
   const double e = p.activation, share = z.split(static_cast<double>(model.vocab_size));
   const double width = static_cast<double>(model.width), weight = 4 * share * width;
   const double rows = std::min(z.tokens, std::max(1.0, chunk_bytes / (4 * share)));
@@ -63,8 +64,10 @@ OutputBytes chunked_output_bytes(const model::GptConfig& model, const Sizes& z, 
                        4 * rows * width + low_precision * e * share * width;
   const double gathered = z.sp ? e * z.u : 0;
   const double norm = p.residual * z.region(z.u) + z.region(norm_saved(model, z, p.residual, norm_kernels));
-  if (in_backward) return {norm + e * z.u + 4 * z.tokens, chunk + gathered, e * z.u + weight + chunk + 4 * z.u};
-  return {norm + e * z.u + weight, chunk + gathered, 4 * z.u};
+  if (when == model::LossGradients::kInBackward) {
+    return {norm + e * z.u + 4 * z.tokens, chunk + gathered, e * z.u + weight + chunk + 4 * z.u};
+  }
+  return {norm + e * z.u + (when == model::LossGradients::kIntoWeightGrad ? 0 : weight), chunk + gathered, 4 * z.u};
 }
 
 // Note [PyTorch's loss_parallel]
@@ -90,9 +93,9 @@ OutputBytes torch_loss_parallel_bytes(double head_inputs, double e, double logit
 }  // namespace
 
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, double chunk_bytes, bool norm_kernels, bool in_backward,
+                         bool chunked_loss, double chunk_bytes, bool norm_kernels, model::LossGradients when,
                          bool torch_loss_parallel) {
-  if (chunked_loss) return chunked_output_bytes(model, z, p, chunk_bytes, norm_kernels, in_backward);
+  if (chunked_loss) return chunked_output_bytes(model, z, p, chunk_bytes, norm_kernels, when);
   const double e = p.activation;
   // The final norm's input, the head's input, and autocast's copy of the head the product keeps.
   const double head_inputs = (p.residual + e) * z.region(z.u) + z.region(norm_saved(model, z, p.residual, norm_kernels)) +

@@ -2,6 +2,7 @@
 // model]): the terms estimate_memory walks the schedule with.
 #pragma once
 
+#include "meshtrain/model/chunked_loss.h"
 #include "meshtrain/plan/memory_model.h"
 
 namespace meshtrain::plan {
@@ -35,10 +36,12 @@ inline Sizes sizes(const model::GptConfig& model, int64_t micro_batch, int64_t t
 struct OutputBytes {
   double kept, forward, backward;
 };
-// `torch_loss_parallel`: the whole logits through PyTorch's loss_parallel
-// where they are split over the vocabulary (Workload::torch_loss_parallel).
+// `when`: when the chunked loss makes its gradients (Note [Chunked loss],
+// Note [Head's gradient into .grad]). `torch_loss_parallel`: the whole logits
+// through PyTorch's loss_parallel where they are split over the vocabulary
+// (Workload::torch_loss_parallel).
 OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Precision& p, bool fused_loss,
-                         bool chunked_loss, double chunk_bytes, bool norm_kernels, bool in_backward,
+                         bool chunked_loss, double chunk_bytes, bool norm_kernels, model::LossGradients when,
                          bool torch_loss_parallel = false);
 
 // Gradients alive inside one layer's backward (a MoE layer's with expert parallel degree `ep` and `load`).

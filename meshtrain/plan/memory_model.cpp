@@ -158,6 +158,7 @@ struct StepActivations {
   double per_layer = 0, per_moe_layer = 0, full_layer = 0, boundary = 0;
   double op_level_recomputed = 0;  // what op-level recompute makes again in a block's backward (Note [Op-level recompute])
   OutputBytes out{};
+  bool loss_into_grad = false;  // the chunked loss adds dW into .grad in its forward (Note [Head's gradient into .grad])
 };
 
 // The share of blocks whose ATen attention keeps grouped k and v repeated (Note [Grouped queries in SDPA]).
@@ -191,8 +192,16 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   if (op_level_recompute(l, w)) {
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
-  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, w.norm_kernels, loss_in_backward,
+  // A step's loss adds dW into .grad in its forward (Note [Head's gradient into .grad]) on the
+  // CPU where .grad persists in fp32 (ZeRO-0/1, not offloaded), outside tensor parallel and pipelines.
+  const bool into_grad = !w.gpu && l.dims.pp == 1 && l.dims.tp == 1 && l.dims.zero_stage <= 1 && !l.offloaded() &&
+                         p.grad == 4;
+  const model::LossGradients when = loss_in_backward ? model::LossGradients::kInBackward
+                                    : into_grad      ? model::LossGradients::kIntoWeightGrad
+                                                     : model::LossGradients::kInForward;
+  a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, w.norm_kernels, when,
                        w.torch_loss_parallel);
+  a.loss_into_grad = w.chunked_loss && when == model::LossGradients::kIntoWeightGrad;
   a.boundary = p.residual * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }
@@ -324,9 +333,11 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
   // A head tied to the embedding (one stage holds both, so each backward
   // action runs the loss's and the embedding's): the head's gradient waits in
   // autograd's buffer from the loss's backward to the embedding's, whose
-  // dense gradient then joins it.
+  // dense gradient then joins it. None waits where the loss's forward added
+  // it into .grad (Note [Head's gradient into .grad]).
   const double vocab_weight = z.split(static_cast<double>(t.model.vocab_size)) * static_cast<double>(t.model.width);
-  const double tied_wait = t.model.tie_embeddings && l.dims.pp == 1 ? p.grad * r.trained(vocab_weight) : 0;
+  const double tied_wait =
+      t.model.tie_embeddings && l.dims.pp == 1 && !a.loss_into_grad ? p.grad * r.trained(vocab_weight) : 0;
   double stash = 0, kept_outputs = 0, sends = 0;
   int stashed = 0;
   for (const pipeline::Action& act : actions) {

@@ -1,7 +1,8 @@
 // The chunked loss (Note [Chunked loss]): the loss and gradients of the
 // materialised logits, soft-capped, with ignored targets, under autocast and
 // in a whole model; its peak memory without the [tokens, vocabulary] logits;
-// and the tied head's whole logits, whose gradient joins the embedding's in place.
+// and the tied head's whole logits, whose gradient joins the embedding's in
+// place; the head's gradient added into .grad in the forward.
 #include "meshtrain/model/chunked_loss.h"
 
 #include "meshtrain/model/attention.h"
@@ -11,6 +12,8 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <ATen/record_function.h>
@@ -183,6 +186,105 @@ TEST(ChunkedLoss, GradientsMadeInTheBackwardHoldNoWeightSizedTensor) {
     }
     loss.backward({}, /*retain_graph=*/true);
     EXPECT_THROW(loss.backward(), c10::Error);
+  }
+}
+
+// Counts the weight's accumulator's post-hook calls, as data parallel's bucket counts do.
+struct HeadPostHook : torch::autograd::FunctionPostHook {
+  explicit HeadPostHook(int* calls) : calls(calls) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    ++*calls;
+    return outputs;
+  }
+  int* calls;
+};
+
+// Note [Head's gradient into .grad]: where W's .grad persists (an earlier
+// micro-batch's gradient in it), the forward adds dW · weight / count into it
+// and holds no W-sized tensor; the backward hands AccumulateGrad none, whose
+// post-hooks still run; the gradients are the logits'. Without a .grad, or
+// with a hook on W, dW is held to the backward as kInForward holds it; a loss
+// not multiplied by the weight it was told is refused in its backward.
+TEST(ChunkedLoss, IntoWeightGradAddsTheHeadsGradientInTheForward) {
+  memory::install();
+  const at::Tensor targets = at::randint(0, 4096, {2, 128}, at::make_generator<at::CPUGeneratorImpl>(20), at::kLong);
+  targets[1][5] = kIgnoredTarget;
+  const double weight_bytes = 4096.0 * 64 * 4;
+  const at::Tensor earlier = randn({4096, 64}, 21, 0.01);  // an earlier micro-batch's gradient
+  for (const std::string how : {"into .grad", "soft-capped, into .grad", "unfused, into .grad", "no .grad", "a hook"}) {
+    SCOPED_TRACE(how);
+    const double cap = how == "soft-capped, into .grad" ? 5.0 : 0.0;
+    const bool fused = how != "unfused, into .grad", into = how.find("into") != std::string::npos;
+    const at::Tensor h = randn({2, 128, 64}, 22).requires_grad_(true), w = randn({4096, 64}, 23).requires_grad_(true);
+    const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+    if (how != "no .grad") {
+      w.mutable_grad() = earlier.clone();
+      wr.mutable_grad() = earlier.clone();
+    }
+    int hook_calls = 0, seen = 0;
+    const auto accumulator = torch::autograd::impl::grad_accumulator(w);  // the tensor holds it weakly
+    accumulator->add_post_hook(std::make_unique<HeadPostHook>(&hook_calls));
+    if (how == "a hook") w.register_hook([&seen](const at::Tensor& g) { seen += g.defined() ? 1 : 0; });
+    const void* held = w.grad().defined() ? w.grad().const_data_ptr() : nullptr;
+    const int64_t before = memory::current_bytes();
+    const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, 96, {}, LossGradients::kIntoWeightGrad, 0, fused,
+                                                  0.7) * 0.7;
+    const int64_t kept = memory::current_bytes() - before;
+    if (into) {
+      EXPECT_LT(kept, weight_bytes / 4) << "no dW held to the backward";
+      EXPECT_GT(relative(w.grad(), earlier), 1e-3) << "dW added in the forward";
+    } else {
+      EXPECT_GT(kept, weight_bytes) << "dW held to the backward";
+    }
+    const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
+    EXPECT_LT(relative(ours, want), 1e-6);
+    ours.backward();
+    want.backward();
+    EXPECT_EQ(hook_calls, 1) << "the accumulator's post-hooks still run";
+    EXPECT_EQ(seen, how == "a hook" ? 1 : 0) << "a hook on W sees its gradient";
+    if (held) {
+      EXPECT_EQ(w.grad().const_data_ptr(), held) << "added into the held tensor, not replaced";
+    }
+    EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
+    EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
+  }
+  // Told 0.7, multiplied by 0.5: its backward refuses rather than leave a wrong .grad unnoticed.
+  const at::Tensor h = randn({2, 128, 64}, 24).requires_grad_(true), w = randn({4096, 64}, 25).requires_grad_(true);
+  w.mutable_grad() = at::zeros_like(w);
+  const at::Tensor loss = chunked_cross_entropy(h, w, targets, 0, 0, {}, LossGradients::kIntoWeightGrad, 0, true, 0.7);
+  EXPECT_THROW((loss * 0.5).backward(), c10::Error);
+}
+
+// A model's micro-batches as a training step runs them (the loss times its
+// weight, its backward at once), into .grad that persists: the gradients of
+// the model whose loss holds dW to the backward, untied and tied (the
+// embedding's gradient joins the head's in the same .grad).
+TEST(ChunkedLoss, AModelsMicroBatchesIntoWeightGradAreTheLogitsGradients) {
+  GptConfig llama = GptConfig::preset("llama-tiny");
+  llama.layers = 2, llama.width = 64, llama.heads = 4, llama.kv_heads = 2, llama.context = 32, llama.dropout = 0;
+  llama.vocab_size = 300;
+  GptConfig tied = llama;
+  tied.tie_embeddings = true;
+  for (const GptConfig& config : {llama, tied}) {
+    SCOPED_TRACE(config.tie_embeddings ? "tied" : "untied");
+    GptConfig whole = config;
+    whole.chunked_loss = false;
+    Gpt chunked(config, 5), reference(whole, 5);
+    for (Gpt* m : {&chunked, &reference}) {
+      for (auto& p : (*m)->parameters()) p.mutable_grad() = at::zeros_like(p);  // persistent, as buckets are
+    }
+    const at::Tensor tokens =
+        at::randint(0, config.vocab_size, {2, 2, 33}, at::make_generator<at::CPUGeneratorImpl>(26), at::kLong);
+    for (int64_t a = 0; a < 2; ++a) {
+      const Batch batch(tokens[a].narrow(1, 0, 32).contiguous(), tokens[a].narrow(1, 1, 32).contiguous(),
+                        a == 0 ? 0.25 : 0.75);
+      (chunked->loss(batch, LossGradients::kIntoWeightGrad) * batch.weight).backward();
+      (reference->loss(batch) * batch.weight).backward();
+    }
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : reference->named_parameters()) grads[p.key()] = p.value().grad();
+    for (const auto& p : chunked->named_parameters()) EXPECT_LT(relative(p.value().grad(), grads.at(p.key())), 1e-5) << p.key();
   }
 }
 

@@ -248,14 +248,14 @@ TEST(PlanMemoryFormula, TorchLossParallelKeepsItsDecompositionsTensors) {
   const Precision p = Precision::parse("bf16-mixed");
   const Sizes z = sizes(m, 2, 8, true, 1);
   const double logits = z.tokens * static_cast<double>(m.vocab_size) / 8;
-  const OutputBytes ours = output_bytes(m, z, p, false, false, 0, true, false);
-  const OutputBytes torch_parallel = output_bytes(m, z, p, false, false, 0, true, false, true);
+  const OutputBytes ours = output_bytes(m, z, p, false, false, 0, true, model::LossGradients::kInForward);
+  const OutputBytes torch_parallel = output_bytes(m, z, p, false, false, 0, true, model::LossGradients::kInForward, true);
   EXPECT_DOUBLE_EQ(torch_parallel.kept - ours.kept, p.activation * (z.u - z.u / 8));
   EXPECT_DOUBLE_EQ(torch_parallel.forward, (2 + 4 + 4) * logits);
   EXPECT_DOUBLE_EQ(torch_parallel.backward, 12 * logits);
   const Sizes one = sizes(m, 2, 1, false, 1);
-  const OutputBytes a = output_bytes(m, one, p, false, false, 0, true, false),
-                    b = output_bytes(m, one, p, false, false, 0, true, false, true);
+  const OutputBytes a = output_bytes(m, one, p, false, false, 0, true, model::LossGradients::kInForward),
+                    b = output_bytes(m, one, p, false, false, 0, true, model::LossGradients::kInForward, true);
   EXPECT_DOUBLE_EQ(a.kept, b.kept);
   EXPECT_DOUBLE_EQ(a.backward, b.backward);
 }

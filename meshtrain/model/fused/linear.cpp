@@ -22,17 +22,9 @@ using torch::autograd::variable_list;
 // this function on the CPU only).
 bool grad_takes_product(const at::Tensor& w, const at::Tensor& like) {
   if (at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return false;
-  if (!w.is_leaf() || !w.requires_grad()) return false;
-  const at::Tensor& grad = w.grad();
-  if (!grad.defined() || grad.layout() != at::kStrided || !grad.is_contiguous() ||
-      grad.scalar_type() != like.scalar_type() || grad.device() != like.device() || grad.sizes() != w.sizes()) {
-    return false;
-  }
   const auto* chosen = torch::autograd::get_current_graph_task_exec_info();
   if (chosen == nullptr || !chosen->empty()) return false;  // autograd::grad(), or backward(inputs=...)
-  const std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::try_get_grad_accumulator(w);
-  return accumulator && accumulator->tensor_pre_hooks().empty() && accumulator->pre_hooks().empty() &&
-         accumulator->retains_grad_hooks().empty() && !accumulator->tensor_post_acc_grad_hooks();
+  return grad_accumulates_in_place(w, like.scalar_type(), like.device());
 }
 
 struct Linear : torch::autograd::Function<Linear> {
@@ -69,6 +61,18 @@ struct Linear : torch::autograd::Function<Linear> {
 };
 
 }  // namespace
+
+bool grad_accumulates_in_place(const at::Tensor& w, at::ScalarType dtype, const at::Device& device) {
+  if (!w.is_leaf() || !w.requires_grad()) return false;
+  const at::Tensor& grad = w.grad();
+  if (!grad.defined() || grad.layout() != at::kStrided || !grad.is_contiguous() || grad.scalar_type() != dtype ||
+      grad.device() != device || grad.sizes() != w.sizes()) {
+    return false;
+  }
+  const std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::try_get_grad_accumulator(w);
+  return accumulator && accumulator->tensor_pre_hooks().empty() && accumulator->pre_hooks().empty() &&
+         accumulator->retains_grad_hooks().empty() && !accumulator->tensor_post_acc_grad_hooks();
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const bool autocast = at::autocast::is_autocast_enabled(x.device().type());

@@ -34,4 +34,11 @@ namespace meshtrain::model::fused {
 // assumes one backward at a time per weight.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
+// Whether a gradient of `dtype` on `device` may be added into w.grad in place
+// of AccumulateGrad, as far as w tells: a leaf that requires grad, whose .grad
+// is defined, dense, contiguous and of that dtype and device, with no hooks on
+// its accumulator that would see or change the gradient first. The backward's
+// own conditions (grad mode, anomaly mode, a whole backward) are the caller's.
+bool grad_accumulates_in_place(const at::Tensor& w, at::ScalarType dtype, const at::Device& device);
+
 }  // namespace meshtrain::model::fused
