@@ -84,15 +84,16 @@ struct VocabShard {
 // through the peak at the forward's end. A training step knows the gradient
 // its backward will bring to the loss before the forward runs: the loss is
 // multiplied by the micro-batch's weight and its backward called at once
-// (parallel::StepEngine::forward_backward). There the loss's forward adds
+// (parallel::StepEngine, and a pipeline's last stage where one loss is in
+// flight: 1F1B and its interleaved form). There the loss's forward adds
 // dW · weight / count straight into the weight's persistent .grad (data
 // parallel's bucket view, ZeRO-1's buffer) and holds no dW; its backward
 // hands AccumulateGrad no gradient, whose post-hooks (the bucket counts)
 // still run, and checks that the gradient which came is the weight it was
 // told, failing loudly where it is not. Taken on the CPU, under
 // fused::grad_accumulates_in_place's conditions on the weight (.grad fp32, no
-// hooks: tensor parallel's reductions keep dW) and with the weight unpadded;
-// elsewhere it is kInForward. The caller promises one backward at once over
+// hooks; tensor parallel's vocabulary share is the rank's own) and with the
+// weight unpadded; elsewhere it is kInForward. The caller promises one backward at once over
 // the whole graph, with .grad left as it was between the forward and it.
 //
 // When the gradients are made: in the forward, held to the backward (three

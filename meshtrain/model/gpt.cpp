@@ -448,7 +448,7 @@ at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, Lo
   const at::Tensor& w = head ? head->weight : wte->weight;
   for (const auto& hooks : chain_->hooks) {
     if (!hooks->wraps_head()) continue;
-    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when);
+    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, weight);
     if (loss.defined()) return loss;
   }
   return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, weight);

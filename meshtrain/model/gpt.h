@@ -66,12 +66,13 @@ class ForwardHooks {
   virtual bool chunks_head() const { return false; }
   // The chunked loss (Note [Chunked loss]) of the final norm's output y
   // [..., d] with the head's `weight` against targets, soft-capped by
-  // `softcap`, its gradients made `when` asked (kIntoWeightGrad may be taken
-  // as kInForward), for hooks whose chunks_head() holds; an undefined tensor
-  // leaves it to the model (tensor parallel: a head it does not split).
+  // `softcap`, its gradients made `when` asked (kIntoWeightGrad for a loss
+  // the caller multiplies by `loss_weight`), for hooks whose chunks_head()
+  // holds; an undefined tensor leaves it to the model (tensor parallel: a
+  // head it does not split).
   virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
-                               double softcap, LossGradients when) {
-    (void)y, (void)weight, (void)targets, (void)softcap, (void)when;
+                               double softcap, LossGradients when, double loss_weight) {
+    (void)y, (void)weight, (void)targets, (void)softcap, (void)when, (void)loss_weight;
     return {};
   }
   // The mean cross-entropy of logits [N, V'] (in the dtype the head computed

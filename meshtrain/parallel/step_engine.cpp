@@ -101,8 +101,9 @@ double StepEngine::run_pipeline(const pipeline::Schedule& schedule, const std::v
   model::Gpt& model = parts_.model;
   pipeline::StagedModel& staged = *parts_.pipeline;
   std::optional<memory::PhaseScope> backward_phase;
+  // One loss in flight: each loss's backward follows its forward, as Note [Head's gradient into .grad] needs.
   const model::LossGradients when = pipeline::losses_in_flight(schedule) > 1 ? model::LossGradients::kInBackward
-                                                                             : model::LossGradients::kInForward;
+                                                                             : model::LossGradients::kIntoWeightGrad;
   pipeline::StageCallbacks callbacks;
   callbacks.forward = [&](int stage, int mb, const at::Tensor& input) {
     memory::PhaseScope phase(schedule.backward ? memory::Phase::kForward : memory::Phase::kEval);

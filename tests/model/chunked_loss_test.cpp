@@ -249,6 +249,29 @@ TEST(ChunkedLoss, IntoWeightGradAddsTheHeadsGradientInTheForward) {
     EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
     EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
   }
+  // Under bf16 autocast dW's 16-bit products go into the fp32 .grad a slice at a time: the gradients
+  // of the same loss holding dW to its backward.
+  {
+    const at::Tensor h = randn({2, 128, 64}, 26).requires_grad_(true), w = randn({4096, 64}, 27).requires_grad_(true);
+    const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+    w.mutable_grad() = earlier.clone();
+    wr.mutable_grad() = earlier.clone();
+    const int64_t before = memory::current_bytes();
+    at::Tensor ours, want;
+    {
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      ours = chunked_cross_entropy(h, w, targets, 0, 96, {}, LossGradients::kIntoWeightGrad, 0, true, 0.7) * 0.7;
+      EXPECT_LT(memory::current_bytes() - before, weight_bytes / 4) << "bf16: no dW held to the backward";
+      want = chunked_cross_entropy(hr, wr, targets, 0, 96, {}, LossGradients::kInForward, 0, true) * 0.7;
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    ours.backward();
+    want.backward();
+    EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
+    EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
+  }
   // Told 0.7, multiplied by 0.5: its backward refuses rather than leave a wrong .grad unnoticed.
   const at::Tensor h = randn({2, 128, 64}, 24).requires_grad_(true), w = randn({4096, 64}, 25).requires_grad_(true);
   w.mutable_grad() = at::zeros_like(w);
@@ -276,10 +299,14 @@ TEST(ChunkedLoss, AModelsMicroBatchesIntoWeightGradAreTheLogitsGradients) {
     }
     const at::Tensor tokens =
         at::randint(0, config.vocab_size, {2, 2, 33}, at::make_generator<at::CPUGeneratorImpl>(26), at::kLong);
+    const at::Tensor& head = config.tie_embeddings ? chunked->wte->weight : chunked->head->weight;
     for (int64_t a = 0; a < 2; ++a) {
       const Batch batch(tokens[a].narrow(1, 0, 32).contiguous(), tokens[a].narrow(1, 1, 32).contiguous(),
                         a == 0 ? 0.25 : 0.75);
-      (chunked->loss(batch, LossGradients::kIntoWeightGrad) * batch.weight).backward();
+      const at::Tensor before = head.grad().clone();
+      const at::Tensor loss = chunked->loss(batch, LossGradients::kIntoWeightGrad);
+      EXPECT_FALSE(head.grad().equal(before)) << "the head's gradient went into .grad in the forward";
+      (loss * batch.weight).backward();
       (reference->loss(batch) * batch.weight).backward();
     }
     std::map<std::string, at::Tensor> grads;

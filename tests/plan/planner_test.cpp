@@ -236,6 +236,35 @@ TEST(PlanMemoryFormula, TorchPipelineFsdpKeepsWholeFp32Gradients) {
   }
 }
 
+// Note [Head's gradient into .grad]: a chunked loss whose forward adds dW
+// into .grad keeps no dW (4·V·d bytes in fp32) to its backward, and a tied
+// head's gradient no longer waits in autograd's buffer through the backward.
+// A CPU plan at ZeRO-0 counts neither; at ZeRO-2, whose .grad is reset after
+// each reduction, the loss holds dW as before, and the peak is dW higher.
+TEST(PlanMemoryFormula, HeadsGradientIntoGradKeepsNoWeightSizedTensor) {
+  model::GptConfig m = model::GptConfig::preset("llama3.2-1b");
+  m.context = 4096, m.layers = 2;  // the peak in the backward, not at the optimizer step
+  const Precision p = Precision::parse("fp32");
+  const Sizes z = sizes(m, 1, 1, false, 1);
+  const double dw = 4.0 * static_cast<double>(m.vocab_size) * static_cast<double>(m.width);
+  const double chunk = 256 << 20;
+  const OutputBytes held = output_bytes(m, z, p, false, true, chunk, true, model::LossGradients::kInForward);
+  const OutputBytes into = output_bytes(m, z, p, false, true, chunk, true, model::LossGradients::kIntoWeightGrad);
+  EXPECT_DOUBLE_EQ(held.kept - into.kept, dw);
+  EXPECT_DOUBLE_EQ(held.forward, into.forward);
+  Workload w;
+  w.precision = p;
+  auto peak = [&](int stage) {
+    Layout l;
+    l.dims.zero_stage = stage;
+    return estimate_memory(m, w, l, 1).front().memory;
+  };
+  const MemoryBreakdown one = peak(0), two = peak(2);
+  ASSERT_TRUE(m.tie_embeddings);
+  EXPECT_DOUBLE_EQ(one.model_states(), two.model_states());
+  EXPECT_NEAR(two.total() - one.total(), dw, 1e-6 * dw) << one.moment << " against " << two.moment;
+}
+
 // PyTorch's loss_parallel (Note [PyTorch's loss_parallel]) over L bf16 logits
 // per rank: the log-probabilities kept (4L), at the forward's exp the bf16
 // logits, their fp32 copy and the shifted copy beside it (2L + 4L + 4L), at

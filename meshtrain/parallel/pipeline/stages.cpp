@@ -177,7 +177,7 @@ at::Tensor run_stage(model::Gpt& model, const StageSpec& stage, const at::Tensor
                      model::LossGradients when) {
   at::Tensor x = stage.embed ? model->embed(batch) : hidden;
   for (int64_t i = stage.first_block; i < stage.end_block; ++i) x = model->block(i, x, batch);
-  return stage.head ? model->head_loss(x, batch.targets, when) : x;
+  return stage.head ? model->head_loss(x, batch.targets, when, batch.weight) : x;
 }
 
 }  // namespace meshtrain::parallel::pipeline
