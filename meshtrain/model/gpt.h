@@ -233,7 +233,8 @@ class GptImpl : public torch::nn::Module {
   // The loss of the last block's output x against targets: norm_f, head and
   // cross_entropy, or, where model.chunked_loss holds for these hooks and
   // tensors, the chunked loss (Note [Chunked loss]) without the logits, its
-  // gradients made `when` asked (a pipeline stage: in the backward), with
+  // gradients made `when` asked (a pipeline stage holding several losses: in
+  // the backward; a training step: kIntoWeightGrad), with
   // `weight` the factor the caller multiplies the loss by (kIntoWeightGrad's).
   at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when = LossGradients::kInForward,
                        double weight = 1.0);

@@ -1,5 +1,6 @@
 #include "meshtrain/model/gpt_config.h"
 
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <stdexcept>

@@ -193,8 +193,9 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
     a.op_level_recomputed = std::max({0.0, dense_full - dense_kept, model.moe() ? moe_full - moe_kept : 0.0});
   }
   // A step's loss adds dW into .grad in its forward (Note [Head's gradient into .grad]) on the
-  // CPU where .grad persists in fp32 (ZeRO-0/1; offload moves gradients only from ZeRO-2 on).
-  const bool into_grad = !w.gpu && l.dims.zero_stage <= 1 && p.grad == 4;
+  // CPU where .grad persists in fp32 (ZeRO-0/1, fp32 parameters: ZeRO-1's bf16 ones have bf16
+  // gradients; offload moves gradients only from ZeRO-2 on).
+  const bool into_grad = !w.gpu && l.dims.zero_stage <= 1 && p.grad == 4 && l.param_dtype == at::kFloat;
   const model::LossGradients when = loss_in_backward ? model::LossGradients::kInBackward
                                     : into_grad      ? model::LossGradients::kIntoWeightGrad
                                                      : model::LossGradients::kInForward;

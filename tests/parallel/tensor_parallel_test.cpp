@@ -157,7 +157,9 @@ TEST(TensorParallelOps, VocabParallelCrossEntropyNeverGathersLogits) {
 }
 
 // Note [Chunked loss] over a head split by the vocabulary, as tensor parallel
-// calls it: several chunks, ignored targets, with and without the soft-cap.
+// calls it: several chunks, ignored targets, with and without the soft-cap;
+// dW held to the backward, made in it, or added into the share's persistent
+// .grad in the forward (Note [Head's gradient into .grad]).
 TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
   for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
@@ -166,9 +168,11 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(22);
     at::Tensor targets = at::randint(0, v, {10}, g, at::kLong);
     targets.index_put_({at::arange(0, 10, 4)}, model::kIgnoredTarget);
-    for (int k = 0; k < 4; ++k) {  // soft-cap or not; gradients in the forward or the backward
+    for (int k = 0; k < 6; ++k) {  // soft-cap or not; gradients in the forward, the backward, or into .grad
       const double cap = k % 2 ? 2.0 : 0.0;
-      const model::LossGradients when = k < 2 ? model::LossGradients::kInForward : model::LossGradients::kInBackward;
+      const model::LossGradients when = k < 2   ? model::LossGradients::kInForward
+                                        : k < 4 ? model::LossGradients::kInBackward
+                                                : model::LossGradients::kIntoWeightGrad;
       const std::string what = "t = " + std::to_string(t) + ", case " + std::to_string(k);
       at::Tensor h = same({10, 6}, 23).requires_grad_(), w = same({v, 6}, 24).requires_grad_();
       at::Tensor z = at::mm(h, w.t());
@@ -177,9 +181,14 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
       want.backward();
       at::Tensor mine_h = same({10, 6}, 23).requires_grad_();
       at::Tensor mine_w = chunk(same({v, 6}, 24), 0, t, r).clone().requires_grad_();
+      if (when == model::LossGradients::kIntoWeightGrad) mine_w.mutable_grad() = at::zeros_like(mine_w);
       const at::Tensor mine_input = copy_to_tensor_parallel(mine_h, comm);
-      const at::Tensor got =
-          model::chunked_cross_entropy(mine_input, mine_w, targets, cap, 3, vocab_shard(r * 8, comm), when) * 0.7;
+      const at::Tensor got = model::chunked_cross_entropy(mine_input, mine_w, targets, cap, 3, vocab_shard(r * 8, comm),
+                                                          when, 0, false, 0.7) *
+                             0.7;
+      if (when == model::LossGradients::kIntoWeightGrad) {
+        EXPECT_GT(mine_w.grad().abs().max().item<double>(), 0.0) << "dW into .grad in the forward, " << what;
+      }
       got.backward();
       EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << what;
       expect_close(mine_h.grad(), h.grad(), "dh, " + what);

@@ -263,6 +263,11 @@ TEST(PlanMemoryFormula, HeadsGradientIntoGradKeepsNoWeightSizedTensor) {
   ASSERT_TRUE(m.tie_embeddings);
   EXPECT_DOUBLE_EQ(one.model_states(), two.model_states());
   EXPECT_NEAR(two.total() - one.total(), dw, 1e-6 * dw) << one.moment << " against " << two.moment;
+  // Tensor parallel: the rank's vocabulary share of dW.
+  auto tensor_parallel = [&](const std::string& zero) {
+    return estimate_memory(m, w, Layout::parse("tp=2 zero=" + zero), 1).front().memory;
+  };
+  EXPECT_NEAR(tensor_parallel("2").total() - tensor_parallel("0").total(), dw / 2, 1e-6 * dw);
 }
 
 // PyTorch's loss_parallel (Note [PyTorch's loss_parallel]) over L bf16 logits
