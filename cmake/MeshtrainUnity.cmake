@@ -21,6 +21,13 @@
 # that they say what they do (or put them in their class), and #undef a macro at
 # the end of the file that defines it.
 #
+# Which file opens a unit follows the files' lengths, so a file that grows can
+# move the next one to the head of a new unit, where it no longer sees what the
+# files before it included. Every grouped file is therefore a dependency of the
+# configure step: a build after an edit configures again (about 2 s) and
+# regroups as a clean clone would, rather than keep the old units and pass
+# where the clone's build fails (a file missing an #include of its own).
+#
 # MESHTRAIN_UNITY=OFF compiles every file alone: for an editor's per-file view,
 # or to check that a file compiles on its own includes.
 #
@@ -55,6 +62,7 @@ function(meshtrain_target_sources target)
       string(REGEX MATCH "^[^/]+/[^/]+" room "${relative}")
     endif()
     string(MAKE_C_IDENTIFIER "${room}" room)
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${absolute}")
     if(NOT room IN_LIST rooms)
       list(APPEND rooms ${room})
       set(files_${room} "")
