@@ -157,6 +157,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
                            w.size(0) == v && fused::grad_accumulates_in_place(weight, at::kFloat, weight.device());
     if (now && hidden_grad) dh = at::empty_like(h);
     if (into_grad) {
+      RECORD_FUNCTION("meshtrain::head_gradient_into_grad", std::vector<c10::IValue>());  // marks the path in profiles
       dw = weight.mutable_grad();
       dw_alpha = loss_weight / count.item<double>();
     } else if (now && weight_grad) {

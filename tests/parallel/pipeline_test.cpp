@@ -4,6 +4,12 @@
 #include "meshtrain/parallel/pipeline/trace.h"
 #include "tests/parallel/training_fixture.h"
 
+#include <ATen/record_function.h>
+
+#include <atomic>
+#include <memory>
+#include <string_view>
+
 namespace meshtrain::train {
 namespace {
 
@@ -51,6 +57,31 @@ TEST_F(PipelineTraining, EverySchedulesEqualsOneProcess) {
     layouts.push_back({"parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.microbatches=4"});
   }
   for (const Overrides& layout : layouts) expect_equal(layout);
+}
+
+// Calls of the loss's into-.grad path (meshtrain::head_gradient_into_grad) while counted.
+std::atomic<int> into_grad_calls{0};
+
+std::unique_ptr<at::ObserverContext> count_into_grad(const at::RecordFunction& fn) {
+  if (std::string_view(fn.name()) == "meshtrain::head_gradient_into_grad") ++into_grad_calls;
+  return nullptr;
+}
+
+// Note [Head's gradient into .grad]: the last stage of 1F1B, which holds one
+// loss at a time, adds the head's gradient into .grad in each loss's forward;
+// GPipe's, holding four, makes it in the backward. The first stage has no loss.
+TEST_F(PipelineTraining, OneLossInFlightAddsTheHeadsGradientInItsForward) {
+  if (world()->size() != 2) GTEST_SKIP() << "needs 2 ranks";
+  for (const std::string schedule : {"1f1b", "gpipe"}) {
+    Trainer trainer(config(2, 1, "", {"parallel.pp=2", "parallel.pp_schedule=" + schedule, "parallel.microbatches=4"}),
+                    world());
+    into_grad_calls = 0;
+    const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_into_grad));
+    trainer.step();
+    at::removeCallback(counting);
+    const int want = schedule == "1f1b" && world()->rank() == 1 ? 4 : 0;
+    EXPECT_EQ(into_grad_calls.load(), want) << schedule << ", rank " << world()->rank();
+  }
 }
 
 // 3-D: pp 2 x dp 2 x tp 2, and pp 2 x ZeRO-1 over 2 x tp 2 with sequence parallel.
