@@ -93,8 +93,10 @@ struct VocabShard {
 // told, failing loudly where it is not. Taken on the CPU, under
 // fused::grad_accumulates_in_place's conditions on the weight (.grad fp32, no
 // hooks; tensor parallel's vocabulary share is the rank's own) and with the
-// weight unpadded; elsewhere it is kInForward. The caller promises one backward at once over
-// the whole graph, with .grad left as it was between the forward and it.
+// weight unpadded; elsewhere it is kInForward. The caller promises one
+// backward at once over the whole graph, with .grad left as it was between
+// the forward and it. The profile marks the path
+// (meshtrain::head_gradient_into_grad).
 //
 // When the gradients are made: in the forward, held to the backward (three
 // products); in the backward from the logits made again (four); or in the
