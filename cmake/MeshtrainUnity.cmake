@@ -24,7 +24,7 @@
 # Which file opens a unit follows the files' lengths, so a file that grows can
 # move the next one to the head of a new unit, where it no longer sees what the
 # files before it included. Every grouped file is therefore a dependency of the
-# configure step: a build after an edit configures again (about 2 s) and
+# configure step: a build after an edit of one configures again (about 2 s) and
 # regroups as a clean clone would, rather than keep the old units and pass
 # where the clone's build fails (a file missing an #include of its own).
 #

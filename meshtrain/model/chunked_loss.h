@@ -27,7 +27,8 @@ namespace meshtrain::model {
 // forward made by the loss's gradient, in place. Work: the same three
 // products as the head's forward and backward, none done twice. Memory: one
 // chunk's logits, plus dh (the size of the head's input) and dW (the size of
-// the weight) from the loss's forward to its backward; at one chunk that is
+// the weight; none with LossGradients::kIntoWeightGrad, Note [Head's gradient
+// into .grad]) from the loss's forward to its backward; at one chunk that is
 // about what the whole logits cost. Rows whose target is kIgnoredTarget count
 // toward nothing; with none counting the loss is 0. With model.fused on the
 // CPU, the whole vocabulary on the rank, no soft-cap, every counted target
@@ -91,8 +92,10 @@ struct VocabShard {
 // hands AccumulateGrad no gradient, whose post-hooks (the bucket counts)
 // still run, and checks that the gradient which came is the weight it was
 // told, failing loudly where it is not. Taken on the CPU, under
-// fused::grad_accumulates_in_place's conditions on the weight (.grad fp32, no
-// hooks; tensor parallel's vocabulary share is the rank's own) and with the
+// fused::grad_accumulates_in_place's conditions on the weight (.grad fp32,
+// dense and contiguous; no hook that would see or change the gradient first,
+// so post-hooks such as the bucket's still run; tensor parallel's vocabulary
+// share has none) and with the
 // weight unpadded; elsewhere it is kInForward. The caller promises one
 // backward at once over the whole graph, with .grad left as it was between
 // the forward and it. The profile marks the path
