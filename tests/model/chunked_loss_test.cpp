@@ -8,11 +8,11 @@
 #include "meshtrain/model/attention.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/util/memory.h"
+#include "tests/model/counting_post_hook.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
@@ -189,17 +189,6 @@ TEST(ChunkedLoss, GradientsMadeInTheBackwardHoldNoWeightSizedTensor) {
   }
 }
 
-// Counts the weight's accumulator's post-hook calls, as data parallel's bucket counts do.
-struct HeadPostHook : torch::autograd::FunctionPostHook {
-  explicit HeadPostHook(int* calls) : calls(calls) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    ++*calls;
-    return outputs;
-  }
-  int* calls;
-};
-
 // Note [Head's gradient into .grad]: where W's .grad persists (an earlier
 // micro-batch's gradient in it), the forward adds dW · weight / count into it
 // and holds no W-sized tensor; the backward hands AccumulateGrad none, whose
@@ -224,7 +213,7 @@ TEST(ChunkedLoss, IntoWeightGradAddsTheHeadsGradientInTheForward) {
     }
     int hook_calls = 0, seen = 0;
     const auto accumulator = torch::autograd::impl::grad_accumulator(w);  // the tensor holds it weakly
-    accumulator->add_post_hook(std::make_unique<HeadPostHook>(&hook_calls));
+    accumulator->add_post_hook(std::make_unique<CountingPostHook>(&hook_calls));
     if (how == "a hook") w.register_hook([&seen](const at::Tensor& g) { seen += g.defined() ? 1 : 0; });
     const void* held = w.grad().defined() ? w.grad().const_data_ptr() : nullptr;
     const int64_t before = memory::current_bytes();

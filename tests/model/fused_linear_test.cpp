@@ -5,6 +5,7 @@
 #include "meshtrain/model/fused/linear.h"
 
 #include "meshtrain/model/gpt.h"
+#include "tests/model/counting_post_hook.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/record_function.h>
@@ -31,17 +32,6 @@ std::unique_ptr<at::ObserverContext> count_products_in_place(const at::RecordFun
   if (std::string_view(fn.name()) == "meshtrain::weight_grad_in_place") ++products_in_place;
   return nullptr;
 }
-
-// Counts the accumulator's post-hook calls, as data parallel's bucket counts do.
-struct CountingHook : torch::autograd::FunctionPostHook {
-  explicit CountingHook(int* calls) : calls(calls) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    ++*calls;
-    return outputs;
-  }
-  int* calls;
-};
 
 struct Leaves {
   at::Tensor x, w, b;
@@ -81,7 +71,7 @@ TEST(FusedLinear, AddsIntoAPersistentGradientAsAccumulateGradWould) {
     const void* held = grads_defined ? ours.w.grad().const_data_ptr() : nullptr;
     int hook_calls = 0;
     const auto accumulator = torch::autograd::impl::grad_accumulator(ours.w);  // the tensor holds it weakly
-    accumulator->add_post_hook(std::make_unique<CountingHook>(&hook_calls));
+    accumulator->add_post_hook(std::make_unique<CountingPostHook>(&hook_calls));
     const at::Tensor y = fused::linear(ours.x, ours.w, ours.b);
     EXPECT_TRUE(torch::allclose(y, at::linear(want.x, want.w, want.b)));
     EXPECT_EQ(run_backward(y), grads_defined ? 1 : 0) << "in place exactly where .grad persists";
