@@ -1,6 +1,7 @@
 #include "meshtrain/model/gpt.h"
 
 #include "meshtrain/model/chunked_loss.h"
+#include "meshtrain/model/fused/embedding.h"
 #include "meshtrain/model/fused/linear.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/qkv_layout.h"
@@ -371,14 +372,18 @@ at::Tensor GptImpl::embed(const Batch& batch) {
   const int64_t t = tokens.size(1);
   TORCH_CHECK(t <= config_.context, "sequence of ", t, " tokens is longer than the model's context ", config_.context);
   const HookChain& c = *chain_;
-  at::Tensor x = c.call("wte", tokens, [this](const at::Tensor& in) { return wte->forward(in); });
+  // The lookups add their rows' gradients into a held .grad (Note [Embedding gradients in place]).
+  auto lookup = [this](torch::nn::Embedding table, const at::Tensor& ids) {
+    return config_.fused ? fused::embedding(table->weight, ids) : table->forward(ids);
+  };
+  at::Tensor x = c.call("wte", tokens, [this, lookup](const at::Tensor& in) { return lookup(wte, in); });
   // Gemma: times sqrt(width), rounded to the activations' dtype as Hugging Face does.
   if (config_.embed_scale) x = x * at::scalar_tensor(std::sqrt(static_cast<double>(config_.width)), x.options());
   if (wpe) {
     // Packed rows restart positions at each document, a KV cache's continue (Note [Batch]).
     const at::Tensor positions = batch.positions.defined() ? batch.positions.to(tokens.device())
                                                            : at::arange(t, tokens.options());
-    x = x + c.call("wpe", positions, [this](const at::Tensor& in) { return wpe->forward(in); });
+    x = x + c.call("wpe", positions, [this, lookup](const at::Tensor& in) { return lookup(wpe, in); });
   }
   return c.call("drop", x, [this](const at::Tensor& in) { return at::dropout(in, config_.dropout, is_training()); });
 }

@@ -159,6 +159,7 @@ struct StepActivations {
   double op_level_recomputed = 0;  // what op-level recompute makes again in a block's backward (Note [Op-level recompute])
   OutputBytes out{};
   bool loss_into_grad = false;  // the chunked loss adds dW into .grad in its forward (Note [Head's gradient into .grad])
+  bool embedding_into_grad = false;  // the lookups' rows add into .grad (Note [Embedding gradients in place])
 };
 
 // The share of blocks whose ATen attention keeps grouped k and v repeated (Note [Grouped queries in SDPA]).
@@ -202,6 +203,8 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   a.out = output_bytes(model, z, p, w.fused_loss, w.chunked_loss, w.loss_chunk_bytes, w.norm_kernels, when,
                        w.torch_loss_parallel);
   a.loss_into_grad = w.chunked_loss && when == model::LossGradients::kIntoWeightGrad;
+  // The fused lookups add their rows into .grad where it persists, in the parameters' dtype.
+  a.embedding_into_grad = !w.gpu && l.dims.zero_stage <= 1 && w.fused_ops;
   a.boundary = p.residual * z.region(z.u);  // one activation (or its gradient) sent between stages
   return a;
 }
@@ -390,9 +393,9 @@ MemoryBreakdown peak_of_rank(RankMemory& rank, MemoryBreakdown states, const std
       --stashed;
       if (act.stage > 0) {
         sends += a.boundary;
-      } else {  // the embedding's dense gradient, then the tied head's joins it
+      } else {  // the embedding's dense gradient (none in place), then the tied head's joins it
         consider("embedding backward", stash, kept_outputs, sends + (gathers ? p.param * root_unit : 0),
-                 p.grad * r.trained(r.embedding));
+                 a.embedding_into_grad ? 0 : p.grad * r.trained(r.embedding));
         kept_outputs -= tied_wait;
       }
     }

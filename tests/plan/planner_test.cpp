@@ -270,6 +270,29 @@ TEST(PlanMemoryFormula, HeadsGradientIntoGradKeepsNoWeightSizedTensor) {
   EXPECT_NEAR(tensor_parallel("2").total() - tensor_parallel("0").total(), dw / 2, 1e-6 * dw);
 }
 
+// Note [Embedding gradients in place]: the fused lookups add their rows into
+// .grad where it persists, so a CPU plan at ZeRO-0 counts no dense gradient of
+// the table at the end of the backward. Under full recompute at 1,024 tokens
+// that gradient (4·V·d bytes in fp32) is the step's peak without the fused
+// operators, and with them the peak is elsewhere and lower by most of it.
+TEST(PlanMemoryFormula, EmbeddingGradientInPlaceMakesNoDenseTable) {
+  model::GptConfig m = model::GptConfig::preset("llama3.2-1b");
+  m.context = 1024, m.layers = 2;
+  const double table = 4.0 * static_cast<double>(m.vocab_size) * static_cast<double>(m.width);
+  Workload w;
+  w.precision = Precision::parse("fp32");
+  w.chunked_loss = true;
+  auto peak = [&](bool fused) {
+    w.fused_ops = fused;
+    return estimate_memory(m, w, Layout::parse("recompute=full"), 1).front().memory;
+  };
+  const MemoryBreakdown fused = peak(true), unfused = peak(false);
+  EXPECT_EQ(unfused.moment, "embedding backward");
+  EXPECT_DOUBLE_EQ(unfused.workspace, table);
+  EXPECT_NE(fused.moment, "embedding backward");
+  EXPECT_LT(fused.total(), unfused.total() - table / 2) << fused.moment;
+}
+
 // PyTorch's loss_parallel (Note [PyTorch's loss_parallel]) over L bf16 logits
 // per rank: the log-probabilities kept (4L), at the forward's exp the bf16
 // logits, their fp32 copy and the shifted copy beside it (2L + 4L + 4L), at

@@ -17,16 +17,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Whether backward may add dW (in `like`'s dtype and device) into w.grad in
-// place of AccumulateGrad (Note [Weight gradients in place]; linear() takes
-// this function on the CPU only).
-bool grad_takes_product(const at::Tensor& w, const at::Tensor& like) {
-  if (at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return false;
-  const auto* chosen = torch::autograd::get_current_graph_task_exec_info();
-  if (chosen == nullptr || !chosen->empty()) return false;  // autograd::grad(), or backward(inputs=...)
-  return grad_accumulates_in_place(w, like.scalar_type(), like.device());
-}
-
 struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias) {
@@ -48,7 +38,7 @@ struct Linear : torch::autograd::Function<Linear> {
     if (ctx->needs_input_grad(0)) dx = dy.mm(w).view(x.sizes());
     if (ctx->needs_input_grad(1)) {
       const at::Tensor x2 = x.reshape({-1, w.size(1)});
-      if (grad_takes_product(w, dy)) {
+      if (backward_adds_into_grad(w, dy)) {
         RECORD_FUNCTION("meshtrain::weight_grad_in_place", std::vector<c10::IValue>());
         w.mutable_grad().addmm_(dy.t(), x2);
       } else {
@@ -61,6 +51,13 @@ struct Linear : torch::autograd::Function<Linear> {
 };
 
 }  // namespace
+
+bool backward_adds_into_grad(const at::Tensor& w, const at::Tensor& like) {
+  if (at::GradMode::is_enabled() || torch::autograd::AnomalyMode::is_enabled()) return false;
+  const auto* chosen = torch::autograd::get_current_graph_task_exec_info();
+  if (chosen == nullptr || !chosen->empty()) return false;  // autograd::grad(), or backward(inputs=...)
+  return grad_accumulates_in_place(w, like.scalar_type(), like.device());
+}
 
 bool grad_accumulates_in_place(const at::Tensor& w, at::ScalarType dtype, const at::Device& device) {
   if (!w.is_leaf() || !w.requires_grad()) return false;

@@ -41,4 +41,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // own conditions (grad mode, anomaly mode, a whole backward) are the caller's.
 bool grad_accumulates_in_place(const at::Tensor& w, at::ScalarType dtype, const at::Device& device);
 
+// Called in a backward: whether it may add a gradient like `like` into w.grad
+// in place of AccumulateGrad. Grad mode and anomaly mode are off (no
+// create_graph; anomaly mode reads the returned gradients), the engine runs a
+// whole backward, not autograd::grad() over chosen inputs, and
+// grad_accumulates_in_place holds on the CPU (linear() and embedding() call
+// it on the CPU only).
+bool backward_adds_into_grad(const at::Tensor& w, const at::Tensor& like);
+
 }  // namespace meshtrain::model::fused
