@@ -112,9 +112,12 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
 }
 
 // Gradients alive inside one layer's backward: the gradient arriving at its
-// output and the MLP's hidden-sized pair (a MoE layer: its experts' hidden
-// gradients and those of their inputs and outputs); with sequence parallel
-// the re-gathered input of a column-parallel linear and its gradient.
+// output and the MLP's hidden-sized ones, dh and beside it dg and du, which
+// the fused GLU writes over g and u instead (Note [GLU gradients in the saved
+// tensors]; `model.fused`: the fused operators run). A MoE layer: its
+// experts' hidden gradients and those of their inputs and outputs. With
+// sequence parallel: the re-gathered input of a column-parallel linear and
+// its gradient.
 double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
                                 double load) {
   const double e = p.activation, matrices = model.gated_mlp() ? 3 : 2;
@@ -124,7 +127,8 @@ double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, c
            e * (a + sent) * static_cast<double>(model.width);
   }
   const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  return p.residual * z.region(z.u) + matrices * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
+  const double gradients = model.gated_mlp() && model.fused ? 1 : matrices;
+  return p.residual * z.region(z.u) + gradients * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
 }
 
 namespace {

@@ -423,6 +423,8 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
   const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp);
   const pipeline::Schedule& schedule = schedule_of(l, microbatches);
   const bool loss_in_backward = l.dims.pp > 1 && pipeline::losses_in_flight(schedule) > 1;
+  model::GptConfig ran = model;
+  ran.fused = w.fused_ops;  // whether the fused CPU operators run, not whether the config asks for them
   const StepTerms terms{model,
                         l,
                         w,
@@ -430,7 +432,7 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
                         rank_parameters(model, l, w.lora),
                         step_activations(model, w, l, z, loss_in_backward),
                         chunks_of(model, l),
-                        layer_backward_workspace(model, z, w.precision, false, 1, 0),
+                        layer_backward_workspace(ran, z, w.precision, false, 1, 0),
                         model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, rank_moe_load(model, w, l.dims.ep)) : 0.0};
   const RankParameters& r = terms.r;
   const Chunks& c = terms.c;
