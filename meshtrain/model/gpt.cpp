@@ -447,16 +447,16 @@ bool GptImpl::chunks_loss(const at::Tensor& x) const {
                       [](const auto& h) { return h->wraps_head() && !h->chunks_head(); });
 }
 
-at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when, double weight) {
+at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when, double loss_weight) {
   if (!chunks_loss(x)) return cross_entropy(project(x), targets);
   const at::Tensor y = chain_->call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
   const at::Tensor& w = head ? head->weight : wte->weight;
   for (const auto& hooks : chain_->hooks) {
     if (!hooks->wraps_head()) continue;
-    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, weight);
+    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, loss_weight);
     if (loss.defined()) return loss;
   }
-  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, weight);
+  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, loss_weight);
 }
 
 at::Tensor GptImpl::loss(const Batch& batch, LossGradients when) {

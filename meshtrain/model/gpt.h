@@ -235,9 +235,9 @@ class GptImpl : public torch::nn::Module {
   // tensors, the chunked loss (Note [Chunked loss]) without the logits, its
   // gradients made `when` asked (a pipeline stage holding several losses: in
   // the backward; a training step: kIntoWeightGrad), with
-  // `weight` the factor the caller multiplies the loss by (kIntoWeightGrad's).
+  // `loss_weight` the factor the caller multiplies the loss by (kIntoWeightGrad's).
   at::Tensor head_loss(const at::Tensor& x, const at::Tensor& targets, LossGradients when = LossGradients::kInForward,
-                       double weight = 1.0);
+                       double loss_weight = 1.0);
   const GptConfig& config() const { return config_; }
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }

@@ -9,6 +9,14 @@ namespace meshtrain::plan {
 
 namespace {
 
+// Whether the down projection keeps the fused GLU's g and u instead of its
+// output (Note [The GLU's output made again]): the fused operators run, and
+// the product is the fused linear's (not under autocast, whose products are
+// ATen's; not LoRA's frozen base).
+bool glu_output_made_again(const model::GptConfig& model, const Precision& p, bool lora) {
+  return model.gated_mlp() && model.fused && p.weight_copy == 0 && !lora;
+}
+
 // What a norm saves beyond its input: a norm kernel (LayerNorm, the fused add
 // + norm, ATen's rms_norm on a GPU: Workload::norm_kernels) its fp32
 // statistics per token; the CPU's reference RMSNorm, composed of elementwise
@@ -114,12 +122,14 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
 // Gradients alive inside one layer's backward: the gradient arriving at its
 // output and the MLP's hidden-sized ones, dh and beside it dg and du, which
 // the fused GLU writes over g and u instead (Note [GLU gradients in the saved
-// tensors]; `model.fused`: the fused operators run). A MoE layer: its
+// tensors]; `model.fused`: the fused operators run); where the down
+// projection makes its input again, that input beside dh (Note [The GLU's
+// output made again]). A MoE layer: its
 // experts' hidden gradients and those of their inputs and outputs. With
 // sequence parallel: the re-gathered input of a column-parallel linear and
 // its gradient.
 double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
-                                double load) {
+                                double load, bool lora) {
   const double e = p.activation, matrices = model.gated_mlp() ? 3 : 2;
   if (moe) {  // gradients of the experts' hidden tensors, inputs and outputs (sent back: source side)
     const double a = assignments(model, z.tokens, load) / z.t, sent = ep > 1 ? assignments(model, z.tokens) / z.t : a;
@@ -127,7 +137,7 @@ double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, c
            e * (a + sent) * static_cast<double>(model.width);
   }
   const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  const double gradients = model.gated_mlp() && model.fused ? 1 : matrices;
+  const double gradients = glu_output_made_again(model, p, lora) ? 2 : model.gated_mlp() && model.fused ? 1 : matrices;
   return p.residual * z.region(z.u) + gradients * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
 }
 
@@ -163,9 +173,11 @@ double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const 
   if (o.dropout > 0) bytes += 2 * o.precision.mask * z.region(z.u);  // dropout after attention and after the MLP
   bytes += e * z.region(z.u);                                        // MLP input
   if (moe) return bytes + moe_saved(model, z, e, o.precision.residual, ep, o.moe_load);
-  // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product).
+  // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product;
+  // gate and up where the down projection makes the product again).
   const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  return bytes + (model.gated_mlp() ? (model.fused ? 3 : 4) : 2) * e * z.split(hidden);
+  const double kept = glu_output_made_again(model, o.precision, o.lora) ? 2 : model.fused ? 3 : 4;
+  return bytes + (model.gated_mlp() ? kept : 2) * e * z.split(hidden);
 }
 
 }  // namespace

@@ -44,8 +44,9 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
                          bool chunked_loss, double chunk_bytes, bool norm_kernels, model::LossGradients when,
                          bool torch_loss_parallel = false);
 
-// Gradients alive inside one layer's backward (a MoE layer's with expert parallel degree `ep` and `load`).
+// Gradients alive inside one layer's backward (a MoE layer's with expert parallel degree `ep` and `load`;
+// `lora`: the base products frozen).
 double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
-                                double load);
+                                double load, bool lora = false);
 
 }  // namespace meshtrain::plan

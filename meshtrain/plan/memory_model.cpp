@@ -182,6 +182,7 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   StepActivations a;
   options.selective = w.selective;
   options.norm_kernels = w.norm_kernels;
+  options.lora = w.lora.enabled();
   options.repeated_kv = repeated_kv_share(model, w);
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
   a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);
@@ -432,7 +433,7 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
                         rank_parameters(model, l, w.lora),
                         step_activations(model, w, l, z, loss_in_backward),
                         chunks_of(model, l),
-                        layer_backward_workspace(ran, z, w.precision, false, 1, 0),
+                        layer_backward_workspace(ran, z, w.precision, false, 1, 0, w.lora.enabled()),
                         model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, rank_moe_load(model, w, l.dims.ep)) : 0.0};
   const RankParameters& r = terms.r;
   const Chunks& c = terms.c;

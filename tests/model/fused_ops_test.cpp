@@ -2,6 +2,7 @@
 // composition: the forward and every gradient, tight in fp32, within bf16's
 // resolution in bf16; then whole models with model.fused on and off.
 #include "meshtrain/model/fused/kernels.h"
+#include "meshtrain/model/fused/linear.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/gpt.h"
 #include "meshtrain/parallel/grad_norm.h"
@@ -180,6 +181,40 @@ TEST(FusedOps, GluGradientsGoOverTheSavedTensorsNoOneElseHolds) {
         }
         if (g_held.defined()) EXPECT_TRUE(torch::equal(g_held, g_ref)) << "a g the caller holds is left as it was";
       }
+    }
+  }
+}
+
+// Note [The GLU's output made again]: the fused linear over a fused GLU's
+// output keeps g and u, which the GLU keeps anyway, in place of that output:
+// one hidden-sized tensor fewer after the forward. Its gradients, and the
+// GLU's, written over g and u after it, are the composition's.
+TEST(FusedOps, ALinearOverTheGluKeepsGAndUInPlaceOfItsOutput) {
+  for (bool gelu : {false, true}) {
+    SCOPED_TRACE(gelu ? "geglu" : "swiglu");
+    const std::vector<at::Tensor> values = {randn({2, 9, 16}, 1), randn({40, 16}, 2, 0.3), randn({40, 16}, 3, 0.3),
+                                            randn({16, 40}, 4, 0.3)};
+    const std::vector<at::Tensor> a = leaves(values, at::kFloat), b = leaves(values, at::kFloat);
+    auto glu = [gelu](const at::Tensor& g, const at::Tensor& u) { return gelu ? fused::geglu(g, u) : fused::swiglu(g, u); };
+    ASSERT_TRUE(fused::glu_inputs(glu(at::linear(a[0], a[1]), at::linear(a[0], a[2]))).has_value());
+    ASSERT_FALSE(fused::glu_inputs(at::linear(a[0], a[1])).has_value());
+    memory::install();
+    const int64_t before = memory::current_bytes();
+    const at::Tensor y = fused::linear(glu(at::linear(a[0], a[1]), at::linear(a[0], a[2])), a[3], {});
+    const int64_t ours = memory::current_bytes() - before;
+    const at::Tensor y_ref = at::linear(glu(at::linear(b[0], b[1]), at::linear(b[0], b[2])), b[3]);
+    const int64_t reference = memory::current_bytes() - before - ours;
+    EXPECT_EQ(reference - ours, 2 * 9 * 40 * 4) << "the GLU's output, not kept; ours " << ours << " reference " << reference;
+    EXPECT_TRUE(torch::allclose(y, y_ref, 1e-6, 1e-6));
+    const at::Tensor upstream = randn(y.sizes().vec(), 5);
+    glu_overwrites = 0;
+    const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_glu_overwrites));
+    (y * upstream).sum().backward();
+    at::removeCallback(counting);
+    EXPECT_EQ(glu_overwrites, 1) << "the GLU's gradients over g and u once the linear let them go";
+    (y_ref * upstream).sum().backward();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_LT(relative_error(a[i].grad(), b[i].grad()), kFp32) << "gradient of input " << i;
     }
   }
 }

@@ -379,14 +379,19 @@ TEST(PlanFromConfig, CountsTheOperatorsTheDeviceRuns) {
   const Workload composed = planned_model(c).workload;
   EXPECT_FALSE(composed.fused_ops);
   EXPECT_FALSE(composed.norm_kernels);
-  // ATen's SwiGLU keeps one hidden-sized tensor more than the fused one.
+  // ATen's SwiGLU keeps two hidden-sized tensors more than the fused operators: silu(gate), and the
+  // product, which the fused down projection makes again (Note [The GLU's output made again]). With
+  // LoRA's frozen base the product is ATen's and keeps it.
   model::GptConfig fused = c.model, aten = c.model;
   fused.fused = true;
   ActivationOptions o;
   o.micro_batch = 8;
   const double tokens = 8.0 * 2048, e = o.precision.activation;
-  EXPECT_NEAR(layer_activation_bytes(aten, o) - layer_activation_bytes(fused, o),
-              e * tokens * static_cast<double>(c.model.mlp_hidden()), 1.0);
+  const double hidden = e * tokens * static_cast<double>(c.model.mlp_hidden());
+  EXPECT_NEAR(layer_activation_bytes(aten, o) - layer_activation_bytes(fused, o), 2 * hidden, 1.0);
+  ActivationOptions lora = o;
+  lora.lora = true;
+  EXPECT_NEAR(layer_activation_bytes(aten, lora) - layer_activation_bytes(fused, lora), hidden, 1.0);
   // The composed RMSNorm keeps the normalised input of both norms besides.
   const double with_kernels = layer_activation_bytes(aten, o);
   o.norm_kernels = false;

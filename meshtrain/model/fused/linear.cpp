@@ -1,5 +1,7 @@
 #include "meshtrain/model/fused/linear.h"
 
+#include "meshtrain/model/fused/ops.h"
+
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
@@ -20,7 +22,15 @@ using torch::autograd::variable_list;
 struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias) {
-    ctx->save_for_backward({x, w});
+    // Note [The GLU's output made again]: keep g and u, not x.
+    const std::optional<GluInputs> glu = glu_inputs(x);
+    if (glu) {
+      ctx->save_for_backward({glu->g, glu->u, w});
+      ctx->saved_data["glu"] = glu->gelu ? 2 : 1;
+    } else {
+      ctx->save_for_backward({x, w});
+      ctx->saved_data["glu"] = 0;
+    }
     ctx->saved_data["bias"] = bias.has_value();
     // As at::linear folds [.., in] into one product, but the result is no view
     // (a custom function's view output would refuse later in-place changes).
@@ -32,11 +42,14 @@ struct Linear : torch::autograd::Function<Linear> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1];
+    const int64_t glu = ctx->saved_data["glu"].toInt();
+    const at::Tensor& w = saved.back();
     const at::Tensor dy = grads[0].reshape({-1, w.size(0)});
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = dy.mm(w).view(x.sizes());
+    if (ctx->needs_input_grad(0)) dx = dy.mm(w).view(saved[0].sizes());
     if (ctx->needs_input_grad(1)) {
+      // The input kept, or made again from the GLU's g and u (Note [The GLU's output made again]).
+      const at::Tensor x = glu == 0 ? saved[0] : glu == 2 ? geglu(saved[0], saved[1]) : swiglu(saved[0], saved[1]);
       const at::Tensor x2 = x.reshape({-1, w.size(1)});
       if (backward_adds_into_grad(w, dy)) {
         RECORD_FUNCTION("meshtrain::weight_grad_in_place", std::vector<c10::IValue>());

@@ -32,6 +32,18 @@ namespace meshtrain::model::fused {
 // dW as at::linear's backward would. Plain tensors only (the model keeps a
 // distributed tensor's own operators). Like the in-place add it replaces, it
 // assumes one backward at a time per weight.
+//
+// Note [The GLU's output made again]
+// A gated MLP's down projection keeps its input, y = act(g) · u, for its
+// weight's gradient, while the GLU keeps g and u for its own: three
+// hidden-sized tensors per block (at Llama 3.2 1B's width and 4,096 tokens,
+// 128 MiB each in fp32). Where x is a fused GLU's output (fused::glu_inputs),
+// this linear keeps g and u instead, which the GLU keeps anyway, and makes x
+// again from them in its backward: one elementwise pass, and a block keeps
+// two of the three. Its backward runs before the GLU's, which then may write
+// its gradients over g and u (Note [GLU gradients in the saved tensors]);
+// while this node keeps them the GLU does not, and autograd lets them go as
+// soon as this backward has run.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 // Whether a gradient of `dtype` on `device` may be added into w.grad in place

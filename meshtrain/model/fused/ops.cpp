@@ -216,6 +216,14 @@ struct Rope : torch::autograd::Function<Rope> {
 
 }  // namespace
 
+std::optional<GluInputs> glu_inputs(const at::Tensor& y) {
+  if (!y.defined() || y.output_nr() != 0) return std::nullopt;
+  const auto node = std::dynamic_pointer_cast<torch::autograd::CppNode<Glu>>(y.grad_fn());
+  if (!node) return std::nullopt;
+  const variable_list saved = node->ctx_.get_saved_variables();
+  return GluInputs{saved[0], saved[1], node->ctx_.saved_data.at("gelu").toBool()};
+}
+
 bool plain(const at::Tensor& t) { return !t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1); }
 
 bool eligible(const at::Tensor& t) {

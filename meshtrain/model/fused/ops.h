@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <utility>
 
 namespace meshtrain::model::fused {
@@ -49,6 +50,15 @@ at::Tensor bias_gelu(const at::Tensor& a, const at::Tensor& bias);
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
 // gelu_tanh(g) · u, in g's dtype (Gemma's GeGLU).
 at::Tensor geglu(const at::Tensor& g, const at::Tensor& u);
+// The tensors swiglu() or geglu() made y from, as its autograd node keeps
+// them, where y is that node's output; empty for any other tensor. A product
+// of y may keep these in place of y and make y again in its backward (Note
+// [The GLU's output made again] in linear.h).
+struct GluInputs {
+  at::Tensor g, u;
+  bool gelu = false;
+};
+std::optional<GluInputs> glu_inputs(const at::Tensor& y);
 // Mean cross-entropy of logits [N, V] (fp32 or bf16) against targets [N]
 // (entries equal to ignore_index are left out), in fp32.
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index = kIgnoredTarget);
