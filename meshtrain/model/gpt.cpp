@@ -219,6 +219,7 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const at::Tensor hidden = activation(x);
   const torch::nn::Linear& out_layer = fc ? proj : down;
   const at::Tensor out = c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr(), this](const at::Tensor& y) {
+    if (glu_made_again_ && fused_ && fused::plain(y)) return fused::linear(y, impl->weight, impl->bias, true);
     return apply_linear(impl.get(), y, fused_);
   });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
@@ -365,6 +366,11 @@ void GptImpl::initialise(uint64_t seed) {
       p.copy_(values);
     }
   }
+}
+
+void GptImpl::make_glu_output_again(int64_t block, bool on) {
+  BlockImpl* b = blocks->ptr(block)->as<BlockImpl>();
+  if (b->mlp) b->mlp->make_glu_output_again(on);
 }
 
 at::Tensor GptImpl::embed(const Batch& batch) {

@@ -165,6 +165,9 @@ class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(const GptConfig& config, std::shared_ptr<HookChain> chain, const std::string& name);
   at::Tensor forward(const at::Tensor& x);  // ends with the residual dropout
+  // Selective recompute: the down projection keeps the fused GLU's inputs and
+  // makes its input again (Note [The GLU's output made again]).
+  void make_glu_output_again(bool on) { glu_made_again_ = on; }
 
   torch::nn::Linear fc{nullptr}, proj{nullptr};             // gelu
   torch::nn::Linear gate{nullptr}, up{nullptr}, down{nullptr};  // swiglu
@@ -174,6 +177,7 @@ class MlpImpl : public torch::nn::Module {
 
   double dropout_;
   bool fused_, gelu_gate_;  // gelu_gate_: geglu
+  bool glu_made_again_ = false;
   std::shared_ptr<HookChain> chain_;
   std::string fc_name_, proj_name_, gate_name_, up_name_, down_name_, drop_name_;
 };
@@ -241,6 +245,10 @@ class GptImpl : public torch::nn::Module {
   const GptConfig& config() const { return config_; }
   // Hooks around every module call (Note [Forward hooks]); the last added is outermost.
   void add_forward_hooks(std::shared_ptr<ForwardHooks> hooks) { chain_->hooks.push_back(std::move(hooks)); }
+  // Block `block`'s MLP, if it has one, makes its GLU's output again in the
+  // backward instead of keeping it (selective recompute; Note [The GLU's
+  // output made again]).
+  void make_glu_output_again(int64_t block, bool on);
   void remove_forward_hooks(const ForwardHooks* hooks);
   // The mixture-of-experts layers, in block order (none in a dense model).
   std::vector<Moe> moe_layers() const;

@@ -127,6 +127,10 @@ std::shared_ptr<ActivationCheckpoint> apply_activation_checkpoint(model::Gpt& mo
       model->config().layers, [&](int64_t block) { return block % every == 0 ? mode : CheckpointMode::kNone; },
       std::move(streams));
   model->add_forward_hooks(hooks);
+  // Selective recompute also makes the GLU's output again (Note [The GLU's output made again]).
+  if (mode == CheckpointMode::kSelective) {
+    for (int64_t block = 0; block < model->config().layers; block += every) model->make_glu_output_again(block, true);
+  }
   return hooks;
 }
 

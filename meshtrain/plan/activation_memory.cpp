@@ -9,14 +9,6 @@ namespace meshtrain::plan {
 
 namespace {
 
-// Whether the down projection keeps the fused GLU's g and u instead of its
-// output (Note [The GLU's output made again]): the fused operators run, and
-// the product is the fused linear's (not under autocast, whose products are
-// ATen's; not LoRA's frozen base).
-bool glu_output_made_again(const model::GptConfig& model, const Precision& p, bool lora) {
-  return model.gated_mlp() && model.fused && p.weight_copy == 0 && !lora;
-}
-
 // What a norm saves beyond its input: a norm kernel (LayerNorm, the fused add
 // + norm, ATen's rms_norm on a GPU: Workload::norm_kernels) its fp32
 // statistics per token; the CPU's reference RMSNorm, composed of elementwise
@@ -119,6 +111,11 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
           (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};
 }
 
+bool glu_output_made_again(const model::GptConfig& model, const ActivationOptions& o) {
+  return o.recompute == parallel::CheckpointMode::kSelective && model.gated_mlp() && model.fused &&
+         o.precision.weight_copy == 0 && !o.lora;
+}
+
 // Gradients alive inside one layer's backward: the gradient arriving at its
 // output and the MLP's hidden-sized ones, dh and beside it dg and du, which
 // the fused GLU writes over g and u instead (Note [GLU gradients in the saved
@@ -129,7 +126,7 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
 // sequence parallel: the re-gathered input of a column-parallel linear and
 // its gradient.
 double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
-                                double load, bool lora) {
+                                double load, bool glu_made_again) {
   const double e = p.activation, matrices = model.gated_mlp() ? 3 : 2;
   if (moe) {  // gradients of the experts' hidden tensors, inputs and outputs (sent back: source side)
     const double a = assignments(model, z.tokens, load) / z.t, sent = ep > 1 ? assignments(model, z.tokens) / z.t : a;
@@ -137,7 +134,7 @@ double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, c
            e * (a + sent) * static_cast<double>(model.width);
   }
   const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  const double gradients = glu_output_made_again(model, p, lora) ? 2 : model.gated_mlp() && model.fused ? 1 : matrices;
+  const double gradients = glu_made_again ? 2 : model.gated_mlp() && model.fused ? 1 : matrices;
   return p.residual * z.region(z.u) + gradients * e * z.split(hidden) + (z.sp ? 2 * e * z.u : 0);
 }
 
@@ -176,7 +173,7 @@ double mlp_saved(const model::GptConfig& model, const Sizes& z, double e, const 
   // GELU: its input and output; SwiGLU: gate, up, silu(gate), product (fused: gate, up, product;
   // gate and up where the down projection makes the product again).
   const double hidden = z.u * static_cast<double>(model.mlp_hidden()) / static_cast<double>(model.width);
-  const double kept = glu_output_made_again(model, o.precision, o.lora) ? 2 : model.fused ? 3 : 4;
+  const double kept = glu_output_made_again(model, o) ? 2 : model.fused ? 3 : 4;
   return bytes + (model.gated_mlp() ? kept : 2) * e * z.split(hidden);
 }
 

@@ -44,9 +44,15 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
                          bool chunked_loss, double chunk_bytes, bool norm_kernels, model::LossGradients when,
                          bool torch_loss_parallel = false);
 
+// Whether the down projection keeps the fused GLU's g and u instead of its
+// output (Note [The GLU's output made again]): selective recompute, the fused
+// operators running, and the product the fused linear's (not under autocast,
+// whose products are ATen's; not LoRA's frozen base).
+bool glu_output_made_again(const model::GptConfig& model, const ActivationOptions& o);
+
 // Gradients alive inside one layer's backward (a MoE layer's with expert parallel degree `ep` and `load`;
-// `lora`: the base products frozen).
+// `glu_made_again`: the down projection makes its input again, glu_output_made_again).
 double layer_backward_workspace(const model::GptConfig& model, const Sizes& z, const Precision& p, bool moe, int64_t ep,
-                                double load, bool lora = false);
+                                double load, bool glu_made_again = false);
 
 }  // namespace meshtrain::plan

@@ -160,6 +160,7 @@ struct StepActivations {
   OutputBytes out{};
   bool loss_into_grad = false;  // the chunked loss adds dW into .grad in its forward (Note [Head's gradient into .grad])
   bool embedding_into_grad = false;  // the lookups' rows add into .grad (Note [Embedding gradients in place])
+  bool glu_made_again = false;       // the down projections make their input again (Note [The GLU's output made again])
 };
 
 // The share of blocks whose ATen attention keeps grouped k and v repeated (Note [Grouped queries in SDPA]).
@@ -185,6 +186,7 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   options.lora = w.lora.enabled();
   options.repeated_kv = repeated_kv_share(model, w);
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
+  a.glu_made_again = glu_output_made_again(model, options);
   a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);
   a.per_moe_layer = moe_kept + lora_activation_bytes(model, w.lora, options, true);
   options.recompute = parallel::CheckpointMode::kNone;
@@ -426,14 +428,15 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
   const bool loss_in_backward = l.dims.pp > 1 && pipeline::losses_in_flight(schedule) > 1;
   model::GptConfig ran = model;
   ran.fused = w.fused_ops;  // whether the fused CPU operators run, not whether the config asks for them
+  const StepActivations activations = step_activations(model, w, l, z, loss_in_backward);
   const StepTerms terms{model,
                         l,
                         w,
                         z,
                         rank_parameters(model, l, w.lora),
-                        step_activations(model, w, l, z, loss_in_backward),
+                        activations,
                         chunks_of(model, l),
-                        layer_backward_workspace(ran, z, w.precision, false, 1, 0, w.lora.enabled()),
+                        layer_backward_workspace(ran, z, w.precision, false, 1, 0, activations.glu_made_again),
                         model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, rank_moe_load(model, w, l.dims.ep)) : 0.0};
   const RankParameters& r = terms.r;
   const Chunks& c = terms.c;

@@ -185,8 +185,9 @@ TEST(FusedOps, GluGradientsGoOverTheSavedTensorsNoOneElseHolds) {
   }
 }
 
-// Note [The GLU's output made again]: the fused linear over a fused GLU's
-// output keeps g and u, which the GLU keeps anyway, in place of that output:
+// Note [The GLU's output made again]: asked to (selective recompute), the
+// fused linear over a fused GLU's output keeps g and u, which the GLU keeps
+// anyway, in place of that output:
 // one hidden-sized tensor fewer after the forward. Its gradients, and the
 // GLU's, written over g and u after it, are the composition's.
 TEST(FusedOps, ALinearOverTheGluKeepsGAndUInPlaceOfItsOutput) {
@@ -200,7 +201,7 @@ TEST(FusedOps, ALinearOverTheGluKeepsGAndUInPlaceOfItsOutput) {
     ASSERT_FALSE(fused::glu_inputs(at::linear(a[0], a[1])).has_value());
     memory::install();
     const int64_t before = memory::current_bytes();
-    const at::Tensor y = fused::linear(glu(at::linear(a[0], a[1]), at::linear(a[0], a[2])), a[3], {});
+    const at::Tensor y = fused::linear(glu(at::linear(a[0], a[1]), at::linear(a[0], a[2])), a[3], {}, true);
     const int64_t ours = memory::current_bytes() - before;
     const at::Tensor y_ref = at::linear(glu(at::linear(b[0], b[1]), at::linear(b[0], b[2])), b[3]);
     const int64_t reference = memory::current_bytes() - before - ours;

@@ -21,9 +21,9 @@ using torch::autograd::variable_list;
 
 struct Linear : torch::autograd::Function<Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, bool glu_made_again) {
     // Note [The GLU's output made again]: keep g and u, not x.
-    const std::optional<GluInputs> glu = glu_inputs(x);
+    const std::optional<GluInputs> glu = glu_made_again ? glu_inputs(x) : std::nullopt;
     if (glu) {
       ctx->save_for_backward({glu->g, glu->u, w});
       ctx->saved_data["glu"] = glu->gelu ? 2 : 1;
@@ -59,7 +59,7 @@ struct Linear : torch::autograd::Function<Linear> {
       }
     }
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) db = dy.sum(0);
-    return {dx, dw, db};
+    return {dx, dw, db, at::Tensor()};
   }
 };
 
@@ -84,13 +84,13 @@ bool grad_accumulates_in_place(const at::Tensor& w, at::ScalarType dtype, const 
          accumulator->retains_grad_hooks().empty() && !accumulator->tensor_post_acc_grad_hooks();
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool glu_made_again) {
   const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
   if (!x.device().is_cpu() || !at::GradMode::is_enabled() || !weight.requires_grad() || autocast ||
       x.scalar_type() != weight.scalar_type()) {
     return at::linear(x, weight, bias);
   }
-  return Linear::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  return Linear::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, glu_made_again);
 }
 
 }  // namespace meshtrain::model::fused

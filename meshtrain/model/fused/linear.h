@@ -37,14 +37,15 @@ namespace meshtrain::model::fused {
 // A gated MLP's down projection keeps its input, y = act(g) · u, for its
 // weight's gradient, while the GLU keeps g and u for its own: three
 // hidden-sized tensors per block (at Llama 3.2 1B's width and 4,096 tokens,
-// 128 MiB each in fp32). Where x is a fused GLU's output (fused::glu_inputs),
-// this linear keeps g and u instead, which the GLU keeps anyway, and makes x
-// again from them in its backward: one elementwise pass, and a block keeps
-// two of the three. Its backward runs before the GLU's, which then may write
+// 128 MiB each in fp32). With `glu_made_again` (selective recompute), where x
+// is a fused GLU's output (fused::glu_inputs), this linear keeps g and u
+// instead, which the GLU keeps anyway, and makes x again from them in its
+// backward: a block keeps two of the three for one more elementwise pass (2%
+// of a tiny Llama's CPU step, which is why it is not the default). Its backward runs before the GLU's, which then may write
 // its gradients over g and u (Note [GLU gradients in the saved tensors]);
 // while this node keeps them the GLU does not, and autograd lets them go as
 // soon as this backward has run.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool glu_made_again = false);
 
 // Whether a gradient of `dtype` on `device` may be added into w.grad in place
 // of AccumulateGrad, as far as w tells: a leaf that requires grad, whose .grad
