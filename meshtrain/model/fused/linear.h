@@ -41,8 +41,9 @@ namespace meshtrain::model::fused {
 // is a fused GLU's output (fused::glu_inputs), this linear keeps g and u
 // instead, which the GLU keeps anyway, and makes x again from them in its
 // backward: a block keeps two of the three for one more elementwise pass (2%
-// of a tiny Llama's CPU step, which is why it is not the default). Its backward runs before the GLU's, which then may write
-// its gradients over g and u (Note [GLU gradients in the saved tensors]);
+// of a tiny Llama's CPU step, which is why it is not the default). Its
+// backward runs before the GLU's, which then may write its gradients over g
+// and u (Note [GLU gradients in the saved tensors]);
 // while this node keeps them the GLU does not, and autograd lets them go as
 // soon as this backward has run.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool glu_made_again = false);
