@@ -602,7 +602,11 @@ TEST(FusedOps, BatchedAttentionKeepsItsSoftmaxAndNothingMore) {
     const at::Tensor y = fused::attention(in[0], in[1], in[2], 0.0, true);
     const int64_t kept = memory::current_bytes() - before;
     const int64_t size = c10::elementSize(dtype);
-    EXPECT_EQ(kept, 2 * 3 * (32 * 32 + 32 * 64) * size + y.numel() * size) << "softmax blocks and output";
+    // Under bf16 the query blocks are kept packed (attention.cpp, packed()): a
+    // q-sized copy here, where the test holds q; in a model q goes when the
+    // attention has run, as the memory checks of whole steps show.
+    const int64_t blocks = dtype == at::kBFloat16 ? in[0].numel() * size : 0;
+    EXPECT_EQ(kept, 2 * 3 * (32 * 32 + 32 * 64) * size + y.numel() * size + blocks) << "softmax blocks and output";
     // Grouped queries (6 query heads on 2 key/value heads): q in the split's
     // order besides, no repeated k or v (Note [Grouped queries]).
     std::vector<at::Tensor> grouped =
