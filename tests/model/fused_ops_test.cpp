@@ -136,6 +136,28 @@ TEST(FusedOps, BiasGeluSwigluAndGegluMatchTheReference) {
   }
 }
 
+// The activations' sigmoid far out (kernels_impl.h): values and gradients
+// finite and equal to ATen's; SwiGLU's at the ends of fp32's range (the
+// GELU's derivative squares its input).
+TEST(FusedOps, ActivationsHoldFarOut) {
+  for (bool gelu : {false, true}) {
+    std::vector<float> values = {-3e4f, -100.f, -90.f, -20.f, -1e-20f, 0.f, 1e-20f, 20.f, 90.f, 100.f, 3e4f};
+    if (!gelu) values.insert(values.end(), {-1e30f, 1e30f});
+    const at::Tensor g = at::tensor(values).repeat({3});  // past one vector
+    const at::Tensor u = at::ones_like(g);
+    const at::Tensor x = g.clone().requires_grad_(), ref = g.clone().requires_grad_();
+    const at::Tensor y = gelu ? fused::bias_gelu(x, {}) : fused::swiglu(x, u);
+    const at::Tensor expected = gelu ? at::gelu(ref, "tanh") : at::silu(ref);
+    y.backward(at::ones_like(y));
+    expected.backward(at::ones_like(expected));
+    SCOPED_TRACE(gelu ? "gelu" : "swiglu");
+    EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << y;
+    EXPECT_TRUE(at::isfinite(x.grad()).all().item<bool>()) << x.grad();
+    EXPECT_TRUE(y.allclose(expected, 1e-6, 1e-6)) << y << expected;
+    EXPECT_TRUE(x.grad().allclose(ref.grad(), 1e-6, 1e-6)) << x.grad() << ref.grad();
+  }
+}
+
 std::atomic<int> glu_overwrites{0};
 
 std::unique_ptr<at::ObserverContext> count_glu_overwrites(const at::RecordFunction& fn) {
