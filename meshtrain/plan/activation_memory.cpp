@@ -262,7 +262,8 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
     // Contiguous q, k, v (k and v over their own heads: Note [Grouped
     // queries]), and the causal softmax's blocks; the qkv projection's output
     // is not kept (Note [CPU attention]).
-    const double kept = static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true)) / (s * s);
+    const double kept =
+        static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true, e < 4)) / (s * s);
     return bytes + e * z.split(z.u * (qw + 2 * kv) / h) + e * z.split(kept * scores) + qk_norm_saved(model, z, e, false) +
            mlp_saved(model, z, e, o, moe, ep);
   }

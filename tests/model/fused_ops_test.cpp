@@ -458,23 +458,29 @@ TEST(FusedOps, GroupedQueryAttentionMatchesTheRepeatedReference) {
 
 // The causal split into blocks of about 64 queries (Note [CPU attention]):
 // three uneven blocks (T = 130: queries 0-42, 43-85, 86-129) and four (T =
-// 256), grouped queries, a window reaching back across blocks, a soft-cap and
+// 256); under bf16, of about 128, two blocks and three (T = 384, heads of
+// 128); grouped queries, a window reaching back across blocks, a soft-cap and
 // documents starting inside the blocks, against ATen's attention on k and v
 // repeated with the mask: the forward and every gradient, fp32 and bf16.
 TEST(FusedOps, ManyCausalBlocksMatchTheReference) {
   EXPECT_EQ(fused::batched_attention_scores(130, 130, true), 43 * 43 + 43 * 86 + 44 * 130);
   EXPECT_EQ(fused::batched_attention_scores(256, 256, true), 64 * (64 + 128 + 192 + 256));
+  EXPECT_EQ(fused::batched_attention_scores(256, 256, true, true), 128 * (128 + 256));  // bf16: 128 queries
+  EXPECT_EQ(fused::batched_attention_scores(384, 384, true, true), 128 * (128 + 256 + 384));
   struct Case {
     int64_t t, kv_heads, window;
     double softcap;
     bool documents;
+    int64_t d = 64;
   };
-  for (const Case c : {Case{130, 4, 0, 0, false}, Case{256, 2, 100, 5.0, false}, Case{130, 2, 0, 0, true}}) {
+  // The last: three blocks under bf16 too (128 queries each; keys up to 4·d take this path).
+  for (const Case c : {Case{130, 4, 0, 0, false}, Case{256, 2, 100, 5.0, false}, Case{130, 2, 0, 0, true},
+                       Case{384, 2, 0, 0, false, 128}}) {
     SCOPED_TRACE("t " + std::to_string(c.t) + " kv heads " + std::to_string(c.kv_heads) + " window " +
                  std::to_string(c.window) + " softcap " + std::to_string(c.softcap) + (c.documents ? " documents" : ""));
     const int64_t times = 4 / c.kv_heads;
-    const std::vector<at::Tensor> in = {randn({2, 4, c.t, 64}, 60, 2.0), randn({2, c.kv_heads, c.t, 64}, 61, 2.0),
-                                        randn({2, c.kv_heads, c.t, 64}, 62)};
+    const std::vector<at::Tensor> in = {randn({2, 4, c.t, c.d}, 60, 2.0), randn({2, c.kv_heads, c.t, c.d}, 61, 2.0),
+                                        randn({2, c.kv_heads, c.t, c.d}, 62)};
     at::Tensor starts;
     if (c.documents) {  // row 0: documents from columns 0, 30 and 70; row 1: one
       starts = at::zeros({2, c.t}, at::kLong);
@@ -493,7 +499,7 @@ TEST(FusedOps, ManyCausalBlocksMatchTheReference) {
       return fused::attention(x[0], x[1], x[2], 0.0, true, c.window, 0.1, c.softcap, starts);
     };
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-      if (!fused::batched_attention_applies(true, dtype == at::kBFloat16, c.t, 64, 0.0)) continue;  // bf16 with AMX
+      if (!fused::batched_attention_applies(true, dtype == at::kBFloat16, c.t, c.d, 0.0)) continue;  // bf16 with AMX
       expect_same(ours, reference, in, dtype, dtype == at::kFloat ? kFp32 : kBf16, "causal blocks");
     }
   }

@@ -36,7 +36,10 @@ namespace meshtrain::model::fused {
 // alone: fp32 14.4 ms against 17.4 whole, bf16 the same; in the `small` step
 // 7% more tokens/s in either), 5/8 at four (T = 256: the six products of a
 // Llama block 2.20 to 1.96 ms a micro-batch; smaller blocks than 64 queries
-// run slower again). Entries past a causal
+// run slower again). Under bf16 the blocks are of about 128 queries: oneDNN's
+// bf16 products cost more per call than MKL's fp32 ones, and in the `small`
+// bf16 step (T = 256) two blocks ran 3% faster than four (9,140 against 8,873
+// tokens/s, medians of 5 alternating runs, 2 cores of an AMD EPYC). Entries past a causal
 // query's position inside a block are written as zeros and skipped by the
 // softmax passes, and so are those before a sliding window (Mistral, Gemma
 // 2's local blocks: the products still cover every key up to the query) and
@@ -67,10 +70,10 @@ float scale_for(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(h
 // The blocks of queries the causal split makes (Note [CPU attention]): block i
 // holds queries edges[i] .. edges[i + 1] − 1 and sees keys 0 .. edges[i + 1] − 1;
 // {0, q_len} (one block, every key) where there is no split.
-constexpr int64_t kBlockQueries = 64;
-std::vector<int64_t> causal_blocks(int64_t q_len, int64_t k_len, bool causal) {
+std::vector<int64_t> causal_blocks(int64_t q_len, int64_t k_len, bool causal, bool bf16) {
   if (!causal || q_len != k_len || q_len < 2) return {0, q_len};
-  const int64_t n = std::max<int64_t>(2, (q_len + kBlockQueries - 1) / kBlockQueries);
+  const int64_t queries = bf16 ? 128 : 64;
+  const int64_t n = std::max<int64_t>(2, (q_len + queries - 1) / queries);
   std::vector<int64_t> edges;
   for (int64_t i = 0; i <= n; ++i) edges.push_back(i * q_len / n);
   return edges;
@@ -173,7 +176,7 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
     const at::Tensor kb = batched(k, type), vb = batched(v, type);
     const at::Tensor documents = starts.value_or(at::Tensor());
     const int64_t q_len = q.size(2), k_len = k.size(2), n = kb.size(0), d = v.size(3);
-    const std::vector<int64_t> edges = causal_blocks(q_len, k_len, causal);
+    const std::vector<int64_t> edges = causal_blocks(q_len, k_len, causal, type == at::kBFloat16);
     const int64_t groups = q.size(1) / k.size(1);
     const at::Tensor qg = batched(q, type).view({n, groups, q_len, q.size(3)});
     const float scale = score_scale > 0 ? static_cast<float>(score_scale) : scale_for(q.size(3));
@@ -262,8 +265,8 @@ bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_d
   return cpu && dropout == 0.0 && keys <= 4 * head_dim && !(bf16 && util::cpu_has_amx());
 }
 
-int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal) {
-  const std::vector<int64_t> edges = causal_blocks(q_len, k_len, causal);
+int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal, bool bf16) {
+  const std::vector<int64_t> edges = causal_blocks(q_len, k_len, causal, bf16);
   if (edges.size() == 2) return q_len * k_len;
   int64_t scores = 0;
   for (size_t i = 0; i + 1 < edges.size(); ++i) scores += (edges[i + 1] - edges[i]) * edges[i + 1];

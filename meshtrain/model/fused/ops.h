@@ -80,8 +80,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout);
 // How many softmax entries per head that path keeps: q_len · k_len, or causal
 // with q_len = k_len = T, Σ rows_i · keys_i over its n blocks of about 64
-// queries ((n+1)T²/2n where n divides T: 5T²/8 at T = 256).
-int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal);
+// queries, 128 under bf16 ((n+1)T²/2n where n divides T: 5T²/8 at T = 256,
+// 3T²/4 under bf16).
+int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal, bool bf16 = false);
 
 // Which kernel copy runs: "avx512", "avx2" or "default" (Note [Kernel copies]).
 const char* kernel_set();
