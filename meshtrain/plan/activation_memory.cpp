@@ -112,8 +112,8 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
 }
 
 bool glu_output_made_again(const model::GptConfig& model, const ActivationOptions& o) {
-  return o.recompute == parallel::CheckpointMode::kSelective && model.gated_mlp() && model.fused &&
-         o.precision.weight_copy == 0 && !o.lora;
+  return o.recompute == parallel::CheckpointMode::kSelective && o.selective == SelectivePolicy::kCore &&
+         model.gated_mlp() && model.fused && o.precision.weight_copy == 0 && !o.lora;
 }
 
 // Gradients alive inside one layer's backward: the gradient arriving at its
@@ -262,8 +262,9 @@ double layer_activation_bytes(const model::GptConfig& model, const ActivationOpt
     // Contiguous q, k, v (k and v over their own heads: Note [Grouped
     // queries]), and the causal softmax's blocks; the qkv projection's output
     // is not kept (Note [CPU attention]).
+    const bool bf16 = o.precision.bf16() || o.bf16_attention;  // the blocks' size follows the attention's dtype
     const double kept =
-        static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true, e < 4)) / (s * s);
+        static_cast<double>(model::fused::batched_attention_scores(model.context, model.context, true, bf16)) / (s * s);
     return bytes + e * z.split(z.u * (qw + 2 * kv) / h) + e * z.split(kept * scores) + qk_norm_saved(model, z, e, false) +
            mlp_saved(model, z, e, o, moe, ep);
   }

@@ -45,7 +45,8 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
                          bool torch_loss_parallel = false);
 
 // Whether the down projection keeps the fused GLU's g and u instead of its
-// output (Note [The GLU's output made again]): selective recompute, the fused
+// output (Note [The GLU's output made again]): meshtrain's selective recompute
+// (not the op-level policy, which the trainer does not run), the fused
 // operators running, and the product the fused linear's (not under autocast,
 // whose products are ATen's; not LoRA's frozen base).
 bool glu_output_made_again(const model::GptConfig& model, const ActivationOptions& o);

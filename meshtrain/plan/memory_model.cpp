@@ -184,6 +184,7 @@ StepActivations step_activations(const model::GptConfig& model_config, const Wor
   options.selective = w.selective;
   options.norm_kernels = w.norm_kernels;
   options.lora = w.lora.enabled();
+  options.bf16_attention = w.bf16_attention;
   options.repeated_kv = repeated_kv_share(model, w);
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
   a.glu_made_again = glu_output_made_again(model, options);

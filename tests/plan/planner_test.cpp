@@ -435,6 +435,22 @@ TEST(PlanFromConfig, CountsTheOperatorsTheDeviceRuns) {
   EXPECT_NEAR(activations(fp32), activations(on_cpu), 1.0);
 }
 
+// The CPU's batched attention keeps its causal blocks' softmax: 5/8 of T² at
+// T = 256 in blocks of 64 queries, 3/4 in bf16's blocks of 128, also where
+// bf16 parameters make the attention's inputs bf16 under an fp32 precision
+// (Note [CPU attention]).
+TEST(PlanMemoryFormula, BatchedAttentionBlocksFollowTheAttentionsDtype) {
+  const model::GptConfig m = model::GptConfig::preset("small");  // T = 256, 6 heads of 64
+  ActivationOptions o;
+  o.attention = "batched";
+  o.micro_batch = 2;
+  o.precision = Precision::parse("fp32");
+  const double fp32 = layer_activation_bytes(m, o);
+  o.bf16_attention = true;
+  const double scores = 6.0 * 256 * (2 * 256);  // heads · T · tokens
+  EXPECT_NEAR(layer_activation_bytes(m, o) - fp32, 4 * scores * (3.0 / 4 - 5.0 / 8), 1.0);
+}
+
 TEST(PlanMemoryFormula, PipelineStashFollowsTheSchedule) {
   model::GptConfig m = model::GptConfig::preset("gpt2-350m");
   m.vocab_size = 256;  // a small embedding: the parameter split is six blocks per stage

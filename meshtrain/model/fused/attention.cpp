@@ -165,7 +165,8 @@ BlockGrads block_backward(const at::Tensor& p, const at::Tensor& q, const at::Te
 // and backward's pᵀ·dy and dsᵀ·q sum the group's gradients inside the product.
 // The causal split takes each head's rows of one block at a time: q and dy are
 // copied into the blocks' order (one q-sized copy each, where repeating k and
-// v cost two forward and their sums backward); with G = 1 these are views.
+// v cost two forward and their sums backward); with G = 1 these are views in
+// fp32, and under bf16 q's blocks are packed copies (packed()).
 struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, int64_t window, double score_scale, double softcap,
