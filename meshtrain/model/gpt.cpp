@@ -25,9 +25,9 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
 // such inputs: an fp32 round trip over the output per call under bf16.
 // Distributed tensors keep the module's own forward. `fused`: the weight's
 // gradient added into its .grad by the product (Note [Weight gradients in place]).
-at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x, bool fused) {
+at::Tensor apply_linear(torch::nn::LinearImpl* layer, const at::Tensor& x, bool fused, bool glu_made_again = false) {
   if (!fused::plain(x)) return layer->forward(x);
-  return fused ? fused::linear(x, layer->weight, layer->bias) : at::linear(x, layer->weight, layer->bias);
+  return fused ? fused::linear(x, layer->weight, layer->bias, glu_made_again) : at::linear(x, layer->weight, layer->bias);
 }
 
 // x's first 2 * half dims rotated by the angles whose cos and sin are c, s
@@ -219,8 +219,7 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   const at::Tensor hidden = activation(x);
   const torch::nn::Linear& out_layer = fc ? proj : down;
   const at::Tensor out = c.call(fc ? proj_name_ : down_name_, hidden, [impl = out_layer.ptr(), this](const at::Tensor& y) {
-    if (glu_made_again_ && fused_ && fused::plain(y)) return fused::linear(y, impl->weight, impl->bias, true);
-    return apply_linear(impl.get(), y, fused_);
+    return apply_linear(impl.get(), y, fused_, glu_made_again_);
   });
   return c.call(drop_name_, out, [this](const at::Tensor& in) { return at::dropout(in, dropout_, is_training()); });
 }

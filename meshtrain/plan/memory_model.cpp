@@ -173,10 +173,17 @@ double repeated_kv_share(const model::GptConfig& model, const Workload& w) {
   return static_cast<double>(repeated) / static_cast<double>(model.layers);
 }
 
+// The model as the step runs it: `fused` says whether the fused CPU operators
+// run, not whether the config asks for them.
+model::GptConfig as_run(const model::GptConfig& model, const Workload& w) {
+  model::GptConfig ran = model;
+  ran.fused = w.fused_ops;
+  return ran;
+}
+
 StepActivations step_activations(const model::GptConfig& model_config, const Workload& w, const Layout& l, const Sizes& z,
                                  bool loss_in_backward) {
-  model::GptConfig model = model_config;
-  model.fused = w.fused_ops;  // whether the fused CPU operators run, not whether the config asks for them
+  const model::GptConfig model = as_run(model_config, w);
   const Precision& p = w.precision;
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
                             l.activation_checkpoint, w.attention, w.dropout, p, rank_moe_load(model, w, l.dims.ep)};
@@ -427,8 +434,6 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
   const Sizes z = sizes(model, l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp);
   const pipeline::Schedule& schedule = schedule_of(l, microbatches);
   const bool loss_in_backward = l.dims.pp > 1 && pipeline::losses_in_flight(schedule) > 1;
-  model::GptConfig ran = model;
-  ran.fused = w.fused_ops;  // whether the fused CPU operators run, not whether the config asks for them
   const StepActivations activations = step_activations(model, w, l, z, loss_in_backward);
   const StepTerms terms{model,
                         l,
@@ -437,7 +442,7 @@ std::vector<RankMemory> estimate_memory(const model::GptConfig& model, const Wor
                         rank_parameters(model, l, w.lora),
                         activations,
                         chunks_of(model, l),
-                        layer_backward_workspace(ran, z, w.precision, false, 1, 0, activations.glu_made_again),
+                        layer_backward_workspace(as_run(model, w), z, w.precision, false, 1, 0, activations.glu_made_again),
                         model.moe() ? layer_backward_workspace(model, z, w.precision, true, l.dims.ep, rank_moe_load(model, w, l.dims.ep)) : 0.0};
   const RankParameters& r = terms.r;
   const Chunks& c = terms.c;

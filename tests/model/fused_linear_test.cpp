@@ -6,32 +6,17 @@
 
 #include "meshtrain/model/gpt.h"
 #include "tests/model/counting_post_hook.h"
+#include "tests/model/in_place_gradients.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
-#include <atomic>
-#include <map>
-#include <string>
-#include <string_view>
-
 namespace meshtrain::model {
 namespace {
 
-at::Tensor seeded_normal(at::IntArrayRef sizes, uint64_t seed) {
-  return at::randn(sizes, at::make_generator<at::CPUGeneratorImpl>(seed), at::kFloat);
-}
-
-std::atomic<int> products_in_place{0};
-
-std::unique_ptr<at::ObserverContext> count_products_in_place(const at::RecordFunction& fn) {
-  if (std::string_view(fn.name()) == "meshtrain::weight_grad_in_place") ++products_in_place;
-  return nullptr;
-}
+using in_place_test::seeded_normal;
 
 struct Leaves {
   at::Tensor x, w, b;
@@ -56,13 +41,7 @@ Leaves copy_of(const Leaves& l) {
 }
 
 // Runs backward of a weighted sum of the outputs; the number of in-place products.
-int run_backward(const at::Tensor& y) {
-  products_in_place = 0;
-  const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_products_in_place));
-  (y * seeded_normal(y.sizes(), 6)).sum().backward();
-  at::removeCallback(counting);
-  return products_in_place;
-}
+int run_backward(const at::Tensor& y) { return in_place_test::backward_counting(y, "meshtrain::weight_grad_in_place"); }
 
 TEST(FusedLinear, AddsIntoAPersistentGradientAsAccumulateGradWould) {
   for (bool grads_defined : {true, false}) {
@@ -122,31 +101,9 @@ TEST(FusedLinear, AModelsLinearLayersAddIntoHeldGradients) {
   config.layers = 2;
   config.context = 16;
   config.kv_heads = 2;
-  GptConfig reference_config = config;
-  reference_config.fused = false;
-  Gpt fused_model(config, 3), reference(reference_config, 3);
-  std::map<std::string, const void*> held;
-  for (Gpt* model : {&fused_model, &reference}) {
-    for (auto& item : (*model)->named_parameters()) {
-      item.value().mutable_grad() = at::zeros_like(item.value());
-      if (model == &fused_model) held[item.key()] = item.value().grad().const_data_ptr();
-    }
-  }
-  const at::Tensor tokens =
-      at::randint(config.vocab_size, {2, 3, 17}, at::make_generator<at::CPUGeneratorImpl>(4), at::kLong);
-  int taken = 0;
-  for (int64_t micro = 0; micro < 2; ++micro) {
-    const at::Tensor input = tokens[micro].narrow(1, 0, 16), targets = tokens[micro].narrow(1, 1, 16);
-    taken += run_backward(fused_model->loss(input, targets));
-    run_backward(reference->loss(input, targets));
-  }
-  EXPECT_EQ(taken, 2 * config.layers * 5) << "five products a block, two micro-batches";
-  const auto fused_parameters = fused_model->named_parameters();
-  for (const auto& item : reference->named_parameters()) {
-    const at::Tensor& grad = fused_parameters[item.key()].grad();
-    EXPECT_EQ(grad.const_data_ptr(), held[item.key()]) << item.key();
-    EXPECT_TRUE(torch::allclose(grad, item.value().grad(), 1e-4, 1e-6)) << item.key();
-  }
+  EXPECT_EQ(in_place_test::micro_batches_into_held_gradients(config, "meshtrain::weight_grad_in_place"),
+            2 * config.layers * 5)
+      << "five products a block, two micro-batches";
 }
 
 }  // namespace
