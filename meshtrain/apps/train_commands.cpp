@@ -4,6 +4,7 @@
 
 #include "meshtrain/checkpoint/reader.h"
 #include "meshtrain/checkpoint/store.h"
+#include "meshtrain/comm/watchdog.h"
 #include "meshtrain/train/config.h"
 #include "meshtrain/train/data.h"
 #include "meshtrain/train/prepare.h"
@@ -12,6 +13,7 @@
 #include "meshtrain/util/files.h"
 
 #include <atomic>
+#include <memory>
 #include <csignal>
 #include <algorithm>
 #include <cstdio>
@@ -53,10 +55,13 @@ void install_stop_handlers() {
 int run_train(comm::Runtime& runtime, const std::string& config_path, const std::vector<std::string>& overrides,
               const train::Relaunch& relaunch) {
   install_stop_handlers();  // first: a stop that comes while the config loads is kept for the first step
+  // What a timeout or a crash before the first step names (Note [Fatal signals]).
+  auto start_up = std::make_unique<comm::WatchdogContext>("start-up (config, data, model)");
   train::TrainConfig config = train::TrainConfig::load(config_path, overrides);
   config.validate(runtime.size());
   const auto locks = train::lock_run_folders(*runtime.world(), config);  // Note [Run lock]
   train::Trainer trainer(std::move(config), runtime.world(), relaunch);
+  start_up.reset();
   trainer.run(&g_stop);
   return 0;
 }

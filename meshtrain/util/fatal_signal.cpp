@@ -3,6 +3,7 @@
 
 #include <execinfo.h>
 #include <signal.h>
+#include <ucontext.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -73,7 +74,25 @@ const char* signal_name(int signal) {
   return "Fatal signal";
 }
 
-void on_fatal_signal(int signal, siginfo_t* info, void*) {
+// A fault at address 0 with the instruction pointer there too is a call through
+// a null function pointer: glibc's backtrace stops at that frame, so the caller
+// is named from the return address the call left on the stack.
+void put_null_call_caller(const siginfo_t* info, const void* machine) {
+#if defined(__x86_64__)
+  if (info == nullptr || machine == nullptr || info->si_code <= 0) return;
+  const auto* registers = static_cast<const ucontext_t*>(machine)->uc_mcontext.gregs;
+  const auto pc = static_cast<unsigned long>(registers[REG_RIP]);
+  if (pc >= 4096 || pc != reinterpret_cast<unsigned long>(info->si_addr)) return;
+  void* caller[1] = {*reinterpret_cast<void* const*>(registers[REG_RSP])};
+  put("meshtrain: a call through a null function pointer; the call was made just before\n");
+  backtrace_symbols_fd(caller, 1, STDERR_FILENO);
+#else
+  (void)info;
+  (void)machine;
+#endif
+}
+
+void on_fatal_signal(int signal, siginfo_t* info, void* machine) {
   if (!reporting.exchange(true)) {  // one report, even if the report itself faults
     put("meshtrain: ");
     if (who_text[0] != '\0') {
@@ -98,6 +117,7 @@ void on_fatal_signal(int signal, siginfo_t* info, void*) {
       put(context);
     }
     put("\n");
+    put_null_call_caller(info, machine);
     void* frames[64];
     backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
     if (executable[0] != '\0') {

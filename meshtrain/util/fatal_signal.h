@@ -15,16 +15,19 @@ namespace meshtrain::util {
 // raise or abort),
 // then the stack (glibc's backtrace: the dynamic table's symbols, else an
 // offset into the program that the addr2line command printed after it names),
-// then puts the signal's default action back and raises it again, so the exit
-// status and any core dump are what they were without it. It is installed at
-// the start of main (a rank from the launcher's variables: Open MPI's, PMIx's,
-// Slurm's) and again once MPI is up (the world rank; this also takes the
-// signals back from Open MPI, whose own report would repeat the stack). The
-// step is the watchdog's context (Watchdog::set_context), copied into a fixed
-// buffer under a sequence number, so the handler reads it without a lock or an
-// allocation. Threads that fault together (one parallel kernel) give one
-// report: the others wait for it before the process ends, and the fatal
-// signals are blocked while a report is printed.
+// and, for a call through a null function pointer (the instruction at address
+// 0, where glibc's backtrace stops), the caller from the return address on the
+// stack (x86-64). Then it puts the signal's default action back and raises it
+// again, so the exit status and any core dump are what they were without it. It
+// is installed at the start of main (a rank from the launcher's variables: Open
+// MPI's, PMIx's, Slurm's) and again once MPI is up (the world rank; this also
+// takes the signals back from Open MPI, whose own report would repeat the
+// stack). The step ("step 12"; before the first, "MPI_Init_thread" or "start-up
+// (config, data, model)") is the watchdog's context (Watchdog::set_context),
+// copied into a fixed buffer under a sequence number, so the handler reads it
+// without a lock or an allocation. Threads that fault together (one parallel
+// kernel) give one report: the others wait for it before the process ends, and
+// the fatal signals are blocked while a report is printed.
 // Everything the handler calls is async-signal-safe except backtrace(), which
 // is called once at installation so that it does not load libgcc inside the
 // handler. A stack overflow reports on an alternate signal stack (the

@@ -30,6 +30,30 @@ TEST(FatalSignalDeathTest, NamesTheProcessSignalAndStepThenDiesByIt) {
       ::testing::KilledBySignal(SIGABRT), "meshtrain: rank 0 on testhost: Aborted \\(signal 6\\) sent by process [0-9]+\n");
 }
 
+using Call = void (*)();
+
+// Calls through a null pointer; the report names this function as the caller.
+__attribute__((noinline)) void call_through(volatile Call function) {
+  function();
+  asm volatile("");  // a call, not a tail jump: the return address stays on the stack
+}
+
+#if defined(__x86_64__)
+TEST(FatalSignalDeathTest, ACallThroughNullNamesItsCaller) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        install_fatal_signal_report("rank 2 on testhost");
+        set_fatal_signal_context("start-up");
+        call_through(nullptr);
+      },
+      ::testing::KilledBySignal(SIGSEGV),
+      "rank 2 on testhost: Segmentation fault \\(signal 11\\) at address 0x0 during start-up\n"
+      "meshtrain: a call through a null function pointer; the call was made just before\n"
+      "[^\n]*\\([^)\n]*\\+0x[0-9a-f]+\\)\\[0x[0-9a-f]+\\]\n");
+}
+#endif
+
 TEST(FatalSignal, RankFromTheLauncherAndHost) {
   const char* outer = std::getenv("OMPI_COMM_WORLD_RANK");
   const std::string kept = outer ? outer : "";
