@@ -112,29 +112,27 @@ void bench_training(comm::Runtime& runtime, const OffloadBenchOptions& options, 
     config.validate(runtime.size());
     return config;
   };
-  // Memory: one variant at a time, after two steps.
+  // Memory: one variant at a time, after two steps (they are the timing's
+  // warm-up): what each adds to the counters, the variants built before it
+  // idle and alive, as the timing below needs them.
   struct Memory {
     double states = 0, peak = 0, host = 0, nvme = 0;
   };
   std::vector<Memory> memory(variants.size());
+  std::vector<std::unique_ptr<train::Trainer>> trainers;
   for (size_t v = 0; v < variants.size(); ++v) {
     const int64_t before = memory::current_bytes();
     const int64_t host = offload::tier_stats(offload::Tier::kHost).current;
     const int64_t nvme = offload::tier_stats(offload::Tier::kNvme).current;
-    train::Trainer trainer(make_config(variants[v]), runtime.world());
+    trainers.push_back(std::make_unique<train::Trainer>(make_config(variants[v]), runtime.world()));
     train::StepResult result;
-    for (int s = 0; s < 2; ++s) result = trainer.step();
+    for (int s = 0; s < 2; ++s) result = trainers.back()->step();
     memory[v] = {(result.memory.model_states - before) / 1048576.0, (result.memory.peak() - before) / 1048576.0,
                  (offload::tier_stats(offload::Tier::kHost).current - host) / 1048576.0,
                  (offload::tier_stats(offload::Tier::kNvme).current - nvme) / 1048576.0};
   }
   // Time: every variant alive, one step of each in turn per round (the
   // machine's drift touches them alike), medians over the rounds.
-  std::vector<std::unique_ptr<train::Trainer>> trainers;
-  for (const Overrides& variant : variants) {
-    trainers.push_back(std::make_unique<train::Trainer>(make_config(variant), runtime.world()));
-    trainers.back()->step();  // warm-up
-  }
   std::vector<std::vector<double>> seconds(variants.size());
   for (int round = 0; round < 2 * options.trials + 1; ++round) {
     for (size_t v = 0; v < variants.size(); ++v) {

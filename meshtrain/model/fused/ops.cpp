@@ -227,8 +227,11 @@ std::optional<GluInputs> glu_inputs(const at::Tensor& y) {
 bool plain(const at::Tensor& t) { return !t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1); }
 
 bool eligible(const at::Tensor& t) {
+  const auto kernels_have = [](at::ScalarType type) { return type == at::kFloat || type == at::kBFloat16; };
+  // Under autocast the kernels also write its dtype (their outputs, the
+  // attention's products): fp16 would get fp32 values in 2-byte elements.
   return t.defined() && plain(t) && t.device().is_cpu() && t.layout() == at::kStrided &&
-         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
+         kernels_have(t.scalar_type()) && kernels_have(detail::compute_dtype(t.scalar_type()));
 }
 
 std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,

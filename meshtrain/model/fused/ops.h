@@ -34,7 +34,8 @@ namespace meshtrain::model::fused {
 // AdamW's fused kernel is offload/cpu_adam.h (used by every CPU optimizer step).
 
 // Whether the fused kernels take these tensors: defined, plain (no dispatch
-// subclass such as a distributed tensor) CPU tensors of fp32 or bf16.
+// subclass such as a distributed tensor) CPU tensors of fp32 or bf16, with
+// CPU autocast, when on, to fp32 or bf16 (under fp16: ATen's compositions).
 bool eligible(const at::Tensor& t);
 // Not a dispatch subclass (a distributed tensor): the model may reorder its
 // operators around such a tensor (bias added after the linear, with the GELU).
