@@ -44,6 +44,12 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
                          bool chunked_loss, double chunk_bytes, bool norm_kernels, model::LossGradients when,
                          bool torch_loss_parallel = false);
 
+// The model as the step runs it: `fused` says whether the fused CPU operators
+// run (Workload::fused_ops), not whether the config asks for them.
+model::GptConfig as_run(const model::GptConfig& model, const Workload& w);
+// The options a layout's layers are planned with; `model` as run.
+ActivationOptions activation_options(const model::GptConfig& model, const Workload& w, const Layout& l);
+
 // Whether the down projection keeps the fused GLU's g and u instead of its
 // output (Note [The GLU's output made again]): meshtrain's selective recompute
 // (not the op-level policy, which the trainer does not run), the fused

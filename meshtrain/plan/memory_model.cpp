@@ -173,26 +173,33 @@ double repeated_kv_share(const model::GptConfig& model, const Workload& w) {
   return static_cast<double>(repeated) / static_cast<double>(model.layers);
 }
 
-// The model as the step runs it: `fused` says whether the fused CPU operators
-// run, not whether the config asks for them.
+}  // namespace
+
 model::GptConfig as_run(const model::GptConfig& model, const Workload& w) {
   model::GptConfig ran = model;
   ran.fused = w.fused_ops;
   return ran;
 }
 
-StepActivations step_activations(const model::GptConfig& model_config, const Workload& w, const Layout& l, const Sizes& z,
-                                 bool loss_in_backward) {
-  const model::GptConfig model = as_run(model_config, w);
-  const Precision& p = w.precision;
+ActivationOptions activation_options(const model::GptConfig& model, const Workload& w, const Layout& l) {
   ActivationOptions options{l.micro_batch, l.dims.tp, l.dims.sequence_parallel, l.dims.cp, l.dims.cp_impl,
-                            l.activation_checkpoint, w.attention, w.dropout, p, rank_moe_load(model, w, l.dims.ep)};
-  StepActivations a;
+                            l.activation_checkpoint, w.attention, w.dropout, w.precision, rank_moe_load(model, w, l.dims.ep)};
   options.selective = w.selective;
   options.norm_kernels = w.norm_kernels;
   options.lora = w.lora.enabled();
   options.bf16_attention = w.bf16_attention;
   options.repeated_kv = repeated_kv_share(model, w);
+  return options;
+}
+
+namespace {
+
+StepActivations step_activations(const model::GptConfig& model_config, const Workload& w, const Layout& l, const Sizes& z,
+                                 bool loss_in_backward) {
+  const model::GptConfig model = as_run(model_config, w);
+  const Precision& p = w.precision;
+  ActivationOptions options = activation_options(model, w, l);
+  StepActivations a;
   const double dense_kept = layer_activation_bytes(model, options), moe_kept = layer_activation_bytes(model, options, true, l.dims.ep);
   a.glu_made_again = glu_output_made_again(model, options);
   a.per_layer = dense_kept + lora_activation_bytes(model, w.lora, options, false);

@@ -1,5 +1,6 @@
 #include "meshtrain/plan/operator_time.h"
 
+#include "meshtrain/plan/activation_memory.h"
 #include "meshtrain/plan/layout.h"
 #include "meshtrain/plan/memory_model.h"
 #include "meshtrain/parallel/attention_tiles.h"
@@ -113,6 +114,11 @@ Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const 
     case parallel::CheckpointMode::kNone: break;
     case parallel::CheckpointMode::kSelective:
       work.recompute = op_level_recompute(l, w) ? unkept : core.forward;
+      if (!moe && glu_output_made_again(as_run(model, w), activation_options(as_run(model, w), w, l))) {
+        // The GLU's output made again for the down projection's backward: g and u in, the product out.
+        const double hidden = static_cast<double>(model.mlp_hidden()) / z.t * z.tokens;
+        work.recompute += elementwise(r, 1, 3 * hidden * w.precision.activation);
+      }
       break;
     case parallel::CheckpointMode::kFull: work.recompute = work.forward; break;
   }

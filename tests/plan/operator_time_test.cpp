@@ -75,6 +75,26 @@ TEST(PlanOperatorTime, ABlockUnderTensorParallelByHand) {
   EXPECT_NEAR(s.backward - s.recompute, w.backward - 1.5 * 4.0 * 2 * 4 * 64 * 32 / 1e9, 1e-12);
 }
 
+// Selective recompute repeats the attention core; where the down projection
+// makes the GLU's output again (Note [The GLU's output made again]: SwiGLU,
+// the fused operators, no LoRA) also one elementwise pass of 3 words per
+// hidden unit: 64 rows x 256 / 2 hidden, fp32.
+TEST(PlanOperatorTime, SelectiveMakesTheGlusOutputAgainByHand) {
+  model::GptConfig swiglu = tiny();
+  swiglu.mlp = model::MlpStyle::kSwiglu;
+  swiglu.ffn_hidden = 256;
+  const Layout l = Layout::parse("tp=2 mb=2 recompute=selective");
+  const OperatorRates r = rates();
+  const Work core = block_work(tiny(), false, l, fp32(), r);  // GELU: the core alone
+  const double half_tile = 4.0 * 2 * 2 * 32 * 32 * 16 / 2;
+  EXPECT_NEAR(core.recompute, 2e-5 + half_tile / 5e8, 1e-15);
+  const Work glu = block_work(swiglu, false, l, fp32(), r);
+  EXPECT_NEAR(glu.recompute, 2e-5 + half_tile / 5e8 + 1e-6 + 4.0 * 3 * 128 * 64 / 1e9, 1e-15);
+  Workload unfused = fp32();
+  unfused.fused_ops = false;
+  EXPECT_NEAR(block_work(swiglu, false, l, unfused, r).recompute, core.recompute, 1e-15);
+}
+
 // cp = 2 (a ring, zigzag): 32 rows, 4 heads; the rank's two chunks of 8
 // meet 5 key chunks, the two diagonal ones with a mask at a full tile's cost:
 // 5 full 8 x 8 tiles in 5 calls, 3 merges of 17 calls over 7 passes of a
