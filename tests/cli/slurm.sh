@@ -119,10 +119,13 @@ echo "preempted at step $n: the checkpoint was saved $saved_ms ms after the urge
 # A node lost (node2's slurmd and ranks killed, its link cut) past a periodic checkpoint: the ranks left end on the
 # watchdog naming node2; meshtrain run probes the allocation's nodes and relaunches on node1's 2 ranks, which resume
 # from the last checkpoint written before, resharded, saying which logged steps they redo: the preemption's (step n)
-# or a periodic one after it. Slurm sends the preemption 1-2 s after the urgent job's submission, so n is the
-# machine's pace (10-33 measured); the node is lost two steps after the resume.
-[ $((n + 2)) -lt $steps ] || { echo "preempted at step $n: too late to lose a node before step $steps"; exit 1; }
-wait_for_steps "$run/preempted" $((n + 2)) "$run/preempted.out"
+# or a periodic one after it. Slurm sends the preemption 0.3-2 s after the urgent job's submission, so n is the
+# machine's pace (4-33 measured). The node is lost two steps past the resume or the checkpoint of step 24, the later:
+# the steps on 2 ranks stay at most 16, as Adam's rounding drift from one process grows with them (1.02e-4 after
+# 34 steps on 2 ranks, past compare_runs.py's 1e-4 bound).
+lose_at=$(( n + 2 > 26 ? n + 2 : 26 ))
+[ "$lose_at" -lt $steps ] || { echo "preempted at step $n: too late to lose a node before step $steps"; exit 1; }
+wait_for_steps "$run/preempted" "$lose_at" "$run/preempted.out"
 kill_host 2
 lost_at=$(date +%s%N)
 for _ in $(seq 900); do [ "$(grep -c "resumed from" "$run/preempted.out")" = 2 ] && break; sleep 0.1; done
