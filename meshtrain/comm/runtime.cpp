@@ -65,7 +65,8 @@ Runtime::Runtime(int* argc, char*** argv, CommOptions options) {
       // here, before Open MPI reads it, so that ranks srun or mpirun start
       // directly yield too; a value set outside wins.
       setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
-      WatchdogContext starting("MPI_Init_thread");  // what a crash inside it names (Note [Fatal signals])
+      // What a crash inside it names until Open MPI's own handlers go in (Note [Fatal signals]).
+      WatchdogContext starting("MPI_Init_thread");
       mpi::check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread", "");
       owns_mpi_ = true;
     }

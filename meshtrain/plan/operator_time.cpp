@@ -114,7 +114,7 @@ Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const 
     case parallel::CheckpointMode::kNone: break;
     case parallel::CheckpointMode::kSelective:
       work.recompute = op_level_recompute(l, w) ? unkept : core.forward;
-      if (!moe && glu_output_made_again(as_run(model, w), activation_options(as_run(model, w), w, l))) {
+      if (const model::GptConfig ran = as_run(model, w); !moe && glu_output_made_again(ran, activation_options(ran, w, l))) {
         // The GLU's output made again for the down projection's backward: g and u in, the product out.
         const double hidden = static_cast<double>(model.mlp_hidden()) / z.t * z.tokens;
         work.recompute += elementwise(r, 1, 3 * hidden * w.precision.activation);

@@ -3,6 +3,7 @@
 
 #include <execinfo.h>
 #include <signal.h>
+#include <sys/uio.h>
 #include <ucontext.h>
 #include <time.h>
 #include <unistd.h>
@@ -74,17 +75,23 @@ const char* signal_name(int signal) {
   return "Fatal signal";
 }
 
-// A fault at address 0 with the instruction pointer there too is a call through
-// a null function pointer: glibc's backtrace stops at that frame, so the caller
-// is named from the return address the call left on the stack.
+// A fault at address 0 with the instruction pointer there too is a jump to a
+// null function pointer: glibc's backtrace stops at that frame. Where it was a
+// call, the word on top of the stack is its return address, the call's place
+// (after a tail call, the caller's caller's; after a return to a zeroed
+// address, any word). The word is read with process_vm_readv, which answers
+// EFAULT where a plain read would fault again inside the handler.
 void put_null_call_caller(const siginfo_t* info, const void* machine) {
 #if defined(__x86_64__)
   if (info == nullptr || machine == nullptr || info->si_code <= 0) return;
   const auto* registers = static_cast<const ucontext_t*>(machine)->uc_mcontext.gregs;
   const auto pc = static_cast<unsigned long>(registers[REG_RIP]);
   if (pc >= 4096 || pc != reinterpret_cast<unsigned long>(info->si_addr)) return;
-  void* caller[1] = {*reinterpret_cast<void* const*>(registers[REG_RSP])};
-  put("meshtrain: a call through a null function pointer; the call was made just before\n");
+  void* caller[1] = {nullptr};
+  iovec local{caller, sizeof caller[0]};
+  iovec remote{reinterpret_cast<void*>(registers[REG_RSP]), sizeof caller[0]};
+  if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof caller[0])) return;
+  put("meshtrain: a jump to a null function pointer; the return address on the stack (a call's place):\n");
   backtrace_symbols_fd(caller, 1, STDERR_FILENO);
 #else
   (void)info;

@@ -13,11 +13,11 @@ namespace meshtrain::util {
 //   meshtrain: rank 1 on node2: Segmentation fault (signal 11) at address 0x0 during step 12
 // ("sent by process P" in place of the address for a signal sent by kill,
 // raise or abort),
-// then the stack (glibc's backtrace: the dynamic table's symbols, else an
-// offset into the program that the addr2line command printed after it names),
-// and, for a call through a null function pointer (the instruction at address
-// 0, where glibc's backtrace stops), the caller from the return address on the
-// stack (x86-64). Then it puts the signal's default action back and raises it
+// then, for a jump to a null function pointer (the instruction at address 0,
+// where glibc's backtrace stops), the return address on top of the stack (a
+// call's place; x86-64), then the stack (glibc's backtrace: the dynamic table's
+// symbols, else an offset into the program that the addr2line command printed
+// after it names). Then it puts the signal's default action back and raises it
 // again, so the exit status and any core dump are what they were without it. It
 // is installed at the start of main (a rank from the launcher's variables: Open
 // MPI's, PMIx's, Slurm's) and again once MPI is up (the world rank; this also

@@ -134,11 +134,15 @@ finished preempted "$job"
 grep -q "watchdog: .*ranks 2-3 on node2" "$run/preempted.out" &&
   grep -q "lost host(s) node2: no process started there" "$run/preempted.out" &&
   grep -q "on 2 ranks on 1 host (node1: 0-1)" "$run/preempted.out" &&
-  grep -q "restart 1: resumed at step [0-9]*, [0-9][0-9]* logged step(s) to redo, on 2 ranks (4 before)" "$run/preempted.out" ||
+  grep -q "restart 1: resumed at step [0-9][0-9]*, [0-9][0-9]* logged step(s) to redo, on 2 ranks (4 before)" "$run/preempted.out" ||
   { cat "$run/preempted.out"; exit 1; }
-at=$(sed -nE 's/.*restart 1: resumed at step ([0-9]+), .*/\1/p' "$run/preempted.out")
-[ -n "$at" ] && { [ "$at" = "$n" ] || { [ $((at % 8)) = 0 ] && [ "$at" -gt "$n" ]; }; } ||
-  { echo "node2 lost: resumed at step $at, neither the preemption's checkpoint (step $n) nor a periodic one after it"
+at=$(sed -nE 's/.*restart 1: resumed at step ([0-9]+), .*/\1/p' "$run/preempted.out" | head -n 1)
+redo=$(sed -nE 's/.*restart 1: resumed at step [0-9]+, ([0-9]+) logged step.*/\1/p' "$run/preempted.out" | head -n 1)
+# The steps logged past the checkpoint it resumes from: at least those up to the step the node was lost at.
+[ -n "$at" ] && { [ "$at" = "$n" ] || { [ $((at % 8)) = 0 ] && [ "$at" -gt "$n" ]; }; } &&
+  [ "$redo" -ge $(( lose_at > at ? lose_at - at : 0 )) ] ||
+  { echo "node2 lost: resumed at step $at redoing $redo, not the preemption's checkpoint (step $n) or a periodic one" \
+      "after it with the steps to step $lose_at"
     cat "$run/preempted.out"; exit 1; }
 echo "node2 lost: training again on node1 $training_ms ms after (watchdog 5 s, probe limit 8 s)"
 wait "$reference" || { cat "$run/ref$steps.log"; exit 1; }

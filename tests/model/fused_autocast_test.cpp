@@ -13,15 +13,22 @@
 namespace meshtrain::model::fused_autocast_test {
 namespace {
 
-// Runs `work` under CPU autocast to `dtype`, and puts autocast back off.
+// Runs `work` under CPU autocast to `dtype`; autocast and its dtype are put
+// back as they were, also when `work` throws.
 template <typename Work>
 auto under_autocast(at::ScalarType dtype, Work work) {
+  struct Restore {
+    bool enabled = at::autocast::is_autocast_enabled(at::kCPU);
+    at::ScalarType dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    ~Restore() {
+      at::autocast::set_autocast_enabled(at::kCPU, enabled);
+      at::autocast::set_autocast_dtype(at::kCPU, dtype);
+      at::autocast::clear_cache();
+    }
+  } restore;
   at::autocast::set_autocast_dtype(at::kCPU, dtype);
   at::autocast::set_autocast_enabled(at::kCPU, true);
-  auto result = work();
-  at::autocast::set_autocast_enabled(at::kCPU, false);
-  at::autocast::clear_cache();
-  return result;
+  return work();
 }
 
 TEST(FusedAutocast, OnlyTheKernelsDtypesAreEligible) {
