@@ -112,14 +112,20 @@ Work block_work(const model::GptConfig& model, bool moe, const Layout& l, const 
   work.backward += core.backward + elementwise(r, 2 * passes.calls, 1.5 * passes.bytes);
   switch (l.activation_checkpoint) {
     case parallel::CheckpointMode::kNone: break;
-    case parallel::CheckpointMode::kSelective:
-      work.recompute = op_level_recompute(l, w) ? unkept : core.forward;
-      if (const model::GptConfig ran = as_run(model, w); !moe && glu_output_made_again(ran, activation_options(ran, w, l))) {
+    case parallel::CheckpointMode::kSelective: {
+      if (op_level_recompute(l, w)) {
+        work.recompute = unkept;
+        break;
+      }
+      work.recompute = core.forward;
+      const model::GptConfig ran = as_run(model, w);
+      if (!moe && glu_output_made_again(ran, activation_options(ran, w, l))) {
         // The GLU's output made again for the down projection's backward: g and u in, the product out.
         const double hidden = static_cast<double>(model.mlp_hidden()) / z.t * z.tokens;
         work.recompute += elementwise(r, 1, 3 * hidden * w.precision.activation);
       }
       break;
+    }
     case parallel::CheckpointMode::kFull: work.recompute = work.forward; break;
   }
   work.backward += work.recompute;
