@@ -1,8 +1,10 @@
 // LoRA adapters on one process (Note [LoRA]): B = 0 leaves the model as it
 // was; a hooked model equals its merge (q, k and v laid out in the fused qkv
-// by thirds and by groups); only adapters train; PEFT files round-trip; bad
+// by thirds and by groups), and so do its adapters' gradients and the
+// merged weights'; only adapters train; PEFT files round-trip; bad
 // configs and adapters are refused by name.
 #include "meshtrain/model/lora.h"
+#include "meshtrain/model/qkv_layout.h"
 
 #include "meshtrain/util/files.h"
 
@@ -95,6 +97,43 @@ TEST(Lora, MergedWeightsEqualTheHookedModel) {
   expect_merge_equals_hooks(llama_config(), lora({"q", "k", "v", "o", "gate", "up", "down"}));  // by groups
   expect_merge_equals_hooks(llama_config(), lora({"k"}));                                     // one part of qkv
   expect_merge_equals_hooks(gpt2_config(), lora({"q", "k", "v", "o", "up", "down"}));         // thirds, fc and proj
+}
+
+// The adapters' gradients follow from the merged weight's, G = dL/dW' of
+// W' = W + s·B·A: dB = s·G·Aᵀ and dA = s·Bᵀ·G, q, k and v's from their
+// rows of the fused qkv's G (Note [LoRA's slots]).
+void expect_gradients_follow_merge(const GptConfig& config, const LoraConfig& l) {
+  Gpt adapted(config, 7), merged(config, 7);
+  apply_lora(adapted, l, 7);
+  const std::map<std::string, at::Tensor> adapters = randomise_b(adapted);
+  merge_lora(merged, l, adapters);
+  adapted->loss(tokens(), tokens()).backward();
+  merged->loss(tokens(), tokens()).backward();
+  const auto weights = merged->named_parameters();
+  int64_t checked = 0;
+  for (const auto& item : adapted->named_parameters()) {
+    const std::string& name = item.key();  // blocks.N.attn.qkv.lora_q.A
+    if (!is_lora_parameter(name) || name.back() != 'A') continue;
+    const size_t at = name.find(".lora_");
+    const std::string linear = name.substr(0, at), target = name.substr(at + 6, name.size() - at - 8);
+    at::Tensor g = weights[linear + ".weight"].grad();
+    const int part = target == "q" ? 0 : target == "k" ? 1 : target == "v" ? 2 : -1;
+    if (part >= 0) g = split_qkv_heads(g, 0, config)[part].reshape({-1, g.size(1)});
+    const at::Tensor a = adapters.at(linear + ".lora_" + target + ".A"), b = adapters.at(linear + ".lora_" + target + ".B");
+    const at::Tensor da = l.scale() * b.t().mm(g), db = l.scale() * g.mm(a.t());
+    const at::Tensor& got_b = adapted->named_parameters()[linear + ".lora_" + target + ".B"].grad();
+    EXPECT_TRUE(at::allclose(item.value().grad(), da, 1e-4, 1e-6)) << name << ": " << (item.value().grad() - da).abs().max();
+    EXPECT_TRUE(at::allclose(got_b, db, 1e-4, 1e-6)) << name << " (B): " << (got_b - db).abs().max();
+    EXPECT_GT(da.abs().max().item<double>(), 1e-6) << name << ": nothing to compare";
+    ++checked;
+  }
+  EXPECT_EQ(checked, config.layers * static_cast<int64_t>(l.targets.size()));
+}
+
+TEST(Lora, AdapterGradientsFollowTheMergedWeightsGradient) {
+  expect_gradients_follow_merge(llama_config(), lora({"q", "k", "v", "o", "gate", "up", "down"}));  // by groups
+  expect_gradients_follow_merge(llama_config(), lora({"q", "v"}));                               // two parts of qkv
+  expect_gradients_follow_merge(gpt2_config(), lora({"q", "k", "v", "o", "up", "down"}));         // thirds, fc and proj
 }
 
 TEST(Lora, PeftAdapterRoundTripsAndBadOnesAreRefused) {
