@@ -73,11 +73,14 @@ ChunkLogits chunk_logits(const at::Tensor& h, const at::Tensor& w, int64_t v, do
 // The targets as the fused CPU cross-entropy kernel reads them (int64,
 // kIgnoredTarget where none counts), where it computes a chunk's reductions
 // and dz (Note [Chunked loss]): model.fused on the CPU, the whole vocabulary
-// on this rank from entry 0, no soft-cap, every counted target inside it.
-// Else undefined.
+// on this rank from entry 0, no soft-cap or z-loss, every counted target
+// inside it. Else undefined.
 at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, bool fused, bool whole, int64_t start,
-                          double softcap) {
-  if (!fused || !whole || start != 0 || softcap > 0 || !targets.device().is_cpu() || !c.here.equal(c.counted)) return {};
+                          double softcap, double z_loss) {
+  if (!fused || !whole || start != 0 || softcap > 0 || z_loss > 0 || !targets.device().is_cpu() ||
+      !c.here.equal(c.counted)) {
+    return {};
+  }
   return targets.contiguous();
 }
 
@@ -138,7 +141,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& targets, double softcap, int64_t chunk_rows, const VocabShard& shard,
                             LossGradients when, int64_t pad, bool hidden_grad, bool weight_grad, bool fused,
-                            double loss_weight) {
+                            double loss_weight, double z_loss) {
     const bool gradients = hidden_grad || weight_grad, now = gradients && when != LossGradients::kInBackward;
     RECORD_FUNCTION("meshtrain::chunked_cross_entropy", std::vector<c10::IValue>());
     const at::ScalarType compute = compute_dtype(hidden);
@@ -148,7 +151,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, loss_chunk_bytes(h.is_cuda()) / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
     const TargetColumns columns = target_columns(targets, shard.start, v);
-    const at::Tensor by_kernel = kernel_targets(targets, columns, fused, !shard.split(), shard.start, softcap);
+    const at::Tensor by_kernel = kernel_targets(targets, columns, fused, !shard.split(), shard.start, softcap, z_loss);
     at::Tensor loss_sum = at::zeros({}, fp32);
     const at::Tensor count = columns.counted.sum().clamp_min(1);
     at::Tensor dh, dw, lse;
@@ -188,10 +191,12 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       if (shard.split()) shard.sum(sums);
       const at::Tensor total = sums.narrow(1, 0, 1), row_lse = total.log() + top;
       loss_sum += ((row_lse - sums.narrow(1, 1, 1)) * c.counted).sum();
+      if (z_loss > 0) loss_sum += (row_lse.square() * c.counted).sum() * z_loss;
       if (lse.defined()) lse.narrow(0, r, m).copy_(row_lse);
       if (now) {
-        add_gradients(e.div_(total), t, softcap, c, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw,
-                      dw_alpha);
+        const at::Tensor softmax = e.div_(total);
+        if (z_loss > 0) softmax.mul_(row_lse * (2 * z_loss) + 1);  // the z-loss's share of dz
+        add_gradients(softmax, t, softcap, c, hc, w, product, {}, dh.defined() ? dh.narrow(0, r, m) : dh, dw, dw_alpha);
       }
     }
     auto& saved = ctx->saved_data;
@@ -206,6 +211,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     if (lse.defined()) {  // what the backward makes the gradients from
       ctx->save_for_backward({h, weight, targets, lse});
       saved["softcap"] = softcap;
+      saved["z_loss"] = z_loss;
       saved["rows"] = rows;
       saved["pad"] = pad;
       saved["start"] = shard.start;
@@ -226,7 +232,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const at::Tensor& h = in[0];
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor w = head_weight(in[1], h.scalar_type(), saved["pad"].toInt());
-    const double softcap = saved["softcap"].toDouble();
+    const double softcap = saved["softcap"].toDouble(), z_loss = saved["z_loss"].toDouble();
     const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
     const at::Tensor by_kernel = saved["kernel"].toBool() ? in[2].contiguous() : at::Tensor();
@@ -243,7 +249,8 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
         product_gradients(z, hc, w, product, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
         continue;
       }
-      const at::Tensor softmax = z.sub_(in[3].narrow(0, r, m)).exp_();
+      const at::Tensor row_lse = in[3].narrow(0, r, m), softmax = z.sub_(row_lse).exp_();
+      if (z_loss > 0) softmax.mul_(row_lse * (2 * z_loss) + 1);
       add_gradients(softmax, t, softcap, c, hc, w, product, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
     }
     if (dh.defined()) saved["dh"] = dh;
@@ -277,7 +284,36 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       return in_backward ? d : d.mul_(g);
     };
     return {handed_on("dh", "hidden_type"), handed_on("dw", "weight_type"), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// whole_logits_cross_entropy: the loss of chunked_cross_entropy's one chunk
+// with the logits given.
+struct WholeLogitsCrossEntropy : torch::autograd::Function<WholeLogitsCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, double z_loss) {
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor z = logits.to(at::kFloat), lse = at::logsumexp(z, 1, /*keepdim=*/true);
+    const TargetColumns c = target_columns(targets, 0, z.size(1));
+    const at::Tensor count = c.counted.sum().clamp_min(1);
+    at::Tensor rows = lse - z.gather(1, c.index);
+    if (z_loss > 0) rows = rows + lse.square() * z_loss;
+    ctx->save_for_backward({logits, targets, lse, count});
+    ctx->saved_data["z_loss"] = z_loss;
+    return (rows * c.counted).sum() / count;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list in = ctx->get_saved_variables();
+    const at::Tensor &logits = in[0], &lse = in[2];
+    const double z_loss = ctx->saved_data["z_loss"].toDouble();
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const TargetColumns c = target_columns(in[1], 0, logits.size(1));
+    at::Tensor dz = at::sub(logits, lse).exp_();  // the softmax in fp32 (lse's type), a tensor of its own
+    if (z_loss > 0) dz.mul_(lse * (2 * z_loss) + 1);
+    dz.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted * (grads[0].to(at::kFloat) / in[3]));
+    return {dz.to(logits.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -313,14 +349,19 @@ at::Tensor tied_head_logits(const at::Tensor& hidden, const at::Tensor& weight) 
 
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap, int64_t chunk_rows, const VocabShard& shard, LossGradients when,
-                                 int64_t pad_rows_to, bool fused, double loss_weight) {
+                                 int64_t pad_rows_to, bool fused, double loss_weight, double z_loss) {
   const bool grad_mode = torch::GradMode::is_enabled();
   const at::Tensor flat = hidden.reshape({-1, hidden.size(-1)});
   TORCH_CHECK(targets.numel() == flat.size(0), "chunked_cross_entropy: ", targets.numel(), " targets for ", flat.size(0),
               " rows of the head's input");
   return ChunkedCrossEntropy::apply(flat, weight, targets.reshape({-1}).to(at::kLong), softcap, chunk_rows, shard, when,
                                     pad_rows_to, grad_mode && hidden.requires_grad(), grad_mode && weight.requires_grad(),
-                                    fused, loss_weight);
+                                    fused, loss_weight, grad_mode ? z_loss : 0.0);
 }
+
+at::Tensor whole_logits_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, double z_loss) {
+  return WholeLogitsCrossEntropy::apply(logits, targets.reshape({-1}).to(at::kLong), z_loss);
+}
+
 
 }  // namespace meshtrain::model

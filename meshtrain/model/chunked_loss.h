@@ -39,6 +39,14 @@ namespace meshtrain::model {
 // config (chunks of 1,024 x 256) the loss's forward took 5.1 to 4.1 ms of a
 // 185 ms step, 2.7 of them its three products.
 //
+// The output z-loss (model.z_loss = β > 0, PaLM's auxiliary term) adds
+// β·lse² per counted row to the loss, which keeps the softmax's normaliser
+// near 1 (lse near 0) and the bf16 logits in range. It costs nothing more:
+// the log-sum-exp is made for the loss anyway, and its gradient only scales
+// each row's softmax, dz = (1 + 2β·lse)·softmax − onehot. The fused kernel's
+// reductions do not take it (ATen's operators then). It is a training term:
+// without grad mode (evaluation, perplexity) the loss is the cross-entropy.
+//
 // A pipeline's last stage may hold several micro-batches' losses before
 // their backwards (GPipe all of them), and a dW each would be the weight's
 // size times as many: there the gradients are made in the backward
@@ -115,10 +123,18 @@ enum class LossGradients { kInForward, kInBackward, kIntoWeightGrad };
 // tests take the GPU's padded path with it). `fused`: model.fused, the fused
 // CPU kernel's reductions where they apply. `loss_weight`: what the caller
 // multiplies the loss by before its backward (kIntoWeightGrad's scale).
+// `z_loss`: the z-loss weight β (under grad mode only).
 at::Tensor chunked_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                  double softcap = 0, int64_t chunk_rows = 0, const VocabShard& shard = {},
                                  LossGradients when = LossGradients::kInForward, int64_t pad_rows_to = 0,
-                                 bool fused = false, double loss_weight = 1.0);
+                                 bool fused = false, double loss_weight = 1.0, double z_loss = 0);
+
+// The mean cross-entropy of whole logits [N, V] against targets [N] plus the
+// z-loss of weight `z_loss`, as one node: it keeps the logits and each row's
+// log-sum-exp, and its backward makes dz in one logits-sized fp32 tensor
+// (a log-softmax and a separate z-term kept the log-probabilities and made
+// two more). In fp32 whatever the logits' dtype.
+at::Tensor whole_logits_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, double z_loss);
 
 // Note [Tied head's gradient]
 // The whole logits z = y·Wᵀ of a head tied to the embedding. Through ATen's

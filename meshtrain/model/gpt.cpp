@@ -428,21 +428,28 @@ at::Tensor GptImpl::forward(const Batch& batch) { return chain_->call("", batch.
 
 at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
   const at::Tensor flat = logits.reshape({-1, logits.size(-1)}), flat_targets = targets.reshape({-1});
+  const double z_loss = torch::GradMode::is_enabled() ? config_.z_loss : 0.0;  // a training term (Note [Chunked loss])
   for (const auto& hooks : chain_->hooks) {
-    at::Tensor loss = hooks->cross_entropy(flat, flat_targets);
+    at::Tensor loss = hooks->cross_entropy(flat, flat_targets, z_loss);
     if (loss.defined()) return loss;
   }
+  const bool distributed =  // annotations' logits (PrivateUse1): train/config.cpp refuses their z-loss
+      flat.key_set().has(c10::DispatchKey::PrivateUse1) || flat_targets.key_set().has(c10::DispatchKey::PrivateUse1);
+  TORCH_CHECK(z_loss == 0 || !distributed, "model.z_loss is not ruled for logits sharded by annotations");
   // In fp32 whatever the logits' dtype: the log-softmax over the vocabulary
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
-  if (config_.fused && fused::eligible(flat)) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
+  if (config_.fused && fused::eligible(flat) && z_loss == 0) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
   // Ignored targets count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
-  // Annotations' distributed logits (PrivateUse1) are divided by a number, which their rules cover;
+  // Annotations' distributed logits are divided by a number, which their rules cover;
   // plain ones by a tensor (no wait for the device).
-  const at::Tensor summed =
-      at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum, kIgnoredTarget);
-  if (flat.key_set().has(c10::DispatchKey::PrivateUse1) || flat_targets.key_set().has(c10::DispatchKey::PrivateUse1)) {
+  if (distributed) {
+    const at::Tensor summed =
+        at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum, kIgnoredTarget);
     return summed / std::max(1.0, (flat_targets != kIgnoredTarget).sum().item<double>());
   }
+  if (z_loss > 0) return whole_logits_cross_entropy(flat, flat_targets, z_loss);
+  const at::Tensor summed =
+      at::cross_entropy_loss(flat.to(at::kFloat), flat_targets, {}, at::Reduction::Sum, kIgnoredTarget);
   return summed / (flat_targets != kIgnoredTarget).sum().clamp_min(1);
 }
 
@@ -458,10 +465,11 @@ at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, Lo
   const at::Tensor& w = head ? head->weight : wte->weight;
   for (const auto& hooks : chain_->hooks) {
     if (!hooks->wraps_head()) continue;
-    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, loss_weight);
+    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, loss_weight, config_.z_loss);
     if (loss.defined()) return loss;
   }
-  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, loss_weight);
+  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, loss_weight,
+                               config_.z_loss);
 }
 
 at::Tensor GptImpl::loss(const Batch& batch, LossGradients when) {

@@ -66,22 +66,22 @@ class ForwardHooks {
   virtual bool chunks_head() const { return false; }
   // The chunked loss (Note [Chunked loss]) of the final norm's output y
   // [..., d] with the head's `weight` against targets, soft-capped by
-  // `softcap`, its gradients made `when` asked (kIntoWeightGrad for a loss
-  // the caller multiplies by `loss_weight`), for hooks whose chunks_head()
-  // holds; an undefined tensor leaves it to the model (tensor parallel: a
-  // head it does not split).
+  // `softcap`, with the z-loss of weight `z_loss`, its gradients made `when`
+  // asked (kIntoWeightGrad for a loss the caller multiplies by
+  // `loss_weight`), for hooks whose chunks_head() holds; an undefined tensor
+  // leaves it to the model (tensor parallel: a head it does not split).
   virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
-                               double softcap, LossGradients when, double loss_weight) {
-    (void)y, (void)weight, (void)targets, (void)softcap, (void)when, (void)loss_weight;
+                               double softcap, LossGradients when, double loss_weight, double z_loss) {
+    (void)y, (void)weight, (void)targets, (void)softcap, (void)when, (void)loss_weight, (void)z_loss;
     return {};
   }
   // The mean cross-entropy of logits [N, V'] (in the dtype the head computed
-  // them, bf16 under autocast; fp32 is the hook's to choose) against targets [N], or an
+  // them, bf16 under autocast; fp32 is the hook's to choose) against targets
+  // [N], plus the z-loss of weight `z_loss` (0 outside grad mode), or an
   // undefined tensor to leave it to the model (tensor parallel computes it
   // from logits sharded over the vocabulary).
-  virtual at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
-    (void)logits;
-    (void)targets;
+  virtual at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, double z_loss) {
+    (void)logits, (void)targets, (void)z_loss;
     return {};
   }
 };

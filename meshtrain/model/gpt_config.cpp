@@ -269,6 +269,7 @@ void GptConfig::validate_families() const {
   if (norm_plus_one && !rms_norm()) reject("norm_plus_one", "true", "needs model.norm = \"rmsnorm\"");
   if (!(attn_softcap >= 0)) reject("attn_softcap", std::to_string(attn_softcap), "must be >= 0 (0: none)");
   if (!(logit_softcap >= 0)) reject("logit_softcap", std::to_string(logit_softcap), "must be >= 0 (0: none)");
+  if (!(z_loss >= 0)) reject("z_loss", std::to_string(z_loss), "must be >= 0 (0: none; PaLM used 1e-4)");
   if (!(query_scale >= 0)) reject("query_scale", std::to_string(query_scale), "must be >= 0 (0: the head size)");
   if (sliding_window < 0) reject("sliding_window", std::to_string(sliding_window), "must be >= 0 (0: none)");
   if (sliding_every < 1) reject("sliding_every", std::to_string(sliding_every), "must be >= 1");

@@ -67,6 +67,7 @@ struct GptConfig {
   bool embed_scale = false;            // token embeddings times sqrt(width) (Gemma)
   double attn_softcap = 0;             // attention scores c·tanh(s / c); 0: none (Gemma 2)
   double logit_softcap = 0;            // final logits c·tanh(z / c); 0: none (Gemma 2)
+  double z_loss = 0;                   // β·mean(logsumexp(z)²) added to the training loss (PaLM: 1e-4); 0: none
   double query_scale = 0;              // scores scaled by 1/sqrt(query_scale); 0: 1/sqrt(head size)
   // Sliding-window attention: a token sees itself and the window - 1 before
   // it, in the blocks i with i % sliding_every == 0 (Mistral: 1; Gemma 2: 2);

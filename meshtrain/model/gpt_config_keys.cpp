@@ -109,6 +109,8 @@ std::vector<ModelKey> build() {
       MODEL_KEY(embed_scale, kWhenSet, "token embeddings times sqrt(width) (Gemma)"),
       MODEL_KEY(attn_softcap, kWhenSet, "attention scores c x tanh(s / c) (0: none)"),
       MODEL_KEY(logit_softcap, kWhenSet, "final logits c x tanh(z / c) (0: none)"),
+      training_only(MODEL_KEY(z_loss, kWhenSet, "the output z-loss weight: beta x mean(logsumexp(logits)^2) added to the "
+                                                "training loss, keeping the logits' normaliser near 0 (PaLM: 1e-4; 0: none)")),
       MODEL_KEY(query_scale, kWhenSet, "scores scaled by 1/sqrt(query_scale) (0: the head size)"),
       MODEL_KEY(sliding_window, kWhenSet, "a token attends to itself and the window - 1 before it (0: all)"),
       MODEL_KEY(sliding_every, kWhenSet, "the window applies to blocks i with i % sliding_every == 0"),

@@ -185,20 +185,20 @@ struct TensorParallel::Hooks : model::ForwardHooks {
   // completes dh, the partial sum each rank's share gives.
   bool chunks_head() const override { return true; }
   at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets, double softcap,
-                       model::LossGradients when, double loss_weight) override {
+                       model::LossGradients when, double loss_weight, double z_loss) override {
     if (!split_head) return {};
     const CommPtr& comm = owner->comm_;
     const at::Tensor h = owner->options_.sequence_parallel ? gather_from_sequence(y, comm, kSequenceDim)
                                                            : copy_to_tensor_parallel(y, comm);
     // dW is the rank's own share (no hook reduces it), so it may go into .grad in the forward.
     return model::chunked_cross_entropy(h, weight, targets, softcap, 0, vocab_shard(vocab_start, comm), when, 0, false,
-                                        loss_weight);
+                                        loss_weight, z_loss);
   }
 
   // Logits are split over the vocabulary only when the plan splits the head.
-  at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) override {
+  at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, double z_loss) override {
     if (!split_head) return {};
-    return vocab_parallel_cross_entropy(logits.to(at::kFloat), targets, vocab_start, owner->comm_);
+    return vocab_parallel_cross_entropy(logits.to(at::kFloat), targets, vocab_start, owner->comm_, z_loss);
   }
 };
 

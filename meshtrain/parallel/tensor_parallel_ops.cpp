@@ -173,7 +173,7 @@ struct SequenceGatheredLinear : torch::autograd::Function<SequenceGatheredLinear
 
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
-                            int64_t vocab_start, const CommPtr& comm) {
+                            int64_t vocab_start, const CommPtr& comm, double z_loss) {
     TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "vocab-parallel cross-entropy takes fp32 [N, V/t]");
     const int64_t n = logits.size(0), local = logits.size(1);
     at::Tensor max = std::get<0>(logits.max(-1)).contiguous();
@@ -189,8 +189,13 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     // Ignored targets count toward no loss (the mean is over those that count; 0 when none does).
     const at::Tensor counted = targets != model::kIgnoredTarget;
     const at::Tensor count = counted.sum().clamp_min(1).to(at::kFloat);
-    const at::Tensor loss = ((sums[0].log() - sums[1]) * counted).sum() / count;
+    at::Tensor loss = ((sums[0].log() - sums[1]) * counted).sum() / count;
     exp.div_(sums[0].unsqueeze(1));  // now the softmax
+    if (z_loss > 0) {  // β·lse² per counted row; its gradient scales the row's softmax by 1 + 2β·lse
+      const at::Tensor lse = sums[0].log() + max;
+      loss = loss + (lse.square() * counted).sum() * z_loss / count;
+      exp.mul_((lse * (2 * z_loss) + 1).unsqueeze(1));
+    }
     ctx->save_for_backward({exp, index, mine, counted, count});
     return loss;
   }
@@ -201,7 +206,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor grad = softmax.clone();
     grad.scatter_add_(1, index.unsqueeze(1), -mine.to(grad.scalar_type()).unsqueeze(1));
     grad.mul_(counted.to(grad.scalar_type()).unsqueeze(1) * (grads[0] / count));
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -242,8 +247,8 @@ at::Tensor sequence_gathered_linear(const at::Tensor& x, const at::Tensor& weigh
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
-                                        const CommPtr& comm) {
-  return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, comm);
+                                        const CommPtr& comm, double z_loss) {
+  return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, comm, z_loss);
 }
 
 model::VocabShard vocab_shard(int64_t start, const CommPtr& comm) {

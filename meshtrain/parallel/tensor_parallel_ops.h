@@ -45,9 +45,10 @@ at::Tensor sequence_gathered_linear(const at::Tensor& x, const at::Tensor& weigh
 // Mean cross-entropy of fp32 logits [N, V/t] holding vocabulary entries
 // [vocab_start, vocab_start + V/t) against targets [N] (full vocabulary ids),
 // without gathering the logits: max, sum of exponentials and target logit are
-// reduced over `comm` ([N] values each). Backward is local.
+// reduced over `comm` ([N] values each). Backward is local. `z_loss` > 0
+// adds the z-loss, β·lse² per counted row (Note [Chunked loss]).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab_start,
-                                        const CommPtr& comm);
+                                        const CommPtr& comm, double z_loss = 0);
 
 // A head split by the vocabulary for the chunked loss (Note [Chunked loss]):
 // rows from `start` on this rank, the others' over `comm`.

@@ -101,12 +101,18 @@ OutputBytes output_bytes(const model::GptConfig& model, const Sizes& z, const Pr
   const double head_inputs = (p.residual + e) * z.region(z.u) + z.region(norm_saved(model, z, p.residual, norm_kernels)) +
                              p.weight_copy * z.split(static_cast<double>(model.vocab_size)) * static_cast<double>(model.width);
   const double logits = z.tokens * static_cast<double>(model.vocab_size) / z.t;  // elements on this rank
+  const double low_precision = e < 4 ? 1 : 0;
+  if (model.z_loss > 0 && z.t == 1) {
+    // model::whole_logits_cross_entropy: the logits and a log-sum-exp per row kept; forward, an fp32 copy
+    // of 16-bit logits and logsumexp's exp; backward, dz in fp32 and its cast.
+    return {head_inputs + e * logits + 4 * z.tokens, 4 * logits * (1 + low_precision),
+            4 * logits + low_precision * e * logits};
+  }
   if (fused_loss && z.t == 1) return {head_inputs + e * logits + 4 * z.tokens, 0, e * logits};
   if (torch_loss_parallel && z.t > 1) {
     const double gathered = z.sp ? e * (z.u - z.region(z.u)) : 0;  // the head's input, whole
     return torch_loss_parallel_bytes(head_inputs + gathered, e, logits);
   }
-  const double low_precision = e < 4 ? 1 : 0;
   return {head_inputs + 4 * logits, logits * (e + 4 * low_precision),
           (z.t > 1 ? 4 : 8) * logits + low_precision * e * logits};
 }

@@ -426,6 +426,10 @@ void check_data_and_run(const TrainConfig& c) {
   if (c.lora.enabled() && c.parallel.annotated()) {
     refuse("lora.rank", n(c.lora.rank), "adapters are not ruled for parallel.tp_impl = \"annotations\"; use tp_impl \"plan\"");
   }
+  if (c.model.z_loss > 0 && c.parallel.annotated()) {
+    refuse("model.z_loss", n(c.model.z_loss), "the z-loss is not ruled for parallel.tp_impl = \"annotations\" (its "
+                                              "logits are sharded by rules without a log-sum-exp); use tp_impl \"plan\"");
+  }
   if (c.lora.enabled() && c.parallel.offload_optimizer != offload::Tier::kDevice) {
     refuse("lora.rank", n(c.lora.rank), "offload.optimizer with LoRA is not supported (the adapters' optimizer state "
                                         "is small); leave offload.optimizer = \"none\"");

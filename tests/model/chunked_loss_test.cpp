@@ -1,5 +1,6 @@
 // The chunked loss (Note [Chunked loss]): the loss and gradients of the
-// materialised logits, soft-capped, with ignored targets, under autocast and
+// materialised logits, soft-capped, with ignored targets and the z-loss,
+// under autocast and
 // in a whole model; its peak memory without the [tokens, vocabulary] logits;
 // and the tied head's whole logits, whose gradient joins the embedding's in
 // place; the head's gradient added into .grad in the forward.
@@ -38,6 +39,14 @@ at::Tensor materialised(const at::Tensor& h, const at::Tensor& w, const at::Tens
   const at::Tensor flat = targets.reshape({-1});
   return at::cross_entropy_loss(z, flat, {}, at::Reduction::Sum, kIgnoredTarget) /
          (flat != kIgnoredTarget).sum().clamp_min(1);
+}
+
+// The same plus the z-loss β·lse² over the counted rows, as its definition reads.
+at::Tensor materialised_with_z(const at::Tensor& h, const at::Tensor& w, const at::Tensor& targets, double cap,
+                               double beta) {
+  const at::Tensor z = soft_cap(at::linear(h, w).reshape({-1, w.size(0)}).to(at::kFloat), cap);
+  const at::Tensor counted = (targets.reshape({-1}) != kIgnoredTarget).to(at::kFloat);
+  return materialised(h, w, targets, cap) + beta * (at::logsumexp(z, 1).square() * counted).sum() / counted.sum();
 }
 
 // Calls of the fused cross-entropy kernel's reductions (meshtrain::cross_entropy_rows) while counted.
@@ -115,6 +124,42 @@ TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   // Every target ignored: 0, as the materialised loss.
   const at::Tensor none = at::full({2, 4}, kIgnoredTarget, at::kLong);
   EXPECT_EQ(chunked_cross_entropy(randn({2, 4, 8}, 4), randn({10, 8}, 5), none).item<double>(), 0.0);
+}
+
+// The output z-loss (Note [Chunked loss]): loss and gradients of its
+// composition on the logits, in chunks, soft-capped, gradients in the forward
+// or the backward; the fused kernel's reductions step aside; without grad
+// mode the loss is the cross-entropy alone.
+TEST(ChunkedLoss, ZLossEqualsItsCompositionOnTheLogits) {
+  at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
+  targets.narrow(1, 0, 5).fill_(kIgnoredTarget);
+  const double beta = 0.05;  // large, so that the term shows: lse² is about 25 here
+  for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
+    for (double cap : {0.0, 5.0}) {
+      for (int64_t rows : {int64_t{7}, int64_t{0}}) {
+        SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) +
+                     (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
+        const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
+        const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
+        const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
+        kernel_calls = 0;
+        const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_kernel_calls));
+        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, true, 1.0, beta);
+        at::removeCallback(counting);
+        EXPECT_EQ(kernel_calls, 0) << "the fused kernel's reductions do not take the z-loss";
+        const at::Tensor want = materialised_with_z(hr, wr, targets, cap, beta);
+        EXPECT_GT((want - materialised(hr, wr, targets, cap)).item<double>(), 0.1) << "the z-loss shows";
+        EXPECT_LT(relative(ours, want), 1e-6);
+        ours.backward();
+        want.backward();
+        EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
+        EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
+        torch::NoGradGuard evaluation;
+        EXPECT_LT(relative(chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, true, 1.0, beta),
+                           materialised(h, w, targets, cap)), 1e-6) << "without grad mode, the cross-entropy";
+      }
+    }
+  }
 }
 
 TEST(ChunkedLoss, UnderAutocastItComputesInBfloat16AsTheHeadWould) {
@@ -271,15 +316,16 @@ TEST(ChunkedLoss, IntoWeightGradAddsTheHeadsGradientInTheForward) {
 // A model's micro-batches as a training step runs them (the loss times its
 // weight, its backward at once), into .grad that persists: the gradients of
 // the model whose loss holds dW to the backward, untied and tied (the
-// embedding's gradient joins the head's in the same .grad).
+// embedding's gradient joins the head's in the same .grad), and with the z-loss.
 TEST(ChunkedLoss, AModelsMicroBatchesIntoWeightGradAreTheLogitsGradients) {
   GptConfig llama = GptConfig::preset("llama-tiny");
   llama.layers = 2, llama.width = 64, llama.heads = 4, llama.kv_heads = 2, llama.context = 32, llama.dropout = 0;
   llama.vocab_size = 300;
-  GptConfig tied = llama;
+  GptConfig tied = llama, z_loss = llama;
   tied.tie_embeddings = true;
-  for (const GptConfig& config : {llama, tied}) {
-    SCOPED_TRACE(config.tie_embeddings ? "tied" : "untied");
+  z_loss.z_loss = 0.01;  // the whole logits' z-loss (GptImpl::cross_entropy) against the chunked loss's
+  for (const GptConfig& config : {llama, tied, z_loss}) {
+    SCOPED_TRACE(std::string(config.tie_embeddings ? "tied" : "untied") + (config.z_loss > 0 ? ", z-loss" : ""));
     GptConfig whole = config;
     whole.chunked_loss = false;
     Gpt chunked(config, 5), reference(whole, 5);

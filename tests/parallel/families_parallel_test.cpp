@@ -2,7 +2,8 @@
 // under mpirun: tensor parallel (and sequence parallel), ZeRO-3, pipeline,
 // expert parallel and activation checkpointing against one process over the
 // same micro-batches, loss and gradient norm every step and the parameters
-// after. Each feature set is one family's, shrunk to the test model.
+// after. Each feature set is one family's, shrunk to the test model (Llama's
+// with the output z-loss, which the loss of every layout adds).
 #include "tests/parallel/training_fixture.h"
 
 namespace meshtrain::train {
@@ -25,10 +26,10 @@ struct Family {
 std::vector<Family> families(int ranks) {
   const std::string experts = ranks == 3 ? "6" : "8";
   return {
-      {"llama 3.1 (rope scaling, all biases, GQA)",
+      {"llama 3.1 (rope scaling, all biases, GQA; and PaLM's output z-loss)",
        with(kLlamaStyle, {"model.kv_heads=2", "model.rope_scaling=llama3", "model.rope_factor=4",
                           "model.rope_original_context=8", "model.rope_theta=500000", "model.attention_bias=true",
-                          "model.mlp_bias=true"})},
+                          "model.mlp_bias=true", "model.z_loss=0.01"})},
       {"qwen3 (QK-norm, head size 24, q/k/v biases)",
        with(kLlamaStyle, {"model.kv_heads=2", "model.head_size=24", "model.qk_norm=head", "model.qkv_bias=true"})},
       {"gemma 2 (sandwich (1 + w) norms, GeGLU, soft-caps, every other block windowed)",

@@ -145,21 +145,24 @@ TEST(TensorParallelOps, VocabParallelCrossEntropyNeverGathersLogits) {
     const at::Tensor logits = same({10, v}, 20) * 3;
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(21);
     const at::Tensor targets = at::randint(0, v, {10}, g, at::kLong);
-    at::Tensor full = logits.clone().requires_grad_();
-    const at::Tensor want = at::cross_entropy_loss(full, targets);
-    want.backward();
-    at::Tensor mine = chunk(logits, 1, t, r).clone().requires_grad_();
-    const at::Tensor got = vocab_parallel_cross_entropy(mine, targets, r * 8, comm);
-    got.backward();
-    EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << "t = " << t;
-    expect_close(mine.grad(), chunk(full.grad(), 1, t, r), "gradient, t = " + std::to_string(t));
+    for (double beta : {0.0, 0.05}) {  // with the z-loss, β·mean(lse²)
+      const std::string what = "t = " + std::to_string(t) + ", z-loss " + std::to_string(beta);
+      at::Tensor full = logits.clone().requires_grad_();
+      const at::Tensor want = at::cross_entropy_loss(full, targets) + beta * at::logsumexp(full, 1).square().mean();
+      want.backward();
+      at::Tensor mine = chunk(logits, 1, t, r).clone().requires_grad_();
+      const at::Tensor got = vocab_parallel_cross_entropy(mine, targets, r * 8, comm, beta);
+      got.backward();
+      EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-5 * want.item<double>()) << what;
+      expect_close(mine.grad(), chunk(full.grad(), 1, t, r), "gradient, " + what);
+    }
   }
 }
 
 // Note [Chunked loss] over a head split by the vocabulary, as tensor parallel
-// calls it: several chunks, ignored targets, with and without the soft-cap;
-// dW held to the backward, made in it, or added into the share's persistent
-// .grad in the forward (Note [Head's gradient into .grad]).
+// calls it: several chunks, ignored targets, with and without the soft-cap
+// and the z-loss; dW held to the backward, made in it, or added into the
+// share's persistent .grad in the forward (Note [Head's gradient into .grad]).
 TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
   for (int t : tp_sizes()) {
     const CommPtr comm = group_of(t);
@@ -169,7 +172,7 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
     at::Tensor targets = at::randint(0, v, {10}, g, at::kLong);
     targets.index_put_({at::arange(0, 10, 4)}, model::kIgnoredTarget);
     for (int k = 0; k < 6; ++k) {  // soft-cap or not; gradients in the forward, the backward, or into .grad
-      const double cap = k % 2 ? 2.0 : 0.0;
+      const double cap = k % 2 ? 2.0 : 0.0, beta = k == 0 || k == 3 || k == 4 ? 0.05 : 0.0;
       const model::LossGradients when = k < 2   ? model::LossGradients::kInForward
                                         : k < 4 ? model::LossGradients::kInBackward
                                                 : model::LossGradients::kIntoWeightGrad;
@@ -177,14 +180,17 @@ TEST(TensorParallelOps, ChunkedLossOverVocabularySharesEqualsTheWholeLogits) {
       at::Tensor h = same({10, 6}, 23).requires_grad_(), w = same({v, 6}, 24).requires_grad_();
       at::Tensor z = at::mm(h, w.t());
       if (cap > 0) z = at::tanh(z / cap) * cap;
-      const at::Tensor want = at::cross_entropy_loss(z, targets, {}, at::Reduction::Mean, model::kIgnoredTarget) * 0.7;
+      const at::Tensor counted = (targets != model::kIgnoredTarget).to(at::kFloat);
+      const at::Tensor z_term = beta * (at::logsumexp(z, 1).square() * counted).sum() / counted.sum();
+      const at::Tensor want =
+          (at::cross_entropy_loss(z, targets, {}, at::Reduction::Mean, model::kIgnoredTarget) + z_term) * 0.7;
       want.backward();
       at::Tensor mine_h = same({10, 6}, 23).requires_grad_();
       at::Tensor mine_w = chunk(same({v, 6}, 24), 0, t, r).clone().requires_grad_();
       if (when == model::LossGradients::kIntoWeightGrad) mine_w.mutable_grad() = at::zeros_like(mine_w);
       const at::Tensor mine_input = copy_to_tensor_parallel(mine_h, comm);
       const at::Tensor got = model::chunked_cross_entropy(mine_input, mine_w, targets, cap, 3, vocab_shard(r * 8, comm),
-                                                          when, 0, false, 0.7) *
+                                                          when, 0, false, 0.7, beta) *
                              0.7;
       if (when == model::LossGradients::kIntoWeightGrad) {
         EXPECT_GT(mine_w.grad().abs().max().item<double>(), 0.0) << "dW into .grad in the forward, " << what;
