@@ -363,5 +363,4 @@ at::Tensor whole_logits_cross_entropy(const at::Tensor& logits, const at::Tensor
   return WholeLogitsCrossEntropy::apply(logits, targets.reshape({-1}).to(at::kLong), z_loss);
 }
 
-
 }  // namespace meshtrain::model

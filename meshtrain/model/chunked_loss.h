@@ -41,8 +41,8 @@ namespace meshtrain::model {
 //
 // The output z-loss (model.z_loss = β > 0, PaLM's auxiliary term) adds
 // β·lse² per counted row to the loss, which keeps the softmax's normaliser
-// near 1 (lse near 0) and the bf16 logits in range. It costs nothing more:
-// the log-sum-exp is made for the loss anyway, and its gradient only scales
+// near 1 (lse near 0) and the bf16 logits in range. It takes no tensor or
+// product more: the log-sum-exp is made for the loss anyway, and its gradient only scales
 // each row's softmax, dz = (1 + 2β·lse)·softmax − onehot. The fused kernel's
 // reductions do not take it (ATen's operators then). It is a training term:
 // without grad mode (evaluation, perplexity) the loss is the cross-entropy.
