@@ -289,15 +289,16 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   }
 };
 
-// whole_logits_cross_entropy: the loss of chunked_cross_entropy's one chunk
-// with the logits given.
+// whole_logits_cross_entropy: the mean cross-entropy and z-loss of logits
+// given whole, as chunked_cross_entropy makes them over one chunk (without its
+// soft-cap; a target outside the vocabulary counts 0 for its logit, as there).
 struct WholeLogitsCrossEntropy : torch::autograd::Function<WholeLogitsCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, double z_loss) {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor z = logits.to(at::kFloat), lse = at::logsumexp(z, 1, /*keepdim=*/true);
     const TargetColumns c = target_columns(targets, 0, z.size(1));
     const at::Tensor count = c.counted.sum().clamp_min(1);
-    at::Tensor rows = lse - z.gather(1, c.index);
+    at::Tensor rows = lse - z.gather(1, c.index) * c.here;
     if (z_loss > 0) rows = rows + lse.square() * z_loss;
     ctx->save_for_backward({logits, targets, lse, count});
     ctx->saved_data["z_loss"] = z_loss;
@@ -310,7 +311,10 @@ struct WholeLogitsCrossEntropy : torch::autograd::Function<WholeLogitsCrossEntro
     const double z_loss = ctx->saved_data["z_loss"].toDouble();
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const TargetColumns c = target_columns(in[1], 0, logits.size(1));
-    at::Tensor dz = at::sub(logits, lse).exp_();  // the softmax in fp32 (lse's type), a tensor of its own
+    // The softmax in fp32, a tensor of its own: 16-bit logits copied once (ATen's
+    // mixed-type sub would copy them and then write a second tensor).
+    at::Tensor dz = logits.scalar_type() == at::kFloat ? at::sub(logits, lse) : logits.to(at::kFloat).sub_(lse);
+    dz.exp_();
     if (z_loss > 0) dz.mul_(lse * (2 * z_loss) + 1);
     dz.scatter_add_(1, c.index, c.here.neg()).mul_(c.counted * (grads[0].to(at::kFloat) / in[3]));
     return {dz.to(logits.scalar_type()), at::Tensor(), at::Tensor()};

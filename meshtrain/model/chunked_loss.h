@@ -41,11 +41,12 @@ namespace meshtrain::model {
 //
 // The output z-loss (model.z_loss = β > 0, PaLM's auxiliary term) adds
 // β·lse² per counted row to the loss, which keeps the softmax's normaliser
-// near 1 (lse near 0) and the bf16 logits in range. It takes no tensor or
-// product more: the log-sum-exp is made for the loss anyway, and its gradient only scales
-// each row's softmax, dz = (1 + 2β·lse)·softmax − onehot. The fused kernel's
-// reductions do not take it (ATen's operators then). It is a training term:
-// without grad mode (evaluation, perplexity) the loss is the cross-entropy.
+// near 1 (lse near 0) and the bf16 logits in range. It takes no product and
+// no logits-sized tensor more: the log-sum-exp is made for the loss anyway,
+// and its gradient only scales each row's softmax, dz = (1 + 2β·lse)·softmax
+// − onehot. The fused kernel's reductions do not take it (ATen's operators
+// then). It is a training term: without grad mode (evaluation, perplexity)
+// the loss is the cross-entropy.
 //
 // A pipeline's last stage may hold several micro-batches' losses before
 // their backwards (GPipe all of them), and a dW each would be the weight's

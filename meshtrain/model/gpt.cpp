@@ -463,13 +463,13 @@ at::Tensor GptImpl::head_loss(const at::Tensor& x, const at::Tensor& targets, Lo
   if (!chunks_loss(x)) return cross_entropy(project(x), targets);
   const at::Tensor y = chain_->call("norm_f", x, [this](const at::Tensor& in) { return norm_f->forward(in); });
   const at::Tensor& w = head ? head->weight : wte->weight;
+  const double z_loss = torch::GradMode::is_enabled() ? config_.z_loss : 0.0;  // a training term (Note [Chunked loss])
   for (const auto& hooks : chain_->hooks) {
     if (!hooks->wraps_head()) continue;
-    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, loss_weight, config_.z_loss);
+    at::Tensor loss = hooks->head_loss(y, w, targets, config_.logit_softcap, when, loss_weight, z_loss);
     if (loss.defined()) return loss;
   }
-  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, loss_weight,
-                               config_.z_loss);
+  return chunked_cross_entropy(y, w, targets, config_.logit_softcap, 0, {}, when, 0, config_.fused, loss_weight, z_loss);
 }
 
 at::Tensor GptImpl::loss(const Batch& batch, LossGradients when) {

@@ -66,10 +66,11 @@ class ForwardHooks {
   virtual bool chunks_head() const { return false; }
   // The chunked loss (Note [Chunked loss]) of the final norm's output y
   // [..., d] with the head's `weight` against targets, soft-capped by
-  // `softcap`, with the z-loss of weight `z_loss`, its gradients made `when`
-  // asked (kIntoWeightGrad for a loss the caller multiplies by
-  // `loss_weight`), for hooks whose chunks_head() holds; an undefined tensor
-  // leaves it to the model (tensor parallel: a head it does not split).
+  // `softcap`, with the z-loss of weight `z_loss` (0 outside grad mode),
+  // its gradients made `when` asked (kIntoWeightGrad for a loss the caller
+  // multiplies by `loss_weight`), for hooks whose chunks_head() holds; an
+  // undefined tensor leaves it to the model (tensor parallel: a head it does
+  // not split).
   virtual at::Tensor head_loss(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& targets,
                                double softcap, LossGradients when, double loss_weight, double z_loss) {
     (void)y, (void)weight, (void)targets, (void)softcap, (void)when, (void)loss_weight, (void)z_loss;
