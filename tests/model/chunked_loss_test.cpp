@@ -91,7 +91,9 @@ TEST(ChunkedLoss, APaddedVocabularyEqualsTheLogits) {
   }
 }
 
-// Through ATen's operators and (fused, no cap) the fused cross-entropy kernel.
+// Through ATen's operators and (fused, no cap, no z-loss) the fused
+// cross-entropy kernel; with the output z-loss (Note [Chunked loss]) against
+// its composition on the logits, and without grad mode the cross-entropy alone.
 TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
   targets.narrow(1, 0, 5).fill_(kIgnoredTarget);  // masked targets count toward nothing
@@ -99,24 +101,33 @@ TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
     for (double cap : {0.0, 5.0}) {
       for (int64_t rows : {int64_t{7}, int64_t{0}}) {  // uneven chunks; one chunk
-        for (bool fused : {false, true}) {
+        for (int variant = 0; variant < 3; ++variant) {  // ATen's; fused; fused with the z-loss
+          const bool fused = variant > 0;
+          const double beta = variant == 2 ? 0.05 : 0.0;  // large, so that the term shows: lse² is about 25 here
           SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) + (fused ? " fused" : "") +
+                       (beta > 0 ? " z-loss" : "") +
                        (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
           const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
           const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
           const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
           kernel_calls = 0;
           const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_kernel_calls));
-          const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, fused) * 0.7;
+          const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, fused, 1.0, beta) * 0.7;
           at::removeCallback(counting);
-          EXPECT_EQ(kernel_calls > 0, fused && cap == 0) << "the fused kernel's reductions, where they apply";
-          const at::Tensor want = materialised(hr, wr, targets, cap) * 0.7;
+          EXPECT_EQ(kernel_calls > 0, fused && cap == 0 && beta == 0)
+              << "the fused kernel's reductions, where they apply";
+          const at::Tensor want = materialised_with_z(hr, wr, targets, cap, beta) * 0.7;
+          const double z_term = (want - materialised(hr, wr, targets, cap) * 0.7).item<double>();
+          if (beta > 0) EXPECT_GT(z_term, 0.1) << "the z-loss shows";
           EXPECT_LT(relative(ours, want), 1e-6);
           ours.backward();
           want.backward();
           EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
           EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
           EXPECT_TRUE(h.grad().narrow(1, 0, 5).abs().max().item<double>() < 1e-7) << "ignored rows get no gradient";
+          torch::NoGradGuard evaluation;
+          EXPECT_LT(relative(chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, fused, 1.0, beta),
+                             materialised(h, w, targets, cap)), 1e-6) << "without grad mode, the cross-entropy";
         }
       }
     }
@@ -124,42 +135,6 @@ TEST(ChunkedLoss, EqualsTheLossAndGradientsOfTheLogits) {
   // Every target ignored: 0, as the materialised loss.
   const at::Tensor none = at::full({2, 4}, kIgnoredTarget, at::kLong);
   EXPECT_EQ(chunked_cross_entropy(randn({2, 4, 8}, 4), randn({10, 8}, 5), none).item<double>(), 0.0);
-}
-
-// The output z-loss (Note [Chunked loss]): loss and gradients of its
-// composition on the logits, in chunks, soft-capped, gradients in the forward
-// or the backward; the fused kernel's reductions step aside; without grad
-// mode the loss is the cross-entropy alone.
-TEST(ChunkedLoss, ZLossEqualsItsCompositionOnTheLogits) {
-  at::Tensor targets = at::randint(0, 50, {3, 37}, at::make_generator<at::CPUGeneratorImpl>(3), at::kLong);
-  targets.narrow(1, 0, 5).fill_(kIgnoredTarget);
-  const double beta = 0.05;  // large, so that the term shows: lse² is about 25 here
-  for (LossGradients when : {LossGradients::kInForward, LossGradients::kInBackward}) {
-    for (double cap : {0.0, 5.0}) {
-      for (int64_t rows : {int64_t{7}, int64_t{0}}) {
-        SCOPED_TRACE("cap " + std::to_string(cap) + " rows " + std::to_string(rows) +
-                     (when == LossGradients::kInForward ? ", gradients in the forward" : ", in the backward"));
-        const at::Tensor h = randn({3, 37, 16}, 1, 2.0).requires_grad_(true);
-        const at::Tensor w = randn({50, 16}, 2).requires_grad_(true);
-        const at::Tensor hr = h.detach().clone().requires_grad_(true), wr = w.detach().clone().requires_grad_(true);
-        kernel_calls = 0;
-        const at::CallbackHandle counting = at::addGlobalCallback(at::RecordFunctionCallback(count_kernel_calls));
-        const at::Tensor ours = chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, true, 1.0, beta);
-        at::removeCallback(counting);
-        EXPECT_EQ(kernel_calls, 0) << "the fused kernel's reductions do not take the z-loss";
-        const at::Tensor want = materialised_with_z(hr, wr, targets, cap, beta);
-        EXPECT_GT((want - materialised(hr, wr, targets, cap)).item<double>(), 0.1) << "the z-loss shows";
-        EXPECT_LT(relative(ours, want), 1e-6);
-        ours.backward();
-        want.backward();
-        EXPECT_LT(relative(h.grad(), hr.grad()), 1e-5);
-        EXPECT_LT(relative(w.grad(), wr.grad()), 1e-5);
-        torch::NoGradGuard evaluation;
-        EXPECT_LT(relative(chunked_cross_entropy(h, w, targets, cap, rows, {}, when, 0, true, 1.0, beta),
-                           materialised(h, w, targets, cap)), 1e-6) << "without grad mode, the cross-entropy";
-      }
-    }
-  }
 }
 
 TEST(ChunkedLoss, UnderAutocastItComputesInBfloat16AsTheHeadWould) {
