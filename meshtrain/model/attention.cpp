@@ -113,9 +113,7 @@ at::Tensor LocalAttention::forward(const QkvHeads& heads, const AttentionSpec& s
   const double p = training ? spec.dropout : 0.0;
   // A soft-cap and documents sit inside the softmax: the fused kernel's batched
   // path has them, ATen's kernels take them as a mask or explicit scores.
-  const bool bf16 = fused::detail::compute_dtype(q.scalar_type()) == at::kBFloat16;
-  const bool batched = fused && fused::batched_attention_applies(q.device().is_cpu(), bf16, heads.k.size(2),
-                                                                 q.size(3), p);
+  const bool batched = fused && fused::batched_attention_applies(q.device().is_cpu(), heads.k.size(2), q.size(3), p);
   if (batch.documents.defined() && !(batched && q.size(2) == heads.k.size(2))) {
     // Documents side by side: a block-diagonal mask, ATen's kernels.
     const at::Tensor starts = batch.documents.to(q.device());

@@ -45,8 +45,8 @@ PlannedRun planned_model(const train::TrainConfig& config) {
   run.workload.bf16_attention = bf16;
   const bool capped = config.model.attn_softcap > 0;
   const bool batched = config.model.fused && !config.parallel.annotated() &&
-                       model::fused::batched_attention_applies(!gpu, bf16, config.model.context,
-                                                               config.model.head_dim(), config.model.dropout);
+                       model::fused::batched_attention_applies(!gpu, config.model.context, config.model.head_dim(),
+                                                               config.model.dropout);
   const bool math = (config.model.dropout > 0 && !gpu) || (capped && !batched);
   run.workload.attention = batched ? "batched" : math ? "math" : "flash";
   set_device_operators(run.workload, config.model.fused, gpu, config.parallel.annotated());

@@ -365,7 +365,7 @@ TEST(TensorParallelRandom, LocalStreamsDifferAndTheSharedStreamStaysInStep) {
 // sbh(16 + (48 + 4ak/h)/t), sequence parallel (sbh/t)(64 + 4ak/h) (the column
 // linears keep their sequence chunk and gather again in backward).
 double activation_formula(int64_t s, int64_t b, int64_t h, int64_t a, int t, bool sp) {
-  const bool batched = model::fused::batched_attention_applies(true, false, s, h / a, 0.0);
+  const bool batched = model::fused::batched_attention_applies(true, s, h / a, 0.0);
   const double k = batched ? double(model::fused::batched_attention_scores(s, s, true)) / double(s) : 1.0;
   const double sbh = double(s) * b * h, scores = 4.0 * a * k / h;
   if (t == 1) return sbh * (64 + scores);

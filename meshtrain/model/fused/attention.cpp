@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace meshtrain::model::fused {
@@ -23,8 +25,10 @@ namespace meshtrain::model::fused {
 // arithmetic as batched matrix multiplies, which oneDNN and MKL run near the
 // matmul peak: for fwd + bwd of [8, 6, 256, 64] on 2 cores, the six products
 // take 8 ms in bf16 (AVX512-BF16 dot products) against ATen's 27, and 17 ms in
-// fp32 against 22. So on the CPU (bf16 only without AMX, whose bf16 flash
-// kernel uses it):
+// fp32 against 22. AMX speeds up ATen's bf16 forward (1.5 ms at that shape)
+// but not its backward (11.3 ms, fp32's 9.9); on such a CPU this path took
+// the `small` bf16 step's attention from about 173 to 71 ms. So on the CPU,
+// in either dtype:
 //   forward   s = q·kᵀ (bmm)  p = softmax(scale·s, causal) (one fused pass, in
 //             place)  y = p·v (bmm)
 //   backward  dp = dy·vᵀ, dv = pᵀ·dy (bmm)  ds = scale·p·(dp − rowsum(p·dp))
@@ -262,8 +266,19 @@ struct BatchedAttention : torch::autograd::Function<BatchedAttention> {
 
 }  // namespace
 
-bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout) {
-  return cpu && dropout == 0.0 && keys <= 4 * head_dim && !(bf16 && util::cpu_has_amx());
+namespace {
+
+// ATen's bf16 flash kernel takes AMX where the CPU has it, through code of its
+// AVX-512 build only: with ATEN_CPU_CAPABILITY below that it throws.
+bool aten_bf16_attention_on_amx() {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  return util::cpu_has_amx() && (cap == nullptr || *cap == '\0' || std::string(cap).rfind("avx512", 0) == 0);
+}
+
+}  // namespace
+
+bool batched_attention_applies(bool cpu, int64_t keys, int64_t head_dim, double dropout) {
+  return cpu && dropout == 0.0 && keys <= 4 * head_dim;
 }
 
 int64_t batched_attention_scores(int64_t q_len, int64_t k_len, bool causal, bool bf16) {
@@ -290,7 +305,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 "fused::attention: a document starts after its own column or before 0");
   }
   if (eligible(q) && eligible(k) && eligible(v) &&
-      batched_attention_applies(q.device().is_cpu(), bf16, k.size(2), q.size(3), dropout)) {
+      batched_attention_applies(q.device().is_cpu(), k.size(2), q.size(3), dropout)) {
     return BatchedAttention::apply(q, k, v, causal, causal ? window : 0, scale, softcap,
                                    starts.defined() ? std::optional<at::Tensor>(starts) : std::nullopt);
   }
@@ -309,10 +324,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const SdpaKeys g = sdpa_keys(q, k, v, mask.defined());  // Note [Grouped queries in SDPA]
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const std::optional<double> score_scale = scale > 0 ? std::optional<double>(scale) : std::nullopt;
-  if (!q.device().is_cpu() || !bf16 || util::cpu_has_amx()) {
+  if (!q.device().is_cpu() || !bf16 || aten_bf16_attention_on_amx()) {
     return at::scaled_dot_product_attention(q, g.k, g.v, attn_mask, dropout, is_causal, score_scale, g.enable_gqa);
   }
-  // Without AMX, ATen's bf16 kernel is slower than its fp32 one: compute in fp32, out of autocast's reach.
+  // Without AMX ATen's bf16 kernel is slower than its fp32 one: compute in fp32, out of autocast's reach.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
   const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), g.k.to(at::kFloat), g.v.to(at::kFloat),
                                                         attn_mask, dropout, is_causal, score_scale, g.enable_gqa);

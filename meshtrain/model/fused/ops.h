@@ -76,9 +76,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout, bool causal,
                      int64_t window = 0, double scale = 0, double softcap = 0, const at::Tensor& documents = {});
 // Whether attention() takes its batched path (Note [CPU attention]), which
-// keeps the softmax for backward: on the CPU (bf16 only without AMX), without
-// dropout, keys <= 4 * head_dim.
-bool batched_attention_applies(bool cpu, bool bf16, int64_t keys, int64_t head_dim, double dropout);
+// keeps the softmax for backward: on the CPU, without dropout, keys <= 4 *
+// head_dim.
+bool batched_attention_applies(bool cpu, int64_t keys, int64_t head_dim, double dropout);
 // How many softmax entries per head that path keeps: q_len · k_len, or causal
 // with q_len = k_len = T, Σ rows_i · keys_i over its n blocks of about 64
 // queries, 128 under bf16 ((n+1)T²/2n where n divides T: 5T²/8 at T = 256,
