@@ -8,6 +8,7 @@
 #include "tests/model/counting_post_hook.h"
 #include "tests/model/in_place_gradients.h"
 
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -60,6 +61,35 @@ TEST(FusedLinear, AddsIntoAPersistentGradientAsAccumulateGradWould) {
     EXPECT_TRUE(torch::allclose(ours.w.grad(), want.w.grad(), 1e-5, 1e-5));
     EXPECT_TRUE(torch::allclose(ours.b.grad(), want.b.grad(), 1e-5, 1e-5));
     EXPECT_TRUE(torch::allclose(ours.x.grad(), want.x.grad(), 1e-5, 1e-5));
+  }
+}
+
+// Note [Weight gradients under autocast]: bf16 products of the fp32 weight, as
+// at::linear under autocast makes them, with dW added into the fp32 .grad in
+// one pass where it persists.
+TEST(FusedLinear, UnderBfloat16AutocastMatchesAutocastsLinear) {
+  for (bool grads_defined : {true, false}) {
+    SCOPED_TRACE(grads_defined ? "gradients held from before" : "no gradients yet");
+    const Leaves ours = linear_leaves(grads_defined), want = copy_of(ours);
+    const void* held = grads_defined ? ours.w.grad().const_data_ptr() : nullptr;
+    at::Tensor y, y_want;
+    {
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      y = fused::linear(ours.x, ours.w, ours.b);
+      y_want = at::linear(want.x, want.w, want.b);
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::equal(y, y_want));
+    EXPECT_EQ(run_backward(y), grads_defined ? 1 : 0) << "in place exactly where .grad persists";
+    run_backward(y_want);
+    if (held) EXPECT_EQ(ours.w.grad().const_data_ptr(), held) << "added into the held tensor, not replaced";
+    EXPECT_EQ(ours.w.grad().scalar_type(), at::kFloat);
+    EXPECT_TRUE(torch::allclose(ours.w.grad(), want.w.grad(), 1e-6, 1e-6)) << "the same bf16 product, added in fp32";
+    EXPECT_TRUE(torch::equal(ours.x.grad(), want.x.grad()));
+    EXPECT_TRUE(torch::allclose(ours.b.grad(), want.b.grad(), 1e-6, 1e-6));
   }
 }
 

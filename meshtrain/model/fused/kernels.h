@@ -73,6 +73,9 @@ struct Table {
   // Σ x² over n contiguous elements in double (each square exact), summed in
   // an order fixed by n alone (the gradient norm: parallel/grad_norm.cpp).
   double (*sum_squares)(int64_t n, const void* x, Dt t);
+  // y += x over n contiguous elements: one pass, x read in its dtype
+  // (Note [Weight gradients under autocast]).
+  void (*add_into)(int64_t n, const void* x, Dt t, float* y);
 };
 
 extern const Table avx512_table;   // built on x86-64

@@ -460,12 +460,24 @@ double sum_squares(int64_t n, const void* x, Dt t) {
   return total;
 }
 
+void add_into(int64_t n, const void* x, Dt t, float* y) {
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(t == Dt::kFloat ? 0 : kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t offset = b * kBlock, length = std::min(kBlock, n - offset);
+      const float* v = read_row(x, t, offset, length, scratch.data());
+      float* out = y + offset;
+      each_vec(length, [&](int64_t i, int64_t c) { (Vec::loadu(out + i, c) + Vec::loadu(v + i, c)).store(out + i, c); });
+    }
+  });
+}
+
 }  // namespace
 
 constexpr Table make_table() {
   return {add_norm_forward,      add_norm_backward,      bias_gelu_forward, bias_gelu_backward, glu_forward,
           glu_backward,       cross_entropy_forward,  cross_entropy_backward, rope,
-          attention_softmax_forward, attention_softmax_backward, sum_squares};
+          attention_softmax_forward, attention_softmax_backward, sum_squares, add_into};
 }
 
 }  // namespace meshtrain::model::fused::kernel

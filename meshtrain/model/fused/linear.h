@@ -20,8 +20,8 @@ namespace meshtrain::model::fused {
 //   reads the returned gradients), and the engine running a whole backward,
 //   not autograd::grad() over chosen inputs;
 // - W a leaf that requires grad, whose .grad is defined, dense, contiguous
-//   and of the product's dtype (fp32, or bf16 parameters' bf16 gradients; not
-//   under autocast, whose products are 16-bit against fp32 gradients);
+//   and of the parameter's dtype (fp32, or bf16 parameters' bf16 gradients;
+//   under autocast Note [Weight gradients under autocast]);
 // - no hooks on W's accumulator that would see or change the gradient first
 //   (register_hook, as tensor parallel's reductions are; post-accumulate hooks);
 // - on the CPU: on a GPU the product would run on the node's stream, and an
@@ -32,6 +32,18 @@ namespace meshtrain::model::fused {
 // dW as at::linear's backward would. Plain tensors only (the model keeps a
 // distributed tensor's own operators). Like the in-place add it replaces, it
 // assumes one backward at a time per weight.
+//
+// Note [Weight gradients under autocast]
+// Under CPU bf16 autocast, at::linear casts the fp32 weight and bias to bf16,
+// and in the backward the bf16 dW goes through the cast's backward into a new
+// fp32 tensor that AccumulateGrad adds into .grad: a weight-sized fp32 tensor
+// written and read twice beyond the product, per micro-batch. This linear
+// casts the weight itself, out of autograd's sight, keeps the bf16 copy for
+// the backward as autocast's graph kept it, and adds the bf16 dW into the fp32
+// .grad in one pass (kernel add_into) where the conditions above hold;
+// elsewhere it returns dW in fp32, as the cast's backward did. Like
+// autocast's, whose cache is emptied after each forward, the cast is made at
+// each call.
 //
 // Note [The GLU's output made again]
 // A gated MLP's down projection keeps its input, y = act(g) · u, for its
