@@ -85,12 +85,14 @@ finished dp "$dp" "$run/dp/slurm-$dp.out"
 dp2=$(on_cluster sbatch --parsable "$run/dp/job.sbatch")
 finished zero3 "$zero3"
 finished tp "$tp"
-grep -q "on 4 ranks on 2 hosts (node1: 0-1, node2: 2-3), 1 thread each, Slurm job $dp step 0" "$run/dp/slurm-$dp.out" ||
+# Any step of the job: a launch that Open MPI's start-up ended (a rank-0 segfault inside MPI_Init_thread, seen
+# a few times in CI) is relaunched by meshtrain as the next step.
+grep -q "on 4 ranks on 2 hosts (node1: 0-1, node2: 2-3), 1 thread each, Slurm job $dp step [0-9]" "$run/dp/slurm-$dp.out" ||
   { cat "$run/dp/slurm-$dp.out"; exit 1; }
-grep -q "on 3 ranks on 2 hosts (node1: 0-1, node2: 2), .*Slurm job $zero3 step 0, ZeRO stage 3" "$run/zero3.out" ||
+grep -q "on 3 ranks on 2 hosts (node1: 0-1, node2: 2), .*Slurm job $zero3 step [0-9]*, ZeRO stage 3" "$run/zero3.out" ||
   { cat "$run/zero3.out"; exit 1; }
 grep -q "launching 2 ranks, OMP_NUM_THREADS=1 threads each: srun --ntasks=2 --kill-on-bad-exit=1 --mpi=pmix" "$run/tp.out" &&
-  grep -q "on 2 ranks on 2 hosts (node1: 0, node2: 1), 1 thread each, Slurm job $tp step 0" "$run/tp.out" ||
+  grep -q "on 2 ranks on 2 hosts (node1: 0, node2: 1), 1 thread each, Slurm job $tp step [0-9]" "$run/tp.out" ||
   { cat "$run/tp.out"; exit 1; }
 finished dp "$dp2" "$run/dp/slurm-$dp2.out"
 grep -q "resumed from .*step-$(printf '%08d' "$n") at step $n" "$run/dp/slurm-$dp2.out" || { cat "$run/dp/slurm-$dp2.out"; exit 1; }
