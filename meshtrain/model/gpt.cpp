@@ -137,6 +137,13 @@ std::pair<at::Tensor, at::Tensor> CausalSelfAttentionImpl::normalize_qk(const at
 }
 
 QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out, const Batch& batch) const {
+  const bool whole = rope_ && 2 * cos_.size(1) == head_dim_;  // the fused kernel rotates whole heads
+  if (fused_ && whole && !q_norm && !batch.positions.defined() && fused::eligible(qkv_out) && qkv_out.dim() == 3 &&
+      qkv_out.is_contiguous()) {
+    // Note [Heads from the fused projection]
+    const auto [q, k, v] = fused::rotated_heads(qkv_out, qkv_head_offsets(qkv_out.size(2), config_), head_dim_, cos_, sin_);
+    return {q, k, v};
+  }
   auto [q, k, v] = split_qkv(qkv_out, config_);
   const bool fused = fused_ && fused::eligible(q);
   const at::Tensor& positions = batch.positions;  // Note [Batch]
@@ -145,7 +152,6 @@ QkvHeads CausalSelfAttentionImpl::heads(const at::Tensor& qkv_out, const Batch& 
     q = apply_rope_at(q, cos_, sin_, positions);
     k = apply_rope_at(k, cos_, sin_, positions);
   } else if (rope_) {
-    const bool whole = 2 * cos_.size(1) == head_dim_;  // the fused kernel rotates whole heads
     q = fused && whole ? fused::rope(q, cos_, sin_) : apply_rope(q, cos_, sin_);
     k = fused && whole ? fused::rope(k, cos_, sin_) : apply_rope(k, cos_, sin_);
   }

@@ -33,6 +33,26 @@ std::array<at::Tensor, 3> split_qkv_heads(const at::Tensor& fused, int64_t dim, 
   return {parts[0].reshape(replaced(fused.sizes(), dim, {-1, hd})), parts[1].squeeze(dim + 1), parts[2].squeeze(dim + 1)};
 }
 
+std::array<std::vector<int64_t>, 3> qkv_head_offsets(int64_t n, const GptConfig& config) {
+  const int64_t hd = config.head_dim();
+  std::array<std::vector<int64_t>, 3> offsets;
+  if (!config.grouped_query()) {
+    const int64_t heads = n / 3 / hd;
+    for (int64_t part = 0; part < 3; ++part) {
+      for (int64_t h = 0; h < heads; ++h) offsets[part].push_back((part * heads + h) * hd);
+    }
+    return offsets;
+  }
+  const int64_t per_group = config.heads / config.key_value_heads(), groups = n / ((per_group + 2) * hd);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * (per_group + 2) * hd;
+    for (int64_t j = 0; j < per_group; ++j) offsets[0].push_back(first + j * hd);
+    offsets[1].push_back(first + per_group * hd);
+    offsets[2].push_back(first + (per_group + 1) * hd);
+  }
+  return offsets;
+}
+
 at::Tensor fuse_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t dim,
                     at::IntArrayRef fused_sizes, const at::TensorOptions& options, const GptConfig& config) {
   dim = at::maybe_wrap_dim(dim, static_cast<int64_t>(fused_sizes.size()));

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <vector>
 
 namespace meshtrain::model {
 
@@ -25,6 +26,10 @@ namespace meshtrain::model {
 // that dimension split into (heads, head size): q [..., Hq, hd, ...], k and v
 // [..., Hkv, hd, ...]. k and v are views of `fused`; q is too without grouping.
 std::array<at::Tensor, 3> split_qkv_heads(const at::Tensor& fused, int64_t dim, const GptConfig& config);
+
+// Each q, k and v head's first output along a fused dimension of n outputs
+// (a rank's share), in the order split_qkv_heads gives the heads.
+std::array<std::vector<int64_t>, 3> qkv_head_offsets(int64_t n, const GptConfig& config);
 
 // The inverse for parts whose dimension `dim` is flat (heads · head size):
 // the fused tensor of sizes `fused_sizes`; an undefined part stands for zeros

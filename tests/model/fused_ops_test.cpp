@@ -5,6 +5,7 @@
 #include "meshtrain/model/fused/linear.h"
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/gpt.h"
+#include "meshtrain/model/qkv_layout.h"
 #include "meshtrain/parallel/grad_norm.h"
 #include "meshtrain/util/cpu_features.h"
 #include "meshtrain/util/memory.h"
@@ -268,6 +269,37 @@ TEST(FusedOps, RopeMatchesTheReferenceThroughStrides) {
       expect_same([&](auto& t) { return fused::rope(t[0].transpose(1, 2), cos, sin, offset); },
                   [&](auto& t) { return apply_rope(t[0].transpose(1, 2), cos, sin, offset); },
                   {randn({2, 30, 3, 2 * half}, 9)}, dtype, tol, "rope offset " + std::to_string(offset));
+    }
+  }
+}
+
+// Note [Heads from the fused projection]: q, k and v from one node, against
+// split_qkv_heads and the composed RoPE, with and without grouped queries.
+TEST(FusedOps, RotatedHeadsMatchTheSplitAndTheReferenceRope) {
+  const int64_t half = 16;
+  const at::Tensor angles = at::outer(at::arange(40, at::kDouble), at::pow(10000.0, -at::arange(half, at::kDouble) / half));
+  const at::Tensor cos = angles.cos().to(at::kFloat), sin = angles.sin().to(at::kFloat);
+  GptConfig config = GptConfig::preset("llama-tiny");
+  config.width = 6 * 2 * half;
+  config.heads = 6;
+  for (int64_t kv_heads : {2, 3, 6}) {
+    config.kv_heads = kv_heads;
+    const int64_t n = (config.heads + 2 * kv_heads) * 2 * half;
+    ASSERT_EQ(config.head_dim(), 2 * half);
+    const auto offsets = qkv_head_offsets(n, config);
+    const Op ours = [&](auto& x) {
+      const auto [q, k, v] = fused::rotated_heads(x[0], offsets, 2 * half, cos, sin);
+      EXPECT_TRUE(q.is_contiguous() && k.is_contiguous() && v.is_contiguous());
+      return at::cat({q.flatten(), k.flatten(), v.flatten()});
+    };
+    const Op reference = [&](auto& x) {
+      const auto [q, k, v] = split_qkv_heads(x[0], 2, config);  // [B, T, heads, hd]
+      return at::cat({apply_rope(q.transpose(1, 2), cos, sin, 0).flatten(),
+                      apply_rope(k.transpose(1, 2), cos, sin, 0).flatten(), v.transpose(1, 2).flatten()});
+    };
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      expect_same(ours, reference, {randn({2, 30, n}, 13)}, dtype, dtype == at::kFloat ? kFp32 : kBf16,
+                  "kv heads " + std::to_string(kv_heads));
     }
   }
 }

@@ -31,6 +31,16 @@ struct ScoreRows {
   int64_t batch_rows = 0, columns = 0;
 };
 
+// A [B, H, T, d] operand of rope, its last dimension contiguous: element
+// (b, h, t, i) at b·batch + head(h) + t·step + i, where head(h) is
+// head_offsets[h] when given (q, k or v among a fused projection's outputs)
+// and h·heads otherwise.
+struct HeadsView {
+  int64_t batch = 0, heads = 0, step = 0;
+  const int64_t* head_offsets = nullptr;
+  int64_t head(int64_t h) const { return head_offsets != nullptr ? head_offsets[h] : h * heads; }
+};
+
 struct Table {
   // h = x + r (r may be null: h is x, not written); y = norm(h) · weight + bias;
   // mean, rstd [rows] kept for backward.
@@ -56,11 +66,11 @@ struct Table {
                                 int64_t ignore, float* lse, float* loss);
   void (*cross_entropy_backward)(int64_t rows, int64_t vocab, const void* logits, Dt lt, const int64_t* targets,
                                  int64_t ignore, const float* lse, float scale, void* dlogits);
-  // Rotary embedding of x [B, H, T, d] (strides sb, sh, st; the last dim
-  // contiguous) into y contiguous: pairs (i, i + d/2) rotated by sign·angle of
-  // positions offset + t (cos, sin [*, d/2]). sign -1 is the backward.
-  void (*rope)(const int64_t* sizes, const int64_t* strides, const void* x, const float* cos, const float* sin,
-               int64_t offset, float sign, void* y, Dt t);
+  // Rotary embedding of x [B, H, T, d] (sizes) into y, both as their views
+  // say: pairs (i, i + d/2) rotated by sign·angle of positions offset + t
+  // (cos, sin [*, d/2]). sign -1 is the backward.
+  void (*rope)(const int64_t* sizes, const void* x, const HeadsView& xv, void* y, const HeadsView& yv,
+               const float* cos, const float* sin, int64_t offset, float sign, Dt t);
   // Softmax of z = scale · s over each row of attention scores [rows, k_len],
   // the keys of `r` only (the rest of the row is 0); softcap > 0: of
   // c·tanh(z/c) (Gemma 2). Backward: ds = scale · p · (dp - rowsum(p · dp)),

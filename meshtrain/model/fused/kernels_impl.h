@@ -329,8 +329,8 @@ void cross_entropy_backward(int64_t rows, int64_t vocab, const void* logits, Dt 
   });
 }
 
-void rope(const int64_t* sizes, const int64_t* strides, const void* x, const float* cos, const float* sin,
-          int64_t offset, float sign, void* y, Dt t) {
+void rope(const int64_t* sizes, const void* x, const HeadsView& xv, void* y, const HeadsView& yv, const float* cos,
+          const float* sin, int64_t offset, float sign, Dt t) {
   const int64_t heads = sizes[1], steps = sizes[2], d = sizes[3], half = d / 2;
   const int64_t rows = sizes[0] * heads * steps;
   at::parallel_for(0, rows, grain_rows(d), [&](int64_t begin, int64_t end) {
@@ -338,9 +338,10 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
     const Vec vsign(sign);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (heads * steps), h = row / steps % heads, s = row % steps;
-      const int64_t in_offset = b * strides[0] + h * strides[1] + s * strides[2];
+      const int64_t in_offset = b * xv.batch + xv.head(h) + s * xv.step;
+      const int64_t out_offset = b * yv.batch + yv.head(h) + s * yv.step;
       const float* in = read_row(x, t, in_offset, d, scratch.data());
-      float* out = work_row(y, t, row * d, scratch.data() + d);
+      float* out = work_row(y, t, out_offset, scratch.data() + d);
       const float* c_row = cos + (offset + s) * half;
       const float* s_row = sin + (offset + s) * half;
       each_vec(half, [&](int64_t i, int64_t c) {
@@ -349,7 +350,7 @@ void rope(const int64_t* sizes, const int64_t* strides, const void* x, const flo
         (x1 * cv - x2 * sv).store(out + i, c);
         (x1 * sv + x2 * cv).store(out + half + i, c);
       });
-      write_row(out, y, t, row * d, d);
+      write_row(out, y, t, out_offset, d);
     }
   });
 }

@@ -8,8 +8,10 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace meshtrain::model::fused {
 
@@ -66,6 +68,17 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets, in
 // Rotary embedding of x [B, H, T, d] with tables cos / sin [context, d/2] (fp32)
 // at positions offset..offset+T-1; the result is contiguous.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0);
+// Note [Heads from the fused projection]
+// q, k and v of the qkv projection's output `fused` [B, T, N] (contiguous)
+// as the attention takes them, contiguous [B, heads, T, hd], q and k rotated
+// (RoPE over whole heads at positions 0..T-1, tables cos / sin [context, hd/2]);
+// offsets[0..2]: each q, k and v head's first output in N (qkv_head_offsets).
+// One node: its backward writes dq and dk rotated back, and dv, straight into
+// one [B, T, N] gradient. Through the split, grouped q's reshape and two rope
+// nodes, q's gradient took three passes (the rotation, the reshape's copy, the
+// split's concatenation) and k's and v's two and one.
+std::array<at::Tensor, 3> rotated_heads(const at::Tensor& fused, const std::array<std::vector<int64_t>, 3>& offsets,
+                                        int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin);
 // Causal or full scaled-dot-product attention of q [B, H, T, d] and k, v
 // [B, Hkv, T, d], Hkv dividing H (grouped queries, Note [Grouped queries]);
 // causal with window > 0: each query sees itself and the window - 1 keys
