@@ -188,6 +188,7 @@ ActivationOptions activation_options(const model::GptConfig& model, const Worklo
   options.norm_kernels = w.norm_kernels;
   options.lora = w.lora.enabled();
   options.bf16_attention = w.bf16_attention;
+  options.fused_ops = w.fused_ops;
   options.repeated_kv = repeated_kv_share(model, w);
   return options;
 }

@@ -86,6 +86,7 @@ struct ActivationOptions {
   bool norm_kernels = true;                            // Workload::norm_kernels
   bool lora = false;                                   // LoRA: the base products frozen (ATen's, not the fused linear)
   bool bf16_attention = false;                         // Workload::bf16_attention
+  bool fused_ops = false;                              // Workload::fused_ops: the CPU's fused operators run
   // The share of blocks whose SDPA keeps k and v repeated per query head
   // (model::sdpa_takes_groups false: fp32 or a window on a GPU).
   double repeated_kv = 0;

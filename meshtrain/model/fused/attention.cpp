@@ -59,7 +59,8 @@ namespace meshtrain::model::fused {
 // bf16 the scores are rounded to bf16 before the softmax (fp32 accumulation
 // inside the product): the precision of PyTorch's math attention, not its flash
 // kernel's; the softmax itself is fp32. Dropout and GPUs take ATen's kernel;
-// bf16 without AMX then computes it in fp32. The planner counts the copies of
+// on the CPU bf16 then computes it in fp32, unless ATen's bf16 kernel takes
+// AMX (aten_bf16_attention_on_amx). The planner counts the copies of
 // q, k, v and p (attention = "batched", plan/from_config.cpp,
 // batched_attention_scores()).
 namespace {
@@ -327,7 +328,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (!q.device().is_cpu() || !bf16 || aten_bf16_attention_on_amx()) {
     return at::scaled_dot_product_attention(q, g.k, g.v, attn_mask, dropout, is_causal, score_scale, g.enable_gqa);
   }
-  // Without AMX ATen's bf16 kernel is slower than its fp32 one: compute in fp32, out of autocast's reach.
+  // Without AMX (or capped below its AVX-512 code) ATen's bf16 kernel is slower than its fp32 one, or
+  // throws: compute in fp32, out of autocast's reach.
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
   const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), g.k.to(at::kFloat), g.v.to(at::kFloat),
                                                         attn_mask, dropout, is_causal, score_scale, g.enable_gqa);

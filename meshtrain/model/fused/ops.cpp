@@ -185,13 +185,14 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   }
 };
 
-// The rotation of x (any strides with the last dim contiguous) into a contiguous result.
 // A [B, H, T, d] tensor's view for the rope kernel.
 kernel::HeadsView view_of(const at::Tensor& t) {
   kernel::HeadsView v;
   v.batch = t.stride(0), v.heads = t.stride(1), v.step = t.stride(2);
   return v;
 }
+
+// The rotation of x (any strides with the last dim contiguous) into a contiguous result.
 
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset, float sign) {
   const at::Tensor xs = x.stride(-1) == 1 ? x : x.contiguous();

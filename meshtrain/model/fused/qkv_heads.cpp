@@ -67,7 +67,9 @@ struct RotatedHeads : torch::autograd::Function<RotatedHeads> {
     ctx->saved_data["k"] = k_offsets;
     ctx->saved_data["v"] = v_offsets;
     ctx->saved_data["sizes"] = fused.sizes().vec();
-    return {rotated(q_offsets), rotated(k_offsets), spaced_heads(fused, v_offsets, hd).contiguous()};
+    const at::Tensor v = at::empty({b, static_cast<int64_t>(v_offsets.size()), t, hd}, fused.options());
+    v.copy_(spaced_heads(fused, v_offsets, hd));  // a tensor of its own even where the view is contiguous
+    return {rotated(q_offsets), rotated(k_offsets), v};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
