@@ -109,7 +109,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                        weight.scalar_type() == at::kFloat && (!bias.defined() || bias.scalar_type() == at::kFloat) &&
                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
     if (!casts) return at::linear(x, weight, bias);
-    return Linear::apply(x.to(at::kBFloat16), weight, b, glu_made_again && x.scalar_type() == at::kBFloat16, true);
+    return Linear::apply(x.to(at::kBFloat16), weight, b, glu_made_again, true);
   }
   if (x.scalar_type() != weight.scalar_type()) return at::linear(x, weight, bias);
   return Linear::apply(x, weight, b, glu_made_again, false);

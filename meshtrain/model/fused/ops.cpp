@@ -185,20 +185,13 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   }
 };
 
-// A [B, H, T, d] tensor's view for the rope kernel.
-kernel::HeadsView view_of(const at::Tensor& t) {
-  kernel::HeadsView v;
-  v.batch = t.stride(0), v.heads = t.stride(1), v.step = t.stride(2);
-  return v;
-}
-
 // The rotation of x (any strides with the last dim contiguous) into a contiguous result.
 
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset, float sign) {
   const at::Tensor xs = x.stride(-1) == 1 ? x : x.contiguous();
   const at::Tensor y = at::empty(xs.sizes(), xs.options());
   const int64_t sizes[4] = {xs.size(0), xs.size(1), xs.size(2), xs.size(3)};
-  kernel::table().rope(sizes, ptr(xs), view_of(xs), mut(y), view_of(y), fptr(cos), fptr(sin), offset, sign, dt(xs));
+  kernel::table().rope(sizes, ptr(xs), heads_view(xs), mut(y), heads_view(y), fptr(cos), fptr(sin), offset, sign, dt(xs));
   return y;
 }
 

@@ -27,12 +27,6 @@ kernel::HeadsView among_outputs(const at::Tensor& fused, const std::vector<int64
   return v;
 }
 
-kernel::HeadsView contiguous_heads(const at::Tensor& t) {
-  kernel::HeadsView v;
-  v.batch = t.stride(0), v.heads = t.stride(1), v.step = t.stride(2);
-  return v;
-}
-
 // The heads at `offsets` (evenly spaced, as k's and v's are) as a strided view of `fused`.
 at::Tensor spaced_heads(const at::Tensor& fused, const std::vector<int64_t>& offsets, int64_t hd) {
   const int64_t heads = static_cast<int64_t>(offsets.size()), t = fused.size(1), n = fused.size(2);
@@ -58,7 +52,7 @@ struct RotatedHeads : torch::autograd::Function<RotatedHeads> {
     auto rotated = [&](const std::vector<int64_t>& offsets) {
       const at::Tensor y = at::empty({b, static_cast<int64_t>(offsets.size()), t, hd}, fused.options());
       const int64_t sizes[4] = {y.size(0), y.size(1), y.size(2), y.size(3)};
-      kernel::table().rope(sizes, ptr(fused), among_outputs(fused, offsets), mut(y), contiguous_heads(y), fptr(c),
+      kernel::table().rope(sizes, ptr(fused), among_outputs(fused, offsets), mut(y), heads_view(y), fptr(c),
                            fptr(s), 0, 1.0f, dt(fused));
       return y;
     };
@@ -79,25 +73,17 @@ struct RotatedHeads : torch::autograd::Function<RotatedHeads> {
     const std::vector<int64_t> q = ctx->saved_data["q"].toIntVector(), k = ctx->saved_data["k"].toIntVector(),
                                v = ctx->saved_data["v"].toIntVector();
     const int64_t hd = saved[0].size(-1) * 2;
-    const at::Tensor& like = grads[0].defined() ? grads[0] : grads[1].defined() ? grads[1] : grads[2];
-    const at::Tensor d = at::empty(sizes, like.options());
+    // Autograd hands zeros for an output no one used (the function's grads are materialized).
+    const at::Tensor d = at::empty(sizes, grads[0].options());
     auto rotate_back = [&](const at::Tensor& g, const std::vector<int64_t>& offsets) {
-      const int64_t heads = static_cast<int64_t>(offsets.size());
-      const at::Tensor gs = !g.defined()          ? at::zeros({sizes[0], heads, sizes[1], hd}, like.options())
-                            : g.stride(-1) == 1 ? g
-                                                : g.contiguous();
+      const at::Tensor gs = g.stride(-1) == 1 ? g : g.contiguous();
       const int64_t shape[4] = {gs.size(0), gs.size(1), gs.size(2), gs.size(3)};
-      kernel::table().rope(shape, ptr(gs), contiguous_heads(gs), mut(d), among_outputs(d, offsets), fptr(saved[0]),
+      kernel::table().rope(shape, ptr(gs), heads_view(gs), mut(d), among_outputs(d, offsets), fptr(saved[0]),
                            fptr(saved[1]), 0, -1.0f, dt(gs));
     };
     rotate_back(grads[0], q);
     rotate_back(grads[1], k);
-    at::Tensor dv = spaced_heads(d, v, hd);
-    if (grads[2].defined()) {
-      dv.copy_(grads[2]);
-    } else {
-      dv.zero_();
-    }
+    spaced_heads(d, v, hd).copy_(grads[2]);
     return {d, {}, {}, {}, {}, {}, {}};
   }
 };

@@ -1,5 +1,5 @@
 // Helpers shared by the fused operators' autograd functions (ops.cpp,
-// attention.cpp): tensors to kernel arguments, and the dtype matmuls compute in.
+// attention.cpp, qkv_heads.cpp): tensors to kernel arguments, and the dtype matmuls compute in.
 #pragma once
 
 #include "meshtrain/model/fused/kernels.h"
@@ -16,6 +16,13 @@ inline kernel::Dt dt(const at::Tensor& t) {
 inline const void* ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
 inline void* mut(const at::Tensor& t) { return t.defined() ? t.mutable_data_ptr() : nullptr; }
 inline const float* fptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr<float>() : nullptr; }
+
+// A [B, H, T, d] tensor (the last dimension contiguous) as the rope kernel reads or writes it.
+inline kernel::HeadsView heads_view(const at::Tensor& t) {
+  kernel::HeadsView v;
+  v.batch = t.stride(0), v.heads = t.stride(1), v.step = t.stride(2);
+  return v;
+}
 
 inline at::Tensor as_float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; }
 
