@@ -16,7 +16,7 @@ namespace profiler = torch::autograd::profiler;
 namespace impl = torch::profiler::impl;
 
 OpProfile::OpProfile(bool cuda) : cuda_(cuda) {
-  const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/false,
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true,
                                     /*profile_memory=*/false, /*with_stack=*/false, /*with_flops=*/false,
                                     /*with_modules=*/false);
   std::set<impl::ActivityType> activities = {impl::ActivityType::CPU};
@@ -85,6 +85,54 @@ std::vector<OpTime> device_times(const std::vector<profiler::KinetoEvent>& event
   return rows;
 }
 
+bool is_product(const std::string& name) {
+  return name == "aten::mm" || name == "aten::addmm" || name == "aten::addmm_" || name == "aten::bmm" ||
+         name == "aten::baddbmm";
+}
+
+std::string operand_text(const std::vector<std::vector<int64_t>>& sizes, size_t first) {
+  std::string out;
+  for (size_t i = first; i < std::min(sizes.size(), first + 2); ++i) {
+    if (!out.empty()) out += " x ";
+    out += "[";
+    for (size_t j = 0; j < sizes[i].size(); ++j) out += (j ? ", " : "") + std::to_string(sizes[i][j]);
+    out += "]";
+  }
+  return out;
+}
+
+// The outermost products on each thread, summed by name and operand sizes.
+std::vector<ProductTime> product_times(const std::vector<profiler::KinetoEvent>& events) {
+  std::map<uint64_t, std::vector<const profiler::KinetoEvent*>> by_thread;
+  for (const profiler::KinetoEvent& e : events) {
+    if (e.deviceType() != c10::DeviceType::CPU || e.isAsync() || e.endNs() <= e.startNs()) continue;
+    if (is_product(e.name())) by_thread[e.startThreadId()].push_back(&e);
+  }
+  std::vector<ProductTime> rows;
+  std::map<std::string, size_t> row_of;
+  for (auto& [thread, list] : by_thread) {
+    std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) { return a->startNs() < b->startNs(); });
+    uint64_t open_until = 0;
+    for (const profiler::KinetoEvent* e : list) {
+      if (e->startNs() < open_until) continue;  // inside the product before it
+      open_until = e->endNs();
+      std::vector<std::vector<int64_t>> sizes;
+      if (e->hasShapes()) sizes.assign(e->shapes().begin(), e->shapes().end());
+      const std::string name = e->name();
+      const bool with_bias = name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm";
+      const std::string operands = operand_text(sizes, with_bias ? 1 : 0);
+      auto [it, added] = row_of.emplace(name + " " + operands, rows.size());
+      if (added) rows.push_back({name, operands, 0, 0, 0});
+      ProductTime& row = rows[it->second];
+      row.calls += 1;
+      row.seconds += static_cast<double>(e->endNs() - e->startNs()) * 1e-9;
+      row.flops += product_flops(name, sizes);
+    }
+  }
+  std::sort(rows.begin(), rows.end(), [](const ProductTime& a, const ProductTime& b) { return a.seconds > b.seconds; });
+  return rows;
+}
+
 double total_seconds(const std::vector<OpTime>& ops) {
   double total = 0;
   for (const OpTime& op : ops) total += op.self_seconds;
@@ -99,7 +147,59 @@ std::vector<OpTime> OpProfile::stop(const std::string& trace_path) {
   std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
   if (!trace_path.empty()) result->save(trace_path);
   kernels_ = device_times(result->events());
+  products_ = product_times(result->events());
   return self_times(result->events());
+}
+
+double product_flops(const std::string& name, const std::vector<std::vector<int64_t>>& sizes) {
+  const bool with_bias = name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm";
+  const bool batched = name == "aten::bmm" || name == "aten::baddbmm";
+  if (!is_product(name)) return 0;
+  const size_t a = with_bias ? 1 : 0, rank = batched ? 3 : 2;
+  if (sizes.size() < a + 2 || sizes[a].size() != rank || sizes[a + 1].size() != rank) return 0;
+  const std::vector<int64_t>& x = sizes[a];
+  const double batch = batched ? static_cast<double>(x[0]) : 1.0;
+  return 2.0 * batch * static_cast<double>(x[rank - 2]) * static_cast<double>(x[rank - 1]) *
+         static_cast<double>(sizes[a + 1][rank - 1]);
+}
+
+std::string products_json(const std::vector<ProductTime>& products, int steps, double peak_flops) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const ProductTime& p : products) {
+    const double rate = p.seconds > 0 ? p.flops / p.seconds : 0;
+    rows.push_back({{"name", p.name},
+                    {"operands", p.operands},
+                    {"calls_per_step", static_cast<double>(p.calls) / steps},
+                    {"ms_per_step", 1e3 * p.seconds / steps},
+                    {"gflop_per_step", p.flops / steps / 1e9},
+                    {"gflops", rate / 1e9},
+                    {"share_of_peak", peak_flops > 0 ? nlohmann::json(rate / peak_flops) : nlohmann::json()}});
+  }
+  return rows.dump();
+}
+
+std::string products_table(const std::vector<ProductTime>& products, int steps, size_t top, double peak_flops) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-14s %-40s %6s %10s %8s %6s\n", "product", "operands", "calls", "ms/step",
+                "GFLOP/s", "peak");
+  out += line;
+  double seconds = 0, flops = 0;
+  for (const ProductTime& p : products) seconds += p.seconds, flops += p.flops;
+  auto add_row = [&](const std::string& name, const std::string& operands, double calls, double s, double f) {
+    const double rate = s > 0 ? f / s : 0;
+    const std::string peak = peak_flops > 0 ? std::to_string(static_cast<int>(100 * rate / peak_flops + 0.5)) + "%" : "-";
+    const std::string count = calls > 0 ? std::to_string(static_cast<int64_t>(calls + 0.5)) : "";
+    std::snprintf(line, sizeof line, "%-14.14s %-40.40s %6s %10.2f %8.0f %6s\n", name.c_str(), operands.c_str(),
+                  count.c_str(), 1e3 * s / steps, rate / 1e9, peak.c_str());
+    out += line;
+  };
+  for (size_t i = 0; i < std::min(top, products.size()); ++i) {
+    const ProductTime& p = products[i];
+    add_row(p.name, p.operands, static_cast<double>(p.calls) / steps, p.seconds, p.flops);
+  }
+  add_row("all products", "", 0, seconds, flops);
+  return out;
 }
 
 std::string op_times_json(const std::vector<OpTime>& ops, int steps) {
