@@ -48,10 +48,12 @@ void profile_steps_into(train::Trainer& trainer, bool writer, const std::string&
   std::ofstream(dir + "/ops.json") << train::op_times_json(ops, steps) << "\n";
   std::fprintf(stderr, "meshtrain: %d profiled steps; trace in %s/trace.json, all operators in %s/ops.json\n%s",
                steps, dir.c_str(), dir.c_str(), train::op_times_table(ops, steps, 25).c_str());
-  const double peak = trainer.peak_flops_per_rank();
-  std::ofstream(dir + "/products.json") << train::products_json(profile.products(), steps, peak) << "\n";
-  std::fprintf(stderr, "meshtrain: the matrix products by operand sizes, against the matmul peak (all in %s/products.json)\n%s",
-               dir.c_str(), train::products_table(profile.products(), steps, 12, peak).c_str());
+  if (!profile.products().empty()) {
+    const double peak = trainer.peak_flops_per_rank();
+    std::ofstream(dir + "/products.json") << train::products_json(profile.products(), steps, peak) << "\n";
+    std::fprintf(stderr, "meshtrain: the matrix products by operand sizes, against the matmul peak (all in %s/products.json)\n%s",
+                 dir.c_str(), train::products_table(profile.products(), steps, 12, peak).c_str());
+  }
   if (profile.kernels().empty()) return;
   std::ofstream(dir + "/kernels.json") << train::op_times_json(profile.kernels(), steps) << "\n";
   std::fprintf(stderr, "meshtrain: the GPU's kernels, copies and fills (all in %s/kernels.json)\n%s", dir.c_str(),

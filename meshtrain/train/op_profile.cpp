@@ -85,10 +85,11 @@ std::vector<OpTime> device_times(const std::vector<profiler::KinetoEvent>& event
   return rows;
 }
 
-bool is_product(const std::string& name) {
-  return name == "aten::mm" || name == "aten::addmm" || name == "aten::addmm_" || name == "aten::bmm" ||
-         name == "aten::baddbmm";
+// Whether `name` is a product the table counts, and whether its first operand is the added one (addmm's bias).
+bool adds_into(const std::string& name) {
+  return name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm";
 }
+bool is_product(const std::string& name) { return name == "aten::mm" || name == "aten::bmm" || adds_into(name); }
 
 std::string operand_text(const std::vector<std::vector<int64_t>>& sizes, size_t first) {
   std::string out;
@@ -119,8 +120,7 @@ std::vector<ProductTime> product_times(const std::vector<profiler::KinetoEvent>&
       std::vector<std::vector<int64_t>> sizes;
       if (e->hasShapes()) sizes.assign(e->shapes().begin(), e->shapes().end());
       const std::string name = e->name();
-      const bool with_bias = name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm";
-      const std::string operands = operand_text(sizes, with_bias ? 1 : 0);
+      const std::string operands = operand_text(sizes, adds_into(name) ? 1 : 0);
       auto [it, added] = row_of.emplace(name + " " + operands, rows.size());
       if (added) rows.push_back({name, operands, 0, 0, 0});
       ProductTime& row = rows[it->second];
@@ -147,15 +147,14 @@ std::vector<OpTime> OpProfile::stop(const std::string& trace_path) {
   std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
   if (!trace_path.empty()) result->save(trace_path);
   kernels_ = device_times(result->events());
-  products_ = product_times(result->events());
+  if (!cuda_) products_ = product_times(result->events());  // a GPU product's CPU time is its launch
   return self_times(result->events());
 }
 
 double product_flops(const std::string& name, const std::vector<std::vector<int64_t>>& sizes) {
-  const bool with_bias = name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm";
-  const bool batched = name == "aten::bmm" || name == "aten::baddbmm";
   if (!is_product(name)) return 0;
-  const size_t a = with_bias ? 1 : 0, rank = batched ? 3 : 2;
+  const bool batched = name == "aten::bmm" || name == "aten::baddbmm";
+  const size_t a = adds_into(name) ? 1 : 0, rank = batched ? 3 : 2;
   if (sizes.size() < a + 2 || sizes[a].size() != rank || sizes[a + 1].size() != rank) return 0;
   const std::vector<int64_t>& x = sizes[a];
   const double batch = batched ? static_cast<double>(x[0]) : 1.0;

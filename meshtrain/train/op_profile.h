@@ -48,7 +48,8 @@ class OpProfile {
   const std::vector<OpTime>& kernels() const { return kernels_; }
 
   // The CPU's matrix products by operand sizes, longest first (operand sizes
-  // are recorded for every operator, in the trace too). Filled by stop().
+  // are recorded for every operator, in the trace too); empty when profiled
+  // with `cuda`, where an operator's CPU time is its launch. Filled by stop().
   const std::vector<ProductTime>& products() const { return products_; }
 
  private:
