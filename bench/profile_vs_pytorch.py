@@ -2,7 +2,8 @@
 PyTorch doing the same work: runs `meshtrain bench train --profile` and
 bench/reference/train_gpt.py --profile (libtorch's profiler on both sides; a
 Chrome trace each, for chrome://tracing or ui.perfetto.dev), then prints each
-side's self time per step by category and its largest operators; on a GPU also
+side's self time per step by category and its largest operators, and on the
+CPU each side's matrix products by operand sizes with their GFLOP/s; on a GPU
 each side's kernels by time on the device. Run from the repository root with
 the project's virtual environment:
 
@@ -45,6 +46,21 @@ def summarise(path):
     for op in ops:
         totals[category(op["name"])] = totals.get(category(op["name"]), 0.0) + op["self_ms_per_step"]
     return ops, totals
+
+
+def print_products(args, sides):
+    """Each side's matrix products by operand sizes: the same ATen products at
+    the same speed, or not. PyTorch's attention (one SDPA kernel) is not among them."""
+    for side, path in sides:
+        with open(path) as f:
+            products = json.load(f)
+        ms = sum(p["ms_per_step"] for p in products)
+        gflop = sum(p["gflop_per_step"] for p in products)
+        print(f"\n{side}: matrix products {ms:.1f} ms per step, {gflop:.1f} GFLOP, {gflop / ms * 1e3 if ms else 0:.0f} "
+              f"GFLOP/s; the longest")
+        for p in products[:args.top]:
+            print(f"  {p['name'][6:]:8} {p['operands'][:40]:40} {p['calls_per_step']:>5.0f} calls {p['ms_per_step']:>8.1f} ms "
+                  f"{p['gflops']:>6.0f} GFLOP/s")
 
 
 def main():
@@ -93,6 +109,9 @@ def main():
         print(f"\n{side}: largest operators")
         for op in ops[:args.top]:
             print(f"  {op['name'][:62]:62} {op['calls_per_step']:>6.0f} calls {op['self_ms_per_step']:>9.1f} ms")
+    if args.device == "cpu":
+        print_products(args, ((side, os.path.join(d, "products.json")) for side, d in
+                              (("meshtrain", ours_dir), ("pytorch", theirs_dir))))
     if args.device == "cuda":
         for side, directory in (("meshtrain", ours_dir), ("pytorch", theirs_dir)):
             if not os.path.exists(os.path.join(directory, "kernels.json")):

@@ -230,12 +230,42 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+ADDS_INTO = ("aten::addmm", "aten::addmm_", "aten::baddbmm")
+PRODUCTS = ("aten::mm", "aten::bmm") + ADDS_INTO
+
+
+def product_rows(events, steps):
+    """The outermost matrix products summed by name and operand sizes, as
+    meshtrain's products.json (without the peak, which this side does not measure)."""
+    rows = {}
+    for e in events:
+        if e.name not in PRODUCTS or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        parent, inner = e.cpu_parent, False
+        while parent is not None and not inner:
+            inner, parent = parent.name in PRODUCTS, parent.cpu_parent
+        if inner:
+            continue
+        sizes = [list(s) for s in e.input_shapes][1 if e.name in ADDS_INTO else 0:][:2]
+        batched = e.name in ("aten::bmm", "aten::baddbmm")
+        rank = 3 if batched else 2
+        flops = 0
+        if len(sizes) == 2 and len(sizes[0]) == rank and len(sizes[1]) == rank:
+            flops = 2 * (sizes[0][0] if batched else 1) * sizes[0][-2] * sizes[0][-1] * sizes[1][-1]
+        key = (e.name, " x ".join("[" + ", ".join(map(str, s)) + "]" for s in sizes))
+        calls, us, total = rows.get(key, (0, 0.0, 0))
+        rows[key] = (calls + 1, us + e.time_range.elapsed_us(), total + flops)
+    return [{"name": name, "operands": operands, "calls_per_step": calls / steps, "ms_per_step": us / 1e3 / steps,
+             "gflop_per_step": flops / steps / 1e9, "gflops": flops / us / 1e3 if us > 0 else 0.0, "share_of_peak": None}
+            for (name, operands), (calls, us, flops) in sorted(rows.items(), key=lambda kv: -kv[1][1])]
+
+
 def profile_steps(directory, steps, train_step, writer):
     """Profiles `steps` steps: a Chrome trace and each operator's self time per step,
     in the format of `meshtrain bench train --profile` (ops.json)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=True) as prof:
         for s in range(steps):
             train_step(s)
     if not writer:
@@ -248,6 +278,10 @@ def profile_steps(directory, steps, train_step, writer):
         json.dump([{"name": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
                     "share": e.self_cpu_time_total / total} for e in rows], f)
         f.write("\n")
+    if not cuda:  # the matrix products by operand sizes, as meshtrain's products.json
+        with open(os.path.join(directory, "products.json"), "w") as f:
+            json.dump(product_rows(prof.events(), steps), f)
+            f.write("\n")
     if cuda:  # the GPU's kernels, copies and fills by time on the device, as meshtrain's kernels.json
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and
                    not getattr(e, "is_user_annotation", False)]  # record_function's spans on the GPU are not work
