@@ -52,6 +52,9 @@ def print_products(args, sides):
     """Each side's matrix products by operand sizes: the same ATen products at
     the same speed, or not. PyTorch's attention (one SDPA kernel) is not among them."""
     for side, path in sides:
+        if not os.path.exists(path):
+            print(f"\n{side}: no {path}")
+            continue
         with open(path) as f:
             products = json.load(f)
         ms = sum(p["ms_per_step"] for p in products)

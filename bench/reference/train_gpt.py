@@ -239,7 +239,7 @@ def product_rows(events, steps):
     meshtrain's products.json (without the peak, which this side does not measure)."""
     rows = {}
     for e in events:
-        if e.name not in PRODUCTS or e.device_type != torch.autograd.DeviceType.CPU:
+        if e.name not in PRODUCTS or e.device_type != torch.autograd.DeviceType.CPU or e.time_range.elapsed_us() <= 0:
             continue
         parent, inner = e.cpu_parent, False
         while parent is not None and not inner:

@@ -48,7 +48,7 @@ void profile_steps_into(train::Trainer& trainer, bool writer, const std::string&
   std::ofstream(dir + "/ops.json") << train::op_times_json(ops, steps) << "\n";
   std::fprintf(stderr, "meshtrain: %d profiled steps; trace in %s/trace.json, all operators in %s/ops.json\n%s",
                steps, dir.c_str(), dir.c_str(), train::op_times_table(ops, steps, 25).c_str());
-  if (!profile.products().empty()) {
+  if (!cuda) {
     const double peak = trainer.peak_flops_per_rank();
     std::ofstream(dir + "/products.json") << train::products_json(profile.products(), steps, peak) << "\n";
     std::fprintf(stderr, "meshtrain: the matrix products by operand sizes, against the matmul peak (all in %s/products.json)\n%s",
@@ -174,8 +174,8 @@ CommandPtr add_bench_train(CLI::App& bench) {
       a->steps);
   sub->add_option("--profile", a->profile,
                   "After the timed steps, profile more steps with libtorch's profiler (rank 0): write DIR/trace.json "
-                  "(Chrome trace), DIR/ops.json (each operator's self time per step), DIR/products.json (the matrix "
-                  "products by operand sizes, with GFLOP/s against the matmul peak) and print the largest")
+                  "(Chrome trace), DIR/ops.json (each operator's self time per step), on the CPU DIR/products.json (the "
+                  "matrix products by operand sizes, with GFLOP/s against the matmul peak) and print the largest")
       ->type_name("DIR");
   sub->add_option("--profile-steps", a->profile_steps, "Steps to profile")->check(CLI::PositiveNumber)->capture_default_str();
   return command(sub, [a, sub](comm::Runtime& runtime) {

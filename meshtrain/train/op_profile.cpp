@@ -85,12 +85,15 @@ std::vector<OpTime> device_times(const std::vector<profiler::KinetoEvent>& event
   return rows;
 }
 
-// Whether `name` is a product the table counts, and whether its first operand is the added one (addmm's bias).
+// Whether product `name`'s first operand is the one it adds into (addmm's bias).
 bool adds_into(const std::string& name) {
   return name == "aten::addmm" || name == "aten::addmm_" || name == "aten::baddbmm";
 }
+
+// Whether `name` is a product the table counts.
 bool is_product(const std::string& name) { return name == "aten::mm" || name == "aten::bmm" || adds_into(name); }
 
+// "[2048, 384] x [384, 1536]": the two multiplied operands' sizes, from sizes[first].
 std::string operand_text(const std::vector<std::vector<int64_t>>& sizes, size_t first) {
   std::string out;
   for (size_t i = first; i < std::min(sizes.size(), first + 2); ++i) {
@@ -112,7 +115,9 @@ std::vector<ProductTime> product_times(const std::vector<profiler::KinetoEvent>&
   std::vector<ProductTime> rows;
   std::map<std::string, size_t> row_of;
   for (auto& [thread, list] : by_thread) {
-    std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) { return a->startNs() < b->startNs(); });
+    std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {  // an outer product before one it calls
+      return a->startNs() != b->startNs() ? a->startNs() < b->startNs() : a->endNs() > b->endNs();
+    });
     uint64_t open_until = 0;
     for (const profiler::KinetoEvent* e : list) {
       if (e->startNs() < open_until) continue;  // inside the product before it

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # meshtrain bench train --profile as a person runs it, bf16 on a tiny model:
 # a Chrome trace and every operator's self time, with the fused operators and
-# the CPU AdamW among them, the matrix products by operand sizes, and MFU against the bf16 peak (at most 100% where the CPU has
-# bf16 instructions).
+# the CPU AdamW among them, the matrix products by operand sizes, and MFU
+# against the bf16 peak (at most 100% where the CPU has bf16 instructions).
 set -euo pipefail
 meshtrain=$1
 dir=$(mktemp -d)
