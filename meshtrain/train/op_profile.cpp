@@ -37,20 +37,31 @@ struct Span {
   size_t row;
 };
 
-// Self time: an operator's duration less its direct children's on the same
-// thread (spans nest: a child lies within its parent).
-std::vector<OpTime> self_times(const std::vector<profiler::KinetoEvent>& events) {
-  std::map<uint64_t, std::vector<const profiler::KinetoEvent*>> by_thread;
+using Spans = std::map<uint64_t, std::vector<const profiler::KinetoEvent*>>;
+
+// Each thread's CPU operators (timed, not async) whose names `keep` accepts, in
+// order of start, an operator before those it calls (spans nest: a child lies
+// within its parent).
+template <typename Keep>
+Spans cpu_spans_by_thread(const std::vector<profiler::KinetoEvent>& events, const Keep& keep) {
+  Spans by_thread;
   for (const profiler::KinetoEvent& e : events) {
     if (e.deviceType() != c10::DeviceType::CPU || e.isAsync() || e.endNs() <= e.startNs()) continue;
-    by_thread[e.startThreadId()].push_back(&e);
+    if (keep(e.name())) by_thread[e.startThreadId()].push_back(&e);
   }
-  std::vector<OpTime> rows;
-  std::unordered_map<std::string, size_t> row_of;
   for (auto& [thread, list] : by_thread) {
     std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {
       return a->startNs() != b->startNs() ? a->startNs() < b->startNs() : a->endNs() > b->endNs();
     });
+  }
+  return by_thread;
+}
+
+// Self time: an operator's duration less its direct children's on the same thread.
+std::vector<OpTime> self_times(const std::vector<profiler::KinetoEvent>& events) {
+  std::vector<OpTime> rows;
+  std::unordered_map<std::string, size_t> row_of;
+  for (auto& [thread, list] : cpu_spans_by_thread(events, [](const std::string&) { return true; })) {
     std::vector<Span> open;
     for (const profiler::KinetoEvent* e : list) {
       while (!open.empty() && open.back().end <= e->startNs()) open.pop_back();
@@ -107,17 +118,9 @@ std::string operand_text(const std::vector<std::vector<int64_t>>& sizes, size_t 
 
 // The outermost products on each thread, summed by name and operand sizes.
 std::vector<ProductTime> product_times(const std::vector<profiler::KinetoEvent>& events) {
-  std::map<uint64_t, std::vector<const profiler::KinetoEvent*>> by_thread;
-  for (const profiler::KinetoEvent& e : events) {
-    if (e.deviceType() != c10::DeviceType::CPU || e.isAsync() || e.endNs() <= e.startNs()) continue;
-    if (is_product(e.name())) by_thread[e.startThreadId()].push_back(&e);
-  }
   std::vector<ProductTime> rows;
-  std::map<std::string, size_t> row_of;
-  for (auto& [thread, list] : by_thread) {
-    std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {  // an outer product before one it calls
-      return a->startNs() != b->startNs() ? a->startNs() < b->startNs() : a->endNs() > b->endNs();
-    });
+  std::unordered_map<std::string, size_t> row_of;
+  for (auto& [thread, list] : cpu_spans_by_thread(events, is_product)) {
     uint64_t open_until = 0;
     for (const profiler::KinetoEvent* e : list) {
       if (e->startNs() < open_until) continue;  // inside the product before it
