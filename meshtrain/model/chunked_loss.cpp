@@ -72,16 +72,23 @@ ChunkLogits chunk_logits(const at::Tensor& h, const at::Tensor& w, int64_t v, do
 
 // The targets as the fused CPU cross-entropy kernel reads them (int64,
 // kIgnoredTarget where none counts), where it computes a chunk's reductions
-// and dz (Note [Chunked loss]): model.fused on the CPU, the whole vocabulary
+// and dz (Note [Chunked loss]): model.fused on the CPU (or a GPU where the build
+// has its kernels, Note [Fused CUDA kernels]), the whole vocabulary
 // on this rank from entry 0, no soft-cap or z-loss, every counted target
 // inside it. Else undefined.
 at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, bool fused, bool whole, int64_t start,
                           double softcap, double z_loss) {
-  if (!fused || !whole || start != 0 || softcap > 0 || z_loss > 0 || !targets.device().is_cpu() ||
+  if (!fused || !whole || start != 0 || softcap > 0 || z_loss > 0 ||
+      (!targets.device().is_cpu() && !(targets.is_cuda() && fused::kernel::gpu_table() != nullptr)) ||
       !c.here.equal(c.counted)) {
     return {};
   }
   return targets.contiguous();
+}
+
+// Whether the kernel reads z: contiguous fp32 or bf16 (not fp16, which a GPU's autocast may make).
+bool kernel_takes(const at::Tensor& z) {
+  return z.is_contiguous() && (z.scalar_type() == at::kFloat || z.scalar_type() == at::kBFloat16);
 }
 
 // The chunk's reductions through the kernel: each row's log-sum-exp into
@@ -89,7 +96,7 @@ at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, boo
 at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tensor& lse) {
   RECORD_FUNCTION("meshtrain::cross_entropy_rows", std::vector<c10::IValue>());
   const at::Tensor rows = at::empty({z.size(0)}, z.options());
-  fused::kernel::table().cross_entropy_forward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
+  fused::detail::table_for(z).cross_entropy_forward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
                                                targets.const_data_ptr<int64_t>(), kIgnoredTarget,
                                                lse.mutable_data_ptr<float>(), rows.mutable_data_ptr<float>());
   return rows.sum();
@@ -98,7 +105,7 @@ at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tenso
 // z [m, V] turned in place into dz = softmax − onehot (0 in uncounted rows) from each row's log-sum-exp.
 void kernel_dz(at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse) {
   RECORD_FUNCTION("meshtrain::cross_entropy_rows_backward", std::vector<c10::IValue>());
-  fused::kernel::table().cross_entropy_backward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
+  fused::detail::table_for(z).cross_entropy_backward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
                                                 targets.const_data_ptr<int64_t>(), kIgnoredTarget,
                                                 lse.const_data_ptr<float>(), 1.0f, z.mutable_data_ptr());
 }
@@ -172,7 +179,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       const at::Tensor hc = h.narrow(0, r, m);
       const TargetColumns c = columns.rows(r, m);
       auto [z, t, product] = chunk_logits(hc, w, v, softcap);
-      if (by_kernel.defined() && z.is_contiguous()) {
+      if (by_kernel.defined() && kernel_takes(z)) {
         const at::Tensor rows_targets = by_kernel.narrow(0, r, m);
         at::Tensor row_lse = lse.defined() ? lse.narrow(0, r, m) : at::empty({m, 1}, fp32);
         loss_sum += kernel_loss(z, rows_targets, row_lse);
@@ -244,7 +251,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       const at::Tensor hc = h.narrow(0, r, m);
       const TargetColumns c = columns.rows(r, m);
       auto [z, t, product] = chunk_logits(hc, w, v, softcap);
-      if (by_kernel.defined() && z.is_contiguous()) {
+      if (by_kernel.defined() && kernel_takes(z)) {
         kernel_dz(z, by_kernel.narrow(0, r, m), in[3].narrow(0, r, m));
         product_gradients(z, hc, w, product, g, dh.defined() ? dh.narrow(0, r, m) : dh, dw);
         continue;

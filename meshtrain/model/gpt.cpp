@@ -67,7 +67,7 @@ NormImpl::NormImpl(NormStyle kind, int64_t width, bool bias, double eps, bool fu
 
 at::Tensor NormImpl::forward(const at::Tensor& x) {
   const at::Tensor scale = plus_one_ ? weight_ + 1 : weight_;
-  if (fused_ && fused::eligible(x) && fused::eligible(weight_)) return fused::add_norm(x, {}, scale, bias_, rms_, eps_).second;
+  if (fused_ && fused::eligible_anywhere(x) && fused::eligible_anywhere(weight_)) return fused::add_norm(x, {}, scale, bias_, rms_, eps_).second;
   if (rms_ && x.is_cuda()) {
     // ATen's rms_norm is one kernel each way on a GPU where input and weight
     // share a dtype (else a composition, with a warning): the composition's
@@ -80,7 +80,7 @@ at::Tensor NormImpl::forward(const at::Tensor& x) {
 }
 
 std::pair<at::Tensor, at::Tensor> NormImpl::forward_add(const at::Tensor& x, const at::Tensor& residual) {
-  if (fused_ && fused::eligible(x) && fused::eligible(residual) && fused::eligible(weight_)) {
+  if (fused_ && fused::eligible_anywhere(x) && fused::eligible_anywhere(residual) && fused::eligible_anywhere(weight_)) {
     return fused::add_norm(x, residual, plus_one_ ? weight_ + 1 : weight_, bias_, rms_, eps_);
   }
   const at::Tensor h = x + residual;
@@ -210,12 +210,12 @@ at::Tensor MlpImpl::activation(const at::Tensor& x) {
     // The bias is added with the GELU (tensor parallel's plan knows: bias_in_model).
     const at::Tensor a = c.call(fc_name_, x, [impl = fc.ptr()](const at::Tensor& y) { return fused::linear(y, impl->weight, {}); });
     const at::Tensor& bias = fc->bias;
-    if (fused::eligible(a) && (!bias.defined() || fused::eligible(bias))) return fused::bias_gelu(a, bias);
+    if (fused::eligible_anywhere(a) && (!bias.defined() || fused::eligible_anywhere(bias))) return fused::bias_gelu(a, bias);
     return at::gelu(bias.defined() ? a + bias : a, "tanh");
   }
   if (fc) return at::gelu(call(fc_name_, fc, x), "tanh");
   const at::Tensor g = call(gate_name_, gate, x), u = call(up_name_, up, x);
-  if (fused_ && fused::eligible(g) && fused::eligible(u)) return gelu_gate_ ? fused::geglu(g, u) : fused::swiglu(g, u);
+  if (fused_ && fused::eligible_anywhere(g) && fused::eligible_anywhere(u)) return gelu_gate_ ? fused::geglu(g, u) : fused::swiglu(g, u);
   if (gelu_gate_) return at::gelu(g, "tanh") * u;  // GeGLU (Gemma)
   return at::silu(g) * u;
 }
@@ -444,7 +444,7 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   TORCH_CHECK(z_loss == 0 || !distributed, "model.z_loss is not ruled for logits sharded by annotations");
   // In fp32 whatever the logits' dtype: the log-softmax over the vocabulary
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
-  if (config_.fused && fused::eligible(flat) && z_loss == 0) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
+  if (config_.fused && fused::eligible_anywhere(flat) && z_loss == 0) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
   // Ignored targets count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
   // Annotations' distributed logits are divided by a number, which their rules cover;
   // plain ones by a tensor (no wait for the device).

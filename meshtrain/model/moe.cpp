@@ -138,7 +138,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
 
 // act(g) · u, through the fused operator where the tensors allow.
 at::Tensor glu(const at::Tensor& g, const at::Tensor& u, bool geglu, bool fused) {
-  if (fused && fused::eligible(g) && fused::eligible(u)) return geglu ? fused::geglu(g, u) : fused::swiglu(g, u);
+  if (fused && fused::eligible_anywhere(g) && fused::eligible_anywhere(u)) return geglu ? fused::geglu(g, u) : fused::swiglu(g, u);
   return (geglu ? at::gelu(g, "tanh") : at::silu(g)) * u;
 }
 

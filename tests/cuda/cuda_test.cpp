@@ -1,6 +1,7 @@
 // The CUDA path, run where a GPU is visible (elsewhere the binary reports
 // SKIPPED, see tests/harness/mpi_main.cpp). One rank: the model against the
-// CPU, the chunked loss with a padded vocabulary against the CPU, training
+// CPU, the fused GPU kernels against the CPU's, the chunked loss with a
+// padded vocabulary against the CPU, training
 // on cuda:0 against the same training on the CPU, bfloat16
 // autocast, the caching allocator's peak against the planner, the NCCL
 // communicator (every collective through NCCL), FSDP's storage swap and
@@ -10,6 +11,8 @@
 // parallel against one process on the GPU.
 #include "meshtrain/comm/backend/nccl/nccl_communicator.h"
 #include "meshtrain/model/chunked_loss.h"
+#include "meshtrain/model/fused/kernels.h"
+#include "meshtrain/model/fused/ops.h"
 #include "meshtrain/plan/from_config.h"
 #include "meshtrain/plan/memory_model.h"
 #include "meshtrain/parallel/random_streams.h"
@@ -20,6 +23,7 @@
 #include <torch/cuda.h>
 
 #include <cstring>
+#include <functional>
 
 namespace meshtrain::train {
 namespace {
@@ -130,6 +134,76 @@ TEST_F(CudaTest, ChunkedLossWithAPaddedVocabularyMatchesTheCpu) {
       EXPECT_GT(std::abs(bf16 - got), 0.0) << "autocast was not on";
     }
   }
+}
+
+// Each operator with a fused GPU kernel (Note [Fused CUDA kernels]) on cuda:0
+// against the same operator's CPU kernel: forward and every input's gradient,
+// fp32 and bf16, and the chunked loss through the kernel (model.fused) against
+// its ATen composition. The kernels' arithmetic is checked on every machine by
+// the CPU emulation (tests/model/fused_cuda_kernels_test.cpp); this runs them.
+TEST_F(CudaTest, FusedKernelsMatchTheCpu) {
+  if (model::fused::kernel::gpu_table() == nullptr) GTEST_SKIP() << "built without the fused CUDA kernels";
+  using Op = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+  const at::Device gpu(at::kCUDA, 0);
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5);
+  const at::Tensor x = at::randn({6, 300}, g, at::kFloat), r = at::randn({6, 300}, g, at::kFloat);
+  const at::Tensor w = at::randn({300}, g, at::kFloat), b = at::randn({300}, g, at::kFloat);
+  const at::Tensor logits = at::randn({6, 1000}, g, at::kFloat) * 3;
+  at::Tensor targets = at::randint(0, 1000, {6}, g, at::kLong);
+  targets[2] = model::kIgnoredTarget;
+  auto check = [&](const std::string& what, const Op& op, const std::vector<at::Tensor>& values, at::ScalarType dtype) {
+    SCOPED_TRACE(what + (dtype == at::kBFloat16 ? " bf16" : " fp32"));
+    std::vector<at::Tensor> on_cpu, on_gpu;
+    for (const at::Tensor& v : values) {
+      const at::ScalarType type = v.dim() == 1 ? at::kFloat : dtype;  // weights and biases stay fp32
+      on_cpu.push_back(v.to(type).detach().requires_grad_(true));
+      on_gpu.push_back(v.to(type).to(gpu).detach().requires_grad_(true));
+    }
+    const at::Tensor want = op(on_cpu), got = op(on_gpu);
+    const at::Tensor upstream = at::randn(want.sizes(), g, at::kFloat);
+    (want.to(at::kFloat) * upstream).sum().backward();
+    (got.to(at::kFloat) * upstream.to(gpu)).sum().backward();
+    const double tolerance = dtype == at::kBFloat16 ? 1e-2 : 1e-5;
+    EXPECT_LE(relative_error(got.cpu().to(at::kFloat), want.to(at::kFloat)), tolerance) << "forward";
+    for (size_t i = 0; i < values.size(); ++i) {
+      ASSERT_EQ(on_gpu[i].grad().defined(), on_cpu[i].grad().defined()) << "input " << i;
+      if (!on_cpu[i].grad().defined()) continue;  // RMSNorm's unused bias
+      EXPECT_LE(relative_error(on_gpu[i].grad().cpu().to(at::kFloat), on_cpu[i].grad().to(at::kFloat)), tolerance)
+          << "input " << i << "'s gradient";
+    }
+  };
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (const bool rms : {false, true}) {
+      check(rms ? "add + RMSNorm" : "add + LayerNorm",
+            [rms](const std::vector<at::Tensor>& v) {
+              const auto [h, y] = model::fused::add_norm(v[0], v[1], v[2], rms ? at::Tensor() : v[3], rms, 1e-5);
+              return h * 0.5 + y.to(h.scalar_type());
+            },
+            {x, r, w, b}, dtype);
+    }
+    check("bias + GELU", [](const std::vector<at::Tensor>& v) { return model::fused::bias_gelu(v[0], v[1]); }, {x, b}, dtype);
+    check("SwiGLU", [](const std::vector<at::Tensor>& v) { return model::fused::swiglu(v[0], v[1]); }, {x, r}, dtype);
+    check("GeGLU", [](const std::vector<at::Tensor>& v) { return model::fused::geglu(v[0], v[1]); }, {x, r}, dtype);
+    check("cross-entropy",
+          [&](const std::vector<at::Tensor>& v) { return model::fused::cross_entropy(v[0], targets.to(v[0].device())); },
+          {logits}, dtype);
+  }
+  // The chunked loss's chunks through the kernel on the GPU, against its composition there.
+  const at::Tensor h0 = at::randn({40, 32}, g, at::kFloat), w0 = at::randn({259, 32}, g, at::kFloat) * 0.5;
+  const at::Tensor t0 = at::randint(0, 259, {40}, g, at::kLong);
+  std::vector<at::Tensor> grads[2];
+  double losses[2];
+  for (const bool fused : {false, true}) {
+    const at::Tensor h = h0.to(gpu).detach().requires_grad_(true), wh = w0.to(gpu).detach().requires_grad_(true);
+    const at::Tensor loss = model::chunked_cross_entropy(h, wh, t0.to(gpu), 0, 17, {}, model::LossGradients::kInForward,
+                                                         0, fused);
+    loss.backward();
+    losses[fused] = loss.item<double>();
+    grads[fused] = {h.grad().cpu(), wh.grad().cpu()};
+  }
+  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
+  EXPECT_LE(relative_error(grads[1][0], grads[0][0]), 1e-5);
+  EXPECT_LE(relative_error(grads[1][1], grads[0][1]), 1e-5);
 }
 
 TEST_F(CudaTest, OneRankTrainingTracksTheCpu) {

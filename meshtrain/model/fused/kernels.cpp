@@ -2,6 +2,9 @@
 
 #include "meshtrain/util/cpu_features.h"
 
+#include <cstdlib>
+#include <string_view>
+
 namespace meshtrain::model::fused::kernel {
 
 const Table& table() {
@@ -12,6 +15,19 @@ const Table& table() {
 #endif
     default: return default_table;
   }
+}
+
+const Table* gpu_table() {
+#if defined(MESHTRAIN_WITH_CUDA_KERNELS)
+  // MESHTRAIN_CUDA_KERNELS=off: ATen's operators on the GPU, to compare (as MESHTRAIN_CPU_KERNELS picks a CPU copy).
+  static const bool on = [] {
+    const char* v = std::getenv("MESHTRAIN_CUDA_KERNELS");
+    return v == nullptr || std::string_view(v) != "off";
+  }();
+  return on ? &cuda_table : nullptr;
+#else
+  return nullptr;
+#endif
 }
 
 }  // namespace meshtrain::model::fused::kernel

@@ -91,8 +91,14 @@ struct Table {
 extern const Table avx512_table;   // built on x86-64
 extern const Table avx2_table;     // built on x86-64
 extern const Table default_table;  // any CPU
+// Device pointers, launched on ATen's current stream (kernels_cuda.cu, Note
+// [Fused CUDA kernels]); built with -DMESHTRAIN_CUDA_KERNELS=ON. Its rope,
+// attention softmax and squared sum are null.
+extern const Table cuda_table;
 
 // The table for this CPU.
 const Table& table();
+// The GPU's table where the build has one, else null.
+const Table* gpu_table();
 
 }  // namespace meshtrain::model::fused::kernel

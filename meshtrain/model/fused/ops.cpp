@@ -37,9 +37,9 @@ struct AddNorm : torch::autograd::Function<AddNorm> {
     n.bias = fptr(b);
     const at::ScalarType h_type = rc.defined() ? at::promote_types(x.scalar_type(), rc.scalar_type()) : x.scalar_type();
     const at::Tensor h = rc.defined() ? at::empty(x.sizes(), x.options().dtype(h_type)) : xc;
-    const at::Tensor y = at::empty(x.sizes(), x.options().dtype(compute_dtype(h_type)));
+    const at::Tensor y = at::empty(x.sizes(), x.options().dtype(compute_dtype(h_type, x.device().type())));
     const at::Tensor mean = at::empty({n.rows}, x.options().dtype(at::kFloat)), rstd = at::empty_like(mean);
-    kernel::table().add_norm_forward(n, ptr(xc), dt(xc), ptr(rc), rc.defined() ? dt(rc) : dt(xc), mut(rc.defined() ? h : at::Tensor()),
+    table_for(xc).add_norm_forward(n, ptr(xc), dt(xc), ptr(rc), rc.defined() ? dt(rc) : dt(xc), mut(rc.defined() ? h : at::Tensor()),
                                      dt(h), mut(y), dt(y), mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>());
     ctx->save_for_backward({h, w, b, mean, rstd});
     ctx->saved_data["rms"] = rms;
@@ -74,7 +74,7 @@ struct AddNorm : torch::autograd::Function<AddNorm> {
     const at::Tensor dx = at::empty(h.sizes(), h.options().dtype(x_type));
     const at::Tensor dr = has_residual ? at::empty(h.sizes(), h.options().dtype(r_type)) : at::Tensor();
     const at::Tensor dw = at::zeros_like(w), db = b.defined() ? at::zeros_like(b) : at::Tensor();
-    kernel::table().add_norm_backward(n, ptr(h), dt(h), ptr(dyc), dt(dyc), ptr(dh), dh.defined() ? dt(dh) : dt(h),
+    table_for(h).add_norm_backward(n, ptr(h), dt(h), ptr(dyc), dt(dyc), ptr(dh), dh.defined() ? dt(dh) : dt(h),
                                       fptr(mean), fptr(rstd), mut(dx), dt(dx), mut(dr), dr.defined() ? dt(dr) : dt(dx),
                                       dw.mutable_data_ptr<float>(), db.defined() ? db.mutable_data_ptr<float>() : nullptr);
     return {dx, dr, dw.to(w_type), db.defined() ? db.to(w_type) : db, {}, {}};
@@ -88,7 +88,7 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
     const at::Tensor ac = a.contiguous(), b = as_float(bias);
     const at::Tensor y = at::empty_like(ac);
     const int64_t width = a.size(-1);
-    kernel::table().bias_gelu_forward(a.numel() / width, width, ptr(ac), dt(ac), fptr(b), mut(y), dt(y));
+    table_for(ac).bias_gelu_forward(a.numel() / width, width, ptr(ac), dt(ac), fptr(b), mut(y), dt(y));
     ctx->save_for_backward({ac, b});
     ctx->saved_data["bias_type"] = bias.defined() ? bias.scalar_type() : at::kFloat;
     return y;
@@ -101,7 +101,7 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
     const at::Tensor dy = grads[0].contiguous();
     const at::Tensor da = at::empty_like(a), db = b.defined() ? at::zeros_like(b) : at::Tensor();
     const int64_t width = a.size(-1);
-    kernel::table().bias_gelu_backward(a.numel() / width, width, ptr(a), dt(a), fptr(b), ptr(dy), dt(dy), mut(da),
+    table_for(a).bias_gelu_backward(a.numel() / width, width, ptr(a), dt(a), fptr(b), ptr(dy), dt(dy), mut(da),
                                        dt(da), db.defined() ? db.mutable_data_ptr<float>() : nullptr);
     return {da, db.defined() ? db.to(ctx->saved_data["bias_type"].toScalarType()) : db};
   }
@@ -127,7 +127,7 @@ struct Glu : torch::autograd::Function<Glu> {
     RECORD_FUNCTION(gelu ? "meshtrain::fused_geglu" : "meshtrain::fused_swiglu", std::vector<c10::IValue>());
     const at::Tensor gc = g.contiguous(), uc = u.to(g.scalar_type()).contiguous();
     const at::Tensor y = at::empty_like(gc);
-    kernel::table().glu_forward(gc.numel(), ptr(gc), ptr(uc), mut(y), dt(gc), gelu);
+    table_for(gc).glu_forward(gc.numel(), ptr(gc), ptr(uc), mut(y), dt(gc), gelu);
     ctx->save_for_backward({gc, uc});
     ctx->saved_data["u_type"] = u.scalar_type();
     ctx->saved_data["gelu"] = gelu;
@@ -147,7 +147,7 @@ struct Glu : torch::autograd::Function<Glu> {
       RECORD_FUNCTION("meshtrain::glu_gradients_over_saved", std::vector<c10::IValue>());
     }
     const at::Tensor dg = over ? g.detach() : at::empty_like(g), du = over ? u.detach() : at::empty_like(u);
-    kernel::table().glu_backward(g.numel(), ptr(g), ptr(u), ptr(dy), mut(dg), mut(du), dt(g), gelu);
+    table_for(g).glu_backward(g.numel(), ptr(g), ptr(u), ptr(dy), mut(dg), mut(du), dt(g), gelu);
     return {dg, du.to(ctx->saved_data["u_type"].toScalarType()), at::Tensor()};
   }
 };
@@ -161,7 +161,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     TORCH_CHECK((((tc >= 0) & (tc < vocab)) | used.logical_not()).all().item<bool>(), "cross_entropy: a target is outside ",
                 "the vocabulary of ", vocab);
     const at::Tensor lse = at::empty({rows}, lc.options().dtype(at::kFloat)), loss = at::empty_like(lse);
-    kernel::table().cross_entropy_forward(rows, vocab, ptr(lc), dt(lc), tc.const_data_ptr<int64_t>(), ignore,
+    table_for(lc).cross_entropy_forward(rows, vocab, ptr(lc), dt(lc), tc.const_data_ptr<int64_t>(), ignore,
                                           lse.mutable_data_ptr<float>(), loss.mutable_data_ptr<float>());
     const int64_t count = used.sum().item<int64_t>();
     ctx->save_for_backward({lc, tc, lse});
@@ -178,7 +178,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const double count = static_cast<double>(std::max<int64_t>(ctx->saved_data["count"].toInt(), 1));
     const float scale = static_cast<float>(grads[0].item<double>() / count);
     const at::Tensor dlogits = at::empty_like(logits);
-    kernel::table().cross_entropy_backward(logits.size(0), logits.size(1), ptr(logits), dt(logits),
+    table_for(logits).cross_entropy_backward(logits.size(0), logits.size(1), ptr(logits), dt(logits),
                                            targets.const_data_ptr<int64_t>(), ctx->saved_data["ignore"].toInt(),
                                            fptr(lse), scale, mut(dlogits));
     return {dlogits, {}, {}};
@@ -232,6 +232,13 @@ bool eligible(const at::Tensor& t) {
   // attention's products): fp16 would get fp32 values in 2-byte elements.
   return t.defined() && plain(t) && t.device().is_cpu() && t.layout() == at::kStrided &&
          kernels_have(t.scalar_type()) && kernels_have(detail::compute_dtype(t.scalar_type()));
+}
+
+bool eligible_anywhere(const at::Tensor& t) {
+  if (eligible(t)) return true;
+  const auto kernels_have = [](at::ScalarType type) { return type == at::kFloat || type == at::kBFloat16; };
+  return t.defined() && plain(t) && t.is_cuda() && kernel::gpu_table() != nullptr && t.layout() == at::kStrided &&
+         kernels_have(t.scalar_type()) && kernels_have(detail::compute_dtype(t.scalar_type(), at::kCUDA));
 }
 
 std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,

@@ -39,6 +39,10 @@ namespace meshtrain::model::fused {
 // subclass such as a distributed tensor) CPU tensors of fp32 or bf16, with
 // CPU autocast, when on, to fp32 or bf16 (under fp16: ATen's compositions).
 bool eligible(const at::Tensor& t);
+// eligible(), or a CUDA tensor of the same kinds where the build has the GPU's
+// kernels (Note [Fused CUDA kernels]): for the operators both have, add_norm,
+// bias_gelu, swiglu, geglu and cross_entropy (not rope or attention).
+bool eligible_anywhere(const at::Tensor& t);
 // Not a dispatch subclass (a distributed tensor): the model may reorder its
 // operators around such a tensor (bias added after the linear, with the GELU).
 bool plain(const at::Tensor& t);

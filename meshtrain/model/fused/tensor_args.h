@@ -26,9 +26,15 @@ inline kernel::HeadsView heads_view(const at::Tensor& t) {
 
 inline at::Tensor as_float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat).contiguous() : t; }
 
-// The dtype a CPU matmul would compute in now: autocast's when it is on.
-inline at::ScalarType compute_dtype(at::ScalarType fallback) {
-  return at::autocast::is_autocast_enabled(at::kCPU) ? at::autocast::get_autocast_dtype(at::kCPU) : fallback;
+// The dtype a matmul on `device` (the CPU unless said) would compute in now: autocast's when it is on.
+inline at::ScalarType compute_dtype(at::ScalarType fallback, at::DeviceType device = at::kCPU) {
+  return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : fallback;
+}
+
+// The kernels for `t`'s device: this CPU's, or the GPU's (kernel::gpu_table(), which
+// eligible_anywhere() has made sure of).
+inline const kernel::Table& table_for(const at::Tensor& t) {
+  return t.is_cuda() ? *kernel::gpu_table() : kernel::table();
 }
 
 }  // namespace meshtrain::model::fused::detail
