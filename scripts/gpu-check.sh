@@ -99,6 +99,11 @@ if stage bench; then
   "$python" "$root_dir/bench/gpu_train_vs_pytorch.py" --meshtrain "$build_dir/bin/meshtrain" \
     --presets ${BENCH_PRESETS-gpt2-124m gpt2-350m llama3.2-1b:8x2048} --markdown "$out/bench.md" > "$out/bench.log" 2>&1 || failed+=(bench)
   tail -12 "$out/bench.log"
+  # What the fused CUDA kernels give (Note [Fused CUDA kernels]): GPT-2 124M with them off, beside eager again.
+  MESHTRAIN_CUDA_KERNELS=off "$python" "$root_dir/bench/gpu_train_vs_pytorch.py" --meshtrain "$build_dir/bin/meshtrain" \
+    --presets gpt2-124m --no-compile --largest '' --graph --markdown "$out/bench-kernels-off.md" \
+    > "$out/bench-kernels-off.log" 2>&1 || failed+=(bench-kernels-off)
+  tail -4 "$out/bench-kernels-off.log"
   say "benchmarks in $(elapsed $start)"
 fi
 
