@@ -9,8 +9,10 @@
 find_package(Threads REQUIRED)
 find_package(MPI REQUIRED COMPONENTS CXX)
 
-# libtorch probes the GPU to pick CUDA architectures when it has CUDA; we compile
-# no device code, so name one architecture and skip the probe.
+# libtorch probes the GPU to pick CUDA architectures when it has CUDA; name the
+# H100's and H200's and skip the probe. The fused CUDA kernels (CMakeLists.txt)
+# are built for this list, each with its PTX for later GPUs; set
+# TORCH_CUDA_ARCH_LIST ("8.0 9.0") for others.
 if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
   set(TORCH_CUDA_ARCH_LIST "9.0")
 endif()

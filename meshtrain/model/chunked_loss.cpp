@@ -6,6 +6,7 @@
 #include "meshtrain/model/fused/ops.h"
 #include "meshtrain/model/fused/tensor_args.h"
 
+#include <ATen/DeviceGuard.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -70,20 +71,21 @@ ChunkLogits chunk_logits(const at::Tensor& h, const at::Tensor& w, int64_t v, do
   return c;
 }
 
-// The targets as the fused CPU cross-entropy kernel reads them (int64,
+// The targets as the fused cross-entropy kernel reads them (int64,
 // kIgnoredTarget where none counts), where it computes a chunk's reductions
 // and dz (Note [Chunked loss]): model.fused on the CPU (or a GPU where the build
-// has its kernels, Note [Fused CUDA kernels]), the whole vocabulary
-// on this rank from entry 0, no soft-cap or z-loss, every counted target
-// inside it. Else undefined.
-at::Tensor kernel_targets(const at::Tensor& targets, const TargetColumns& c, bool fused, bool whole, int64_t start,
+// has its kernels, Note [Fused CUDA kernels]), the whole vocabulary on this
+// rank from entry 0, no soft-cap or z-loss. A counted target outside the
+// vocabulary is then one no share holds, which the kernel counts as the
+// composition does (the row's log-sum-exp); no check of them here, which on a
+// GPU would wait for the device every step. Else undefined.
+at::Tensor kernel_targets(const at::Tensor& targets, const at::Tensor& hidden, bool fused, bool whole, int64_t start,
                           double softcap, double z_loss) {
-  if (!fused || !whole || start != 0 || softcap > 0 || z_loss > 0 ||
-      (!targets.device().is_cpu() && !(targets.is_cuda() && fused::kernel::gpu_table() != nullptr)) ||
-      !c.here.equal(c.counted)) {
+  const bool kernels = hidden.is_cpu() || (hidden.is_cuda() && fused::kernel::gpu_table() != nullptr);
+  if (!fused || !whole || start != 0 || softcap > 0 || z_loss > 0 || !kernels || targets.device() != hidden.device()) {
     return {};
   }
-  return targets.contiguous();
+  return targets.to(at::kLong).contiguous();
 }
 
 // Whether the kernel reads z: contiguous fp32 or bf16 (not fp16, which a GPU's autocast may make).
@@ -95,6 +97,7 @@ bool kernel_takes(const at::Tensor& z) {
 // `lse` [m, 1] (contiguous), the sum of the rows' losses returned.
 at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tensor& lse) {
   RECORD_FUNCTION("meshtrain::cross_entropy_rows", std::vector<c10::IValue>());
+  const c10::OptionalDeviceGuard on(at::device_of(z));  // a GPU's launch goes to z's device's stream
   const at::Tensor rows = at::empty({z.size(0)}, z.options());
   fused::detail::table_for(z).cross_entropy_forward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
                                                targets.const_data_ptr<int64_t>(), kIgnoredTarget,
@@ -105,6 +108,7 @@ at::Tensor kernel_loss(const at::Tensor& z, const at::Tensor& targets, at::Tenso
 // z [m, V] turned in place into dz = softmax − onehot (0 in uncounted rows) from each row's log-sum-exp.
 void kernel_dz(at::Tensor& z, const at::Tensor& targets, const at::Tensor& lse) {
   RECORD_FUNCTION("meshtrain::cross_entropy_rows_backward", std::vector<c10::IValue>());
+  const c10::OptionalDeviceGuard on(at::device_of(z));
   fused::detail::table_for(z).cross_entropy_backward(z.size(0), z.size(1), z.const_data_ptr(), fused::detail::dt(z),
                                                 targets.const_data_ptr<int64_t>(), kIgnoredTarget,
                                                 lse.const_data_ptr<float>(), 1.0f, z.mutable_data_ptr());
@@ -158,7 +162,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, loss_chunk_bytes(h.is_cuda()) / (4 * v));
     const at::TensorOptions fp32 = h.options().dtype(at::kFloat);
     const TargetColumns columns = target_columns(targets, shard.start, v);
-    const at::Tensor by_kernel = kernel_targets(targets, columns, fused, !shard.split(), shard.start, softcap, z_loss);
+    const at::Tensor by_kernel = kernel_targets(targets, h, fused, !shard.split(), shard.start, softcap, z_loss);
     at::Tensor loss_sum = at::zeros({}, fp32);
     const at::Tensor count = columns.counted.sum().clamp_min(1);
     at::Tensor dh, dw, lse;
@@ -242,7 +246,7 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     const double softcap = saved["softcap"].toDouble(), z_loss = saved["z_loss"].toDouble();
     const int64_t n = h.size(0), v = in[1].size(0), rows = saved["rows"].toInt();
     const TargetColumns columns = target_columns(in[2], saved["start"].toInt(), v);
-    const at::Tensor by_kernel = saved["kernel"].toBool() ? in[2].contiguous() : at::Tensor();
+    const at::Tensor by_kernel = saved["kernel"].toBool() ? in[2].to(at::kLong).contiguous() : at::Tensor();
     at::Tensor dh, dw;
     if (saved["hidden_grad"].toBool()) dh = at::empty_like(h);
     if (saved["weight_grad"].toBool()) dw = at::zeros({w.size(0), w.size(1)}, h.options().dtype(at::kFloat));

@@ -444,7 +444,7 @@ at::Tensor GptImpl::cross_entropy(const at::Tensor& logits, const at::Tensor& ta
   TORCH_CHECK(z_loss == 0 || !distributed, "model.z_loss is not ruled for logits sharded by annotations");
   // In fp32 whatever the logits' dtype: the log-softmax over the vocabulary
   // needs the range. The fused kernel reads bf16 logits into fp32 row by row.
-  if (config_.fused && fused::eligible_anywhere(flat) && z_loss == 0) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
+  if (config_.fused && fused::eligible(flat) && z_loss == 0) return fused::cross_entropy(flat, flat_targets, kIgnoredTarget);
   // Ignored targets count toward no loss; with none counting the loss is 0 (ATen's mean would be 0 / 0).
   // Annotations' distributed logits are divided by a number, which their rules cover;
   // plain ones by a tensor (no wait for the device).

@@ -118,9 +118,9 @@ TEST(FusedCudaKernels, GeluAndGluFollowTheCpuKernels) {
 TEST(FusedCudaKernels, CrossEntropyAndAddIntoFollowTheCpuKernels) {
   for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(dtype == at::kFloat ? "fp32" : "bf16");
-    const int64_t rows = 4, vocab = 700;
+    const int64_t rows = 5, vocab = 700;
     const at::Tensor logits = (random({rows, vocab}, at::kFloat, 21) * 4).to(dtype);
-    const at::Tensor targets = at::tensor(std::vector<int64_t>{3, -100, 699, 0});
+    const at::Tensor targets = at::tensor(std::vector<int64_t>{3, -100, 699, 0, 700});  // 700: no share holds it
     const Table* tables[2] = {&emulated(), &default_table};
     at::Tensor lse[2], loss[2], d[2];
     for (int k = 0; k < 2; ++k) {
@@ -135,6 +135,7 @@ TEST(FusedCudaKernels, CrossEntropyAndAddIntoFollowTheCpuKernels) {
     expect_close(lse[0], lse[1], "lse"), expect_close(loss[0], loss[1], "loss"), expect_close(d[0], d[1], "dlogits");
     EXPECT_EQ(loss[0][1].item<float>(), 0.0f) << "an ignored row";
     EXPECT_EQ(d[0][1].abs().max().item<float>(), 0.0f) << "an ignored row's gradient";
+    EXPECT_EQ(loss[0][4].item<float>(), lse[0][4].item<float>()) << "a target outside the vocabulary: the row's lse";
     const at::Tensor x = random({1500}, dtype, 22);
     at::Tensor y[2] = {random({1500}, at::kFloat, 23), random({1500}, at::kFloat, 23)};
     for (int k = 0; k < 2; ++k) tables[k]->add_into(x.numel(), cptr(x), dt_of(x), fmut(y[k]));

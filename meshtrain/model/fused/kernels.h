@@ -61,7 +61,9 @@ struct Table {
   void (*glu_forward)(int64_t n, const void* g, const void* u, void* y, Dt t, bool gelu);
   void (*glu_backward)(int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du, Dt t, bool gelu);
   // Per row: lse = logsumexp(logits), loss = lse - logits[target] (0 where
-  // target == ignore). Backward: dlogits = (softmax - onehot) · scale (0 rows where ignored).
+  // target == ignore; lse where the target is outside the vocabulary, as the
+  // chunked loss's composition counts a target no share holds). Backward:
+  // dlogits = (softmax - onehot) · scale (0 rows where ignored).
   void (*cross_entropy_forward)(int64_t rows, int64_t vocab, const void* logits, Dt lt, const int64_t* targets,
                                 int64_t ignore, float* lse, float* loss);
   void (*cross_entropy_backward)(int64_t rows, int64_t vocab, const void* logits, Dt lt, const int64_t* targets,

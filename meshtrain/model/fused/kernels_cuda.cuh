@@ -236,7 +236,7 @@ MT_GLOBAL cross_entropy_forward_rows(int64_t rows, int64_t vocab, const void* lo
       const float l = m + logf(s);
       const int64_t target = targets[row];
       lse[row] = l;
-      loss[row] = target == ignore ? 0.0f : l - ld(logits, lt, offset + target);
+      loss[row] = target == ignore ? 0.0f : (target >= 0 && target < vocab ? l - ld(logits, lt, offset + target) : l);
     }
   }
 }

@@ -304,7 +304,8 @@ void cross_entropy_forward(int64_t rows, int64_t vocab, const void* logits, Dt l
       float m = 0, s = 0;
       max_and_sum_exp(x, vocab, m, s);
       lse[row] = m + std::log(s);
-      loss[row] = targets[row] == ignore ? 0.0f : lse[row] - x[targets[row]];
+      const int64_t t = targets[row];
+      loss[row] = t == ignore ? 0.0f : (t >= 0 && t < vocab ? lse[row] - x[t] : lse[row]);
     }
   });
 }
@@ -322,7 +323,7 @@ void cross_entropy_backward(int64_t rows, int64_t vocab, const void* logits, Dt 
         const float* x = read_row(logits, lt, offset, vocab, scratch.data());
         const Vec vlse(lse[row]), vscale(scale);
         each_vec(vocab, [&](int64_t i, int64_t c) { ((Vec::loadu(x + i, c) - vlse).exp() * vscale).store(out + i, c); });
-        out[targets[row]] -= scale;
+        if (targets[row] >= 0 && targets[row] < vocab) out[targets[row]] -= scale;
       }
       write_row(out, dlogits, lt, offset, vocab);
     }

@@ -4,10 +4,12 @@
 #include "meshtrain/model/fused/tensor_args.h"
 #include "meshtrain/util/cpu_features.h"
 
+#include <ATen/DeviceGuard.h>
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <initializer_list>
 #include <optional>
 
 namespace meshtrain::model::fused {
@@ -19,12 +21,23 @@ using torch::autograd::variable_list;
 
 using namespace detail;
 
+// Every operand on `first`'s device (a GPU kernel reads them all through one
+// device's pointers), and that device current while the kernels launch.
+c10::OptionalDeviceGuard on_device_of(const at::Tensor& first, std::initializer_list<at::Tensor> others) {
+  for (const at::Tensor& t : others) {
+    TORCH_CHECK(!t.defined() || t.device() == first.device(), "fused operator: an operand on ", t.device(),
+                " beside one on ", first.device());
+  }
+  return c10::OptionalDeviceGuard(at::device_of(first));
+}
+
 struct AddNorm : torch::autograd::Function<AddNorm> {
   // Optional tensors are std::optional: autograd's apply() takes no undefined tensors.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& residual_or,
                                const at::Tensor& weight, const std::optional<at::Tensor>& bias_or, bool rms, double eps) {
     const at::Tensor residual = residual_or.value_or(at::Tensor()), bias = bias_or.value_or(at::Tensor());
     RECORD_FUNCTION("meshtrain::fused_add_norm", std::vector<c10::IValue>());
+    const c10::OptionalDeviceGuard on = on_device_of(x, {residual, weight, bias});
     ctx->set_materialize_grads(false);
     const at::Tensor xc = x.contiguous(), rc = residual.defined() ? residual.contiguous() : residual;
     const at::Tensor w = as_float(weight), b = as_float(bias);
@@ -85,6 +98,7 @@ struct BiasGelu : torch::autograd::Function<BiasGelu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const std::optional<at::Tensor>& bias_or) {
     const at::Tensor bias = bias_or.value_or(at::Tensor());
     RECORD_FUNCTION("meshtrain::fused_bias_gelu", std::vector<c10::IValue>());
+    const c10::OptionalDeviceGuard on = on_device_of(a, {bias});
     const at::Tensor ac = a.contiguous(), b = as_float(bias);
     const at::Tensor y = at::empty_like(ac);
     const int64_t width = a.size(-1);
@@ -125,6 +139,7 @@ bool reusable_saved(const at::Tensor& t) {
 struct Glu : torch::autograd::Function<Glu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u, bool gelu) {
     RECORD_FUNCTION(gelu ? "meshtrain::fused_geglu" : "meshtrain::fused_swiglu", std::vector<c10::IValue>());
+    const c10::OptionalDeviceGuard on = on_device_of(g, {u});
     const at::Tensor gc = g.contiguous(), uc = u.to(g.scalar_type()).contiguous();
     const at::Tensor y = at::empty_like(gc);
     table_for(gc).glu_forward(gc.numel(), ptr(gc), ptr(uc), mut(y), dt(gc), gelu);
@@ -155,6 +170,7 @@ struct Glu : torch::autograd::Function<Glu> {
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t ignore) {
     RECORD_FUNCTION("meshtrain::fused_cross_entropy", std::vector<c10::IValue>());
+    const c10::OptionalDeviceGuard on = on_device_of(logits, {targets});
     const at::Tensor lc = logits.contiguous(), tc = targets.to(at::kLong).contiguous();
     const int64_t rows = lc.size(0), vocab = lc.size(1);
     const at::Tensor used = tc != ignore;

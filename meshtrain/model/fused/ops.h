@@ -41,7 +41,8 @@ namespace meshtrain::model::fused {
 bool eligible(const at::Tensor& t);
 // eligible(), or a CUDA tensor of the same kinds where the build has the GPU's
 // kernels (Note [Fused CUDA kernels]): for the operators both have, add_norm,
-// bias_gelu, swiglu, geglu and cross_entropy (not rope or attention).
+// bias_gelu, swiglu and geglu (not rope or attention; cross_entropy counts its
+// targets on the host, and on a GPU the chunked loss takes the kernel instead).
 bool eligible_anywhere(const at::Tensor& t);
 // Not a dispatch subclass (a distributed tensor): the model may reorder its
 // operators around such a tensor (bias added after the linear, with the GELU).
